@@ -1,0 +1,86 @@
+"""Settings read once from the environment; every adapter takes them explicitly."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fleetline.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class KafkaSettings:
+    bootstrap_servers: str = "127.0.0.1:19092"
+    # Passed through verbatim to every client, e.g. security.protocol, sasl.mechanism.
+    client_overrides: Mapping[str, str] = field(default_factory=dict)
+
+    def client_config(self, **extra: object) -> dict[str, object]:
+        # librdkafka's own log lines go through Python logging, not straight to stderr.
+        conf: dict[str, object] = {"bootstrap.servers": self.bootstrap_servers,
+                                   "logger": logging.getLogger("fleetline.librdkafka")}
+        conf.update(self.client_overrides)
+        conf.update(extra)
+        return conf
+
+
+@dataclass(frozen=True)
+class S3Settings:
+    endpoint: str = "127.0.0.1:19000"
+    access_key: str = "fleetline"
+    secret_key: str = "fleetline-secret"
+    secure: bool = False
+    region: str = "us-east-1"
+    bucket: str = "fleetline"
+
+
+@dataclass(frozen=True)
+class Settings:
+    kafka: KafkaSettings = field(default_factory=KafkaSettings)
+    s3: S3Settings = field(default_factory=S3Settings)
+    # chdb:///path (embedded, the default) or http(s)://host:port (a ClickHouse server).
+    clickhouse_url: str = f"chdb://{REPO_ROOT / '.data' / 'clickhouse'}"
+    clickhouse_database: str = "fleetline"
+    cache_dir: Path = REPO_ROOT / ".cache"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if env is None else env
+        defaults = cls()
+        overrides = {
+            key.removeprefix("FLEETLINE_KAFKA_CONF_").lower().replace("_", "."): value
+            for key, value in env.items()
+            if key.startswith("FLEETLINE_KAFKA_CONF_")
+        }
+        kafka = KafkaSettings(
+            bootstrap_servers=env.get("FLEETLINE_KAFKA_BOOTSTRAP", defaults.kafka.bootstrap_servers),
+            client_overrides=overrides,
+        )
+        s3 = S3Settings(
+            endpoint=env.get("FLEETLINE_S3_ENDPOINT", defaults.s3.endpoint),
+            access_key=env.get("FLEETLINE_S3_ACCESS_KEY", defaults.s3.access_key),
+            secret_key=env.get("FLEETLINE_S3_SECRET_KEY", defaults.s3.secret_key),
+            secure=_flag(env.get("FLEETLINE_S3_SECURE", "false"), "FLEETLINE_S3_SECURE"),
+            region=env.get("FLEETLINE_S3_REGION", defaults.s3.region),
+            bucket=env.get("FLEETLINE_S3_BUCKET", defaults.s3.bucket),
+        )
+        return cls(
+            kafka=kafka,
+            s3=s3,
+            clickhouse_url=env.get("FLEETLINE_CLICKHOUSE_URL", defaults.clickhouse_url),
+            clickhouse_database=env.get("FLEETLINE_CLICKHOUSE_DATABASE", defaults.clickhouse_database),
+            cache_dir=Path(env.get("FLEETLINE_CACHE_DIR", str(defaults.cache_dir))),
+        )
+
+
+def _flag(value: str, name: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in {"1", "true", "yes", "on"}:
+        return True
+    if lowered in {"0", "false", "no", "off", ""}:
+        return False
+    raise ConfigError(f"{name} must be true or false, got {value!r}")

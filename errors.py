@@ -1,0 +1,51 @@
+"""One exception root for fleetline; third-party errors are translated into these at the edges."""
+
+from __future__ import annotations
+
+
+class FleetlineError(Exception):
+    """Root of every error fleetline raises on purpose."""
+
+
+class ConfigError(FleetlineError):
+    """A setting is missing or malformed."""
+
+
+class DecodeError(FleetlineError):
+    """Bytes from a topic could not be turned into a known event."""
+
+
+class UnknownSchemaError(DecodeError):
+    """The message names a schema fingerprint that no registered schema has."""
+
+
+class EncodeError(FleetlineError):
+    """A record does not fit the schema it is written with."""
+
+
+class SchemaError(FleetlineError):
+    """A schema file is invalid, duplicated or incompatible with its predecessor."""
+
+
+class StorageError(FleetlineError):
+    """A storage backend (ClickHouse, object store) failed."""
+
+
+class TransientStorageError(StorageError):
+    """The backend may succeed if the same operation is retried."""
+
+
+class IntegrityError(StorageError):
+    """Stored data contradicts what was written (checksum, row count, schema version)."""
+
+
+class StreamError(FleetlineError):
+    """Kafka transport failed in a way the processor loop could not absorb."""
+
+
+class ServiceError(FleetlineError):
+    """A local service (broker, object store) could not be fetched, built, started or stopped."""
+
+
+class InvalidEventError(DecodeError):
+    """An event decoded but breaks a rule of its type (value out of range, unknown type)."""

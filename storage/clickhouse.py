@@ -1,0 +1,109 @@
+"""ClickHouse access from one URL, and versioned, idempotent schema migrations.
+
+`chdb:///path` opens an embedded ClickHouse engine in this process (the default); chdb allows
+one process per data path, so that process owns the store and serves queries for the others
+(see `storage/query_service.py`). `http(s)://host:port` reaches a ClickHouse server, which any
+number of processes may share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import clickhouse_connect
+from clickhouse_connect.driver.client import Client
+
+from fleetline.errors import ConfigError, StorageError
+
+
+def connect(url: str) -> Client:
+    parts = urlsplit(url)
+    try:
+        if parts.scheme == "chdb":
+            if not parts.path or parts.path == "/":
+                raise ConfigError(f"{url!r}: a chdb URL names a data folder, chdb:///var/lib/x")
+            Path(parts.path).mkdir(parents=True, exist_ok=True)
+            return clickhouse_connect.get_client(dsn=f"chdb://{parts.path}")
+        if parts.scheme in {"http", "https"}:
+            return clickhouse_connect.get_client(dsn=url)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise StorageError(f"cannot open ClickHouse at {url!r}: {exc}") from None
+    raise ConfigError(f"{url!r}: ClickHouse URLs start with chdb://, http:// or https://")
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    statements: tuple[str, ...]
+
+
+# Append only: a released migration never changes, a new version follows it.
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, "gpu samples hot table", (
+        """
+        CREATE TABLE IF NOT EXISTS {db}.gpu_samples (
+            ts DateTime64(3, 'UTC') CODEC(DoubleDelta, ZSTD(1)),
+            cluster_id LowCardinality(String),
+            region LowCardinality(String),
+            node_id LowCardinality(String),
+            gpu_index UInt8,
+            gpu_uuid LowCardinality(String),
+            vendor LowCardinality(String),
+            model LowCardinality(String),
+            gpu_util_pct Float32 CODEC(Gorilla, ZSTD(1)),
+            mem_copy_util_pct Nullable(Float32) CODEC(Gorilla, ZSTD(1)),
+            fb_used_mib UInt32 CODEC(T64, ZSTD(1)),
+            fb_total_mib UInt32 CODEC(T64, ZSTD(1)),
+            nvlink_tx_bytes_per_s Nullable(Float64) CODEC(Gorilla, ZSTD(1)),
+            nvlink_rx_bytes_per_s Nullable(Float64) CODEC(Gorilla, ZSTD(1)),
+            nvlink_errors_total Nullable(UInt64) CODEC(T64, ZSTD(1)),
+            rdma_packet_loss_ratio Nullable(Float64) CODEC(Gorilla, ZSTD(1)),
+            temperature_c Float32 CODEC(Gorilla, ZSTD(1)),
+            power_w Float32 CODEC(Gorilla, ZSTD(1)),
+            ecc_sbe_total UInt64 CODEC(T64, ZSTD(1)),
+            ecc_dbe_total UInt64 CODEC(T64, ZSTD(1)),
+            xid_codes Array(UInt16),
+            seq UInt64 CODEC(Delta, ZSTD(1)),
+            source_partition UInt16,
+            source_offset UInt64 CODEC(Delta, ZSTD(1))
+        )
+        ENGINE = MergeTree
+        PARTITION BY toStartOfHour(ts)
+        ORDER BY (cluster_id, node_id, gpu_index, ts)
+        """,
+    )),
+)
+
+
+def migrate(client: Client, database: str,
+            migrations: tuple[Migration, ...] = MIGRATIONS) -> list[int]:
+    """Apply the migrations not applied yet, in order; return the versions applied now."""
+    if not database.replace("_", "").isalnum():
+        raise ConfigError(f"database name {database!r} must be letters, digits and _")
+    try:
+        client.command(f"CREATE DATABASE IF NOT EXISTS {database}")
+        client.command(
+            f"CREATE TABLE IF NOT EXISTS {database}.schema_migrations "
+            "(version UInt32, name String) ENGINE = MergeTree ORDER BY version"
+        )
+        done = {row[0] for row in
+                client.query(f"SELECT version FROM {database}.schema_migrations").result_rows}
+        applied = []
+        for migration in sorted(migrations, key=lambda m: m.version):
+            if migration.version in done:
+                continue
+            for statement in migration.statements:
+                client.command(statement.format(db=database))
+            client.insert(f"{database}.schema_migrations", [[migration.version, migration.name]],
+                          column_names=["version", "name"])
+            applied.append(migration.version)
+        return applied
+    except Exception as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise StorageError(f"migrating ClickHouse database {database}: {exc}") from None

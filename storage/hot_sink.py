@@ -1,0 +1,191 @@
+"""Kafka -> ClickHouse sink for GPU samples: receive, batch, decode, to columns, store, commit.
+
+Each sample row carries the Kafka partition and offset of its NodeTelemetry message. One batch is
+one INSERT, so the table itself says how far the sink got: on (re)start it resumes after the
+highest stored offset of each partition, and a crash between insert and offset commit neither
+loses nor duplicates rows. Kafka offsets are committed too, but only for lag monitoring.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+from clickhouse_connect.driver.client import Client
+from confluent_kafka import OFFSET_BEGINNING, Message, TopicPartition
+
+from fleetline.config import KafkaSettings
+from fleetline.errors import FleetlineError, StorageError
+from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.deadletter import dead_letter_headers
+from fleetline.streams.events import NODE_TELEMETRY, check_telemetry
+from fleetline.streams.serde import AvroCodec
+
+log = logging.getLogger(__name__)
+
+TABLE = "gpu_samples"
+_GPU_FIELDS = (
+    ("gpu_index", pa.uint8()), ("gpu_uuid", pa.string()), ("vendor", pa.string()),
+    ("model", pa.string()), ("gpu_util_pct", pa.float32()), ("mem_copy_util_pct", pa.float32()),
+    ("fb_used_mib", pa.uint32()), ("fb_total_mib", pa.uint32()),
+    ("nvlink_tx_bytes_per_s", pa.float64()), ("nvlink_rx_bytes_per_s", pa.float64()),
+    ("nvlink_errors_total", pa.uint64()), ("rdma_packet_loss_ratio", pa.float64()),
+    ("temperature_c", pa.float32()), ("power_w", pa.float32()),
+    ("ecc_sbe_total", pa.uint64()), ("ecc_dbe_total", pa.uint64()),
+    ("xid_codes", pa.list_(pa.uint16())),
+)
+_NODE_FIELDS = (("cluster_id", pa.string()), ("region", pa.string()), ("node_id", pa.string()),
+                ("seq", pa.uint64()))
+SAMPLE_SCHEMA = pa.schema(
+    [("ts", pa.timestamp("ms", tz="UTC")), *_NODE_FIELDS, *_GPU_FIELDS,
+     ("source_partition", pa.uint16()), ("source_offset", pa.uint64())]
+)
+
+
+@dataclass(frozen=True)
+class SourcedTelemetry:
+    partition: int
+    offset: int
+    record: dict[str, Any]
+
+
+def to_columns(batch: Sequence[SourcedTelemetry]) -> pa.Table:
+    """NodeTelemetry records -> one Arrow table of GPU sample rows (pure)."""
+    columns: dict[str, list[Any]] = {name: [] for name in SAMPLE_SCHEMA.names}
+    gpu_names = [name for name, _ in _GPU_FIELDS]
+    for item in batch:
+        record = item.record
+        for gpu in record["gpus"]:
+            columns["ts"].append(record["ts"])
+            for name, _ in _NODE_FIELDS:
+                columns[name].append(record[name])
+            for name in gpu_names:
+                columns[name].append(gpu[name])
+            columns["source_partition"].append(item.partition)
+            columns["source_offset"].append(item.offset)
+    return pa.table({name: pa.array(values, type=SAMPLE_SCHEMA.field(name).type)
+                     for name, values in columns.items()}, schema=SAMPLE_SCHEMA)
+
+
+@dataclass
+class HotSampleStore:
+    """The gpu_samples table: store batches, say where each partition should resume."""
+
+    client: Client
+    database: str
+
+    def resume_offsets(self) -> dict[int, int]:
+        try:
+            rows = self.client.query(
+                f"SELECT source_partition, max(source_offset) + 1 FROM {self.database}.{TABLE} "
+                "GROUP BY source_partition"
+            ).result_rows
+        except Exception as exc:
+            raise StorageError(f"reading resume offsets from {TABLE}: {exc}") from None
+        return {int(p): int(o) for p, o in rows}
+
+    def store(self, table: pa.Table) -> None:
+        if table.num_rows == 0:
+            return
+        try:
+            self.client.insert_arrow(f"{self.database}.{TABLE}", table)
+        except Exception as exc:
+            raise StorageError(f"inserting {table.num_rows} rows into {TABLE}: {exc}") from None
+
+
+@dataclass
+class SinkStats:
+    batches: int = 0
+    messages: int = 0
+    rows: int = 0
+    dead_letters: int = 0
+
+
+@dataclass
+class HotSampleSink:
+    """Consumes NodeTelemetry and stores its GPU samples in ClickHouse."""
+
+    kafka: KafkaSettings
+    codec: AvroCodec
+    store: HotSampleStore
+    topic: str
+    dead_letter_topic: str
+    group_id: str = "hot-sink"
+    max_batch_messages: int = 5000
+    max_batch_wait_s: float = 1.0
+    stats: SinkStats = field(default_factory=SinkStats)
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    def run(self, stop: threading.Event) -> None:
+        consumer = kafka_clients.consumer(self.kafka, self.group_id)
+        dlq = kafka_clients.producer(self.kafka)
+        resume = self.store.resume_offsets()
+
+        def on_assign(cons, partitions: list[TopicPartition]) -> None:
+            # The table, not the group's committed offsets, says where to resume: a partition
+            # it holds nothing of is read from its beginning.
+            for tp in partitions:
+                tp.offset = resume.get(tp.partition, OFFSET_BEGINNING)
+            cons.assign(partitions)
+            self.ready.set()
+
+        consumer.subscribe([self.topic], on_assign=on_assign)
+        try:
+            while not stop.is_set():
+                messages = self._receive(consumer, stop)
+                if messages:
+                    self._handle(consumer, dlq, messages)
+                    # Offsets are now durable in the table; remember them for a reassignment.
+                    for msg in messages:
+                        resume[msg.partition()] = msg.offset() + 1
+        finally:
+            consumer.close()
+            dlq.flush(10)
+
+    def _receive(self, consumer, stop: threading.Event) -> list[Message]:
+        batch: list[Message] = []
+        deadline = time.monotonic() + self.max_batch_wait_s
+        while len(batch) < self.max_batch_messages and not stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            batch.extend(consumer.consume(self.max_batch_messages - len(batch), min(left, 0.5)))
+        return batch
+
+    def _handle(self, consumer, dlq, messages: list[Message]) -> None:
+        good: list[SourcedTelemetry] = []
+        for msg in messages:
+            if msg.error():
+                raise StorageError(f"consuming {self.topic}: {msg.error().str()}")
+            try:
+                decoded = self.codec.decode(msg.value(), expect=NODE_TELEMETRY)
+                check_telemetry(decoded.record)
+                good.append(SourcedTelemetry(msg.partition(), msg.offset(), decoded.record))
+            except FleetlineError as exc:
+                self.stats.dead_letters += 1
+                log.warning("hot sink: dead-lettering %s[%d]@%d: %s", msg.topic(),
+                            msg.partition(), msg.offset(), exc)
+                dlq.produce(self.dead_letter_topic, key=msg.key(), value=msg.value(),
+                            headers=dead_letter_headers(msg, self.group_id, exc))
+        # Dead letters are durable before the batch's offsets can be passed.
+        if dlq.flush(30):
+            raise StorageError("dead-letter messages were not delivered within 30s")
+        table = to_columns(good)
+        self.store.store(table)
+        self.stats.batches += 1
+        self.stats.messages += len(messages)
+        self.stats.rows += table.num_rows
+        consumer.commit(offsets=[TopicPartition(m.topic(), m.partition(), m.offset() + 1)
+                                 for m in _last_per_partition(messages)], asynchronous=False)
+
+
+def _last_per_partition(messages: list[Message]) -> list[Message]:
+    last: dict[tuple[str, int], Message] = {}
+    for msg in messages:
+        last[(msg.topic(), msg.partition())] = msg
+    return list(last.values())

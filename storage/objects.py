@@ -1,0 +1,72 @@
+"""S3-compatible object storage through the `minio` client (versitygw here; MinIO, Ceph or AWS
+in production, chosen by endpoint and credentials alone)."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+from minio import Minio
+from minio.error import S3Error
+
+from fleetline.config import S3Settings
+from fleetline.errors import StorageError, TransientStorageError
+from urllib3.exceptions import HTTPError
+
+
+def _translate(action: str, exc: Exception) -> StorageError:
+    if isinstance(exc, S3Error):
+        return StorageError(f"{action}: S3 {exc.code}: {exc.message}")
+    return TransientStorageError(f"{action}: {type(exc).__name__}: {exc}")
+
+
+@dataclass
+class ObjectStore:
+    client: Minio
+    bucket: str
+
+    @classmethod
+    def from_settings(cls, s3: S3Settings, bucket: str | None = None) -> ObjectStore:
+        client = Minio(s3.endpoint, access_key=s3.access_key, secret_key=s3.secret_key,
+                       secure=s3.secure, region=s3.region)
+        return cls(client, bucket or s3.bucket)
+
+    def ensure_bucket(self) -> None:
+        try:
+            if not self.client.bucket_exists(self.bucket):
+                self.client.make_bucket(self.bucket)
+        except (S3Error, HTTPError, OSError) as exc:
+            raise _translate(f"creating bucket {self.bucket}", exc) from None
+
+    def put(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> str:
+        """Store `data` under `key`; return the object's ETag."""
+        try:
+            result = self.client.put_object(self.bucket, key, io.BytesIO(data), len(data),
+                                            content_type=content_type)
+        except (S3Error, HTTPError, OSError) as exc:
+            raise _translate(f"writing s3://{self.bucket}/{key}", exc) from None
+        return result.etag
+
+    def get(self, key: str) -> bytes:
+        try:
+            response = self.client.get_object(self.bucket, key)
+        except (S3Error, HTTPError, OSError) as exc:
+            raise _translate(f"reading s3://{self.bucket}/{key}", exc) from None
+        try:
+            return response.read()
+        finally:
+            response.close()
+            response.release_conn()
+
+    def keys(self, prefix: str = "") -> list[str]:
+        try:
+            return sorted(obj.object_name for obj in
+                          self.client.list_objects(self.bucket, prefix=prefix, recursive=True))
+        except (S3Error, HTTPError, OSError) as exc:
+            raise _translate(f"listing s3://{self.bucket}/{prefix}", exc) from None
+
+    def delete(self, key: str) -> None:
+        try:
+            self.client.remove_object(self.bucket, key)
+        except (S3Error, HTTPError, OSError) as exc:
+            raise _translate(f"deleting s3://{self.bucket}/{key}", exc) from None

@@ -1,0 +1,28 @@
+"""Names of the event records on fleetline's topics, and the rules a record must keep."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from fleetline.errors import InvalidEventError
+
+NODE_TELEMETRY = "fleetline.telemetry.NodeTelemetry"
+NODE_STATE = "fleetline.telemetry.NodeState"
+GPU_SAMPLE = "fleetline.telemetry.GpuSample"
+
+
+def check_telemetry(record: Mapping[str, Any]) -> None:
+    """Raise InvalidEventError if a decoded NodeTelemetry breaks a rule Avro cannot express."""
+    for gpu in record["gpus"]:
+        util = gpu["gpu_util_pct"]
+        if not 0.0 <= util <= 100.0:
+            raise InvalidEventError(
+                f"{record['node_id']} seq {record['seq']} gpu {gpu['gpu_index']}: "
+                f"gpu_util_pct {util} is outside 0-100"
+            )
+        if gpu["fb_used_mib"] > gpu["fb_total_mib"]:
+            raise InvalidEventError(
+                f"{record['node_id']} seq {record['seq']} gpu {gpu['gpu_index']}: "
+                f"fb_used_mib {gpu['fb_used_mib']} exceeds fb_total_mib {gpu['fb_total_mib']}"
+            )

@@ -1,0 +1,64 @@
+"""confluent-kafka clients built from settings, and idempotent topic creation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from fleetline.config import KafkaSettings
+from fleetline.errors import StreamError
+from fleetline.streams.topics import TopicSpec
+
+# The Java clients' default partitioner, so every client maps a key to the same partition.
+PARTITIONER = "murmur2_random"
+
+
+def admin_client(kafka: KafkaSettings) -> AdminClient:
+    return AdminClient(kafka.client_config())
+
+
+def ensure_topics(kafka: KafkaSettings, specs: Iterable[TopicSpec], timeout_s: float = 30.0) -> None:
+    """Create the topics that do not exist yet; an existing topic is left as it is."""
+    new = [NewTopic(spec.name, num_partitions=spec.partitions, replication_factor=1,
+                    config=spec.config) for spec in specs]
+    if not new:
+        return
+    # Keep the client referenced until every future resolves: collecting it cancels them.
+    admin = admin_client(kafka)
+    futures = admin.create_topics(new, operation_timeout=timeout_s, request_timeout=timeout_s)
+    for name, future in futures.items():
+        try:
+            future.result(timeout=timeout_s)
+        except KafkaException as exc:
+            if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                raise StreamError(f"creating topic {name}: {exc.args[0].str()}") from None
+
+
+def producer(kafka: KafkaSettings, *, transactional_id: str | None = None,
+             **extra: object) -> Producer:
+    """An idempotent producer (transactional when an id is given), batching with lz4."""
+    conf = kafka.client_config(**{
+        "enable.idempotence": True,
+        "acks": "all",
+        "compression.type": "lz4",
+        "linger.ms": 20,
+        "partitioner": PARTITIONER,
+        **extra,
+    })
+    if transactional_id is not None:
+        conf["transactional.id"] = transactional_id
+    return Producer(conf)
+
+
+def consumer(kafka: KafkaSettings, group_id: str, **extra: object) -> Consumer:
+    """A read_committed consumer that never commits by itself."""
+    return Consumer(kafka.client_config(**{
+        "group.id": group_id,
+        "isolation.level": "read_committed",
+        "enable.auto.commit": False,
+        "enable.auto.offset.store": False,
+        "auto.offset.reset": "earliest",
+        **extra,
+    }))

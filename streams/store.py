@@ -1,0 +1,126 @@
+"""Local key-value state backed by a compacted changelog topic (the Kafka Streams vocabulary).
+
+The store is partitioned like the processor's input. Writes made while a batch is processed are
+pending: they go to the changelog inside the batch's transaction and become committed state only
+when that transaction commits, so an aborted batch leaves no trace in memory either.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+
+from fleetline.config import KafkaSettings
+from fleetline.errors import StreamError
+
+V = TypeVar("V")
+_ABSENT = object()
+
+
+@dataclass
+class ChangelogStore(Generic[V]):
+    name: str
+    changelog_topic: str
+    encode: Callable[[V], bytes]
+    decode: Callable[[bytes], V]
+    _committed: dict[int, dict[bytes, V]] = field(default_factory=dict)
+    _pending: dict[int, dict[bytes, V | None]] = field(default_factory=dict)
+    # Readers in other threads (the slice's live printout) see whole commits only.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def get(self, partition: int, key: bytes) -> V | None:
+        pending = self._pending.get(partition, {}).get(key, _ABSENT)
+        if pending is not _ABSENT:
+            return pending  # type: ignore[return-value]
+        return self._committed.get(partition, {}).get(key)
+
+    def put(self, partition: int, key: bytes, value: V | None) -> None:
+        """Stage a write (None deletes); it is durable once the batch's transaction commits."""
+        self._pending.setdefault(partition, {})[key] = value
+
+    def items(self, partitions: Iterable[int] | None = None) -> Iterator[tuple[bytes, V]]:
+        """Committed state of the given partitions (all owned ones by default), as of now."""
+        with self._lock:
+            chosen = sorted(self._committed if partitions is None else partitions)
+            snapshot = [item for p in chosen for item in self._committed.get(p, {}).items()]
+        yield from snapshot
+
+    def partitions(self) -> list[int]:
+        return sorted(self._committed)
+
+    def pending_changelog(self) -> Iterator[tuple[int, bytes, bytes | None]]:
+        for partition, writes in self._pending.items():
+            for key, value in writes.items():
+                yield partition, key, None if value is None else self.encode(value)
+
+    def commit(self) -> None:
+        with self._lock:
+            for partition, writes in self._pending.items():
+                target = self._committed.setdefault(partition, {})
+                for key, value in writes.items():
+                    if value is None:
+                        target.pop(key, None)
+                    else:
+                        target[key] = value
+        self._pending.clear()
+
+    def abort(self) -> None:
+        self._pending.clear()
+
+    def drop(self, partitions: Iterable[int]) -> None:
+        with self._lock:
+            for partition in partitions:
+                self._committed.pop(partition, None)
+                self._pending.pop(partition, None)
+
+    def restore(self, kafka: KafkaSettings, partitions: Iterable[int],
+                timeout_s: float = 60.0) -> int:
+        """Rebuild the given partitions from the changelog's committed records; count them."""
+        partitions = sorted(set(partitions))
+        self.drop(partitions)
+        restored: dict[int, dict[bytes, V]] = {p: {} for p in partitions}
+        if not partitions:
+            return 0
+        reader = Consumer(kafka.client_config(**{
+            "group.id": f"{self.changelog_topic}.restore",
+            "isolation.level": "read_committed",
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+        }))
+        try:
+            reader.assign([TopicPartition(self.changelog_topic, p, OFFSET_BEGINNING)
+                           for p in partitions])
+            remaining = set(partitions)
+            count = 0
+            deadline = time.monotonic() + timeout_s
+            while remaining:
+                if time.monotonic() > deadline:
+                    raise StreamError(
+                        f"restoring {self.name} from {self.changelog_topic} took over "
+                        f"{timeout_s:.0f}s; partitions not at their end: {sorted(remaining)}"
+                    )
+                msg = reader.poll(0.5)
+                if msg is None:
+                    continue
+                if msg.error():
+                    if msg.error().code() == KafkaError._PARTITION_EOF:
+                        remaining.discard(msg.partition())
+                        continue
+                    raise StreamError(f"restoring {self.name}: {msg.error().str()}")
+                target = restored[msg.partition()]
+                value = msg.value()
+                if value is None:
+                    target.pop(msg.key(), None)
+                else:
+                    target[msg.key()] = self.decode(value)
+                count += 1
+            with self._lock:
+                self._committed.update(restored)
+            return count
+        finally:
+            reader.close()

@@ -1,0 +1,62 @@
+"""Topic names and their settings: one place that says what each topic holds and how it is kept."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DAY_MS = 24 * 3600 * 1000
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    name: str
+    partitions: int
+    config: dict[str, str] = field(default_factory=dict)
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class Topics:
+    """Topic names under one prefix, so test runs and deployments never share a topic by accident.
+
+    Telemetry and node state are keyed by node id, with the same partition count and the murmur2
+    partitioner, so one node's telemetry and state land in the same partition number and a
+    processor's store partition can hold both (co-partitioning, as in Kafka Streams).
+    """
+
+    prefix: str = "fleetline"
+    node_partitions: int = 6
+
+    @property
+    def telemetry(self) -> str:
+        return f"{self.prefix}.telemetry.node"
+
+    @property
+    def node_state(self) -> str:
+        return f"{self.prefix}.state.node"
+
+    @property
+    def dead_letter(self) -> str:
+        return f"{self.prefix}.deadletter"
+
+    def changelog(self, application_id: str, store: str) -> str:
+        return f"{self.prefix}.{application_id}.{store}.changelog"
+
+    def specs(self) -> list[TopicSpec]:
+        return [
+            TopicSpec(self.telemetry, self.node_partitions,
+                      {"cleanup.policy": "delete", "retention.ms": str(7 * DAY_MS),
+                       "compression.type": "producer"},
+                      "NodeTelemetry, one record per node per interval, keyed by node id"),
+            TopicSpec(self.node_state, self.node_partitions,
+                      {"cleanup.policy": "compact", "min.compaction.lag.ms": str(3600 * 1000)},
+                      "NodeState, keyed by node id; compacted to the latest state of each node"),
+            TopicSpec(self.dead_letter, 1,
+                      {"cleanup.policy": "delete", "retention.ms": str(30 * DAY_MS)},
+                      "messages no processor could handle: original bytes, reason in headers"),
+        ]
+
+    def changelog_spec(self, application_id: str, store: str) -> TopicSpec:
+        return TopicSpec(self.changelog(application_id, store), self.node_partitions,
+                         {"cleanup.policy": "compact"},
+                         f"changelog of {application_id}'s {store} store")
