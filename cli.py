@@ -74,11 +74,11 @@ def _cmd_run(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_sql(args: argparse.Namespace, settings: Settings) -> int:
-    from fleetline.storage.clickhouse import connect
+    from fleetline.storage.query_service import run_query
 
-    result = connect(settings.clickhouse_url).query(args.query)
-    print("\t".join(result.column_names))
-    for row in result.result_rows:
+    result = run_query(settings.clickhouse_url, args.query)
+    print("\t".join(result.columns))
+    for row in result.rows:
         print("\t".join(str(v) for v in row))
     return 0
 
@@ -112,7 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="use the Kafka and S3 named in the settings; start nothing")
     run.set_defaults(func=_cmd_run)
 
-    sql = sub.add_parser("sql", help="run a ClickHouse SQL query against the configured store")
+    sql = sub.add_parser(
+        "sql", help="run a read-only ClickHouse SQL query on the configured store",
+        description="Runs one read-only query. With the embedded chdb store, a running "
+                    "`fleetline run` owns it and answers the query; otherwise it is opened here.")
     sql.add_argument("query")
     sql.set_defaults(func=_cmd_sql)
     return parser

@@ -49,3 +49,7 @@ class ServiceError(FleetlineError):
 
 class InvalidEventError(DecodeError):
     """An event decoded but breaks a rule of its type (value out of range, unknown type)."""
+
+
+class QueryError(StorageError):
+    """ClickHouse rejected a query (syntax, unknown column, permissions)."""

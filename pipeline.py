@@ -21,6 +21,7 @@ from fleetline.processors import live_view
 from fleetline.storage.clickhouse import connect, migrate
 from fleetline.storage.hot_sink import HotSampleSink, HotSampleStore
 from fleetline.storage.objects import ObjectStore
+from fleetline.storage.query_service import QueryService
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.processor import TransactionalProcessor
 from fleetline.streams.serde import AvroCodec, default_codec
@@ -51,11 +52,13 @@ class RunningSlice:
     processor: TransactionalProcessor
     handler: live_view.LiveViewHandler
     sink: HotSampleSink
+    queries: QueryService
     stop: threading.Event = field(default_factory=threading.Event)
     threads: list[threading.Thread] = field(default_factory=list)
     errors: list[BaseException] = field(default_factory=list)
 
     def start(self, timeout_s: float = 60.0) -> None:
+        self.queries.start()
         for name, target in (("live-view", self.processor.run), ("hot-sink", self.sink.run)):
             thread = threading.Thread(target=self._guard(target), name=name, daemon=True)
             thread.start()
@@ -96,6 +99,7 @@ class RunningSlice:
         self.stop.set()
         for thread in self.threads:
             thread.join(30)
+        self.queries.stop()
         self.raise_errors()
 
 
@@ -119,7 +123,9 @@ def build_slice(settings: Settings, topics: Topics, codec: AvroCodec | None = No
         store=HotSampleStore(client, settings.clickhouse_database), topic=topics.telemetry,
         dead_letter_topic=topics.dead_letter, group_id=f"{topics.prefix}.hot-sink",
     )
-    return RunningSlice(settings, topics, codec, processor, handler, sink)
+    # The slice owns the embedded store; other processes (`fleetline sql`) query through it.
+    queries = QueryService(client, settings.clickhouse_url)
+    return RunningSlice(settings, topics, codec, processor, handler, sink, queries)
 
 
 UTILISATION_QUERY = """

@@ -116,7 +116,9 @@ class KafkaBroker:
         config.write_text(self.server_properties())
         cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
         run_checked(
-            self._java("kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(config)),
+            # The = form: a base64 id may start with "-", which argparse would take for an option.
+            self._java("kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}",
+                       f"--config={config}"),
             what="formatting Kafka KRaft storage",
         )
         return True

@@ -31,7 +31,9 @@ def connect(url: str) -> Client:
     except ConfigError:
         raise
     except Exception as exc:
-        raise StorageError(f"cannot open ClickHouse at {url!r}: {exc}") from None
+        hint = (" (chdb admits one process per data folder: is another fleetline process "
+                "holding it without serving queries?)" if parts.scheme == "chdb" else "")
+        raise StorageError(f"cannot open ClickHouse at {url!r}: {exc}{hint}") from None
     raise ConfigError(f"{url!r}: ClickHouse URLs start with chdb://, http:// or https://")
 
 

@@ -80,6 +80,8 @@ class TransactionalProcessor:
             self.ready.set()
 
         def on_revoke(cons, partitions: list[TopicPartition]) -> None:
+            if stop.is_set():
+                return  # closing: keep the last committed state readable
             numbers = {tp.partition for tp in partitions}
             for store in self.stores:
                 store.drop(numbers)

@@ -1,0 +1,61 @@
+"""Fixtures: the real Kafka broker and S3 server (started here unless already running) and chdb.
+
+Services run on their own ports (29092, 29000) so a `fleetline run` on the default ports and a
+test run never share a broker. Unit tests of pure code need none of this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fleetline.config import KafkaSettings, S3Settings, Settings
+from fleetline.infra import LocalServices
+from fleetline.storage.clickhouse import connect
+
+TEST_KAFKA = os.environ.get("FLEETLINE_TEST_KAFKA_BOOTSTRAP", "127.0.0.1:29092")
+TEST_S3 = os.environ.get("FLEETLINE_TEST_S3_ENDPOINT", "127.0.0.1:29000")
+
+
+@pytest.fixture(scope="session")
+def chdb_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # chdb allows one data path per process, so the whole session shares one; tests isolate
+    # themselves by database name.
+    return tmp_path_factory.mktemp("chdb")
+
+
+@pytest.fixture(scope="session")
+def services(chdb_path: Path) -> Iterator[Settings]:
+    base = Settings.from_env()
+    settings = dataclasses.replace(
+        base,
+        kafka=KafkaSettings(TEST_KAFKA, base.kafka.client_overrides),
+        s3=S3Settings(endpoint=TEST_S3, bucket="fleetline-test"),
+        clickhouse_url=f"chdb://{chdb_path}",
+    )
+    local = LocalServices.from_settings(settings)
+    started = not all(local.status().values())
+    if started:
+        # Fresh data each session: no topic or object left from an earlier run can leak in.
+        local.broker.wipe()
+        local.object_store.wipe()
+        local.start()
+    yield settings
+    if started:
+        local.stop()
+
+
+@pytest.fixture
+def settings(services: Settings) -> Settings:
+    """Service settings with a database of this test's own."""
+    return dataclasses.replace(services, clickhouse_database=f"t_{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture
+def clickhouse(settings: Settings):
+    return connect(settings.clickhouse_url)

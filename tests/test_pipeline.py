@@ -1,0 +1,65 @@
+"""The README's slice end to end: agents -> Kafka -> live view and ClickHouse, snapshot in S3."""
+
+from __future__ import annotations
+
+import json
+
+from fleetline.agents.simulator import default_clusters
+from fleetline.cli import main
+from fleetline.pipeline import run_slice
+from fleetline.storage.objects import ObjectStore
+from tests.support import BASE_MS, fresh_topics
+
+
+def test_slice_flows_end_to_end(settings) -> None:
+    topics = fresh_topics()
+    result = run_slice(settings, default_clusters(2), ticks=6, interval_ms=1000, seed=3,
+                       start_ms=BASE_MS, realtime=False, topics=topics)
+    # 3 clusters x 2 nodes; the last node goes down at tick 3 and reports no more.
+    assert result.states_sent == 7
+    assert result.telemetry_sent == 6 * 6 - 4
+    assert result.processor_dead_letters == 1 and result.sink_dead_letters == 1
+    assert result.sink_rows == result.telemetry_sent * 8
+    by_cluster = {c.cluster_id: c for c in result.view}
+    assert by_cluster["ap-south-a"].nodes_down == 1
+    assert sum(c.gpus for c in result.view) == 48
+    assert {r[0]: r[1] for r in result.query_rows} == {
+        "ap-south-a": (6 + 2) * 8, "eu-west-a": 12 * 8, "us-east-a": 12 * 8}
+    bucket, key = result.snapshot_key.removeprefix("s3://").split("/", 1)
+    snapshot = json.loads(ObjectStore.from_settings(settings.s3, bucket=bucket).get(key))
+    assert snapshot["clusters"][0]["cluster_id"] == "ap-south-a"
+    assert len(snapshot["nodes"]) == 6
+
+
+def test_cli_sql_and_bad_input(settings, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("FLEETLINE_CLICKHOUSE_URL", settings.clickhouse_url)
+    assert main(["sql", "SELECT 40 + 2 AS answer"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["answer", "42"]
+    assert main(["sql", "SELECT no_such_column FROM system.one"]) == 1
+    assert "fleetline: error:" in capsys.readouterr().err
+
+
+def test_another_process_queries_the_embedded_store_through_its_owner(settings) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from fleetline.storage.clickhouse import connect
+    from fleetline.storage.query_service import QueryService
+
+    owner = connect(settings.clickhouse_url)
+    db = settings.clickhouse_database
+    owner.command(f"CREATE DATABASE {db}")
+    owner.command(f"CREATE TABLE {db}.kept (v UInt8) ENGINE = MergeTree ORDER BY v")
+    service = QueryService(owner, settings.clickhouse_url).start()
+    env = {**os.environ, "FLEETLINE_CLICKHOUSE_URL": settings.clickhouse_url}
+    try:
+        ok = subprocess.run([sys.executable, "-m", "fleetline.cli", "sql", "SELECT 6 * 7 AS x"],
+                            env=env, capture_output=True, text=True, timeout=60)
+        bad = subprocess.run([sys.executable, "-m", "fleetline.cli", "sql", f"DROP TABLE {db}.kept"],
+                             env=env, capture_output=True, text=True, timeout=60)
+    finally:
+        service.stop()
+    assert (ok.returncode, ok.stdout.splitlines()) == (0, ["x", "42"]), ok.stderr
+    assert bad.returncode == 1 and "readonly" in bad.stderr.lower(), bad.stderr
+    assert owner.query(f"EXISTS TABLE {db}.kept").result_rows == [(1,)]

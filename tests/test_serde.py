@@ -1,0 +1,195 @@
+"""Avro single-object encoding, the in-repo registry, and schema evolution (no services)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from pathlib import Path
+
+import pytest
+from fastavro.schema import fingerprint
+from fastavro.utils import generate_many
+
+from fleetline.errors import DecodeError, EncodeError, SchemaError, UnknownSchemaError
+from fleetline.schemas import SCHEMA_DIR
+from fleetline.streams.serde import (
+    MAGIC,
+    AvroCodec,
+    SchemaRegistry,
+    default_codec,
+)
+from tests.support import BASE_MS, small_fleet
+
+codec = default_codec()
+
+
+def test_registry_knows_the_shipped_schemas() -> None:
+    assert codec.registry.names() == [
+        "fleetline.telemetry.GpuSample",
+        "fleetline.telemetry.NodeState",
+        "fleetline.telemetry.NodeTelemetry",
+    ]
+    assert codec.registry.latest("NodeTelemetry").version == 1
+
+
+@pytest.mark.parametrize("name", default_codec().registry.names())
+def test_every_schema_round_trips_generated_records(name: str) -> None:
+    schema = codec.registry.latest(name)
+    for record in generate_many(schema.writer, 25):
+        data = codec.encode(name, record)
+        assert data[:2] == MAGIC
+        assert data[2:10] == schema.fingerprint
+        decoded = codec.decode(data)
+        assert decoded.schema.full_name == name
+        # float32 fields lose precision once; after that the bytes are a fixed point.
+        assert codec.encode(name, decoded.record) == data
+        assert codec.decode(codec.encode(name, decoded.record)).record == decoded.record
+
+
+def test_simulated_telemetry_round_trips_exactly() -> None:
+    fleet = small_fleet()
+    for record in fleet.telemetry(BASE_MS) + fleet.initial_states(BASE_MS):
+        name = "NodeTelemetry" if "gpus" in record else "NodeState"
+        decoded = codec.decode(codec.encode(name, record)).record
+        assert decoded["node_id"] == record["node_id"]
+        assert decoded["ts"] == record["ts"] == BASE_MS  # epoch ms, never a datetime
+        if name == "NodeTelemetry":
+            assert len(decoded["gpus"]) == 8
+            assert decoded["gpus"][3]["fb_used_mib"] == record["gpus"][3]["fb_used_mib"]
+            assert decoded["gpus"][3]["gpu_util_pct"] == pytest.approx(
+                record["gpus"][3]["gpu_util_pct"], abs=1e-4)
+
+
+def test_fingerprint_bytes_are_little_endian_as_the_spec_requires() -> None:
+    # CRC-64-AVRO of the schema "int" is 0x7275d51a3f395c8f; the header carries it little-endian,
+    # which is how the registry turns fastavro's hex into header bytes.
+    assert bytes.fromhex(fingerprint('"int"', "CRC-64-AVRO")) == (0x7275D51A3F395C8F).to_bytes(
+        8, "little")
+    schema = codec.registry.latest("NodeState")
+    assert schema.fingerprint == bytes.fromhex(fingerprint(schema.canonical, "CRC-64-AVRO"))
+
+
+def test_node_telemetry_embeds_the_latest_gpu_sample() -> None:
+    standalone = dict(codec.registry.latest("GpuSample").source)
+    standalone.pop("fleetline.version")
+    embedded = next(f for f in codec.registry.latest("NodeTelemetry").source["fields"]
+                    if f["name"] == "gpus")["type"]["items"]
+    assert embedded == standalone
+
+
+@pytest.mark.parametrize(
+    ("data", "reason"),
+    [
+        (None, "no value"),
+        (b"", "not Avro single-object encoded"),
+        (b"{\"node_id\": \"n1\"}", "not Avro single-object encoded"),
+        (MAGIC + b"\x00" * 8 + b"\x02", "unknown writer schema fingerprint"),
+    ],
+)
+def test_malformed_messages_raise_decode_errors_with_the_reason(data, reason) -> None:
+    with pytest.raises(DecodeError, match=reason):
+        codec.decode(data)
+
+
+def test_truncated_and_padded_payloads_are_rejected() -> None:
+    data = codec.encode("NodeTelemetry", small_fleet().telemetry(BASE_MS)[0])
+    with pytest.raises(DecodeError, match="payload does not decode"):
+        codec.decode(data[: len(data) // 2])
+    with pytest.raises(DecodeError, match="bytes left after the record"):
+        codec.decode(data + b"\x00\x00")
+
+
+def test_random_corruption_never_escapes_as_a_foreign_exception() -> None:
+    data = bytearray(codec.encode("NodeTelemetry", small_fleet().telemetry(BASE_MS)[0]))
+    rng = random.Random(5)
+    for _ in range(300):
+        corrupt = bytearray(data)
+        for _ in range(3):
+            corrupt[rng.randrange(len(corrupt))] = rng.randrange(256)
+        try:
+            codec.decode(bytes(corrupt))
+        except DecodeError:
+            pass
+
+
+def test_unknown_fingerprint_is_its_own_error() -> None:
+    with pytest.raises(UnknownSchemaError):
+        codec.decode(MAGIC + b"\xff" * 8)
+
+
+def test_expecting_another_record_type_is_a_decode_error() -> None:
+    data = codec.encode("NodeState", small_fleet().initial_states(BASE_MS)[0])
+    with pytest.raises(DecodeError, match="expected NodeTelemetry"):
+        codec.decode(data, expect="NodeTelemetry")
+
+
+def test_encode_names_the_offending_field() -> None:
+    record = small_fleet().telemetry(BASE_MS)[0]
+    record["gpus"][0]["fb_used_mib"] = "lots"
+    with pytest.raises(EncodeError, match="fb_used_mib"):
+        codec.encode("NodeTelemetry", record)
+
+
+def _evolved_registry(tmp_path: Path) -> SchemaRegistry:
+    """The shipped schemas plus a NodeTelemetry v2 whose GpuSample gains a defaulted field."""
+    for path in SCHEMA_DIR.glob("*.avsc"):
+        (tmp_path / path.name).write_text(path.read_text())
+    v2 = json.loads((SCHEMA_DIR / "NodeTelemetry.v1.avsc").read_text())
+    v2["fleetline.version"] = 2
+    gpu = next(f for f in v2["fields"] if f["name"] == "gpus")["type"]["items"]
+    gpu["fields"].append({"name": "sm_clock_mhz", "type": ["null", "int"], "default": None})
+    v2["fields"].append({"name": "agent_version", "type": "string", "default": "unknown"})
+    (tmp_path / "NodeTelemetry.v2.avsc").write_text(json.dumps(v2))
+    return SchemaRegistry.from_directory(tmp_path)
+
+
+def test_old_writer_new_reader(tmp_path: Path) -> None:
+    old_agent = codec  # knows NodeTelemetry v1 only
+    new_processor = AvroCodec(_evolved_registry(tmp_path))
+    record = small_fleet().telemetry(BASE_MS)[0]
+    decoded = new_processor.decode(old_agent.encode("NodeTelemetry", record))
+    assert decoded.schema.version == 2 and decoded.writer_version == 1
+    assert decoded.record["agent_version"] == "unknown"
+    assert all(gpu["sm_clock_mhz"] is None for gpu in decoded.record["gpus"])
+    assert decoded.record["seq"] == record["seq"]
+
+
+def test_old_and_new_writers_share_a_topic(tmp_path: Path) -> None:
+    new = AvroCodec(_evolved_registry(tmp_path))
+    record = small_fleet().telemetry(BASE_MS)[0]
+    newer = copy.deepcopy(record)
+    newer["agent_version"] = "2.0"
+    for gpu in newer["gpus"]:
+        gpu["sm_clock_mhz"] = 1980
+    messages = [codec.encode("NodeTelemetry", record), new.encode("NodeTelemetry", newer)]
+    decoded = [new.decode(m) for m in messages]
+    assert [d.writer_version for d in decoded] == [1, 2]
+    assert [d.record["agent_version"] for d in decoded] == ["unknown", "2.0"]
+    # A reader that predates v2 names the problem instead of misreading the bytes.
+    with pytest.raises(UnknownSchemaError):
+        codec.decode(messages[1])
+
+
+def test_schema_file_names_must_match_their_contents(tmp_path: Path) -> None:
+    source = json.loads((SCHEMA_DIR / "NodeState.v1.avsc").read_text())
+    (tmp_path / "NodeState.v2.avsc").write_text(json.dumps(source))
+    with pytest.raises(SchemaError, match="file name says NodeState v2"):
+        SchemaRegistry.from_directory(tmp_path)
+
+
+def test_a_new_version_must_change_the_schema(tmp_path: Path) -> None:
+    source = json.loads((SCHEMA_DIR / "NodeState.v1.avsc").read_text())
+    (tmp_path / "NodeState.v1.avsc").write_text(json.dumps(source))
+    source["fleetline.version"] = 2
+    (tmp_path / "NodeState.v2.avsc").write_text(json.dumps(source))
+    with pytest.raises(SchemaError, match="same canonical form"):
+        SchemaRegistry.from_directory(tmp_path)
+
+
+def test_invalid_schema_is_a_schema_error(tmp_path: Path) -> None:
+    (tmp_path / "Broken.v1.avsc").write_text(json.dumps(
+        {"type": "record", "name": "Broken", "fleetline.version": 1,
+         "fields": [{"name": "x", "type": "no-such-type"}]}))
+    with pytest.raises(SchemaError, match="Broken v1"):
+        SchemaRegistry.from_directory(tmp_path)

@@ -1,0 +1,137 @@
+"""ClickHouse (chdb) schema and hot sink, and the S3 server through the minio client."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleetline.agents.runtime import TelemetryPublisher
+from fleetline.errors import ConfigError, StorageError
+from fleetline.storage.clickhouse import MIGRATIONS, connect, migrate
+from fleetline.storage.hot_sink import HotSampleSink, HotSampleStore, SourcedTelemetry, to_columns
+from fleetline.storage.objects import ObjectStore
+from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.deadletter import read_dead_letter
+from fleetline.streams.serde import default_codec
+from tests.support import BASE_MS, Background, fresh_topics, read_all, small_fleet, wait_until
+
+codec = default_codec()
+
+
+def test_to_columns_makes_one_row_per_gpu_with_its_source_offset() -> None:
+    records = small_fleet(nodes=1).telemetry(BASE_MS)
+    table = to_columns([SourcedTelemetry(2, 40 + i, r) for i, r in enumerate(records)])
+    assert table.num_rows == 16
+    assert table.column("source_offset").to_pylist() == [40] * 8 + [41] * 8
+    assert table.column("gpu_index").to_pylist()[:8] == list(range(8))
+    assert table.column("node_id").to_pylist()[8] == records[1]["node_id"]
+
+
+def test_clickhouse_urls_are_checked() -> None:
+    with pytest.raises(ConfigError, match="start with chdb://"):
+        connect("postgres://x")
+    with pytest.raises(ConfigError, match="names a data folder"):
+        connect("chdb://")
+
+
+def test_migrations_are_idempotent_and_recorded(settings, clickhouse) -> None:
+    db = settings.clickhouse_database
+    assert migrate(clickhouse, db) == [m.version for m in MIGRATIONS]
+    assert migrate(clickhouse, db) == []
+    rows = clickhouse.query(f"SELECT version, name FROM {db}.schema_migrations").result_rows
+    assert [r[0] for r in rows] == [m.version for m in MIGRATIONS]
+    with pytest.raises(ConfigError):
+        migrate(clickhouse, "bad-name; DROP")
+
+
+def make_sink(settings, clickhouse, topics) -> HotSampleSink:
+    migrate(clickhouse, settings.clickhouse_database)
+    return HotSampleSink(
+        kafka=settings.kafka, codec=codec,
+        store=HotSampleStore(clickhouse, settings.clickhouse_database), topic=topics.telemetry,
+        dead_letter_topic=topics.dead_letter, group_id=f"{topics.prefix}.hot-sink",
+        max_batch_wait_s=0.3,
+    )
+
+
+def test_sink_writes_every_sample_once_across_restarts(settings, clickhouse) -> None:
+    topics = fresh_topics()
+    kafka_clients.ensure_topics(settings.kafka, topics.specs())
+    fleet = small_fleet(nodes=2)
+    publisher = TelemetryPublisher(kafka_clients.producer(settings.kafka), codec, topics)
+    for tick in range(3):
+        publisher.publish_telemetry(fleet.telemetry(BASE_MS + tick * 1000))
+    publisher.producer.produce(topics.telemetry, key=b"bad", value=b"junk")
+    publisher.flush()
+    db = settings.clickhouse_database
+
+    sink = make_sink(settings, clickhouse, topics)
+    loop = Background(sink.run)
+    wait_until(lambda: sink.stats.messages >= 13, what="the sink")
+    loop.stop()
+    count = f"SELECT count(), uniqExact(node_id, seq, gpu_index) FROM {db}.gpu_samples"
+    assert clickhouse.query(count).result_rows == [(96, 96)]
+
+    # A sink that restarts (its Kafka offsets lost, as after a crash before the commit)
+    # resumes from what the table holds: new rows are added, nothing is written twice.
+    for tick in range(3, 5):
+        publisher.publish_telemetry(fleet.telemetry(BASE_MS + tick * 1000))
+    publisher.flush()
+    restarted = make_sink(settings, clickhouse, topics)
+    restarted.group_id = f"{topics.prefix}.hot-sink-fresh-group"
+    loop = Background(restarted.run)
+    wait_until(lambda: clickhouse.query(count).result_rows[0][0] >= 160, what="the restarted sink")
+    loop.stop()
+    assert clickhouse.query(count).result_rows == [(160, 160)]
+    assert restarted.stats.messages == 8 + 1  # four new nodes x two ticks, and the bad one again
+
+    letters = [read_dead_letter(m) for m in read_all(settings, topics.dead_letter, 1)]
+    assert letters[0].value == b"junk" and "not Avro" in letters[0].reason
+    # The bad message was dead-lettered again after the restart; its source id tells them apart.
+    assert {letter.source_id for letter in letters} == {(topics.telemetry, letters[0].partition,
+                                                         letters[0].offset)}
+
+
+def test_sample_values_survive_the_trip_into_clickhouse(settings, clickhouse) -> None:
+    topics = fresh_topics(partitions=1)
+    kafka_clients.ensure_topics(settings.kafka, topics.specs())
+    record = small_fleet(nodes=1).telemetry(BASE_MS)[0]
+    publisher = TelemetryPublisher(kafka_clients.producer(settings.kafka), codec, topics)
+    publisher.publish_telemetry([record])
+    publisher.flush()
+    sink = make_sink(settings, clickhouse, topics)
+    loop = Background(sink.run)
+    wait_until(lambda: sink.stats.rows >= 8, what="the sink")
+    loop.stop()
+    rows = clickhouse.query(
+        f"SELECT toUnixTimestamp64Milli(ts), gpu_index, fb_used_mib, gpu_util_pct, xid_codes, "
+        f"nvlink_errors_total FROM {settings.clickhouse_database}.gpu_samples "
+        f"WHERE node_id = '{record['node_id']}' ORDER BY gpu_index").result_rows
+    assert [r[1] for r in rows] == list(range(8))
+    for row, gpu in zip(rows, record["gpus"], strict=True):
+        assert row[0] == BASE_MS
+        assert row[2] == gpu["fb_used_mib"]
+        assert row[3] == pytest.approx(gpu["gpu_util_pct"], abs=1e-3)
+        assert row[4] == [] and row[5] == 0
+
+
+def test_objects_round_trip_through_the_s3_server(settings) -> None:
+    store = ObjectStore.from_settings(settings.s3, bucket="fleetline-objects-test")
+    store.ensure_bucket()
+    store.ensure_bucket()  # idempotent
+    payload = bytes(range(256)) * 4096
+    store.put("warm/2026/12/02/part-0.bin", payload)
+    store.put("warm/2026/12/02/part-1.bin", b"second")
+    assert store.get("warm/2026/12/02/part-0.bin") == payload
+    assert store.keys("warm/2026/") == ["warm/2026/12/02/part-0.bin", "warm/2026/12/02/part-1.bin"]
+    store.delete("warm/2026/12/02/part-1.bin")
+    assert store.keys("warm/") == ["warm/2026/12/02/part-0.bin"]
+    with pytest.raises(StorageError, match="NoSuchKey"):
+        store.get("warm/missing")
+
+
+def test_wrong_credentials_are_a_storage_error(settings) -> None:
+    import dataclasses
+
+    bad = dataclasses.replace(settings.s3, secret_key="wrong")
+    with pytest.raises(StorageError, match="writing s3://"):
+        ObjectStore.from_settings(bad, bucket="fleetline-test").put("x", b"y")
