@@ -21,8 +21,10 @@ class KafkaSettings:
 
     def client_config(self, **extra: object) -> dict[str, object]:
         # librdkafka's own log lines go through Python logging, not straight to stderr.
-        conf: dict[str, object] = {"bootstrap.servers": self.bootstrap_servers,
-                                   "logger": logging.getLogger("fleetline.librdkafka")}
+        conf: dict[str, object] = {
+            "bootstrap.servers": self.bootstrap_servers,
+            "logger": logging.getLogger("fleetline.librdkafka"),
+        }
         conf.update(self.client_overrides)
         conf.update(extra)
         return conf
@@ -57,7 +59,9 @@ class Settings:
             if key.startswith("FLEETLINE_KAFKA_CONF_")
         }
         kafka = KafkaSettings(
-            bootstrap_servers=env.get("FLEETLINE_KAFKA_BOOTSTRAP", defaults.kafka.bootstrap_servers),
+            bootstrap_servers=env.get(
+                "FLEETLINE_KAFKA_BOOTSTRAP", defaults.kafka.bootstrap_servers
+            ),
             client_overrides=overrides,
         )
         s3 = S3Settings(
@@ -72,7 +76,9 @@ class Settings:
             kafka=kafka,
             s3=s3,
             clickhouse_url=env.get("FLEETLINE_CLICKHOUSE_URL", defaults.clickhouse_url),
-            clickhouse_database=env.get("FLEETLINE_CLICKHOUSE_DATABASE", defaults.clickhouse_database),
+            clickhouse_database=env.get(
+                "FLEETLINE_CLICKHOUSE_DATABASE", defaults.clickhouse_database
+            ),
             cache_dir=Path(env.get("FLEETLINE_CACHE_DIR", str(defaults.cache_dir))),
         )
 

@@ -75,6 +75,7 @@ class RunningSlice:
             except BaseException as exc:
                 self.errors.append(exc)
                 self.stop.set()
+
         return run
 
     def wait_for(self, processed: int, telemetry: int, timeout_s: float = 120.0) -> None:
@@ -82,8 +83,7 @@ class RunningSlice:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.raise_errors()
-            if (self.processor.stats.messages >= processed
-                    and self.sink.stats.messages >= telemetry):
+            if self.processor.stats.messages >= processed and self.sink.stats.messages >= telemetry:
                 return
             time.sleep(0.1)
         raise StreamError(
@@ -114,14 +114,20 @@ def build_slice(settings: Settings, topics: Topics, codec: AvroCodec | None = No
     store = live_view.node_store(topics.changelog(live_view.APPLICATION_ID, "nodes"))
     handler = live_view.LiveViewHandler(codec, store)
     processor = TransactionalProcessor(
-        kafka=settings.kafka, application_id=f"{topics.prefix}.{live_view.APPLICATION_ID}",
-        inputs=[topics.telemetry, topics.node_state], handler=handler,
-        dead_letter_topic=topics.dead_letter, stores=[store],
+        kafka=settings.kafka,
+        application_id=f"{topics.prefix}.{live_view.APPLICATION_ID}",
+        inputs=[topics.telemetry, topics.node_state],
+        handler=handler,
+        dead_letter_topic=topics.dead_letter,
+        stores=[store],
     )
     sink = HotSampleSink(
-        kafka=settings.kafka, codec=codec,
-        store=HotSampleStore(client, settings.clickhouse_database), topic=topics.telemetry,
-        dead_letter_topic=topics.dead_letter, group_id=f"{topics.prefix}.hot-sink",
+        kafka=settings.kafka,
+        codec=codec,
+        store=HotSampleStore(client, settings.clickhouse_database),
+        topic=topics.telemetry,
+        dead_letter_topic=topics.dead_letter,
+        group_id=f"{topics.prefix}.hot-sink",
     )
     # The slice owns the embedded store; other processes (`fleetline sql`) query through it.
     queries = QueryService(client, settings.clickhouse_url)
@@ -130,17 +136,26 @@ def build_slice(settings: Settings, topics: Topics, codec: AvroCodec | None = No
 
 UTILISATION_QUERY = """
 SELECT cluster_id, count() AS samples, uniqExact(node_id) AS nodes,
-       round(avg(toFloat64(gpu_util_pct)), 2) AS avg_util_pct, round(toFloat64(max(power_w)), 1) AS max_power_w
+       round(avg(toFloat64(gpu_util_pct)), 2) AS avg_util_pct,
+       round(toFloat64(max(power_w)), 1) AS max_power_w
 FROM {db}.gpu_samples
 WHERE ts >= fromUnixTimestamp64Milli({start_ms}::Int64, 'UTC')
 GROUP BY cluster_id ORDER BY cluster_id
 """
 
 
-def run_slice(settings: Settings, clusters: list[ClusterSpec], *, ticks: int,
-              interval_ms: int, seed: int, start_ms: int, realtime: bool,
-              topics: Topics | None = None,
-              progress: Callable[[str], None] = lambda line: None) -> SliceResult:
+def run_slice(
+    settings: Settings,
+    clusters: list[ClusterSpec],
+    *,
+    ticks: int,
+    interval_ms: int,
+    seed: int,
+    start_ms: int,
+    realtime: bool,
+    topics: Topics | None = None,
+    progress: Callable[[str], None] = lambda line: None,
+) -> SliceResult:
     """Run the fleet for `ticks` intervals of event time and return what every stage saw."""
     topics = topics or Topics()
     timings: dict[str, float] = {}
@@ -159,13 +174,15 @@ def run_slice(settings: Settings, clusters: list[ClusterSpec], *, ticks: int,
             ts = start_ms + tick * interval_ms
             if tick == ticks // 2:
                 states += publisher.publish_states(
-                    [simulator.take_down(victim.node_id, ts, "simulated power loss")])
+                    [simulator.take_down(victim.node_id, ts, "simulated power loss")]
+                )
                 progress(f"t+{tick * interval_ms / 1000:.0f}s: {victim.node_id} went DOWN")
             telemetry += publisher.publish_telemetry(simulator.telemetry(ts))
             if tick == 1:
                 # One malformed message, to show the dead-letter path end to end.
-                publisher.producer.produce(topics.telemetry, key=b"garbage",
-                                           value=b"\x00not avro at all")
+                publisher.producer.produce(
+                    topics.telemetry, key=b"garbage", value=b"\x00not avro at all"
+                )
             if realtime:
                 publisher.producer.poll(0)
                 time.sleep(interval_ms / 1000)
@@ -177,16 +194,23 @@ def run_slice(settings: Settings, clusters: list[ClusterSpec], *, ticks: int,
         running.wait_for(processed=states + telemetry + 1, telemetry=telemetry + 1)
         timings["drain_s"] = time.monotonic() - began
         view = running.handler.view()
-        rows = running.sink.store.client.query(UTILISATION_QUERY.format(
-            db=settings.clickhouse_database, start_ms=start_ms)).result_rows
+        rows = running.sink.store.client.query(
+            UTILISATION_QUERY.format(db=settings.clickhouse_database, start_ms=start_ms)
+        ).result_rows
         snapshot_key = save_view_snapshot(settings, topics, running)
     finally:
         running.close()
     return SliceResult(
-        telemetry_sent=telemetry, states_sent=states, malformed_sent=1, view=view,
+        telemetry_sent=telemetry,
+        states_sent=states,
+        malformed_sent=1,
+        view=view,
         processor_dead_letters=running.processor.stats.dead_letters,
-        sink_rows=running.sink.stats.rows, sink_dead_letters=running.sink.stats.dead_letters,
-        query_rows=rows, snapshot_key=snapshot_key, timings=timings,
+        sink_rows=running.sink.stats.rows,
+        sink_dead_letters=running.sink.stats.dead_letters,
+        query_rows=rows,
+        snapshot_key=snapshot_key,
+        timings=timings,
     )
 
 
@@ -194,12 +218,15 @@ def save_view_snapshot(settings: Settings, topics: Topics, running: RunningSlice
     """Write the live view, with the processor's counters, to object storage and read it back."""
     objects = ObjectStore.from_settings(settings.s3)
     objects.ensure_bucket()
-    body = json.dumps({
-        "topics": topics.prefix,
-        "clusters": live_view.view_as_dict(running.handler.view()),
-        "nodes": [asdict(node) for _, node in running.handler.store.items()],
-        "messages_processed": running.processor.stats.messages,
-    }, sort_keys=True).encode()
+    body = json.dumps(
+        {
+            "topics": topics.prefix,
+            "clusters": live_view.view_as_dict(running.handler.view()),
+            "nodes": [asdict(node) for _, node in running.handler.store.items()],
+            "messages_processed": running.processor.stats.messages,
+        },
+        sort_keys=True,
+    ).encode()
     key = f"snapshots/live-view/{topics.prefix}.json"
     objects.put(key, body, content_type="application/json")
     if objects.get(key) != body:

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 from minio import Minio
 from minio.error import S3Error
+from urllib3.exceptions import HTTPError
 
 from fleetline.config import S3Settings
 from fleetline.errors import StorageError, TransientStorageError
-from urllib3.exceptions import HTTPError
 
 
 def _translate(action: str, exc: Exception) -> StorageError:

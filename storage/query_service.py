@@ -58,7 +58,7 @@ class QueryService:
         lock = threading.Lock()  # one chdb connection: queries take turns
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+            def do_POST(self) -> None:
                 if self.path != "/query":
                     self._reply(404, {"error": f"no route {self.path}; POST /query"})
                     return
@@ -79,7 +79,7 @@ class QueryService:
                 self.end_headers()
                 self.wfile.write(data)
 
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            def log_message(self, format: str, *args: Any) -> None:
                 pass
 
         self.server = ThreadingHTTPServer((host, port), Handler)

@@ -33,7 +33,9 @@ class DeadLetter:
         return (self.topic, self.partition, self.offset)
 
 
-def dead_letter_headers(msg: Message, application: str, error: Exception) -> list[tuple[str, bytes]]:
+def dead_letter_headers(
+    msg: Message, application: str, error: Exception
+) -> list[tuple[str, bytes]]:
     return [
         (H_REASON, str(error).encode()),
         (H_ERROR, type(error).__name__.encode()),
@@ -47,8 +49,12 @@ def dead_letter_headers(msg: Message, application: str, error: Exception) -> lis
 def read_dead_letter(msg: Message) -> DeadLetter:
     headers = {key: (value or b"").decode() for key, value in (msg.headers() or [])}
     return DeadLetter(
-        key=msg.key(), value=msg.value(), reason=headers.get(H_REASON, ""),
-        error=headers.get(H_ERROR, ""), application=headers.get(H_APP, ""),
-        topic=headers.get(H_TOPIC, ""), partition=int(headers.get(H_PARTITION, "-1")),
+        key=msg.key(),
+        value=msg.value(),
+        reason=headers.get(H_REASON, ""),
+        error=headers.get(H_ERROR, ""),
+        application=headers.get(H_APP, ""),
+        topic=headers.get(H_TOPIC, ""),
+        partition=int(headers.get(H_PARTITION, "-1")),
         offset=int(headers.get(H_OFFSET, "-1")),
     )

@@ -19,10 +19,16 @@ def admin_client(kafka: KafkaSettings) -> AdminClient:
     return AdminClient(kafka.client_config())
 
 
-def ensure_topics(kafka: KafkaSettings, specs: Iterable[TopicSpec], timeout_s: float = 30.0) -> None:
+def ensure_topics(
+    kafka: KafkaSettings, specs: Iterable[TopicSpec], timeout_s: float = 30.0
+) -> None:
     """Create the topics that do not exist yet; an existing topic is left as it is."""
-    new = [NewTopic(spec.name, num_partitions=spec.partitions, replication_factor=1,
-                    config=spec.config) for spec in specs]
+    new = [
+        NewTopic(
+            spec.name, num_partitions=spec.partitions, replication_factor=1, config=spec.config
+        )
+        for spec in specs
+    ]
     if not new:
         return
     # Keep the client referenced until every future resolves: collecting it cancels them.
@@ -36,17 +42,20 @@ def ensure_topics(kafka: KafkaSettings, specs: Iterable[TopicSpec], timeout_s: f
                 raise StreamError(f"creating topic {name}: {exc.args[0].str()}") from None
 
 
-def producer(kafka: KafkaSettings, *, transactional_id: str | None = None,
-             **extra: object) -> Producer:
+def producer(
+    kafka: KafkaSettings, *, transactional_id: str | None = None, **extra: object
+) -> Producer:
     """An idempotent producer (transactional when an id is given), batching with lz4."""
-    conf = kafka.client_config(**{
-        "enable.idempotence": True,
-        "acks": "all",
-        "compression.type": "lz4",
-        "linger.ms": 20,
-        "partitioner": PARTITIONER,
-        **extra,
-    })
+    conf = kafka.client_config(
+        **{
+            "enable.idempotence": True,
+            "acks": "all",
+            "compression.type": "lz4",
+            "linger.ms": 20,
+            "partitioner": PARTITIONER,
+            **extra,
+        }
+    )
     if transactional_id is not None:
         conf["transactional.id"] = transactional_id
     return Producer(conf)
@@ -54,11 +63,15 @@ def producer(kafka: KafkaSettings, *, transactional_id: str | None = None,
 
 def consumer(kafka: KafkaSettings, group_id: str, **extra: object) -> Consumer:
     """A read_committed consumer that never commits by itself."""
-    return Consumer(kafka.client_config(**{
-        "group.id": group_id,
-        "isolation.level": "read_committed",
-        "enable.auto.commit": False,
-        "enable.auto.offset.store": False,
-        "auto.offset.reset": "earliest",
-        **extra,
-    }))
+    return Consumer(
+        kafka.client_config(
+            **{
+                "group.id": group_id,
+                "isolation.level": "read_committed",
+                "enable.auto.commit": False,
+                "enable.auto.offset.store": False,
+                "auto.offset.reset": "earliest",
+                **extra,
+            }
+        )
+    )

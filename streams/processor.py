@@ -65,7 +65,8 @@ class TransactionalProcessor:
 
     def run(self, stop: threading.Event) -> None:
         producer = kafka_clients.producer(
-            self.kafka, transactional_id=f"{self.application_id}-{self.instance_id}",
+            self.kafka,
+            transactional_id=f"{self.application_id}-{self.instance_id}",
             **{"transaction.timeout.ms": 60000},
         )
         consumer = kafka_clients.consumer(self.kafka, self.application_id)
@@ -112,17 +113,21 @@ class TransactionalProcessor:
                     _produce(producer, out)
             for store in self.stores:
                 for partition, key, value in store.pending_changelog():
-                    producer.produce(store.changelog_topic, key=key, value=value,
-                                     partition=partition)
+                    producer.produce(
+                        store.changelog_topic, key=key, value=value, partition=partition
+                    )
             producer.send_offsets_to_transaction(
                 [TopicPartition(t, p, o) for (t, p), o in next_offsets.items()],
-                consumer.consumer_group_metadata(), 30,
+                consumer.consumer_group_metadata(),
+                30,
             )
             producer.commit_transaction(60)
         except KafkaException as exc:
             error: KafkaError = exc.args[0]
             if error.fatal():
-                raise StreamError(f"{self.application_id}: fatal Kafka error: {error.str()}") from None
+                raise StreamError(
+                    f"{self.application_id}: fatal Kafka error: {error.str()}"
+                ) from None
             log.warning("%s: aborting batch after %s", self.application_id, error.str())
             self.stats.aborts += 1
             producer.abort_transaction(60)
@@ -140,10 +145,22 @@ class TransactionalProcessor:
             return self.handler(msg)
         except FleetlineError as exc:
             self.stats.dead_letters += 1
-            log.warning("%s: dead-lettering %s[%d]@%d: %s", self.application_id, msg.topic(),
-                        msg.partition(), msg.offset(), exc)
-            return [Output(self.dead_letter_topic, msg.key(), msg.value(),
-                           headers=dead_letter_headers(msg, self.application_id, exc))]
+            log.warning(
+                "%s: dead-lettering %s[%d]@%d: %s",
+                self.application_id,
+                msg.topic(),
+                msg.partition(),
+                msg.offset(),
+                exc,
+            )
+            return [
+                Output(
+                    self.dead_letter_topic,
+                    msg.key(),
+                    msg.value(),
+                    headers=dead_letter_headers(msg, self.application_id, exc),
+                )
+            ]
 
 
 def _produce(producer, out: Output) -> None:

@@ -16,23 +16,33 @@ BASE_MS = 1_796_000_000_000  # 2026-11-29T08:53:20Z, pinned so runs are comparab
 
 
 def small_fleet(nodes: int = 2, seed: int = 11) -> FleetSimulator:
-    return FleetSimulator([ClusterSpec("c1", "eu-west", nodes), ClusterSpec("c2", "us-east", nodes)],
-                          seed=seed)
+    return FleetSimulator(
+        [ClusterSpec("c1", "eu-west", nodes), ClusterSpec("c2", "us-east", nodes)], seed=seed
+    )
 
 
 def fresh_topics(partitions: int = 3) -> Topics:
     return Topics(prefix=f"test.{uuid.uuid4().hex[:10]}", node_partitions=partitions)
 
 
-def read_all(settings: Settings, topic: str, expected: int, timeout_s: float = 30.0,
-             committed_only: bool = True) -> list[Any]:
+def read_all(
+    settings: Settings,
+    topic: str,
+    expected: int,
+    timeout_s: float = 30.0,
+    committed_only: bool = True,
+) -> list[Any]:
     """Read `expected` messages from the start of `topic` (fails the test if fewer arrive)."""
-    consumer = Consumer(settings.kafka.client_config(**{
-        "group.id": f"reader-{uuid.uuid4().hex}",
-        "auto.offset.reset": "earliest",
-        "enable.auto.commit": False,
-        "isolation.level": "read_committed" if committed_only else "read_uncommitted",
-    }))
+    consumer = Consumer(
+        settings.kafka.client_config(
+            **{
+                "group.id": f"reader-{uuid.uuid4().hex}",
+                "auto.offset.reset": "earliest",
+                "enable.auto.commit": False,
+                "isolation.level": "read_committed" if committed_only else "read_uncommitted",
+            }
+        )
+    )
     consumer.subscribe([topic])
     messages = []
     deadline = time.monotonic() + timeout_s

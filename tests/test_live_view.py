@@ -66,7 +66,7 @@ def test_cluster_with_every_node_down_has_no_average() -> None:
 def test_out_of_range_utilisation_is_invalid_input() -> None:
     record = small_fleet(nodes=1).telemetry(BASE_MS)[0]
     record["gpus"][2]["gpu_util_pct"] = 140.0
-    with pytest.raises(InvalidEventError, match="gpu 2: gpu_util_pct 140.0 is outside 0-100"):
+    with pytest.raises(InvalidEventError, match=r"gpu 2: gpu_util_pct 140\.0 is outside 0-100"):
         apply(None, event("NodeTelemetry", record))
 
 

@@ -13,8 +13,16 @@ from tests.support import BASE_MS, fresh_topics
 
 def test_slice_flows_end_to_end(settings) -> None:
     topics = fresh_topics()
-    result = run_slice(settings, default_clusters(2), ticks=6, interval_ms=1000, seed=3,
-                       start_ms=BASE_MS, realtime=False, topics=topics)
+    result = run_slice(
+        settings,
+        default_clusters(2),
+        ticks=6,
+        interval_ms=1000,
+        seed=3,
+        start_ms=BASE_MS,
+        realtime=False,
+        topics=topics,
+    )
     # 3 clusters x 2 nodes; the last node goes down at tick 3 and reports no more.
     assert result.states_sent == 7
     assert result.telemetry_sent == 6 * 6 - 4
@@ -24,7 +32,10 @@ def test_slice_flows_end_to_end(settings) -> None:
     assert by_cluster["ap-south-a"].nodes_down == 1
     assert sum(c.gpus for c in result.view) == 48
     assert {r[0]: r[1] for r in result.query_rows} == {
-        "ap-south-a": (6 + 2) * 8, "eu-west-a": 12 * 8, "us-east-a": 12 * 8}
+        "ap-south-a": (6 + 2) * 8,
+        "eu-west-a": 12 * 8,
+        "us-east-a": 12 * 8,
+    }
     bucket, key = result.snapshot_key.removeprefix("s3://").split("/", 1)
     snapshot = json.loads(ObjectStore.from_settings(settings.s3, bucket=bucket).get(key))
     assert snapshot["clusters"][0]["cluster_id"] == "ap-south-a"
@@ -54,10 +65,20 @@ def test_another_process_queries_the_embedded_store_through_its_owner(settings) 
     service = QueryService(owner, settings.clickhouse_url).start()
     env = {**os.environ, "FLEETLINE_CLICKHOUSE_URL": settings.clickhouse_url}
     try:
-        ok = subprocess.run([sys.executable, "-m", "fleetline.cli", "sql", "SELECT 6 * 7 AS x"],
-                            env=env, capture_output=True, text=True, timeout=60)
-        bad = subprocess.run([sys.executable, "-m", "fleetline.cli", "sql", f"DROP TABLE {db}.kept"],
-                             env=env, capture_output=True, text=True, timeout=60)
+        ok = subprocess.run(
+            [sys.executable, "-m", "fleetline.cli", "sql", "SELECT 6 * 7 AS x"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        bad = subprocess.run(
+            [sys.executable, "-m", "fleetline.cli", "sql", f"DROP TABLE {db}.kept"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     finally:
         service.stop()
     assert (ok.returncode, ok.stdout.splitlines()) == (0, ["x", "42"]), ok.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import random
@@ -107,10 +108,9 @@ def test_random_corruption_never_escapes_as_a_foreign_exception() -> None:
         corrupt = bytearray(data)
         for _ in range(3):
             corrupt[rng.randrange(len(corrupt))] = rng.randrange(256)
-        try:
+        # Either it still decodes (a flipped value byte) or it is a DecodeError; nothing else.
+        with contextlib.suppress(DecodeError):
             codec.decode(bytes(corrupt))
-        except DecodeError:
-            pass
 
 
 def test_unknown_fingerprint_is_its_own_error() -> None:

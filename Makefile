@@ -1,0 +1,37 @@
+# The README's two commands: `make run` (set up and run the slice) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint bench services-start services-stop clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+# Installs, starts Kafka and the S3 server, runs the simulated fleet, prints, stops them.
+run: $(STAMP)
+	$(VENV)/bin/fleetline run
+
+# Starts (and afterwards stops) the services the tests need, from tests/conftest.py.
+test: $(STAMP)
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+bench: $(STAMP)
+	$(PY) benchmarks/throughput.py
+
+services-start: $(STAMP)
+	$(VENV)/bin/fleetline infra start
+
+services-stop: $(STAMP)
+	$(VENV)/bin/fleetline infra stop
+
+clean:
+	-$(VENV)/bin/fleetline infra wipe
+	rm -rf $(VENV) .data
