@@ -7,14 +7,17 @@ runs it through `fleetline run`.
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
-from fleetline.agents.runtime import TelemetryPublisher
-from fleetline.agents.simulator import ClusterSpec, FleetSimulator
+from fleetline.agents.fleet import FleetAgent
+from fleetline.agents.simulator import ClusterSpec, Fault, FleetSimulator
 from fleetline.config import Settings
 from fleetline.errors import FleetlineError, StreamError
 from fleetline.processors import live_view
@@ -163,32 +166,36 @@ def run_slice(
     running = build_slice(settings, topics)
     running.start()
     timings["pipeline_start_s"] = time.monotonic() - began
-    simulator = FleetSimulator(clusters, seed=seed, interval_ms=interval_ms)
-    publisher = TelemetryPublisher(kafka_clients.producer(settings.kafka), running.codec, topics)
-    victim = simulator.nodes[-1]
+    # Half-way through, the last node loses power: a scripted fault, like any other.
+    probe = FleetSimulator(clusters, seed=seed)
+    victim = probe.nodes[-1]
+    down_at = start_ms + (ticks // 2) * interval_ms
+    simulator = FleetSimulator(clusters, seed=seed, interval_ms=interval_ms,
+                               faults=[Fault("node_down", victim.node_id, down_at)])
+    state_dir = Path(tempfile.mkdtemp(prefix="fleetline-agents-"))
+    agent = FleetAgent.create(settings, running.codec, topics, simulator, state_dir,
+                              commands=False)
+    injector = kafka_clients.producer(settings.kafka)
     try:
         began = time.monotonic()
-        states = publisher.publish_states(simulator.initial_states(start_ms))
+        states = agent.start(start_ms)
         telemetry = 0
         for tick in range(1, ticks + 1):
             ts = start_ms + tick * interval_ms
-            if tick == ticks // 2:
-                states += publisher.publish_states(
-                    [simulator.take_down(victim.node_id, ts, "simulated power loss")]
-                )
+            sent = agent.tick(ts)
+            states += sent["states"]
+            telemetry += sent["telemetry"]
+            if ts == down_at:
                 progress(f"t+{tick * interval_ms / 1000:.0f}s: {victim.node_id} went DOWN")
-            telemetry += publisher.publish_telemetry(simulator.telemetry(ts))
             if tick == 1:
                 # One malformed message, to show the dead-letter path end to end.
-                publisher.producer.produce(
-                    topics.telemetry, key=b"garbage", value=b"\x00not avro at all"
-                )
+                injector.produce(topics.telemetry, key=b"garbage", value=b"\x00not avro at all")
+                injector.flush(30)
             if realtime:
-                publisher.producer.poll(0)
                 time.sleep(interval_ms / 1000)
                 if tick % 5 == 0:
                     progress(_view_line(running.handler.view()))
-        publisher.flush()
+        agent.flush()
         timings["produce_s"] = time.monotonic() - began
         began = time.monotonic()
         running.wait_for(processed=states + telemetry + 1, telemetry=telemetry + 1)
@@ -199,6 +206,8 @@ def run_slice(
         ).result_rows
         snapshot_key = save_view_snapshot(settings, topics, running)
     finally:
+        agent.close()
+        shutil.rmtree(state_dir, ignore_errors=True)
         running.close()
     return SliceResult(
         telemetry_sent=telemetry,

@@ -1,62 +1,150 @@
-"""The node agent's shell: turns records from a collector into Kafka messages keyed by node."""
+"""The node agent's shell: collector records -> spool -> Kafka, plus its command loop.
+
+Every record is appended to the on-disk spool first, then sent in spool order by an idempotent
+producer keyed by node id. Kafka's acknowledgements advance the spool's `acked` mark; a failed
+delivery (a broker outage outlasting `message.timeout.ms`) rewinds sending to the first
+unacknowledged record once the in-flight ones have all reported. So a node's records reach the
+topic in order with none lost; an outage can repeat some, which consumers drop by the per-node
+`seq` they carry.
+"""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from confluent_kafka import KafkaError, Message
 
+from fleetline.agents.spool import DiskSpool
 from fleetline.errors import StreamError
 from fleetline.streams.serde import AvroCodec
 from fleetline.streams.topics import Topics
 
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PublisherMetrics:
+    delivered: int = 0
+    failed_deliveries: int = 0
+    resent: int = 0
+    rewinds: int = 0
+
 
 @dataclass
 class TelemetryPublisher:
-    """Publishes NodeTelemetry and NodeState with an idempotent producer, keyed by node id."""
+    """Sends NodeTelemetry, NodeState and CommandResult through a spool, keyed by node id."""
 
     producer: Any
     codec: AvroCodec
     topics: Topics
-    failed: list[str] = field(default_factory=list)
-    delivered: int = 0
+    spool: DiskSpool
+    max_in_flight: int = 20_000
+    retry_backoff_s: float = 1.0
+    metrics: PublisherMetrics = field(default_factory=PublisherMetrics)
+    _next: int = field(init=False, default=-1)
+    _in_flight: int = field(init=False, default=0)
+    _delivered: set[int] = field(init=False, default_factory=set)
+    _failed: bool = field(init=False, default=False)
+    _retry_at: float = field(init=False, default=0.0)
+    _highest_sent: int = field(init=False, default=-1)
 
-    def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:
+    def __post_init__(self) -> None:
+        self._next = self.spool.acked + 1
+
+    # -- recording ------------------------------------------------------------------------
+
+    def _record(self, topic: str, schema: str, record: Mapping[str, Any]) -> None:
+        self.spool.append(topic, record["node_id"].encode(), self.codec.encode(schema, record))
+
+    def publish_telemetry(self, records: Iterable[Mapping[str, Any]], send: bool = True) -> int:
+        return self.publish("telemetry", records, send=send)
+
+    def publish_states(self, records: Iterable[Mapping[str, Any]], send: bool = True) -> int:
+        return self.publish("state", records, send=send)
+
+    def publish_results(self, records: Iterable[Mapping[str, Any]], send: bool = True) -> int:
+        return self.publish("result", records, send=send)
+
+    def publish(self, kind: str, records: Iterable[Mapping[str, Any]], *,
+                send: bool = True) -> int:
+        """Spool records of one kind; with `send` False (the node's link is down) they wait
+        in the spool until a later `pump`."""
+        topic, schema = {
+            "telemetry": (self.topics.telemetry, "NodeTelemetry"),
+            "state": (self.topics.node_state, "NodeState"),
+            "result": (self.topics.command_results, "CommandResult"),
+        }[kind]
+        count = 0
+        for record in records:
+            self._record(topic, schema, record)
+            count += 1
+        if send:
+            self.pump()
+        return count
+
+    # -- sending --------------------------------------------------------------------------
+
+    def _on_delivery(self, err: KafkaError | None, msg: Message, offset: int) -> None:
+        self._in_flight -= 1
         if err is None:
-            self.delivered += 1
+            self.metrics.delivered += 1
+            self._delivered.add(offset)
         else:
-            self.failed.append(f"{msg.topic()} key={msg.key()!r}: {err.str()}")
+            self.metrics.failed_deliveries += 1
+            if not self._failed:
+                log.warning("delivery failed (%s); will resend from the spool", err.str())
+            self._failed = True
 
-    def _send(self, topic: str, schema: str, record: Mapping[str, Any]) -> None:
-        value = self.codec.encode(schema, record)
-        key = record["node_id"].encode()
-        while True:
-            try:
-                self.producer.produce(topic, key=key, value=value, on_delivery=self._on_delivery)
+    def _advance_acked(self) -> None:
+        acked = self.spool.acked
+        while acked + 1 in self._delivered:
+            acked += 1
+            self._delivered.discard(acked)
+        if acked > self.spool.acked:
+            self.spool.ack(acked)
+
+    def pump(self, timeout_s: float = 0.0) -> None:
+        """Serve delivery reports, advance the acked mark, send what the spool holds next."""
+        self.producer.poll(timeout_s)
+        self._advance_acked()
+        if self._failed:
+            if self._in_flight > 0:
+                return  # wait until every outstanding delivery has reported
+            self._failed = False
+            self._delivered.clear()
+            self._next = self.spool.acked + 1
+            self._retry_at = time.monotonic() + self.retry_backoff_s
+            self.metrics.rewinds += 1
+        if time.monotonic() < self._retry_at:
+            return
+        self._next = max(self._next, self.spool.acked + 1)  # skip what the bound dropped
+        for entry in self.spool.entries_from(self._next):
+            if self._in_flight >= self.max_in_flight:
                 break
+            try:
+                self.producer.produce(
+                    entry.topic, key=entry.key, value=entry.value,
+                    on_delivery=lambda err, msg, o=entry.offset: self._on_delivery(err, msg, o),
+                )
             except BufferError:
-                self.producer.poll(0.05)
-        self.producer.poll(0)
-
-    def publish_telemetry(self, records: Iterable[Mapping[str, Any]]) -> int:
-        count = 0
-        for record in records:
-            self._send(self.topics.telemetry, "NodeTelemetry", record)
-            count += 1
-        return count
-
-    def publish_states(self, records: Iterable[Mapping[str, Any]]) -> int:
-        count = 0
-        for record in records:
-            self._send(self.topics.node_state, "NodeState", record)
-            count += 1
-        return count
+                break
+            if entry.offset <= self._highest_sent:
+                self.metrics.resent += 1
+            self._highest_sent = max(self._highest_sent, entry.offset)
+            self._in_flight += 1
+            self._next = entry.offset + 1
 
     def flush(self, timeout_s: float = 30.0) -> None:
-        remaining = self.producer.flush(timeout_s)
-        if remaining:
-            raise StreamError(f"{remaining} messages still undelivered after {timeout_s:.0f}s")
-        if self.failed:
-            raise StreamError(f"{len(self.failed)} messages failed: {self.failed[:3]}")
+        """Block until everything spooled is acknowledged, or raise after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.spool) or self._in_flight:
+            if time.monotonic() > deadline:
+                raise StreamError(
+                    f"{len(self.spool)} spooled records still unacknowledged after "
+                    f"{timeout_s:.0f}s ({self.metrics.failed_deliveries} failed deliveries)"
+                )
+            self.pump(0.05)

@@ -1,7 +1,13 @@
-"""A deterministic simulated fleet: clusters in regions, nodes of 8 GPUs in NVLink islands.
+"""A deterministic simulated fleet with scriptable faults.
 
-Everything comes from the seed and the event times the caller passes in; no clock, no global
-randomness, so two simulators with one seed emit identical records.
+Clusters sit in named regions; each node has 8 GPUs in two NVLink islands of four; two nodes
+share a leaf switch (16 GPUs behind one leaf), leaves hang off one spine per cluster. Load follows
+a diurnal curve plus a per-GPU bias. Faults are data (`Fault`), active over an event-time window:
+a GPU degraded by NVLink errors, a leaf switch losing RDMA packets (degrading its 16 GPUs), XID
+or double-bit ECC events, a node going down, a whole cluster losing its link to Kafka.
+
+Everything comes from the seed and the event times the caller passes in: no clock, no global
+randomness, so two simulators with one seed and one fault script emit identical records.
 """
 
 from __future__ import annotations
@@ -9,14 +15,77 @@ from __future__ import annotations
 import math
 import random
 import zlib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import yaml
+
+from fleetline.errors import ConfigError
 
 GPUS_PER_NODE = 8
 ISLAND_SIZE = 4
-NODES_PER_LEAF = 4
+NODES_PER_LEAF = 2
 H100_FB_MIB = 81559
+DEFAULT_POWER_LIMIT_W = 700.0
+NVLINK_LINKS = 18
 DAY_MS = 24 * 3600 * 1000
+AGENT_VERSION = "0.2.0"
+
+FAULT_KINDS = ("nvlink_errors", "rdma_loss", "xid", "ecc_dbe", "node_down", "cluster_link_loss")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One scripted fault, active for event times in [start_ms, end_ms) (end None: for ever).
+
+    target: `node_id/gpu_index` for nvlink_errors, xid and ecc_dbe; a leaf switch id for
+    rdma_loss; a node id for node_down; a cluster id for cluster_link_loss. value: errors per
+    interval (nvlink_errors), loss ratio (rdma_loss), the XID code (xid).
+    """
+
+    kind: str
+    target: str
+    start_ms: int
+    end_ms: int | None = None
+    value: float = 0.0
+
+    def active(self, ts_ms: int) -> bool:
+        return self.start_ms <= ts_ms and (self.end_ms is None or ts_ms < self.end_ms)
+
+
+def load_faults(source: str | Path | Iterable[Mapping[str, Any]], base_ms: int) -> list[Fault]:
+    """Faults from YAML (a path, a YAML string, or parsed items) with times in seconds from base.
+
+    Each item: `{kind, target, at_s, for_s (optional), value (optional)}`.
+    """
+    if isinstance(source, Path) or (isinstance(source, str) and source.endswith((".yaml", ".yml"))):
+        items = yaml.safe_load(Path(source).read_text())
+    elif isinstance(source, str):
+        items = yaml.safe_load(source)
+    else:
+        items = list(source)
+    faults = []
+    for number, item in enumerate(items or [], start=1):
+        if not isinstance(item, Mapping):
+            raise ConfigError(f"fault {number}: expected a mapping, got {item!r}")
+        unknown = set(item) - {"kind", "target", "at_s", "for_s", "value"}
+        if unknown:
+            raise ConfigError(f"fault {number}: unknown fields {sorted(unknown)}")
+        kind = item.get("kind")
+        if kind not in FAULT_KINDS:
+            raise ConfigError(f"fault {number}: kind must be one of {FAULT_KINDS}, got {kind!r}")
+        if not isinstance(item.get("target"), str):
+            raise ConfigError(f"fault {number} ({kind}): target is required")
+        try:
+            start = base_ms + int(float(item.get("at_s", 0)) * 1000)
+            end = None if item.get("for_s") is None else start + int(float(item["for_s"]) * 1000)
+            value = float(item.get("value", 0.0))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"fault {number} ({kind}): {exc}") from None
+        faults.append(Fault(kind, item["target"], start, end, value))
+    return faults
 
 
 @dataclass(frozen=True)
@@ -53,16 +122,23 @@ def _uuid(seed: int, node_id: str, index: int) -> str:
     return f"GPU-{digest}-{index:04x}-{seed & 0xFFFF:04x}-{len(node_id):04x}-{digest}{index:04x}"
 
 
+def _islands() -> list[list[int]]:
+    return [list(range(i, i + ISLAND_SIZE)) for i in range(0, GPUS_PER_NODE, ISLAND_SIZE)]
+
+
 @dataclass
 class FleetSimulator:
     clusters: list[ClusterSpec]
     seed: int
     interval_ms: int = 1000
+    faults: list[Fault] = field(default_factory=list)
     nodes: list[SimNode] = field(init=False)
     _rng: random.Random = field(init=False, repr=False)
     _seq: dict[str, int] = field(init=False, repr=False)
-    _ecc_sbe: dict[str, int] = field(init=False, repr=False)
+    _counters: dict[str, list[int]] = field(init=False, repr=False)
     _down: set[str] = field(init=False, repr=False)
+    _power_limit: dict[str, float] = field(init=False, repr=False)
+    _fired: set[Fault] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
@@ -78,26 +154,54 @@ class FleetSimulator:
                     load_bias=tuple(self._rng.random() for _ in range(GPUS_PER_NODE)),
                     gpu_uuids=tuple(_uuid(self.seed, node_id, i) for i in range(GPUS_PER_NODE)),
                 ))
+        self._by_id = {node.node_id: node for node in self.nodes}
         self._seq = {node.node_id: 0 for node in self.nodes}
-        self._ecc_sbe = {}
+        # Cumulative per-GPU counters: ECC single-bit, ECC double-bit, NVLink errors.
+        self._counters = {}
         self._down = set()
+        self._power_limit = {}
+        self._fired = set()
+        for fault in self.faults:
+            self._check_target(fault)
+
+    def _check_target(self, fault: Fault) -> None:
+        if fault.kind in ("nvlink_errors", "xid", "ecc_dbe"):
+            node_id, _, index = fault.target.rpartition("/")
+            ok = node_id in self._by_id and index.isdigit() and int(index) < GPUS_PER_NODE
+        elif fault.kind == "rdma_loss":
+            ok = any(n.leaf_switch == fault.target for n in self.nodes)
+        elif fault.kind == "node_down":
+            ok = fault.target in self._by_id
+        else:
+            ok = any(c.cluster_id == fault.target for c in self.clusters)
+        if not ok:
+            raise ConfigError(f"{fault.kind} fault: no such target {fault.target!r} in the fleet")
+
+    def node(self, node_id: str) -> SimNode:
+        return self._by_id[node_id]
 
     def _next_seq(self, node_id: str) -> int:
         self._seq[node_id] += 1
         return self._seq[node_id]
 
     def node_state(self, node: SimNode, ts_ms: int, state: str = "UP",
-                   reason: str | None = None) -> dict[str, Any]:
+                   reason: str | None = None, labels: Mapping[str, str] | None = None,
+                   spool: tuple[int, int] | None = None) -> dict[str, Any]:
+        peers = {str(i): [j for j in island if j != i] for island in _islands() for i in island}
         return {
             "cluster_id": node.cluster_id, "region": node.region, "node_id": node.node_id,
             "seq": self._next_seq(node.node_id), "ts": ts_ms, "state": state, "reason": reason,
-            "labels": {"accelerator": node.model, "pool": "training"},
+            "labels": {"accelerator": node.model, "pool": "training", **(labels or {})},
             "topology": {
                 "gpu_count": GPUS_PER_NODE,
-                "nvlink_islands": [list(range(i, i + ISLAND_SIZE))
-                                   for i in range(0, GPUS_PER_NODE, ISLAND_SIZE)],
+                "nvlink_islands": _islands(),
                 "leaf_switch": node.leaf_switch, "spine_switch": node.spine_switch,
+                "gpu_numa_nodes": [i * 2 // GPUS_PER_NODE for i in range(GPUS_PER_NODE)],
+                "nvlink_peers": peers,
             },
+            "agent_version": AGENT_VERSION,
+            "agent_spool_bytes": None if spool is None else spool[0],
+            "agent_spool_dropped": None if spool is None else spool[1],
         }
 
     def initial_states(self, ts_ms: int) -> list[dict[str, Any]]:
@@ -105,19 +209,63 @@ class FleetSimulator:
 
     def take_down(self, node_id: str, ts_ms: int, reason: str) -> dict[str, Any]:
         """Mark a node DOWN: it emits this state and no telemetry afterwards."""
-        node = next(n for n in self.nodes if n.node_id == node_id)
         self._down.add(node_id)
-        return self.node_state(node, ts_ms, "DOWN", reason)
+        return self.node_state(self._by_id[node_id], ts_ms, "DOWN", reason)
+
+    def is_down(self, node_id: str) -> bool:
+        return node_id in self._down
+
+    def set_power_limit(self, node_id: str, watts: float) -> None:
+        self._power_limit[node_id] = watts
+
+    def power_limit(self, node_id: str) -> float:
+        return self._power_limit.get(node_id, DEFAULT_POWER_LIMIT_W)
+
+    def link_up(self, node_id: str, ts_ms: int) -> bool:
+        """False while a cluster_link_loss fault cuts the node's cluster off from Kafka."""
+        cluster = self._by_id[node_id].cluster_id
+        return not any(f.kind == "cluster_link_loss" and f.target == cluster and f.active(ts_ms)
+                       for f in self.faults)
+
+    def state_changes(self, ts_ms: int) -> list[dict[str, Any]]:
+        """NodeState records for node_down faults that start or end at this tick."""
+        changes = []
+        for fault in self.faults:
+            if fault.kind != "node_down":
+                continue
+            active = fault.active(ts_ms)
+            if active and fault.target not in self._down:
+                changes.append(self.take_down(fault.target, ts_ms, "simulated node failure"))
+            elif not active and fault.target in self._down and fault.end_ms is not None \
+                    and ts_ms >= fault.end_ms:
+                self._down.discard(fault.target)
+                changes.append(self.node_state(self._by_id[fault.target], ts_ms, "UP",
+                                               "recovered"))
+        return changes
 
     def telemetry(self, ts_ms: int) -> list[dict[str, Any]]:
         """One NodeTelemetry record per node that is up, for the interval ending at `ts_ms`."""
         # Diurnal load: busiest mid-afternoon UTC, quietest before dawn.
         diurnal = 0.5 + 0.35 * math.sin(2 * math.pi * ((ts_ms % DAY_MS) / DAY_MS - 0.375))
+        active = [f for f in self.faults if f.active(ts_ms)]
+        nvlink_faults = {f.target: f.value for f in active if f.kind == "nvlink_errors"}
+        rdma_faults = {f.target: f.value for f in active if f.kind == "rdma_loss"}
+        xids: dict[str, list[int]] = {}
+        dbe: set[str] = set()
+        for fault in active:
+            if fault.kind in ("xid", "ecc_dbe") and fault not in self._fired:
+                self._fired.add(fault)  # an event, raised once
+                if fault.kind == "xid":
+                    xids.setdefault(fault.target, []).append(int(fault.value))
+                else:
+                    dbe.add(fault.target)
         records = []
         rng = self._rng
         for node in self.nodes:
             if node.node_id in self._down:
                 continue
+            limit = self.power_limit(node.node_id)
+            loss = rdma_faults.get(node.leaf_switch)
             gpus = []
             for index in range(GPUS_PER_NODE):
                 bias = node.load_bias[index]
@@ -125,8 +273,17 @@ class FleetSimulator:
                                       + rng.gauss(0, 4)))
                 busy = util / 100
                 key = f"{node.node_id}/{index}"
+                counters = self._counters.setdefault(key, [0, 0, 0])
                 if rng.random() < 0.001:
-                    self._ecc_sbe[key] = self._ecc_sbe.get(key, 0) + 1
+                    counters[0] += 1
+                if key in dbe:
+                    counters[1] += 1
+                link_errors = nvlink_faults.get(key)
+                if link_errors is not None:
+                    counters[2] += max(1, int(link_errors))
+                # Errors force replays: a degraded link moves a fraction of the data.
+                link_bytes = (0.3 if link_errors is not None else 1.0) * busy * 180e9
+                power = min(limit, 90 + 600 * busy + rng.gauss(0, 10))
                 gpus.append({
                     "gpu_index": index,
                     "gpu_uuid": node.gpu_uuids[index],
@@ -136,19 +293,27 @@ class FleetSimulator:
                     "mem_copy_util_pct": round(util * 0.7, 2),
                     "fb_used_mib": int(H100_FB_MIB * min(0.98, 0.05 + 0.9 * bias)),
                     "fb_total_mib": H100_FB_MIB,
-                    "nvlink_tx_bytes_per_s": busy * 180e9 * (0.9 + 0.2 * rng.random()),
-                    "nvlink_rx_bytes_per_s": busy * 180e9 * (0.9 + 0.2 * rng.random()),
-                    "nvlink_errors_total": 0,
-                    "rdma_packet_loss_ratio": abs(rng.gauss(0, 1e-6)),
+                    "nvlink_tx_bytes_per_s": link_bytes * (0.9 + 0.2 * rng.random()),
+                    "nvlink_rx_bytes_per_s": link_bytes * (0.9 + 0.2 * rng.random()),
+                    "nvlink_errors_total": counters[2],
+                    "rdma_packet_loss_ratio": (loss if loss is not None
+                                               else abs(rng.gauss(0, 1e-6))),
                     "temperature_c": round(32 + 45 * busy + rng.gauss(0, 1), 1),
-                    "power_w": round(90 + 600 * busy + rng.gauss(0, 10), 1),
-                    "ecc_sbe_total": self._ecc_sbe.get(key, 0),
-                    "ecc_dbe_total": 0,
-                    "xid_codes": [],
+                    "power_w": round(power, 1),
+                    "ecc_sbe_total": counters[0],
+                    "ecc_dbe_total": counters[1],
+                    "xid_codes": xids.get(key, []),
+                    "pcie_tx_bytes_per_s": busy * 20e9,
+                    "pcie_rx_bytes_per_s": busy * 22e9,
+                    "sm_clock_mhz": int(1980 * min(1.0, limit / DEFAULT_POWER_LIMIT_W)),
+                    "mem_clock_mhz": 2619,
+                    "power_limit_w": limit,
+                    "nvlink_links_active": NVLINK_LINKS,
                 })
             records.append({
                 "cluster_id": node.cluster_id, "region": node.region, "node_id": node.node_id,
                 "seq": self._next_seq(node.node_id), "ts": ts_ms,
                 "interval_ms": self.interval_ms, "gpus": gpus,
+                "agent_version": AGENT_VERSION, "collector": "simulator",
             })
         return records

@@ -79,6 +79,17 @@ MIGRATIONS: tuple[Migration, ...] = (
         ORDER BY (cluster_id, node_id, gpu_index, ts)
         """,
     )),
+    Migration(2, "gpu samples: GpuSample v2 fields", (
+        """
+        ALTER TABLE {db}.gpu_samples
+            ADD COLUMN IF NOT EXISTS pcie_tx_bytes_per_s Nullable(Float64) CODEC(Gorilla, ZSTD(1)),
+            ADD COLUMN IF NOT EXISTS pcie_rx_bytes_per_s Nullable(Float64) CODEC(Gorilla, ZSTD(1)),
+            ADD COLUMN IF NOT EXISTS sm_clock_mhz Nullable(UInt16) CODEC(T64, ZSTD(1)),
+            ADD COLUMN IF NOT EXISTS mem_clock_mhz Nullable(UInt16) CODEC(T64, ZSTD(1)),
+            ADD COLUMN IF NOT EXISTS power_limit_w Nullable(Float32) CODEC(Gorilla, ZSTD(1)),
+            ADD COLUMN IF NOT EXISTS nvlink_links_active Nullable(UInt8)
+        """,
+    )),
 )
 
 

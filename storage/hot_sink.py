@@ -38,6 +38,9 @@ _GPU_FIELDS = (
     ("temperature_c", pa.float32()), ("power_w", pa.float32()),
     ("ecc_sbe_total", pa.uint64()), ("ecc_dbe_total", pa.uint64()),
     ("xid_codes", pa.list_(pa.uint16())),
+    ("pcie_tx_bytes_per_s", pa.float64()), ("pcie_rx_bytes_per_s", pa.float64()),
+    ("sm_clock_mhz", pa.uint16()), ("mem_clock_mhz", pa.uint16()),
+    ("power_limit_w", pa.float32()), ("nvlink_links_active", pa.uint8()),
 )
 _NODE_FIELDS = (("cluster_id", pa.string()), ("region", pa.string()), ("node_id", pa.string()),
                 ("seq", pa.uint64()))
@@ -180,12 +183,4 @@ class HotSampleSink:
         self.stats.batches += 1
         self.stats.messages += len(messages)
         self.stats.rows += table.num_rows
-        consumer.commit(offsets=[TopicPartition(m.topic(), m.partition(), m.offset() + 1)
-                                 for m in _last_per_partition(messages)], asynchronous=False)
-
-
-def _last_per_partition(messages: list[Message]) -> list[Message]:
-    last: dict[tuple[str, int], Message] = {}
-    for msg in messages:
-        last[(msg.topic(), msg.partition())] = msg
-    return list(last.values())
+        consumer.commit(offsets=kafka_clients.next_offsets(messages), asynchronous=False)

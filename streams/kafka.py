@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from fleetline.config import KafkaSettings
@@ -75,3 +75,11 @@ def consumer(kafka: KafkaSettings, group_id: str, **extra: object) -> Consumer:
             }
         )
     )
+
+
+def next_offsets(messages: Iterable[Message]) -> list[TopicPartition]:
+    """The offsets to commit after `messages`: one past the last of each partition."""
+    last: dict[tuple[str, int], int] = {}
+    for msg in messages:
+        last[(msg.topic(), msg.partition())] = msg.offset() + 1
+    return [TopicPartition(topic, partition, offset) for (topic, partition), offset in last.items()]

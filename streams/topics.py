@@ -36,6 +36,14 @@ class Topics:
         return f"{self.prefix}.state.node"
 
     @property
+    def commands(self) -> str:
+        return f"{self.prefix}.commands.node"
+
+    @property
+    def command_results(self) -> str:
+        return f"{self.prefix}.commands.result"
+
+    @property
     def dead_letter(self) -> str:
         return f"{self.prefix}.deadletter"
 
@@ -51,6 +59,12 @@ class Topics:
             TopicSpec(self.node_state, self.node_partitions,
                       {"cleanup.policy": "compact", "min.compaction.lag.ms": str(3600 * 1000)},
                       "NodeState, keyed by node id; compacted to the latest state of each node"),
+            TopicSpec(self.commands, self.node_partitions,
+                      {"cleanup.policy": "delete", "retention.ms": str(7 * DAY_MS)},
+                      "NodeCommand, keyed by node id; each agent reads its nodes' partitions"),
+            TopicSpec(self.command_results, self.node_partitions,
+                      {"cleanup.policy": "delete", "retention.ms": str(30 * DAY_MS)},
+                      "CommandResult, the agents' acknowledgements, keyed by node id"),
             TopicSpec(self.dead_letter, 1,
                       {"cleanup.policy": "delete", "retention.ms": str(30 * DAY_MS)},
                       "messages no processor could handle: original bytes, reason in headers"),

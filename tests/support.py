@@ -21,6 +21,20 @@ def small_fleet(nodes: int = 2, seed: int = 11) -> FleetSimulator:
     )
 
 
+def make_publisher(settings: Settings, topics: Topics):
+    """A telemetry publisher with a spool of its own in a scratch folder."""
+    import tempfile
+    from pathlib import Path
+
+    from fleetline.agents.runtime import TelemetryPublisher
+    from fleetline.agents.spool import DiskSpool
+    from fleetline.streams import kafka as kafka_clients
+    from fleetline.streams.serde import default_codec
+
+    return TelemetryPublisher(kafka_clients.producer(settings.kafka), default_codec(), topics,
+                              DiskSpool(Path(tempfile.mkdtemp(prefix="spool-"))))
+
+
 def fresh_topics(partitions: int = 3) -> Topics:
     return Topics(prefix=f"test.{uuid.uuid4().hex[:10]}", node_partitions=partitions)
 

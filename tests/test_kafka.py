@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from confluent_kafka.admin import AdminClient
 
-from fleetline.agents.runtime import TelemetryPublisher
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import default_codec
-from tests.support import BASE_MS, fresh_topics, read_all, small_fleet
+from tests.support import make_publisher, BASE_MS, fresh_topics, read_all, small_fleet
 
 codec = default_codec()
 
@@ -25,14 +24,15 @@ def test_telemetry_flows_through_kafka_keyed_and_ordered_per_node(settings) -> N
     topics = fresh_topics()
     kafka_clients.ensure_topics(settings.kafka, topics.specs())
     fleet = small_fleet(nodes=3)
-    publisher = TelemetryPublisher(kafka_clients.producer(settings.kafka), codec, topics)
+    publisher = make_publisher(settings, topics)
     sent = []
     for tick in range(5):
         records = fleet.telemetry(BASE_MS + tick * 1000)
         publisher.publish_telemetry(records)
         sent += records
     publisher.flush()
-    assert publisher.delivered == len(sent) == 30
+    assert publisher.metrics.delivered == len(sent) == 30
+    assert len(publisher.spool) == 0 and publisher.spool.acked == 29
 
     messages = read_all(settings, topics.telemetry, len(sent))
     assert len(messages) == len(sent)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from fleetline.agents.runtime import TelemetryPublisher
 from fleetline.processors import live_view
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.deadletter import read_dead_letter
 from fleetline.streams.processor import TransactionalProcessor
 from fleetline.streams.serde import default_codec
 from fleetline.streams.topics import Topics
-from tests.support import BASE_MS, Background, fresh_topics, read_all, small_fleet, wait_until
+from tests.support import make_publisher, BASE_MS, Background, fresh_topics, read_all, small_fleet, wait_until
 
 codec = default_codec()
 
@@ -41,7 +40,7 @@ def reference_view(events) -> list[live_view.ClusterSummary]:
 
 
 def publish_run(settings, topics, fleet, ticks, start_tick=1):
-    publisher = TelemetryPublisher(kafka_clients.producer(settings.kafka), codec, topics)
+    publisher = make_publisher(settings, topics)
     events = []
     if start_tick == 1:
         states = fleet.initial_states(BASE_MS)
@@ -60,7 +59,7 @@ def test_view_equals_the_pure_fold_of_the_same_events(settings) -> None:
     fleet = small_fleet(nodes=3)
     events = publish_run(settings, topics, fleet, ticks=4)
     down = fleet.take_down(fleet.nodes[1].node_id, BASE_MS + 9000, "psu")
-    TelemetryPublisher(kafka_clients.producer(settings.kafka), codec, topics).publish_states([down])
+    make_publisher(settings, topics).publish_states([down])
     events.append(("NodeState", down))
 
     processor, handler = make_processor(settings, topics)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import random
 from pathlib import Path
@@ -23,15 +22,18 @@ from fleetline.streams.serde import (
 from tests.support import BASE_MS, small_fleet
 
 codec = default_codec()
+V1_GPU_FIELDS = {f["name"] for f in codec.registry.version("GpuSample", 1).source["fields"]}
 
 
 def test_registry_knows_the_shipped_schemas() -> None:
     assert codec.registry.names() == [
+        "fleetline.commands.CommandResult",
+        "fleetline.commands.NodeCommand",
         "fleetline.telemetry.GpuSample",
         "fleetline.telemetry.NodeState",
         "fleetline.telemetry.NodeTelemetry",
     ]
-    assert codec.registry.latest("NodeTelemetry").version == 1
+    assert [s.version for s in codec.registry.versions("NodeTelemetry")] == [1, 2]
 
 
 @pytest.mark.parametrize("name", default_codec().registry.names())
@@ -71,10 +73,11 @@ def test_fingerprint_bytes_are_little_endian_as_the_spec_requires() -> None:
     assert schema.fingerprint == bytes.fromhex(fingerprint(schema.canonical, "CRC-64-AVRO"))
 
 
-def test_node_telemetry_embeds_the_latest_gpu_sample() -> None:
-    standalone = dict(codec.registry.latest("GpuSample").source)
+@pytest.mark.parametrize("version", [1, 2])
+def test_node_telemetry_embeds_the_gpu_sample_of_its_version(version: int) -> None:
+    standalone = dict(codec.registry.version("GpuSample", version).source)
     standalone.pop("fleetline.version")
-    embedded = next(f for f in codec.registry.latest("NodeTelemetry").source["fields"]
+    embedded = next(f for f in codec.registry.version("NodeTelemetry", version).source["fields"]
                     if f["name"] == "gpus")["type"]["items"]
     assert embedded == standalone
 
@@ -131,24 +134,31 @@ def test_encode_names_the_offending_field() -> None:
         codec.encode("NodeTelemetry", record)
 
 
-def _evolved_registry(tmp_path: Path) -> SchemaRegistry:
-    """The shipped schemas plus a NodeTelemetry v2 whose GpuSample gains a defaulted field."""
-    for path in SCHEMA_DIR.glob("*.avsc"):
+def _v1_registry(tmp_path: Path) -> SchemaRegistry:
+    """What an agent released before any v2 schema knew."""
+    for path in SCHEMA_DIR.glob("*.v1.avsc"):
         (tmp_path / path.name).write_text(path.read_text())
-    v2 = json.loads((SCHEMA_DIR / "NodeTelemetry.v1.avsc").read_text())
-    v2["fleetline.version"] = 2
-    gpu = next(f for f in v2["fields"] if f["name"] == "gpus")["type"]["items"]
-    gpu["fields"].append({"name": "sm_clock_mhz", "type": ["null", "int"], "default": None})
-    v2["fields"].append({"name": "agent_version", "type": "string", "default": "unknown"})
-    (tmp_path / "NodeTelemetry.v2.avsc").write_text(json.dumps(v2))
     return SchemaRegistry.from_directory(tmp_path)
 
 
+@pytest.mark.parametrize("name", default_codec().registry.names())
+def test_every_older_version_is_readable_by_the_newest(name: str) -> None:
+    newest = codec.registry.latest(name)
+    for old in codec.registry.versions(name)[:-1]:
+        for record in generate_many(old.writer, 25):
+            decoded = codec.decode(codec.encode(name, record, version=old.version))
+            assert (decoded.schema.version, decoded.writer_version) == (newest.version,
+                                                                        old.version)
+            for field in newest.source["fields"]:
+                assert field["name"] in decoded.record
+
+
 def test_old_writer_new_reader(tmp_path: Path) -> None:
-    old_agent = codec  # knows NodeTelemetry v1 only
-    new_processor = AvroCodec(_evolved_registry(tmp_path))
+    old_agent = AvroCodec(_v1_registry(tmp_path))
     record = small_fleet().telemetry(BASE_MS)[0]
-    decoded = new_processor.decode(old_agent.encode("NodeTelemetry", record))
+    v1_record = {k: v for k, v in record.items() if k not in ("agent_version", "collector")}
+    v1_record["gpus"] = [{k: v for k, v in g.items() if k in V1_GPU_FIELDS} for g in record["gpus"]]
+    decoded = codec.decode(old_agent.encode("NodeTelemetry", v1_record))
     assert decoded.schema.version == 2 and decoded.writer_version == 1
     assert decoded.record["agent_version"] == "unknown"
     assert all(gpu["sm_clock_mhz"] is None for gpu in decoded.record["gpus"])
@@ -156,19 +166,17 @@ def test_old_writer_new_reader(tmp_path: Path) -> None:
 
 
 def test_old_and_new_writers_share_a_topic(tmp_path: Path) -> None:
-    new = AvroCodec(_evolved_registry(tmp_path))
+    old_agent = AvroCodec(_v1_registry(tmp_path))
     record = small_fleet().telemetry(BASE_MS)[0]
-    newer = copy.deepcopy(record)
-    newer["agent_version"] = "2.0"
-    for gpu in newer["gpus"]:
-        gpu["sm_clock_mhz"] = 1980
-    messages = [codec.encode("NodeTelemetry", record), new.encode("NodeTelemetry", newer)]
-    decoded = [new.decode(m) for m in messages]
+    old = {k: v for k, v in record.items() if k not in ("agent_version", "collector")}
+    old["gpus"] = [{k: v for k, v in g.items() if k in V1_GPU_FIELDS} for g in record["gpus"]]
+    messages = [old_agent.encode("NodeTelemetry", old), codec.encode("NodeTelemetry", record)]
+    decoded = [codec.decode(m) for m in messages]
     assert [d.writer_version for d in decoded] == [1, 2]
-    assert [d.record["agent_version"] for d in decoded] == ["unknown", "2.0"]
-    # A reader that predates v2 names the problem instead of misreading the bytes.
+    assert [d.record["collector"] for d in decoded] == ["unknown", "simulator"]
+    # An agent that predates v2 names the problem instead of misreading the bytes.
     with pytest.raises(UnknownSchemaError):
-        codec.decode(messages[1])
+        old_agent.decode(messages[1])
 
 
 def test_schema_file_names_must_match_their_contents(tmp_path: Path) -> None:

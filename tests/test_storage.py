@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from fleetline.agents.runtime import TelemetryPublisher
 from fleetline.errors import ConfigError, StorageError
 from fleetline.storage.clickhouse import MIGRATIONS, connect, migrate
 from fleetline.storage.hot_sink import HotSampleSink, HotSampleStore, SourcedTelemetry, to_columns
@@ -12,7 +11,7 @@ from fleetline.storage.objects import ObjectStore
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.deadletter import read_dead_letter
 from fleetline.streams.serde import default_codec
-from tests.support import BASE_MS, Background, fresh_topics, read_all, small_fleet, wait_until
+from tests.support import make_publisher, BASE_MS, Background, fresh_topics, read_all, small_fleet, wait_until
 
 codec = default_codec()
 
@@ -37,7 +36,8 @@ def test_migrations_are_idempotent_and_recorded(settings, clickhouse) -> None:
     db = settings.clickhouse_database
     assert migrate(clickhouse, db) == [m.version for m in MIGRATIONS]
     assert migrate(clickhouse, db) == []
-    rows = clickhouse.query(f"SELECT version, name FROM {db}.schema_migrations").result_rows
+    rows = clickhouse.query(
+        f"SELECT version, name FROM {db}.schema_migrations ORDER BY version").result_rows
     assert [r[0] for r in rows] == [m.version for m in MIGRATIONS]
     with pytest.raises(ConfigError):
         migrate(clickhouse, "bad-name; DROP")
@@ -57,7 +57,7 @@ def test_sink_writes_every_sample_once_across_restarts(settings, clickhouse) -> 
     topics = fresh_topics()
     kafka_clients.ensure_topics(settings.kafka, topics.specs())
     fleet = small_fleet(nodes=2)
-    publisher = TelemetryPublisher(kafka_clients.producer(settings.kafka), codec, topics)
+    publisher = make_publisher(settings, topics)
     for tick in range(3):
         publisher.publish_telemetry(fleet.telemetry(BASE_MS + tick * 1000))
     publisher.producer.produce(topics.telemetry, key=b"bad", value=b"junk")
@@ -95,7 +95,7 @@ def test_sample_values_survive_the_trip_into_clickhouse(settings, clickhouse) ->
     topics = fresh_topics(partitions=1)
     kafka_clients.ensure_topics(settings.kafka, topics.specs())
     record = small_fleet(nodes=1).telemetry(BASE_MS)[0]
-    publisher = TelemetryPublisher(kafka_clients.producer(settings.kafka), codec, topics)
+    publisher = make_publisher(settings, topics)
     publisher.publish_telemetry([record])
     publisher.flush()
     sink = make_sink(settings, clickhouse, topics)

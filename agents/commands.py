@@ -1,0 +1,205 @@
+"""Commands to node agents: the pure decision, and the loop that reads a node's command topic.
+
+`apply_command(control, command)` decides what a command does to a node's control state and
+what the agent answers; it has no I/O and no clock. `CommandLoop` is the shell: it reads the
+command-topic partitions that hold its nodes' keys, applies each command to the collector, and
+acknowledges it with a CommandResult (through the spool) before committing the offset. Applied
+command ids are remembered on disk, so a command redelivered after a crash is answered DUPLICATE
+and not applied twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import Consumer, TopicPartition
+
+from fleetline.config import KafkaSettings
+from fleetline.errors import FleetlineError
+from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.deadletter import dead_letter_headers
+from fleetline.streams.partitioner import partition_for
+from fleetline.streams.serde import AvroCodec
+
+log = logging.getLogger(__name__)
+
+MIN_POWER_CAP_W = 100.0
+MAX_POWER_CAP_W = 1000.0
+CONFIG_KEYS = {"interval_ms": (100, 60_000)}
+REMEMBERED_COMMANDS = 1000
+
+
+@dataclass(frozen=True)
+class NodeControl:
+    """What commands set on one node."""
+
+    state: str = "UP"
+    cordoned: bool = False
+    power_cap_w: float | None = None
+    config_version: str | None = None
+    interval_ms: int | None = None
+    applied: tuple[str, ...] = ()  # the last command ids applied, newest last
+
+
+@dataclass(frozen=True)
+class Decision:
+    control: NodeControl
+    outcome: str
+    message: str
+
+
+def apply_command(control: NodeControl, command: Mapping[str, Any]) -> Decision:
+    """Decide one command's effect on a node's control state (pure)."""
+    command_id = command["command_id"]
+    if command_id in control.applied:
+        return Decision(control, "DUPLICATE", f"command {command_id} was applied before")
+    kind = command["kind"]
+    remember = (*control.applied, command_id)[-REMEMBERED_COMMANDS:]
+    match kind:
+        case "DRAIN":
+            return Decision(replace(control, state="DRAINING", applied=remember), "APPLIED",
+                            "draining: no new work, running work finishes")
+        case "CORDON":
+            return Decision(replace(control, cordoned=True, applied=remember), "APPLIED",
+                            "cordoned")
+        case "UNCORDON":
+            return Decision(replace(control, cordoned=False, applied=remember), "APPLIED",
+                            "uncordoned")
+        case "SET_POWER_CAP":
+            cap = command.get("power_cap_w")
+            if cap is None or not MIN_POWER_CAP_W <= cap <= MAX_POWER_CAP_W:
+                return Decision(control, "REJECTED",
+                                f"power_cap_w must be {MIN_POWER_CAP_W:.0f}-"
+                                f"{MAX_POWER_CAP_W:.0f} W, got {cap}")
+            return Decision(replace(control, power_cap_w=float(cap), applied=remember),
+                            "APPLIED", f"power cap {cap:.0f} W on every GPU")
+        case "APPLY_CONFIG":
+            version = command.get("config_version")
+            if not version:
+                return Decision(control, "REJECTED", "APPLY_CONFIG needs a config_version")
+            config = dict(command.get("config") or {})
+            unknown = sorted(set(config) - set(CONFIG_KEYS))
+            if unknown:
+                return Decision(control, "REJECTED",
+                                f"unknown settings {unknown}; known: {sorted(CONFIG_KEYS)}")
+            interval = control.interval_ms
+            if "interval_ms" in config:
+                low, high = CONFIG_KEYS["interval_ms"]
+                raw = config["interval_ms"]
+                if not raw.isdigit() or not low <= int(raw) <= high:
+                    return Decision(control, "REJECTED",
+                                    f"interval_ms must be an integer {low}-{high}, got {raw!r}")
+                interval = int(raw)
+            return Decision(replace(control, config_version=version, interval_ms=interval,
+                                    applied=remember), "APPLIED", f"config {version} applied")
+        case _:
+            return Decision(control, "REJECTED", f"this agent does not know command {kind}")
+
+
+def result_record(command: Mapping[str, Any], decision: Decision, ts_ms: int) -> dict[str, Any]:
+    return {
+        "command_id": command["command_id"], "cluster_id": command["cluster_id"],
+        "node_id": command["node_id"], "ts": ts_ms, "outcome": decision.outcome,
+        "message": decision.message, "node_state": decision.control.state,
+        "cordoned": decision.control.cordoned, "config_version": decision.control.config_version,
+    }
+
+
+class ControlStore:
+    """The nodes' control state on disk (one JSON file, replaced atomically)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.controls: dict[str, NodeControl] = {}
+        if path.exists():
+            raw = json.loads(path.read_text())
+            self.controls = {node: NodeControl(**{**c, "applied": tuple(c["applied"])})
+                             for node, c in raw.items()}
+
+    def get(self, node_id: str) -> NodeControl:
+        return self.controls.get(node_id, NodeControl())
+
+    def put(self, node_id: str, control: NodeControl) -> None:
+        self.controls[node_id] = control
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = self.path.with_suffix(".tmp")
+        temporary.write_text(json.dumps({n: asdict(c) for n, c in self.controls.items()}))
+        os.replace(temporary, self.path)
+
+
+# Applies a decided control state to the hardware (NVML) or the simulator.
+Effector = Callable[[str, NodeControl], None]
+
+
+@dataclass
+class CommandLoop:
+    kafka: KafkaSettings
+    codec: AvroCodec
+    commands_topic: str
+    dead_letter_topic: str
+    node_ids: list[str]
+    partitions: int
+    store: ControlStore
+    effect: Effector
+    group_id: str
+    handled: int = 0
+    dead_letters: int = 0
+    _consumer: Consumer | None = field(default=None, init=False)
+    _dlq: Any = field(default=None, init=False)
+
+    def open(self) -> None:
+        self._consumer = Consumer(self.kafka.client_config(**{
+            "group.id": self.group_id, "enable.auto.commit": False,
+            "auto.offset.reset": "earliest", "isolation.level": "read_committed",
+        }))
+        mine = sorted({partition_for(n.encode(), self.partitions) for n in self.node_ids})
+        # Read only the partitions our nodes' keys land in, resuming at our committed offsets.
+        committed = self._consumer.committed(
+            [TopicPartition(self.commands_topic, p) for p in mine], timeout=30)
+        self._consumer.assign(committed)
+        self._dlq = kafka_clients.producer(self.kafka)
+
+    def poll(self, publisher, ts_ms: int, timeout_s: float = 0.0) -> list[dict[str, Any]]:
+        """Handle the commands waiting; return the results. Offsets are committed only after
+        the results are acknowledged by Kafka."""
+        assert self._consumer is not None, "open() first"
+        messages = self._consumer.consume(500, timeout_s)
+        if not messages:
+            return []
+        results = []
+        ours = set(self.node_ids)
+        for msg in messages:
+            if msg.error():
+                raise FleetlineError(f"reading {self.commands_topic}: {msg.error().str()}")
+            try:
+                command = self.codec.decode(msg.value(), expect="NodeCommand").record
+            except FleetlineError as exc:
+                self.dead_letters += 1
+                self._dlq.produce(self.dead_letter_topic, key=msg.key(), value=msg.value(),
+                                  headers=dead_letter_headers(msg, self.group_id, exc))
+                continue
+            if command["node_id"] not in ours:
+                continue  # another node's command sharing the partition
+            node_id = command["node_id"]
+            decision = apply_command(self.store.get(node_id), command)
+            if decision.outcome == "APPLIED":
+                self.effect(node_id, decision.control)
+                self.store.put(node_id, decision.control)
+            results.append(result_record(command, decision, ts_ms))
+            self.handled += 1
+        publisher.publish_results(results)
+        publisher.flush()
+        self._dlq.flush(30)
+        self._consumer.commit(offsets=kafka_clients.next_offsets(messages), asynchronous=False)
+        return results
+
+    def close(self) -> None:
+        if self._consumer is not None:
+            self._consumer.close()
+            self._consumer = None

@@ -1,0 +1,147 @@
+"""Runs a simulated fleet's node agents in one process.
+
+Each cluster gets its own spool and producer, as its nodes' agents would, so a cluster that
+loses its link to Kafka (a `cluster_link_loss` fault) keeps collecting into its spool and drains
+it in order once the link is back, while the other clusters carry on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fleetline.agents.commands import CommandLoop, ControlStore, NodeControl
+from fleetline.agents.runtime import TelemetryPublisher
+from fleetline.agents.simulator import FleetSimulator, SimNode
+from fleetline.agents.spool import DiskSpool
+from fleetline.config import Settings
+from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.serde import AvroCodec
+from fleetline.streams.topics import Topics
+
+
+@dataclass
+class FleetAgent:
+    simulator: FleetSimulator
+    publishers: dict[str, TelemetryPublisher]
+    controls: ControlStore
+    commands: CommandLoop | None = None
+    heartbeat_every: int = 10
+    ticks: int = 0
+    _pending_states: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, settings: Settings, codec: AvroCodec, topics: Topics,
+               simulator: FleetSimulator, state_dir: Path, *, commands: bool = True,
+               spool_max_bytes: int = 256 * 2**20, agent_id: str = "sim") -> FleetAgent:
+        publishers = {
+            cluster.cluster_id: TelemetryPublisher(
+                kafka_clients.producer(settings.kafka, **{"message.timeout.ms": 15000}),
+                codec, topics,
+                DiskSpool(state_dir / "spool" / cluster.cluster_id, max_bytes=spool_max_bytes,
+                          segment_bytes=min(8 * 2**20, spool_max_bytes // 4)),
+            )
+            for cluster in simulator.clusters
+        }
+        agent = cls(simulator, publishers, ControlStore(state_dir / "controls.json"))
+        for node_id, control in agent.controls.controls.items():
+            agent._apply(node_id, control, announce=False)
+        if commands:
+            agent.commands = CommandLoop(
+                kafka=settings.kafka, codec=codec, commands_topic=topics.commands,
+                dead_letter_topic=topics.dead_letter,
+                node_ids=[n.node_id for n in simulator.nodes], partitions=topics.node_partitions,
+                store=agent.controls, effect=agent._apply,
+                group_id=f"{topics.prefix}.agent.{agent_id}",
+            )
+            agent.commands.open()
+        return agent
+
+    def _apply(self, node_id: str, control: NodeControl, announce: bool = True) -> None:
+        if control.power_cap_w is not None:
+            self.simulator.set_power_limit(node_id, control.power_cap_w)
+        if announce:
+            self._pending_states.append(self._state(self.simulator.node(node_id), 0))
+
+    def _state(self, node: SimNode, ts_ms: int) -> dict[str, Any]:
+        control = self.controls.get(node.node_id)
+        spool = self.publishers[node.cluster_id].spool
+        state = "DOWN" if self.simulator.is_down(node.node_id) else control.state
+        labels = {"cordoned": str(control.cordoned).lower()}
+        if control.config_version:
+            labels["config_version"] = control.config_version
+        return self.simulator.node_state(node, ts_ms, state, labels=labels,
+                                         spool=(spool.size_bytes, spool.dropped))
+
+    def start(self, ts_ms: int) -> int:
+        states = [self._state(node, ts_ms) for node in self.simulator.nodes]
+        return self._send("state", states, ts_ms)
+
+    def _send(self, kind: str, records: list[dict[str, Any]], ts_ms: int) -> int:
+        by_cluster: dict[str, list[dict[str, Any]]] = {}
+        for record in records:
+            by_cluster.setdefault(record["cluster_id"], []).append(record)
+        for cluster_id, group in by_cluster.items():
+            link = self.simulator.link_up(group[0]["node_id"], ts_ms)
+            self.publishers[cluster_id].publish(kind, group, send=link)
+        return len(records)
+
+    def tick(self, ts_ms: int) -> dict[str, int]:
+        """One sampling interval: state changes, heartbeats, telemetry, commands."""
+        self.ticks += 1
+        states = self.simulator.state_changes(ts_ms)
+        if self.ticks % self.heartbeat_every == 0:
+            states += [self._state(node, ts_ms) for node in self.simulator.nodes]
+        sent = {"states": self._send("state", states, ts_ms)}
+        sent["telemetry"] = self._send("telemetry", self.simulator.telemetry(ts_ms), ts_ms)
+        if self.commands is not None:
+            sent["commands"] = len(self.commands.poll(_ResultRouter(self.publishers), ts_ms))
+        if self._pending_states:
+            for state in self._pending_states:
+                state["ts"] = ts_ms
+            sent["states"] += self._send("state", self._pending_states, ts_ms)
+            self._pending_states = []
+        for cluster in self.simulator.clusters:
+            node_id = f"{cluster.cluster_id}-n0000"
+            if cluster.nodes and self.simulator.link_up(node_id, ts_ms):
+                self.publishers[cluster.cluster_id].pump()
+        return sent
+
+    def flush(self, timeout_s: float = 60.0) -> None:
+        for publisher in self.publishers.values():
+            publisher.flush(timeout_s)
+
+    def spool_metrics(self) -> dict[str, dict[str, int]]:
+        return {cluster: {"bytes": p.spool.size_bytes, "records": len(p.spool),
+                          "dropped": p.spool.dropped, "resent": p.metrics.resent,
+                          "rewinds": p.metrics.rewinds}
+                for cluster, p in self.publishers.items()}
+
+    def close(self) -> None:
+        if self.commands is not None:
+            self.commands.close()
+        for publisher in self.publishers.values():
+            publisher.spool.close()
+
+
+@dataclass
+class _ResultRouter:
+    """Routes command results to the publisher of the command's cluster."""
+
+    publishers: dict[str, TelemetryPublisher]
+    used: set[str] = field(default_factory=set)
+
+    def publish_results(self, records: list[dict[str, Any]]) -> None:
+        by_cluster: dict[str, list[dict[str, Any]]] = {}
+        for record in records:
+            by_cluster.setdefault(record["cluster_id"], []).append(record)
+        for cluster_id, group in by_cluster.items():
+            self.publishers[cluster_id].publish_results(group)
+            self.used.add(cluster_id)
+
+    def flush(self) -> None:
+        # Results must be durable before the command offsets are committed.
+        for cluster_id in self.used:
+            self.publishers[cluster_id].flush(60)
+        self.used.clear()

@@ -1,0 +1,173 @@
+"""A bounded on-disk spool: every record the agent emits is appended here before it is sent.
+
+Records are kept in segment files (`<first offset>.seg`, entries framed as length + CRC32 +
+payload) and an `acked` file says how far Kafka has acknowledged. After a broker outage or an
+agent restart the unacknowledged tail is sent again, in order. When the spool outgrows its bound
+the oldest segment is deleted, acknowledged or not, and the records lost that way are counted:
+the agent never blocks collection and never grows without bound.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import struct
+import zlib
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from fleetline.errors import FleetlineError
+
+_FRAME = struct.Struct("<II")  # payload length, CRC32 of payload
+_STRINGS = struct.Struct("<HH")  # topic length, key length
+
+
+class SpoolError(FleetlineError):
+    """The spool folder cannot be used."""
+
+
+@dataclass(frozen=True)
+class SpoolEntry:
+    offset: int
+    topic: str
+    key: bytes
+    value: bytes
+
+    def encode(self) -> bytes:
+        topic = self.topic.encode()
+        payload = _STRINGS.pack(len(topic), len(self.key)) + topic + self.key + self.value
+        return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def _decode(offset: int, payload: bytes) -> SpoolEntry:
+    topic_len, key_len = _STRINGS.unpack_from(payload)
+    start = _STRINGS.size
+    topic = payload[start:start + topic_len].decode()
+    key = payload[start + topic_len:start + topic_len + key_len]
+    return SpoolEntry(offset, topic, key, payload[start + topic_len + key_len:])
+
+
+class DiskSpool:
+    def __init__(self, directory: Path, max_bytes: int = 256 * 2**20,
+                 segment_bytes: int = 8 * 2**20, fsync: bool = False) -> None:
+        if segment_bytes > max_bytes:
+            raise SpoolError(f"segment_bytes {segment_bytes} exceeds max_bytes {max_bytes}")
+        self.directory = directory
+        self.max_bytes = max_bytes
+        self.segment_bytes = segment_bytes
+        self.fsync = fsync
+        self.dropped = 0  # records deleted unacknowledged because of the bound
+        self.corrupt_tail = 0  # torn entries found at the end of a segment on open
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SpoolError(f"spool folder {directory}: {exc}") from None
+        self._acked_file = directory / "acked"
+        self.acked = int(self._acked_file.read_text()) if self._acked_file.exists() else -1
+        # (first offset, path, bytes) per segment, oldest first.
+        self._segments: deque[tuple[int, Path, int]] = deque()
+        self._unacked: deque[SpoolEntry] = deque()
+        self.next_offset = self.acked + 1
+        self._load()
+        self._writer = None
+
+    def _load(self) -> None:
+        for path in sorted(self.directory.glob("*.seg"), key=lambda p: int(p.stem)):
+            first = int(path.stem)
+            data = path.read_bytes()
+            position, offset = 0, first
+            while position + _FRAME.size <= len(data):
+                length, crc = _FRAME.unpack_from(data, position)
+                payload = data[position + _FRAME.size:position + _FRAME.size + length]
+                if len(payload) < length or zlib.crc32(payload) != crc:
+                    break
+                if offset > self.acked:
+                    self._unacked.append(_decode(offset, payload))
+                position += _FRAME.size + length
+                offset += 1
+            if position < len(data):
+                # A crash mid-append leaves a torn last entry; cut it off so appends continue
+                # from a clean boundary.
+                self.corrupt_tail += 1
+                with path.open("r+b") as handle:
+                    handle.truncate(position)
+            self._segments.append((first, path, position))
+            self.next_offset = max(self.next_offset, offset)
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(size for _, _, size in self._segments)
+
+    def __len__(self) -> int:
+        return len(self._unacked)
+
+    def append(self, topic: str, key: bytes, value: bytes) -> SpoolEntry:
+        entry = SpoolEntry(self.next_offset, topic, key, value)
+        frame = entry.encode()
+        if not self._segments or self._segments[-1][2] + len(frame) > self.segment_bytes:
+            self._roll(entry.offset)
+        elif self._writer is None:  # reopened: continue the newest segment
+            self._writer = self._segments[-1][1].open("ab")
+        first, path, size = self._segments[-1]
+        self._writer.write(frame)
+        self._writer.flush()
+        if self.fsync:
+            os.fsync(self._writer.fileno())
+        self._segments[-1] = (first, path, size + len(frame))
+        self._unacked.append(entry)
+        self.next_offset += 1
+        self._enforce_bound()
+        return entry
+
+    def _roll(self, first: int) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        path = self.directory / f"{first:020d}.seg"
+        self._writer = path.open("ab")
+        self._segments.append((first, path, 0))
+
+    def _enforce_bound(self) -> None:
+        while self.size_bytes > self.max_bytes and len(self._segments) > 1:
+            _, path, _ = self._segments.popleft()
+            end = self._segments[0][0]  # first offset of the next segment
+            lost = [e for e in self._unacked if e.offset < end]
+            self.dropped += len(lost)
+            for _ in lost:
+                self._unacked.popleft()
+            path.unlink(missing_ok=True)
+            if self.acked < end - 1:
+                self._set_acked(end - 1)
+
+    def unacked(self) -> list[SpoolEntry]:
+        return list(self._unacked)
+
+    def entries_from(self, offset: int) -> Iterator[SpoolEntry]:
+        """Unacknowledged entries from `offset` on, oldest first."""
+        if not self._unacked:
+            return iter(())
+        return itertools.islice(self._unacked, max(0, offset - self._unacked[0].offset), None)
+
+    def ack(self, offset: int) -> None:
+        """Everything up to and including `offset` is durable in Kafka."""
+        if offset <= self.acked:
+            return
+        while self._unacked and self._unacked[0].offset <= offset:
+            self._unacked.popleft()
+        self._set_acked(offset)
+        # Segments wholly acknowledged are no longer needed (keep the one being written).
+        while len(self._segments) > 1 and self._segments[1][0] <= offset + 1:
+            _, path, _ = self._segments.popleft()
+            path.unlink(missing_ok=True)
+
+    def _set_acked(self, offset: int) -> None:
+        self.acked = offset
+        temporary = self._acked_file.with_suffix(".tmp")
+        temporary.write_text(str(offset))
+        os.replace(temporary, self._acked_file)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
