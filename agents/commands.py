@@ -13,15 +13,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from fleetline.config import KafkaSettings
-from fleetline.errors import FleetlineError
+from fleetline.errors import FleetlineError, StreamError
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.deadletter import dead_letter_headers
 from fleetline.streams.partitioner import partition_for
@@ -160,8 +161,17 @@ class CommandLoop:
         }))
         mine = sorted({partition_for(n.encode(), self.partitions) for n in self.node_ids})
         # Read only the partitions our nodes' keys land in, resuming at our committed offsets.
-        committed = self._consumer.committed(
-            [TopicPartition(self.commands_topic, p) for p in mine], timeout=30)
+        wanted = [TopicPartition(self.commands_topic, p) for p in mine]
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                committed = self._consumer.committed(wanted, timeout=30)
+                break
+            except KafkaException as exc:
+                # A broker that just started is still loading its group coordinator.
+                if not exc.args[0].retriable() or time.monotonic() > deadline:
+                    raise StreamError(f"reading the agent's command offsets: {exc}") from None
+                time.sleep(0.5)
         self._consumer.assign(committed)
         self._dlq = kafka_clients.producer(self.kafka)
 
@@ -189,8 +199,14 @@ class CommandLoop:
             node_id = command["node_id"]
             decision = apply_command(self.store.get(node_id), command)
             if decision.outcome == "APPLIED":
-                self.effect(node_id, decision.control)
-                self.store.put(node_id, decision.control)
+                try:
+                    self.effect(node_id, decision.control)
+                except FleetlineError as exc:
+                    # The hardware refused (e.g. no permission to set a power cap): say so,
+                    # and keep the control state as it was.
+                    decision = Decision(self.store.get(node_id), "FAILED", str(exc))
+                else:
+                    self.store.put(node_id, decision.control)
             results.append(result_record(command, decision, ts_ms))
             self.handled += 1
         publisher.publish_results(results)

@@ -7,6 +7,8 @@ it in order once the link is back, while the other clusters carry on.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,25 +28,33 @@ class FleetAgent:
     simulator: FleetSimulator
     publishers: dict[str, TelemetryPublisher]
     controls: ControlStore
+    sequences: SequenceStore | None = None
     commands: CommandLoop | None = None
     heartbeat_every: int = 10
     ticks: int = 0
-    _pending_states: list[dict[str, Any]] = field(default_factory=list)
+    # Nodes whose control state a command changed this interval: their NodeState follows.
+    _changed: list[str] = field(default_factory=list)
 
     @classmethod
     def create(cls, settings: Settings, codec: AvroCodec, topics: Topics,
                simulator: FleetSimulator, state_dir: Path, *, commands: bool = True,
-               spool_max_bytes: int = 256 * 2**20, agent_id: str = "sim") -> FleetAgent:
+               spool_max_bytes: int = 256 * 2**20, agent_id: str = "sim",
+               message_timeout_ms: int = 15000) -> FleetAgent:
         publishers = {
             cluster.cluster_id: TelemetryPublisher(
-                kafka_clients.producer(settings.kafka, **{"message.timeout.ms": 15000}),
+                kafka_clients.producer(settings.kafka,
+                                       **{"message.timeout.ms": message_timeout_ms}),
                 codec, topics,
                 DiskSpool(state_dir / "spool" / cluster.cluster_id, max_bytes=spool_max_bytes,
                           segment_bytes=min(8 * 2**20, spool_max_bytes // 4)),
             )
             for cluster in simulator.clusters
         }
-        agent = cls(simulator, publishers, ControlStore(state_dir / "controls.json"))
+        agent = cls(simulator, publishers, ControlStore(state_dir / "controls.json"),
+                    sequences=SequenceStore(state_dir / "sequences.json"))
+        # A restarted agent goes on numbering where it stopped, or the folds would take its
+        # new events for replays of old ones.
+        simulator.resume_sequences(agent.sequences.load())
         for node_id, control in agent.controls.controls.items():
             agent._apply(node_id, control, announce=False)
         if commands:
@@ -62,7 +72,7 @@ class FleetAgent:
         if control.power_cap_w is not None:
             self.simulator.set_power_limit(node_id, control.power_cap_w)
         if announce:
-            self._pending_states.append(self._state(self.simulator.node(node_id), 0))
+            self._changed.append(node_id)
 
     def _state(self, node: SimNode, ts_ms: int) -> dict[str, Any]:
         control = self.controls.get(node.node_id)
@@ -76,7 +86,10 @@ class FleetAgent:
 
     def start(self, ts_ms: int) -> int:
         states = [self._state(node, ts_ms) for node in self.simulator.nodes]
-        return self._send("state", states, ts_ms)
+        sent = self._send("state", states, ts_ms)
+        if self.sequences is not None:
+            self.sequences.save(self.simulator.sequence_numbers())
+        return sent
 
     def _send(self, kind: str, records: list[dict[str, Any]], ts_ms: int) -> int:
         by_cluster: dict[str, list[dict[str, Any]]] = {}
@@ -97,11 +110,12 @@ class FleetAgent:
         sent["telemetry"] = self._send("telemetry", self.simulator.telemetry(ts_ms), ts_ms)
         if self.commands is not None:
             sent["commands"] = len(self.commands.poll(_ResultRouter(self.publishers), ts_ms))
-        if self._pending_states:
-            for state in self._pending_states:
-                state["ts"] = ts_ms
-            sent["states"] += self._send("state", self._pending_states, ts_ms)
-            self._pending_states = []
+        if self._changed:
+            changed = [self._state(self.simulator.node(n), ts_ms) for n in self._changed]
+            sent["states"] += self._send("state", changed, ts_ms)
+            self._changed = []
+        if self.sequences is not None:
+            self.sequences.save(self.simulator.sequence_numbers())
         for cluster in self.simulator.clusters:
             node_id = f"{cluster.cluster_id}-n0000"
             if cluster.nodes and self.simulator.link_up(node_id, ts_ms):
@@ -123,6 +137,22 @@ class FleetAgent:
             self.commands.close()
         for publisher in self.publishers.values():
             publisher.spool.close()
+
+
+@dataclass
+class SequenceStore:
+    """The last seq of each node, on disk (written after every interval)."""
+
+    path: Path
+
+    def load(self) -> dict[str, int]:
+        return json.loads(self.path.read_text()) if self.path.exists() else {}
+
+    def save(self, sequences: dict[str, int]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = self.path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(sequences))
+        os.replace(temporary, self.path)
 
 
 @dataclass

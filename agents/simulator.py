@@ -212,6 +212,15 @@ class FleetSimulator:
         self._down.add(node_id)
         return self.node_state(self._by_id[node_id], ts_ms, "DOWN", reason)
 
+    def sequence_numbers(self) -> dict[str, int]:
+        """The last seq each node used; pass to `resume_sequences` after a restart."""
+        return dict(self._seq)
+
+    def resume_sequences(self, last: dict[str, int]) -> None:
+        for node_id, seq in last.items():
+            if node_id in self._seq:
+                self._seq[node_id] = max(self._seq[node_id], seq)
+
     def is_down(self, node_id: str) -> bool:
         return node_id in self._down
 

@@ -6,7 +6,7 @@ from confluent_kafka.admin import AdminClient
 
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import default_codec
-from tests.support import make_publisher, BASE_MS, fresh_topics, read_all, small_fleet
+from tests.support import BASE_MS, fresh_topics, make_publisher, read_all, small_fleet
 
 codec = default_codec()
 

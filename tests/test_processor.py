@@ -8,7 +8,15 @@ from fleetline.streams.deadletter import read_dead_letter
 from fleetline.streams.processor import TransactionalProcessor
 from fleetline.streams.serde import default_codec
 from fleetline.streams.topics import Topics
-from tests.support import make_publisher, BASE_MS, Background, fresh_topics, read_all, small_fleet, wait_until
+from tests.support import (
+    BASE_MS,
+    Background,
+    fresh_topics,
+    make_publisher,
+    read_all,
+    small_fleet,
+    wait_until,
+)
 
 codec = default_codec()
 

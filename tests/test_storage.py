@@ -11,7 +11,15 @@ from fleetline.storage.objects import ObjectStore
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.deadletter import read_dead_letter
 from fleetline.streams.serde import default_codec
-from tests.support import make_publisher, BASE_MS, Background, fresh_topics, read_all, small_fleet, wait_until
+from tests.support import (
+    BASE_MS,
+    Background,
+    fresh_topics,
+    make_publisher,
+    read_all,
+    small_fleet,
+    wait_until,
+)
 
 codec = default_codec()
 

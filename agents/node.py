@@ -1,0 +1,130 @@
+"""The agent for one real GPU server: NVML readings -> NodeTelemetry/NodeState -> spool -> Kafka,
+and its node's commands applied to the GPUs."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fleetline.agents.commands import CommandLoop, ControlStore, NodeControl
+from fleetline.agents.fleet import SequenceStore
+from fleetline.agents.nvml import NvmlCollector
+from fleetline.agents.runtime import TelemetryPublisher
+from fleetline.agents.simulator import AGENT_VERSION
+from fleetline.agents.spool import DiskSpool
+from fleetline.config import Settings
+from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.serde import AvroCodec
+from fleetline.streams.topics import Topics
+
+
+@dataclass(frozen=True)
+class NodeIdentity:
+    cluster_id: str
+    region: str
+    node_id: str
+    leaf_switch: str | None = None
+    spine_switch: str | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class NodeAgent:
+    identity: NodeIdentity
+    collector: NvmlCollector
+    publisher: TelemetryPublisher
+    controls: ControlStore
+    sequences: SequenceStore
+    commands: CommandLoop | None = None
+    interval_ms: int = 1000
+    heartbeat_every: int = 10
+    _seq: int = 0
+
+    @classmethod
+    def create(cls, settings: Settings, codec: AvroCodec, topics: Topics,
+               identity: NodeIdentity, collector: NvmlCollector, state_dir: Path,
+               interval_ms: int = 1000, commands: bool = True) -> NodeAgent:
+        publisher = TelemetryPublisher(kafka_clients.producer(settings.kafka), codec, topics,
+                                       DiskSpool(state_dir / "spool"))
+        agent = cls(identity, collector, publisher, ControlStore(state_dir / "controls.json"),
+                    SequenceStore(state_dir / "sequences.json"), interval_ms=interval_ms)
+        agent._seq = agent.sequences.load().get(identity.node_id, 0)
+        control = agent.controls.get(identity.node_id)
+        if control.interval_ms:
+            agent.interval_ms = control.interval_ms
+        if commands:
+            agent.commands = CommandLoop(
+                kafka=settings.kafka, codec=codec, commands_topic=topics.commands,
+                dead_letter_topic=topics.dead_letter, node_ids=[identity.node_id],
+                partitions=topics.node_partitions, store=agent.controls, effect=agent._apply,
+                group_id=f"{topics.prefix}.agent.{identity.node_id}",
+            )
+            agent.commands.open()
+        return agent
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        self.sequences.save({self.identity.node_id: self._seq})
+        return self._seq
+
+    def _apply(self, node_id: str, control: NodeControl) -> None:
+        if control.power_cap_w is not None:
+            self.collector.set_power_limit(control.power_cap_w)
+        if control.interval_ms:
+            self.interval_ms = control.interval_ms
+
+    def state(self, ts_ms: int) -> dict[str, Any]:
+        control = self.controls.get(self.identity.node_id)
+        topology = {"leaf_switch": self.identity.leaf_switch,
+                    "spine_switch": self.identity.spine_switch, **self.collector.topology()}
+        labels = {**self.identity.labels, "cordoned": str(control.cordoned).lower()}
+        if control.config_version:
+            labels["config_version"] = control.config_version
+        spool = self.publisher.spool
+        return {
+            "cluster_id": self.identity.cluster_id, "region": self.identity.region,
+            "node_id": self.identity.node_id, "seq": self._next_seq(), "ts": ts_ms,
+            "state": control.state, "reason": None, "labels": labels, "topology": topology,
+            "agent_version": AGENT_VERSION, "agent_spool_bytes": spool.size_bytes,
+            "agent_spool_dropped": spool.dropped,
+        }
+
+    def telemetry(self, ts_ms: int) -> dict[str, Any]:
+        return {
+            "cluster_id": self.identity.cluster_id, "region": self.identity.region,
+            "node_id": self.identity.node_id, "seq": self._next_seq(), "ts": ts_ms,
+            "interval_ms": self.interval_ms, "gpus": self.collector.sample(),
+            "agent_version": AGENT_VERSION, "collector": "nvml",
+        }
+
+    def run(self, stop: threading.Event, max_ticks: int | None = None) -> int:
+        """Sample every interval of wall time (the shell's clock) until stopped."""
+        ticks = 0
+        self.publisher.publish_states([self.state(_now_ms())])
+        next_at = time.monotonic()
+        while not stop.is_set() and (max_ticks is None or ticks < max_ticks):
+            next_at += self.interval_ms / 1000
+            stop.wait(max(0.0, next_at - time.monotonic()))
+            ts = _now_ms()
+            ticks += 1
+            self.publisher.publish_telemetry([self.telemetry(ts)])
+            if ticks % self.heartbeat_every == 0:
+                self.publisher.publish_states([self.state(ts)])
+            if self.commands is not None and self.commands.poll(self.publisher, ts):
+                self.publisher.publish_states([self.state(ts)])
+            self.publisher.pump()
+        self.publisher.flush()
+        return ticks
+
+    def close(self) -> None:
+        if self.commands is not None:
+            self.commands.close()
+        self.publisher.spool.close()
+        self.collector.close()
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)

@@ -1,0 +1,94 @@
+"""The real NVML collector on a machine with NVIDIA GPUs; skipped, with the reason, elsewhere.
+
+Run alone on a GPU machine: `python -m pytest tests/gpu -v -s`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from fleetline.agents.nvml import CollectorError, NvmlCollector
+from fleetline.streams.serde import default_codec
+
+
+@pytest.fixture(scope="module")
+def nvml():
+    try:
+        collector = NvmlCollector().open()
+    except CollectorError as exc:
+        pytest.skip(f"no NVIDIA GPU here: {exc}")
+    if collector.gpu_count == 0:
+        pytest.skip("NVML loaded but reports no GPU")
+    yield collector
+    collector.close()
+
+
+def test_readings_are_sane(nvml) -> None:
+    first = nvml.sample()
+    time.sleep(1.0)
+    second = nvml.sample()
+    assert len(second) == nvml.gpu_count
+    for before, gpu in zip(first, second, strict=True):
+        assert 0.0 <= gpu["gpu_util_pct"] <= 100.0
+        assert gpu["fb_total_mib"] > 0 and 0 <= gpu["fb_used_mib"] <= gpu["fb_total_mib"]
+        assert 0 < gpu["power_w"] < 2000 and 0 < gpu["temperature_c"] < 120
+        assert gpu["ecc_sbe_total"] >= before["ecc_sbe_total"]
+        if gpu["nvlink_links_active"]:
+            assert gpu["nvlink_errors_total"] >= before["nvlink_errors_total"]
+            assert gpu["nvlink_tx_bytes_per_s"] is not None and gpu["nvlink_tx_bytes_per_s"] >= 0
+        else:
+            assert gpu["nvlink_tx_bytes_per_s"] is None
+        print(
+            f"gpu {gpu['gpu_index']} {gpu['model']}: util {gpu['gpu_util_pct']}% "
+            f"fb {gpu['fb_used_mib']}/{gpu['fb_total_mib']} MiB power {gpu['power_w']} W "
+            f"links {gpu['nvlink_links_active']} nvlink tx {gpu['nvlink_tx_bytes_per_s']}"
+        )
+
+
+def test_nvlink_throughput_counters_are_monotonic_and_scope_is_reported(nvml) -> None:
+    nv = nvml.nvml
+    handle = nv.nvmlDeviceGetHandleByIndex(0)
+    if not nvml._links[0]:
+        pytest.skip("GPU 0 has no active NVLink")
+    fields = [
+        (nv.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, 0),
+        (nv.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, nvml._links[0][-1]),
+    ]
+    readings = []
+    for _ in range(3):
+        values = nv.nvmlDeviceGetFieldValues(handle, fields)
+        readings.append([int(v.value.ullVal) for v in values])
+        time.sleep(0.5)
+    assert [r[0] for r in readings] == sorted(r[0] for r in readings)
+    same = all(r[0] == r[1] for r in readings)
+    scope = "equal (GPU-wide)" if same else "differ (per link)"
+    print(f"NVLink throughput field, scope 0 vs last link: {scope}: {readings}")
+
+
+def test_topology_is_consistent(nvml) -> None:
+    topology = nvml.topology()
+    count = topology["gpu_count"]
+    assert sorted(i for island in topology["nvlink_islands"] for i in island) == list(range(count))
+    for gpu, peers in topology["nvlink_peers"].items():
+        for peer in peers:
+            assert int(gpu) in topology["nvlink_peers"][str(peer)], (gpu, peer)
+    assert len(topology["gpu_numa_nodes"]) == count
+    print(f"topology: {topology}")
+
+
+def test_a_real_record_encodes(nvml) -> None:
+    record = {
+        "cluster_id": "gpu-check",
+        "region": "local",
+        "node_id": "this-node",
+        "seq": 1,
+        "ts": int(time.time() * 1000),
+        "interval_ms": 1000,
+        "gpus": nvml.sample(),
+        "agent_version": "check",
+        "collector": "nvml",
+    }
+    codec = default_codec()
+    assert len(codec.decode(codec.encode("NodeTelemetry", record)).record["gpus"]) == nvml.gpu_count
