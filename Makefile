@@ -25,6 +25,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py
+	$(PY) benchmarks/agents.py
 
 services-start: $(STAMP)
 	$(VENV)/bin/fleetline infra start

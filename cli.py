@@ -83,6 +83,85 @@ def _cmd_sql(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _cmd_agent(args: argparse.Namespace, settings: Settings) -> int:
+    import socket
+    import threading
+    from pathlib import Path
+
+    from fleetline.streams import kafka as kafka_clients
+    from fleetline.streams.serde import default_codec
+
+    topics = Topics(args.topic_prefix)
+    kafka_clients.ensure_topics(settings.kafka, topics.specs())
+    state_dir = Path(args.state_dir or settings.cache_dir / "agent")
+    stop = threading.Event()
+    if args.collector == "nvml":
+        from fleetline.agents.node import NodeAgent, NodeIdentity
+        from fleetline.agents.nvml import NvmlCollector
+
+        identity = NodeIdentity(args.cluster_id, args.region, args.node_id or socket.gethostname(),
+                                leaf_switch=args.leaf_switch)
+        agent = NodeAgent.create(settings, default_codec(), topics, identity,
+                                 NvmlCollector().open(), state_dir, interval_ms=args.interval_ms)
+        try:
+            ticks = agent.run(stop, max_ticks=args.ticks)
+        finally:
+            agent.close()
+        print(f"{identity.node_id}: {ticks} intervals sent to {topics.telemetry}")
+        return 0
+
+    from fleetline.agents.fleet import FleetAgent
+    from fleetline.agents.simulator import FleetSimulator, load_faults
+
+    start_ms = (int(time.time() * 1000) // args.interval_ms) * args.interval_ms
+    faults = load_faults(Path(args.faults), start_ms) if args.faults else []
+    simulator = FleetSimulator(default_clusters(args.nodes)[: args.clusters], seed=args.seed,
+                               interval_ms=args.interval_ms, faults=faults)
+    agent = FleetAgent.create(settings, default_codec(), topics, simulator, state_dir)
+    try:
+        agent.start(start_ms)
+        tick = 0
+        while args.ticks is None or tick < args.ticks:
+            tick += 1
+            agent.tick(start_ms + tick * args.interval_ms)
+            time.sleep(max(0.0, start_ms / 1000 + tick * args.interval_ms / 1000 - time.time()))
+        agent.flush()
+    finally:
+        agent.close()
+    print(f"{len(simulator.nodes)} simulated nodes: {tick} intervals sent to {topics.telemetry}; "
+          f"spools: {agent.spool_metrics()}")
+    return 0
+
+
+def _cmd_command(args: argparse.Namespace, settings: Settings) -> int:
+    import uuid
+
+    from fleetline.errors import ConfigError
+    from fleetline.streams import kafka as kafka_clients
+    from fleetline.streams.serde import default_codec
+
+    config = {}
+    for item in args.set or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set takes key=value, got {item!r}")
+        config[key] = value
+    record = {
+        "command_id": args.command_id or uuid.uuid4().hex, "cluster_id": args.cluster_id,
+        "node_id": args.node_id, "ts": int(time.time() * 1000), "issued_by": args.issued_by,
+        "kind": args.kind, "power_cap_w": args.power_cap_w,
+        "config_version": args.config_version, "config": config,
+    }
+    topics = Topics(args.topic_prefix)
+    producer = kafka_clients.producer(settings.kafka)
+    producer.produce(topics.commands, key=args.node_id.encode(),
+                     value=default_codec().encode("NodeCommand", record))
+    if producer.flush(30):
+        raise FleetlineError("the command was not delivered within 30 s")
+    print(f"sent {args.kind} {record['command_id']} to {args.node_id} on {topics.commands}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fleetline",
@@ -111,6 +190,39 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--external-services", action="store_true",
                      help="use the Kafka and S3 named in the settings; start nothing")
     run.set_defaults(func=_cmd_run)
+
+    agent = sub.add_parser(
+        "agent", help="run a node agent: real GPUs through NVML, or a simulated fleet",
+        description="Sends NodeTelemetry every interval and NodeState heartbeats through an "
+                    "on-disk spool, and applies the node's commands.")
+    agent.add_argument("collector", choices=["nvml", "simulator"])
+    agent.add_argument("--topic-prefix", default="fleetline")
+    agent.add_argument("--interval-ms", type=int, default=1000)
+    agent.add_argument("--ticks", type=int, help="stop after this many intervals")
+    agent.add_argument("--state-dir", help="spool and control state (default: .cache/agent)")
+    agent.add_argument("--cluster-id", default="local", help="nvml: this node's cluster")
+    agent.add_argument("--region", default="local", help="nvml: this node's region")
+    agent.add_argument("--node-id", help="nvml: this node's id (default: the host name)")
+    agent.add_argument("--leaf-switch", help="nvml: the node's leaf switch, if known")
+    agent.add_argument("--clusters", type=int, default=3, choices=[1, 2, 3])
+    agent.add_argument("--nodes", type=int, default=4, help="simulator: nodes per cluster")
+    agent.add_argument("--seed", type=int, default=7)
+    agent.add_argument("--faults", help="simulator: a YAML fault script (see tests/scenarios)")
+    agent.set_defaults(func=_cmd_agent)
+
+    command = sub.add_parser("command", help="send a command to a node agent")
+    command.add_argument("node_id")
+    command.add_argument("kind", choices=["DRAIN", "CORDON", "UNCORDON", "SET_POWER_CAP",
+                                          "APPLY_CONFIG"])
+    command.add_argument("--cluster-id", required=True)
+    command.add_argument("--power-cap-w", type=float)
+    command.add_argument("--config-version")
+    command.add_argument("--set", action="append", metavar="KEY=VALUE",
+                         help="APPLY_CONFIG setting, e.g. interval_ms=5000")
+    command.add_argument("--command-id", help="default: a new random id")
+    command.add_argument("--issued-by", default="cli")
+    command.add_argument("--topic-prefix", default="fleetline")
+    command.set_defaults(func=_cmd_command)
 
     sql = sub.add_parser(
         "sql", help="run a read-only ClickHouse SQL query on the configured store",

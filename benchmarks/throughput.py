@@ -9,8 +9,6 @@ a scratch folder. Prints the figures and writes them to benchmarks/results/throu
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import resource
 import tempfile
 import threading
@@ -18,17 +16,18 @@ import time
 import uuid
 from pathlib import Path
 
+from _common import local_services, report
+
 from fleetline.agents.runtime import TelemetryPublisher
 from fleetline.agents.simulator import ClusterSpec, FleetSimulator
+from fleetline.agents.spool import DiskSpool
 from fleetline.config import Settings
-from fleetline.infra import LocalServices
 from fleetline.storage.clickhouse import connect, migrate
 from fleetline.storage.hot_sink import HotSampleSink, HotSampleStore, SourcedTelemetry, to_columns
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import default_codec
 from fleetline.streams.topics import Topics
 
-RESULTS = Path(__file__).resolve().parent / "results" / "throughput.json"
 BASE_MS = 1_796_000_000_000
 
 
@@ -60,7 +59,9 @@ def bench(nodes: int, ticks: int) -> dict[str, float]:
 
     topics = Topics(prefix=f"bench.{uuid.uuid4().hex[:8]}")
     kafka_clients.ensure_topics(settings.kafka, topics.specs())
-    publisher = TelemetryPublisher(kafka_clients.producer(settings.kafka), codec, topics)
+    spool_dir = tempfile.mkdtemp(prefix="bench-spool-")
+    publisher = TelemetryPublisher(kafka_clients.producer(settings.kafka), codec, topics,
+                                   DiskSpool(Path(spool_dir), max_bytes=2**31))
     cpu0 = time.process_time()
     began = time.perf_counter()
     publisher.publish_telemetry(records)
@@ -110,23 +111,10 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=1000)
     parser.add_argument("--ticks", type=int, default=30)
     args = parser.parse_args()
-    services = LocalServices.from_settings(Settings.from_env())
-    started = not all(services.status().values())
-    if started:
-        services.start()
-    try:
+    settings = Settings.from_env()
+    with local_services(settings):
         figures = bench(args.nodes, args.ticks)
-    finally:
-        if started:
-            services.stop()
-    figures = {k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}
-    report = {"machine": f"{platform.machine()} {platform.python_implementation()} "
-                         f"{platform.python_version()}", **figures}
-    for key, value in report.items():
-        print(f"{key:40} {value}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"written to {RESULTS}")
+    report("throughput", figures)
 
 
 if __name__ == "__main__":

@@ -149,3 +149,14 @@ def test_fault_targets_must_exist() -> None:
     with pytest.raises(ConfigError, match="no such target"):
         FleetSimulator(default_clusters(1), seed=1,
                        faults=[Fault("rdma_loss", "nowhere-leaf", BASE_MS)])
+
+
+def test_the_shipped_scenario_fits_the_default_fleet() -> None:
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scenarios" / "degraded-fabric.yaml"
+    sim = FleetSimulator(default_clusters(4), seed=7, faults=load_faults(script, BASE_MS))
+    seen = ticks(sim, 12)
+    lossy = sum(g["rdma_packet_loss_ratio"] == 0.02 for r in seen[6].values() for g in r["gpus"])
+    assert lossy == 16
+    assert not sim.link_up("ap-south-a-n0000", BASE_MS + 12_000)
