@@ -166,12 +166,11 @@ def run_slice(
     running = build_slice(settings, topics)
     running.start()
     timings["pipeline_start_s"] = time.monotonic() - began
+    simulator = FleetSimulator(clusters, seed=seed, interval_ms=interval_ms)
     # Half-way through, the last node loses power: a scripted fault, like any other.
-    probe = FleetSimulator(clusters, seed=seed)
-    victim = probe.nodes[-1]
+    victim = simulator.nodes[-1]
     down_at = start_ms + (ticks // 2) * interval_ms
-    simulator = FleetSimulator(clusters, seed=seed, interval_ms=interval_ms,
-                               faults=[Fault("node_down", victim.node_id, down_at)])
+    simulator.faults.append(Fault("node_down", victim.node_id, down_at))
     state_dir = Path(tempfile.mkdtemp(prefix="fleetline-agents-"))
     agent = FleetAgent.create(settings, running.codec, topics, simulator, state_dir,
                               commands=False)

@@ -96,7 +96,7 @@ class FleetAgent:
         for record in records:
             by_cluster.setdefault(record["cluster_id"], []).append(record)
         for cluster_id, group in by_cluster.items():
-            link = self.simulator.link_up(group[0]["node_id"], ts_ms)
+            link = self.simulator.cluster_link_up(cluster_id, ts_ms)
             self.publishers[cluster_id].publish(kind, group, send=link)
         return len(records)
 
@@ -116,10 +116,9 @@ class FleetAgent:
             self._changed = []
         if self.sequences is not None:
             self.sequences.save(self.simulator.sequence_numbers())
-        for cluster in self.simulator.clusters:
-            node_id = f"{cluster.cluster_id}-n0000"
-            if cluster.nodes and self.simulator.link_up(node_id, ts_ms):
-                self.publishers[cluster.cluster_id].pump()
+        for cluster_id, publisher in self.publishers.items():
+            if self.simulator.cluster_link_up(cluster_id, ts_ms):
+                publisher.pump()
         return sent
 
     def flush(self, timeout_s: float = 60.0) -> None:

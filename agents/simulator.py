@@ -1,8 +1,9 @@
 """A deterministic simulated fleet with scriptable faults.
 
 Clusters sit in named regions; each node has 8 GPUs in two NVLink islands of four; two nodes
-share a leaf switch (16 GPUs behind one leaf), leaves hang off one spine per cluster. Load follows
-a diurnal curve plus a per-GPU bias. Faults are data (`Fault`), active over an event-time window:
+share a leaf switch (16 GPUs behind one leaf), leaves hang off one spine per cluster. About 40% of
+GPUs run training jobs (steady, near full); the rest serve inference that follows a diurnal
+curve. Faults are data (`Fault`), active over an event-time window:
 a GPU degraded by NVLink errors, a leaf switch losing RDMA packets (degrading its 16 GPUs), XID
 or double-bit ECC events, a node going down, a whole cluster losing its link to Kafka.
 
@@ -32,6 +33,8 @@ DEFAULT_POWER_LIMIT_W = 700.0
 NVLINK_LINKS = 18
 DAY_MS = 24 * 3600 * 1000
 AGENT_VERSION = "0.2.0"
+# GPUs whose load bias is at least this run training jobs; the others serve inference.
+TRAINING_BIAS = 0.6
 
 FAULT_KINDS = ("nvlink_errors", "rdma_loss", "xid", "ecc_dbe", "node_down", "cluster_link_loss")
 
@@ -232,9 +235,11 @@ class FleetSimulator:
 
     def link_up(self, node_id: str, ts_ms: int) -> bool:
         """False while a cluster_link_loss fault cuts the node's cluster off from Kafka."""
-        cluster = self._by_id[node_id].cluster_id
-        return not any(f.kind == "cluster_link_loss" and f.target == cluster and f.active(ts_ms)
-                       for f in self.faults)
+        return self.cluster_link_up(self._by_id[node_id].cluster_id, ts_ms)
+
+    def cluster_link_up(self, cluster_id: str, ts_ms: int) -> bool:
+        return not any(f.kind == "cluster_link_loss" and f.target == cluster_id
+                       and f.active(ts_ms) for f in self.faults)
 
     def state_changes(self, ts_ms: int) -> list[dict[str, Any]]:
         """NodeState records for node_down faults that start or end at this tick."""
@@ -278,8 +283,13 @@ class FleetSimulator:
             gpus = []
             for index in range(GPUS_PER_NODE):
                 bias = node.load_bias[index]
-                util = min(100.0, max(0.0, 100 * (0.6 * bias + 0.4 * diurnal)
-                                      + rng.gauss(0, 4)))
+                if bias >= TRAINING_BIAS:
+                    # A training job: steady and near full, whatever the hour.
+                    level = 85 + 12 * bias
+                else:
+                    # Inference: follows the users' day.
+                    level = 100 * diurnal * (0.4 + bias)
+                util = min(100.0, max(0.0, level + rng.gauss(0, 4)))
                 busy = util / 100
                 key = f"{node.node_id}/{index}"
                 counters = self._counters.setdefault(key, [0, 0, 0])

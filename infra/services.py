@@ -40,18 +40,12 @@ class LocalServices:
     def start(self) -> dict[str, float]:
         """Start both services (building/fetching first if needed); seconds each step took."""
         timings: dict[str, float] = {}
-        began = time.monotonic()
-        self.broker.fetch()
-        timings["kafka_fetch_s"] = time.monotonic() - began
-        began = time.monotonic()
-        self.object_store.build()
-        timings["s3_build_s"] = time.monotonic() - began
-        began = time.monotonic()
-        self.broker.start()
-        timings["kafka_start_s"] = time.monotonic() - began
-        began = time.monotonic()
-        self.object_store.start()
-        timings["s3_start_s"] = time.monotonic() - began
+        steps = (("kafka_fetch_s", self.broker.fetch), ("s3_build_s", self.object_store.build),
+                 ("kafka_start_s", self.broker.start), ("s3_start_s", self.object_store.start))
+        for name, step in steps:
+            began = time.monotonic()
+            step()
+            timings[name] = time.monotonic() - began
         return timings
 
     def stop(self) -> None:

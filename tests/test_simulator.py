@@ -160,3 +160,18 @@ def test_the_shipped_scenario_fits_the_default_fleet() -> None:
     lossy = sum(g["rdma_packet_loss_ratio"] == 0.02 for r in seen[6].values() for g in r["gpus"])
     assert lossy == 16
     assert not sim.link_up("ap-south-a-n0000", BASE_MS + 12_000)
+
+
+def test_training_is_steady_and_inference_follows_the_day() -> None:
+    sim = FleetSimulator(default_clusters(8), seed=4)
+    hour = 3600 * 1000
+    day_start = (BASE_MS // (24 * hour)) * 24 * hour
+    night = {(r["node_id"], g["gpu_index"]): g["gpu_util_pct"]
+             for r in sim.telemetry(day_start + 3 * hour) for g in r["gpus"]}
+    afternoon = {(r["node_id"], g["gpu_index"]): g["gpu_util_pct"]
+                 for r in sim.telemetry(day_start + 15 * hour) for g in r["gpus"]}
+    training = [(n.node_id, i) for n in sim.nodes for i, b in enumerate(n.load_bias) if b >= 0.6]
+    inference = [(n.node_id, i) for n in sim.nodes for i, b in enumerate(n.load_bias) if b < 0.6]
+    mean = lambda keys, d: sum(d[k] for k in keys) / len(keys)  # noqa: E731
+    assert mean(training, night) > 80 and mean(training, afternoon) > 80
+    assert mean(inference, afternoon) > 2 * mean(inference, night)
