@@ -283,12 +283,10 @@ class FleetSimulator:
             gpus = []
             for index in range(GPUS_PER_NODE):
                 bias = node.load_bias[index]
-                if bias >= TRAINING_BIAS:
-                    # A training job: steady and near full, whatever the hour.
-                    level = 85 + 12 * bias
-                else:
-                    # Inference: follows the users' day.
-                    level = 100 * diurnal * (0.4 + bias)
+                # A training job runs steady and near full, whatever the hour; inference
+                # follows the users' day.
+                level = (85 + 12 * bias if bias >= TRAINING_BIAS
+                         else 100 * diurnal * (0.4 + bias))
                 util = min(100.0, max(0.0, level + rng.gauss(0, 4)))
                 busy = util / 100
                 key = f"{node.node_id}/{index}"
