@@ -113,15 +113,13 @@ class TransactionalProcessor:
                     _produce(producer, out)
             for store in self.stores:
                 for partition, key, value in store.pending_changelog():
-                    producer.produce(
-                        store.changelog_topic, key=key, value=value, partition=partition
-                    )
+                    _produce(producer, Output(store.changelog_topic, key, value, partition))
             producer.send_offsets_to_transaction(
                 [TopicPartition(t, p, o) for (t, p), o in next_offsets.items()],
                 consumer.consumer_group_metadata(),
                 30,
             )
-            producer.commit_transaction(60)
+            _commit(producer)
         except KafkaException as exc:
             error: KafkaError = exc.args[0]
             if error.fatal():
@@ -178,11 +176,29 @@ def _produce(producer, out: Output) -> None:
             producer.poll(0.1)
 
 
+def _commit(producer, attempts: int = 5) -> None:
+    """Commit the transaction, retrying what librdkafka calls retriable (a commit timeout)."""
+    for attempt in range(attempts):
+        try:
+            producer.commit_transaction(60)
+            return
+        except KafkaException as exc:
+            error: KafkaError = exc.args[0]
+            if attempt + 1 == attempts or not error.retriable() or error.txn_requires_abort():
+                raise
+
+
 def _rewind(consumer) -> None:
     """Seek every assigned partition back to its committed offset (the aborted batch's start)."""
     assignment = consumer.assignment()
     if not assignment:
         return
-    for tp in consumer.committed(assignment, timeout=30):
-        offset = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
-        consumer.seek(TopicPartition(tp.topic, tp.partition, offset))
+    positions = [TopicPartition(tp.topic, tp.partition,
+                                tp.offset if tp.offset >= 0 else OFFSET_BEGINNING)
+                 for tp in consumer.committed(assignment, timeout=30)]
+    try:
+        for tp in positions:
+            consumer.seek(tp)
+    except KafkaException:
+        # seek() needs a partition already being fetched; reassigning works in any state.
+        consumer.assign(positions)
