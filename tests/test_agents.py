@@ -78,7 +78,13 @@ def test_spool_replays_in_order_after_a_broker_outage(settings, tmp_path: Path) 
     agent.close()
 
     by_node = first_occurrences(read_all(settings, topics.telemetry, 11 * 4, timeout_s=60))
-    states = first_occurrences(read_all(settings, topics.node_state, 2 * 4))
+    state_messages = read_all(settings, topics.node_state, 2 * 4)
+    states = first_occurrences(state_messages)
+    heartbeats = [r for r in (codec.decode(m.value()).record for m in state_messages)
+                  if r["ts"] > BASE_MS]  # not the start states, sent before anything was spooled
+    assert len({h["node_id"] for h in heartbeats}) == 4
+    # The heartbeat after the outage reports the spool: it held records, and dropped none.
+    assert all(h["agent_spool_dropped"] == 0 and h["agent_spool_bytes"] > 0 for h in heartbeats)
     # Every node's 11 telemetry records arrived, in the order collected (repeats, if any, come
     # after), and with its NodeStates (start, heartbeat) no seq is missing.
     assert sorted(by_node) == sorted(n.node_id for n in agent.simulator.nodes)
