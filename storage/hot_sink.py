@@ -3,7 +3,9 @@
 Each sample row carries the Kafka partition and offset of its NodeTelemetry message. One batch is
 one INSERT, so the table itself says how far the sink got: on (re)start it resumes after the
 highest stored offset of each partition, and a crash between insert and offset commit neither
-loses nor duplicates rows. Kafka offsets are committed too, but only for lag monitoring.
+loses nor duplicates rows. Records an agent sent twice (it re-sends from its spool after an
+outage) are dropped by their per-node seq, which the table also holds. Kafka offsets are
+committed too, but only for lag monitoring.
 """
 
 from __future__ import annotations
@@ -92,6 +94,17 @@ class HotSampleStore:
             raise StorageError(f"reading resume offsets from {TABLE}: {exc}") from None
         return {int(p): int(o) for p, o in rows}
 
+    def node_watermarks(self) -> dict[str, int]:
+        """The highest seq stored for each node: an agent that re-sends after an outage repeats
+        records the table already has, and those are recognised by their seq."""
+        try:
+            rows = self.client.query(
+                f"SELECT node_id, max(seq) FROM {self.database}.{TABLE} GROUP BY node_id"
+            ).result_rows
+        except Exception as exc:
+            raise StorageError(f"reading node watermarks from {TABLE}: {exc}") from None
+        return {str(node): int(seq) for node, seq in rows}
+
     def store(self, table: pa.Table) -> None:
         if table.num_rows == 0:
             return
@@ -107,6 +120,7 @@ class SinkStats:
     messages: int = 0
     rows: int = 0
     dead_letters: int = 0
+    repeats: int = 0  # records an agent sent again, already stored
 
 
 @dataclass
@@ -123,11 +137,13 @@ class HotSampleSink:
     max_batch_wait_s: float = 1.0
     stats: SinkStats = field(default_factory=SinkStats)
     ready: threading.Event = field(default_factory=threading.Event)
+    _seen: dict[str, int] = field(default_factory=dict, init=False, repr=False)
 
     def run(self, stop: threading.Event) -> None:
         consumer = kafka_clients.consumer(self.kafka, self.group_id)
         dlq = kafka_clients.producer(self.kafka)
         resume = self.store.resume_offsets()
+        self._seen = self.store.node_watermarks()
 
         def on_assign(cons, partitions: list[TopicPartition]) -> None:
             # The table, not the group's committed offsets, says where to resume: a partition
@@ -168,7 +184,12 @@ class HotSampleSink:
             try:
                 decoded = self.codec.decode(msg.value(), expect=NODE_TELEMETRY)
                 check_telemetry(decoded.record)
-                good.append(SourcedTelemetry(msg.partition(), msg.offset(), decoded.record))
+                record = decoded.record
+                if record["seq"] <= self._seen.get(record["node_id"], 0):
+                    self.stats.repeats += 1
+                    continue
+                self._seen[record["node_id"]] = record["seq"]
+                good.append(SourcedTelemetry(msg.partition(), msg.offset(), record))
             except FleetlineError as exc:
                 self.stats.dead_letters += 1
                 log.warning("hot sink: dead-lettering %s[%d]@%d: %s", msg.topic(),

@@ -143,3 +143,33 @@ def test_wrong_credentials_are_a_storage_error(settings) -> None:
     bad = dataclasses.replace(settings.s3, secret_key="wrong")
     with pytest.raises(StorageError, match="writing s3://"):
         ObjectStore.from_settings(bad, bucket="fleetline-test").put("x", b"y")
+
+
+def test_records_an_agent_sends_twice_are_stored_once(settings, clickhouse) -> None:
+    topics = fresh_topics(partitions=2)
+    kafka_clients.ensure_topics(settings.kafka, topics.specs())
+    fleet = small_fleet(nodes=1)
+    records = [r for tick in range(3) for r in fleet.telemetry(BASE_MS + tick * 1000)]
+    producer = kafka_clients.producer(settings.kafka)
+    # What a rewinding agent does: the tail is sent again after the first copies landed.
+    for record in records + records[2:]:
+        producer.produce(topics.telemetry, key=record["node_id"].encode(),
+                         value=codec.encode("NodeTelemetry", record))
+    producer.flush(30)
+    sink = make_sink(settings, clickhouse, topics)
+    loop = Background(sink.run)
+    wait_until(lambda: sink.stats.messages >= 10, what="the sink")
+    loop.stop()
+    db = settings.clickhouse_database
+    assert clickhouse.query(f"SELECT count() FROM {db}.gpu_samples").result_rows == [(48,)]
+    assert sink.stats.repeats == 4
+    # A restarted sink knows the stored seqs too.
+    producer.produce(topics.telemetry, key=records[0]["node_id"].encode(),
+                     value=codec.encode("NodeTelemetry", records[0]))
+    producer.flush(30)
+    again = make_sink(settings, clickhouse, topics)
+    again.group_id += "-again"
+    loop = Background(again.run)
+    wait_until(lambda: again.stats.repeats >= 1, what="the restarted sink")
+    loop.stop()
+    assert clickhouse.query(f"SELECT count() FROM {db}.gpu_samples").result_rows == [(48,)]
