@@ -133,3 +133,37 @@ def test_a_restarted_processor_restores_its_store_and_resumes(settings) -> None:
     assert restarted.stats.messages == len(second)
     assert restarted.stats.restored == 4
     assert handler.view() == reference_view(first + second)
+
+
+def test_an_aborted_batch_leaves_no_trace_and_is_processed_again(settings) -> None:
+    """Exactly once across an abort: outputs of the aborted attempt are invisible to
+    read_committed readers, the store drops its pending writes, the batch is redone."""
+    from fleetline.streams.processor import Output
+    from fleetline.streams.topics import TopicSpec
+
+    topics = setup_topics(settings)
+    out_topic = f"{topics.prefix}.out"
+    kafka_clients.ensure_topics(settings.kafka, [TopicSpec(out_topic, 1)])
+    fleet = small_fleet(nodes=1)
+    events = publish_run(settings, topics, fleet, ticks=3)
+
+    processor, handler = make_processor(settings, topics)
+    poisoned = {"left": 1}
+
+    def flaky(msg):
+        handler(msg)
+        outputs = [Output(out_topic, msg.key(), msg.value())]
+        if poisoned["left"]:
+            poisoned["left"] -= 1
+            # Partition 7 of a one-partition topic: the producer refuses it, the batch aborts.
+            outputs.append(Output(out_topic, msg.key(), msg.value(), partition=7))
+        return outputs
+
+    processor.handler = flaky
+    loop = Background(processor.run)
+    wait_until(lambda: processor.stats.messages >= len(events), what="the processor")
+    loop.stop()
+    assert processor.stats.aborts == 1
+    assert handler.view() == reference_view(events)  # nothing folded twice
+    committed = read_all(settings, out_topic, len(events))
+    assert len(committed) == len(events)  # each input's output once
