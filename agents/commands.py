@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
@@ -21,6 +20,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
+from fleetline.agents.durable import write_atomically
 from fleetline.config import KafkaSettings
 from fleetline.errors import FleetlineError, StreamError
 from fleetline.streams import kafka as kafka_clients
@@ -128,10 +128,7 @@ class ControlStore:
 
     def put(self, node_id: str, control: NodeControl) -> None:
         self.controls[node_id] = control
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = self.path.with_suffix(".tmp")
-        temporary.write_text(json.dumps({n: asdict(c) for n, c in self.controls.items()}))
-        os.replace(temporary, self.path)
+        write_atomically(self.path, json.dumps({n: asdict(c) for n, c in self.controls.items()}))
 
 
 # Applies a decided control state to the hardware (NVML) or the simulator.

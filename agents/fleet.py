@@ -8,12 +8,12 @@ it in order once the link is back, while the other clusters carry on.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fleetline.agents.commands import CommandLoop, ControlStore, NodeControl
+from fleetline.agents.durable import write_atomically
 from fleetline.agents.runtime import TelemetryPublisher
 from fleetline.agents.simulator import FleetSimulator, SimNode
 from fleetline.agents.spool import DiskSpool
@@ -148,10 +148,7 @@ class SequenceStore:
         return json.loads(self.path.read_text()) if self.path.exists() else {}
 
     def save(self, sequences: dict[str, int]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = self.path.with_suffix(".tmp")
-        temporary.write_text(json.dumps(sequences))
-        os.replace(temporary, self.path)
+        write_atomically(self.path, json.dumps(sequences))
 
 
 @dataclass

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from fleetline.agents.durable import write_atomically
 from fleetline.errors import FleetlineError
 
 _FRAME = struct.Struct("<II")  # payload length, CRC32 of payload
@@ -163,9 +164,7 @@ class DiskSpool:
 
     def _set_acked(self, offset: int) -> None:
         self.acked = offset
-        temporary = self._acked_file.with_suffix(".tmp")
-        temporary.write_text(str(offset))
-        os.replace(temporary, self._acked_file)
+        write_atomically(self._acked_file, str(offset))
 
     def close(self) -> None:
         if self._writer is not None:
