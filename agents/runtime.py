@@ -51,6 +51,7 @@ class TelemetryPublisher:
     _failed: bool = field(init=False, default=False)
     _retry_at: float = field(init=False, default=0.0)
     _highest_sent: int = field(init=False, default=-1)
+    _dropped_seen: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self._next = self.spool.acked + 1
@@ -101,6 +102,10 @@ class TelemetryPublisher:
 
     def _advance_acked(self) -> None:
         acked = self.spool.acked
+        if self.spool.dropped != self._dropped_seen:
+            # The bound moved the mark past entries that may have been delivered meanwhile.
+            self._dropped_seen = self.spool.dropped
+            self._delivered = {o for o in self._delivered if o > acked}
         while acked + 1 in self._delivered:
             acked += 1
             self._delivered.discard(acked)
