@@ -10,6 +10,9 @@ from fleetline.errors import InvalidEventError
 NODE_TELEMETRY = "fleetline.telemetry.NodeTelemetry"
 NODE_STATE = "fleetline.telemetry.NodeState"
 GPU_SAMPLE = "fleetline.telemetry.GpuSample"
+CLUSTER_INFO = "fleetline.fleet.ClusterInfo"
+DATASET_STATE = "fleetline.fleet.DatasetState"
+ALLOCATION = "fleetline.scheduling.Allocation"
 
 
 def check_telemetry(record: Mapping[str, Any]) -> None:

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DAY_MS = 24 * 3600 * 1000
+# The topics the resource view folds are stamped by the broker when it appends, so a message's
+# timestamp says when the system saw it and `replay --at` can find that moment in the log.
+LOG_APPEND_TIME = {"message.timestamp.type": "LogAppendTime"}
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,28 @@ class Topics:
         return f"{self.prefix}.commands.result"
 
     @property
+    def clusters(self) -> str:
+        return f"{self.prefix}.state.cluster"
+
+    @property
+    def datasets(self) -> str:
+        return f"{self.prefix}.state.dataset"
+
+    @property
+    def allocations(self) -> str:
+        return f"{self.prefix}.scheduler.allocations"
+
+    @property
+    def node_topics(self) -> tuple[str, str]:
+        """The co-partitioned topics keyed by node id: partition p of each holds the same nodes."""
+        return (self.telemetry, self.node_state)
+
+    @property
+    def fleet_topics(self) -> tuple[str, str, str]:
+        """The small single-partition topics every view instance reads whole (global tables)."""
+        return (self.clusters, self.datasets, self.allocations)
+
+    @property
     def dead_letter(self) -> str:
         return f"{self.prefix}.deadletter"
 
@@ -54,10 +79,11 @@ class Topics:
         return [
             TopicSpec(self.telemetry, self.node_partitions,
                       {"cleanup.policy": "delete", "retention.ms": str(7 * DAY_MS),
-                       "compression.type": "producer"},
+                       "compression.type": "producer", **LOG_APPEND_TIME},
                       "NodeTelemetry, one record per node per interval, keyed by node id"),
             TopicSpec(self.node_state, self.node_partitions,
-                      {"cleanup.policy": "compact", "min.compaction.lag.ms": str(3600 * 1000)},
+                      {"cleanup.policy": "compact", "min.compaction.lag.ms": str(3600 * 1000),
+                       **LOG_APPEND_TIME},
                       "NodeState, keyed by node id; compacted to the latest state of each node"),
             TopicSpec(self.commands, self.node_partitions,
                       {"cleanup.policy": "delete", "retention.ms": str(7 * DAY_MS)},
@@ -65,6 +91,15 @@ class Topics:
             TopicSpec(self.command_results, self.node_partitions,
                       {"cleanup.policy": "delete", "retention.ms": str(30 * DAY_MS)},
                       "CommandResult, the agents' acknowledgements, keyed by node id"),
+            TopicSpec(self.clusters, 1,
+                      {"cleanup.policy": "compact", **LOG_APPEND_TIME},
+                      "ClusterInfo, keyed by cluster id; compacted to each cluster's latest facts"),
+            TopicSpec(self.datasets, 1,
+                      {"cleanup.policy": "compact", **LOG_APPEND_TIME},
+                      "DatasetState, keyed by dataset id; compacted to each dataset's replicas"),
+            TopicSpec(self.allocations, 1,
+                      {"cleanup.policy": "delete", "retention.ms": "-1", **LOG_APPEND_TIME},
+                      "Allocation, keyed by job id; kept forever so replay sees every binding"),
             TopicSpec(self.dead_letter, 1,
                       {"cleanup.policy": "delete", "retention.ms": str(30 * DAY_MS)},
                       "messages no processor could handle: original bytes, reason in headers"),

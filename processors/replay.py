@@ -1,0 +1,222 @@
+"""Replay and time travel: the view as it stood at a past moment or offset, and what changed.
+
+A moment is a log position: in every partition, the messages the broker had appended by then
+(the view topics use LogAppendTime, so a message's timestamp is when the system saw it). The view
+at a position is the newest snapshot at or before it plus the tail of the log after the snapshot,
+folded by the same code as the live processor, so it equals what the live view was there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from confluent_kafka import TopicPartition
+
+from fleetline.config import KafkaSettings
+from fleetline.errors import StreamError
+from fleetline.processors.view import Change, HealthPolicy, ResourceView, compose, node_status
+from fleetline.processors.view_runtime import PartFolder
+from fleetline.storage.snapshots import ViewSnapshots
+from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.topics import Topics
+
+log = logging.getLogger(__name__)
+
+Offsets = dict[str, dict[int, int]]
+
+
+def view_partitions(kafka: KafkaSettings, topics: Topics) -> list[TopicPartition]:
+    admin = kafka_clients.admin_client(kafka)
+    metadata = admin.list_topics(timeout=30)
+    out = []
+    for topic in (*topics.node_topics, *topics.fleet_topics):
+        meta = metadata.topics.get(topic)
+        if meta is None or meta.error is not None:
+            raise StreamError(f"topic {topic} does not exist (is the prefix right?)")
+        out.extend(TopicPartition(topic, p) for p in sorted(meta.partitions))
+    return out
+
+
+def _consumer(kafka: KafkaSettings):
+    return kafka_clients.consumer(kafka, f"fleetline-replay-{uuid.uuid4().hex[:12]}")
+
+
+def log_bounds(kafka: KafkaSettings, topics: Topics) -> tuple[Offsets, Offsets]:
+    """The first and the next offset of every view partition."""
+    consumer = _consumer(kafka)
+    try:
+        low: Offsets = {}
+        high: Offsets = {}
+        for tp in view_partitions(kafka, topics):
+            lo, hi = consumer.get_watermark_offsets(tp, timeout=30, cached=False)
+            low.setdefault(tp.topic, {})[tp.partition] = lo
+            high.setdefault(tp.topic, {})[tp.partition] = hi
+        return low, high
+    finally:
+        consumer.close()
+
+
+def offsets_at(kafka: KafkaSettings, topics: Topics, at_ms: int) -> Offsets:
+    """The log position at `at_ms`: per partition, one past the last message appended at or
+    before it."""
+    _, high = log_bounds(kafka, topics)
+    consumer = _consumer(kafka)
+    try:
+        query = [TopicPartition(t, p, at_ms + 1) for t, ps in high.items() for p in ps]
+        found = consumer.offsets_for_times(query, timeout=30)
+    finally:
+        consumer.close()
+    out: Offsets = {}
+    for tp in found:
+        offset = tp.offset if tp.offset >= 0 else high[tp.topic][tp.partition]
+        out.setdefault(tp.topic, {})[tp.partition] = offset
+    return out
+
+
+@dataclass
+class Replay:
+    """The result of a rebuild: the global view and how it was reached."""
+
+    view: ResourceView
+    parts: dict[str, ResourceView]
+    snapshot_positions: dict[str, int] = field(default_factory=dict)
+    folded: int = 0
+    dead_letters: int = 0
+    seconds: float = 0.0
+    gaps: list[str] = field(default_factory=list)
+
+
+def _part_partitions(folder: PartFolder, target: Offsets) -> dict[str, Offsets]:
+    out: dict[str, Offsets] = {}
+    for topic, parts in target.items():
+        for partition, offset in parts.items():
+            part = folder.part_of(topic, partition)
+            out.setdefault(part, {}).setdefault(topic, {})[partition] = offset
+    return out
+
+
+def rebuild(kafka: KafkaSettings, topics: Topics, target: Offsets,
+            snapshots: ViewSnapshots | None = None,
+            policy: HealthPolicy | None = None,
+            on_batch: Callable[[dict[str, ResourceView]], None] | None = None,
+            start: dict[str, ResourceView] | None = None) -> Replay:
+    """Fold the log up to `target` (exclusive offsets): from `start` parts if given, else from
+    each part's newest snapshot within the target (when `snapshots` is given), else from the
+    beginning of the log."""
+    began = time.perf_counter()
+    folder = PartFolder(topics, policy or HealthPolicy())
+    low, _ = log_bounds(kafka, topics)
+    parts: dict[str, ResourceView] = dict(start or {})
+    result = Replay(view=ResourceView(), parts=parts)
+    for part, limit in _part_partitions(folder, target).items():
+        if part in parts:
+            continue
+        info = snapshots.latest(part, within=limit) if snapshots is not None else None
+        if info is not None:
+            view = snapshots.load(info)  # type: ignore[union-attr]
+            if view.policy == folder.policy:
+                parts[part] = view
+                result.snapshot_positions[part] = info.position
+                continue
+        parts[part] = folder.new_part()
+
+    assignment = []
+    remaining: dict[tuple[str, int], int] = {}
+    for topic, ps in target.items():
+        for partition, end in ps.items():
+            part = parts[folder.part_of(topic, partition)]
+            begin = part.offsets.get(topic, {}).get(partition)
+            first = low.get(topic, {}).get(partition, 0)
+            if begin is None:
+                begin = first
+                if first > 0:
+                    result.gaps.append(f"{topic}[{partition}] starts at offset {first}: earlier "
+                                       "events were removed by retention or compaction")
+            if begin < end:
+                assignment.append(TopicPartition(topic, partition, begin))
+                remaining[(topic, partition)] = end
+    consumer = _consumer(kafka)
+    try:
+        if assignment:
+            consumer.assign(assignment)
+        idle_since = time.monotonic()
+        while remaining:
+            messages = consumer.consume(5000, 0.5)
+            keep = []
+            for msg in messages:
+                if msg.error():
+                    keep.append(msg)
+                    continue
+                key = (msg.topic(), msg.partition())
+                end = remaining.get(key)
+                if end is None or msg.offset() >= end:
+                    continue
+                keep.append(msg)
+                if msg.offset() + 1 >= end:
+                    del remaining[key]
+                    consumer.pause([TopicPartition(*key)])
+            if keep:
+                idle_since = time.monotonic()
+                failed = folder.fold(parts, keep)
+                result.folded += len(keep)
+                result.dead_letters += len(failed)
+                if on_batch is not None:
+                    on_batch(parts)
+                continue
+            # Transaction markers and compacted-away records leave offsets that hold no
+            # message: a partition whose position reached the target is complete.
+            for tp in consumer.position([TopicPartition(*k) for k in remaining]):
+                if tp.offset >= remaining[(tp.topic, tp.partition)]:
+                    del remaining[(tp.topic, tp.partition)]
+            if remaining and time.monotonic() - idle_since > 60:
+                raise StreamError(f"replay stalled short of the target in {sorted(remaining)}")
+    finally:
+        consumer.close()
+    for topic, ps in target.items():
+        for partition, end in ps.items():
+            # The part stands at the target even where the last offsets held no record.
+            parts[folder.part_of(topic, partition)].offsets.setdefault(topic, {})[partition] = end
+    result.view = compose(parts.values())
+    result.seconds = time.perf_counter() - began
+    return result
+
+
+def walk(kafka: KafkaSettings, topics: Topics, begin: Offsets, end: Offsets,
+         snapshots: ViewSnapshots | None = None,
+         policy: HealthPolicy | None = None) -> tuple[Replay, list[Change]]:
+    """The view at `begin`, then every change between `begin` and `end`: GPU health and node
+    state transitions from the fold, and nodes becoming unreachable (or reachable again) as
+    event time moves on."""
+    first = rebuild(kafka, topics, begin, snapshots, policy)
+    for part in first.parts.values():
+        part.drain_changes()
+    changes: list[Change] = []
+    statuses = _statuses(first.view)
+
+    def on_batch(parts: dict[str, ResourceView]) -> None:
+        nonlocal statuses
+        for part in parts.values():
+            changes.extend(part.drain_changes())
+        view = compose(parts.values())
+        now = _statuses(view)
+        for node_id, status in now.items():
+            before = statuses.get(node_id)
+            if before is not None and before != status and "UNREACHABLE" in (before, status):
+                changes.append(Change(view.watermark_ms, "node", node_id, before, status,
+                                      "heartbeats stopped" if status == "UNREACHABLE"
+                                      else "heard from again"))
+        statuses = now
+
+    second = rebuild(kafka, topics, end, None, policy, on_batch=on_batch, start=first.parts)
+    second.snapshot_positions = first.snapshot_positions
+    changes.sort(key=lambda c: (c.ts, c.entity, c.entity_id))
+    return second, changes
+
+
+def _statuses(view: ResourceView) -> dict[str, str]:
+    return {node_id: node_status(view, node) for node_id, node in view.nodes.items()}
+

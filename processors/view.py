@@ -1,0 +1,573 @@
+"""The global resource view: a deterministic fold of the fleet's event log.
+
+`apply(view, event)` folds one decoded event. The view is built from five streams, each folded
+independently of the others (telemetry and node state per node, cluster facts, datasets and
+allocations per key), so the view after a given set of offsets is the same whatever order the
+consumer happened to interleave the topics in: a replay of the same offsets reproduces it exactly.
+Anything that combines streams (a node being unreachable, a failed GPU cleared by its node's
+reboot, cluster capacity, tenant usage) is derived when read, from fields each stream keeps.
+
+The fold mutates the view it is given and returns it: copying 80,000 GPUs per event would cost
+more than the fold itself. It reads no clock, draws no random numbers and does no I/O; time is the
+event time the records carry. `copy_view` gives an independent copy (for snapshots).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from operator import itemgetter
+from typing import Any
+
+from fleetline.errors import InvalidEventError
+from fleetline.streams.events import (
+    ALLOCATION,
+    CLUSTER_INFO,
+    DATASET_STATE,
+    NODE_STATE,
+    NODE_TELEMETRY,
+)
+from fleetline.streams.serde import Decoded
+
+HEALTHY = "healthy"
+DEGRADED = "degraded"
+FAILED = "failed"
+
+# The per-GPU fields the fold reads, in this order, from a decoded GpuSample or from the
+# columnar decoder (streams/columnar.py); one tuple per GPU sample.
+GPU_FIELDS = (
+    "gpu_index", "gpu_uuid", "model", "gpu_util_pct", "mem_copy_util_pct", "fb_used_mib",
+    "fb_total_mib", "nvlink_tx_bytes_per_s", "nvlink_rx_bytes_per_s", "nvlink_errors_total",
+    "rdma_packet_loss_ratio", "temperature_c", "power_w", "power_limit_w", "ecc_sbe_total",
+    "ecc_dbe_total", "xid_codes",
+)
+_gpu_tuple = itemgetter(*GPU_FIELDS)
+
+
+@dataclass(frozen=True)
+class HealthPolicy:
+    """When a GPU counts as degraded or failed, and a node as unreachable (all in event time).
+
+    XID codes follow NVIDIA's XID catalogue: 48 (double-bit ECC), 61/62 (internal
+    micro-controller), 79 (fallen off the bus), 95 (uncontained ECC), 119/120 (GSP) take a GPU
+    out; 63/64 (row remapping), 74 (NVLink), 92 (high single-bit ECC rate), 94 (contained ECC)
+    leave it usable but suspect.
+    """
+
+    nvlink_errors_per_interval: int = 3
+    rdma_loss_ratio: float = 1e-3
+    degrade_xids: frozenset[int] = frozenset({63, 64, 74, 92, 94})
+    fail_xids: frozenset[int] = frozenset({48, 61, 62, 79, 95, 119, 120})
+    recover_after_samples: int = 30
+    unreachable_after_ms: int = 10_000
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "nvlink_errors_per_interval": self.nvlink_errors_per_interval,
+            "rdma_loss_ratio": self.rdma_loss_ratio,
+            "degrade_xids": sorted(self.degrade_xids),
+            "fail_xids": sorted(self.fail_xids),
+            "recover_after_samples": self.recover_after_samples,
+            "unreachable_after_ms": self.unreachable_after_ms,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> HealthPolicy:
+        return cls(
+            nvlink_errors_per_interval=int(data["nvlink_errors_per_interval"]),
+            rdma_loss_ratio=float(data["rdma_loss_ratio"]),
+            degrade_xids=frozenset(data["degrade_xids"]),
+            fail_xids=frozenset(data["fail_xids"]),
+            recover_after_samples=int(data["recover_after_samples"]),
+            unreachable_after_ms=int(data["unreachable_after_ms"]),
+        )
+
+
+class GpuState:
+    """One GPU: its latest sample (a GPU_FIELDS tuple, kept whole: unpacking 17 fields per sample
+    would cost more than the rest of the fold) and the health its telemetry stream says it has."""
+
+    __slots__ = (
+        "cause",
+        "clean_samples",
+        "failed_at_ms",
+        "failure",
+        "health",
+        "health_since_ms",
+        "last_ts",
+        "sample",
+    )
+
+    def __init__(self, sample: tuple) -> None:
+        self.sample = sample
+        # HEALTHY or DEGRADED, from the telemetry stream's thresholds, with hysteresis.
+        self.health = HEALTHY
+        self.cause: str | None = None
+        self.health_since_ms = 0
+        self.clean_samples = 0
+        # A failure (XID, double-bit ECC) stands until the node comes back UP after it, which
+        # the node-state stream tells; `gpu_health` joins the two when the view is read.
+        self.failure: str | None = None
+        self.failed_at_ms: int | None = None
+        self.last_ts = 0
+
+    @property
+    def index(self) -> int:
+        return self.sample[0]
+
+    @property
+    def uuid(self) -> str:
+        return self.sample[1]
+
+    def readings(self) -> dict[str, Any]:
+        return dict(zip(GPU_FIELDS, self.sample, strict=True))
+
+
+class NodeView:
+    """One node: what its state stream declares and what its telemetry stream last said."""
+
+    __slots__ = (
+        "agent_version",
+        "cluster_id",
+        "gpu_count",
+        "gpus",
+        "islands",
+        "labels",
+        "leaf_switch",
+        "node_id",
+        "numa_nodes",
+        "nvlink_peers",
+        "reason",
+        "region",
+        "spine_switch",
+        "spool_bytes",
+        "spool_dropped",
+        "state",
+        "state_seq",
+        "state_ts",
+        "telemetry_seq",
+        "telemetry_ts",
+        "up_since_ms",
+    )
+
+    def __init__(self, node_id: str, cluster_id: str, region: str) -> None:
+        self.node_id = node_id
+        self.cluster_id = cluster_id
+        self.region = region
+        self.state = "UP"
+        self.reason: str | None = None
+        self.labels: dict[str, str] = {}
+        self.gpu_count = 0
+        self.islands: list[list[int]] = []
+        self.leaf_switch: str | None = None
+        self.spine_switch: str | None = None
+        self.numa_nodes: list[int] = []
+        self.nvlink_peers: dict[str, list[int]] = {}
+        self.agent_version: str | None = None
+        self.spool_bytes: int | None = None
+        self.spool_dropped: int | None = None
+        self.state_seq = 0
+        self.state_ts = 0
+        # Event time of the last UP that followed a DOWN: failures before it are cleared.
+        self.up_since_ms = 0
+        self.telemetry_seq = 0
+        self.telemetry_ts = 0
+        self.gpus: dict[int, GpuState] = {}
+
+    @property
+    def last_heard_ms(self) -> int:
+        return max(self.state_ts, self.telemetry_ts)
+
+
+@dataclass
+class ClusterInfo:
+    cluster_id: str
+    region: str
+    kind: str
+    price_per_gpu_hour: float | None
+    energy_price_per_kwh: float | None
+    pue: float | None
+    link_latency_ms: dict[str, float]
+    retired: bool
+    seq: int
+    ts: int
+
+
+@dataclass
+class DatasetInfo:
+    dataset_id: str
+    tenant: str
+    size_bytes: int
+    replicas: list[str]
+    seq: int
+    ts: int
+
+
+@dataclass
+class JobAllocation:
+    job_id: str
+    tenant: str
+    cluster_id: str
+    priority: int
+    gpus: set[tuple[str, int]]
+    seq: int
+    since_ms: int
+
+
+@dataclass(frozen=True)
+class Change:
+    """A transition the fold saw: what changed, when (event time) and why."""
+
+    ts: int
+    entity: str
+    entity_id: str
+    before: str
+    after: str
+    cause: str | None = None
+
+
+@dataclass
+class ResourceView:
+    """The fold's state. A view over some partitions of the node topics (a shard) and/or the
+    fleet topics; `compose` joins shards into the global view."""
+
+    policy: HealthPolicy = field(default_factory=HealthPolicy)
+    nodes: dict[str, NodeView] = field(default_factory=dict)
+    clusters: dict[str, ClusterInfo] = field(default_factory=dict)
+    datasets: dict[str, DatasetInfo] = field(default_factory=dict)
+    allocations: dict[str, JobAllocation] = field(default_factory=dict)
+    # (node_id, gpu_index) -> job_id, kept by the allocation stream alone.
+    gpu_owner: dict[tuple[str, int], str] = field(default_factory=dict)
+    # topic -> partition -> next offset to fold: where this view stands in the log.
+    offsets: dict[str, dict[int, int]] = field(default_factory=dict)
+    # Events folded from the node topics and from the fleet topics: the view's version.
+    node_events: int = 0
+    fleet_events: int = 0
+    # The highest event time seen; a maximum, so it does not depend on interleaving.
+    watermark_ms: int = 0
+    # Transitions since the owner last drained them (`drain_changes`).
+    changes: list[Change] = field(default_factory=list)
+
+    @property
+    def version(self) -> int:
+        return self.node_events + self.fleet_events
+
+    def advance(self, topic: str, partition: int, offset: int) -> None:
+        """Record that the message at `offset` has been folded (or dead-lettered)."""
+        self.offsets.setdefault(topic, {})[partition] = offset + 1
+
+    def drain_changes(self) -> list[Change]:
+        changes, self.changes = self.changes, []
+        return changes
+
+
+def copy_view(view: ResourceView) -> ResourceView:
+    changes, view.changes = view.changes, []
+    try:
+        return copy.deepcopy(view)
+    finally:
+        view.changes = changes
+
+
+def apply(view: ResourceView, event: Decoded) -> ResourceView:
+    """Fold one event into the view. An event its stream has already passed is a no-op; an
+    event breaking a rule raises InvalidEventError and leaves the view as it was."""
+    record = event.record
+    match event.schema.full_name:
+        case name if name == NODE_TELEMETRY:
+            fold_telemetry(view, record["cluster_id"], record["region"], record["node_id"],
+                           record["seq"], record["ts"], [_gpu_tuple(g) for g in record["gpus"]])
+        case name if name == NODE_STATE:
+            _fold_node_state(view, record)
+        case name if name == CLUSTER_INFO:
+            _fold_cluster(view, record)
+        case name if name == DATASET_STATE:
+            _fold_dataset(view, record)
+        case name if name == ALLOCATION:
+            _fold_allocation(view, record)
+        case other:
+            raise InvalidEventError(f"the resource view does not fold {other} events")
+    return view
+
+
+def forget(view: ResourceView, kind: str, key: str) -> ResourceView:
+    """Fold a tombstone (a null value on a compacted topic): the entity is gone from the fleet."""
+    match kind:
+        case "node":
+            if view.nodes.pop(key, None) is not None:
+                view.changes.append(Change(view.watermark_ms, "node", key, "known", "removed"))
+            view.node_events += 1
+        case "cluster":
+            view.clusters.pop(key, None)
+            view.fleet_events += 1
+        case "dataset":
+            view.datasets.pop(key, None)
+            view.fleet_events += 1
+        case other:
+            raise InvalidEventError(f"a tombstone means nothing for {other} records")
+    return view
+
+
+def _node(view: ResourceView, node_id: str, cluster_id: str, region: str) -> NodeView:
+    node = view.nodes.get(node_id)
+    if node is None:
+        node = view.nodes[node_id] = NodeView(node_id, cluster_id, region)
+    elif node.cluster_id != cluster_id:
+        raise InvalidEventError(
+            f"{node_id} is in cluster {node.cluster_id}, an event says {cluster_id}"
+        )
+    return node
+
+
+def _check_gpus(node_id: str, seq: int, gpus: Sequence[tuple]) -> None:
+    for sample in gpus:
+        if not 0.0 <= sample[3] <= 100.0 or sample[5] > sample[6]:
+            index, util, used, total = sample[0], sample[3], sample[5], sample[6]
+            if not 0.0 <= util <= 100.0:
+                raise InvalidEventError(
+                    f"{node_id} seq {seq} gpu {index}: gpu_util_pct {util} is outside 0-100")
+            raise InvalidEventError(
+                f"{node_id} seq {seq} gpu {index}: fb_used_mib {used} exceeds fb_total_mib {total}"
+            )
+    if len({sample[0] for sample in gpus}) != len(gpus):
+        raise InvalidEventError(f"{node_id} seq {seq}: a gpu_index appears twice")
+
+
+def fold_telemetry(view: ResourceView, cluster_id: str, region: str, node_id: str, seq: int,
+                   ts: int, gpus: Sequence[tuple]) -> None:
+    """Fold one NodeTelemetry record given as scalars and one GPU_FIELDS tuple per GPU (the
+    shape both the per-record and the columnar decoder produce)."""
+    node = view.nodes.get(node_id)
+    if node is not None and seq <= node.telemetry_seq:
+        return  # an agent re-sent it after an outage
+    _check_gpus(node_id, seq, gpus)
+    node = _node(view, node_id, cluster_id, region)
+    node.telemetry_seq = seq
+    if ts > node.telemetry_ts:
+        node.telemetry_ts = ts
+    if ts > view.watermark_ms:
+        view.watermark_ms = ts
+    view.node_events += 1
+    policy = view.policy
+    nvlink_limit = policy.nvlink_errors_per_interval
+    loss_limit = policy.rdma_loss_ratio
+    by_index = node.gpus
+    for sample in gpus:
+        index = sample[0]
+        gpu = by_index.get(index)
+        if gpu is None or gpu.sample[1] != sample[1]:  # new, or the GPU was swapped
+            gpu = by_index[index] = GpuState(sample)
+            previous = sample
+        else:
+            previous = gpu.sample
+            gpu.sample = sample
+        gpu.last_ts = ts
+
+        failure: str | None = None
+        fault: str | None = None
+        if sample[15] > previous[15]:
+            failure = "ecc_dbe"
+        if sample[16]:
+            for code in sample[16]:
+                if code in policy.fail_xids:
+                    failure = f"xid {code}"
+                elif code in policy.degrade_xids:
+                    fault = f"xid {code}"
+        errors, before = sample[9], previous[9]
+        if errors is not None and before is not None and errors - before >= nvlink_limit:
+            fault = "nvlink_errors"
+        elif sample[10] is not None and sample[10] >= loss_limit:
+            fault = "rdma_loss"
+
+        if failure is not None:
+            view.changes.append(Change(ts, "gpu", f"{node_id}/{index}", gpu.health, FAILED,
+                                       failure))
+            gpu.failure = failure
+            gpu.failed_at_ms = ts
+        if fault is not None:
+            gpu.clean_samples = 0
+            if gpu.health == HEALTHY or gpu.cause != fault:
+                _set_health(view, node_id, gpu, DEGRADED, fault, ts)
+        elif gpu.health == DEGRADED:
+            gpu.clean_samples += 1
+            if gpu.clean_samples >= policy.recover_after_samples:
+                _set_health(view, node_id, gpu, HEALTHY, None, ts)
+
+
+def gpu_health(node: NodeView, gpu: GpuState) -> tuple[str, str | None]:
+    """The GPU's health and its cause, joining its telemetry with its node's reboots."""
+    if gpu.failed_at_ms is not None and gpu.failed_at_ms >= node.up_since_ms:
+        return FAILED, gpu.failure
+    return gpu.health, gpu.cause
+
+
+def node_status(view: ResourceView, node: NodeView) -> str:
+    """UP, DRAINING or DOWN as the node declared it, or UNREACHABLE when an UP or DRAINING node
+    has not been heard from for the policy's timeout, measured against the view's event time."""
+    if node.state != "DOWN" and (
+            view.watermark_ms - node.last_heard_ms > view.policy.unreachable_after_ms):
+        return "UNREACHABLE"
+    return node.state
+
+
+def _set_health(view: ResourceView, node_id: str, gpu: GpuState, health: str,
+                cause: str | None, ts: int) -> None:
+    if health == gpu.health and cause == gpu.cause:
+        return
+    view.changes.append(Change(ts, "gpu", f"{node_id}/{gpu.sample[0]}", gpu.health, health,
+                               cause))
+    gpu.health = health
+    gpu.cause = cause
+    gpu.health_since_ms = ts
+
+
+def _fold_node_state(view: ResourceView, record: Mapping[str, Any]) -> None:
+    node = view.nodes.get(record["node_id"])
+    if node is not None and record["seq"] <= node.state_seq:
+        return
+    topology = record["topology"]
+    if topology["gpu_count"] < 0:
+        raise InvalidEventError(f"{record['node_id']}: gpu_count {topology['gpu_count']} < 0")
+    node = _node(view, record["node_id"], record["cluster_id"], record["region"])
+    ts = record["ts"]
+    before = node.state
+    if record["state"] == "UP" and before == "DOWN":
+        node.up_since_ms = ts
+    if record["state"] != before:
+        view.changes.append(Change(ts, "node", node.node_id, before, record["state"],
+                                   record["reason"]))
+    node.state = record["state"]
+    node.reason = record["reason"]
+    node.labels = dict(record["labels"])
+    node.gpu_count = topology["gpu_count"]
+    node.islands = [list(island) for island in topology["nvlink_islands"]]
+    node.leaf_switch = topology["leaf_switch"]
+    node.spine_switch = topology["spine_switch"]
+    node.numa_nodes = list(topology.get("gpu_numa_nodes", []))
+    node.nvlink_peers = {k: list(v) for k, v in topology.get("nvlink_peers", {}).items()}
+    node.agent_version = record.get("agent_version")
+    node.spool_bytes = record.get("agent_spool_bytes")
+    node.spool_dropped = record.get("agent_spool_dropped")
+    node.state_seq = record["seq"]
+    if ts > node.state_ts:
+        node.state_ts = ts
+    if ts > view.watermark_ms:
+        view.watermark_ms = ts
+    view.node_events += 1
+
+
+def _fold_cluster(view: ResourceView, record: Mapping[str, Any]) -> None:
+    current = view.clusters.get(record["cluster_id"])
+    if current is not None and record["seq"] <= current.seq:
+        return
+    pue = record["pue"]
+    if pue is not None and pue < 1.0:
+        raise InvalidEventError(f"cluster {record['cluster_id']}: pue {pue} is below 1")
+    for name in ("price_per_gpu_hour", "energy_price_per_kwh"):
+        if record[name] is not None and record[name] < 0:
+            raise InvalidEventError(f"cluster {record['cluster_id']}: {name} is negative")
+    view.clusters[record["cluster_id"]] = ClusterInfo(
+        cluster_id=record["cluster_id"], region=record["region"], kind=record["kind"],
+        price_per_gpu_hour=record["price_per_gpu_hour"],
+        energy_price_per_kwh=record["energy_price_per_kwh"], pue=pue,
+        link_latency_ms=dict(record["link_latency_ms"]), retired=record["retired"],
+        seq=record["seq"], ts=record["ts"],
+    )
+    view.fleet_events += 1
+
+
+def _fold_dataset(view: ResourceView, record: Mapping[str, Any]) -> None:
+    current = view.datasets.get(record["dataset_id"])
+    if current is not None and record["seq"] <= current.seq:
+        return
+    if record["size_bytes"] < 0:
+        raise InvalidEventError(f"dataset {record['dataset_id']}: size_bytes is negative")
+    if record["deleted"]:
+        view.datasets.pop(record["dataset_id"], None)
+    else:
+        view.datasets[record["dataset_id"]] = DatasetInfo(
+            dataset_id=record["dataset_id"], tenant=record["tenant"],
+            size_bytes=record["size_bytes"], replicas=sorted(set(record["replicas"])),
+            seq=record["seq"], ts=record["ts"],
+        )
+    view.fleet_events += 1
+
+
+def _fold_allocation(view: ResourceView, record: Mapping[str, Any]) -> None:
+    job_id = record["job_id"]
+    current = view.allocations.get(job_id)
+    if current is not None and record["seq"] <= current.seq:
+        return
+    refs = {(ref["node_id"], ref["gpu_index"]) for ref in record["gpus"]}
+    match record["kind"]:
+        case "ALLOCATED":
+            taken = sorted(ref for ref in refs
+                           if view.gpu_owner.get(ref, job_id) != job_id)
+            if taken:
+                node_id, index = taken[0]
+                raise InvalidEventError(
+                    f"job {job_id}: {node_id}/{index} is already allocated to "
+                    f"{view.gpu_owner[taken[0]]}"
+                )
+            if current is None:
+                current = view.allocations[job_id] = JobAllocation(
+                    job_id, record["tenant"], record["cluster_id"], record["priority"], set(),
+                    record["seq"], record["ts"])
+            current.gpus |= refs
+            for ref in refs:
+                view.gpu_owner[ref] = job_id
+        case "RELEASED":
+            if current is None:
+                raise InvalidEventError(f"job {job_id}: released but never allocated")
+            freed = refs or set(current.gpus)
+            for ref in freed & current.gpus:
+                view.gpu_owner.pop(ref, None)
+            current.gpus -= freed
+            if not current.gpus:
+                del view.allocations[job_id]
+                view.fleet_events += 1
+                return
+        case other:
+            raise InvalidEventError(f"job {job_id}: unknown allocation kind {other}")
+    current.seq = record["seq"]
+    current.priority = record["priority"]
+    view.fleet_events += 1
+
+
+def compose(views: Iterable[ResourceView]) -> ResourceView:
+    """Join views over disjoint node partitions (and the fleet topics) into one global view.
+
+    Nodes come from the shard that holds them; cluster, dataset and allocation tables from the
+    view that has folded the most fleet events (each instance reads those topics whole); offsets
+    are the union, taking the furthest where two views read the same partition.
+    """
+    parts = list(views)
+    if not parts:
+        return ResourceView()
+    policies = {part.policy for part in parts}
+    if len(policies) > 1:
+        raise InvalidEventError("cannot compose views folded under different health policies")
+    out = ResourceView(policy=parts[0].policy)
+    fleet_source: ResourceView | None = None
+    for part in parts:
+        for node_id, node in part.nodes.items():
+            if node_id in out.nodes:
+                raise InvalidEventError(f"{node_id} is in two shards; their partitions overlap")
+            out.nodes[node_id] = node
+        for topic, partitions in part.offsets.items():
+            merged = out.offsets.setdefault(topic, {})
+            for partition, offset in partitions.items():
+                merged[partition] = max(offset, merged.get(partition, 0))
+        out.watermark_ms = max(out.watermark_ms, part.watermark_ms)
+        out.node_events += part.node_events
+        if part.fleet_events and (fleet_source is None
+                                  or part.fleet_events > fleet_source.fleet_events):
+            fleet_source = part
+    if fleet_source is not None:
+        out.clusters = fleet_source.clusters
+        out.datasets = fleet_source.datasets
+        out.allocations = fleet_source.allocations
+        out.gpu_owner = fleet_source.gpu_owner
+        out.fleet_events = fleet_source.fleet_events
+    return out
