@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from fleetline.agents.simulator import default_clusters
 from fleetline.config import Settings
-from fleetline.errors import FleetlineError
+from fleetline.errors import ConfigError, FleetlineError
 from fleetline.infra import LocalServices
 from fleetline.streams.topics import Topics
 
@@ -70,6 +70,171 @@ def _cmd_run(args: argparse.Namespace, settings: Settings) -> int:
         print(f"  {cluster_id:<12}{samples:>9}{nodes:>7}{util:>12}{power:>13}")
     print(f"\nview snapshot written to and read back from {result.snapshot_key}")
     print("timings: " + ", ".join(f"{k} {v:.1f}s" for k, v in result.timings.items()))
+    return 0
+
+
+def parse_time_ms(text: str) -> int:
+    """Epoch milliseconds, or an ISO 8601 time (UTC when it names no zone)."""
+    from datetime import UTC, datetime
+
+    if text.isdigit():
+        return int(text)
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise ConfigError(f"{text!r} is neither epoch milliseconds nor an ISO 8601 time") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return int(moment.timestamp() * 1000)
+
+
+def _snapshots(settings: Settings, prefix: str, group: str):
+    from fleetline.storage.objects import ObjectStore
+    from fleetline.storage.snapshots import S3ViewSnapshots
+
+    store = ObjectStore.from_settings(settings.s3)
+    store.ensure_bucket()
+    return S3ViewSnapshots(store, f"views/{prefix}/{group}")
+
+
+def _target(args: argparse.Namespace, settings: Settings, topics: Topics) -> dict:
+    from fleetline.processors.replay import log_bounds, offsets_at
+
+    if getattr(args, "offsets", None):
+        try:
+            raw = json.loads(args.offsets)
+            return {t: {int(p): int(o) for p, o in ps.items()} for t, ps in raw.items()}
+        except (ValueError, AttributeError) as exc:
+            raise ConfigError(f"--offsets wants {{topic: {{partition: offset}}}}: {exc}") from None
+    if getattr(args, "at", None):
+        return offsets_at(settings.kafka, topics, parse_time_ms(args.at))
+    return log_bounds(settings.kafka, topics)[1]
+
+
+def _rebuild(args: argparse.Namespace, settings: Settings):
+    from fleetline.processors.replay import rebuild
+
+    topics = Topics(args.topic_prefix)
+    snapshots = None if args.no_snapshots else _snapshots(settings, args.topic_prefix, args.group)
+    return rebuild(settings.kafka, topics, _target(args, settings, topics), snapshots)
+
+
+def _cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
+    from fleetline.processors import view_codec, view_read
+    from fleetline.processors.replay import offsets_at, walk
+
+    topics = Topics(args.topic_prefix)
+    if args.since or args.until:
+        if not (args.since and args.until):
+            raise ConfigError("--from and --to go together")
+        snapshots = None if args.no_snapshots else _snapshots(settings, args.topic_prefix,
+                                                              args.group)
+        begin = offsets_at(settings.kafka, topics, parse_time_ms(args.since))
+        end = offsets_at(settings.kafka, topics, parse_time_ms(args.until))
+        result, changes = walk(settings.kafka, topics, begin, end, snapshots)
+        for change in changes:
+            line = {"ts": change.ts, "entity": change.entity, "id": change.entity_id,
+                    "from": change.before, "to": change.after, "cause": change.cause}
+            print(json.dumps(line) if args.json else
+                  f"{change.ts}  {change.entity:<4} {change.entity_id:<24} "
+                  f"{change.before:>11} -> {change.after:<11} {change.cause or ''}")
+        print(f"{len(changes)} changes; {result.folded} events folded in {result.seconds:.2f}s",
+              file=sys.stderr)
+        return 0
+    result = _rebuild(args, settings)
+    for gap in result.gaps:
+        print(f"warning: {gap}", file=sys.stderr)
+    if args.out:
+        from pathlib import Path
+
+        Path(args.out).write_text(json.dumps(view_codec.to_data(result.view), sort_keys=True))
+    meta = view_read.view_meta(result.view)
+    print(json.dumps({"folded": result.folded, "dead_letters": result.dead_letters,
+                      "seconds": round(result.seconds, 3),
+                      "from_snapshots": result.snapshot_positions, **meta}, indent=2))
+    if not args.out:
+        for cluster in view_read.cluster_capacity(result.view):
+            cluster.pop("info")
+            print(json.dumps(cluster))
+    return 0
+
+
+def _cmd_view(args: argparse.Namespace, settings: Settings) -> int:
+    from fleetline.processors import view_read
+
+    view = _rebuild(args, settings).view
+    labels = dict(item.split("=", 1) for item in args.label or [] if "=" in item)
+    if args.what == "clusters":
+        items = view_read.cluster_capacity(view, args.region)
+    elif args.what == "nodes":
+        items = [view_read.node_data(view, n, with_gpus=False) for n in
+                 view_read.select_nodes(view, args.cluster, args.status, labels)]
+    elif args.what == "node":
+        if not args.id or args.id not in view.nodes:
+            raise ConfigError(f"no node {args.id!r} in the view")
+        items = [view_read.node_data(view, view.nodes[args.id])]
+    elif args.what == "gpus":
+        items = view_read.select_gpus(view, args.cluster, args.health, args.capacity)
+    else:
+        cluster = args.id or args.cluster
+        if not cluster:
+            raise ConfigError("topology needs a cluster id")
+        items = [view_read.topology(view, cluster)]
+    if args.json:
+        print(json.dumps(items, indent=2))
+        return 0
+    for item in items:
+        if args.what == "clusters":
+            print(f"{item['cluster_id']:<14}{item['region']:<10}{item['health']:<12}"
+                  f"gpus {item['gpus']:>6}  idle {item['idle']:>6}  allocated "
+                  f"{item['allocated']:>6}  degraded {item['degraded']:>4}  failed "
+                  f"{item['failed']:>4}  unavailable {item['unavailable']:>5}")
+        elif args.what == "nodes":
+            print(f"{item['node_id']:<20}{item['cluster_id']:<14}{item['status']:<12}"
+                  f"healthy GPUs {item['gpus_healthy']}/{item['gpu_count']}")
+        elif args.what == "gpus":
+            print(f"{item['node_id']}/{item['gpu_index']:<3} {item['health']:<9}"
+                  f"{item['cause'] or '':<16}{item['capacity']:<12}util {item['gpu_util_pct']}")
+        else:
+            print(json.dumps(item, indent=2))
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
+    import threading
+
+    from fleetline.processors.view_runtime import ViewProcessor
+    from fleetline.streams import kafka as kafka_clients
+
+    topics = Topics(args.topic_prefix)
+    kafka_clients.ensure_topics(settings.kafka, topics.specs())
+    processor = ViewProcessor(settings.kafka, topics,
+                              _snapshots(settings, args.topic_prefix, args.group),
+                              group_id=args.group, instance_id=args.instance_id,
+                              snapshot_interval_s=args.snapshot_interval)
+    stop = threading.Event()
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    if args.no_api:
+        try:
+            processor.run(stop)
+        except KeyboardInterrupt:
+            stop.set()
+        return 0
+    import uvicorn
+
+    from fleetline.api.http import create_app
+
+    worker = threading.Thread(target=processor.run, args=(stop,), name="view-fold", daemon=True)
+    worker.start()
+    server = uvicorn.Server(uvicorn.Config(create_app(processor), host=args.host, port=args.port,
+                                           log_level="warning"))
+    try:
+        server.run()
+    finally:
+        stop.set()
+        worker.join(60)
     return 0
 
 
@@ -223,6 +388,54 @@ def build_parser() -> argparse.ArgumentParser:
     command.add_argument("--issued-by", default="cli")
     command.add_argument("--topic-prefix", default="fleetline")
     command.set_defaults(func=_cmd_command)
+
+    def view_source(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--topic-prefix", default="fleetline")
+        p.add_argument("--group", default="resource-view",
+                       help="the view processors' group; its snapshots are used")
+        p.add_argument("--at", help="the view as it was at this time (ISO 8601 or epoch ms)")
+        p.add_argument("--offsets", help='exact log position: {"topic": {"partition": offset}}')
+        p.add_argument("--no-snapshots", action="store_true",
+                       help="fold from the start of the log, ignoring snapshots")
+        p.add_argument("--json", action="store_true")
+
+    serve = sub.add_parser(
+        "serve", help="run the resource-view processor and its HTTP API",
+        description="Folds the fleet's topics into the resource view, snapshots it to object "
+                    "storage, and serves it over HTTP (OpenAPI at /openapi.json). Start several "
+                    "with the same --group and different --instance-id to share the load.")
+    serve.add_argument("--topic-prefix", default="fleetline")
+    serve.add_argument("--group", default="resource-view")
+    serve.add_argument("--instance-id", default="0")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--snapshot-interval", type=float, default=30.0, metavar="SECONDS")
+    serve.add_argument("--no-api", action="store_true", help="fold and snapshot only")
+    serve.set_defaults(func=_cmd_serve)
+
+    replay = sub.add_parser(
+        "replay", help="rebuild the view as it was, or list what changed between two times",
+        description="With --at or --offsets (default: now), rebuilds the view from the newest "
+                    "snapshot at or before that point plus the log after it. With --from and "
+                    "--to, lists the GPU health and node transitions in between.")
+    view_source(replay)
+    replay.add_argument("--from", dest="since", help="start of a range to walk")
+    replay.add_argument("--to", dest="until", help="end of the range")
+    replay.add_argument("--out", help="write the whole view as JSON to this file")
+    replay.set_defaults(func=_cmd_replay)
+
+    view = sub.add_parser("view", help="show the resource view (rebuilt from snapshot + log)")
+    view.add_argument("what", choices=["clusters", "nodes", "node", "gpus", "topology"])
+    view.add_argument("id", nargs="?", help="node: the node id; topology: the cluster id")
+    view_source(view)
+    view.add_argument("--cluster")
+    view.add_argument("--region")
+    view.add_argument("--status", choices=["UP", "DRAINING", "DOWN", "UNREACHABLE"])
+    view.add_argument("--health", choices=["healthy", "degraded", "failed"])
+    view.add_argument("--capacity",
+                      choices=["idle", "allocated", "degraded", "failed", "unavailable"])
+    view.add_argument("--label", action="append", metavar="KEY=VALUE")
+    view.set_defaults(func=_cmd_view)
 
     sql = sub.add_parser(
         "sql", help="run a read-only ClickHouse SQL query on the configured store",

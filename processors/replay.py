@@ -179,7 +179,9 @@ def rebuild(kafka: KafkaSettings, topics: Topics, target: Offsets,
     for topic, ps in target.items():
         for partition, end in ps.items():
             # The part stands at the target even where the last offsets held no record.
-            parts[folder.part_of(topic, partition)].offsets.setdefault(topic, {})[partition] = end
+            offsets = parts[folder.part_of(topic, partition)].offsets
+            if end > offsets.get(topic, {}).get(partition, 0):
+                offsets.setdefault(topic, {})[partition] = end
     result.view = compose(parts.values())
     result.seconds = time.perf_counter() - began
     return result

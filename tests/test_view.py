@@ -174,7 +174,7 @@ def test_a_bad_event_is_refused_and_leaves_the_view_unchanged():
     before = view_codec.to_data(view)
     bad = sim.telemetry(BASE_MS + 2000)[0]
     bad["gpus"][7]["gpu_util_pct"] = 140.0
-    with pytest.raises(InvalidEventError, match="gpu_util_pct 140.0 is outside 0-100"):
+    with pytest.raises(InvalidEventError, match=r"gpu_util_pct 140\.0 is outside 0-100"):
         apply(view, decoded("NodeTelemetry", bad))
     bad["gpus"][7]["gpu_util_pct"] = 50.0
     bad["gpus"][2]["gpu_index"] = 3
@@ -220,7 +220,7 @@ def test_cluster_facts_and_datasets_fold_and_are_validated():
                "pue": 1.2, "link_latency_ms": {"eu-west": 80.0}, "retired": False}
     view = fold([("ClusterInfo", cluster)])
     assert view.clusters["us-east-a"].pue == 1.2
-    with pytest.raises(InvalidEventError, match="pue 0.9 is below 1"):
+    with pytest.raises(InvalidEventError, match=r"pue 0\.9 is below 1"):
         apply(view, decoded("ClusterInfo", {**cluster, "seq": 2, "pue": 0.9}))
     dataset = {"dataset_id": "ds1", "tenant": "t1", "seq": 1, "ts": BASE_MS,
                "size_bytes": 10**12, "replicas": ["us-east-a", "us-east-a"], "deleted": False}
@@ -232,7 +232,7 @@ def test_cluster_facts_and_datasets_fold_and_are_validated():
 
 def test_snapshot_codec_round_trips_exactly():
     events = scenario_events(seconds=15)
-    view = fold(events + [allocation("job-a", "ALLOCATED", [("us-east-a-n0002", 4)], 1)])
+    view = fold([*events, allocation("job-a", "ALLOCATED", [("us-east-a-n0002", 4)], 1)])
     view.advance("x", 0, 41)
     blob, sha = view_codec.encode(view)
     again = view_codec.decode(blob, sha)

@@ -1,0 +1,240 @@
+"""The resource view against the real broker and S3 server: snapshots, the live processor, a
+SIGKILL mid-stream, replay at a past time, instances sharing the load, dead letters."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from fleetline.config import Settings
+from fleetline.errors import IntegrityError
+from fleetline.processors import view_codec
+from fleetline.processors.replay import log_bounds, offsets_at, rebuild, walk
+from fleetline.processors.view import ResourceView, compose
+from fleetline.processors.view_runtime import FLEET_PART, ViewProcessor, shard_part
+from fleetline.storage.objects import ObjectStore
+from fleetline.storage.snapshots import S3ViewSnapshots
+from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.deadletter import read_dead_letter
+from fleetline.streams.serde import default_codec
+from fleetline.streams.topics import Topics
+from tests.support import BASE_MS, fresh_topics, read_all
+from tests.test_view import allocation, fold, scenario_events
+
+pytestmark = pytest.mark.services
+CODEC = default_codec()
+
+
+def snapshot_store(settings: Settings, root: str | None = None) -> S3ViewSnapshots:
+    store = ObjectStore.from_settings(settings.s3)
+    store.ensure_bucket()
+    return S3ViewSnapshots(store, root or f"views/test-{uuid.uuid4().hex[:8]}", keep=5)
+
+
+def produce(settings: Settings, topics: Topics, events: Iterable[tuple[str, dict]]) -> int:
+    producer = kafka_clients.producer(settings.kafka)
+    count = 0
+    for name, record in events:
+        topic, key = {
+            "NodeTelemetry": (topics.telemetry, "node_id"),
+            "NodeState": (topics.node_state, "node_id"),
+            "Allocation": (topics.allocations, "job_id"),
+            "ClusterInfo": (topics.clusters, "cluster_id"),
+        }[name]
+        producer.produce(topic, key=record[key].encode(), value=CODEC.encode(name, record))
+        producer.poll(0)
+        count += 1
+    assert producer.flush(30) == 0
+    return count
+
+
+def caught_up(settings: Settings, topics: Topics, processors: list[ViewProcessor],
+              timeout_s: float = 60) -> dict:
+    _, end = log_bounds(settings.kafka, topics)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        offsets = compose(p.read(lambda v: _copy_offsets(v)) for p in processors).offsets
+        if all(offsets.get(t, {}).get(p, 0) >= o for t, ps in end.items()
+               for p, o in ps.items()):
+            return end
+        time.sleep(0.1)
+    raise AssertionError(f"processors did not reach {end}")
+
+
+def _copy_offsets(view: ResourceView) -> ResourceView:
+    out = ResourceView(policy=view.policy)
+    out.offsets = {t: dict(ps) for t, ps in view.offsets.items()}
+    return out
+
+
+@contextmanager
+def running(processor: ViewProcessor) -> Iterator[ViewProcessor]:
+    stop = threading.Event()
+    thread = threading.Thread(target=processor.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        assert processor.ready.wait(60), "no partitions assigned"
+        yield processor
+    finally:
+        stop.set()
+        thread.join(60)
+        assert not thread.is_alive()
+
+
+def test_snapshot_store_contract_on_the_s3_server(settings):
+    snapshots = snapshot_store(settings)
+    assert snapshots.latest("shard-000") is None
+    view = fold(scenario_events(seconds=3))
+    view.advance("t", 0, 9)
+    first = snapshots.save("shard-000", view)
+    view.advance("t", 0, 19)
+    second = snapshots.save("shard-000", view)
+    assert [i.position for i in snapshots.list("shard-000")] == [10, 20]
+    assert snapshots.latest("shard-000") == second
+    assert snapshots.latest("shard-000", within={"t": {0: 15}}) == first
+    assert snapshots.latest("shard-000", within={"t": {0: 5}}) is None
+    assert view_codec.to_data(snapshots.load(second)) == view_codec.to_data(view)
+    # An orphan blob (crash before its manifest) is invisible; a tampered blob is refused.
+    snapshots.store.put(f"{snapshots.root}/shard-000/{'9' * 20}-x.view.json.gz", b"junk")
+    assert snapshots.latest("shard-000") == second
+    blob, _ = view_codec.encode(fold(scenario_events(seconds=1)))
+    snapshots.store.put(second.blob_key, blob)
+    with pytest.raises(IntegrityError, match="does not match its checksum"):
+        snapshots.load(second)
+    for i in range(8):
+        view.advance("t", 0, 30 + i)
+        snapshots.save("shard-000", view)
+    assert len(snapshots.list("shard-000")) == 5  # pruned to `keep`
+
+
+def test_live_view_equals_replay_and_replay_at_a_past_time_matches_the_live_view(settings):
+    topics = fresh_topics()
+    kafka_clients.ensure_topics(settings.kafka, topics.specs())
+    events = scenario_events(seconds=30)
+    half = len(events) // 2
+    snapshots = snapshot_store(settings)
+    processor = ViewProcessor(settings.kafka, topics, snapshots, group_id=f"v-{uuid.uuid4().hex}",
+                              snapshot_interval_s=0.5)
+    with running(processor):
+        produce(settings, topics, events[:half])
+        produce(settings, topics, [allocation("job-a", "ALLOCATED", [("us-east-a-n0002", 0)], 1)])
+        caught_up(settings, topics, [processor])
+        live_then = processor.read(view_codec.to_data)
+        time.sleep(0.05)
+        moment = int(time.time() * 1000)
+        time.sleep(0.05)
+        produce(settings, topics, events[half:])
+        # A malformed message on the telemetry topic: dead-lettered, the fold goes on.
+        producer = kafka_clients.producer(settings.kafka)
+        producer.produce(topics.telemetry, key=b"us-east-a-n0000", value=b"\xc3\x01garbage")
+        producer.flush(10)
+        caught_up(settings, topics, [processor])
+        live_now = processor.read(view_codec.to_data)
+        assert processor.stats.dead_letters == 1
+
+    at_moment = rebuild(settings.kafka, topics, offsets_at(settings.kafka, topics, moment))
+    assert view_codec.to_data(at_moment.view) == live_then
+    assert at_moment.snapshot_positions == {}
+    _, end = log_bounds(settings.kafka, topics)
+    from_log = rebuild(settings.kafka, topics, end)
+    assert view_codec.to_data(from_log.view) == live_now
+    assert from_log.dead_letters == 1
+    with_snapshots = rebuild(settings.kafka, topics, end, snapshots)
+    assert view_codec.to_data(with_snapshots.view) == live_now
+    assert with_snapshots.snapshot_positions  # started from snapshots, not the beginning
+    assert with_snapshots.folded < from_log.folded
+    # Between the moment and the end, the node the scenario took down came back.
+    _, changes = walk(settings.kafka, topics, offsets_at(settings.kafka, topics, moment), end)
+    assert [(c.entity_id, c.before, c.after) for c in changes if c.entity == "node"] == [
+        ("ap-south-a-n0003", "DOWN", "UP")]
+    (dead,) = read_all(settings, topics.dead_letter, 1)
+    letter = read_dead_letter(dead)
+    assert letter.topic == topics.telemetry and "fingerprint" in letter.reason
+
+
+def test_two_instances_share_the_shards_and_compose_the_global_view(settings):
+    topics = fresh_topics(partitions=4)
+    kafka_clients.ensure_topics(settings.kafka, topics.specs())
+    events = scenario_events(seconds=12)
+    root = f"views/test-{uuid.uuid4().hex[:8]}"
+    group = f"v-{uuid.uuid4().hex}"
+    processors = [ViewProcessor(settings.kafka, topics, snapshot_store(settings, root),
+                                group_id=group, instance_id=str(i), snapshot_interval_s=0.5)
+                  for i in range(2)]
+    with running(processors[0]), running(processors[1]):
+        produce(settings, topics, events)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            held = [set(p.read(lambda v: list(v.offsets.get(topics.telemetry, {}))))
+                    for p in processors]
+            if held[0] and held[1] and not held[0] & held[1] and len(held[0] | held[1]) == 4:
+                break
+            time.sleep(0.2)
+        caught_up(settings, topics, processors)
+        shards = [set(p.parts) - {FLEET_PART} for p in processors]
+        assert shards[0] and shards[1] and not shards[0] & shards[1]
+        assert shards[0] | shards[1] == {shard_part(p) for p in range(4)}
+        views = [p.read(lambda v: v) for p in processors]
+        composed = view_codec.to_data(compose(views))
+    _, end = log_bounds(settings.kafka, topics)
+    assert composed == view_codec.to_data(rebuild(settings.kafka, topics, end).view)
+
+
+def test_sigkill_mid_stream_then_restart_equals_a_clean_replay(settings, tmp_path):
+    topics = fresh_topics()
+    kafka_clients.ensure_topics(settings.kafka, topics.specs())
+    group = f"v-{uuid.uuid4().hex[:10]}"
+    root = f"views/{topics.prefix}/{group}"
+    snapshots = snapshot_store(settings, root)
+    env = {**os.environ, "FLEETLINE_KAFKA_BOOTSTRAP": settings.kafka.bootstrap_servers,
+           "FLEETLINE_S3_ENDPOINT": settings.s3.endpoint, "FLEETLINE_S3_BUCKET": settings.s3.bucket,
+           "FLEETLINE_S3_ACCESS_KEY": settings.s3.access_key,
+           "FLEETLINE_S3_SECRET_KEY": settings.s3.secret_key}
+    command = [sys.executable, "-m", "fleetline.cli", "serve", "--no-api", "--topic-prefix",
+               topics.prefix, "--group", group, "--snapshot-interval", "0.3"]
+    events = scenario_events(seconds=40)
+    produce(settings, topics, events[: len(events) // 3])
+    log = (tmp_path / "serve.log").open("w")
+    first = subprocess.Popen(command, env=env, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not snapshots.list(shard_part(0)):
+            time.sleep(0.1)
+        assert snapshots.list(shard_part(0)), (tmp_path / "serve.log").read_text()
+        produce(settings, topics, events[len(events) // 3: 2 * len(events) // 3])
+        time.sleep(0.5)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+    produce(settings, topics, events[2 * len(events) // 3:])
+    _, end = log_bounds(settings.kafka, topics)
+    second = subprocess.Popen(command, env=env, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            latest = [snapshots.latest(shard_part(p)) for p in range(3)]
+            if all(info is not None and all(info.offsets.get(t, {}).get(p, 0) == end[t][p]
+                                            for t in topics.node_topics)
+                   for p, info in enumerate(latest)):
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError((tmp_path / "serve.log").read_text())
+    finally:
+        second.send_signal(signal.SIGTERM)
+        second.wait(60)
+    restored = compose(snapshots.load(snapshots.latest(shard_part(i))) for i in range(3))
+    node_end = {t: ps for t, ps in end.items() if t in topics.node_topics}
+    clean = rebuild(settings.kafka, topics, node_end)
+    assert view_codec.to_data(restored) == view_codec.to_data(clean.view)
+    assert clean.view.node_events == len(events)
+    assert BASE_MS < clean.view.watermark_ms
