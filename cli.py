@@ -113,7 +113,9 @@ def _target(args: argparse.Namespace, settings: Settings, topics: Topics) -> dic
 
 def _rebuild(args: argparse.Namespace, settings: Settings):
     from fleetline.processors.replay import rebuild
+    from fleetline.processors.view_runtime import tune_gc_for_large_state
 
+    tune_gc_for_large_state()
     topics = Topics(args.topic_prefix)
     snapshots = None if args.no_snapshots else _snapshots(settings, args.topic_prefix, args.group)
     return rebuild(settings.kafka, topics, _target(args, settings, topics), snapshots)

@@ -25,6 +25,8 @@ from fleetline.streams.serde import HEADER_LEN, MAGIC, AvroCodec, RegisteredSche
 
 SENTINEL_NODE = "\x00fleetline-frame-check"
 _SYNC = b"fleetline-sync16"
+# Shared by every sample without XIDs; the fold never mutates a sample's lists.
+_EMPTY: list[int] = []
 
 
 def _zigzag(value: int) -> bytes:
@@ -43,6 +45,17 @@ def _zigzag(value: int) -> bytes:
 # One decoded NodeTelemetry, reduced to what the view folds:
 # (cluster_id, region, node_id, seq, ts, [one tuple of the requested GPU fields per GPU]).
 TelemetryRow = tuple[str, str, str, int, int, list[tuple]]
+
+
+def _sparse_lists(column: pl.Series) -> list[Any]:
+    """A list column that is nearly always empty (XID events) as Python lists, building only
+    the non-empty ones: converting every empty list costs more than the rest of the row."""
+    out: list[Any] = [_EMPTY] * len(column)
+    filled = (column.list.len() > 0).arg_true().to_list()
+    if filled:
+        for at, value in zip(filled, column.gather(filled).to_list(), strict=True):
+            out[at] = value
+    return out
 
 
 class TelemetryBatchDecoder:
@@ -120,7 +133,9 @@ class TelemetryBatchDecoder:
             pl.col("gpus").explode()).unnest("gpus")
         columns: list[list[Any]] = []
         for name in self.gpu_fields:
-            if name in gpus.columns:
+            if name in gpus.columns and gpus[name].dtype.is_nested():
+                columns.append(_sparse_lists(gpus[name]))
+            elif name in gpus.columns:
                 columns.append(gpus[name].to_list())
             else:  # an older writer: the newest schema's default, as Avro resolution gives
                 default = self._defaults[name]
