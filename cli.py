@@ -56,21 +56,39 @@ def _cmd_run(args: argparse.Namespace, settings: Settings) -> int:
             services.stop()
     print(f"\nagents sent {result.telemetry_sent} NodeTelemetry and {result.states_sent} "
           f"NodeState records, plus {result.malformed_sent} malformed message")
-    print(f"dead-lettered: {result.processor_dead_letters} by the live view, "
+    print(f"dead-lettered: {result.processor_dead_letters} by the resource view, "
           f"{result.sink_dead_letters} by the sink (topic {prefix}.deadletter)")
-    print("\nlive view (Kafka -> transactional processor, state in a changelog-backed store):")
-    print(f"  {'cluster':<12}{'region':<10}{'nodes':>6}{'down':>6}{'GPUs':>6}{'avg util %':>12}")
-    for c in result.view:
-        print(f"  {c.cluster_id:<12}{c.region:<10}{c.nodes:>6}{c.nodes_down:>6}{c.gpus:>6}"
-              f"{c.avg_gpu_util_pct if c.avg_gpu_util_pct is not None else '-':>12}")
+    print("\nresource view (Kafka -> fold of telemetry, node state and cluster facts):")
+    _print_capacity(result.clusters)
+    print(f"\nunhealthy GPUs ({len(result.unhealthy_gpus)}):")
+    for gpu in result.unhealthy_gpus[:20]:
+        print(f"  {gpu['node_id']}/{gpu['gpu_index']}  {gpu['health']:<9} {gpu['cause']:<10} "
+              f"since {gpu['health_since_ms']}")
+    replay = result.half_way_replay
+    print(f"\nreplay: the view as it stood half-way (at {replay['at_ms']} ms, version "
+          f"{replay['view_version']}), rebuilt from snapshots {replay['from_snapshots'] or 'none'}"
+          f" + {replay['folded']} events of log:")
+    _print_capacity(result.half_way_clusters)
     print(f"\nClickHouse hot table ({settings.clickhouse_url}): {result.sink_rows} GPU sample rows "
           "inserted; per cluster since the run started:")
     print(f"  {'cluster':<12}{'samples':>9}{'nodes':>7}{'avg util %':>12}{'max power W':>13}")
     for cluster_id, samples, nodes, util, power in result.query_rows:
         print(f"  {cluster_id:<12}{samples:>9}{nodes:>7}{util:>12}{power:>13}")
-    print(f"\nview snapshot written to and read back from {result.snapshot_key}")
+    print("\nview snapshots in object storage (the newest per part):")
+    for key in result.snapshots:
+        print(f"  {key}")
     print("timings: " + ", ".join(f"{k} {v:.1f}s" for k, v in result.timings.items()))
     return 0
+
+
+def _print_capacity(clusters: list[dict]) -> None:
+    print(f"  {'cluster':<12}{'region':<10}{'health':<12}{'GPUs':>5}{'idle':>6}{'alloc':>6}"
+          f"{'degr':>6}{'failed':>7}{'unavail':>8}{'nodes':>6}{'down':>5}{'unreach':>8}")
+    for c in clusters:
+        print(f"  {c['cluster_id']:<12}{c['region']:<10}{c['health']:<12}{c['gpus']:>5}"
+              f"{c['idle']:>6}{c['allocated']:>6}{c['degraded']:>6}{c['failed']:>7}"
+              f"{c['unavailable']:>8}{c['nodes']:>6}{c['nodes_down']:>5}"
+              f"{c['nodes_unreachable']:>8}")
 
 
 def parse_time_ms(text: str) -> int:

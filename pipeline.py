@@ -1,4 +1,4 @@
-"""The end-to-end slice: simulated agents -> Kafka -> live view processor and ClickHouse sink.
+"""The end-to-end slice: simulated agents -> Kafka -> resource-view processor and ClickHouse sink.
 
 This is the imperative shell that wires the pure parts together; the README's first command
 runs it through `fleetline run`.
@@ -6,27 +6,28 @@ runs it through `fleetline run`.
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fleetline.agents.fleet import FleetAgent
-from fleetline.agents.simulator import ClusterSpec, Fault, FleetSimulator
+from fleetline.agents.simulator import ClusterSpec, Fault, FleetSimulator, cluster_info
 from fleetline.config import Settings
-from fleetline.errors import FleetlineError, StreamError
-from fleetline.processors import live_view
+from fleetline.errors import StreamError
+from fleetline.processors import view_read
+from fleetline.processors.replay import offsets_at, rebuild
+from fleetline.processors.view_runtime import APPLICATION_ID, ViewProcessor
 from fleetline.storage.clickhouse import connect, migrate
 from fleetline.storage.hot_sink import HotSampleSink, HotSampleStore
 from fleetline.storage.objects import ObjectStore
 from fleetline.storage.query_service import QueryService
+from fleetline.storage.snapshots import S3ViewSnapshots
 from fleetline.streams import kafka as kafka_clients
-from fleetline.streams.processor import TransactionalProcessor
 from fleetline.streams.serde import AvroCodec, default_codec
 from fleetline.streams.topics import Topics
 
@@ -36,12 +37,15 @@ class SliceResult:
     telemetry_sent: int
     states_sent: int
     malformed_sent: int
-    view: list[live_view.ClusterSummary]
+    clusters: list[dict[str, Any]]
+    unhealthy_gpus: list[dict[str, Any]]
+    half_way_clusters: list[dict[str, Any]]
+    half_way_replay: dict[str, Any]
     processor_dead_letters: int
     sink_rows: int
     sink_dead_letters: int
     query_rows: list[tuple[Any, ...]]
-    snapshot_key: str
+    snapshots: list[str]
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -52,8 +56,7 @@ class RunningSlice:
     settings: Settings
     topics: Topics
     codec: AvroCodec
-    processor: TransactionalProcessor
-    handler: live_view.LiveViewHandler
+    processor: ViewProcessor
     sink: HotSampleSink
     queries: QueryService
     stop: threading.Event = field(default_factory=threading.Event)
@@ -62,7 +65,7 @@ class RunningSlice:
 
     def start(self, timeout_s: float = 60.0) -> None:
         self.queries.start()
-        for name, target in (("live-view", self.processor.run), ("hot-sink", self.sink.run)):
+        for name, target in (("resource-view", self.processor.run), ("hot-sink", self.sink.run)):
             thread = threading.Thread(target=self._guard(target), name=name, daemon=True)
             thread.start()
             self.threads.append(thread)
@@ -106,24 +109,20 @@ class RunningSlice:
         self.raise_errors()
 
 
+def view_snapshots(settings: Settings, topics: Topics) -> S3ViewSnapshots:
+    objects = ObjectStore.from_settings(settings.s3)
+    objects.ensure_bucket()
+    return S3ViewSnapshots(objects, f"views/{topics.prefix}/{APPLICATION_ID}")
+
+
 def build_slice(settings: Settings, topics: Topics, codec: AvroCodec | None = None) -> RunningSlice:
     codec = codec or default_codec()
-    kafka_clients.ensure_topics(
-        settings.kafka,
-        [*topics.specs(), topics.changelog_spec(live_view.APPLICATION_ID, "nodes")],
-    )
+    kafka_clients.ensure_topics(settings.kafka, topics.specs())
     client = connect(settings.clickhouse_url)
     migrate(client, settings.clickhouse_database)
-    store = live_view.node_store(topics.changelog(live_view.APPLICATION_ID, "nodes"))
-    handler = live_view.LiveViewHandler(codec, store)
-    processor = TransactionalProcessor(
-        kafka=settings.kafka,
-        application_id=f"{topics.prefix}.{live_view.APPLICATION_ID}",
-        inputs=[topics.telemetry, topics.node_state],
-        handler=handler,
-        dead_letter_topic=topics.dead_letter,
-        stores=[store],
-    )
+    processor = ViewProcessor(settings.kafka, topics, view_snapshots(settings, topics),
+                              group_id=f"{topics.prefix}.{APPLICATION_ID}",
+                              snapshot_interval_s=5.0)
     sink = HotSampleSink(
         kafka=settings.kafka,
         codec=codec,
@@ -134,7 +133,7 @@ def build_slice(settings: Settings, topics: Topics, codec: AvroCodec | None = No
     )
     # The slice owns the embedded store; other processes (`fleetline sql`) query through it.
     queries = QueryService(client, settings.clickhouse_url)
-    return RunningSlice(settings, topics, codec, processor, handler, sink, queries)
+    return RunningSlice(settings, topics, codec, processor, sink, queries)
 
 
 UTILISATION_QUERY = """
@@ -167,18 +166,32 @@ def run_slice(
     running.start()
     timings["pipeline_start_s"] = time.monotonic() - began
     simulator = FleetSimulator(clusters, seed=seed, interval_ms=interval_ms)
-    # Half-way through, the last node loses power: a scripted fault, like any other.
+    # Scripted faults, like any other: just after half-way the last node loses power; from the
+    # second interval the first cluster's first leaf switch drops RDMA packets (its 16 GPUs go
+    # degraded), and at the third one GPU of the second cluster falls off the bus (XID 79).
     victim = simulator.nodes[-1]
-    down_at = start_ms + (ticks // 2) * interval_ms
+    half = ticks // 2
+    down_at = start_ms + (half + 1) * interval_ms
     simulator.faults.append(Fault("node_down", victim.node_id, down_at))
+    simulator.faults.append(Fault("rdma_loss", simulator.nodes[0].leaf_switch,
+                                  start_ms + 2 * interval_ms, value=0.02))
+    second = next((n for n in simulator.nodes if n.cluster_id != clusters[0].cluster_id), None)
+    if second is not None:
+        simulator.faults.append(Fault("xid", f"{second.node_id}/3",
+                                      start_ms + 3 * interval_ms, value=79))
     state_dir = Path(tempfile.mkdtemp(prefix="fleetline-agents-"))
     agent = FleetAgent.create(settings, running.codec, topics, simulator, state_dir,
                               commands=False)
     injector = kafka_clients.producer(settings.kafka)
     try:
         began = time.monotonic()
+        for seq, cluster in enumerate(clusters, start=1):
+            injector.produce(topics.clusters, key=cluster.cluster_id.encode(),
+                             value=running.codec.encode("ClusterInfo",
+                                                        cluster_info(cluster, seq, start_ms)))
         states = agent.start(start_ms)
         telemetry = 0
+        half_way_ms = 0
         for tick in range(1, ticks + 1):
             ts = start_ms + tick * interval_ms
             sent = agent.tick(ts)
@@ -190,20 +203,37 @@ def run_slice(
                 # One malformed message, to show the dead-letter path end to end.
                 injector.produce(topics.telemetry, key=b"garbage", value=b"\x00not avro at all")
                 injector.flush(30)
+            if tick == half:
+                agent.flush()
+                half_way_ms = int(time.time() * 1000)
+                time.sleep(0.01)  # the next append is stamped after this moment
             if realtime:
                 time.sleep(interval_ms / 1000)
                 if tick % 5 == 0:
-                    progress(_view_line(running.handler.view()))
+                    progress(_view_line(running.processor.read(view_read.cluster_capacity)))
         agent.flush()
+        injector.flush(30)
         timings["produce_s"] = time.monotonic() - began
         began = time.monotonic()
-        running.wait_for(processed=states + telemetry + 1, telemetry=telemetry + 1)
+        running.wait_for(processed=states + telemetry + 1 + len(clusters),
+                         telemetry=telemetry + 1)
         timings["drain_s"] = time.monotonic() - began
-        view = running.handler.view()
+        now = running.processor.read(view_read.cluster_capacity)
+        unhealthy = running.processor.read(
+            lambda v: [g for g in view_read.select_gpus(v) if g["health"] != "healthy"])
         rows = running.sink.store.client.query(
             UTILISATION_QUERY.format(db=settings.clickhouse_database, start_ms=start_ms)
         ).result_rows
-        snapshot_key = save_view_snapshot(settings, topics, running)
+        running.processor.snapshot()
+        snapshots = running.processor.snapshots
+        keys = [info.blob_key for part in sorted(running.processor.parts)
+                for info in snapshots.list(part)[-1:]]
+        # Time travel: the view as it stood half-way, from the newest snapshots before that
+        # moment plus the log after them.
+        began = time.monotonic()
+        replayed = rebuild(settings.kafka, topics, offsets_at(settings.kafka, topics, half_way_ms),
+                           snapshots)
+        timings["replay_s"] = time.monotonic() - began
     finally:
         agent.close()
         shutil.rmtree(state_dir, ignore_errors=True)
@@ -212,38 +242,23 @@ def run_slice(
         telemetry_sent=telemetry,
         states_sent=states,
         malformed_sent=1,
-        view=view,
+        clusters=now,
+        unhealthy_gpus=unhealthy,
+        half_way_clusters=view_read.cluster_capacity(replayed.view),
+        half_way_replay={"at_ms": half_way_ms, "folded": replayed.folded,
+                         "from_snapshots": replayed.snapshot_positions,
+                         "view_version": replayed.view.version},
         processor_dead_letters=running.processor.stats.dead_letters,
         sink_rows=running.sink.stats.rows,
         sink_dead_letters=running.sink.stats.dead_letters,
         query_rows=rows,
-        snapshot_key=snapshot_key,
+        snapshots=[f"s3://{snapshots.store.bucket}/{key}" for key in keys],
         timings=timings,
     )
 
 
-def save_view_snapshot(settings: Settings, topics: Topics, running: RunningSlice) -> str:
-    """Write the live view, with the processor's counters, to object storage and read it back."""
-    objects = ObjectStore.from_settings(settings.s3)
-    objects.ensure_bucket()
-    body = json.dumps(
-        {
-            "topics": topics.prefix,
-            "clusters": live_view.view_as_dict(running.handler.view()),
-            "nodes": [asdict(node) for _, node in running.handler.store.items()],
-            "messages_processed": running.processor.stats.messages,
-        },
-        sort_keys=True,
-    ).encode()
-    key = f"snapshots/live-view/{topics.prefix}.json"
-    objects.put(key, body, content_type="application/json")
-    if objects.get(key) != body:
-        raise FleetlineError(f"snapshot s3://{objects.bucket}/{key} did not read back intact")
-    return f"s3://{objects.bucket}/{key}"
-
-
-def _view_line(clusters: list[live_view.ClusterSummary]) -> str:
+def _view_line(clusters: list[dict[str, Any]]) -> str:
     return "  ".join(
-        f"{c.cluster_id}: {c.gpus} GPUs, util {c.avg_gpu_util_pct}%, {c.nodes_down} down"
-        for c in clusters
+        f"{c['cluster_id']}: {c['gpus']} GPUs, {c['idle']} idle, {c['degraded']} degraded, "
+        f"{c['nodes_down']} nodes down" for c in clusters
     )

@@ -120,6 +120,28 @@ def default_clusters(nodes_per_cluster: int = 4) -> list[ClusterSpec]:
     ]
 
 
+# Round-trip times between the simulated regions, ms, and what a GPU-hour and a kWh cost there.
+_REGION_RTT_MS = {("eu-west", "us-east"): 75.0, ("eu-west", "ap-south"): 120.0,
+                  ("us-east", "ap-south"): 190.0}
+_REGION_PRICES = {"eu-west": (2.40, 0.21, 1.25), "us-east": (2.10, 0.09, 1.35),
+                  "ap-south": (1.80, 0.11, 1.50)}
+
+
+def cluster_info(cluster: ClusterSpec, seq: int, ts_ms: int,
+                 regions: list[str] | None = None) -> dict[str, Any]:
+    """A ClusterInfo record for a simulated cluster: what an operator would declare."""
+    price, energy, pue = _REGION_PRICES.get(cluster.region, (2.50, 0.15, 1.40))
+    names = regions or sorted({r for pair in _REGION_RTT_MS for r in pair})
+    latency = {r: (0.5 if r == cluster.region else
+                   _REGION_RTT_MS.get((cluster.region, r), _REGION_RTT_MS.get((r, cluster.region),
+                                                                              150.0)))
+               for r in names}
+    return {"cluster_id": cluster.cluster_id, "region": cluster.region, "seq": seq, "ts": ts_ms,
+            "kind": "ON_PREMISES" if cluster.region == "eu-west" else "CLOUD",
+            "price_per_gpu_hour": price, "energy_price_per_kwh": energy, "pue": pue,
+            "link_latency_ms": latency, "retired": False}
+
+
 def _uuid(seed: int, node_id: str, index: int) -> str:
     digest = f"{zlib.crc32(f'{seed}/{node_id}/{index}'.encode()):08x}"
     return f"GPU-{digest}-{index:04x}-{seed & 0xFFFF:04x}-{len(node_id):04x}-{digest}{index:04x}"

@@ -1,12 +1,12 @@
-"""The README's slice end to end: agents -> Kafka -> live view and ClickHouse, snapshot in S3."""
+"""The README's slice end to end: agents -> Kafka -> resource view and ClickHouse, snapshots
+in S3, replay of the half-way view."""
 
 from __future__ import annotations
-
-import json
 
 from fleetline.agents.simulator import default_clusters
 from fleetline.cli import main
 from fleetline.pipeline import run_slice
+from fleetline.processors import view_codec
 from fleetline.storage.objects import ObjectStore
 from tests.support import BASE_MS, fresh_topics
 
@@ -23,23 +23,36 @@ def test_slice_flows_end_to_end(settings) -> None:
         realtime=False,
         topics=topics,
     )
-    # 3 clusters x 2 nodes; the last node goes down at tick 3 and reports no more.
+    # 3 clusters x 2 nodes; the last node goes down at tick 4 and reports no more.
     assert result.states_sent == 7
-    assert result.telemetry_sent == 6 * 6 - 4
+    assert result.telemetry_sent == 6 * 6 - 3
     assert result.processor_dead_letters == 1 and result.sink_dead_letters == 1
     assert result.sink_rows == result.telemetry_sent * 8
-    by_cluster = {c.cluster_id: c for c in result.view}
-    assert by_cluster["ap-south-a"].nodes_down == 1
-    assert sum(c.gpus for c in result.view) == 48
+    now = {c["cluster_id"]: c for c in result.clusters}
+    # RDMA loss behind eu-west-a's leaf switch, XID 79 on one us-east-a GPU, a node down.
+    assert (now["eu-west-a"]["degraded"], now["eu-west-a"]["idle"]) == (16, 0)
+    assert (now["us-east-a"]["failed"], now["us-east-a"]["idle"]) == (1, 15)
+    assert (now["ap-south-a"]["nodes_down"], now["ap-south-a"]["unavailable"]) == (1, 8)
+    assert now["eu-west-a"]["info"]["price_per_gpu_hour"] == 2.40
+    assert sorted((g["node_id"], g["gpu_index"], g["cause"]) for g in result.unhealthy_gpus
+                  if g["health"] == "failed") == [("us-east-a-n0000", 3, "xid 79")]
+    # Half-way, before the node went down, replayed from snapshots and the log.
+    then = {c["cluster_id"]: c for c in result.half_way_clusters}
+    assert then["ap-south-a"]["nodes_down"] == 0 and then["ap-south-a"]["idle"] == 16
+    assert then["eu-west-a"]["degraded"] == 16
     assert {r[0]: r[1] for r in result.query_rows} == {
-        "ap-south-a": (6 + 2) * 8,
+        "ap-south-a": (6 + 3) * 8,
         "eu-west-a": 12 * 8,
         "us-east-a": 12 * 8,
     }
-    bucket, key = result.snapshot_key.removeprefix("s3://").split("/", 1)
-    snapshot = json.loads(ObjectStore.from_settings(settings.s3, bucket=bucket).get(key))
-    assert snapshot["clusters"][0]["cluster_id"] == "ap-south-a"
-    assert len(snapshot["nodes"]) == 6
+    assert len(result.snapshots) == 4  # three shards and the fleet part
+    parts = []
+    for url in result.snapshots:
+        bucket, key = url.removeprefix("s3://").split("/", 1)
+        parts.append(view_codec.decode(ObjectStore.from_settings(settings.s3, bucket=bucket)
+                                       .get(key)))
+    assert sum(p.node_events for p in parts) == result.states_sent + result.telemetry_sent
+    assert sum(p.fleet_events for p in parts) == 3  # one ClusterInfo per cluster
 
 
 def test_cli_sql_and_bad_input(settings, monkeypatch, capsys) -> None:

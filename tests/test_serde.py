@@ -29,6 +29,9 @@ def test_registry_knows_the_shipped_schemas() -> None:
     assert codec.registry.names() == [
         "fleetline.commands.CommandResult",
         "fleetline.commands.NodeCommand",
+        "fleetline.fleet.ClusterInfo",
+        "fleetline.fleet.DatasetState",
+        "fleetline.scheduling.Allocation",
         "fleetline.telemetry.GpuSample",
         "fleetline.telemetry.NodeState",
         "fleetline.telemetry.NodeTelemetry",
