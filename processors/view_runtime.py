@@ -297,8 +297,8 @@ class ViewProcessor:
                 if view is None:
                     continue
                 position = sum(sum(p.values()) for p in view.offsets.values())
-                if self._snapshotted.get(name) == position:
-                    continue
+                if position == 0 or self._snapshotted.get(name) == position:
+                    continue  # nothing folded yet, or nothing new since the last one
                 info = self.snapshots.save(name, view)
                 self._snapshotted[name] = info.position
             self.stats.snapshots += 1
