@@ -220,41 +220,193 @@ def _cmd_view(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _verify_keys(settings: Settings) -> dict:
+    from fleetline.processors.audit_chain import load_public_keys
+
+    paths = list(settings.audit_verify_keys)
+    if not paths and settings.signing_key_path().exists():
+        paths = [settings.signing_key_path()]
+    return load_public_keys(paths)
+
+
+def _sealed_store(settings: Settings):
+    from fleetline.storage.crypto import ObjectCipher, SealedObjectStore
+    from fleetline.storage.objects import ObjectStore
+
+    store = ObjectStore.from_settings(settings.s3)
+    store.ensure_bucket()
+    cipher = (ObjectCipher.from_base64(settings.object_encryption_key)
+              if settings.object_encryption_key else None)
+    return SealedObjectStore(store, cipher)
+
+
 def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
+    import signal
     import threading
 
+    from fleetline.processors.audit_chain import (
+        APPLICATION_ID as AUDIT_APP,
+    )
+    from fleetline.processors.audit_chain import (
+        KafkaAuditEmitter,
+        audit_chainer,
+        load_signer,
+    )
     from fleetline.processors.view_runtime import ViewProcessor
+    from fleetline.storage.audit_store import AuditArchive, AuditTable
+    from fleetline.storage.clickhouse import connect, migrate
+    from fleetline.storage.offset_sink import OffsetSink
+    from fleetline.storage.query_service import QueryService, query_client
     from fleetline.streams import kafka as kafka_clients
+    from fleetline.streams.events import AUDIT_RECORD
+    from fleetline.streams.serde import default_codec
 
+    if not args.no_api and settings.auth_config is None:
+        raise ConfigError("the API needs FLEETLINE_AUTH_CONFIG (tokens and/or JWT settings; "
+                          "see `fleetline auth token`), or run with --no-api")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ConfigError("--tls-cert and --tls-key go together")
     topics = Topics(args.topic_prefix)
-    kafka_clients.ensure_topics(settings.kafka, topics.specs())
+    kafka_clients.ensure_topics(settings.kafka, [*topics.specs(),
+                                                 topics.changelog_spec(AUDIT_APP, "chain")])
     processor = ViewProcessor(settings.kafka, topics,
                               _snapshots(settings, args.topic_prefix, args.group),
                               group_id=args.group, instance_id=args.instance_id,
                               snapshot_interval_s=args.snapshot_interval)
+    workers: list = [processor]
+    audit_table = None
+    client = None
+    if not args.no_audit:
+        signer = load_signer(settings.signing_key_path(), create=True)
+        client = connect(settings.clickhouse_url)
+        migrate(client, settings.clickhouse_database)
+        audit_table = AuditTable(client, settings.clickhouse_database)
+        archive = AuditArchive(_sealed_store(settings), f"audit/{topics.prefix}")
+        workers.append(audit_chainer(settings.kafka, topics, signer,
+                                     instance_id=args.instance_id))
+        for destination in (audit_table, archive):
+            workers.append(OffsetSink(settings.kafka, default_codec(), topics.audit_log,
+                                      AUDIT_RECORD, destination, topics.dead_letter,
+                                      f"{topics.prefix}.audit-{destination.name}"))
     stop = threading.Event()
-    import signal
-
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    if args.no_api:
-        try:
-            processor.run(stop)
-        except KeyboardInterrupt:
-            stop.set()
-        return 0
-    import uvicorn
-
-    from fleetline.api.http import create_app
-
-    worker = threading.Thread(target=processor.run, args=(stop,), name="view-fold", daemon=True)
-    worker.start()
-    server = uvicorn.Server(uvicorn.Config(create_app(processor), host=args.host, port=args.port,
-                                           log_level="warning"))
+    threads = [threading.Thread(target=w.run, args=(stop,), daemon=True) for w in workers]
+    for thread in threads:
+        thread.start()
+    queries = QueryService(client, settings.clickhouse_url).start() if client else None
     try:
-        server.run()
+        if args.no_api:
+            while not stop.wait(1.0):
+                pass
+        else:
+            import uvicorn
+
+            from fleetline.api.auth import AuthConfig, Authenticator
+            from fleetline.api.http import create_app
+
+            emitter = KafkaAuditEmitter(settings.kafka, topics)
+
+            def sql(query: str) -> dict:
+                if client is None:
+                    raise ConfigError("no ClickHouse store (started with --no-audit)")
+                result = query_client(client, query)
+                return {"columns": result.columns, "rows": result.rows}
+
+            app = create_app(processor,
+                             Authenticator(AuthConfig.from_file(settings.auth_config)),
+                             emitter, audit_table, sql)
+            server = uvicorn.Server(uvicorn.Config(
+                app, host=args.host, port=args.port, log_level="warning",
+                ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key))
+            server.run()
+            emitter.flush()
+    except KeyboardInterrupt:
+        pass
     finally:
         stop.set()
-        worker.join(60)
+        for thread in threads:
+            thread.join(60)
+        if queries:
+            queries.stop()
+    return 0
+
+
+def _audit_records(args: argparse.Namespace, settings: Settings) -> list:
+    if args.source == "kafka":
+        from fleetline.processors.audit_chain import read_chain
+
+        return read_chain(settings.kafka, Topics(args.topic_prefix))
+    from fleetline.storage.audit_store import AuditTable
+    from fleetline.storage.clickhouse import connect
+
+    return list(AuditTable(connect(settings.clickhouse_url),
+                           settings.clickhouse_database).records())
+
+
+def _cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
+    from pathlib import Path
+
+    from fleetline.processors.audit import export_entry, masked_event, verify
+    from fleetline.processors.audit_chain import export_window
+    from fleetline.storage import audit_export
+
+    since = parse_time_ms(args.since) if getattr(args, "since", None) else None
+    until = parse_time_ms(args.until) if getattr(args, "until", None) else None
+    if args.action == "verify":
+        keys = _verify_keys(settings)
+        anchors = None
+        if args.file:
+            entries, named, anchors = audit_export.read(Path(args.file))
+            if not keys:
+                print("warning: no FLEETLINE_AUDIT_VERIFY_KEYS; trusting the keys the export "
+                      "names", file=sys.stderr)
+                keys = named
+        elif args.source == "archive":
+            from fleetline.storage.audit_store import AuditArchive
+
+            entries = list(AuditArchive(_sealed_store(settings),
+                                        f"audit/{args.topic_prefix}").entries())
+        else:
+            entries = [export_entry(r, reveal_sensitive=True)
+                       for r in _audit_records(args, settings)]
+        report = verify(entries, keys, anchors)
+        print(json.dumps({"ok": report.ok, "checked": report.checked,
+                          "digests": report.digests, "first_broken": report.first_broken,
+                          "unsigned_tail": report.unsigned_tail}, indent=2))
+        return 0 if report.ok else 2
+    if args.action == "search":
+        from fleetline.storage.audit_store import AuditQuery, AuditTable
+        from fleetline.storage.clickhouse import connect
+
+        table = AuditTable(connect(settings.clickhouse_url), settings.clickhouse_database)
+        for record in table.search(AuditQuery(args.tenant, since, until, args.op, args.actor,
+                                              args.limit)):
+            print(json.dumps({"partition": record["partition"], "seq": record["seq"],
+                              **masked_event(record["event"], args.reveal)}, sort_keys=True))
+        return 0
+    if not args.out:
+        raise ConfigError("audit export needs --out FILE")
+    records = _audit_records(args, settings)
+    entries, anchors = export_window(records, args.tenant, since, until, args.reveal)
+    out = Path(args.out)
+    count = audit_export.write(out, args.format, entries, _verify_keys(settings), anchors)
+    if args.to_s3:
+        _sealed_store(settings).put(args.to_s3, out.read_bytes())
+    print(f"{count} links written to {out}" + (f" and s3 {args.to_s3}" if args.to_s3 else ""))
+    return 0
+
+
+def _cmd_auth(args: argparse.Namespace, settings: Settings) -> int:
+    import secrets
+
+    from fleetline.api.auth import token_digest
+
+    token = "fl_" + secrets.token_urlsafe(32)
+    entry = {"name": args.name, "sha256": token_digest(token), "role": args.role,
+             "tenant": args.tenant}
+    print(f"token (shown once; give it to {args.name}): {token}")
+    print("add to the tokens list in FLEETLINE_AUTH_CONFIG:")
+    print("  - " + json.dumps(entry))
     return 0
 
 
@@ -343,6 +495,15 @@ def _cmd_command(args: argparse.Namespace, settings: Settings) -> int:
                      value=default_codec().encode("NodeCommand", record))
     if producer.flush(30):
         raise FleetlineError("the command was not delivered within 30 s")
+    from fleetline.processors.audit_chain import KafkaAuditEmitter, new_event
+
+    emitter = KafkaAuditEmitter(settings.kafka, topics)
+    emitter.emit(new_event(ts=record["ts"], actor=args.issued_by, actor_role="operator",
+                           operation=f"command.{args.kind}", target=args.node_id,
+                           outcome="SUCCEEDED", request_id=record["command_id"], source="cli",
+                           details={k: str(v) for k, v in config.items()}))
+    if emitter.flush(30):
+        raise FleetlineError("the command was sent but its audit event was not delivered")
     print(f"sent {args.kind} {record['command_id']} to {args.node_id} on {topics.commands}")
     return 0
 
@@ -430,8 +591,43 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8080)
     serve.add_argument("--snapshot-interval", type=float, default=30.0, metavar="SECONDS")
-    serve.add_argument("--no-api", action="store_true", help="fold and snapshot only")
+    serve.add_argument("--no-api", action="store_true", help="no HTTP API")
+    serve.add_argument("--no-audit", action="store_true",
+                       help="no audit chainer or audit sinks in this process")
+    serve.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM)")
+    serve.add_argument("--tls-key", help="... and this private key (PEM)")
     serve.set_defaults(func=_cmd_serve)
+
+    audit = sub.add_parser(
+        "audit", help="verify, search and export the tamper-evident audit log",
+        description="verify checks hash links, seq continuity and signed digests and names the "
+                    "first broken link (exit 2); search and export read ClickHouse (or Kafka).")
+    audit.add_argument("action", choices=["verify", "search", "export"])
+    audit.add_argument("--topic-prefix", default="fleetline")
+    audit.add_argument("--source", choices=["kafka", "clickhouse", "archive"], default="kafka",
+                       help="where the chain is read from (archive: verify only)")
+    audit.add_argument("--file", help="verify: an export file instead of a source")
+    audit.add_argument("--tenant")
+    audit.add_argument("--from", dest="since", help="ISO 8601 or epoch ms")
+    audit.add_argument("--to", dest="until")
+    audit.add_argument("--op", help="search: operation, e.g. 'api.GET /v1/nodes'")
+    audit.add_argument("--actor")
+    audit.add_argument("--limit", type=int, default=100)
+    audit.add_argument("--format", choices=["jsonl", "csv", "parquet"], default="jsonl")
+    audit.add_argument("--out", help="export: the file to write")
+    audit.add_argument("--to-s3", metavar="KEY", help="export: also upload (encrypted when "
+                       "FLEETLINE_OBJECT_ENCRYPTION_KEY is set)")
+    audit.add_argument("--reveal", action="store_true",
+                       help="include sensitive fields unmasked (platform admins)")
+    audit.set_defaults(func=_cmd_audit)
+
+    auth = sub.add_parser("auth", help="mint an API token")
+    auth.add_argument("action", choices=["token"])
+    auth.add_argument("--name", required=True)
+    auth.add_argument("--role", required=True,
+                      choices=["platform-admin", "tenant-admin", "user", "viewer", "auditor"])
+    auth.add_argument("--tenant")
+    auth.set_defaults(func=_cmd_auth)
 
     replay = sub.add_parser(
         "replay", help="rebuild the view as it was, or list what changed between two times",
@@ -470,6 +666,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from fleetline.api.auth import CredentialFilter
+
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(CredentialFilter())
     if not args.verbose:
         # librdkafka warns while a fresh broker loads its coordinators; it retries by itself.
         logging.getLogger("fleetline.librdkafka").setLevel(logging.ERROR)

@@ -48,6 +48,17 @@ class Settings:
     clickhouse_url: str = f"chdb://{REPO_ROOT / '.data' / 'clickhouse'}"
     clickhouse_database: str = "fleetline"
     cache_dir: Path = REPO_ROOT / ".cache"
+    # Security (see the README's "Audit and access control"): the API's token/JWT config file,
+    # the audit chainer's Ed25519 signing key (created on first use when absent), the public
+    # keys `audit verify` trusts (default: the signing key's own), and the AES-256 key for
+    # objects written to S3 (base64; none = stored as they are).
+    auth_config: Path | None = None
+    audit_signing_key: Path | None = None
+    audit_verify_keys: tuple[Path, ...] = ()
+    object_encryption_key: str | None = None
+
+    def signing_key_path(self) -> Path:
+        return self.audit_signing_key or self.cache_dir / "audit" / "signing-key.pem"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -80,6 +91,13 @@ class Settings:
                 "FLEETLINE_CLICKHOUSE_DATABASE", defaults.clickhouse_database
             ),
             cache_dir=Path(env.get("FLEETLINE_CACHE_DIR", str(defaults.cache_dir))),
+            auth_config=Path(env["FLEETLINE_AUTH_CONFIG"]) if env.get("FLEETLINE_AUTH_CONFIG")
+            else None,
+            audit_signing_key=Path(env["FLEETLINE_AUDIT_SIGNING_KEY"])
+            if env.get("FLEETLINE_AUDIT_SIGNING_KEY") else None,
+            audit_verify_keys=tuple(Path(p) for p in
+                                    env.get("FLEETLINE_AUDIT_VERIFY_KEYS", "").split(",") if p),
+            object_encryption_key=env.get("FLEETLINE_OBJECT_ENCRYPTION_KEY") or None,
         )
 
 

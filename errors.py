@@ -53,3 +53,15 @@ class InvalidEventError(DecodeError):
 
 class QueryError(StorageError):
     """ClickHouse rejected a query (syntax, unknown column, permissions)."""
+
+
+class AuthError(FleetlineError):
+    """A request was refused by authentication or authorisation."""
+
+
+class AuthenticationError(AuthError):
+    """No valid credentials: missing, malformed, expired, wrong audience, bad signature (401)."""
+
+
+class PermissionDenied(AuthError):
+    """Valid credentials, but the role or tenant scope does not allow the operation (403)."""

@@ -1,24 +1,42 @@
-"""The read API over the resource view (FastAPI; OpenAPI at /openapi.json, docs at /docs).
+"""The HTTP API over the resource view and the audit log (FastAPI; OpenAPI at /openapi.json).
 
-Every route reads the view through a `ViewSource`, which runs the read with the fold paused, so a
-response is one consistent version of the view; each response names that version and offsets.
+Every route is declared with a `Rule` and passes one guard: authenticate the bearer token,
+authorise the role and hold the request to the principal's tenant. `create_app` refuses to build
+an app with a route that has no rule. Every call, allowed or refused, becomes an AuditEvent.
+Reads of the view run with the fold paused, so a response is one version of the view.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+import uuid
 from collections.abc import Callable
 from typing import Annotated, Any, Protocol, TypeVar
 
-from fastapi import FastAPI, HTTPException, Query
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 
+from fleetline.api.auth import Authenticator
+from fleetline.api.rbac import Principal, Rule, authorize
+from fleetline.errors import AuthenticationError, PermissionDenied
 from fleetline.processors import view_read
+from fleetline.processors.audit import is_sensitive, masked_event
+from fleetline.processors.audit_chain import new_event
 from fleetline.processors.view import ResourceView
+from fleetline.storage.audit_store import AuditQuery, AuditTable
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
 class ViewSource(Protocol):
     def read(self, fn: Callable[[ResourceView], T]) -> T: ...
+
+
+class AuditEmitter(Protocol):
+    def emit(self, event: dict[str, Any]) -> None: ...
 
 
 class StaticView:
@@ -45,19 +63,106 @@ def _envelope(view: ResourceView, items: Any) -> dict[str, Any]:
     return {"view_version": view.version, "watermark_ms": view.watermark_ms, "items": items}
 
 
-def create_app(source: ViewSource) -> FastAPI:
-    app = FastAPI(title="fleetline", version="0.1.0",
-                  description="The global resource view of a multi-cluster GPU fleet.")
+def _in_scope(tenant: str | None, scope: str | None) -> bool:
+    return scope is None or tenant == scope
 
-    @app.get("/v1/view", summary="Where the view stands: version, offsets, sizes, policy")
+
+def _redact_gpu(view: ResourceView, gpu: dict[str, Any], scope: str | None) -> dict[str, Any]:
+    """Another tenant's job on a GPU shows as `allocated`, never by name."""
+    job = gpu.get("job_id")
+    if job is not None:
+        allocation = view.allocations.get(job)
+        if allocation is None or not _in_scope(allocation.tenant, scope):
+            gpu = {**gpu, "job_id": None}
+    return gpu
+
+
+def _redact_node(view: ResourceView, node: dict[str, Any], principal: Principal,
+                 scope: str | None) -> dict[str, Any]:
+    node = dict(node)
+    if not principal.sees_sensitive:
+        node["labels"] = {k: ("***" if is_sensitive(k) else v) for k, v in node["labels"].items()}
+    if "gpus" in node:
+        node["gpus"] = [_redact_gpu(view, g, scope) for g in node["gpus"]]
+    return node
+
+
+def create_app(source: ViewSource, authenticator: Authenticator, audit: AuditEmitter,
+               audit_table: AuditTable | None = None,
+               sql: Callable[[str], dict[str, Any]] | None = None,
+               clock: Callable[[], int] = lambda: int(time.time() * 1000)) -> FastAPI:
+    app = FastAPI(title="fleetline", version="0.1.0",
+                  description="The global resource view of a multi-cluster GPU fleet, and its "
+                              "audit log. Every route needs `Authorization: Bearer <token>`.")
+    rules: dict[tuple[str, str], Rule] = {}
+
+    def guard(rule: Rule) -> Callable[..., Principal]:
+        def check(request: Request) -> Principal:
+            try:
+                principal = authenticator.authenticate(request.headers.get("authorization"))
+            except AuthenticationError as exc:
+                request.state.refusal = str(exc)
+                log.warning("refused %s %s: %s", request.method, request.url.path, exc)
+                raise HTTPException(401, str(exc),
+                                    headers={"WWW-Authenticate": "Bearer"}) from None
+            request.state.principal = principal
+            try:
+                request.state.scope = authorize(principal, rule,
+                                                request.query_params.get("tenant"))
+            except PermissionDenied as exc:
+                request.state.refusal = str(exc)
+                log.warning("denied %s %s to %s: %s", request.method, request.url.path,
+                            principal.subject, exc)
+                raise HTTPException(403, str(exc)) from None
+            return principal
+        return check
+
+    def route(method: str, path: str, rule: Rule, **kwargs: Any) -> Callable:
+        rules[(method, path)] = rule
+        return app.api_route(path, methods=[method], dependencies=[Depends(guard(rule))],
+                             **kwargs)
+
+    @app.middleware("http")
+    async def audit_every_call(request: Request, call_next):
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        trace = request.headers.get("traceparent", "")
+        trace_id = trace.split("-")[1] if trace.count("-") >= 3 else None
+        response = await call_next(request)
+        response.headers["X-Request-ID"] = request_id
+        if request.url.path in ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"):
+            return response
+        principal: Principal | None = getattr(request.state, "principal", None)
+        status = response.status_code
+        outcome = ("SUCCEEDED" if status < 400 else "UNAUTHENTICATED" if status == 401
+                   else "DENIED" if status == 403 else "FAILED")
+        matched = request.scope.get("route")
+        template = matched.path if isinstance(matched, APIRoute) else request.url.path
+        details = {"query": str(request.url.query)} if request.url.query else {}
+        refusal = getattr(request.state, "refusal", None)
+        if refusal:
+            details["reason"] = refusal
+        audit.emit(new_event(
+            ts=clock(), actor=principal.subject if principal else "anonymous",
+            actor_role=principal.role if principal else "none",
+            tenant=(getattr(request.state, "scope", None) or
+                    (principal.tenant if principal else None)),
+            operation=f"api.{request.method} {template}", target=request.url.path,
+            outcome=outcome, status=status, request_id=request_id, trace_id=trace_id,
+            source="api", details=details))
+        return response
+
+    fleet = Rule("fleet", "read", tenant_scoped=False)
+
+    @route("GET", "/v1/view", fleet, summary="Where the view stands: version, offsets, sizes")
     def get_view() -> dict[str, Any]:
         return source.read(view_read.view_meta)
 
-    @app.get("/v1/clusters", summary="Per-cluster capacity: idle, allocated, degraded GPUs")
+    @route("GET", "/v1/clusters", fleet, summary="Per-cluster capacity: idle, allocated, "
+           "degraded GPUs")
     def list_clusters(region: str | None = None) -> dict[str, Any]:
         return source.read(lambda v: _envelope(v, view_read.cluster_capacity(v, region)))
 
-    @app.get("/v1/clusters/{cluster_id}", summary="One cluster's capacity and declared facts")
+    @route("GET", "/v1/clusters/{cluster_id}", fleet, summary="One cluster's capacity and facts")
     def get_cluster(cluster_id: str) -> dict[str, Any]:
         def one(view: ResourceView) -> dict[str, Any]:
             for cluster in view_read.cluster_capacity(view):
@@ -66,8 +171,8 @@ def create_app(source: ViewSource) -> FastAPI:
             raise HTTPException(404, f"no cluster {cluster_id!r} in the view")
         return source.read(one)
 
-    @app.get("/v1/clusters/{cluster_id}/topology",
-             summary="Spine and leaf switches, nodes and NVLink islands")
+    @route("GET", "/v1/clusters/{cluster_id}/topology", fleet,
+           summary="Spine and leaf switches, nodes and NVLink islands")
     def get_topology(cluster_id: str) -> dict[str, Any]:
         def one(view: ResourceView) -> dict[str, Any]:
             if cluster_id not in view_read.cluster_ids(view):
@@ -75,8 +180,10 @@ def create_app(source: ViewSource) -> FastAPI:
             return {"view_version": view.version, **view_read.topology(view, cluster_id)}
         return source.read(one)
 
-    @app.get("/v1/nodes", summary="Nodes, filtered by cluster, status, leaf switch, labels")
+    @route("GET", "/v1/nodes", Rule("fleet", "read"),
+           summary="Nodes, filtered by cluster, status, leaf switch, labels")
     def list_nodes(
+        request: Request,
         cluster: str | None = None,
         status: Annotated[str | None,
                           Query(pattern="(?i)^(up|draining|down|unreachable)$")] = None,
@@ -85,39 +192,100 @@ def create_app(source: ViewSource) -> FastAPI:
         gpus: bool = False,
     ) -> dict[str, Any]:
         labels = _labels(label)
+        principal, scope = request.state.principal, request.state.scope
         return source.read(lambda v: _envelope(v, [
-            view_read.node_data(v, n, with_gpus=gpus)
+            _redact_node(v, view_read.node_data(v, n, with_gpus=gpus), principal, scope)
             for n in view_read.select_nodes(v, cluster, status, labels, leaf_switch)]))
 
-    @app.get("/v1/nodes/{node_id}", summary="One node with its GPUs")
-    def get_node(node_id: str) -> dict[str, Any]:
+    @route("GET", "/v1/nodes/{node_id}", Rule("fleet", "read"), summary="One node with its GPUs")
+    def get_node(request: Request, node_id: str) -> dict[str, Any]:
+        principal, scope = request.state.principal, request.state.scope
+
         def one(view: ResourceView) -> dict[str, Any]:
             node = view.nodes.get(node_id)
             if node is None:
                 raise HTTPException(404, f"no node {node_id!r} in the view")
-            return {"view_version": view.version, **view_read.node_data(view, node)}
+            return {"view_version": view.version,
+                    **_redact_node(view, view_read.node_data(view, node), principal, scope)}
         return source.read(one)
 
-    @app.get("/v1/gpus", summary="GPUs, filtered by cluster, health and capacity state")
+    @route("GET", "/v1/gpus", Rule("fleet", "read"),
+           summary="GPUs, filtered by cluster, health and capacity state")
     def list_gpus(
+        request: Request,
         cluster: str | None = None,
         health: Annotated[str | None, Query(pattern="^(healthy|degraded|failed)$")] = None,
         capacity: Annotated[str | None, Query(
             pattern="^(idle|allocated|degraded|failed|unavailable)$")] = None,
     ) -> dict[str, Any]:
-        return source.read(lambda v: _envelope(v, view_read.select_gpus(v, cluster, health,
-                                                                        capacity)))
+        scope = request.state.scope
+        return source.read(lambda v: _envelope(v, [
+            _redact_gpu(v, g, scope) for g in view_read.select_gpus(v, cluster, health,
+                                                                     capacity)]))
 
-    @app.get("/v1/allocations", summary="Jobs and the GPUs bound to them")
-    def list_allocations() -> dict[str, Any]:
-        return source.read(lambda v: _envelope(v, view_read.allocations(v)))
+    @route("GET", "/v1/allocations", Rule("jobs", "read"),
+           summary="Jobs of the caller's tenant and the GPUs bound to them")
+    def list_allocations(request: Request, tenant: str | None = None) -> dict[str, Any]:
+        scope = request.state.scope
+        return source.read(lambda v: _envelope(v, [
+            a for a in view_read.allocations(v) if _in_scope(a["tenant"], scope)]))
 
-    @app.get("/v1/datasets", summary="Datasets and the clusters holding replicas")
-    def list_datasets() -> dict[str, Any]:
-        return source.read(lambda v: _envelope(v, view_read.datasets(v)))
+    @route("GET", "/v1/datasets", Rule("datasets", "read"),
+           summary="The caller's tenant's datasets and the clusters holding replicas")
+    def list_datasets(request: Request, tenant: str | None = None) -> dict[str, Any]:
+        scope = request.state.scope
+        return source.read(lambda v: _envelope(v, [
+            d for d in view_read.datasets(v) if _in_scope(d["tenant"], scope)]))
 
-    @app.get("/v1/tenants", summary="GPUs and dataset bytes in use per tenant")
-    def list_tenants() -> dict[str, Any]:
-        return source.read(lambda v: _envelope(v, view_read.tenant_usage(v)))
+    @route("GET", "/v1/tenants", Rule("usage", "read"),
+           summary="GPUs and dataset bytes in use by the caller's tenant (all, for admins)")
+    def list_tenants(request: Request, tenant: str | None = None) -> dict[str, Any]:
+        scope = request.state.scope
+        return source.read(lambda v: _envelope(v, [
+            u for u in view_read.tenant_usage(v) if _in_scope(u["tenant"], scope)]))
 
+    def _audit_table() -> AuditTable:
+        if audit_table is None:
+            raise HTTPException(503, "the audit store is not configured on this server")
+        return audit_table
+
+    @route("GET", "/v1/audit", Rule("audit", "read"),
+           summary="Search audit records (the caller's tenant only, unless admin or auditor)")
+    def search_audit(request: Request, tenant: str | None = None,
+                     since_ms: Annotated[int | None, Query(alias="from")] = None,
+                     until_ms: Annotated[int | None, Query(alias="to")] = None,
+                     op: str | None = None, actor: str | None = None,
+                     limit: Annotated[int, Query(ge=1, le=10_000)] = 100) -> dict[str, Any]:
+        principal: Principal = request.state.principal
+        records = _audit_table().search(AuditQuery(request.state.scope, since_ms, until_ms, op,
+                                                   actor, limit))
+        return {"items": [{"partition": r["partition"], "seq": r["seq"], "hash": r["hash"].hex(),
+                           **masked_event(r["event"], principal.sees_sensitive)}
+                          for r in records]}
+
+    @route("GET", "/v1/audit/activity", Rule("audit", "read"),
+           summary="Ready query: calls per operation and outcome, tenant-scoped")
+    def audit_activity(request: Request, since_ms: Annotated[int, Query(alias="from")],
+                       until_ms: Annotated[int, Query(alias="to")],
+                       tenant: str | None = None) -> dict[str, Any]:
+        return {"items": _audit_table().activity(request.state.scope, since_ms, until_ms)}
+
+    @route("POST", "/v1/sql", Rule("sql", "run", tenant_scoped=False),
+           summary="Raw read-only ClickHouse SQL: platform admins only")
+    def run_sql(body: dict[str, str]) -> dict[str, Any]:
+        if sql is None:
+            raise HTTPException(503, "no ClickHouse store is configured on this server")
+        if "query" not in body:
+            raise HTTPException(422, "body needs a query")
+        return sql(body["query"])
+
+    @app.exception_handler(PermissionDenied)
+    async def denied(request: Request, exc: PermissionDenied) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=403)
+
+    missing = [f"{sorted(r.methods)[0]} {r.path}" for r in app.routes
+               if isinstance(r, APIRoute) and (sorted(r.methods)[0], r.path) not in rules]
+    if missing:
+        raise RuntimeError(f"routes without an access rule: {missing}")
+    app.state.rules = rules
     return app

@@ -285,8 +285,10 @@ class ViewProcessor:
 
     def _behind_snapshot(self) -> bool:
         with self._lock:
-            return any(sum(sum(p.values()) for p in view.offsets.values())
-                       != self._snapshotted.get(name) for name, view in self.parts.items())
+            positions = {name: sum(sum(p.values()) for p in view.offsets.values())
+                         for name, view in self.parts.items()}
+        return any(position and position != self._snapshotted.get(name)
+                   for name, position in positions.items())
 
     def snapshot(self, parts: Iterable[str] | None = None) -> None:
         """Save every part (or the named ones) that moved since its last snapshot."""

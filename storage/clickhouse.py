@@ -90,6 +90,38 @@ MIGRATIONS: tuple[Migration, ...] = (
             ADD COLUMN IF NOT EXISTS nvlink_links_active Nullable(UInt8)
         """,
     )),
+    Migration(3, "audit log", (
+        """
+        CREATE TABLE IF NOT EXISTS {db}.audit_log (
+            partition UInt16,
+            seq UInt64,
+            source_offset UInt64,
+            chained_at_ms Int64,
+            kind LowCardinality(String),
+            prev_hash String,
+            content_digest String,
+            hash String,
+            event_id String,
+            ts_ms Int64,
+            ts DateTime64(3, 'UTC') MATERIALIZED fromUnixTimestamp64Milli(ts_ms, 'UTC'),
+            actor String,
+            actor_role LowCardinality(String),
+            tenant Nullable(String),
+            operation LowCardinality(String),
+            target String,
+            outcome LowCardinality(String),
+            status Int32,
+            request_id String,
+            trace_id Nullable(String),
+            source LowCardinality(String),
+            details Map(String, String),
+            salt String,
+            digest String
+        )
+        ENGINE = MergeTree
+        ORDER BY (partition, seq)
+        """,
+    )),
 )
 
 

@@ -13,6 +13,8 @@ GPU_SAMPLE = "fleetline.telemetry.GpuSample"
 CLUSTER_INFO = "fleetline.fleet.ClusterInfo"
 DATASET_STATE = "fleetline.fleet.DatasetState"
 ALLOCATION = "fleetline.scheduling.Allocation"
+AUDIT_EVENT = "fleetline.audit.AuditEvent"
+AUDIT_RECORD = "fleetline.audit.AuditRecord"
 
 
 def check_telemetry(record: Mapping[str, Any]) -> None:

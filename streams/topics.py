@@ -29,6 +29,7 @@ class Topics:
 
     prefix: str = "fleetline"
     node_partitions: int = 6
+    audit_partitions: int = 3
 
     @property
     def telemetry(self) -> str:
@@ -69,6 +70,14 @@ class Topics:
         return (self.clusters, self.datasets, self.allocations)
 
     @property
+    def audit_requests(self) -> str:
+        return f"{self.prefix}.audit.requests"
+
+    @property
+    def audit_log(self) -> str:
+        return f"{self.prefix}.audit.log"
+
+    @property
     def dead_letter(self) -> str:
         return f"{self.prefix}.deadletter"
 
@@ -100,6 +109,12 @@ class Topics:
             TopicSpec(self.allocations, 1,
                       {"cleanup.policy": "delete", "retention.ms": "-1", **LOG_APPEND_TIME},
                       "Allocation, keyed by job id; kept forever so replay sees every binding"),
+            TopicSpec(self.audit_requests, self.audit_partitions,
+                      {"cleanup.policy": "delete", "retention.ms": str(30 * DAY_MS)},
+                      "AuditEvent as emitted by the API, CLI and processors, keyed by tenant"),
+            TopicSpec(self.audit_log, self.audit_partitions,
+                      {"cleanup.policy": "delete", "retention.ms": "-1", "retention.bytes": "-1"},
+                      "AuditRecord: one hash chain per partition; never compacted or expired"),
             TopicSpec(self.dead_letter, 1,
                       {"cleanup.policy": "delete", "retention.ms": str(30 * DAY_MS)},
                       "messages no processor could handle: original bytes, reason in headers"),

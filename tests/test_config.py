@@ -36,3 +36,19 @@ def test_bad_values_are_named() -> None:
         Settings.from_env({"FLEETLINE_S3_SECURE": "maybe"})
     with pytest.raises(ConfigError, match="FLEETLINE_KAFKA_BOOTSTRAP must be host:port"):
         LocalServices.from_settings(Settings.from_env({"FLEETLINE_KAFKA_BOOTSTRAP": "nohost"}))
+
+
+def test_security_settings_come_from_the_environment(tmp_path) -> None:
+    settings = Settings.from_env({
+        "FLEETLINE_AUTH_CONFIG": str(tmp_path / "auth.yaml"),
+        "FLEETLINE_AUDIT_SIGNING_KEY": str(tmp_path / "k.pem"),
+        "FLEETLINE_AUDIT_VERIFY_KEYS": f"{tmp_path / 'a.pem'},{tmp_path / 'b.pem'}",
+        "FLEETLINE_OBJECT_ENCRYPTION_KEY": "c2VjcmV0",
+        "FLEETLINE_CACHE_DIR": str(tmp_path),
+    })
+    assert settings.auth_config == tmp_path / "auth.yaml"
+    assert settings.signing_key_path() == tmp_path / "k.pem"
+    assert settings.audit_verify_keys == (tmp_path / "a.pem", tmp_path / "b.pem")
+    assert settings.object_encryption_key == "c2VjcmV0"
+    assert Settings.from_env({"FLEETLINE_CACHE_DIR": str(tmp_path)}).signing_key_path() == \
+        tmp_path / "audit" / "signing-key.pem"

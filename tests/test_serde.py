@@ -27,6 +27,8 @@ V1_GPU_FIELDS = {f["name"] for f in codec.registry.version("GpuSample", 1).sourc
 
 def test_registry_knows_the_shipped_schemas() -> None:
     assert codec.registry.names() == [
+        "fleetline.audit.AuditEvent",
+        "fleetline.audit.AuditRecord",
         "fleetline.commands.CommandResult",
         "fleetline.commands.NodeCommand",
         "fleetline.fleet.ClusterInfo",
@@ -204,3 +206,11 @@ def test_invalid_schema_is_a_schema_error(tmp_path: Path) -> None:
          "fields": [{"name": "x", "type": "no-such-type"}]}))
     with pytest.raises(SchemaError, match="Broken v1"):
         SchemaRegistry.from_directory(tmp_path)
+
+
+def test_audit_record_embeds_the_audit_event_schema() -> None:
+    standalone = dict(codec.registry.latest("AuditEvent").source)
+    embedded = next(f for f in codec.registry.latest("AuditRecord").source["fields"]
+                    if f["name"] == "event")["type"][1]
+    assert [(f["name"], json.dumps(f["type"], sort_keys=True)) for f in embedded["fields"]] == [
+        (f["name"], json.dumps(f["type"], sort_keys=True)) for f in standalone["fields"]]

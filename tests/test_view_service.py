@@ -238,3 +238,42 @@ def test_sigkill_mid_stream_then_restart_equals_a_clean_replay(settings, tmp_pat
     assert view_codec.to_data(restored) == view_codec.to_data(clean.view)
     assert clean.view.node_events == len(events)
     assert clean.view.watermark_ms > BASE_MS
+
+
+def test_view_and_replay_commands(settings, monkeypatch, capsys, tmp_path):
+    import json
+
+    from fleetline.cli import main
+
+    topics = fresh_topics()
+    kafka_clients.ensure_topics(settings.kafka, topics.specs())
+    events = scenario_events(seconds=12)
+    produce(settings, topics, events[: len(events) // 2])
+    time.sleep(0.05)
+    moment = int(time.time() * 1000)
+    time.sleep(0.05)
+    produce(settings, topics, events[len(events) // 2:])
+    for name, value in {"FLEETLINE_KAFKA_BOOTSTRAP": settings.kafka.bootstrap_servers,
+                        "FLEETLINE_S3_ENDPOINT": settings.s3.endpoint,
+                        "FLEETLINE_S3_BUCKET": settings.s3.bucket}.items():
+        monkeypatch.setenv(name, value)
+    common = ["--topic-prefix", topics.prefix, "--group", f"g-{uuid.uuid4().hex[:6]}"]
+    assert main(["view", "gpus", "--health", "failed", "--json", *common]) == 0
+    failed = json.loads(capsys.readouterr().out)
+    assert [(g["node_id"], g["gpu_index"], g["cause"]) for g in failed] == [
+        ("eu-west-a-n0002", 5, "xid 79")]
+    assert main(["view", "nodes", "--status", "DOWN", *common]) == 0
+    assert capsys.readouterr().out.split()[0] == "ap-south-a-n0003"
+    out = tmp_path / "view.json"
+    assert main(["replay", "--at", str(moment), "--out", str(out), *common]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["folded"] < len(events)
+    assert set(json.loads(out.read_text())["nodes"]) <= {r["node_id"] for _, r in events}
+    assert main(["replay", "--from", str(moment), "--to", str(int(time.time() * 1000)),
+                 "--json", *common]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert all(line["ts"] >= BASE_MS for line in lines)
+    assert main(["replay", "--at", "yesterday-ish", *common]) == 1
+    assert "neither epoch milliseconds nor an ISO 8601 time" in capsys.readouterr().err
+    assert main(["view", "clusters", "--topic-prefix", "no.such.prefix"]) == 1
+    assert "does not exist" in capsys.readouterr().err

@@ -1,0 +1,171 @@
+"""Authentication: API tokens and OIDC-style JWT bearer tokens.
+
+The config file (YAML, `FLEETLINE_AUTH_CONFIG`):
+
+    tokens:                       # service credentials; only their SHA-256 is stored
+      - {name: ci-bot, sha256: <hex of sha256(token)>, role: user, tenant: acme}
+    jwt:
+      jwks_file: sso-keys.json    # a JWKS document, as an identity provider publishes it
+      issuer: https://sso.example.com
+      audience: fleetline
+      role_claim: fleetline_role  # default
+      tenant_claim: tenant        # default
+      algorithms: [RS256, ES256, EdDSA]
+    require_mfa: [platform-admin, tenant-admin]   # these roles need `amr` to contain "mfa"
+
+A JWT's signature (by the JWKS key its `kid` names), expiry, issuer and audience are checked;
+a role listed in `require_mfa` also needs the second-factor claim, so an SSO provider's MFA is
+what admits the admin roles. API tokens are service accounts an admin issued and are not asked
+for a second factor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jwt
+import yaml
+
+from fleetline.api.rbac import ROLES, Principal
+from fleetline.errors import AuthenticationError, ConfigError
+
+_CREDENTIAL = re.compile(r"(?i)(bearer\s+)[A-Za-z0-9._~+/=-]+|\bfl_[A-Za-z0-9_-]+")
+
+
+class CredentialFilter(logging.Filter):
+    """Masks bearer tokens and fleetline API tokens in log records, whatever logged them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        masked = _CREDENTIAL.sub(lambda m: (m.group(1) or "") + "***", message)
+        if masked != message:
+            record.msg, record.args = masked, None
+        return True
+
+
+def token_digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class JwtConfig:
+    jwks: jwt.PyJWKSet
+    issuer: str
+    audience: str
+    role_claim: str = "fleetline_role"
+    tenant_claim: str = "tenant"
+    algorithms: tuple[str, ...] = ("RS256", "ES256", "EdDSA")
+    leeway_s: int = 30
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    tokens: Mapping[str, Principal] = field(default_factory=dict)  # sha256 hex -> principal
+    jwt: JwtConfig | None = None
+    require_mfa: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_file(cls, path: Path) -> AuthConfig:
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"auth config {path}: {exc}") from None
+        return cls.from_data(data, base=path.parent)
+
+    @classmethod
+    def from_data(cls, data: Mapping[str, Any], base: Path = Path(".")) -> AuthConfig:
+        tokens: dict[str, Principal] = {}
+        for entry in data.get("tokens", []) or []:
+            role = entry.get("role")
+            if role not in ROLES:
+                raise ConfigError(f"token {entry.get('name')!r}: role {role!r} is not one of "
+                                  f"{', '.join(ROLES)}")
+            digest = str(entry.get("sha256", "")).lower()
+            if len(digest) != 64:
+                raise ConfigError(f"token {entry.get('name')!r}: sha256 must be 64 hex digits")
+            tokens[digest] = Principal(entry["name"], role, entry.get("tenant"), "token")
+        jwt_config = None
+        if data.get("jwt"):
+            j = data["jwt"]
+            try:
+                jwks_path = base / j["jwks_file"]
+                jwks = jwt.PyJWKSet.from_dict(json.loads(jwks_path.read_text()))
+                jwt_config = JwtConfig(
+                    jwks=jwks, issuer=j["issuer"], audience=j["audience"],
+                    role_claim=j.get("role_claim", "fleetline_role"),
+                    tenant_claim=j.get("tenant_claim", "tenant"),
+                    algorithms=tuple(j.get("algorithms", JwtConfig.algorithms)))
+            except (KeyError, OSError, ValueError, jwt.PyJWTError) as exc:
+                raise ConfigError(f"auth config jwt: {type(exc).__name__}: {exc}") from None
+        mfa = frozenset(data.get("require_mfa", []) or [])
+        unknown = mfa - set(ROLES)
+        if unknown:
+            raise ConfigError(f"require_mfa names unknown roles: {sorted(unknown)}")
+        return cls(tokens=tokens, jwt=jwt_config, require_mfa=mfa)
+
+
+class Authenticator:
+    def __init__(self, config: AuthConfig) -> None:
+        self.config = config
+
+    def authenticate(self, authorization: str | None) -> Principal:
+        """The principal behind an `Authorization: Bearer ...` header, or AuthenticationError
+        saying why not (never echoing the credential)."""
+        if not authorization:
+            raise AuthenticationError("no credentials: send Authorization: Bearer <token>")
+        scheme, _, credential = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not credential.strip():
+            raise AuthenticationError("the Authorization header is not a bearer token")
+        credential = credential.strip()
+        if credential.count(".") == 2:
+            return self._jwt(credential)
+        digest = token_digest(credential)
+        for known, principal in self.config.tokens.items():
+            if hmac.compare_digest(known, digest):
+                return principal
+        raise AuthenticationError("unknown API token")
+
+    def _jwt(self, token: str) -> Principal:
+        config = self.config.jwt
+        if config is None:
+            raise AuthenticationError("JWT bearer tokens are not configured")
+        try:
+            header = jwt.get_unverified_header(token)
+            kid = header.get("kid")
+            key = config.jwks[kid] if kid else None
+        except (jwt.PyJWTError, KeyError):
+            raise AuthenticationError("token names no signing key this server knows") from None
+        if key is None:
+            raise AuthenticationError("token has no kid header")
+        try:
+            claims = jwt.decode(token, key=key, algorithms=list(config.algorithms),
+                                audience=config.audience, issuer=config.issuer,
+                                leeway=config.leeway_s,
+                                options={"require": ["exp", "sub", "aud", "iss"]})
+        except jwt.ExpiredSignatureError:
+            raise AuthenticationError("token expired") from None
+        except jwt.InvalidAudienceError:
+            raise AuthenticationError("token is for another audience") from None
+        except jwt.InvalidIssuerError:
+            raise AuthenticationError("token is from another issuer") from None
+        except jwt.InvalidSignatureError:
+            raise AuthenticationError("token signature does not verify") from None
+        except jwt.PyJWTError as exc:
+            raise AuthenticationError(f"token refused: {type(exc).__name__}") from None
+        role = claims.get(config.role_claim)
+        if role not in ROLES:
+            raise AuthenticationError(f"token's {config.role_claim} claim names no known role")
+        amr = claims.get("amr") or []
+        amr = tuple(amr) if isinstance(amr, list) else ()
+        if role in self.config.require_mfa and "mfa" not in amr:
+            raise AuthenticationError(f"role {role} requires a second factor (amr has no mfa)")
+        tenant = claims.get(config.tenant_claim)
+        return Principal(str(claims["sub"]), role, str(tenant) if tenant else None, "jwt", amr)

@@ -1,0 +1,214 @@
+"""Where the audit log is kept besides Kafka: a ClickHouse table (search) and gzipped JSON Lines
+segments in object storage (archive), both fed by `OffsetSink` and both able to give the chain
+back for `fleetline audit verify`."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from clickhouse_connect.driver.client import Client
+
+from fleetline.errors import IntegrityError, QueryError, StorageError
+from fleetline.processors.audit import EVENT_FIELDS, digest_content, export_entry
+from fleetline.storage.crypto import SealedObjectStore
+from fleetline.storage.offset_sink import Destination, Sourced
+
+TABLE = "audit_log"
+_COLUMNS = ("partition", "seq", "source_offset", "chained_at_ms", "kind", "prev_hash",
+            "content_digest", "hash", "event_id", "ts_ms", "actor", "actor_role", "tenant",
+            "operation", "target", "outcome", "status", "request_id", "trace_id", "source",
+            "details", "salt", "digest")
+_EMPTY_EVENT = {"event_id": "", "ts": 0, "actor": "", "actor_role": "", "tenant": None,
+                "operation": "", "target": "", "outcome": "", "status": 0, "request_id": "",
+                "trace_id": None, "source": "", "details": {}, "salt": b""}
+
+
+def _row(item: Sourced) -> list[Any]:
+    r = item.record
+    event = r["event"] or _EMPTY_EVENT
+    digest = "" if r["digest"] is None else json.dumps(digest_content(r["digest"]),
+                                                        sort_keys=True)
+    return [r["partition"], r["seq"], item.offset, r["chained_at"],
+            "event" if r["event"] is not None else "digest", r["prev_hash"].hex(),
+            r["content_digest"].hex(), r["hash"].hex(), event["event_id"], event["ts"],
+            event["actor"], event["actor_role"], event["tenant"], event["operation"],
+            event["target"], event["outcome"], event["status"], event["request_id"],
+            event["trace_id"], event["source"], dict(event["details"]), event["salt"].hex(),
+            digest]
+
+
+def record_from_row(row: Sequence[Any]) -> dict[str, Any]:
+    """An AuditRecord as the chainer wrote it, from a table row."""
+    d = dict(zip(_COLUMNS, row, strict=True))
+    record: dict[str, Any] = {
+        "partition": d["partition"], "seq": d["seq"], "prev_hash": bytes.fromhex(d["prev_hash"]),
+        "content_digest": bytes.fromhex(d["content_digest"]), "hash": bytes.fromhex(d["hash"]),
+        "chained_at": d["chained_at_ms"], "event": None, "digest": None,
+    }
+    if d["kind"] == "digest":
+        g = json.loads(d["digest"])
+        record["digest"] = {"covers_seq": g["covers_seq"],
+                            "covers_hash": bytes.fromhex(g["covers_hash"]),
+                            "key_id": g["key_id"], "algorithm": g["algorithm"],
+                            "signature": bytes.fromhex(g["signature"])}
+    else:
+        event = {name: d[name] for name in EVENT_FIELDS if name != "ts"}
+        event["ts"] = d["ts_ms"]
+        event["details"] = dict(d["details"])
+        event["salt"] = bytes.fromhex(d["salt"])
+        record["event"] = event
+    return record
+
+
+@dataclass(frozen=True)
+class AuditQuery:
+    tenant: str | None = None
+    since_ms: int | None = None
+    until_ms: int | None = None
+    operation: str | None = None
+    actor: str | None = None
+    limit: int = 1000
+
+
+class AuditTable(Destination):
+    name = "clickhouse"
+
+    def __init__(self, client: Client, database: str) -> None:
+        self.client = client
+        self.database = database
+
+    def resume_offsets(self) -> dict[int, int]:
+        try:
+            rows = self.client.query(f"SELECT partition, max(source_offset) + 1 FROM "
+                                     f"{self.database}.{TABLE} GROUP BY partition").result_rows
+        except Exception as exc:
+            raise StorageError(f"reading resume offsets from {TABLE}: {exc}") from None
+        return {int(p): int(o) for p, o in rows}
+
+    def store(self, batch: Sequence[Sourced]) -> None:
+        try:
+            self.client.insert(f"{self.database}.{TABLE}", [_row(item) for item in batch],
+                               column_names=list(_COLUMNS))
+        except Exception as exc:
+            raise StorageError(f"inserting {len(batch)} audit records: {exc}") from None
+
+    def records(self, partition: int | None = None, from_seq: int = 0,
+                to_seq: int | None = None) -> Iterator[dict[str, Any]]:
+        """The chain(s) in order: partition by partition, seq by seq."""
+        where = ["seq >= {from_seq:UInt64}"]
+        params: dict[str, Any] = {"from_seq": from_seq}
+        if partition is not None:
+            where.append("partition = {partition:UInt16}")
+            params["partition"] = partition
+        if to_seq is not None:
+            where.append("seq <= {to_seq:UInt64}")
+            params["to_seq"] = to_seq
+        sql = (f"SELECT {', '.join(_COLUMNS)} FROM {self.database}.{TABLE} "
+               f"WHERE {' AND '.join(where)} ORDER BY partition, seq")
+        try:
+            rows = self.client.query(sql, parameters=params).result_rows
+        except Exception as exc:
+            raise QueryError(f"reading the audit chain: {exc}") from None
+        for row in rows:
+            yield record_from_row(row)
+
+    def search(self, query: AuditQuery) -> list[dict[str, Any]]:
+        """Events (not digests) matching the query, newest first, as AuditRecords."""
+        where = ["kind = 'event'"]
+        params: dict[str, Any] = {"limit": query.limit}
+        if query.tenant is not None:
+            where.append("tenant = {tenant:String}")
+            params["tenant"] = query.tenant
+        if query.since_ms is not None:
+            where.append("ts_ms >= {since:Int64}")
+            params["since"] = query.since_ms
+        if query.until_ms is not None:
+            where.append("ts_ms <= {until:Int64}")
+            params["until"] = query.until_ms
+        if query.operation is not None:
+            where.append("operation = {op:String}")
+            params["op"] = query.operation
+        if query.actor is not None:
+            where.append("actor = {actor:String}")
+            params["actor"] = query.actor
+        sql = (f"SELECT {', '.join(_COLUMNS)} FROM {self.database}.{TABLE} "
+               f"WHERE {' AND '.join(where)} ORDER BY ts_ms DESC, partition, seq "
+               "LIMIT {limit:UInt32}")
+        try:
+            rows = self.client.query(sql, parameters=params).result_rows
+        except Exception as exc:
+            raise QueryError(f"searching the audit log: {exc}") from None
+        return [record_from_row(row) for row in rows]
+
+    def activity(self, tenant: str | None, since_ms: int, until_ms: int) -> list[dict[str, Any]]:
+        """A ready, tenant-scoped query: calls per operation and outcome in a time range."""
+        where = "kind = 'event' AND ts_ms BETWEEN {since:Int64} AND {until:Int64}"
+        params: dict[str, Any] = {"since": since_ms, "until": until_ms}
+        if tenant is not None:
+            where += " AND tenant = {tenant:String}"
+            params["tenant"] = tenant
+        sql = (f"SELECT operation, outcome, count() AS calls FROM {self.database}.{TABLE} "
+               f"WHERE {where} GROUP BY operation, outcome ORDER BY operation, outcome")
+        try:
+            rows = self.client.query(sql, parameters=params).result_rows
+        except Exception as exc:
+            raise QueryError(f"audit activity: {exc}") from None
+        return [{"operation": o, "outcome": r, "calls": int(c)} for o, r, c in rows]
+
+
+_SEGMENT = re.compile(r"/p(?P<partition>\d{3})/(?P<first>\d{20})-(?P<last>\d{20})\.jsonl\.gz$")
+
+
+class AuditArchive(Destination):
+    """Segments of export entries (values and salts included) per partition, encrypted when a
+    key is configured; keys are deterministic, so a re-stored batch overwrites itself."""
+
+    name = "object-storage"
+
+    def __init__(self, store: SealedObjectStore, root: str) -> None:
+        self.store = store
+        self.root = root.strip("/")
+
+    def _segments(self) -> list[tuple[int, int, int, str]]:
+        out = []
+        for key in self.store.keys(f"{self.root}/"):
+            match = _SEGMENT.search(key)
+            if match:
+                out.append((int(match["partition"]), int(match["first"]), int(match["last"]),
+                            key))
+        return sorted(out)
+
+    def resume_offsets(self) -> dict[int, int]:
+        resume: dict[int, int] = {}
+        for partition, _, last, _ in self._segments():
+            resume[partition] = max(resume.get(partition, 0), last + 1)
+        return resume
+
+    def store(self, batch: Sequence[Sourced]) -> None:
+        by_partition: dict[int, list[Sourced]] = {}
+        for item in batch:
+            by_partition.setdefault(item.partition, []).append(item)
+        for partition, items in by_partition.items():
+            lines = [json.dumps({"offset": i.offset,
+                                 **export_entry(i.record, reveal_sensitive=True)},
+                                sort_keys=True) for i in items]
+            key = (f"{self.root}/p{partition:03d}/{items[0].offset:020d}-"
+                   f"{items[-1].offset:020d}.jsonl.gz")
+            self.store.put(key, gzip.compress("\n".join(lines).encode() + b"\n", mtime=0))
+
+    def entries(self) -> Iterator[dict[str, Any]]:
+        """Every archived entry, partition by partition in log order."""
+        for _, _, _, key in self._segments():
+            try:
+                text = gzip.decompress(self.store.get(key)).decode()
+            except (OSError, EOFError, UnicodeDecodeError) as exc:
+                raise IntegrityError(f"archive segment {key} is unreadable: {exc}") from None
+            for line in text.splitlines():
+                entry = json.loads(line)
+                entry.pop("offset", None)
+                yield entry
