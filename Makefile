@@ -26,6 +26,8 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/agents.py
+	$(PY) benchmarks/view.py
+	$(PY) benchmarks/audit.py
 
 services-start: $(STAMP)
 	$(VENV)/bin/fleetline infra start

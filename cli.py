@@ -77,6 +77,13 @@ def _cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     print("\nview snapshots in object storage (the newest per part):")
     for key in result.snapshots:
         print(f"  {key}")
+    print("\nHTTP API, called as viewer@acme (and once with a made-up token):")
+    for path, status in result.api_calls:
+        print(f"  GET {path:<34} -> {status}")
+    audit = result.audit
+    print(f"\naudit log: {audit['links']} links ({audit['digests']} signed digests, key "
+          f"{audit['key_id']}) in ClickHouse, chain "
+          f"{'verified' if audit['ok'] else 'BROKEN: ' + str(audit['first_broken'])}")
     print("timings: " + ", ".join(f"{k} {v:.1f}s" for k, v in result.timings.items()))
     return 0
 
@@ -293,7 +300,10 @@ def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     threads = [threading.Thread(target=w.run, args=(stop,), daemon=True) for w in workers]
     for thread in threads:
         thread.start()
-    queries = QueryService(client, settings.clickhouse_url).start() if client else None
+    from fleetline.storage.tiers import expander
+
+    queries = (QueryService(client, settings.clickhouse_url, expand=expander(settings)).start()
+               if client else None)
     try:
         if args.no_api:
             while not stop.wait(1.0):
@@ -396,6 +406,58 @@ def _cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _cmd_query(args: argparse.Namespace, settings: Settings) -> int:
+    from fleetline.storage.queries import READY
+    from fleetline.storage.query_service import run_query
+
+    if args.name == "list":
+        for name, (doc, _) in sorted(READY.items()):
+            print(f"{name:<30} {doc}")
+        return 0
+    if args.name not in READY:
+        raise ConfigError(f"no ready query {args.name!r}; `fleetline query list` names them")
+    range_ = f"$samples({args.since}, {args.until or ''})"
+    sql = READY[args.name][1].replace("$samples", range_)
+    from fleetline.storage.tiers import expander
+
+    result = run_query(settings.clickhouse_url, sql, expand=expander(settings))
+    print("\t".join(result.columns))
+    for row in result.rows:
+        print("\t".join(str(v) for v in row))
+    return 0
+
+
+def _cmd_tier(args: argparse.Namespace, settings: Settings) -> int:
+    from fleetline.storage.clickhouse import connect, migrate
+    from fleetline.storage.objects import ObjectStore
+    from fleetline.storage.tiers import DAY_MS, HOUR_MS, DataClass, TieredStore, wall_clock_ms
+
+    client = connect(settings.clickhouse_url)
+    migrate(client, settings.clickhouse_database)
+    objects = ObjectStore.from_settings(settings.s3)
+    objects.ensure_bucket()
+    data = DataClass("gpu_samples", hot_ms=int(args.hot_hours * HOUR_MS),
+                     warm_ms=int(args.warm_days * DAY_MS),
+                     cold_ms=None if args.cold_days is None else int(args.cold_days * DAY_MS))
+    store = TieredStore(client, settings.clickhouse_database, objects, settings.s3, data)
+    if args.action == "restore":
+        if not (args.since and args.until):
+            raise ConfigError("archive restore needs --from and --to")
+        rows = store.restore(parse_time_ms(args.since), parse_time_ms(args.until))
+        print(f"{rows} rows restored into {store.restored} (queryable in {store.union_view})")
+        return 0
+    while True:
+        now = parse_time_ms(args.now) if args.now else wall_clock_ms()
+        stats = store.run_once(now)
+        print(json.dumps({"to_warm": stats.to_warm, "to_cold": stats.to_cold,
+                          "completed_after_crash": stats.completed_after_crash,
+                          "expired": stats.expired, "rows_moved": stats.rows_moved,
+                          "refused": stats.refused}))
+        if not args.every:
+            return 0
+        time.sleep(args.every)
+
+
 def _cmd_auth(args: argparse.Namespace, settings: Settings) -> int:
     import secrets
 
@@ -412,8 +474,9 @@ def _cmd_auth(args: argparse.Namespace, settings: Settings) -> int:
 
 def _cmd_sql(args: argparse.Namespace, settings: Settings) -> int:
     from fleetline.storage.query_service import run_query
+    from fleetline.storage.tiers import expander
 
-    result = run_query(settings.clickhouse_url, args.query)
+    result = run_query(settings.clickhouse_url, args.query, expand=expander(settings))
     print("\t".join(result.columns))
     for row in result.rows:
         print("\t".join(str(v) for v in row))
@@ -621,6 +684,28 @@ def build_parser() -> argparse.ArgumentParser:
                        help="include sensitive fields unmasked (platform admins)")
     audit.set_defaults(func=_cmd_audit)
 
+    query = sub.add_parser("query", help="run a ready query over all storage tiers")
+    query.add_argument("name", help="a ready query, or `list`")
+    query.add_argument("--from", dest="since", default="-1h",
+                       help="-<n>h / -<n>d, epoch ms or ISO 8601 (default -1h)")
+    query.add_argument("--to", dest="until", help="default: now")
+    query.set_defaults(func=_cmd_query)
+
+    for name, text in (("tier", "move closed data hot -> warm -> cold, by policy"),
+                       ("archive", "rehydrate a cold range into ClickHouse")):
+        tier = sub.add_parser(name, help=text)
+        tier.add_argument("action", choices=["run"] if name == "tier" else ["restore"])
+        tier.add_argument("--now", help="tier: the moment the policy is applied at (default: "
+                          "the clock)")
+        tier.add_argument("--every", type=float, metavar="SECONDS", help="tier: run repeatedly")
+        tier.add_argument("--from", dest="since")
+        tier.add_argument("--to", dest="until")
+        tier.add_argument("--hot-hours", type=float, default=24)
+        tier.add_argument("--warm-days", type=float, default=7)
+        tier.add_argument("--cold-days", type=float, help="delete cold archives older than "
+                          "this (default: keep)")
+        tier.set_defaults(func=_cmd_tier)
+
     auth = sub.add_parser("auth", help="mint an API token")
     auth.add_argument("action", choices=["token"])
     auth.add_argument("--name", required=True)
@@ -656,7 +741,9 @@ def build_parser() -> argparse.ArgumentParser:
     sql = sub.add_parser(
         "sql", help="run a read-only ClickHouse SQL query on the configured store",
         description="Runs one read-only query. With the embedded chdb store, a running "
-                    "`fleetline run` owns it and answers the query; otherwise it is opened here.")
+                    "`fleetline run` owns it and answers the query; otherwise it is opened here. "
+                    "$samples stands for GPU samples across hot, warm and restored tiers; "
+                    "$samples(-1h) or $samples(FROM, TO) reads only the tiers that range needs.")
     sql.add_argument("query")
     sql.set_defaults(func=_cmd_sql)
     return parser

@@ -20,14 +20,22 @@ from fleetline.agents.simulator import ClusterSpec, Fault, FleetSimulator, clust
 from fleetline.config import Settings
 from fleetline.errors import StreamError
 from fleetline.processors import view_read
+from fleetline.processors.audit import Signer, export_entry, verify
+from fleetline.processors.audit_chain import APPLICATION_ID as AUDIT_APP
+from fleetline.processors.audit_chain import KafkaAuditEmitter, audit_chainer, load_signer
 from fleetline.processors.replay import offsets_at, rebuild
 from fleetline.processors.view_runtime import APPLICATION_ID, ViewProcessor
+from fleetline.storage.audit_store import AuditTable
 from fleetline.storage.clickhouse import connect, migrate
 from fleetline.storage.hot_sink import HotSampleSink, HotSampleStore
 from fleetline.storage.objects import ObjectStore
+from fleetline.storage.offset_sink import OffsetSink
 from fleetline.storage.query_service import QueryService
 from fleetline.storage.snapshots import S3ViewSnapshots
+from fleetline.storage.tiers import expander
 from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.events import AUDIT_RECORD
+from fleetline.streams.processor import TransactionalProcessor
 from fleetline.streams.serde import AvroCodec, default_codec
 from fleetline.streams.topics import Topics
 
@@ -46,6 +54,8 @@ class SliceResult:
     sink_dead_letters: int
     query_rows: list[tuple[Any, ...]]
     snapshots: list[str]
+    api_calls: list[tuple[str, int]]
+    audit: dict[str, Any]
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -59,17 +69,24 @@ class RunningSlice:
     processor: ViewProcessor
     sink: HotSampleSink
     queries: QueryService
+    chainer: TransactionalProcessor
+    audit_sink: OffsetSink
+    audit_table: AuditTable
+    signer: Signer
     stop: threading.Event = field(default_factory=threading.Event)
     threads: list[threading.Thread] = field(default_factory=list)
     errors: list[BaseException] = field(default_factory=list)
 
     def start(self, timeout_s: float = 60.0) -> None:
         self.queries.start()
-        for name, target in (("resource-view", self.processor.run), ("hot-sink", self.sink.run)):
+        for name, target in (("resource-view", self.processor.run), ("hot-sink", self.sink.run),
+                             ("audit-chain", self.chainer.run),
+                             ("audit-sink", self.audit_sink.run)):
             thread = threading.Thread(target=self._guard(target), name=name, daemon=True)
             thread.start()
             self.threads.append(thread)
-        for ready in (self.processor.ready, self.sink.ready):
+        for ready in (self.processor.ready, self.sink.ready, self.chainer.ready,
+                      self.audit_sink.ready):
             if not ready.wait(timeout_s):
                 self.close()
                 raise StreamError(f"the slice's consumers got no partitions within {timeout_s}s")
@@ -117,7 +134,8 @@ def view_snapshots(settings: Settings, topics: Topics) -> S3ViewSnapshots:
 
 def build_slice(settings: Settings, topics: Topics, codec: AvroCodec | None = None) -> RunningSlice:
     codec = codec or default_codec()
-    kafka_clients.ensure_topics(settings.kafka, topics.specs())
+    kafka_clients.ensure_topics(settings.kafka, [*topics.specs(),
+                                                 topics.changelog_spec(AUDIT_APP, "chain")])
     client = connect(settings.clickhouse_url)
     migrate(client, settings.clickhouse_database)
     processor = ViewProcessor(settings.kafka, topics, view_snapshots(settings, topics),
@@ -132,8 +150,79 @@ def build_slice(settings: Settings, topics: Topics, codec: AvroCodec | None = No
         group_id=f"{topics.prefix}.hot-sink",
     )
     # The slice owns the embedded store; other processes (`fleetline sql`) query through it.
-    queries = QueryService(client, settings.clickhouse_url)
-    return RunningSlice(settings, topics, codec, processor, sink, queries)
+    queries = QueryService(client, settings.clickhouse_url, expand=expander(settings))
+    signer = load_signer(settings.signing_key_path(), create=True)
+    audit_table = AuditTable(client, settings.clickhouse_database)
+    chainer = audit_chainer(settings.kafka, topics, signer, digest_every=10)
+    audit_sink = OffsetSink(settings.kafka, codec, topics.audit_log, AUDIT_RECORD, audit_table,
+                            topics.dead_letter, f"{topics.prefix}.audit-clickhouse")
+    return RunningSlice(settings, topics, codec, processor, sink, queries, chainer, audit_sink,
+                        audit_table, signer)
+
+
+def exercise_api(running: RunningSlice) -> list[tuple[str, int]]:
+    """Serve the HTTP API on a loopback port for a moment and call it as a tenant's viewer
+    would, plus two calls that must be refused; every call lands in the audit log."""
+    import json
+    import secrets
+    import socket
+    import urllib.error
+    import urllib.request
+
+    import uvicorn
+
+    from fleetline.api.auth import AuthConfig, Authenticator, token_digest
+    from fleetline.api.http import create_app
+
+    token = "fl_" + secrets.token_urlsafe(24)
+    auth = Authenticator(AuthConfig.from_data({"tokens": [
+        {"name": "viewer@acme", "sha256": token_digest(token), "role": "viewer",
+         "tenant": "acme"}]}))
+    emitter = KafkaAuditEmitter(running.settings.kafka, running.topics)
+    app = create_app(running.processor, auth, emitter, running.audit_table)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    calls = []
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for path, bearer in (("/v1/clusters", token), ("/v1/allocations?tenant=globex", token),
+                             ("/v1/clusters", "fl_guess")):
+            request = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
+                                             headers={"Authorization": f"Bearer {bearer}"})
+            try:
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    json.loads(response.read())
+                    calls.append((path, response.status))
+            except urllib.error.HTTPError as exc:
+                calls.append((path, exc.code))
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        emitter.flush()
+    return calls
+
+
+def verify_audit(running: RunningSlice, events: int, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Wait for `events` audit events in ClickHouse, then verify the whole chain there."""
+    keys = {running.signer.key_id: running.signer.private_key.public_key()}
+    deadline = time.monotonic() + timeout_s
+    records: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        records = list(running.audit_table.records())
+        if sum(1 for r in records if r["event"]) >= events:
+            break
+        time.sleep(0.2)
+    report = verify([export_entry(r, reveal_sensitive=True) for r in records], keys)
+    return {"links": report.checked, "digests": report.digests, "ok": report.ok,
+            "first_broken": report.first_broken, "unsigned_tail": report.unsigned_tail,
+            "key_id": running.signer.key_id}
 
 
 UTILISATION_QUERY = """
@@ -234,6 +323,8 @@ def run_slice(
         replayed = rebuild(settings.kafka, topics, offsets_at(settings.kafka, topics, half_way_ms),
                            snapshots)
         timings["replay_s"] = time.monotonic() - began
+        api_calls = exercise_api(running)
+        audit = verify_audit(running, len(api_calls))
     finally:
         agent.close()
         shutil.rmtree(state_dir, ignore_errors=True)
@@ -253,6 +344,8 @@ def run_slice(
         sink_dead_letters=running.sink.stats.dead_letters,
         query_rows=rows,
         snapshots=[f"s3://{snapshots.store.bucket}/{key}" for key in keys],
+        api_calls=api_calls,
+        audit=audit,
         timings=timings,
     )
 

@@ -142,6 +142,13 @@ def cluster_info(cluster: ClusterSpec, seq: int, ts_ms: int,
             "link_latency_ms": latency, "retired": False}
 
 
+RDMA_PACKETS_PER_S = 1_000_000  # a NIC's packets per interval, for the background loss ratio
+
+
+def _kib(bytes_per_s: float) -> float:
+    return float(round(bytes_per_s / 1024) * 1024)
+
+
 def _uuid(seed: int, node_id: str, index: int) -> str:
     digest = f"{zlib.crc32(f'{seed}/{node_id}/{index}'.encode()):08x}"
     return f"GPU-{digest}-{index:04x}-{seed & 0xFFFF:04x}-{len(node_id):04x}-{digest}{index:04x}"
@@ -332,18 +339,20 @@ class FleetSimulator:
                     "mem_copy_util_pct": round(util * 0.7, 2),
                     "fb_used_mib": int(H100_FB_MIB * min(0.98, 0.05 + 0.9 * bias)),
                     "fb_total_mib": H100_FB_MIB,
-                    "nvlink_tx_bytes_per_s": link_bytes * (0.9 + 0.2 * rng.random()),
-                    "nvlink_rx_bytes_per_s": link_bytes * (0.9 + 0.2 * rng.random()),
+                    # NVML counts throughput in KiB, packets in whole packets: the readings
+                    # have the resolution real collectors report, not float noise.
+                    "nvlink_tx_bytes_per_s": _kib(link_bytes * (0.9 + 0.2 * rng.random())),
+                    "nvlink_rx_bytes_per_s": _kib(link_bytes * (0.9 + 0.2 * rng.random())),
                     "nvlink_errors_total": counters[2],
-                    "rdma_packet_loss_ratio": (loss if loss is not None
-                                               else abs(rng.gauss(0, 1e-6))),
+                    "rdma_packet_loss_ratio": (loss if loss is not None else
+                                               (rng.random() < 0.3) / RDMA_PACKETS_PER_S),
                     "temperature_c": round(32 + 45 * busy + rng.gauss(0, 1), 1),
                     "power_w": round(power, 1),
                     "ecc_sbe_total": counters[0],
                     "ecc_dbe_total": counters[1],
                     "xid_codes": xids.get(key, []),
-                    "pcie_tx_bytes_per_s": busy * 20e9,
-                    "pcie_rx_bytes_per_s": busy * 22e9,
+                    "pcie_tx_bytes_per_s": _kib(busy * 20e9),
+                    "pcie_rx_bytes_per_s": _kib(busy * 22e9),
                     "sm_clock_mhz": int(1980 * min(1.0, limit / DEFAULT_POWER_LIMIT_W)),
                     "mem_clock_mhz": 2619,
                     "power_limit_w": limit,

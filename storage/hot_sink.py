@@ -109,7 +109,9 @@ class HotSampleStore:
         if table.num_rows == 0:
             return
         try:
-            self.client.insert_arrow(f"{self.database}.{TABLE}", table)
+            # A batch an agent replays after a long outage can span many hourly partitions.
+            self.client.insert_arrow(f"{self.database}.{TABLE}", table,
+                                     settings={"max_partitions_per_insert_block": 1000})
         except Exception as exc:
             raise StorageError(f"inserting {table.num_rows} rows into {TABLE}: {exc}") from None
 

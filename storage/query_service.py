@@ -13,6 +13,7 @@ import os
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -21,7 +22,7 @@ from urllib.parse import urlsplit
 
 from clickhouse_connect.driver.client import Client
 
-from fleetline.errors import QueryError, StorageError
+from fleetline.errors import FleetlineError, QueryError, StorageError
 from fleetline.storage.clickhouse import connect
 
 DISCOVERY_FILE = "fleetline-query-service.json"
@@ -34,8 +35,14 @@ class QueryResult:
     rows: list[list[Any]]
 
 
-def query_client(client: Client, sql: str) -> QueryResult:
+# Rewrites `$samples` macros into the tiers a query's range needs (storage/tiers.py).
+Expand = Callable[[Client, str], str]
+
+
+def query_client(client: Client, sql: str, expand: Expand | None = None) -> QueryResult:
     """Run one read-only query on a client; ClickHouse's complaint becomes a QueryError."""
+    if expand is not None and "$samples" in sql:
+        sql = expand(client, sql)
     try:
         result = client.query(sql, settings=READ_ONLY)
     except Exception as exc:
@@ -51,7 +58,8 @@ def _chdb_path(url: str) -> Path | None:
 class QueryService:
     """Serves POST /query (body: SQL) on loopback for the process that owns a chdb store."""
 
-    def __init__(self, client: Client, url: str, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, client: Client, url: str, host: str = "127.0.0.1", port: int = 0,
+                 expand: Expand | None = None) -> None:
         self.client = client
         self.discovery = (_chdb_path(url) or Path(".")) / DISCOVERY_FILE
         service = self
@@ -65,8 +73,8 @@ class QueryService:
                 sql = self.rfile.read(int(self.headers.get("Content-Length", 0))).decode()
                 try:
                     with lock:
-                        result = query_client(service.client, sql)
-                except QueryError as exc:
+                        result = query_client(service.client, sql, expand)
+                except FleetlineError as exc:
                     self._reply(400, {"error": str(exc)})
                     return
                 self._reply(200, {"columns": result.columns, "rows": result.rows})
@@ -115,11 +123,12 @@ def _owner(url: str) -> str | None:
     return str(info["url"])
 
 
-def run_query(url: str, sql: str, timeout_s: float = 60.0) -> QueryResult:
+def run_query(url: str, sql: str, timeout_s: float = 60.0,
+              expand: Expand | None = None) -> QueryResult:
     """Run a read-only query on the store at `url`, through its owner if another process has it."""
     owner = _owner(url)
     if owner is None:
-        return query_client(connect(url), sql)
+        return query_client(connect(url), sql, expand)
     request = urllib.request.Request(f"{owner}/query", data=sql.encode(), method="POST")
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:

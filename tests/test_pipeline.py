@@ -53,6 +53,10 @@ def test_slice_flows_end_to_end(settings) -> None:
                                        .get(key)))
     assert sum(p.node_events for p in parts) == result.states_sent + result.telemetry_sent
     assert sum(p.fleet_events for p in parts) == 3  # one ClusterInfo per cluster
+    # The API, called as a tenant's viewer, and every call in a verified audit chain.
+    assert result.api_calls == [("/v1/clusters", 200), ("/v1/allocations?tenant=globex", 403),
+                                ("/v1/clusters", 401)]
+    assert result.audit["ok"] and result.audit["links"] >= 3
 
 
 def test_cli_sql_and_bad_input(settings, monkeypatch, capsys) -> None:

@@ -1,0 +1,494 @@
+"""Tiered observability storage: hot ClickHouse, warm Parquet on S3, cold daily archives.
+
+A move is always copy -> verify -> commit manifest -> switch the union view -> delete source:
+
+- hot -> warm: a closed hour partition of a hot table is written by ClickHouse itself to one
+  Parquet (zstd) object with a deterministic key, read back and compared (row count and
+  `sum(cityHash64(row))`) with the partition, its manifest is written, the union view is
+  rebuilt to read that hour from S3, and only then is the hot partition dropped;
+- warm -> cold: a closed day's warm objects are compacted into one highly compressed Parquet
+  archive, verified against the warm objects the same way, its manifest (naming its sources)
+  written, the view rebuilt, and the warm objects and their manifests deleted;
+- cold retention deletes an archive only when the data class's policy says it may.
+
+A manifest is one small JSON object in the bucket, written after its data; it is what makes a
+copy exist. Whatever step a crash interrupts, the next run finds the manifests and either
+finishes the move (drop the source the manifest already covers) or redoes it (the deterministic
+key overwrites a copy nobody committed), so data is in at least one tier and never counted
+twice: the union view reads a partition from exactly one tier, chosen by the manifests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from clickhouse_connect.driver.client import Client
+
+from fleetline.config import S3Settings, Settings
+from fleetline.errors import ConfigError, IntegrityError, QueryError, StorageError
+from fleetline.storage.objects import ObjectStore
+
+log = logging.getLogger(__name__)
+HOUR_MS = 3600 * 1000
+DAY_MS = 24 * HOUR_MS
+HOT, WARM, COLD = "hot", "warm", "cold"
+
+
+@dataclass(frozen=True)
+class DataClass:
+    """A hot table that tiers, how its rows are ordered, and how long each tier keeps them."""
+
+    table: str
+    ts_column: str = "ts"
+    order_by: tuple[str, ...] = ("cluster_id", "node_id", "gpu_index", "ts")
+    hot_ms: int = DAY_MS
+    warm_ms: int = 7 * DAY_MS
+    cold_ms: int | None = None  # None: cold archives are kept for ever
+
+
+GPU_SAMPLES = DataClass("gpu_samples")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    table: str
+    tier: str
+    partition: str  # warm: the hour, YYYYMMDDHH; cold: the day, YYYYMMDD
+    key: str
+    rows: int
+    checksum: str  # sum(cityHash64(row)) over the rows, as ClickHouse computes it
+    min_ts_ms: int
+    max_ts_ms: int
+    bytes: int
+    sources: tuple[str, ...] = ()  # cold: the warm keys it replaced
+
+    def as_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Manifest:
+        raw = json.loads(data)
+        raw["sources"] = tuple(raw.get("sources", ()))
+        return cls(**raw)
+
+
+class Crash(BaseException):
+    """Raised by a step hook in tests to stop a move exactly after a step, like a kill would."""
+
+
+@dataclass
+class TierStats:
+    to_warm: int = 0
+    to_cold: int = 0
+    completed_after_crash: int = 0
+    expired: int = 0
+    rows_moved: int = 0
+    refused: list[str] = field(default_factory=list)
+
+
+def _lit(text: str) -> str:
+    """A ClickHouse string literal."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _hour(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y%m%d%H")
+
+
+def _day(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y%m%d")
+
+
+def _parse(partition: str) -> int:
+    fmt = "%Y%m%d%H" if len(partition) == 10 else "%Y%m%d"
+    return int(datetime.strptime(partition, fmt).replace(tzinfo=UTC).timestamp() * 1000)
+
+
+@dataclass
+class TieredStore:
+    """The tiers of one data class in one ClickHouse database and one bucket."""
+
+    client: Client
+    database: str
+    objects: ObjectStore
+    s3: S3Settings
+    data: DataClass = GPU_SAMPLES
+    root: str = "tiers"
+    on_step: Callable[[str, str], None] = lambda step, partition: None
+    stats: TierStats = field(default_factory=TierStats)
+    _manifests: dict[str, dict[str, Manifest]] | None = field(default=None, repr=False)
+    _types: list[tuple[str, str]] | None = field(default=None, repr=False)
+
+    # --- names and keys ------------------------------------------------------------------
+
+    @property
+    def hot(self) -> str:
+        return f"{self.database}.{self.data.table}"
+
+    @property
+    def restored(self) -> str:
+        return f"{self.database}.{self.data.table}_restored"
+
+    @property
+    def union_view(self) -> str:
+        return f"{self.database}.{self.data.table}_all"
+
+    def _key(self, tier: str, partition: str) -> str:
+        return f"{self.root}/{self.database}/{self.data.table}/{tier}/{partition}.parquet"
+
+    def _manifest_key(self, tier: str, partition: str) -> str:
+        return f"{self.root}/{self.database}/{self.data.table}/manifests/{tier}/{partition}.json"
+
+    def _url(self, key: str) -> str:
+        scheme = "https" if self.s3.secure else "http"
+        return f"{scheme}://{self.s3.endpoint}/{self.objects.bucket}/{key}"
+
+    def _s3(self, keys: Sequence[str]) -> str:
+        """An s3() table function over the keys, with the hot table's exact structure."""
+        if not keys:
+            raise ConfigError("no objects to read")
+        if len(keys) == 1:
+            url = self._url(keys[0])
+        else:
+            # s3() takes {a,b,c} alternatives; the keys share everything up to the file name.
+            prefix = keys[0].rsplit("/", 1)[0]
+            names = ",".join(k.rsplit("/", 1)[1].removesuffix(".parquet") for k in keys)
+            url = self._url(f"{prefix}/{{{names}}}.parquet")
+        return (f"s3({_lit(url)}, {_lit(self.s3.access_key)}, {_lit(self.s3.secret_key)}, "
+                f"'Parquet', {_lit(self._structure())})")
+
+    def _column_types(self) -> list[tuple[str, str]]:
+        if self._types is None:
+            self._types = self._read_column_types()
+        return self._types
+
+    def _read_column_types(self) -> list[tuple[str, str]]:
+        return [(str(n), str(t)) for n, t in self._query(
+            "SELECT name, type FROM system.columns WHERE database = {db:String} AND "
+            "table = {t:String} AND default_kind NOT IN ('MATERIALIZED', 'ALIAS') "
+            "ORDER BY position", {"db": self.database, "t": self.data.table})]
+
+    def _structure(self) -> str:
+        return ", ".join(f"{name} {kind}" for name, kind in self._column_types())
+
+    def _columns(self) -> str:
+        return ", ".join(name for name, _ in self._column_types())
+
+    # --- plumbing --------------------------------------------------------------------------
+
+    def _query(self, sql: str, parameters: dict[str, Any] | None = None) -> list[tuple]:
+        try:
+            return self.client.query(sql, parameters=parameters).result_rows
+        except Exception as exc:
+            raise QueryError(f"{sql.split()[0]} on {self.data.table}: {exc}") from None
+
+    def _command(self, sql: str) -> None:
+        try:
+            self.client.command(sql)
+        except Exception as exc:
+            raise StorageError(f"{sql.split()[0]} on {self.data.table}: {exc}") from None
+
+    def _fingerprint(self, source: str, where: str = "1") -> tuple[int, str, int, int]:
+        ts = self.data.ts_column
+        (rows, checksum, low, high), = self._query(
+            f"SELECT count(), toString(sum(cityHash64(tuple({self._columns()})))), "
+            f"toUnixTimestamp64Milli(min({ts})), toUnixTimestamp64Milli(max({ts})) "
+            f"FROM {source} WHERE {where}")
+        return int(rows), str(checksum), int(low), int(high)
+
+    def manifests(self, tier: str) -> list[Manifest]:
+        """The committed manifests of a tier (read from the bucket once, then kept current by
+        this store's own commits and deletes)."""
+        if self._manifests is None:
+            self._manifests = {WARM: {}, COLD: {}}
+            for t in (WARM, COLD):
+                prefix = f"{self.root}/{self.database}/{self.data.table}/manifests/{t}/"
+                for key in self.objects.keys(prefix):
+                    if key.endswith(".json"):
+                        m = Manifest.from_json(self.objects.get(key))
+                        self._manifests[t][m.partition] = m
+        return sorted(self._manifests[tier].values(), key=lambda m: m.partition)
+
+    def _committed(self, tier: str, partition: str) -> Manifest | None:
+        self.manifests(tier)
+        return self._manifests[tier].get(partition)  # type: ignore[index]
+
+    def _commit(self, manifest: Manifest) -> None:
+        self.objects.put(self._manifest_key(manifest.tier, manifest.partition),
+                         manifest.as_json(), "application/json")
+        self.manifests(manifest.tier)
+        self._manifests[manifest.tier][manifest.partition] = manifest  # type: ignore[index]
+
+    def _uncommit(self, tier: str, partition: str) -> None:
+        key = self._manifest_key(tier, partition)
+        if self.objects.keys(key):
+            self.objects.delete(key)
+        self.manifests(tier)
+        self._manifests[tier].pop(partition, None)  # type: ignore[index]
+
+    def _size(self, key: str) -> int:
+        try:
+            return self.objects.client.stat_object(self.objects.bucket, key).size or 0
+        except Exception as exc:
+            raise StorageError(f"stat {key}: {exc}") from None
+
+    # --- the union view --------------------------------------------------------------------
+
+    def ensure_tables(self) -> None:
+        self._command(f"CREATE TABLE IF NOT EXISTS {self.restored} AS {self.hot}")
+        self.rebuild_view()
+
+    def _source_sql(self, since_ms: int | None = None, until_ms: int | None = None) -> str:
+        """SELECT over hot, warm and restored cold rows, each hour from exactly one tier;
+        with a time range, only the tiers and objects that overlap it."""
+        ts = self.data.ts_column
+        cols = self._columns()
+        warm = self.manifests(WARM)
+        cold = self.manifests(COLD)
+        moved = sorted({m.partition for m in warm} | {
+            _hour(h) for m in cold for h in range(_parse(m.partition), _parse(m.partition)
+                                                  + DAY_MS, HOUR_MS)})
+
+        def overlaps(m: Manifest) -> bool:
+            return (since_ms is None or m.max_ts_ms >= since_ms) and (
+                until_ms is None or m.min_ts_ms <= until_ms)
+
+        time_filter = " AND ".join(
+            [f"{ts} >= fromUnixTimestamp64Milli({since_ms}, 'UTC')"] * (since_ms is not None)
+            + [f"{ts} <= fromUnixTimestamp64Milli({until_ms}, 'UTC')"] * (until_ms is not None)
+        ) or "1"
+        hour_expr = f"formatDateTime({ts}, '%Y%m%d%H', 'UTC')"
+        exclude = (f" AND {hour_expr} NOT IN ({', '.join(repr(p) for p in moved)})"
+                   if moved else "")
+        branches = [f"SELECT {cols} FROM {self.hot} WHERE {time_filter}{exclude}"]
+        # Warm keys a cold archive has replaced are gone or going. Cold archives themselves
+        # are not queried in place: `restore` rehydrates a range into the _restored table.
+        replaced = {k for m in cold for k in m.sources}
+        warm_keys = sorted(m.key for m in warm if overlaps(m) and m.key not in replaced)
+        if warm_keys:
+            branches.append(f"SELECT {cols} FROM {self._s3(warm_keys)} WHERE {time_filter}")
+        branches.append(f"SELECT {cols} FROM {self.restored} WHERE {time_filter}")
+        return " UNION ALL ".join(branches)
+
+    def rebuild_view(self) -> None:
+        self._command(f"CREATE OR REPLACE VIEW {self.union_view} AS {self._source_sql()}")
+
+    def tiered_sql(self, sql: str, since_ms: int | None = None,
+                   until_ms: int | None = None, now_ms: int | None = None) -> str:
+        """`sql` with each `$samples` replaced by the tiers overlapping [since, until] only, so
+        a query over the last hour reads the hot table and nothing from S3. A macro may carry
+        its own range: `$samples(-1h)`, `$samples(-7d, -1d)`, `$samples(<ISO or ms>, ...)`."""
+        if "$samples" not in sql:
+            raise ConfigError("a tiered query names its source as $samples")
+        now = wall_clock_ms() if now_ms is None else now_ms
+
+        def expand(match: re.Match[str]) -> str:
+            low, high = since_ms, until_ms
+            if match["args"] is not None:
+                parts = [p.strip() for p in match["args"].split(",")]
+                if not 1 <= len(parts) <= 2 or not parts[0]:
+                    raise ConfigError(f"{match[0]}: give one or two times")
+                low = _moment(parts[0], now)
+                high = _moment(parts[1], now) if len(parts) == 2 and parts[1] else None
+            return f"({self._source_sql(low, high)})"
+
+        return _MACRO.sub(expand, sql)
+
+    # --- moves -----------------------------------------------------------------------------
+
+    def hot_partitions(self) -> list[tuple[str, int, int]]:
+        """(hour, min ts ms, max ts ms) of every hot partition holding rows."""
+        ts = self.data.ts_column
+        rows = self._query(
+            f"SELECT formatDateTime({ts}, '%Y%m%d%H', 'UTC') AS hour, "
+            f"toUnixTimestamp64Milli(min({ts})), toUnixTimestamp64Milli(max({ts})) "
+            f"FROM {self.hot} GROUP BY hour ORDER BY hour")
+        return [(str(h), int(lo), int(hi)) for h, lo, hi in rows]
+
+    def run_once(self, now_ms: int) -> TierStats:
+        """One pass: finish interrupted moves, move what policy says is due, expire.
+
+        Each step runs for every due partition before the next step starts (copy, verify and
+        commit each hour; then switch the view once; then drop the hot hours), which keeps the
+        guarantees of a single move and costs one view rebuild a pass."""
+        self.ensure_tables()
+        committed: list[str] = []
+        for partition, _, _ in self.hot_partitions():
+            if _parse(partition) + HOUR_MS <= now_ms - self.data.hot_ms:
+                try:
+                    self._copy_to_warm(partition)
+                    committed.append(partition)
+                except IntegrityError as exc:
+                    log.warning("not moving %s: %s", partition, exc)
+                    self.stats.refused.append(str(exc))
+        if committed:
+            self.rebuild_view()
+            self.on_step("switched", committed[-1])
+            for partition in committed:
+                self._drop_hot(partition)
+        replaced: list[str] = []
+        for day in sorted({m.partition[:8] for m in self.manifests(WARM)}):
+            due = _parse(day) + DAY_MS <= now_ms - self.data.warm_ms
+            if due and self._committed(COLD, day) is None:
+                replaced.extend(self._copy_to_cold(day))
+        for cold in self.manifests(COLD):  # committed in an earlier, interrupted pass
+            replaced.extend(k for k in cold.sources if self._committed(
+                WARM, k.rsplit("/", 1)[1].removesuffix(".parquet")) is not None)
+        if replaced:
+            self.rebuild_view()
+            self.on_step("switched", replaced[-1].rsplit("/", 1)[1][:8])
+            self._delete_warm(sorted(set(replaced)))
+        if self.data.cold_ms is not None:
+            for m in self.manifests(COLD):
+                if _parse(m.partition) + DAY_MS <= now_ms - self.data.cold_ms:
+                    self._expire(m)
+        return self.stats
+
+    def _hot_where(self, partition: str) -> str:
+        # A range on ts, not a formatted hour, so ClickHouse prunes partitions and granules.
+        low = _parse(partition)
+        ts = self.data.ts_column
+        return (f"{ts} >= fromUnixTimestamp64Milli({low}, 'UTC') AND "
+                f"{ts} < fromUnixTimestamp64Milli({low + HOUR_MS}, 'UTC')")
+
+    def _drop_hot(self, partition: str) -> None:
+        ids = self._query(f"SELECT DISTINCT _partition_id FROM {self.hot} "
+                          f"WHERE {self._hot_where(partition)}")
+        for (partition_id,) in ids:
+            self._command(f"ALTER TABLE {self.hot} DROP PARTITION ID '{partition_id}'")
+
+    def _copy_to_warm(self, partition: str) -> None:
+        """Copy, verify and commit one hot hour (or find it committed by an earlier pass)."""
+        key = self._key(WARM, partition)
+        where = self._hot_where(partition)
+        committed = self._committed(WARM, partition)
+        if committed is not None:
+            # Committed before a crash: the warm copy holds these rows and the move only needs
+            # finishing. Rows that arrived for the hour after it moved are not dropped.
+            if self._fingerprint(self.hot, where)[:2] != (committed.rows, committed.checksum):
+                raise IntegrityError(
+                    f"{self.data.table} hour {partition} was moved to warm but the hot table "
+                    "holds other rows for it (late arrivals); left in place")
+            self.stats.completed_after_crash += 1
+            return
+        rows, checksum, low, high = self._fingerprint(self.hot, where)
+        order = ", ".join(self.data.order_by)
+        self._command(
+            f"INSERT INTO FUNCTION {self._s3([key])} SELECT {self._columns()} FROM {self.hot} "
+            f"WHERE {where} ORDER BY {order} SETTINGS s3_truncate_on_insert = 1, "
+            "output_format_parquet_compression_method = 'zstd'")
+        self.on_step("copied", partition)
+        copy = self._fingerprint(self._s3([key]))
+        if copy[:2] != (rows, checksum):
+            raise IntegrityError(f"warm copy {key} holds {copy[0]} rows / {copy[1]}, the hot "
+                                 f"partition {rows} / {checksum}; not moving it")
+        self.on_step("verified", partition)
+        self._commit(Manifest(self.data.table, WARM, partition, key, rows, checksum, low, high,
+                              self._size(key)))
+        self.on_step("committed", partition)
+        self.stats.to_warm += 1
+        self.stats.rows_moved += rows
+
+    def _copy_to_cold(self, day: str) -> list[str]:
+        """Compact, verify and commit one warm day; return the warm keys it replaces."""
+        key = self._key(COLD, day)
+        sources = [m for m in self.manifests(WARM) if m.partition.startswith(day)]
+        keys = sorted(m.key for m in sources)
+        expected_rows = sum(m.rows for m in sources)
+        rows, checksum, low, high = self._fingerprint(self._s3(keys))
+        if rows != expected_rows:
+            raise IntegrityError(f"warm objects of {day} hold {rows} rows, their manifests "
+                                 f"say {expected_rows}")
+        order = ", ".join(self.data.order_by)
+        self._command(
+            f"INSERT INTO FUNCTION {self._s3([key])} SELECT {self._columns()} FROM "
+            f"{self._s3(keys)} ORDER BY {order} SETTINGS s3_truncate_on_insert = 1, "
+            "output_format_parquet_compression_method = 'zstd', "
+            "output_format_compression_level = 19, output_format_parquet_row_group_size = "
+            "1000000")
+        self.on_step("copied", day)
+        copy = self._fingerprint(self._s3([key]))
+        if copy[:2] != (rows, checksum):
+            raise IntegrityError(f"cold archive {key} holds {copy[0]} rows / {copy[1]}, the "
+                                 f"warm objects {rows} / {checksum}; not moving them")
+        self.on_step("verified", day)
+        self._commit(Manifest(self.data.table, COLD, day, key, rows, checksum, low, high,
+                              self._size(key), tuple(keys)))
+        self.on_step("committed", day)
+        self.stats.to_cold += 1
+        self.stats.rows_moved += rows
+        return keys
+
+    def _delete_warm(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            self._uncommit(WARM, key.rsplit("/", 1)[1].removesuffix(".parquet"))
+            if self.objects.keys(key):
+                self.objects.delete(key)
+
+    def _expire(self, manifest: Manifest) -> None:
+        self._uncommit(COLD, manifest.partition)
+        self.rebuild_view()
+        if self.objects.keys(manifest.key):
+            self.objects.delete(manifest.key)
+        self.stats.expired += 1
+
+    def restore(self, since_ms: int, until_ms: int) -> int:
+        """Rehydrate cold rows in [since, until] into the `_restored` table (replacing what an
+        earlier restore put there for the range); return the rows restored."""
+        self.ensure_tables()
+        cold = [m for m in self.manifests(COLD)
+                if m.max_ts_ms >= since_ms and m.min_ts_ms <= until_ms]
+        ts = self.data.ts_column
+        where = (f"{ts} >= fromUnixTimestamp64Milli({since_ms}, 'UTC') AND "
+                 f"{ts} <= fromUnixTimestamp64Milli({until_ms}, 'UTC')")
+        self._command(f"ALTER TABLE {self.restored} DELETE WHERE {where} "
+                      "SETTINGS mutations_sync = 1")
+        if not cold:
+            return 0
+        self._command(f"INSERT INTO {self.restored} SELECT {self._columns()} FROM "
+                      f"{self._s3(sorted(m.key for m in cold))} WHERE {where} "
+                      "SETTINGS max_partitions_per_insert_block = 10000")
+        (rows,), = self._query(f"SELECT count() FROM {self.restored} WHERE {where}")
+        return int(rows)
+
+
+def wall_clock_ms() -> int:
+    return int(time.time() * 1000)
+
+
+_MACRO = re.compile(r"\$samples(?:\((?P<args>[^)]*)\))?")
+_RELATIVE = re.compile(r"^-(?P<n>\d+)(?P<unit>[smhd])$")
+_UNITS = {"s": 1000, "m": 60_000, "h": HOUR_MS, "d": DAY_MS}
+
+
+def _moment(text: str, now_ms: int) -> int:
+    """-<n>s|m|h|d before now, epoch milliseconds, or an ISO 8601 time (UTC if no zone)."""
+    relative = _RELATIVE.match(text)
+    if relative:
+        return now_ms - int(relative["n"]) * _UNITS[relative["unit"]]
+    if text.isdigit():
+        return int(text)
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise ConfigError(f"{text!r} is not -<n>h, epoch ms or an ISO 8601 time") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return int(moment.timestamp() * 1000)
+
+
+def expander(settings: Settings) -> Callable[[Client, str], str]:
+    """`$samples` macro expansion for queries run on a client of the configured store."""
+    objects = ObjectStore.from_settings(settings.s3)
+
+    def expand(client: Client, sql: str) -> str:
+        return TieredStore(client, settings.clickhouse_database, objects,
+                           settings.s3).tiered_sql(sql)
+    return expand

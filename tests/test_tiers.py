@@ -1,0 +1,149 @@
+"""Tiered storage against chdb and the real S3 server: days of simulated telemetry (event
+times in the past) flow hot -> warm -> cold, counts and checksums match a single-table
+reference at every step, queries across tiers answer as the reference does, and a crash after
+any step of any move loses and duplicates nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleetline.agents.simulator import ClusterSpec, FleetSimulator
+from fleetline.storage.clickhouse import migrate
+from fleetline.storage.hot_sink import HotSampleStore, SourcedTelemetry, to_columns
+from fleetline.storage.objects import ObjectStore
+from fleetline.storage.tiers import (
+    COLD,
+    DAY_MS,
+    GPU_SAMPLES,
+    HOUR_MS,
+    WARM,
+    Crash,
+    DataClass,
+    TieredStore,
+)
+from tests.support import BASE_MS
+
+pytestmark = pytest.mark.services
+NOW = (BASE_MS // DAY_MS) * DAY_MS + 12 * HOUR_MS  # midday, so whole days are closed
+DAYS = 4
+INTERVAL_MS = 30 * 60 * 1000  # one sample per GPU per half hour keeps the days small
+# The real policy keeps 7 days warm; two keep the test's moves few while every tier is used.
+POLICY = DataClass(GPU_SAMPLES.table, warm_ms=2 * DAY_MS)
+
+
+def load(clickhouse, database: str) -> int:
+    migrate(clickhouse, database)
+    sim = FleetSimulator([ClusterSpec("c1", "eu-west", 2), ClusterSpec("c2", "us-east", 1)],
+                         seed=5, interval_ms=INTERVAL_MS)
+    start = NOW - DAYS * DAY_MS
+    batch = [SourcedTelemetry(0, i, record) for i, record in enumerate(
+        r for t in range(DAYS * DAY_MS // INTERVAL_MS) for r in sim.telemetry(
+            start + t * INTERVAL_MS))]
+    HotSampleStore(clickhouse, database).store(to_columns(batch))
+    clickhouse.command(f"CREATE TABLE {database}.reference AS {database}.gpu_samples")
+    clickhouse.command(f"INSERT INTO {database}.reference SELECT * FROM {database}.gpu_samples "
+                       "SETTINGS max_partitions_per_insert_block = 1000")
+    return len(batch) * 8
+
+
+def tiers(settings, clickhouse, database: str, **kwargs) -> TieredStore:
+    objects = ObjectStore.from_settings(settings.s3)
+    objects.ensure_bucket()
+    kwargs.setdefault("data", POLICY)
+    return TieredStore(clickhouse, database, objects, settings.s3, root=f"tiers-{database}",
+                       **kwargs)
+
+
+def fingerprint(store: TieredStore, source: str, where: str = "1") -> tuple[int, str]:
+    return store._fingerprint(source, where)[:2]
+
+
+UTILISATION = ("SELECT cluster_id, toStartOfHour(ts) AS hour, round(avg(gpu_util_pct), 4), "
+               "count() FROM {src} GROUP BY cluster_id, hour ORDER BY cluster_id, hour")
+
+
+def test_days_of_telemetry_flow_hot_warm_cold_and_cross_tier_queries_match(settings, clickhouse):
+    db = settings.clickhouse_database
+    rows = load(clickhouse, db)
+    store = tiers(settings, clickhouse, db)
+    store.run_once(NOW)
+    hot_hours = {p for p, _, _ in store.hot_partitions()}
+    assert len(hot_hours) <= 25 and rows > 0
+    warm, cold = store.manifests(WARM), store.manifests(COLD)
+    # 24 h hot; then two days warm (by the hour); older whole days cold, one archive a day.
+    # The oldest day starts at midday (the data does), so its archive replaces 12 hours.
+    assert sorted(len(m.sources) for m in cold) == [12, 24]
+    assert {m.partition[:8] for m in warm}.isdisjoint({m.partition for m in cold})
+    assert sum(m.rows for m in warm) + sum(m.rows for m in cold) + fingerprint(
+        store, store.hot)[0] == rows
+    # Everything not in cold answers through the union view exactly as the reference does.
+    cold_until = max(m.max_ts_ms for m in cold)
+    recent = f"ts > fromUnixTimestamp64Milli({cold_until}, 'UTC')"
+    assert fingerprint(store, store.union_view) == fingerprint(store, f"{db}.reference", recent)
+    query = UTILISATION.format(src=f"(SELECT * FROM {{t}} WHERE {recent})")
+    assert clickhouse.query(query.format(t=store.union_view)).result_rows == \
+        clickhouse.query(query.format(t=f"{db}.reference")).result_rows
+    # A query over the last hour reads only the hot table.
+    last_hour = store.tiered_sql("SELECT count() FROM $samples", NOW - HOUR_MS, NOW)
+    assert "s3(" not in last_hour and f"{db}.gpu_samples" in last_hour
+    over_week = store.tiered_sql("SELECT count() FROM $samples", NOW - 5 * DAY_MS, NOW)
+    assert "s3(" in over_week
+    # Restoring the cold range makes the union whole again.
+    restored = store.restore(NOW - DAYS * DAY_MS, cold_until)
+    assert restored == fingerprint(store, f"{db}.reference",
+                                   f"ts <= fromUnixTimestamp64Milli({cold_until}, 'UTC')")[0]
+    store.restore(NOW - DAYS * DAY_MS, cold_until)  # again: replaces, does not add
+    assert fingerprint(store, store.union_view) == fingerprint(store, f"{db}.reference")
+    assert clickhouse.query(UTILISATION.format(src=store.union_view)).result_rows == \
+        clickhouse.query(UTILISATION.format(src=f"{db}.reference")).result_rows
+    # A second pass has nothing to do.
+    before = (len(store.manifests(WARM)), len(store.manifests(COLD)))
+    store.run_once(NOW)
+    assert (len(store.manifests(WARM)), len(store.manifests(COLD))) == before
+
+
+@pytest.mark.parametrize("tier", [WARM, COLD])
+@pytest.mark.parametrize("step", ["copied", "verified", "committed", "switched"])
+def test_a_crash_after_any_step_loses_and_duplicates_nothing(settings, clickhouse, tier, step):
+    db = settings.clickhouse_database
+    load(clickhouse, db)
+    crashed = {"done": False}
+
+    def crash(at: str, partition: str) -> None:
+        is_cold = len(partition) == 8
+        if at == step and (is_cold == (tier == COLD)) and not crashed["done"]:
+            crashed["done"] = True
+            raise Crash(f"killed after {at} of {partition}")
+
+    with pytest.raises(Crash):
+        tiers(settings, clickhouse, db, on_step=crash).run_once(NOW)
+    # Whatever the crash left, nothing is counted twice or missing right now ...
+    store = tiers(settings, clickhouse, db)
+    store.rebuild_view()
+    cold = store.manifests(COLD)
+    cold_until = max((m.max_ts_ms for m in cold), default=0)
+    recent = f"ts > fromUnixTimestamp64Milli({cold_until}, 'UTC')"
+    assert fingerprint(store, store.union_view) == fingerprint(store, f"{db}.reference", recent)
+    # ... and the next run completes the move.
+    store.run_once(NOW)
+    assert store.stats.refused == []
+    cold = store.manifests(COLD)
+    assert len(cold) == 2
+    store.restore(NOW - DAYS * DAY_MS, NOW)
+    assert fingerprint(store, store.union_view) == fingerprint(store, f"{db}.reference")
+    # No orphans: every object in the tier folders has its manifest.
+    keys = store.objects.keys(f"{store.root}/{db}/gpu_samples/")
+    data = {k for k in keys if k.endswith(".parquet")}
+    named = {m.key for m in store.manifests(WARM)} | {m.key for m in cold}
+    assert data == named
+
+
+def test_cold_retention_deletes_only_what_policy_allows(settings, clickhouse):
+    db = settings.clickhouse_database
+    load(clickhouse, db)
+    policy = DataClass(GPU_SAMPLES.table, warm_ms=2 * DAY_MS, cold_ms=3 * DAY_MS + 12 * HOUR_MS)
+    store = tiers(settings, clickhouse, db, data=policy)
+    store.run_once(NOW)
+    cold = sorted(m.partition for m in store.manifests(COLD))
+    assert len(cold) == 1 and store.stats.expired == 1  # the oldest day only
+    assert GPU_SAMPLES.cold_ms is None  # by default cold archives are kept for ever
