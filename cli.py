@@ -99,18 +99,12 @@ def _print_capacity(clusters: list[dict]) -> None:
 
 
 def parse_time_ms(text: str) -> int:
-    """Epoch milliseconds, or an ISO 8601 time (UTC when it names no zone)."""
-    from datetime import UTC, datetime
+    """Epoch milliseconds, an ISO 8601 time (UTC when it names no zone), or -<n>s|m|h|d ago."""
+    import time as _time
 
-    if text.isdigit():
-        return int(text)
-    try:
-        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        raise ConfigError(f"{text!r} is neither epoch milliseconds nor an ISO 8601 time") from None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=UTC)
-    return int(moment.timestamp() * 1000)
+    from fleetline.storage.tiers import parse_moment
+
+    return parse_moment(text, int(_time.time() * 1000))
 
 
 def _snapshots(settings: Settings, prefix: str, group: str):
@@ -262,10 +256,14 @@ def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     from fleetline.processors.view_runtime import ViewProcessor
     from fleetline.storage.audit_store import AuditArchive, AuditTable
     from fleetline.storage.clickhouse import connect, migrate
+    from fleetline.storage.hot_sink import HotSampleSink, HotSampleStore
+    from fleetline.storage.objects import ObjectStore
     from fleetline.storage.offset_sink import OffsetSink
     from fleetline.storage.query_service import QueryService, query_client
+    from fleetline.storage.state_sink import NodeStateTable
+    from fleetline.storage.tiers import TieredStore
     from fleetline.streams import kafka as kafka_clients
-    from fleetline.streams.events import AUDIT_RECORD
+    from fleetline.streams.events import AUDIT_RECORD, NODE_STATE
     from fleetline.streams.serde import default_codec
 
     if not args.no_api and settings.auth_config is None:
@@ -281,29 +279,38 @@ def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
                               group_id=args.group, instance_id=args.instance_id,
                               snapshot_interval_s=args.snapshot_interval)
     workers: list = [processor]
+    client = connect(settings.clickhouse_url)
+    migrate(client, settings.clickhouse_database)
+    codec = default_codec()
+    db = settings.clickhouse_database
+    workers.append(HotSampleSink(settings.kafka, codec, HotSampleStore(client, db),
+                                 topics.telemetry, topics.dead_letter,
+                                 group_id=f"{topics.prefix}.hot-sink"))
+    workers.append(OffsetSink(settings.kafka, codec, topics.node_state, NODE_STATE,
+                              NodeStateTable(client, db), topics.dead_letter,
+                              f"{topics.prefix}.node-states"))
     audit_table = None
-    client = None
     if not args.no_audit:
         signer = load_signer(settings.signing_key_path(), create=True)
-        client = connect(settings.clickhouse_url)
-        migrate(client, settings.clickhouse_database)
         audit_table = AuditTable(client, settings.clickhouse_database)
         archive = AuditArchive(_sealed_store(settings), f"audit/{topics.prefix}")
         workers.append(audit_chainer(settings.kafka, topics, signer,
                                      instance_id=args.instance_id))
         for destination in (audit_table, archive):
-            workers.append(OffsetSink(settings.kafka, default_codec(), topics.audit_log,
+            workers.append(OffsetSink(settings.kafka, codec, topics.audit_log,
                                       AUDIT_RECORD, destination, topics.dead_letter,
                                       f"{topics.prefix}.audit-{destination.name}"))
     stop = threading.Event()
+    if args.tier_every:
+        workers.append(_TierLoop(TieredStore(client, db, ObjectStore.from_settings(settings.s3),
+                                             settings.s3), args.tier_every))
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     threads = [threading.Thread(target=w.run, args=(stop,), daemon=True) for w in workers]
     for thread in threads:
         thread.start()
     from fleetline.storage.tiers import expander
 
-    queries = (QueryService(client, settings.clickhouse_url, expand=expander(settings)).start()
-               if client else None)
+    queries = QueryService(client, settings.clickhouse_url, expand=expander(settings)).start()
     try:
         if args.no_api:
             while not stop.wait(1.0):
@@ -317,14 +324,18 @@ def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
             emitter = KafkaAuditEmitter(settings.kafka, topics)
 
             def sql(query: str) -> dict:
-                if client is None:
-                    raise ConfigError("no ClickHouse store (started with --no-audit)")
-                result = query_client(client, query)
+                result = query_client(client, query, expander(settings))
                 return {"columns": result.columns, "rows": result.rows}
+
+            def ready(name: str, since: str, until: str | None) -> dict:
+                from fleetline.storage.queries import READY
+
+                text = READY[name][1].replace("$samples", f"$samples({since}, {until or ''})")
+                return sql(text)
 
             app = create_app(processor,
                              Authenticator(AuthConfig.from_file(settings.auth_config)),
-                             emitter, audit_table, sql)
+                             emitter, audit_table, sql, ready)
             server = uvicorn.Server(uvicorn.Config(
                 app, host=args.host, port=args.port, log_level="warning",
                 ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key))
@@ -336,9 +347,28 @@ def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
         stop.set()
         for thread in threads:
             thread.join(60)
-        if queries:
-            queries.stop()
+        queries.stop()
     return 0
+
+
+class _TierLoop:
+    """Runs the tiering pass every `every` seconds inside the process that owns the store."""
+
+    def __init__(self, store, every: float) -> None:
+        self.store = store
+        self.every = every
+
+    def run(self, stop) -> None:
+        import logging as _logging
+
+        from fleetline.errors import FleetlineError as _Error
+        from fleetline.storage.tiers import wall_clock_ms
+
+        while not stop.wait(self.every):
+            try:
+                self.store.run_once(wall_clock_ms())
+            except _Error as exc:  # the next pass retries; every move is restartable
+                _logging.getLogger("fleetline.tiers").warning("tiering pass failed: %s", exc)
 
 
 def _audit_records(args: argparse.Namespace, settings: Settings) -> list:
@@ -657,6 +687,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-api", action="store_true", help="no HTTP API")
     serve.add_argument("--no-audit", action="store_true",
                        help="no audit chainer or audit sinks in this process")
+    serve.add_argument("--tier-every", type=float, default=300.0, metavar="SECONDS",
+                       help="run the tiering pass this often (0: never); the embedded store "
+                            "can only be tiered by the process that owns it")
     serve.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM)")
     serve.add_argument("--tls-key", help="... and this private key (PEM)")
     serve.set_defaults(func=_cmd_serve)

@@ -90,6 +90,7 @@ def _redact_node(view: ResourceView, node: dict[str, Any], principal: Principal,
 def create_app(source: ViewSource, authenticator: Authenticator, audit: AuditEmitter,
                audit_table: AuditTable | None = None,
                sql: Callable[[str], dict[str, Any]] | None = None,
+               ready_query: Callable[[str, str, str | None], dict[str, Any]] | None = None,
                clock: Callable[[], int] = lambda: int(time.time() * 1000)) -> FastAPI:
     app = FastAPI(title="fleetline", version="0.1.0",
                   description="The global resource view of a multi-cluster GPU fleet, and its "
@@ -278,6 +279,18 @@ def create_app(source: ViewSource, authenticator: Authenticator, audit: AuditEmi
         if "query" not in body:
             raise HTTPException(422, "body needs a query")
         return sql(body["query"])
+
+    @route("GET", "/v1/queries/{name}", Rule("fleet", "read", tenant_scoped=False),
+           summary="A ready query over all storage tiers (see `fleetline query list`)")
+    def run_ready_query(name: str, since: Annotated[str, Query(alias="from")] = "-1h",
+                        until: Annotated[str | None, Query(alias="to")] = None) -> dict[str, Any]:
+        from fleetline.storage.queries import READY
+
+        if name not in READY:
+            raise HTTPException(404, f"no ready query {name!r}; known: {sorted(READY)}")
+        if ready_query is None:
+            raise HTTPException(503, "no ClickHouse store is configured on this server")
+        return ready_query(name, since, until)
 
     @app.exception_handler(PermissionDenied)
     async def denied(request: Request, exc: PermissionDenied) -> JSONResponse:

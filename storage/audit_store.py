@@ -170,13 +170,13 @@ class AuditArchive(Destination):
 
     name = "object-storage"
 
-    def __init__(self, store: SealedObjectStore, root: str) -> None:
-        self.store = store
+    def __init__(self, objects: SealedObjectStore, root: str) -> None:
+        self.objects = objects
         self.root = root.strip("/")
 
     def _segments(self) -> list[tuple[int, int, int, str]]:
         out = []
-        for key in self.store.keys(f"{self.root}/"):
+        for key in self.objects.keys(f"{self.root}/"):
             match = _SEGMENT.search(key)
             if match:
                 out.append((int(match["partition"]), int(match["first"]), int(match["last"]),
@@ -199,13 +199,13 @@ class AuditArchive(Destination):
                                 sort_keys=True) for i in items]
             key = (f"{self.root}/p{partition:03d}/{items[0].offset:020d}-"
                    f"{items[-1].offset:020d}.jsonl.gz")
-            self.store.put(key, gzip.compress("\n".join(lines).encode() + b"\n", mtime=0))
+            self.objects.put(key, gzip.compress("\n".join(lines).encode() + b"\n", mtime=0))
 
     def entries(self) -> Iterator[dict[str, Any]]:
         """Every archived entry, partition by partition in log order."""
         for _, _, _, key in self._segments():
             try:
-                text = gzip.decompress(self.store.get(key)).decode()
+                text = gzip.decompress(self.objects.get(key)).decode()
             except (OSError, EOFError, UnicodeDecodeError) as exc:
                 raise IntegrityError(f"archive segment {key} is unreadable: {exc}") from None
             for line in text.splitlines():

@@ -122,6 +122,32 @@ MIGRATIONS: tuple[Migration, ...] = (
         ORDER BY (partition, seq)
         """,
     )),
+    Migration(4, "node state history", (
+        """
+        CREATE TABLE IF NOT EXISTS {db}.node_states (
+            ts_ms Int64,
+            ts DateTime64(3, 'UTC') MATERIALIZED fromUnixTimestamp64Milli(ts_ms, 'UTC'),
+            cluster_id LowCardinality(String),
+            region LowCardinality(String),
+            node_id LowCardinality(String),
+            seq UInt64,
+            state LowCardinality(String),
+            reason Nullable(String),
+            labels Map(String, String),
+            gpu_count UInt16,
+            leaf_switch LowCardinality(Nullable(String)),
+            spine_switch LowCardinality(Nullable(String)),
+            agent_version LowCardinality(String),
+            agent_spool_bytes Nullable(UInt64),
+            agent_spool_dropped Nullable(UInt64),
+            source_partition UInt16,
+            source_offset UInt64
+        )
+        ENGINE = MergeTree
+        PARTITION BY toYYYYMM(fromUnixTimestamp64Milli(ts_ms, 'UTC'))
+        ORDER BY (cluster_id, node_id, ts_ms)
+        """,
+    )),
 )
 
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import polars as pl
 import pyarrow as pa
 from clickhouse_connect.driver.client import Client
 from confluent_kafka import OFFSET_BEGINNING, Message, TopicPartition
@@ -24,6 +25,7 @@ from confluent_kafka import OFFSET_BEGINNING, Message, TopicPartition
 from fleetline.config import KafkaSettings
 from fleetline.errors import FleetlineError, StorageError
 from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.columnar import TelemetryBatchDecoder
 from fleetline.streams.deadletter import dead_letter_headers
 from fleetline.streams.events import NODE_TELEMETRY, check_telemetry
 from fleetline.streams.serde import AvroCodec
@@ -46,6 +48,7 @@ _GPU_FIELDS = (
 )
 _NODE_FIELDS = (("cluster_id", pa.string()), ("region", pa.string()), ("node_id", pa.string()),
                 ("seq", pa.uint64()))
+_GPU_NAMES = tuple(name for name, _ in _GPU_FIELDS)
 SAMPLE_SCHEMA = pa.schema(
     [("ts", pa.timestamp("ms", tz="UTC")), *_NODE_FIELDS, *_GPU_FIELDS,
      ("source_partition", pa.uint16()), ("source_offset", pa.uint64())]
@@ -141,6 +144,9 @@ class HotSampleSink:
     ready: threading.Event = field(default_factory=threading.Event)
     _seen: dict[str, int] = field(default_factory=dict, init=False, repr=False)
 
+    def __post_init__(self) -> None:
+        self._decoder = TelemetryBatchDecoder(self.codec, _GPU_NAMES)
+
     def run(self, stop: threading.Event) -> None:
         consumer = kafka_clients.consumer(self.kafka, self.group_id)
         dlq = kafka_clients.producer(self.kafka)
@@ -179,6 +185,50 @@ class HotSampleSink:
         return batch
 
     def _handle(self, consumer, dlq, messages: list[Message]) -> None:
+        for msg in messages:
+            if msg.error():
+                raise StorageError(f"consuming {self.topic}: {msg.error().str()}")
+        table = self._columnar(messages)
+        if table is None:
+            table = self._per_record(dlq, messages)
+        self.store.store(table)
+        self.stats.batches += 1
+        self.stats.messages += len(messages)
+        self.stats.rows += table.num_rows
+        consumer.commit(offsets=kafka_clients.next_offsets(messages), asynchronous=False)
+
+    def _columnar(self, messages: list[Message]) -> pa.Table | None:
+        """The batch decoded and converted in native code, or None when any message needs the
+        per-record path (which names and dead-letters it)."""
+        samples = self._decoder.samples([m.key() for m in messages],
+                                        [m.value() for m in messages], _GPU_NAMES)
+        if samples is None:
+            return None
+        bad = samples.filter(~pl.col("gpu_util_pct").is_between(0.0, 100.0)
+                             | (pl.col("fb_used_mib") > pl.col("fb_total_mib")))
+        if bad.height:
+            return None
+        records = samples.select("_record", "node_id", "seq").unique("_record",
+                                                                     maintain_order=True)
+        kept = []
+        for index, node_id, seq in records.iter_rows():
+            if seq <= self._seen.get(node_id, 0):
+                self.stats.repeats += 1
+                continue
+            self._seen[node_id] = seq
+            kept.append(index)
+        sources = pl.DataFrame({
+            "_record": range(len(messages)),
+            "source_partition": [m.partition() for m in messages],
+            "source_offset": [m.offset() for m in messages],
+        }, schema={"_record": pl.UInt32, "source_partition": pl.UInt16,
+                   "source_offset": pl.UInt64})
+        rows = (samples.filter(pl.col("_record").is_in(kept))
+                .join(sources, on="_record", how="left")
+                .with_columns(pl.col("ts").cast(pl.Datetime("ms", "UTC"))))
+        return rows.select(SAMPLE_SCHEMA.names).to_arrow().cast(SAMPLE_SCHEMA)
+
+    def _per_record(self, dlq, messages: list[Message]) -> pa.Table:
         good: list[SourcedTelemetry] = []
         for msg in messages:
             if msg.error():
@@ -201,9 +251,4 @@ class HotSampleSink:
         # Dead letters are durable before the batch's offsets can be passed.
         if dlq.flush(30):
             raise StorageError("dead-letter messages were not delivered within 30s")
-        table = to_columns(good)
-        self.store.store(table)
-        self.stats.batches += 1
-        self.stats.messages += len(messages)
-        self.stats.rows += table.num_rows
-        consumer.commit(offsets=kafka_clients.next_offsets(messages), asynchronous=False)
+        return to_columns(good)

@@ -295,8 +295,8 @@ class TieredStore:
                 parts = [p.strip() for p in match["args"].split(",")]
                 if not 1 <= len(parts) <= 2 or not parts[0]:
                     raise ConfigError(f"{match[0]}: give one or two times")
-                low = _moment(parts[0], now)
-                high = _moment(parts[1], now) if len(parts) == 2 and parts[1] else None
+                low = parse_moment(parts[0], now)
+                high = parse_moment(parts[1], now) if len(parts) == 2 and parts[1] else None
             return f"({self._source_sql(low, high)})"
 
         return _MACRO.sub(expand, sql)
@@ -468,7 +468,7 @@ _RELATIVE = re.compile(r"^-(?P<n>\d+)(?P<unit>[smhd])$")
 _UNITS = {"s": 1000, "m": 60_000, "h": HOUR_MS, "d": DAY_MS}
 
 
-def _moment(text: str, now_ms: int) -> int:
+def parse_moment(text: str, now_ms: int) -> int:
     """-<n>s|m|h|d before now, epoch milliseconds, or an ISO 8601 time (UTC if no zone)."""
     relative = _RELATIVE.match(text)
     if relative:
@@ -478,7 +478,8 @@ def _moment(text: str, now_ms: int) -> int:
     try:
         moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
-        raise ConfigError(f"{text!r} is not -<n>h, epoch ms or an ISO 8601 time") from None
+        raise ConfigError(f"{text!r} is neither epoch milliseconds nor an ISO 8601 time "
+                          "(nor -<n>s|m|h|d)") from None
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
     return int(moment.timestamp() * 1000)

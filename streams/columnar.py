@@ -86,12 +86,9 @@ class TelemetryBatchDecoder:
             parts = self._headers[writer.fingerprint] = (header, sentinel.getvalue())
         return parts
 
-    def decode(self, keys: Sequence[bytes | None],
-               values: Sequence[bytes | None]) -> list[TelemetryRow] | None:
-        """Rows for every message, in order, or None if any message needs the per-record path
-        (not telemetry, several writer versions, or a framing check failed)."""
-        if not values:
-            return []
+    def _frame(self, keys: Sequence[bytes | None],
+               values: Sequence[bytes | None]) -> pl.DataFrame | None:
+        """The decoded records (sentinel dropped) if every framing check passes, else None."""
         first = values[0]
         if first is None or len(first) < HEADER_LEN or first[:2] != MAGIC:
             return None
@@ -111,24 +108,54 @@ class TelemetryBatchDecoder:
         blob = header + _zigzag(count) + _zigzag(len(body)) + body + _SYNC
         try:
             frame = pl.read_avro(io.BytesIO(blob))
-        except Exception:
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException:  # malformed input can make the native reader panic
             return None
-        return self._rows(frame, keys, count)
-
-    def _rows(self, frame: pl.DataFrame, keys: Sequence[bytes | None],
-              count: int) -> list[TelemetryRow] | None:
         if frame.height != count:
             return None
         node_ids = frame["node_id"].to_list()
-        seqs = frame["seq"].to_list()
-        if node_ids[-1] != SENTINEL_NODE or seqs[-1] != -1:
+        if node_ids[-1] != SENTINEL_NODE or frame["seq"][-1] != -1 or \
+                frame["gpus"].list.len()[-1] != 0:
             return None
         for key, node_id in zip(keys, node_ids, strict=False):
             if key is None or key != node_id.encode():
                 return None
-        lengths = frame["gpus"].list.len().to_list()
-        if lengths[-1] != 0:
+        return frame.head(count - 1)
+
+    def decode(self, keys: Sequence[bytes | None],
+               values: Sequence[bytes | None]) -> list[TelemetryRow] | None:
+        """Rows for every message, in order, or None if any message needs the per-record path
+        (not telemetry, several writer versions, or a framing check failed)."""
+        if not values:
+            return []
+        frame = self._frame(keys, values)
+        return None if frame is None else self._rows(frame)
+
+    def samples(self, keys: Sequence[bytes | None], values: Sequence[bytes | None],
+                gpu_fields: Sequence[str]) -> pl.DataFrame | None:
+        """One row per GPU sample: `_record` (the message's index in the batch), the record's
+        cluster_id, region, node_id, seq, ts, then `gpu_fields` (an older writer's missing
+        fields as the newest schema's defaults), or None as `decode` would."""
+        if not values:
             return None
+        frame = self._frame(keys, values)
+        if frame is None:
+            return None
+        exploded = (frame.with_row_index("_record")
+                    .select("_record", "cluster_id", "region", "node_id", "seq", "ts", "gpus")
+                    .filter(pl.col("gpus").list.len() > 0).explode("gpus").unnest("gpus"))
+        missing = [pl.lit(self._defaults[name]).alias(name) for name in gpu_fields
+                   if name not in exploded.columns]
+        if missing:
+            exploded = exploded.with_columns(missing)
+        return exploded.select("_record", "cluster_id", "region", "node_id", "seq", "ts",
+                               *gpu_fields)
+
+    def _rows(self, frame: pl.DataFrame) -> list[TelemetryRow]:
+        node_ids = frame["node_id"].to_list()
+        seqs = frame["seq"].to_list()
+        lengths = frame["gpus"].list.len().to_list()
         gpus = frame.filter(pl.col("gpus").list.len() > 0).select(
             pl.col("gpus").explode()).unnest("gpus")
         columns: list[list[Any]] = []
@@ -146,7 +173,7 @@ class TelemetryBatchDecoder:
         stamps = frame["ts"].to_list()
         rows = []
         at = 0
-        for i in range(count - 1):
+        for i in range(frame.height):
             n = lengths[i]
             rows.append((clusters[i], regions[i], node_ids[i], seqs[i], stamps[i],
                          flat[at:at + n]))

@@ -80,7 +80,7 @@ def test_openapi_lists_every_route(setup):
         "/v1/view", "/v1/clusters", "/v1/clusters/{cluster_id}",
         "/v1/clusters/{cluster_id}/topology", "/v1/nodes", "/v1/nodes/{node_id}", "/v1/gpus",
         "/v1/allocations", "/v1/datasets", "/v1/tenants", "/v1/audit", "/v1/audit/activity",
-        "/v1/sql",
+        "/v1/sql", "/v1/queries/{name}",
     }
 
 
@@ -131,7 +131,8 @@ def test_topology(setup):
 
 
 def _request(client: TestClient, method: str, path: str, tenant: str | None = None):
-    url = path.replace("{cluster_id}", "us-east-a").replace("{node_id}", "us-east-a-n0003")
+    url = (path.replace("{cluster_id}", "us-east-a").replace("{node_id}", "us-east-a-n0003")
+           .replace("{name}", "utilisation-by-cluster"))
     params = {"from": "0", "to": str(2**62)} if path == "/v1/audit/activity" else {}
     if tenant is not None:
         params["tenant"] = tenant
@@ -143,7 +144,7 @@ def _request(client: TestClient, method: str, path: str, tenant: str | None = No
 def test_every_route_with_every_role_and_no_route_escapes_the_rules(setup):
     app, _ = setup
     rules = app.state.rules
-    assert len(rules) == 13
+    assert len(rules) == 14
     for (method, path), rule in rules.items():
         anonymous = _request(TestClient(app), method, path)
         assert anonymous.status_code == 401, (method, path)

@@ -198,9 +198,11 @@ def test_sigkill_mid_stream_then_restart_equals_a_clean_replay(settings, tmp_pat
     env = {**os.environ, "FLEETLINE_KAFKA_BOOTSTRAP": settings.kafka.bootstrap_servers,
            "FLEETLINE_S3_ENDPOINT": settings.s3.endpoint, "FLEETLINE_S3_BUCKET": settings.s3.bucket,
            "FLEETLINE_S3_ACCESS_KEY": settings.s3.access_key,
-           "FLEETLINE_S3_SECRET_KEY": settings.s3.secret_key}
-    command = [sys.executable, "-m", "fleetline.cli", "serve", "--no-api", "--topic-prefix",
-               topics.prefix, "--group", group, "--snapshot-interval", "0.3"]
+           "FLEETLINE_S3_SECRET_KEY": settings.s3.secret_key,
+           "FLEETLINE_CLICKHOUSE_URL": f"chdb://{tmp_path / 'chdb'}"}
+    command = [sys.executable, "-m", "fleetline.cli", "serve", "--no-api", "--no-audit",
+               "--tier-every", "0", "--topic-prefix", topics.prefix, "--group", group,
+               "--snapshot-interval", "0.3"]
     events = scenario_events(seconds=40)
     produce(settings, topics, events[: len(events) // 3])
     log = (tmp_path / "serve.log").open("w")

@@ -1,0 +1,52 @@
+"""NodeState history in ClickHouse: every state a node declared, for "when was it down" queries
+(the compacted state topic keeps only each node's latest)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from clickhouse_connect.driver.client import Client
+
+from fleetline.errors import StorageError
+from fleetline.storage.offset_sink import Destination, Sourced
+
+TABLE = "node_states"
+_COLUMNS = ("ts_ms", "cluster_id", "region", "node_id", "seq", "state", "reason", "labels",
+            "gpu_count", "leaf_switch", "spine_switch", "agent_version", "agent_spool_bytes",
+            "agent_spool_dropped", "source_partition", "source_offset")
+
+
+def _row(item: Sourced) -> list[Any]:
+    r = item.record
+    topology = r["topology"]
+    return [r["ts"], r["cluster_id"], r["region"], r["node_id"], r["seq"], r["state"],
+            r["reason"], dict(r["labels"]), topology["gpu_count"], topology["leaf_switch"],
+            topology["spine_switch"], r.get("agent_version", "unknown"),
+            r.get("agent_spool_bytes"), r.get("agent_spool_dropped"), item.partition,
+            item.offset]
+
+
+class NodeStateTable(Destination):
+    name = "node-states"
+
+    def __init__(self, client: Client, database: str) -> None:
+        self.client = client
+        self.database = database
+
+    def resume_offsets(self) -> dict[int, int]:
+        try:
+            rows = self.client.query(
+                f"SELECT source_partition, max(source_offset) + 1 FROM {self.database}.{TABLE} "
+                "GROUP BY source_partition").result_rows
+        except Exception as exc:
+            raise StorageError(f"reading resume offsets from {TABLE}: {exc}") from None
+        return {int(p): int(o) for p, o in rows}
+
+    def store(self, batch: Sequence[Sourced]) -> None:
+        try:
+            self.client.insert(f"{self.database}.{TABLE}", [_row(i) for i in batch],
+                               column_names=list(_COLUMNS),
+                               settings={"max_partitions_per_insert_block": 1000})
+        except Exception as exc:
+            raise StorageError(f"inserting {len(batch)} node states: {exc}") from None
