@@ -114,7 +114,8 @@ def tier_bytes(settings: Settings, client, db: str, nodes: int, days: int) -> di
         f"'{db}' AND table = 'gpu_samples' AND active").result_rows
     objects = ObjectStore.from_settings(settings.s3)
     objects.ensure_bucket()
-    tiers = TieredStore(client, db, objects, settings.s3, root=f"bench-tiers-{db}")
+    tiers = TieredStore(client, db, objects, settings.s3,
+                        root=f"bench-tiers-{uuid.uuid4().hex[:8]}")
     began = time.perf_counter()
     tiers.run_once(now)
     tier_s = time.perf_counter() - began
@@ -141,18 +142,23 @@ def main() -> None:
     parser.add_argument("--sim-nodes", type=int, default=50)
     parser.add_argument("--days", type=int, default=9)
     parser.add_argument("--sink-records", type=int, default=20_000)
+    parser.add_argument("--only", choices=["sink", "bytes", "query"],
+                        help="run one part (the figures file then holds that part only)")
     args = parser.parse_args()
     settings = Settings.from_env()
     client = connect(f"chdb://{tempfile.mkdtemp(prefix='bench-tiers-')}")
     figures: dict[str, object] = {}
     with local_services(settings):
-        migrate(client, "sink")
-        figures["sink_rows_per_s"] = sink_rate(settings, client, "sink", args.sink_records)
-        migrate(client, "tiers")
-        figures.update(tier_bytes(settings, client, "tiers", args.sim_nodes, args.days))
-        migrate(client, "big")
-        figures.update(hot_query(client, "big", args.hot_rows))
-    report("tiers", figures)
+        if args.only in (None, "sink"):
+            migrate(client, "sink")
+            figures["sink_rows_per_s"] = sink_rate(settings, client, "sink", args.sink_records)
+        if args.only in (None, "bytes"):
+            migrate(client, "tiers")
+            figures.update(tier_bytes(settings, client, "tiers", args.sim_nodes, args.days))
+        if args.only in (None, "query"):
+            migrate(client, "big")
+            figures.update(hot_query(client, "big", args.hot_rows))
+    report("tiers" if args.only is None else f"tiers-{args.only}", figures)
 
 
 if __name__ == "__main__":

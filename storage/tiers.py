@@ -383,7 +383,10 @@ class TieredStore:
         self._command(
             f"INSERT INTO FUNCTION {self._s3([key])} SELECT {self._columns()} FROM {self.hot} "
             f"WHERE {where} ORDER BY {order} SETTINGS s3_truncate_on_insert = 1, "
-            "output_format_parquet_compression_method = 'zstd'")
+            "output_format_parquet_compression_method = 'zstd', "
+            # Bloom filters cost ~8 bytes a sample over high-cardinality metric columns; time
+            # and key ranges are pruned by the page index, which stays.
+            "output_format_parquet_write_bloom_filter = 0")
         self.on_step("copied", partition)
         copy = self._fingerprint(self._s3([key]))
         if copy[:2] != (rows, checksum):
@@ -412,7 +415,8 @@ class TieredStore:
             f"{self._s3(keys)} ORDER BY {order} SETTINGS s3_truncate_on_insert = 1, "
             "output_format_parquet_compression_method = 'zstd', "
             "output_format_compression_level = 19, output_format_parquet_row_group_size = "
-            "1000000")
+            "1000000, output_format_parquet_write_bloom_filter = 0, "
+            "output_format_parquet_write_page_index = 0")
         self.on_step("copied", day)
         copy = self._fingerprint(self._s3([key]))
         if copy[:2] != (rows, checksum):
