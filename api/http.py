@@ -20,7 +20,13 @@ from fastapi.routing import APIRoute
 
 from fleetline.api.auth import Authenticator
 from fleetline.api.rbac import Principal, Rule, authorize
-from fleetline.errors import AuthenticationError, PermissionDenied
+from fleetline.errors import (
+    AuthenticationError,
+    FleetlineError,
+    PermissionDenied,
+    QueryError,
+    StorageError,
+)
 from fleetline.processors import view_read
 from fleetline.processors.audit import is_sensitive, masked_event
 from fleetline.processors.audit_chain import new_event
@@ -295,6 +301,13 @@ def create_app(source: ViewSource, authenticator: Authenticator, audit: AuditEmi
     @app.exception_handler(PermissionDenied)
     async def denied(request: Request, exc: PermissionDenied) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=403)
+
+    @app.exception_handler(FleetlineError)
+    async def refused(request: Request, exc: FleetlineError) -> JSONResponse:
+        # A bad query or argument is the caller's to fix; a store that is down is ours.
+        status = 503 if isinstance(exc, StorageError) and not isinstance(exc, QueryError) \
+            else 400
+        return JSONResponse({"detail": str(exc)}, status_code=status)
 
     missing = [f"{sorted(r.methods)[0]} {r.path}" for r in app.routes
                if isinstance(r, APIRoute) and (sorted(r.methods)[0], r.path) not in rules]

@@ -287,6 +287,7 @@ class TieredStore:
         its own range: `$samples(-1h)`, `$samples(-7d, -1d)`, `$samples(<ISO or ms>, ...)`."""
         if "$samples" not in sql:
             raise ConfigError("a tiered query names its source as $samples")
+        self._command(f"CREATE TABLE IF NOT EXISTS {self.restored} AS {self.hot}")
         now = wall_clock_ms() if now_ms is None else now_ms
 
         def expand(match: re.Match[str]) -> str:

@@ -252,3 +252,17 @@ def test_sensitive_labels_are_masked_for_roles_that_may_not_see_them():
     assert "ops@corp.example" not in user.get("/v1/nodes").text
     assert admin.get("/v1/nodes/us-east-a-n0000").json()["labels"]["owner_email"] == \
         "ops@corp.example"
+
+
+def test_a_bad_query_is_the_callers_error_not_a_server_error():
+    from fleetline.errors import QueryError
+
+    def sql(query: str) -> dict:
+        raise QueryError("Unknown table expression identifier 'nowhere'")
+
+    app = create_app(StaticView(fold([])), Authenticator(AuthConfig.from_data({"tokens": [
+        {"name": "a", "sha256": token_digest("fl_a"), "role": "platform-admin"}]})), Recorder(),
+        sql=sql)
+    response = TestClient(app, headers={"Authorization": "Bearer fl_a"}).post(
+        "/v1/sql", json={"query": "SELECT * FROM nowhere"})
+    assert response.status_code == 400 and "nowhere" in response.json()["detail"]
