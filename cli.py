@@ -488,6 +488,23 @@ def _cmd_tier(args: argparse.Namespace, settings: Settings) -> int:
         time.sleep(args.every)
 
 
+def _cmd_validate(args: argparse.Namespace, settings: Settings) -> int:
+    from pathlib import Path
+
+    from fleetline.processors.specs import SpecError, parse_specs
+
+    text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
+    try:
+        specs = parse_specs(text)
+    except SpecError as exc:
+        for error in exc.errors:
+            print(f"{args.file}: {error}", file=sys.stderr)
+        return 1
+    for spec in specs:
+        print(f"{spec.kind} {spec.metadata.tenant}/{spec.metadata.name}: valid")
+    return 0
+
+
 def _cmd_auth(args: argparse.Namespace, settings: Settings) -> int:
     import secrets
 
@@ -738,6 +755,11 @@ def build_parser() -> argparse.ArgumentParser:
         tier.add_argument("--cold-days", type=float, help="delete cold archives older than "
                           "this (default: keep)")
         tier.set_defaults(func=_cmd_tier)
+
+    validate = sub.add_parser("validate", help="check TrainingJob / InferenceService / Dataset "
+                              "specs (YAML or JSON) and name every bad field")
+    validate.add_argument("-f", "--file", required=True, help="a spec file, or - for stdin")
+    validate.set_defaults(func=_cmd_validate)
 
     auth = sub.add_parser("auth", help="mint an API token")
     auth.add_argument("action", choices=["token"])
