@@ -108,6 +108,21 @@ def sinks(settings, topics, table, archive):
             for d in (table, archive)]
 
 
+def chain_and_sink(settings, audit_env, count: int, digest_every: int = 4,
+                   signer: Signer | None = None) -> None:
+    """Emit `count` events, chain them and sink them until all are in the table."""
+    topics, real_signer, table, archive = audit_env
+    emitter = KafkaAuditEmitter(settings.kafka, topics)
+    for event in events(count):
+        emitter.emit(event)
+    assert emitter.flush() == 0
+    with running(audit_chainer(settings.kafka, topics, signer or real_signer,
+                               digest_every=digest_every),
+                 *sinks(settings, topics, table, archive)):
+        wait_rows(table, count)
+        time.sleep(0.5)
+
+
 def test_chained_exactly_once_across_a_restart_and_sunk_everywhere(settings, audit_env):
     topics, signer, table, archive = audit_env
     keys = {signer.key_id: signer.private_key.public_key()}
@@ -145,15 +160,8 @@ def test_chained_exactly_once_across_a_restart_and_sunk_everywhere(settings, aud
 def test_tampering_with_the_clickhouse_copy_is_caught_by_audit_verify(settings, audit_env,
                                                                       clickhouse, capsys,
                                                                       tamper):
-    topics, signer, table, archive = audit_env
-    emitter = KafkaAuditEmitter(settings.kafka, topics)
-    for event in events(12):
-        emitter.emit(event)
-    emitter.flush()
-    with running(audit_chainer(settings.kafka, topics, signer, digest_every=4),
-                 *sinks(settings, topics, table, archive)):
-        wait_rows(table, 12)
-        time.sleep(0.5)
+    table = audit_env[2]
+    chain_and_sink(settings, audit_env, 12)
     assert main(["audit", "verify", "--source", "clickhouse"]) == 0
     assert json.loads(capsys.readouterr().out)["ok"] is True
     db = f"{settings.clickhouse_database}.audit_log"
@@ -187,15 +195,8 @@ def test_tampering_with_the_clickhouse_copy_is_caught_by_audit_verify(settings, 
 
 def test_search_and_exports_are_tenant_scoped_and_masked(settings, audit_env, tmp_path,
                                                          capsys):
-    topics, signer, table, archive = audit_env
-    emitter = KafkaAuditEmitter(settings.kafka, topics)
-    for event in events(16):
-        emitter.emit(event)
-    emitter.flush()
-    with running(audit_chainer(settings.kafka, topics, signer, digest_every=4),
-                 *sinks(settings, topics, table, archive)):
-        wait_rows(table, 16)
-        time.sleep(0.5)
+    topics, table = audit_env[0], audit_env[2]
+    chain_and_sink(settings, audit_env, 16)
     assert main(["audit", "search", "--tenant", "acme", "--source", "clickhouse"]) == 0
     found = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(found) == 8 and {f["tenant"] for f in found} == {"acme"}
@@ -235,15 +236,9 @@ def test_search_and_exports_are_tenant_scoped_and_masked(settings, audit_env, tm
 def test_a_forged_chain_without_the_key_fails_against_the_pinned_key(settings, audit_env,
                                                                      monkeypatch, tmp_path,
                                                                      capsys):
-    topics, _, table, archive = audit_env
-    forger = Signer(Ed25519PrivateKey.generate())
-    emitter = KafkaAuditEmitter(settings.kafka, topics)
-    for event in events(6):
-        emitter.emit(event)
-    emitter.flush()
-    with running(audit_chainer(settings.kafka, topics, forger, digest_every=3),
-                 *sinks(settings, topics, table, archive)):
-        wait_rows(table, 6)
+    topics = audit_env[0]
+    chain_and_sink(settings, audit_env, 6, digest_every=3,
+                   signer=Signer(Ed25519PrivateKey.generate()))
     # Signed by a key this verifier does not trust (the pinned one is the real signer's).
     assert main(["audit", "verify", "--topic-prefix", topics.prefix]) == 2
     assert "unknown key" in json.loads(capsys.readouterr().out)["first_broken"]
