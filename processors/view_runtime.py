@@ -35,7 +35,7 @@ from fleetline.processors.view import (
 from fleetline.storage.snapshots import ViewSnapshots
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.columnar import TelemetryBatchDecoder
-from fleetline.streams.deadletter import dead_letter_headers
+from fleetline.streams.deadletter import send_dead_letter
 from fleetline.streams.events import (
     ALLOCATION,
     CLUSTER_INFO,
@@ -272,10 +272,7 @@ class ViewProcessor:
             for view in self.parts.values():
                 view.drain_changes()
         for msg, exc in failed:
-            log.warning("%s: dead-lettering %s[%d]@%d: %s", self.group_id, msg.topic(),
-                        msg.partition(), msg.offset(), exc)
-            dlq.produce(self.topics.dead_letter, key=msg.key(), value=msg.value(),
-                        headers=dead_letter_headers(msg, self.group_id, exc))
+            send_dead_letter(dlq, self.topics.dead_letter, self.group_id, msg, exc)
         if failed:
             # Dead letters must be durable before the snapshot that skips past them.
             dlq.flush(30)

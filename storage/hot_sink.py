@@ -10,9 +10,7 @@ committed too, but only for lag monitoring.
 
 from __future__ import annotations
 
-import logging
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,17 +18,16 @@ from typing import Any
 import polars as pl
 import pyarrow as pa
 from clickhouse_connect.driver.client import Client
-from confluent_kafka import OFFSET_BEGINNING, Message, TopicPartition
+from confluent_kafka import Message
 
 from fleetline.config import KafkaSettings
 from fleetline.errors import FleetlineError, StorageError
+from fleetline.storage.offset_sink import run_resuming
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.columnar import TelemetryBatchDecoder
-from fleetline.streams.deadletter import dead_letter_headers
+from fleetline.streams.deadletter import send_dead_letter
 from fleetline.streams.events import NODE_TELEMETRY, check_telemetry
 from fleetline.streams.serde import AvroCodec
-
-log = logging.getLogger(__name__)
 
 TABLE = "gpu_samples"
 _GPU_FIELDS = (
@@ -148,41 +145,12 @@ class HotSampleSink:
         self._decoder = TelemetryBatchDecoder(self.codec, _GPU_NAMES)
 
     def run(self, stop: threading.Event) -> None:
-        consumer = kafka_clients.consumer(self.kafka, self.group_id)
-        dlq = kafka_clients.producer(self.kafka)
-        resume = self.store.resume_offsets()
+        # The table, not the group's committed offsets, says where to resume; it also holds
+        # the highest seq per node, by which an agent's repeats are recognised.
         self._seen = self.store.node_watermarks()
-
-        def on_assign(cons, partitions: list[TopicPartition]) -> None:
-            # The table, not the group's committed offsets, says where to resume: a partition
-            # it holds nothing of is read from its beginning.
-            for tp in partitions:
-                tp.offset = resume.get(tp.partition, OFFSET_BEGINNING)
-            cons.assign(partitions)
-            self.ready.set()
-
-        consumer.subscribe([self.topic], on_assign=on_assign)
-        try:
-            while not stop.is_set():
-                messages = self._receive(consumer, stop)
-                if messages:
-                    self._handle(consumer, dlq, messages)
-                    # Offsets are now durable in the table; remember them for a reassignment.
-                    for msg in messages:
-                        resume[msg.partition()] = msg.offset() + 1
-        finally:
-            consumer.close()
-            dlq.flush(10)
-
-    def _receive(self, consumer, stop: threading.Event) -> list[Message]:
-        batch: list[Message] = []
-        deadline = time.monotonic() + self.max_batch_wait_s
-        while len(batch) < self.max_batch_messages and not stop.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            batch.extend(consumer.consume(self.max_batch_messages - len(batch), min(left, 0.5)))
-        return batch
+        run_resuming(self.kafka, self.group_id, self.topic, self.store.resume_offsets(),
+                     self._handle, stop, self.ready, self.max_batch_messages,
+                     self.max_batch_wait_s)
 
     def _handle(self, consumer, dlq, messages: list[Message]) -> None:
         for msg in messages:
@@ -244,10 +212,7 @@ class HotSampleSink:
                 good.append(SourcedTelemetry(msg.partition(), msg.offset(), record))
             except FleetlineError as exc:
                 self.stats.dead_letters += 1
-                log.warning("hot sink: dead-lettering %s[%d]@%d: %s", msg.topic(),
-                            msg.partition(), msg.offset(), exc)
-                dlq.produce(self.dead_letter_topic, key=msg.key(), value=msg.value(),
-                            headers=dead_letter_headers(msg, self.group_id, exc))
+                send_dead_letter(dlq, self.dead_letter_topic, self.group_id, msg, exc)
         # Dead letters are durable before the batch's offsets can be passed.
         if dlq.flush(30):
             raise StorageError("dead-letter messages were not delivered within 30s")

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,10 +21,49 @@ from confluent_kafka import OFFSET_BEGINNING, Message, TopicPartition
 from fleetline.config import KafkaSettings
 from fleetline.errors import FleetlineError, StorageError
 from fleetline.streams import kafka as kafka_clients
-from fleetline.streams.deadletter import dead_letter_headers
+from fleetline.streams.deadletter import send_dead_letter
 from fleetline.streams.serde import AvroCodec
 
 log = logging.getLogger(__name__)
+
+
+BatchHandler = Callable[[Any, Any, list[Message]], None]
+
+
+def run_resuming(kafka: KafkaSettings, group_id: str, topic: str, resume: dict[int, int],
+                 handle: BatchHandler, stop: threading.Event, ready: threading.Event,
+                 max_batch: int, max_wait_s: float) -> None:
+    """The loop every offset-tracked sink runs: subscribe, start each assigned partition where
+    the destination's own contents say (`resume`; from the beginning if it holds nothing of
+    it), receive batches of up to `max_batch` messages or `max_wait_s`, hand each to
+    `handle(consumer, dead_letter_producer, batch)`, which stores it durably, and only then
+    remember the batch's offsets for a later reassignment."""
+    consumer = kafka_clients.consumer(kafka, group_id)
+    dlq = kafka_clients.producer(kafka)
+
+    def on_assign(cons, partitions: list[TopicPartition]) -> None:
+        for tp in partitions:
+            tp.offset = resume.get(tp.partition, OFFSET_BEGINNING)
+        cons.assign(partitions)
+        ready.set()
+
+    consumer.subscribe([topic], on_assign=on_assign)
+    try:
+        while not stop.is_set():
+            batch: list[Message] = []
+            deadline = time.monotonic() + max_wait_s
+            while len(batch) < max_batch and not stop.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                batch.extend(consumer.consume(max_batch - len(batch), min(left, 0.5)))
+            if batch:
+                handle(consumer, dlq, batch)
+                for msg in batch:
+                    resume[msg.partition()] = msg.offset() + 1
+    finally:
+        consumer.close()
+        dlq.flush(10)
 
 
 @dataclass(frozen=True)
@@ -70,31 +109,8 @@ class OffsetSink:
     ready: threading.Event = field(default_factory=threading.Event)
 
     def run(self, stop: threading.Event) -> None:
-        consumer = kafka_clients.consumer(self.kafka, self.group_id)
-        dlq = kafka_clients.producer(self.kafka)
-        resume = self.destination.resume_offsets()
-
-        def on_assign(cons, partitions: list[TopicPartition]) -> None:
-            for tp in partitions:
-                tp.offset = resume.get(tp.partition, OFFSET_BEGINNING)
-            cons.assign(partitions)
-            self.ready.set()
-
-        consumer.subscribe([self.topic], on_assign=on_assign)
-        try:
-            while not stop.is_set():
-                batch: list[Message] = []
-                deadline = time.monotonic() + self.max_wait_s
-                while len(batch) < self.max_batch and time.monotonic() < deadline \
-                        and not stop.is_set():
-                    batch.extend(consumer.consume(self.max_batch - len(batch), 0.1))
-                if batch:
-                    self._handle(consumer, dlq, batch)
-                    for msg in batch:
-                        resume[msg.partition()] = msg.offset() + 1
-        finally:
-            consumer.close()
-            dlq.flush(10)
+        run_resuming(self.kafka, self.group_id, self.topic, self.destination.resume_offsets(),
+                     self._handle, stop, self.ready, self.max_batch, self.max_wait_s)
 
     def _handle(self, consumer, dlq, messages: list[Message]) -> None:
         good: list[Sourced] = []
@@ -106,10 +122,7 @@ class OffsetSink:
                 good.append(Sourced(msg.partition(), msg.offset(), record))
             except FleetlineError as exc:
                 self.stats.dead_letters += 1
-                log.warning("%s: dead-lettering %s[%d]@%d: %s", self.group_id, msg.topic(),
-                            msg.partition(), msg.offset(), exc)
-                dlq.produce(self.dead_letter_topic, key=msg.key(), value=msg.value(),
-                            headers=dead_letter_headers(msg, self.group_id, exc))
+                send_dead_letter(dlq, self.dead_letter_topic, self.group_id, msg, exc)
         if dlq.flush(30):
             raise StorageError(f"{self.group_id}: dead letters not delivered; not storing")
         if good:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
-from confluent_kafka import Message
+from confluent_kafka import Message, Producer
 
 H_REASON = "fleetline.dlq.reason"
 H_ERROR = "fleetline.dlq.error"
@@ -44,6 +45,17 @@ def dead_letter_headers(
         (H_PARTITION, str(msg.partition()).encode()),
         (H_OFFSET, str(msg.offset()).encode()),
     ]
+
+
+def send_dead_letter(producer: Producer, topic: str, application: str, msg: Message,
+                     error: Exception) -> None:
+    """Log and produce one dead letter: the message whole, with why and where from. The caller
+    flushes before it commits past the message."""
+    logging.getLogger(f"fleetline.{application}").warning(
+        "%s: dead-lettering %s[%d]@%d: %s", application, msg.topic(), msg.partition(),
+        msg.offset(), error)
+    producer.produce(topic, key=msg.key(), value=msg.value(),
+                     headers=dead_letter_headers(msg, application, error))
 
 
 def read_dead_letter(msg: Message) -> DeadLetter:
