@@ -230,26 +230,27 @@ def create_app(source: ViewSource, authenticator: Authenticator, audit: AuditEmi
             _redact_gpu(v, g, scope) for g in view_read.select_gpus(v, cluster, health,
                                                                      capacity)]))
 
+    def in_scope(request: Request, rows: Callable[[ResourceView], list[dict[str, Any]]]
+                 ) -> dict[str, Any]:
+        """The rows of the caller's tenant scope (all for a role that spans tenants)."""
+        scope = request.state.scope
+        return source.read(lambda v: _envelope(v, [
+            row for row in rows(v) if _in_scope(row["tenant"], scope)]))
+
     @route("GET", "/v1/allocations", Rule("jobs", "read"),
            summary="Jobs of the caller's tenant and the GPUs bound to them")
     def list_allocations(request: Request, tenant: str | None = None) -> dict[str, Any]:
-        scope = request.state.scope
-        return source.read(lambda v: _envelope(v, [
-            a for a in view_read.allocations(v) if _in_scope(a["tenant"], scope)]))
+        return in_scope(request, view_read.allocations)
 
     @route("GET", "/v1/datasets", Rule("datasets", "read"),
            summary="The caller's tenant's datasets and the clusters holding replicas")
     def list_datasets(request: Request, tenant: str | None = None) -> dict[str, Any]:
-        scope = request.state.scope
-        return source.read(lambda v: _envelope(v, [
-            d for d in view_read.datasets(v) if _in_scope(d["tenant"], scope)]))
+        return in_scope(request, view_read.datasets)
 
     @route("GET", "/v1/tenants", Rule("usage", "read"),
            summary="GPUs and dataset bytes in use by the caller's tenant (all, for admins)")
     def list_tenants(request: Request, tenant: str | None = None) -> dict[str, Any]:
-        scope = request.state.scope
-        return source.read(lambda v: _envelope(v, [
-            u for u in view_read.tenant_usage(v) if _in_scope(u["tenant"], scope)]))
+        return in_scope(request, view_read.tenant_usage)
 
     def _audit_table() -> AuditTable:
         if audit_table is None:

@@ -119,26 +119,10 @@ class AuditTable(Destination):
 
     def search(self, query: AuditQuery) -> list[dict[str, Any]]:
         """Events (not digests) matching the query, newest first, as AuditRecords."""
-        where = ["kind = 'event'"]
-        params: dict[str, Any] = {"limit": query.limit}
-        if query.tenant is not None:
-            where.append("tenant = {tenant:String}")
-            params["tenant"] = query.tenant
-        if query.since_ms is not None:
-            where.append("ts_ms >= {since:Int64}")
-            params["since"] = query.since_ms
-        if query.until_ms is not None:
-            where.append("ts_ms <= {until:Int64}")
-            params["until"] = query.until_ms
-        if query.operation is not None:
-            where.append("operation = {op:String}")
-            params["op"] = query.operation
-        if query.actor is not None:
-            where.append("actor = {actor:String}")
-            params["actor"] = query.actor
+        where, params = _conditions(query)
+        params["limit"] = query.limit
         sql = (f"SELECT {', '.join(_COLUMNS)} FROM {self.database}.{TABLE} "
-               f"WHERE {' AND '.join(where)} ORDER BY ts_ms DESC, partition, seq "
-               "LIMIT {limit:UInt32}")
+               f"WHERE {where} ORDER BY ts_ms DESC, partition, seq LIMIT {{limit:UInt32}}")
         try:
             rows = self.client.query(sql, parameters=params).result_rows
         except Exception as exc:
@@ -147,11 +131,7 @@ class AuditTable(Destination):
 
     def activity(self, tenant: str | None, since_ms: int, until_ms: int) -> list[dict[str, Any]]:
         """A ready, tenant-scoped query: calls per operation and outcome in a time range."""
-        where = "kind = 'event' AND ts_ms BETWEEN {since:Int64} AND {until:Int64}"
-        params: dict[str, Any] = {"since": since_ms, "until": until_ms}
-        if tenant is not None:
-            where += " AND tenant = {tenant:String}"
-            params["tenant"] = tenant
+        where, params = _conditions(AuditQuery(tenant, since_ms, until_ms))
         sql = (f"SELECT operation, outcome, count() AS calls FROM {self.database}.{TABLE} "
                f"WHERE {where} GROUP BY operation, outcome ORDER BY operation, outcome")
         try:
@@ -159,6 +139,21 @@ class AuditTable(Destination):
         except Exception as exc:
             raise QueryError(f"audit activity: {exc}") from None
         return [{"operation": o, "outcome": r, "calls": int(c)} for o, r, c in rows]
+
+
+def _conditions(query: AuditQuery) -> tuple[str, dict[str, Any]]:
+    """The WHERE clause selecting the query's events, with its bound parameters."""
+    clauses = ["kind = 'event'"]
+    params: dict[str, Any] = {}
+    for value, clause, name in ((query.tenant, "tenant = {tenant:String}", "tenant"),
+                                (query.since_ms, "ts_ms >= {since:Int64}", "since"),
+                                (query.until_ms, "ts_ms <= {until:Int64}", "until"),
+                                (query.operation, "operation = {op:String}", "op"),
+                                (query.actor, "actor = {actor:String}", "actor")):
+        if value is not None:
+            clauses.append(clause)
+            params[name] = value
+    return " AND ".join(clauses), params
 
 
 _SEGMENT = re.compile(r"/p(?P<partition>\d{3})/(?P<first>\d{20})-(?P<last>\d{20})\.jsonl\.gz$")
