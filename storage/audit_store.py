@@ -16,7 +16,7 @@ from clickhouse_connect.driver.client import Client
 from fleetline.errors import IntegrityError, QueryError, StorageError
 from fleetline.processors.audit import EVENT_FIELDS, digest_content, export_entry
 from fleetline.storage.crypto import SealedObjectStore
-from fleetline.storage.offset_sink import Destination, Sourced
+from fleetline.storage.offset_sink import Destination, Sourced, table_resume_offsets
 
 TABLE = "audit_log"
 _COLUMNS = ("partition", "seq", "source_offset", "chained_at_ms", "kind", "prev_hash",
@@ -83,12 +83,7 @@ class AuditTable(Destination):
         self.database = database
 
     def resume_offsets(self) -> dict[int, int]:
-        try:
-            rows = self.client.query(f"SELECT partition, max(source_offset) + 1 FROM "
-                                     f"{self.database}.{TABLE} GROUP BY partition").result_rows
-        except Exception as exc:
-            raise StorageError(f"reading resume offsets from {TABLE}: {exc}") from None
-        return {int(p): int(o) for p, o in rows}
+        return table_resume_offsets(self.client, f"{self.database}.{TABLE}", "partition")
 
     def store(self, batch: Sequence[Sourced]) -> None:
         try:

@@ -22,7 +22,7 @@ from confluent_kafka import Message
 
 from fleetline.config import KafkaSettings
 from fleetline.errors import FleetlineError, StorageError
-from fleetline.storage.offset_sink import run_resuming
+from fleetline.storage.offset_sink import run_resuming, table_resume_offsets
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.columnar import TelemetryBatchDecoder
 from fleetline.streams.deadletter import send_dead_letter
@@ -85,14 +85,7 @@ class HotSampleStore:
     database: str
 
     def resume_offsets(self) -> dict[int, int]:
-        try:
-            rows = self.client.query(
-                f"SELECT source_partition, max(source_offset) + 1 FROM {self.database}.{TABLE} "
-                "GROUP BY source_partition"
-            ).result_rows
-        except Exception as exc:
-            raise StorageError(f"reading resume offsets from {TABLE}: {exc}") from None
-        return {int(p): int(o) for p, o in rows}
+        return table_resume_offsets(self.client, f"{self.database}.{TABLE}")
 
     def node_watermarks(self) -> dict[str, int]:
         """The highest seq stored for each node: an agent that re-sends after an outage repeats

@@ -66,6 +66,17 @@ def run_resuming(kafka: KafkaSettings, group_id: str, topic: str, resume: dict[i
         dlq.flush(10)
 
 
+def table_resume_offsets(client: Any, table: str,
+                         partition_column: str = "source_partition") -> dict[int, int]:
+    """partition -> one past the highest `source_offset` a ClickHouse table holds."""
+    try:
+        rows = client.query(f"SELECT {partition_column}, max(source_offset) + 1 FROM {table} "
+                            f"GROUP BY {partition_column}").result_rows
+    except Exception as exc:
+        raise StorageError(f"reading resume offsets from {table}: {exc}") from None
+    return {int(p): int(o) for p, o in rows}
+
+
 @dataclass(frozen=True)
 class Sourced:
     partition: int

@@ -9,7 +9,7 @@ from typing import Any
 from clickhouse_connect.driver.client import Client
 
 from fleetline.errors import StorageError
-from fleetline.storage.offset_sink import Destination, Sourced
+from fleetline.storage.offset_sink import Destination, Sourced, table_resume_offsets
 
 TABLE = "node_states"
 _COLUMNS = ("ts_ms", "cluster_id", "region", "node_id", "seq", "state", "reason", "labels",
@@ -35,13 +35,7 @@ class NodeStateTable(Destination):
         self.database = database
 
     def resume_offsets(self) -> dict[int, int]:
-        try:
-            rows = self.client.query(
-                f"SELECT source_partition, max(source_offset) + 1 FROM {self.database}.{TABLE} "
-                "GROUP BY source_partition").result_rows
-        except Exception as exc:
-            raise StorageError(f"reading resume offsets from {TABLE}: {exc}") from None
-        return {int(p): int(o) for p, o in rows}
+        return table_resume_offsets(self.client, f"{self.database}.{TABLE}")
 
     def store(self, batch: Sequence[Sourced]) -> None:
         try:
