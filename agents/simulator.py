@@ -97,6 +97,9 @@ class ClusterSpec:
     region: str
     nodes: int
     model: str = "NVIDIA H100 80GB HBM3"
+    # Nodes behind one leaf switch: 2 keeps small test fleets spread over several leaves; a
+    # rail-optimised scalable unit puts 16-32 nodes under a leaf.
+    nodes_per_leaf: int = NODES_PER_LEAF
 
 
 @dataclass(frozen=True)
@@ -181,7 +184,7 @@ class FleetSimulator:
                 self.nodes.append(SimNode(
                     cluster_id=cluster.cluster_id, region=cluster.region, node_id=node_id,
                     model=cluster.model,
-                    leaf_switch=f"{cluster.cluster_id}-leaf{n // NODES_PER_LEAF:03d}",
+                    leaf_switch=f"{cluster.cluster_id}-leaf{n // cluster.nodes_per_leaf:03d}",
                     spine_switch=f"{cluster.cluster_id}-spine0",
                     load_bias=tuple(self._rng.random() for _ in range(GPUS_PER_NODE)),
                     gpu_uuids=tuple(_uuid(self.seed, node_id, i) for i in range(GPUS_PER_NODE)),

@@ -1,44 +1,108 @@
-"""Cross-cluster placement of a training job: filters, weighted scorers, an explained decision.
+"""Cross-cluster placement: a composable pipeline of filters and weighted scorers.
 
-`decide(view, job, policy)` is pure: it filters the clusters a job can run in (known,
-reachable, not retired, and able to hold the whole gang on healthy topology, by
-`place_training`), scores each on data locality, latency to the user's region, cost and fit,
-plus the operator's cluster preference order, and returns a `Decision` that names the view
-version and offsets it read and the scores of the alternatives. When the chosen cluster lacks
-the job's dataset, the decision carries a `DatasetPrewarm` from the nearest replica.
-
-Quotas, priorities, preemption, the desired-state events and the reconcile loop are still to
-come (the scheduling issue); this is the placement core they will call.
+Every filter and scorer is a small pure function of a `Context` (the capacity index, the tenants,
+the request) and a cluster; the policy names which filters run and each scorer's weight, so an
+operator chooses the pipeline in configuration. `rank_clusters` returns every cluster's score
+parts or its rejection reason; `place_job` turns the best into a placement (a gang in one
+cluster, a gang split across clusters by whole pipeline replicas when the job allows it, or
+service replicas spread over the allowed regions), reserves it in the index, and names the
+dataset prewarms it needs. Nothing here reads a clock: time is the `now` the caller passes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
 
-from fleetline.processors.placement import Placement, Unplaceable, place_training
-from fleetline.processors.specs import TrainingJob
-from fleetline.processors.view import ResourceView
-from fleetline.processors.view_read import cluster_capacity
+from fleetline.errors import ConfigError, FleetlineError
+from fleetline.processors.capacity import (
+    CapacityIndex,
+    ClusterFacts,
+    DatasetFacts,
+    Gang,
+    GangShape,
+)
+from fleetline.processors.placement import Placement, to_placement
+from fleetline.processors.tenancy import (
+    Request,
+    TenantPolicy,
+    TenantUsage,
+    quota_block,
+    reserved_for_others,
+)
 
 GPU_POWER_KW = 0.7  # an H100 SXM at full load, for the energy part of a GPU-hour's cost
 
-
-@dataclass(frozen=True)
-class Weights:
-    locality: float = 1.0
-    latency: float = 0.5
-    cost: float = 1.0
-    fit: float = 0.5
-    preference: float = 0.5
+DEFAULT_FILTERS = ("reachable", "accelerator", "region", "quota", "reservation", "capacity",
+                   "bandwidth")
+DEFAULT_WEIGHTS: Mapping[str, float] = {"locality": 1.0, "latency": 0.5, "cost": 1.0,
+                                        "fit": 0.5, "preference": 0.5, "spread": 1.0}
 
 
 @dataclass(frozen=True)
 class SchedulingPolicy:
-    weights: Weights = field(default_factory=Weights)
+    filters: tuple[str, ...] = DEFAULT_FILTERS
+    weights: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
     # Operator order, most preferred first (e.g. on-premises clusters, then cloud).
     cluster_preference: tuple[str, ...] = ()
     # Bandwidth between clusters for moving datasets, Gbit/s.
     interconnect_gbps: float = 10.0
+    default_max_runtime_s: int = 24 * 3600
+    alternatives: int = 5
+    preemption: bool = True
+    default_tenant: TenantPolicy | None = None
+
+    def __post_init__(self) -> None:
+        unknown = [f for f in self.filters if f not in FILTERS]
+        if unknown:
+            raise ConfigError(f"scheduling policy: unknown filters {unknown}; known: "
+                              f"{sorted(FILTERS)}")
+        unknown = [s for s in self.weights if s not in SCORERS]
+        if unknown:
+            raise ConfigError(f"scheduling policy: unknown scorers {unknown}; known: "
+                              f"{sorted(SCORERS)}")
+
+    def as_data(self) -> dict[str, Any]:
+        return {"filters": list(self.filters), "weights": dict(sorted(self.weights.items())),
+                "cluster_preference": list(self.cluster_preference),
+                "interconnect_gbps": self.interconnect_gbps,
+                "default_max_runtime_s": self.default_max_runtime_s,
+                "alternatives": self.alternatives, "preemption": self.preemption,
+                "default_tenant": (self.default_tenant.as_data()
+                                   if self.default_tenant else None)}
+
+    @classmethod
+    def from_data(cls, data: Mapping[str, Any]) -> SchedulingPolicy:
+        known = {"filters", "weights", "cluster_preference", "interconnect_gbps",
+                 "default_max_runtime_s", "alternatives", "preemption", "default_tenant"}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"scheduling policy: unknown fields {sorted(unknown)}")
+        base = cls()
+        default_tenant = data.get("default_tenant")
+        try:
+            return cls(
+                filters=tuple(data.get("filters", base.filters)),
+                # Named weights replace the defaults one by one; a weight of 0 turns a scorer off.
+                weights={**DEFAULT_WEIGHTS,
+                         **{str(k): float(v) for k, v in (data.get("weights") or {}).items()}},
+                cluster_preference=tuple(data.get("cluster_preference", ())),
+                interconnect_gbps=float(data.get("interconnect_gbps", base.interconnect_gbps)),
+                default_max_runtime_s=int(data.get("default_max_runtime_s",
+                                                   base.default_max_runtime_s)),
+                alternatives=int(data.get("alternatives", base.alternatives)),
+                preemption=bool(data.get("preemption", base.preemption)),
+                default_tenant=(TenantPolicy.from_data({"tenant": "*", **default_tenant})
+                                if default_tenant else None))
+        except (TypeError, ValueError, FleetlineError) as exc:
+            raise ConfigError(f"scheduling policy: {exc}") from None
+
+    def digest(self) -> str:
+        text = json.dumps(self.as_data(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -48,6 +112,7 @@ class DatasetPrewarm:
     from_cluster: str | None
     size_bytes: int
     estimated_s: float
+    rate_gbps: float
 
 
 @dataclass(frozen=True)
@@ -59,93 +124,378 @@ class ClusterScore:
 
 
 @dataclass(frozen=True)
-class Decision:
+class JobRequest:
+    """One placement as the pipeline sees it."""
+
     job: str
-    outcome: str  # "Placed" or "Queued"
-    cluster_id: str | None
-    placement: Placement | None
-    reason: str
-    view_version: int
-    offsets: dict[str, dict[int, int]]
-    alternatives: tuple[ClusterScore, ...]
-    prewarm: DatasetPrewarm | None = None
+    tenant: str
+    shape: GangShape
+    priority: int
+    dataset: DatasetFacts | None = None
+    regions: tuple[str, ...] = ()  # allowed regions (services); empty: anywhere
+    user_region: str | None = None  # where latency is measured to
+    gpu_ms: int = 0  # GPU-hour quota reservation, training only
+    spread: Mapping[str, int] = field(default_factory=dict)  # replicas already per cluster
 
 
-def _transfer_s(size_bytes: int, gbps: float) -> float:
+@dataclass
+class Context:
+    index: CapacityIndex
+    policy: SchedulingPolicy
+    tenants: Mapping[str, TenantPolicy]
+    usage: Mapping[str, TenantUsage]
+    request: JobRequest
+    cheapest: float = 0.0
+
+    @property
+    def tenant_policy(self) -> TenantPolicy | None:
+        return self.tenants.get(self.request.tenant, self.policy.default_tenant)
+
+    def cluster(self, cluster_id: str) -> ClusterFacts | None:
+        return self.index.facts.clusters.get(cluster_id)
+
+    def moves_data(self, cluster_id: str) -> bool:
+        d = self.request.dataset
+        return d is not None and cluster_id not in d.replicas
+
+    def usage_of(self) -> TenantUsage:
+        return self.usage.get(self.request.tenant) or TenantUsage()
+
+
+def cost_per_gpu_hour(cluster: ClusterFacts) -> float:
+    return (cluster.price_per_gpu_hour
+            + cluster.energy_price_per_kwh * cluster.pue * GPU_POWER_KW)
+
+
+def transfer_s(size_bytes: int, gbps: float) -> float:
     return size_bytes * 8 / (gbps * 1e9)
 
 
-def decide(view: ResourceView, job: TrainingJob, policy: SchedulingPolicy,
-           user_region: str | None = None) -> Decision:
-    capacity = {c["cluster_id"]: c for c in cluster_capacity(view)}
-    dataset = view.datasets.get(job.dataset) if job.dataset else None
-    scored: list[tuple[ClusterScore, Placement | None]] = []
-    costs: dict[str, float] = {}
-    for cluster_id in sorted(capacity):
-        c = capacity[cluster_id]
-        if c["health"] in ("unreachable", "retired", "empty"):
-            scored.append((ClusterScore(cluster_id, 0.0, {}, f"cluster is {c['health']}"), None))
+Filter = Callable[[Context, str], str | None]
+Scorer = Callable[[Context, str], float]
+
+
+def _reachable(ctx: Context, cluster_id: str) -> str | None:
+    c = ctx.cluster(cluster_id)
+    if c is None:
+        return "the cluster is not in the view"
+    if c.health in ("unreachable", "retired", "empty"):
+        return f"cluster is {c.health}"
+    return None
+
+
+def _accelerator(ctx: Context, cluster_id: str) -> str | None:
+    shape = ctx.request.shape
+    if any(shape.matches(m) for m in ctx.index.models(cluster_id)):
+        return None
+    return f"has no {shape.accelerator} GPUs"
+
+
+def _region(ctx: Context, cluster_id: str) -> str | None:
+    regions = ctx.request.regions
+    c = ctx.cluster(cluster_id)
+    if regions and (c is None or c.region not in regions):
+        return f"region {c.region if c else '?'} is not one of {', '.join(regions)}"
+    return None
+
+
+def _quota(ctx: Context, cluster_id: str) -> str | None:
+    r = ctx.request
+    return quota_block(ctx.tenant_policy, ctx.usage_of(),
+                       Request(r.shape.gpus, {cluster_id: r.shape.gpus}, r.gpu_ms))
+
+
+def _reservation(ctx: Context, cluster_id: str) -> str | None:
+    held = reserved_for_others(ctx.tenants, ctx.usage, ctx.request.tenant, cluster_id)
+    if not held:
+        return None
+    shape = ctx.request.shape
+    free = ctx.index.free_gpus(cluster_id, shape.allow_degraded, shape.accelerator)
+    if free - held < shape.gpus:
+        return (f"{free} free GPUs, {held} of them reserved for other tenants; needs "
+                f"{shape.gpus}")
+    return None
+
+
+def _capacity(ctx: Context, cluster_id: str) -> str | None:
+    shape = ctx.request.shape
+    if ctx.index.fitting_nodes(cluster_id, shape) >= shape.workers:
+        return None
+    gang = ctx.index.select_gang(cluster_id, shape)
+    return gang if isinstance(gang, str) else None
+
+
+def _bandwidth(ctx: Context, cluster_id: str) -> str | None:
+    if not ctx.moves_data(cluster_id):
+        return None
+    d = ctx.request.dataset
+    assert d is not None
+    policy = ctx.tenant_policy
+    rate = _prewarm_rate(ctx)
+    if rate <= 0:
+        return "needs the dataset moved and the tenant has no bandwidth quota left"
+    return quota_block(policy, ctx.usage_of(), Request(storage_bytes=d.size_bytes,
+                                                       bandwidth_gbps=rate))
+
+
+def _prewarm_rate(ctx: Context) -> float:
+    policy = ctx.tenant_policy
+    rate = ctx.policy.interconnect_gbps
+    if policy is not None and policy.quota.bandwidth_gbps is not None:
+        rate = min(rate, policy.quota.bandwidth_gbps - ctx.usage_of().bandwidth_gbps())
+    return max(rate, 0.0)
+
+
+FILTERS: dict[str, Filter] = {
+    "reachable": _reachable, "accelerator": _accelerator, "region": _region, "quota": _quota,
+    "reservation": _reservation, "capacity": _capacity, "bandwidth": _bandwidth,
+}
+
+
+def _locality(ctx: Context, cluster_id: str) -> float:
+    d = ctx.request.dataset
+    if d is None or cluster_id in d.replicas:
+        return 1.0
+    # Halves after an hour of transfer: a job that must wait hours for its data loses to one
+    # that can start now, unless the latter costs far more.
+    hours = transfer_s(d.size_bytes, ctx.policy.interconnect_gbps) / 3600
+    return 1.0 / (1.0 + hours)
+
+
+def _latency(ctx: Context, cluster_id: str) -> float:
+    c = ctx.cluster(cluster_id)
+    if c is None:
+        return 0.0
+    targets = ctx.request.regions or ((ctx.request.user_region,) if ctx.request.user_region
+                                      else ())
+    known = [c.link_latency_ms[r] for r in targets if r in c.link_latency_ms]
+    if not known:
+        return 1.0 if not targets or c.region in targets else 0.5
+    return max(0.0, 1.0 - min(known) / 300.0)
+
+
+def _cost(ctx: Context, cluster_id: str) -> float:
+    c = ctx.cluster(cluster_id)
+    cost = cost_per_gpu_hour(c) if c else 0.0
+    if cost <= 0:
+        return 1.0
+    return ctx.cheapest / cost if ctx.cheapest > 0 else 0.0
+
+
+def _fit(ctx: Context, cluster_id: str) -> float:
+    return ctx.index.fill_after(cluster_id, ctx.request.shape)
+
+
+def _preference(ctx: Context, cluster_id: str) -> float:
+    order = ctx.policy.cluster_preference
+    return 1.0 / (order.index(cluster_id) + 1) if cluster_id in order else 0.0
+
+
+def _spread(ctx: Context, cluster_id: str) -> float:
+    # Replicas of one service in different clusters fail independently.
+    return 1.0 / (1 + ctx.request.spread.get(cluster_id, 0))
+
+
+SCORERS: dict[str, Scorer] = {
+    "locality": _locality, "latency": _latency, "cost": _cost, "fit": _fit,
+    "preference": _preference, "spread": _spread,
+}
+
+
+def rank_clusters(ctx: Context) -> list[ClusterScore]:
+    """Every cluster, feasible ones first by score, then the rejected with their reasons."""
+    clusters = ctx.index.facts.clusters
+    ctx.cheapest = min((cost_per_gpu_hour(c) for c in clusters.values()
+                        if cost_per_gpu_hour(c) > 0), default=0.0)
+    weights = ctx.policy.weights
+    out = []
+    for cluster_id in sorted(set(clusters) | set(ctx.index.buckets)):
+        reason = None
+        for name in ctx.policy.filters:
+            reason = FILTERS[name](ctx, cluster_id)
+            if reason is not None:
+                break
+        if reason is not None:
+            out.append(ClusterScore(cluster_id, 0.0, {}, reason))
             continue
-        placed = place_training(view, cluster_id, job)
-        if isinstance(placed, Unplaceable):
-            scored.append((ClusterScore(cluster_id, 0.0, {}, placed.reason), None))
-            continue
-        info = view.clusters.get(cluster_id)
-        price = (info.price_per_gpu_hour or 0.0) if info else 0.0
-        energy = ((info.energy_price_per_kwh or 0.0) * (info.pue or 1.0) * GPU_POWER_KW
-                  if info else 0.0)
-        costs[cluster_id] = price + energy
-        parts: dict[str, float] = {}
-        if dataset is None or cluster_id in dataset.replicas:
-            parts["locality"] = 1.0
-        else:
-            hours = _transfer_s(dataset.size_bytes, policy.interconnect_gbps) / 3600
-            parts["locality"] = max(0.0, 1.0 - hours / 24)
-        latency = (info.link_latency_ms.get(user_region) if info and user_region else None)
-        parts["latency"] = 1.0 if latency is None else max(0.0, 1.0 - latency / 300.0)
-        nodes = {ref[0] for ref in placed.gpus}
-        sizes = {n: len(view.nodes[n].gpus) for n in nodes}
-        taken = {n: sum(1 for ref in view.gpu_owner if ref[0] == n) for n in nodes}
-        parts["fit"] = sum((taken[n] + sum(1 for r in placed.gpus if r[0] == n)) / sizes[n]
-                           for n in nodes) / len(nodes)
-        rank = (policy.cluster_preference.index(cluster_id)
-                if cluster_id in policy.cluster_preference else None)
-        parts["preference"] = 0.0 if rank is None else 1.0 / (rank + 1)
-        scored.append((ClusterScore(cluster_id, 0.0, parts), placed))
-    cheapest = min(costs.values(), default=0.0)
-    w = policy.weights
-    final: list[tuple[ClusterScore, Placement | None]] = []
-    for score, placed in scored:
+        parts = {name: round(SCORERS[name](ctx, cluster_id), 6)
+                 for name in sorted(weights) if weights[name]}
+        total = round(sum(weights[name] * v for name, v in parts.items()), 6)
+        out.append(ClusterScore(cluster_id, total, parts))
+    out.sort(key=lambda s: (s.rejected is not None, -s.total, s.cluster_id))
+    return out
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A placement attempt: where (one placement per cluster part), why, what else was there."""
+
+    placements: tuple[Placement, ...]
+    reason: str
+    alternatives: tuple[ClusterScore, ...]
+    prewarms: tuple[DatasetPrewarm, ...] = ()
+    workers: int = 0  # workers placed (an elastic job may get fewer than asked)
+
+    @property
+    def placed(self) -> bool:
+        return bool(self.placements)
+
+
+def _explain(score: ClusterScore) -> str:
+    return f"{score.cluster_id} scores {score.total} (" + ", ".join(
+        f"{k} {v}" for k, v in score.parts.items()) + ")"
+
+
+def _queued_reason(scores: list[ClusterScore]) -> str:
+    return "; ".join(f"{s.cluster_id}: {s.rejected}" for s in scores if s.rejected) \
+        or "no clusters in the view"
+
+
+def _prewarm(ctx: Context, cluster_id: str) -> DatasetPrewarm | None:
+    d = ctx.request.dataset
+    if d is None or cluster_id in d.replicas:
+        return None
+    target = ctx.cluster(cluster_id)
+    sources = sorted(d.replicas, key=lambda r: (
+        target.link_latency_ms.get(ctx.cluster(r).region, 1e9)
+        if target is not None and ctx.cluster(r) is not None else 1e9, r))
+    rate = _prewarm_rate(ctx) or ctx.policy.interconnect_gbps
+    return DatasetPrewarm(d.dataset_id, cluster_id, sources[0] if sources else None,
+                          d.size_bytes, round(transfer_s(d.size_bytes, rate), 3), rate)
+
+
+def _reserve(index: CapacityIndex, gang: Gang) -> None:
+    for node, mask in gang.workers:
+        index.reserve(node, mask)
+
+
+def unreserve(index: CapacityIndex, placements: tuple[Placement, ...] | list[Placement]) -> None:
+    for placement in placements:
+        for worker in placement.gpus:
+            index.release(worker[0], 1 << worker[1])
+
+
+def place_gang(ctx: Context) -> Outcome:
+    """The whole gang in the best cluster that holds it."""
+    scores = rank_clusters(ctx)
+    top = tuple(s for s in scores if s.rejected is None)[:ctx.policy.alternatives]
+    shown = top + tuple(s for s in scores if s.rejected is not None)
+    for score in scores:
         if score.rejected is not None:
-            final.append((score, placed))
+            break
+        gang = ctx.index.select_gang(score.cluster_id, ctx.request.shape)
+        if isinstance(gang, str):
             continue
-        parts = dict(score.parts)
-        cost = costs[score.cluster_id]
-        parts["cost"] = 1.0 if cost <= 0 else (cheapest / cost if cheapest > 0 else 0.0)
-        total = (w.locality * parts["locality"] + w.latency * parts["latency"]
-                 + w.cost * parts["cost"] + w.fit * parts["fit"]
-                 + w.preference * parts["preference"])
-        final.append((ClusterScore(score.cluster_id, round(total, 6),
-                                   {k: round(v, 6) for k, v in sorted(parts.items())}), placed))
-    ranked = sorted(final, key=lambda sp: (sp[0].rejected is not None, -sp[0].total,
-                                           sp[0].cluster_id))
-    alternatives = tuple(s for s, _ in ranked)
-    offsets = {t: dict(ps) for t, ps in view.offsets.items()}
-    best, placement = ranked[0] if ranked else (None, None)
-    if best is None or best.rejected is not None or placement is None:
-        why = "; ".join(f"{s.cluster_id}: {s.rejected}" for s in alternatives) or "no clusters"
-        return Decision(job.metadata.name, "Queued", None, None, why, view.version, offsets,
-                        alternatives)
-    prewarm = None
-    if dataset is not None and best.cluster_id not in dataset.replicas:
-        sources = sorted(dataset.replicas, key=lambda r: (
-            (view.clusters[best.cluster_id].link_latency_ms.get(view.clusters[r].region, 1e9)
-             if best.cluster_id in view.clusters and r in view.clusters else 1e9), r))
-        prewarm = DatasetPrewarm(dataset.dataset_id, best.cluster_id,
-                                 sources[0] if sources else None, dataset.size_bytes,
-                                 _transfer_s(dataset.size_bytes, policy.interconnect_gbps))
-    reason = (f"{best.cluster_id} scores {best.total} ("
-              + ", ".join(f"{k} {v}" for k, v in best.parts.items()) + "); "
-              + "; ".join(placement.reasons))
-    return Decision(job.metadata.name, "Placed", best.cluster_id, placement, reason,
-                    view.version, offsets, alternatives, prewarm)
+        _reserve(ctx.index, gang)
+        placement = to_placement(gang, ctx.request.shape, ctx.index)
+        prewarm = _prewarm(ctx, score.cluster_id)
+        return Outcome((placement,), _explain(score) + "; " + "; ".join(placement.reasons),
+                       shown, (prewarm,) if prewarm else (), ctx.request.shape.workers)
+    return Outcome((), _queued_reason(scores), shown)
+
+
+def place_split(ctx: Context) -> Outcome:
+    """Whole pipeline replicas over several clusters, the best-scored first; all or none."""
+    shape = ctx.request.shape
+    unit = shape.replica_workers if shape.workers % shape.replica_workers == 0 else shape.workers
+    replicas = shape.workers // unit
+    one = replace(shape, workers=unit)
+    scores = rank_clusters(replace_request(ctx, shape=one, gpu_ms=0))
+    placements: list[Placement] = []
+    held: dict[str, int] = {}
+    left = replicas
+    for score in scores:
+        if score.rejected is not None or not left:
+            break
+        fits = min(left, ctx.index.fitting_nodes(score.cluster_id, one) // unit)
+        while fits:
+            part = replace(shape, workers=fits * unit)
+            scoped = _holding(replace_request(ctx, shape=part, gpu_ms=0), held)
+            block = _quota(scoped, score.cluster_id)
+            gang = ctx.index.select_gang(score.cluster_id, part) if block is None else block
+            if not isinstance(gang, str):
+                _reserve(ctx.index, gang)
+                placements.append(to_placement(gang, part, ctx.index))
+                held[score.cluster_id] = held.get(score.cluster_id, 0) + part.gpus
+                left -= fits
+                break
+            fits -= 1
+    shown = _shown(ctx, scores)
+    if left:
+        unreserve(ctx.index, placements)
+        return Outcome((), f"no single cluster holds the job, and split by pipeline replicas "
+                       f"{replicas - left} of {replicas} replicas fit: " + _queued_reason(scores),
+                       shown)
+    prewarms = tuple(p for p in (_prewarm(ctx, pl.cluster_id) for pl in placements) if p)
+    where = ", ".join(f"{pl.cluster_id} ({len(pl.workers)} workers)" for pl in placements)
+    return Outcome(tuple(placements), f"split across clusters by whole pipeline replicas: "
+                   f"{where}", shown, prewarms, shape.workers)
+
+
+def place_replicas(ctx: Context, replicas: int) -> Outcome:
+    """Service replicas one by one, each to the best cluster given those already placed (the
+    spread scorer keeps them apart); all `replicas` or none."""
+    base = ctx.request
+    spread: dict[str, int] = dict(base.spread)
+    gangs: list[Gang] = []
+    first_scores: list[ClusterScore] | None = None
+    one = replace(base.shape, workers=1)
+    held: dict[str, int] = {}
+    for _ in range(replicas):
+        scores = rank_clusters(_holding(replace_request(ctx, shape=one, spread=dict(spread)),
+                                        held))
+        if first_scores is None:
+            first_scores = scores
+        chosen = None
+        for score in scores:
+            if score.rejected is not None:
+                break
+            gang = ctx.index.select_gang(score.cluster_id, one)
+            if not isinstance(gang, str):
+                chosen = gang
+                break
+        if chosen is None:
+            for gang in gangs:
+                for node, mask in gang.workers:
+                    ctx.index.release(node, mask)
+            return Outcome((), f"{len(gangs)} of {replicas} replicas fit: "
+                           + _queued_reason(scores), _shown(ctx, scores))
+        _reserve(ctx.index, chosen)
+        gangs.append(chosen)
+        spread[chosen.cluster_id] = spread.get(chosen.cluster_id, 0) + 1
+        held[chosen.cluster_id] = held.get(chosen.cluster_id, 0) + one.per_worker
+    by_cluster: dict[str, list[Gang]] = {}
+    for gang in gangs:
+        by_cluster.setdefault(gang.cluster_id, []).append(gang)
+    placements = tuple(
+        to_placement(Gang(cluster, tuple(w for g in group for w in g.workers),
+                          tuple(sorted({leaf for g in group for leaf in g.leaves})), 0),
+                     replace(one, workers=len(group)), ctx.index)
+        for cluster, group in sorted(by_cluster.items()))
+    where = ", ".join(f"{p.cluster_id} x{len(p.workers)}" for p in placements)
+    return Outcome(placements, f"{replicas} replicas over {len(placements)} cluster(s): {where}",
+                   _shown(ctx, first_scores or []), (), replicas)
+
+
+def _shown(ctx: Context, scores: list[ClusterScore]) -> tuple[ClusterScore, ...]:
+    return tuple(s for s in scores if s.rejected is None)[:ctx.policy.alternatives] + tuple(
+        s for s in scores if s.rejected is not None)
+
+
+def _holding(ctx: Context, held: Mapping[str, int]) -> Context:
+    """The context as if the tenant already held `held` GPUs per cluster (the parts of one
+    placement placed so far), so quotas count the whole placement."""
+    if not held:
+        return ctx
+    usage = ctx.usage_of()
+    clusters = dict(usage.cluster_gpus)
+    for cluster, n in held.items():
+        clusters[cluster] = clusters.get(cluster, 0) + n
+    scoped = replace(usage, gpus=usage.gpus + sum(held.values()), cluster_gpus=clusters)
+    return Context(ctx.index, ctx.policy, ctx.tenants,
+                   {**ctx.usage, ctx.request.tenant: scoped}, ctx.request, ctx.cheapest)
+
+
+def replace_request(ctx: Context, **changes: Any) -> Context:
+    return Context(ctx.index, ctx.policy, ctx.tenants, ctx.usage,
+                   replace(ctx.request, **changes), ctx.cheapest)

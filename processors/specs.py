@@ -75,6 +75,8 @@ class TrainingJob:
     min_workers: int
     max_workers: int
     allow_split_across_clusters: bool
+    max_runtime_s: int | None = None  # None: the scheduling policy's default
+    region: str | None = None  # where its users or upstream data sit, for the latency score
     kind: str = "TrainingJob"
 
     @property
@@ -200,7 +202,22 @@ def _metadata(r: _Reader, value: Any) -> Metadata:
 
 _TRAINING = ("accelerator", "gpus_per_worker", "workers", "parallelism", "communication",
              "priority_class", "checkpoint_interval_s", "dataset", "elastic",
-             "allow_split_across_clusters")
+             "allow_split_across_clusters", "max_runtime", "region")
+_DURATION = re.compile(r"^\s*(?P<n>\d+(\.\d+)?)\s*(?P<unit>s|m|h|d)?\s*$")
+_SECONDS = {None: 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: Any) -> int | None:
+    """Seconds from 3600, "90m", "24h", "2d"; None if it is not a duration."""
+    if isinstance(text, bool):
+        return None
+    if isinstance(text, int):
+        return text if text > 0 else None
+    match = _DURATION.match(str(text))
+    if match is None:
+        return None
+    seconds = int(float(match["n"]) * _SECONDS[match["unit"]])
+    return seconds if seconds > 0 else None
 
 
 def _training(r: _Reader, meta: Metadata, value: Any) -> TrainingJob:
@@ -226,6 +243,12 @@ def _training(r: _Reader, meta: Metadata, value: Any) -> TrainingJob:
     if not low <= workers <= high:
         r.fail("spec.elastic", f"min_workers {low} <= workers {workers} <= max_workers {high} "
                "does not hold")
+    max_runtime = None
+    if s.get("max_runtime") is not None:
+        max_runtime = parse_duration(s.get("max_runtime"))
+        if max_runtime is None:
+            r.fail("spec.max_runtime", "must be seconds or a duration like 90m, 24h, 2d, got "
+                   f"{s.get('max_runtime')!r}")
     split = s.get("allow_split_across_clusters", False)
     if not isinstance(split, bool):
         r.fail("spec.allow_split_across_clusters", f"must be true or false, got {split!r}")
@@ -239,7 +262,8 @@ def _training(r: _Reader, meta: Metadata, value: Any) -> TrainingJob:
                               choices=PRIORITY_CLASSES) or "normal",
         checkpoint_interval_s=r.integer(s, "checkpoint_interval_s", "spec", default=1800),
         dataset=r.text(s, "dataset", "spec", required=False),
-        min_workers=low, max_workers=high, allow_split_across_clusters=split)
+        min_workers=low, max_workers=high, allow_split_across_clusters=split,
+        max_runtime_s=max_runtime, region=r.text(s, "region", "spec", required=False))
 
 
 _INFERENCE = ("model", "accelerator", "gpus_per_replica", "replicas", "latency_target_ms",

@@ -15,6 +15,9 @@ DATASET_STATE = "fleetline.fleet.DatasetState"
 ALLOCATION = "fleetline.scheduling.Allocation"
 AUDIT_EVENT = "fleetline.audit.AuditEvent"
 AUDIT_RECORD = "fleetline.audit.AuditRecord"
+SCHEDULER_REQUEST = "fleetline.scheduling.SchedulerRequest"
+SCHEDULING_DECISION = "fleetline.scheduling.SchedulingDecision"
+DATASET_PREWARM = "fleetline.scheduling.DatasetPrewarm"
 
 
 def check_telemetry(record: Mapping[str, Any]) -> None:

@@ -1,73 +1,68 @@
-"""Cross-cluster decisions: locality, prewarm, cost, operator preference, queueing with reasons."""
+"""The cross-cluster pipeline on its own: filters and scorers chosen by the policy, every
+cluster's reason, and policies read from configuration."""
 
 from __future__ import annotations
 
-from fleetline.agents.simulator import ClusterSpec, cluster_info
-from fleetline.processors.scheduling import SchedulingPolicy, Weights, decide
-from tests.support import BASE_MS
-from tests.test_placement import job
-from tests.test_view import fold, scenario_events
+import pytest
+
+from fleetline.agents.simulator import ClusterSpec
+from fleetline.errors import ConfigError
+from fleetline.processors.capacity import CapacityIndex, observe
+from fleetline.processors.placement import training_shape
+from fleetline.processors.scheduling import (
+    Context,
+    JobRequest,
+    SchedulingPolicy,
+    rank_clusters,
+)
+from fleetline.processors.specs import parse_spec
+from tests.scheduling_support import fleet_view, training
 
 CLUSTERS = [ClusterSpec("us-east-a", "us-east", 4), ClusterSpec("eu-west-a", "eu-west", 4),
-            ClusterSpec("ap-south-a", "ap-south", 4)]
+            ClusterSpec("ap-south-a", "ap-south", 4, model="NVIDIA H200")]
 
 
-def fleet_view(seconds: int = 8, dataset_bytes: int = 100 * 10**12):
-    events = [("ClusterInfo", cluster_info(c, 1, BASE_MS)) for c in CLUSTERS]
-    events.append(("DatasetState", {"dataset_id": "corpus", "tenant": "acme", "seq": 1,
-                                    "ts": BASE_MS, "size_bytes": dataset_bytes,
-                                    "replicas": ["eu-west-a"], "deleted": False}))
-    return fold(events + scenario_events(seconds=seconds))
+def ranked(policy: SchedulingPolicy, workers: int = 1, accelerator: str = "H100",
+           region: str | None = None):
+    view, _ = fleet_view(CLUSTERS)
+    spec = parse_spec(training("j", workers, accelerator=accelerator))
+    request = JobRequest("acme/j", "acme", training_shape(spec), 2, user_region=region)
+    return rank_clusters(Context(CapacityIndex(observe(view)), policy, {}, {}, request))
 
 
-def training(workers: int, dataset: str | None = "corpus"):
-    spec = job(workers, 8, 8)
-    return spec if dataset is None else type(spec)(**{**spec.__dict__, "dataset": dataset})
+def test_every_cluster_is_scored_or_rejected_with_its_reason():
+    scores = {s.cluster_id: s for s in ranked(SchedulingPolicy(), workers=4)}
+    assert scores["ap-south-a"].rejected == "has no H100 GPUs"
+    assert scores["us-east-a"].rejected is None and scores["eu-west-a"].rejected is None
+    too_big = {s.cluster_id: s.rejected for s in ranked(SchedulingPolicy(), workers=5)}
+    assert too_big["us-east-a"].startswith("needs 5 nodes with 8 free healthy H100 GPUs")
 
 
-def test_the_cluster_holding_the_data_wins_when_the_job_fits_there():
-    decision = decide(fleet_view(), training(2), SchedulingPolicy())
-    assert decision.outcome == "Placed" and decision.cluster_id == "eu-west-a"
-    assert decision.prewarm is None
-    # eu-west-a has a degraded and a failed GPU: the gang avoids both nodes.
-    assert {ref[0] for ref in decision.placement.gpus} == {"eu-west-a-n0000", "eu-west-a-n0003"}
-    best, *others = decision.alternatives
-    assert best.cluster_id == "eu-west-a" and best.parts["locality"] == 1.0
-    assert all(o.total < best.total for o in others if o.rejected is None)
+def test_the_policy_chooses_the_filters_and_the_weights():
+    latency_only = SchedulingPolicy(weights={"latency": 1.0, "cost": 0.0, "locality": 0.0,
+                                             "fit": 0.0, "preference": 0.0, "spread": 0.0})
+    best = ranked(latency_only, region="eu-west")[0]
+    assert best.cluster_id == "eu-west-a" and set(best.parts) == {"latency"}
+    cost_only = SchedulingPolicy(weights={"cost": 1.0, "latency": 0.0, "locality": 0.0,
+                                          "fit": 0.0, "preference": 0.0, "spread": 0.0})
+    assert ranked(cost_only, region="eu-west")[0].cluster_id == "us-east-a"
+    # Without the accelerator filter the H200 cluster is a candidate until capacity says no.
+    loose = SchedulingPolicy(filters=("reachable", "capacity"))
+    scores = {s.cluster_id: s.rejected for s in ranked(loose, accelerator="H200")}
+    assert scores["ap-south-a"] is None and "0 have them" in scores["us-east-a"]
 
 
-def test_a_prewarm_goes_ahead_of_a_job_placed_away_from_its_data():
-    decision = decide(fleet_view(), training(3), SchedulingPolicy())
-    assert decision.cluster_id == "ap-south-a"  # the only cluster with 3 clean nodes
-    assert decision.prewarm is not None
-    assert (decision.prewarm.dataset_id, decision.prewarm.from_cluster,
-            decision.prewarm.to_cluster) == ("corpus", "eu-west-a", "ap-south-a")
-    assert decision.prewarm.estimated_s == 100 * 10**12 * 8 / 10e9
-    rejected = {s.cluster_id: s.rejected for s in decision.alternatives if s.rejected}
-    assert set(rejected) == {"eu-west-a", "us-east-a"} and "2 have them" in rejected["eu-west-a"]
-
-
-def test_without_data_the_cheapest_wins_unless_the_operator_prefers_another():
-    view = fleet_view()
-    cheap = decide(view, training(1, dataset=None), SchedulingPolicy())
-    assert cheap.cluster_id == "ap-south-a"  # lowest price + energy x PUE
-    preferred = decide(view, training(1, dataset=None), SchedulingPolicy(
-        weights=Weights(preference=2.0), cluster_preference=("us-east-a",)))
-    assert preferred.cluster_id == "us-east-a"
-
-
-def test_a_job_no_cluster_can_hold_is_queued_with_every_reason():
-    decision = decide(fleet_view(), training(5), SchedulingPolicy())
-    assert decision.outcome == "Queued" and decision.placement is None
-    for cluster in ("us-east-a", "eu-west-a", "ap-south-a"):
-        assert f"{cluster}: needs 5 nodes" in decision.reason
-
-
-def test_decisions_are_deterministic_and_name_what_they_read():
-    view = fleet_view()
-    view.advance("t", 0, 41)
-    first = decide(view, training(2), SchedulingPolicy(), user_region="eu-west")
-    again = decide(view, training(2), SchedulingPolicy(), user_region="eu-west")
-    assert first == again
-    assert first.view_version == view.version and first.offsets == {"t": {0: 42}}
-    assert first.alternatives[0].parts["latency"] > first.alternatives[1].parts["latency"]
+def test_policies_come_from_configuration_and_name_their_digest():
+    data = {"weights": {"locality": 3}, "cluster_preference": ["eu-west-a"],
+            "default_tenant": {"quota": {"gpus": 64}}}
+    policy = SchedulingPolicy.from_data(data)
+    assert policy.weights["locality"] == 3.0 and policy.weights["cost"] == 1.0
+    assert policy.default_tenant is not None and policy.default_tenant.quota.gpus == 64
+    assert SchedulingPolicy.from_data(policy.as_data()) == policy
+    assert policy.digest() != SchedulingPolicy().digest()
+    with pytest.raises(ConfigError, match="unknown filters"):
+        SchedulingPolicy(filters=("reachable", "astrology"))
+    with pytest.raises(ConfigError, match="unknown scorers"):
+        SchedulingPolicy.from_data({"weights": {"vibes": 1}})
+    with pytest.raises(ConfigError, match="unknown fields"):
+        SchedulingPolicy.from_data({"weight": {}})

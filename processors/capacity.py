@@ -1,0 +1,425 @@
+"""What the scheduler sees of the fleet: facts observed from the resource view, and an index of
+free GPUs as bitmasks per node, bucketed so a gang's feasibility is a sum over a few buckets.
+
+`observe(view)` is a pure function of the view at some offsets: per node its topology (leaf and
+spine switch, NVLink islands as masks), which GPUs a new job may take (`healthy`; `degraded` only
+for jobs that tolerate it), which GPUs running jobs must leave (`lost`: failed GPUs, or the whole
+node when it is DOWN or unreachable), and the clusters' and datasets' facts. It ignores the
+view's own allocations: the scheduler is their only writer and keeps them itself.
+
+`CapacityIndex` adds the scheduler's allocations (`taken`) and keeps each cluster's schedulable
+nodes in buckets keyed by (accelerator, islands, free healthy mask, free degraded mask). Gangs
+are placed by `select_gang`: each worker's GPUs on one node, tensor-parallel groups inside one
+NVLink island (the whole node when a group is wider than an island), whole pipeline replicas
+under one leaf switch where they fit, the tightest nodes first (best fit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from fleetline.errors import InvalidEventError
+from fleetline.processors.view import DEGRADED, FAILED, HEALTHY, ResourceView, node_status
+
+GpuRef = tuple[str, int]
+Offsets = dict[str, dict[int, int]]
+
+
+def mask_of(indices: Iterable[int]) -> int:
+    out = 0
+    for i in indices:
+        out |= 1 << i
+    return out
+
+
+def indices_of(mask: int) -> tuple[int, ...]:
+    out = []
+    i = 0
+    while mask:
+        if mask & 1:
+            out.append(i)
+        mask >>= 1
+        i += 1
+    return tuple(out)
+
+
+@lru_cache(maxsize=65536)
+def pick(islands: tuple[int, ...], free: int, need: int, tensor: int) -> int:
+    """`need` GPUs of `free` (a mask) in groups of `tensor`, each group inside one island, the
+    tightest islands first; the chosen mask, or 0 when they are not there. A group wider than
+    every island takes the whole node, which must then be free."""
+    if need <= 0:
+        return 0
+    widest = max((i.bit_count() for i in islands), default=0)
+    if tensor > widest:
+        everything = 0
+        for island in islands:
+            everything |= island
+        return everything if need == everything.bit_count() and free & everything == everything \
+            else 0
+    groups = need // tensor
+    chosen = 0
+    spare = sorted((free & island for island in islands), key=lambda m: (m.bit_count(), m))
+    for island_free in spare:
+        while groups and island_free.bit_count() >= tensor:
+            taken = 0
+            for index in indices_of(island_free)[:tensor]:
+                taken |= 1 << index
+            chosen |= taken
+            island_free &= ~taken
+            groups -= 1
+    return chosen if groups == 0 else 0
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    node_id: str
+    cluster_id: str
+    leaf: str
+    spine: str
+    model: str  # the accelerator label, lower case
+    islands: tuple[int, ...]  # NVLink islands as GPU masks
+    present: int  # every GPU the node reports
+    healthy: int  # free-able for any job (node UP, GPU healthy)
+    degraded: int  # only for jobs that tolerate degraded GPUs
+    status: str  # UP, DRAINING, DOWN, UNREACHABLE
+
+
+@dataclass(frozen=True)
+class ClusterFacts:
+    cluster_id: str
+    region: str
+    kind: str
+    price_per_gpu_hour: float
+    energy_price_per_kwh: float
+    pue: float
+    link_latency_ms: dict[str, float]
+    health: str  # healthy, degraded, unreachable, retired, empty
+
+
+@dataclass(frozen=True)
+class DatasetFacts:
+    dataset_id: str
+    tenant: str
+    size_bytes: int
+    replicas: tuple[str, ...]
+
+
+@dataclass
+class FleetFacts:
+    """The part of a view the scheduler decides on, and the view position it came from."""
+
+    nodes: dict[str, NodeFacts]
+    lost: dict[str, int]  # node -> GPUs running jobs must leave (failed, node down/unreachable)
+    clusters: dict[str, ClusterFacts]
+    datasets: dict[str, DatasetFacts]
+    view_version: int = 0
+    offsets: Offsets = field(default_factory=dict)
+    watermark_ms: int = 0
+    _lost_reasons: dict[str, str] = field(default_factory=dict)
+
+    def lost_reason(self, node_id: str) -> str:
+        return self._lost_reasons.get(node_id, f"{node_id} is gone from the view")
+
+
+def observe(view: ResourceView) -> FleetFacts:
+    """The scheduler's facts from the view, the same whatever order the view's dicts are in."""
+    nodes: dict[str, NodeFacts] = {}
+    lost: dict[str, int] = {}
+    reasons: dict[str, str] = {}
+    counts: dict[str, list[int]] = {}  # cluster -> [nodes, unreachable, gpus, bad gpus]
+    regions: dict[str, str] = {}
+    for node_id in sorted(view.nodes):
+        node = view.nodes[node_id]
+        status = node_status(view, node)
+        healthy = degraded = present = failed = 0
+        for index, gpu in node.gpus.items():
+            bit = 1 << index
+            present |= bit
+            if gpu.failed_at_ms is not None and gpu.failed_at_ms >= node.up_since_ms:
+                failed |= bit
+            elif gpu.health == HEALTHY:
+                healthy |= bit
+            elif gpu.health == DEGRADED:
+                degraded |= bit
+        c = counts.setdefault(node.cluster_id, [0, 0, 0, 0])
+        regions.setdefault(node.cluster_id, node.region)
+        c[0] += 1
+        c[1] += status == "UNREACHABLE"
+        c[2] += present.bit_count()
+        c[3] += (present if status != "UP" else failed | degraded).bit_count()
+        if status in ("DOWN", "UNREACHABLE"):
+            lost[node_id] = present
+            reasons[node_id] = (f"{node_id} is {status}"
+                                + (f" ({node.reason})" if status == "DOWN" and node.reason
+                                   else ""))
+        elif failed:
+            lost[node_id] = failed
+            causes = sorted({node.gpus[i].failure or FAILED for i in indices_of(failed)})
+            reasons[node_id] = (f"{node_id} GPU(s) {list(indices_of(failed))} failed "
+                                f"({', '.join(causes)})")
+        if status != "UP":
+            healthy = degraded = 0
+        islands = tuple(mask_of(i) for i in node.islands) or (present,)
+        nodes[node_id] = NodeFacts(
+            node_id=node_id, cluster_id=node.cluster_id, leaf=node.leaf_switch or "unknown",
+            spine=node.spine_switch or "unknown",
+            model=node.labels.get("accelerator", "").lower(), islands=islands, present=present,
+            healthy=healthy, degraded=degraded, status=status)
+    clusters: dict[str, ClusterFacts] = {}
+    for cluster_id in sorted(set(counts) | set(view.clusters)):
+        info = view.clusters.get(cluster_id)
+        n, unreachable, gpus, bad = counts.get(cluster_id, [0, 0, 0, 0])
+        if info is not None and info.retired:
+            health = "retired"
+        elif n == 0:
+            health = "empty"
+        elif unreachable == n:
+            health = "unreachable"
+        elif unreachable or (gpus and bad / gpus > 0.1):
+            health = "degraded"
+        else:
+            health = "healthy"
+        region = info.region if info else regions.get(cluster_id, "")
+        clusters[cluster_id] = ClusterFacts(
+            cluster_id=cluster_id, region=region, kind=info.kind if info else "UNKNOWN",
+            price_per_gpu_hour=(info.price_per_gpu_hour or 0.0) if info else 0.0,
+            energy_price_per_kwh=(info.energy_price_per_kwh or 0.0) if info else 0.0,
+            pue=(info.pue or 1.0) if info else 1.0,
+            link_latency_ms=dict(info.link_latency_ms) if info else {}, health=health)
+    datasets = {d: DatasetFacts(d, info.tenant, info.size_bytes, tuple(info.replicas))
+                for d, info in sorted(view.datasets.items())}
+    return FleetFacts(nodes, lost, clusters, datasets, view.version,
+                      {t: dict(sorted(ps.items())) for t, ps in sorted(view.offsets.items())},
+                      view.watermark_ms, reasons)
+
+
+BucketKey = tuple[str, tuple[int, ...], int, int]  # model, islands, free healthy, free degraded
+
+
+@dataclass(frozen=True)
+class GangShape:
+    """What one placement asks of a cluster: `workers` x `per_worker` GPUs in NVLink groups of
+    `tensor`, `replica_workers` consecutive workers forming one pipeline (a data-parallel
+    replica)."""
+
+    accelerator: str
+    workers: int
+    per_worker: int
+    tensor: int
+    replica_workers: int
+    allow_degraded: bool
+
+    @property
+    def gpus(self) -> int:
+        return self.workers * self.per_worker
+
+    def matches(self, model: str) -> bool:
+        return not self.accelerator or self.accelerator.lower() in model
+
+
+@dataclass(frozen=True)
+class Gang:
+    cluster_id: str
+    workers: tuple[tuple[str, int], ...]  # (node, GPU mask) per worker, in rank order
+    leaves: tuple[str, ...]
+    replicas_split: int  # pipeline replicas that had to span leaf switches
+
+    def refs(self) -> tuple[GpuRef, ...]:
+        return tuple((node, i) for node, mask in self.workers for i in indices_of(mask))
+
+
+class CapacityIndex:
+    """Free GPUs per node given the observed facts and the scheduler's allocations."""
+
+    def __init__(self, facts: FleetFacts, taken: dict[str, int] | None = None) -> None:
+        self.facts = facts
+        self.taken: dict[str, int] = {}
+        self.buckets: dict[str, dict[BucketKey, set[str]]] = {}
+        for node_id, taken_mask in (taken or {}).items():
+            if taken_mask:
+                self.taken[node_id] = taken_mask
+        for node in facts.nodes.values():
+            self.buckets.setdefault(node.cluster_id, {})
+            if node.status == "UP":
+                self._add(node)
+
+    def _key(self, node: NodeFacts) -> BucketKey:
+        taken = self.taken.get(node.node_id, 0)
+        return (node.model, node.islands, node.healthy & ~taken, node.degraded & ~taken)
+
+    def _add(self, node: NodeFacts) -> None:
+        self.buckets[node.cluster_id].setdefault(self._key(node), set()).add(node.node_id)
+
+    def _remove(self, node: NodeFacts) -> None:
+        cluster = self.buckets[node.cluster_id]
+        key = self._key(node)
+        members = cluster[key]
+        members.discard(node.node_id)
+        if not members:
+            del cluster[key]
+
+    def reserve(self, node_id: str, mask: int) -> None:
+        """Take GPUs for a job; InvalidEventError if any is taken already (no double booking)."""
+        held = self.taken.get(node_id, 0)
+        if held & mask:
+            raise InvalidEventError(f"{node_id} GPU(s) {list(indices_of(held & mask))} are "
+                                    "already allocated")
+        node = self.facts.nodes.get(node_id)
+        schedulable = node is not None and node.status == "UP"
+        if schedulable:
+            self._remove(node)
+        self.taken[node_id] = held | mask
+        if schedulable:
+            self._add(node)
+
+    def release(self, node_id: str, mask: int) -> None:
+        held = self.taken.get(node_id, 0)
+        node = self.facts.nodes.get(node_id)
+        schedulable = node is not None and node.status == "UP"
+        if schedulable:
+            self._remove(node)
+        rest = held & ~mask
+        if rest:
+            self.taken[node_id] = rest
+        else:
+            self.taken.pop(node_id, None)
+        if schedulable:
+            self._add(node)
+
+    def clusters(self) -> list[str]:
+        return sorted(self.buckets)
+
+    def _fitting(self, cluster_id: str, shape: GangShape) -> Iterator[tuple[int, BucketKey, int]]:
+        need, tensor = shape.per_worker, min(shape.tensor, shape.per_worker)
+        for key in self.buckets.get(cluster_id, {}):
+            model, islands, free_h, free_d = key
+            if not shape.matches(model):
+                continue
+            free = free_h | free_d if shape.allow_degraded else free_h
+            if free.bit_count() < need:
+                continue
+            chosen = pick(islands, free, need, tensor)
+            if chosen:
+                yield free.bit_count(), key, chosen
+
+    def fitting_nodes(self, cluster_id: str, shape: GangShape) -> int:
+        """How many nodes could host one worker of the shape."""
+        members = self.buckets.get(cluster_id, {})
+        return sum(len(members[key]) for _, key, _ in self._fitting(cluster_id, shape))
+
+    def fill_after(self, cluster_id: str, shape: GangShape) -> float:
+        """The share of GPUs in use on the nodes a placement would take, after taking them (1.0:
+        the gang fills its nodes exactly; low: it would break into free nodes)."""
+        members = self.buckets.get(cluster_id, {})
+        left = shape.workers
+        used = total = 0
+        for free_count, key, _ in sorted(self._fitting(cluster_id, shape)):
+            if left <= 0:
+                break
+            count = min(left, len(members[key]))
+            size = sum(i.bit_count() for i in key[1])
+            used += count * (size - free_count + shape.per_worker)
+            total += count * size
+            left -= count
+        return used / total if total else 0.0
+
+    def select_gang(self, cluster_id: str, shape: GangShape) -> Gang | str:
+        """The nodes and GPUs for every worker, or why the cluster cannot hold the gang."""
+        members = self.buckets.get(cluster_id, {})
+        fitting = sorted(self._fitting(cluster_id, shape))
+        available = sum(len(members[key]) for _, key, _ in fitting)
+        if available < shape.workers:
+            kind = "" if shape.allow_degraded else "healthy "
+            return (f"needs {shape.workers} nodes with {shape.per_worker} free {kind}"
+                    f"{shape.accelerator or 'any'} GPUs in NVLink groups of "
+                    f"{min(shape.tensor, shape.per_worker)}; {available} have them")
+        if shape.workers == 1:
+            _, key, chosen = fitting[0]
+            node_id = min(members[key])
+            return Gang(cluster_id, ((node_id, chosen),), (self.leaf_of_node(node_id),), 0)
+        by_leaf: dict[str, list[tuple[int, str, int]]] = {}
+        for free_count, key, chosen in fitting:
+            for node_id in members[key]:
+                by_leaf.setdefault(self.leaf_of_node(node_id), []).append(
+                    (free_count, node_id, chosen))
+        for candidates in by_leaf.values():
+            candidates.sort()
+        need = shape.workers
+        alone = [leaf for leaf, c in by_leaf.items() if len(c) >= need]
+        if alone:
+            best = min(alone, key=lambda leaf: (sum(f for f, _, _ in by_leaf[leaf][:need]),
+                                                len(by_leaf[leaf]), leaf))
+            chosen_nodes = by_leaf[best][:need]
+            return Gang(cluster_id, tuple((n, m) for _, n, m in chosen_nodes), (best,), 0)
+        # Whole pipeline replicas under one leaf each, the leaves that hold the most first.
+        per_replica = shape.replica_workers if need % shape.replica_workers == 0 else need
+        order = sorted(by_leaf, key=lambda leaf: (-(len(by_leaf[leaf]) // per_replica),
+                                                  -len(by_leaf[leaf]), leaf))
+        picked: list[tuple[str, int]] = []
+        leaves: list[str] = []
+        rest: list[tuple[int, str, int, str]] = []
+        replicas = need // per_replica
+        for leaf in order:
+            candidates = by_leaf[leaf]
+            whole = min(len(candidates) // per_replica, replicas)
+            take = whole * per_replica
+            if take:
+                picked.extend((n, m) for _, n, m in candidates[:take])
+                leaves.append(leaf)
+                replicas -= whole
+            rest.extend((f, n, m, leaf) for f, n, m in candidates[take:])
+        split = replicas
+        if replicas:
+            # Fragmented: the remaining replicas span leaves, the fullest leftovers first.
+            rest.sort(key=lambda item: (item[3], item[0], item[1]))
+            by_rest: dict[str, list[tuple[int, str, int, str]]] = {}
+            for item in rest:
+                by_rest.setdefault(item[3], []).append(item)
+            for leaf in sorted(by_rest, key=lambda lf: (-len(by_rest[lf]), lf)):
+                for _, n, m, _ in by_rest[leaf]:
+                    if len(picked) == need:
+                        break
+                    picked.append((n, m))
+                    if leaf not in leaves:
+                        leaves.append(leaf)
+        return Gang(cluster_id, tuple(picked), tuple(leaves), split)
+
+    def leaf_of_node(self, node_id: str) -> str:
+        return self.facts.nodes[node_id].leaf
+
+    def free_gpus(self, cluster_id: str, allow_degraded: bool = False,
+                  accelerator: str = "") -> int:
+        total = 0
+        for (model, _, free_h, free_d), nodes in self.buckets.get(cluster_id, {}).items():
+            if accelerator and accelerator.lower() not in model:
+                continue
+            total += (free_h | free_d if allow_degraded else free_h).bit_count() * len(nodes)
+        return total
+
+    def models(self, cluster_id: str) -> set[str]:
+        return {key[0] for key in self.buckets.get(cluster_id, {})} | {
+            n.model for n in self.facts.nodes.values() if n.cluster_id == cluster_id}
+
+    def fragmentation(self, cluster_id: str | None = None) -> dict[str, Any]:
+        """Free healthy GPUs, and the share of them stranded on partly used nodes (a whole free
+        node is what the largest gangs need)."""
+        free = stranded = whole_nodes = 0
+        for cluster, buckets in self.buckets.items():
+            if cluster_id is not None and cluster != cluster_id:
+                continue
+            for (_, islands, free_h, _), nodes in buckets.items():
+                size = 0
+                for island in islands:
+                    size |= island
+                count = free_h.bit_count() * len(nodes)
+                free += count
+                if free_h == size:
+                    whole_nodes += len(nodes)
+                else:
+                    stranded += count
+        return {"free_gpus": free, "stranded_gpus": stranded, "whole_free_nodes": whole_nodes,
+                "fragmentation": round(stranded / free, 6) if free else 0.0}

@@ -1,0 +1,110 @@
+"""The scheduler's events as records: requests in, effects out (pure; the shell encodes them)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from fleetline.processors.scheduler import (
+    REQUEST_KINDS,
+    AllocationChange,
+    DatasetRecord,
+    Decision,
+    Effect,
+    PrewarmOrder,
+)
+from fleetline.processors.specs import Spec
+from fleetline.streams.events import (
+    ALLOCATION,
+    DATASET_PREWARM,
+    DATASET_STATE,
+    SCHEDULING_DECISION,
+)
+
+Offsets = Mapping[str, Mapping[int, int]]
+
+
+def new_request(kind: str, key: str, tenant: str, ts: int, request_id: str, *,
+                actor: str = "", spec_json: str | None = None, phase: str | None = None,
+                checkpoint_ms: int | None = None,
+                view_offsets: Offsets | None = None) -> dict[str, Any]:
+    """A SchedulerRequest record."""
+    if kind not in REQUEST_KINDS:
+        raise ValueError(f"unknown request kind {kind!r}")
+    return {"request_id": request_id, "kind": kind, "key": key, "tenant": tenant, "ts": ts,
+            "actor": actor, "spec_json": spec_json, "phase": phase,
+            "checkpoint_ms": checkpoint_ms,
+            "view_offsets": [{"topic": t, "partition": p, "offset": o}
+                             for t, ps in sorted((view_offsets or {}).items())
+                             for p, o in sorted(ps.items())]}
+
+
+def canonical_json(document: Any) -> str:
+    return json.dumps(document, sort_keys=True, separators=(",", ":"))
+
+
+def submit_request(spec: Spec, document: Mapping[str, Any], ts: int, request_id: str,
+                   actor: str = "") -> dict[str, Any]:
+    tenant, name = spec.metadata.tenant, spec.metadata.name
+    return new_request("SUBMIT", f"{tenant}/{name}", tenant, ts, request_id, actor=actor,
+                       spec_json=canonical_json(document))
+
+
+def offsets_of(request: Mapping[str, Any]) -> dict[str, dict[int, int]]:
+    out: dict[str, dict[int, int]] = {}
+    for item in request["view_offsets"]:
+        out.setdefault(item["topic"], {})[item["partition"]] = item["offset"]
+    return out
+
+
+def decision_record(d: Decision) -> dict[str, Any]:
+    return {
+        "decision_id": d.decision_id, "job": d.job, "tenant": d.tenant, "kind": d.kind,
+        "outcome": d.outcome, "ts": d.ts, "input_offset": d.input_offset,
+        "view_version": d.view_version,
+        "view_offsets": [{"topic": t, "partition": p, "offset": o}
+                         for t, ps in sorted(d.view_offsets.items())
+                         for p, o in sorted(ps.items())],
+        "policy_digest": d.policy_digest, "priority": d.priority, "reason": d.reason,
+        "placements": [{"cluster_id": p.cluster_id, "leaves": list(p.leaves),
+                        "workers": [{"node_id": w[0][0], "gpus": [i for _, i in w]}
+                                    for w in p.workers if w]}
+                       for p in d.placements],
+        "alternatives": [{"cluster_id": a.cluster_id, "total": a.total, "parts": dict(a.parts),
+                          "rejected": a.rejected} for a in d.alternatives],
+        "prewarms": [{"dataset_id": p.dataset_id, "from_cluster": p.from_cluster,
+                      "to_cluster": p.to_cluster, "size_bytes": p.size_bytes,
+                      "estimated_s": p.estimated_s, "rate_gbps": p.rate_gbps}
+                     for p in d.prewarms],
+        "preempted_by": d.preempted_by, "victims": list(d.victims),
+        "resume_from_checkpoint_ms": d.resume_from_checkpoint_ms, "lost_gpu_s": d.lost_gpu_s,
+    }
+
+
+def effect_record(effect: Effect) -> tuple[str, str, dict[str, Any]]:
+    """(record name, message key, record) of an effect."""
+    match effect:
+        case Decision():
+            return SCHEDULING_DECISION, effect.job, decision_record(effect)
+        case AllocationChange():
+            return ALLOCATION, effect.job, {
+                "job_id": effect.job, "tenant": effect.tenant, "seq": effect.seq,
+                "ts": effect.ts, "kind": effect.kind, "cluster_id": effect.cluster_id,
+                "gpus": [{"node_id": n, "gpu_index": i} for n, i in effect.gpus],
+                "priority": effect.priority, "reason": effect.reason}
+        case PrewarmOrder():
+            p = effect.prewarm
+            return DATASET_PREWARM, f"{p.dataset_id}@{p.to_cluster}", {
+                "dataset_id": p.dataset_id, "tenant": effect.tenant, "job": effect.job,
+                "decision_id": effect.decision_id, "ts": effect.ts,
+                "from_cluster": p.from_cluster, "to_cluster": p.to_cluster,
+                "size_bytes": p.size_bytes, "estimated_s": p.estimated_s,
+                "rate_gbps": p.rate_gbps}
+        case DatasetRecord():
+            return DATASET_STATE, effect.dataset_id, {
+                "dataset_id": effect.dataset_id, "tenant": effect.tenant, "seq": effect.seq,
+                "ts": effect.ts, "size_bytes": effect.size_bytes,
+                "replicas": list(effect.replicas), "deleted": effect.deleted}
+        case _:
+            raise TypeError(f"not a scheduler effect: {effect!r}")

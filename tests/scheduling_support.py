@@ -1,0 +1,137 @@
+"""Test helpers for the scheduler: simulated fleets as views, and a driver that feeds requests
+with sequential positions and a pinned clock."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from typing import Any
+
+import yaml
+
+from fleetline.agents.simulator import ClusterSpec, Fault, FleetSimulator, cluster_info
+from fleetline.processors.capacity import observe
+from fleetline.processors.scheduler import Decision, Effect, Scheduler
+from fleetline.processors.scheduler_codec import canonical_json, new_request
+from fleetline.processors.scheduling import SchedulingPolicy
+from fleetline.processors.view import ResourceView, fold_telemetry
+from tests.support import BASE_MS
+from tests.test_view import fold
+
+
+def fleet_view(clusters: list[ClusterSpec], seconds: int = 2, faults: Iterable[Fault] = (),
+               seed: int = 5) -> tuple[ResourceView, FleetSimulator]:
+    """The view after `seconds` one-second intervals of a simulated fleet, with cluster facts."""
+    sim = FleetSimulator(clusters, seed=seed, faults=list(faults))
+    events: list[tuple[str, dict]] = [("ClusterInfo", cluster_info(c, 1, BASE_MS))
+                                      for c in clusters]
+    events += [("NodeState", r) for r in sim.initial_states(BASE_MS)]
+    view = fold(events)
+    advance(view, sim, 1, seconds)
+    return view, sim
+
+
+def advance(view: ResourceView, sim: FleetSimulator, first: int, last: int) -> ResourceView:
+    from fleetline.processors.view import GPU_FIELDS
+
+    for t in range(first, last + 1):
+        ts = BASE_MS + t * 1000
+        fold([("NodeState", r) for r in sim.state_changes(ts)], view)
+        for record in sim.telemetry(ts):
+            if not sim.cluster_link_up(record["cluster_id"], ts):
+                continue
+            fold_telemetry(view, record["cluster_id"], record["region"], record["node_id"],
+                           record["seq"], record["ts"],
+                           [tuple(g[f] for f in GPU_FIELDS) for g in record["gpus"]])
+    return view
+
+
+def training(name: str, workers: int = 1, per_worker: int = 8, tensor: int = 8,
+             pipeline: int = 1, tenant: str = "acme", priority: str = "normal",
+             communication: str = "heavy", accelerator: str = "H100", **extra: Any) -> dict:
+    spec = {"accelerator": accelerator, "gpus_per_worker": per_worker, "workers": workers,
+            "parallelism": {"tensor": tensor, "pipeline": pipeline,
+                            "data": workers * per_worker // (tensor * pipeline)},
+            "communication": communication, "priority_class": priority, **extra}
+    return {"apiVersion": "fleetline/v1", "kind": "TrainingJob",
+            "metadata": {"name": name, "tenant": tenant}, "spec": spec}
+
+
+def service(name: str, replicas: int, per_replica: int = 1, regions=("eu-west",),
+            tenant: str = "acme", priority: str = "high", accelerator: str = "H100") -> dict:
+    return {"apiVersion": "fleetline/v1", "kind": "InferenceService",
+            "metadata": {"name": name, "tenant": tenant},
+            "spec": {"model": "m", "accelerator": accelerator, "gpus_per_replica": per_replica,
+                     "replicas": {"min": replicas, "max": replicas}, "latency_target_ms": 100,
+                     "regions": list(regions), "priority_class": priority}}
+
+
+def dataset(name: str, size: str, replicas: list[str], tenant: str = "acme") -> dict:
+    return {"apiVersion": "fleetline/v1", "kind": "Dataset",
+            "metadata": {"name": name, "tenant": tenant},
+            "spec": {"size": size, "replicas": replicas}}
+
+
+class Driver:
+    """Feeds a Scheduler requests at positions 0, 1, 2, ... with event times the test sets."""
+
+    def __init__(self, view: ResourceView, policy: SchedulingPolicy | None = None,
+                 now_ms: int = BASE_MS + 10_000) -> None:
+        self.view = view
+        self.scheduler = Scheduler(policy)
+        self.now_ms = now_ms
+        self.positions = itertools.count()
+        self.log: list[tuple[dict, Any]] = []  # (request, facts) as fed, for replays
+        self.effects: list[Effect] = []
+        self.tick()
+
+    def feed(self, request: dict, facts=None) -> list[Effect]:
+        self.log.append((request, facts))
+        effects = self.scheduler.step(request, next(self.positions), facts)
+        self.effects.extend(effects)
+        return effects
+
+    def _request(self, kind: str, key: str, tenant: str, **fields: Any) -> dict:
+        return new_request(kind, key, tenant, self.now_ms, f"r{len(self.log)}", **fields)
+
+    def tick(self, seconds: float = 0, view: ResourceView | None = None) -> list[Effect]:
+        self.now_ms += int(seconds * 1000)
+        if view is not None:
+            self.view = view
+        facts = observe(self.view)
+        return self.feed(self._request("TICK", "", "", view_offsets=facts.offsets), facts)
+
+    def submit(self, document: dict | str) -> list[Effect]:
+        if isinstance(document, str):
+            document = yaml.safe_load(document)
+        meta = document["metadata"]
+        return self.feed(self._request("SUBMIT", f"{meta['tenant']}/{meta['name']}",
+                                       meta["tenant"], spec_json=canonical_json(document)))
+
+    def delete(self, key: str, tenant: str | None = None) -> list[Effect]:
+        return self.feed(self._request("DELETE", key, tenant or key.split("/")[0],
+                                       actor="tester"))
+
+    def progress(self, key: str, phase: str, checkpoint_ms: int | None = None) -> list[Effect]:
+        return self.feed(self._request("PROGRESS", key, key.split("/")[0], phase=phase,
+                                       checkpoint_ms=checkpoint_ms))
+
+    def tenant(self, policy: dict) -> list[Effect]:
+        return self.feed(self._request("TENANT_POLICY", policy["tenant"], policy["tenant"],
+                                       spec_json=canonical_json(policy)))
+
+    def dataset_ready(self, dataset_id: str, cluster: str, tenant: str = "acme") -> list[Effect]:
+        return self.feed(self._request("DATASET_READY", f"{dataset_id}@{cluster}", tenant))
+
+    def decisions(self, job: str | None = None, outcome: str | None = None) -> list[Decision]:
+        return [e for e in self.effects if isinstance(e, Decision)
+                and (job is None or e.job == job) and (outcome is None or e.outcome == outcome)]
+
+    def last(self, job: str) -> Decision:
+        return self.decisions(job)[-1]
+
+    def job(self, key: str):
+        return self.scheduler.jobs[key]
+
+    def nodes_of(self, key: str) -> set[str]:
+        return {n for nodes in self.job(key).allocation.values() for n in nodes}
