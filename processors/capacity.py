@@ -120,6 +120,8 @@ class FleetFacts:
     offsets: Offsets = field(default_factory=dict)
     watermark_ms: int = 0
     _lost_reasons: dict[str, str] = field(default_factory=dict)
+    # Values derived from these facts alone, computed once (cheapest GPU-hour, cluster ids).
+    memo: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def lost_reason(self, node_id: str) -> str:
         return self._lost_reasons.get(node_id, f"{node_id} is gone from the view")
@@ -233,17 +235,27 @@ class Gang:
 
 
 class CapacityIndex:
-    """Free GPUs per node given the observed facts and the scheduler's allocations."""
+    """Free GPUs per node given the observed facts and the scheduler's allocations.
+
+    Schedulable nodes sit in buckets: cluster -> (model, islands, free healthy, free degraded)
+    -> leaf switch -> nodes. A cluster has a few dozen distinct keys however many nodes it has,
+    so whether a gang fits is a sum over keys, and choosing its leaves a walk over keys and
+    leaves, never over every node.
+    """
 
     def __init__(self, facts: FleetFacts, taken: dict[str, int] | None = None) -> None:
         self.facts = facts
-        self.taken: dict[str, int] = {}
-        self.buckets: dict[str, dict[BucketKey, set[str]]] = {}
-        for node_id, taken_mask in (taken or {}).items():
-            if taken_mask:
-                self.taken[node_id] = taken_mask
+        self.taken: dict[str, int] = {m: v for m, v in (taken or {}).items() if v}
+        self.buckets: dict[str, dict[BucketKey, dict[str, set[str]]]] = {}
+        self.counts: dict[str, dict[BucketKey, int]] = {}
+        self.version: dict[str, int] = {}
+        self._models: dict[str, set[str]] = {}
+        self._fits: dict[tuple[str, GangShape], tuple[int, list[tuple[int, BucketKey, int]]]] = {}
         for node in facts.nodes.values():
             self.buckets.setdefault(node.cluster_id, {})
+            self.counts.setdefault(node.cluster_id, {})
+            self.version.setdefault(node.cluster_id, 0)
+            self._models.setdefault(node.cluster_id, set()).add(node.model)
             if node.status == "UP":
                 self._add(node)
 
@@ -252,15 +264,27 @@ class CapacityIndex:
         return (node.model, node.islands, node.healthy & ~taken, node.degraded & ~taken)
 
     def _add(self, node: NodeFacts) -> None:
-        self.buckets[node.cluster_id].setdefault(self._key(node), set()).add(node.node_id)
+        key = self._key(node)
+        cluster = node.cluster_id
+        self.buckets[cluster].setdefault(key, {}).setdefault(node.leaf, set()).add(node.node_id)
+        counts = self.counts[cluster]
+        counts[key] = counts.get(key, 0) + 1
+        self.version[cluster] += 1
 
     def _remove(self, node: NodeFacts) -> None:
-        cluster = self.buckets[node.cluster_id]
         key = self._key(node)
-        members = cluster[key]
+        cluster = node.cluster_id
+        leaves = self.buckets[cluster][key]
+        members = leaves[node.leaf]
         members.discard(node.node_id)
         if not members:
-            del cluster[key]
+            del leaves[node.leaf]
+        counts = self.counts[cluster]
+        counts[key] -= 1
+        if not counts[key]:
+            del counts[key]
+            del self.buckets[cluster][key]
+        self.version[cluster] += 1
 
     def reserve(self, node_id: str, mask: int) -> None:
         """Take GPUs for a job; InvalidEventError if any is taken already (no double booking)."""
@@ -293,9 +317,16 @@ class CapacityIndex:
     def clusters(self) -> list[str]:
         return sorted(self.buckets)
 
-    def _fitting(self, cluster_id: str, shape: GangShape) -> Iterator[tuple[int, BucketKey, int]]:
+    def fitting(self, cluster_id: str, shape: GangShape) -> list[tuple[int, BucketKey, int]]:
+        """(free GPUs, key, the worker's GPU mask) of the keys whose nodes can host one worker,
+        tightest first; cached until the cluster changes."""
+        version = self.version.get(cluster_id, 0)
+        cached = self._fits.get((cluster_id, shape))
+        if cached is not None and cached[0] == version:
+            return cached[1]
         need, tensor = shape.per_worker, min(shape.tensor, shape.per_worker)
-        for key in self.buckets.get(cluster_id, {}):
+        out = []
+        for key in self.counts.get(cluster_id, {}):
             model, islands, free_h, free_d = key
             if not shape.matches(model):
                 continue
@@ -304,23 +335,28 @@ class CapacityIndex:
                 continue
             chosen = pick(islands, free, need, tensor)
             if chosen:
-                yield free.bit_count(), key, chosen
+                out.append((free.bit_count(), key, chosen))
+        out.sort()
+        if len(self._fits) > 4096:
+            self._fits.clear()
+        self._fits[(cluster_id, shape)] = (version, out)
+        return out
 
     def fitting_nodes(self, cluster_id: str, shape: GangShape) -> int:
         """How many nodes could host one worker of the shape."""
-        members = self.buckets.get(cluster_id, {})
-        return sum(len(members[key]) for _, key, _ in self._fitting(cluster_id, shape))
+        counts = self.counts.get(cluster_id, {})
+        return sum(counts[key] for _, key, _ in self.fitting(cluster_id, shape))
 
     def fill_after(self, cluster_id: str, shape: GangShape) -> float:
         """The share of GPUs in use on the nodes a placement would take, after taking them (1.0:
         the gang fills its nodes exactly; low: it would break into free nodes)."""
-        members = self.buckets.get(cluster_id, {})
+        counts = self.counts.get(cluster_id, {})
         left = shape.workers
         used = total = 0
-        for free_count, key, _ in sorted(self._fitting(cluster_id, shape)):
+        for free_count, key, _ in self.fitting(cluster_id, shape):
             if left <= 0:
                 break
-            count = min(left, len(members[key]))
+            count = min(left, counts[key])
             size = sum(i.bit_count() for i in key[1])
             used += count * (size - free_count + shape.per_worker)
             total += count * size
@@ -329,96 +365,120 @@ class CapacityIndex:
 
     def select_gang(self, cluster_id: str, shape: GangShape) -> Gang | str:
         """The nodes and GPUs for every worker, or why the cluster cannot hold the gang."""
-        members = self.buckets.get(cluster_id, {})
-        fitting = sorted(self._fitting(cluster_id, shape))
-        available = sum(len(members[key]) for _, key, _ in fitting)
-        if available < shape.workers:
+        buckets = self.buckets.get(cluster_id, {})
+        counts = self.counts.get(cluster_id, {})
+        fitting = self.fitting(cluster_id, shape)
+        available = sum(counts[key] for _, key, _ in fitting)
+        need = shape.workers
+        if available < need:
             kind = "" if shape.allow_degraded else "healthy "
-            return (f"needs {shape.workers} nodes with {shape.per_worker} free {kind}"
+            return (f"needs {need} nodes with {shape.per_worker} free {kind}"
                     f"{shape.accelerator or 'any'} GPUs in NVLink groups of "
                     f"{min(shape.tensor, shape.per_worker)}; {available} have them")
-        if shape.workers == 1:
+        if need == 1:
+            # The tightest nodes, in the leaf with the fewest of them: filling leaves that are
+            # mostly used keeps whole leaves free for gangs.
             _, key, chosen = fitting[0]
-            node_id = min(members[key])
-            return Gang(cluster_id, ((node_id, chosen),), (self.leaf_of_node(node_id),), 0)
-        by_leaf: dict[str, list[tuple[int, str, int]]] = {}
+            leaves = buckets[key]
+            leaf = min(leaves, key=lambda lf: (len(leaves[lf]), lf))
+            return Gang(cluster_id, ((min(leaves[leaf]), chosen),), (leaf,), 0)
+        # Per leaf, the keys it has nodes of, tightest first: (free, key, mask, count).
+        by_leaf: dict[str, list[tuple[int, BucketKey, int, int]]] = {}
         for free_count, key, chosen in fitting:
-            for node_id in members[key]:
-                by_leaf.setdefault(self.leaf_of_node(node_id), []).append(
-                    (free_count, node_id, chosen))
-        for candidates in by_leaf.values():
-            candidates.sort()
-        need = shape.workers
-        alone = [leaf for leaf, c in by_leaf.items() if len(c) >= need]
+            for leaf, nodes in buckets[key].items():
+                by_leaf.setdefault(leaf, []).append((free_count, key, chosen, len(nodes)))
+        totals = {leaf: sum(item[3] for item in items) for leaf, items in by_leaf.items()}
+
+        def take(leaf: str, count: int, skip: int = 0) -> list[tuple[str, int]]:
+            """`count` nodes of a leaf, tightest first, after skipping the first `skip`."""
+            out: list[tuple[str, int]] = []
+            for _, key, chosen, _ in by_leaf[leaf]:
+                for node_id in sorted(buckets[key][leaf]):
+                    if skip:
+                        skip -= 1
+                        continue
+                    if len(out) == count:
+                        return out
+                    out.append((node_id, chosen))
+            return out
+
+        def tightness(leaf: str) -> int:
+            left, free = need, 0
+            for free_count, _, _, count in by_leaf[leaf]:
+                n = min(left, count)
+                free += n * free_count
+                left -= n
+                if not left:
+                    break
+            return free
+
+        alone = [leaf for leaf, total in totals.items() if total >= need]
         if alone:
-            best = min(alone, key=lambda leaf: (sum(f for f, _, _ in by_leaf[leaf][:need]),
-                                                len(by_leaf[leaf]), leaf))
-            chosen_nodes = by_leaf[best][:need]
-            return Gang(cluster_id, tuple((n, m) for _, n, m in chosen_nodes), (best,), 0)
+            best = min(alone, key=lambda leaf: (tightness(leaf), totals[leaf], leaf))
+            return Gang(cluster_id, tuple(take(best, need)), (best,), 0)
         # Whole pipeline replicas under one leaf each, the leaves that hold the most first.
         per_replica = shape.replica_workers if need % shape.replica_workers == 0 else need
-        order = sorted(by_leaf, key=lambda leaf: (-(len(by_leaf[leaf]) // per_replica),
-                                                  -len(by_leaf[leaf]), leaf))
+        order = sorted(totals, key=lambda leaf: (-(totals[leaf] // per_replica), -totals[leaf],
+                                                 leaf))
         picked: list[tuple[str, int]] = []
         leaves: list[str] = []
-        rest: list[tuple[int, str, int, str]] = []
+        used: dict[str, int] = {}
         replicas = need // per_replica
         for leaf in order:
-            candidates = by_leaf[leaf]
-            whole = min(len(candidates) // per_replica, replicas)
-            take = whole * per_replica
-            if take:
-                picked.extend((n, m) for _, n, m in candidates[:take])
+            whole = min(totals[leaf] // per_replica, replicas)
+            if whole:
+                picked.extend(take(leaf, whole * per_replica))
+                used[leaf] = whole * per_replica
                 leaves.append(leaf)
                 replicas -= whole
-            rest.extend((f, n, m, leaf) for f, n, m in candidates[take:])
         split = replicas
         if replicas:
             # Fragmented: the remaining replicas span leaves, the fullest leftovers first.
-            rest.sort(key=lambda item: (item[3], item[0], item[1]))
-            by_rest: dict[str, list[tuple[int, str, int, str]]] = {}
-            for item in rest:
-                by_rest.setdefault(item[3], []).append(item)
-            for leaf in sorted(by_rest, key=lambda lf: (-len(by_rest[lf]), lf)):
-                for _, n, m, _ in by_rest[leaf]:
-                    if len(picked) == need:
-                        break
-                    picked.append((n, m))
-                    if leaf not in leaves:
-                        leaves.append(leaf)
+            rest = sorted(order, key=lambda lf: (-(totals[lf] - used.get(lf, 0)), lf))
+            for leaf in rest:
+                spare = totals[leaf] - used.get(leaf, 0)
+                if not spare or len(picked) == need:
+                    continue
+                picked.extend(take(leaf, min(spare, need - len(picked)), used.get(leaf, 0)))
+                if leaf not in leaves:
+                    leaves.append(leaf)
         return Gang(cluster_id, tuple(picked), tuple(leaves), split)
 
-    def leaf_of_node(self, node_id: str) -> str:
-        return self.facts.nodes[node_id].leaf
+    def free_nodes(self, cluster_id: str, shape: GangShape) -> Iterator[tuple[str, str]]:
+        """(leaf, node) of every node that can host one worker as it is."""
+        buckets = self.buckets.get(cluster_id, {})
+        for _, key, _ in self.fitting(cluster_id, shape):
+            for leaf, nodes in buckets[key].items():
+                for node_id in nodes:
+                    yield leaf, node_id
 
     def free_gpus(self, cluster_id: str, allow_degraded: bool = False,
                   accelerator: str = "") -> int:
         total = 0
-        for (model, _, free_h, free_d), nodes in self.buckets.get(cluster_id, {}).items():
+        for (model, _, free_h, free_d), count in self.counts.get(cluster_id, {}).items():
             if accelerator and accelerator.lower() not in model:
                 continue
-            total += (free_h | free_d if allow_degraded else free_h).bit_count() * len(nodes)
+            total += (free_h | free_d if allow_degraded else free_h).bit_count() * count
         return total
 
     def models(self, cluster_id: str) -> set[str]:
-        return {key[0] for key in self.buckets.get(cluster_id, {})} | {
-            n.model for n in self.facts.nodes.values() if n.cluster_id == cluster_id}
+        return self._models.get(cluster_id, set())
 
     def fragmentation(self, cluster_id: str | None = None) -> dict[str, Any]:
         """Free healthy GPUs, and the share of them stranded on partly used nodes (a whole free
         node is what the largest gangs need)."""
         free = stranded = whole_nodes = 0
-        for cluster, buckets in self.buckets.items():
+        for cluster, counts in self.counts.items():
             if cluster_id is not None and cluster != cluster_id:
                 continue
-            for (_, islands, free_h, _), nodes in buckets.items():
+            for (_, islands, free_h, _), n in counts.items():
                 size = 0
                 for island in islands:
                     size |= island
-                count = free_h.bit_count() * len(nodes)
+                count = free_h.bit_count() * n
                 free += count
                 if free_h == size:
-                    whole_nodes += len(nodes)
+                    whole_nodes += n
                 else:
                     stranded += count
         return {"free_gpus": free, "stranded_gpus": stranded, "whole_free_nodes": whole_nodes,

@@ -10,7 +10,7 @@ checkpoint, so a victim costs the same on every node it is on and is counted onc
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import combinations
 
@@ -19,17 +19,6 @@ from fleetline.processors.capacity import CapacityIndex, GangShape, pick
 # Subsets of a node's victims tried exhaustively up to this many jobs on one node; beyond it
 # only single victims and all of them (a node rarely holds more than eight jobs).
 EXHAUSTIVE_UP_TO = 6
-
-
-@dataclass(frozen=True)
-class Running:
-    """A running job as preemption sees it."""
-
-    job: str
-    priority: int
-    cluster_id: str
-    masks: Mapping[str, int]  # node -> GPUs
-    lost_gpu_s: float  # what eviction loses: GPU-seconds since the last checkpoint
 
 
 @dataclass(frozen=True)
@@ -62,67 +51,92 @@ def _node_options(free: int, islands: tuple[int, ...], usable: int, need: int, t
     return None if best is None else (best[0], best[2])
 
 
-def plan_eviction(index: CapacityIndex, cluster_id: str, shape: GangShape, priority: int,
-                  running: Iterable[Running]) -> Eviction | None:
-    """The victims (all of priority below `priority`) whose eviction lets the gang fit in the
-    cluster, losing the least work; None when no such set exists."""
-    on_node: dict[str, list[tuple[str, int, float]]] = {}
-    for job in running:
-        if job.cluster_id != cluster_id or job.priority >= priority:
-            continue
-        for node, mask in job.masks.items():
-            on_node.setdefault(node, []).append((job.job, mask, job.lost_gpu_s))
-    if not on_node:
+Victim = tuple[float, str, Mapping[str, int]]  # (work lost, job, node -> GPU mask)
+
+
+def plan_eviction(index: CapacityIndex, cluster_id: str, shape: GangShape,
+                  victims: Sequence[Victim]) -> Eviction | None:
+    """The victims whose eviction lets the gang fit in the cluster, losing the least work; None
+    when no such set exists. `victims`: the jobs in the cluster the gang may evict, sorted by
+    the work each loses (GPU-seconds since its last checkpoint), with their GPUs per node.
+
+    Branch and bound: a node is first looked at when its cheapest victim comes up, so a node not
+    yet looked at costs at least the current victim's loss; the search stops once that passes
+    the best gang found (whole-leaf totals count a shared victim once, which the bound allows
+    for: every victim of a node not yet looked at is still to come)."""
+    if not victims:
         return None
     need, tensor = shape.per_worker, min(shape.tensor, shape.per_worker)
-    options: dict[str, list[tuple[float, tuple[str, ...], str]]] = {}
-    for node_id, jobs in sorted(on_node.items()):
-        node = index.facts.nodes.get(node_id)
+    nodes = index.facts.nodes
+    taken = index.taken
+    on_node: dict[str, list[tuple[str, int, float]]] = {}
+    for cost, job, masks in victims:
+        for node_id, mask in masks.items():
+            entry = (job, mask, cost)
+            listed = on_node.get(node_id)
+            if listed is None:
+                on_node[node_id] = [entry]
+            else:
+                listed.append(entry)
+    costs = {job: cost for cost, job, _ in victims}
+
+    def option(node_id: str) -> tuple[float, tuple[str, ...]] | None:
+        node = nodes.get(node_id)
         if node is None or node.status != "UP" or not shape.matches(node.model):
-            continue
+            return None
         usable = node.healthy | (node.degraded if shape.allow_degraded else 0)
         if usable.bit_count() < need:
-            continue
-        free = usable & ~index.taken.get(node_id, 0)
-        found = _node_options(free, node.islands, usable, need, tensor, sorted(jobs))
-        if found is not None:
-            options.setdefault(node.leaf, []).append((found[0], found[1], node_id))
-    # Nodes that are free already count too: they cost nothing.
-    for (model, islands, free_h, free_d), nodes in index.buckets.get(cluster_id, {}).items():
-        if not shape.matches(model):
-            continue
-        free = free_h | free_d if shape.allow_degraded else free_h
-        if not pick(islands, free, need, tensor):
-            continue
-        for node_id in nodes:
-            if node_id not in on_node:
-                options.setdefault(index.facts.nodes[node_id].leaf, []).append(
-                    (0.0, (), node_id))
-    if sum(len(o) for o in options.values()) < shape.workers:
-        return None
-    costs = {job.job: job.lost_gpu_s for job in running}
+            return None
+        free = usable & ~taken.get(node_id, 0)
+        return _node_options(free, node.islands, usable, need, tensor,
+                             sorted(on_node[node_id]))
 
     def total(chosen: list[tuple[float, tuple[str, ...], str]]) -> tuple[float, tuple[str, ...]]:
-        victims = tuple(sorted({v for _, vs, _ in chosen for v in vs}))
-        return sum(costs[v] for v in victims), victims
+        names = tuple(sorted({v for _, vs, _ in chosen for v in vs}))
+        return sum(costs[v] for v in names), names
 
+    workers = shape.workers
+    options: dict[str, list[tuple[float, tuple[str, ...], str]]] = {}
+    if workers > 1:
+        # Nodes that are free already count too: they cost nothing.
+        for leaf, node_id in index.free_nodes(cluster_id, shape):
+            if node_id not in on_node:
+                options.setdefault(leaf, []).append((0.0, (), node_id))
     best: tuple[float, int, str, tuple[str, ...], tuple[str, ...]] | None = None
-    for leaf, candidates in options.items():
-        if len(candidates) < shape.workers:
-            continue
-        candidates.sort()
-        cost, victims = total(candidates[:shape.workers])
-        key = (cost, len(victims), leaf, victims, (leaf,))
-        if best is None or key[:3] < best[:3]:
-            best = key
-    if best is None:
+    seen: set[str] = set()
+    for bound, _, masks in victims:
+        if best is not None and bound > best[0]:
+            break
+        for node_id in sorted(masks):
+            if node_id in seen:
+                continue
+            seen.add(node_id)
+            found = option(node_id)
+            if found is None:
+                continue
+            leaf = nodes[node_id].leaf
+            if workers == 1:
+                key = (found[0], len(found[1]), leaf, found[1], (leaf,))
+                if found[1] and (best is None or key[:4] < best[:4]):
+                    best = key
+                continue
+            candidates = options.setdefault(leaf, [])
+            candidates.append((found[0], found[1], node_id))
+            if len(candidates) >= workers:
+                candidates.sort()
+                cost, names = total(candidates[:workers])
+                key = (cost, len(names), leaf, names, (leaf,))
+                if names and (best is None or key[:3] < best[:3]):
+                    best = key
+    if best is None and workers > 1 and sum(len(o) for o in options.values()) >= workers:
         # No leaf holds the gang: the cheapest nodes wherever they are.
         flat = sorted((c, vs, n, leaf) for leaf, cs in options.items() for c, vs, n in cs)
-        chosen = flat[:shape.workers]
-        cost, victims = total([(c, vs, n) for c, vs, n, _ in chosen])
+        chosen = flat[:workers]
+        cost, names = total([(c, vs, n) for c, vs, n, _ in chosen])
         leaves = tuple(sorted({leaf for *_, leaf in chosen}))
-        best = (cost, len(victims), leaves[0], victims, leaves)
-    cost, _, _, victims, leaves = best
-    if not victims:
-        return None  # it fits without evicting anyone: not a preemption
-    return Eviction(victims, cost, leaves)
+        if names:
+            best = (cost, len(names), leaves[0], names, leaves)
+    if best is None:
+        return None
+    cost, _, _, names, leaves = best
+    return Eviction(names, cost, leaves)

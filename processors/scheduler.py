@@ -41,7 +41,7 @@ from fleetline.processors.placement import (
     refs_by_node,
     training_shape,
 )
-from fleetline.processors.preemption import Running, plan_eviction
+from fleetline.processors.preemption import Victim, plan_eviction
 from fleetline.processors.scheduling import (
     ClusterScore,
     Context,
@@ -176,6 +176,8 @@ class Job:
     preemptions: int = 0
     placed_ms: int | None = None
     _spec: Any = field(default=None, repr=False, compare=False)
+    _interval: int | None = field(default=None, repr=False, compare=False)
+    _held: int | None = field(default=None, repr=False, compare=False)
 
     @property
     def spec(self) -> TrainingJob | InferenceService:
@@ -186,6 +188,28 @@ class Job:
     @property
     def gpus(self) -> int:
         return sum(m.bit_count() for nodes in self.allocation.values() for m in nodes.values())
+
+    @property
+    def interval_ms(self) -> int:
+        """The checkpoint interval (0 for services, which keep no training state)."""
+        if self._interval is None:
+            spec = self.spec
+            self._interval = (spec.checkpoint_interval_s * 1000 if isinstance(spec, TrainingJob)
+                              else 0)
+        return self._interval
+
+    @property
+    def held(self) -> int:
+        """`gpus`, cached until the allocation changes (`allocation_changed`)."""
+        if self._held is None:
+            self._held = self.gpus
+        return self._held
+
+    def allocation_changed(self) -> None:
+        self._held = None
+
+    def set_spec(self, document: dict[str, Any], spec: Any, priority: int) -> None:
+        self.document, self._spec, self._interval, self.priority = document, spec, None, priority
 
     @property
     def holds(self) -> bool:
@@ -227,17 +251,19 @@ def checkpoint_before(job: Job, now: int) -> int:
     """The last checkpoint a training job has by `now`: the one it reported, or the last one its
     interval implies since it started (or resumed)."""
     start = job.started_ms if job.started_ms is not None else now
-    spec = job.spec
-    interval = spec.checkpoint_interval_s * 1000 if isinstance(spec, TrainingJob) else 0
+    interval = job.interval_ms
     implied = start + ((now - start) // interval) * interval if interval else start
     reported = job.checkpoint_ms if job.checkpoint_ms is not None else start
     return max(implied, reported, start)
 
 
-def lost_work_s(job: Job, now: int) -> float:
-    if isinstance(job.spec, TrainingJob):
-        return job.gpus * (now - checkpoint_before(job, now)) / 1000
-    return job.gpus * SERVICE_RESTART_S
+def lost_work_s(job: Job, now: int, gpus: int | None = None) -> float:
+    """What evicting the job now loses: GPU-seconds since its last checkpoint (a service: a
+    restart's worth per GPU)."""
+    held = job.gpus if gpus is None else gpus
+    if job.interval_ms:
+        return held * (now - checkpoint_before(job, now)) / 1000
+    return held * SERVICE_RESTART_S
 
 
 class Scheduler:
@@ -257,10 +283,13 @@ class Scheduler:
         self.now_ms = 0
         self.position = -1  # the last request folded
         self.node_jobs: dict[str, set[str]] = {}
+        self.cluster_jobs: dict[str, set[str]] = {}  # jobs holding GPUs, per cluster
+        self.priority_gpus: dict[str, dict[int, int]] = {}  # cluster -> priority -> GPUs held
         self.limits: list[tuple[int, str]] = []  # (limit end, job) heap
         self.index = CapacityIndex(self.facts)
         self._effects: list[Effect] = []
         self._decisions = 0
+        self._victim_cache: dict[tuple, list[Victim]] = {}
         self.dirty: set[str] = set()  # store keys changed by the last steps
 
     # -- state as records, for the changelog store ------------------------------------------
@@ -336,16 +365,25 @@ class Scheduler:
     def _rebuild_index(self) -> None:
         taken: dict[str, int] = {}
         self.node_jobs = {}
+        self.cluster_jobs = {}
+        self.priority_gpus = {}
         self.limits = []
         for key in sorted(self.jobs):
             job = self.jobs[key]
-            for nodes in job.allocation.values():
+            for cluster_id, nodes in job.allocation.items():
+                self.cluster_jobs.setdefault(cluster_id, set()).add(key)
+                self._count_priority(cluster_id, job.priority,
+                                     sum(m.bit_count() for m in nodes.values()))
                 for node, mask in nodes.items():
                     taken[node] = taken.get(node, 0) | mask
                     self.node_jobs.setdefault(node, set()).add(key)
             if job.holds and job.limit_end_ms is not None:
                 heapq.heappush(self.limits, (job.limit_end_ms, key))
         self.index = CapacityIndex(self.facts, taken)
+
+    def _count_priority(self, cluster_id: str, priority: int, gpus: int) -> None:
+        held = self.priority_gpus.setdefault(cluster_id, {})
+        held[priority] = held.get(priority, 0) + gpus
 
     # -- the fold ---------------------------------------------------------------------------
 
@@ -412,12 +450,16 @@ class Scheduler:
             if job.document == document:
                 return  # applied again unchanged: nothing to do
             if job.holds and _same_shape(job.spec, spec):
-                job.document, job._spec, job.priority = document, spec, priority
+                for cluster_id, nodes in job.allocation.items():
+                    held = sum(m.bit_count() for m in nodes.values())
+                    self._count_priority(cluster_id, job.priority, -held)
+                    self._count_priority(cluster_id, priority, held)
+                job.set_spec(document, spec, priority)
                 self.dirty.add(f"job:{key}")
                 return
             if job.holds:
                 self._release(job, "RELEASED", "the spec changed; placing it again")
-            job.document, job._spec, job.priority = document, spec, priority
+            job.set_spec(document, spec, priority)
             job.phase, job.queued_reason = "Queued", None
             self.dirty.add(f"job:{key}")
         else:
@@ -663,12 +705,14 @@ class Scheduler:
         return True
 
     def _shape_key(self, job: Job) -> tuple:
+        """What decides whether a job can be placed (not where): jobs with equal keys fail
+        alike, so a queue pass tries one of them per capacity change."""
         spec = job.spec
         if isinstance(spec, TrainingJob):
             return ("T", job.tenant, job.priority, spec.accelerator, spec.workers,
                     spec.min_workers, spec.gpus_per_worker, spec.parallelism,
-                    spec.communication, spec.dataset, spec.region,
-                    spec.allow_split_across_clusters, spec.max_runtime_s)
+                    spec.communication, spec.dataset, spec.allow_split_across_clusters,
+                    spec.max_runtime_s)
         return ("I", job.tenant, job.priority, spec.accelerator, spec.gpus_per_replica,
                 spec.min_replicas, spec.regions)
 
@@ -679,6 +723,9 @@ class Scheduler:
         for placement in outcome.placements:
             nodes = refs_by_node(placement.gpus)
             job.allocation[placement.cluster_id] = nodes
+            job.allocation_changed()
+            self.cluster_jobs.setdefault(placement.cluster_id, set()).add(job.key)
+            self._count_priority(placement.cluster_id, job.priority, len(placement.gpus))
             for node in nodes:
                 self.node_jobs.setdefault(node, set()).add(job.key)
             count = len(placement.gpus)
@@ -746,6 +793,11 @@ class Scheduler:
         refs: list[tuple[str, int]] = []
         for cluster_id, nodes in sorted(job.allocation.items()):
             count = 0
+            holding = self.cluster_jobs.get(cluster_id)
+            if holding is not None:
+                holding.discard(job.key)
+            self._count_priority(cluster_id, job.priority,
+                                 -sum(m.bit_count() for m in nodes.values()))
             for node, mask in sorted(nodes.items()):
                 self.index.release(node, mask)
                 holders = self.node_jobs.get(node)
@@ -779,6 +831,7 @@ class Scheduler:
         for ticket in job.waiting_for:
             usage.prewarms.pop(ticket, None)
         job.allocation = {}
+        job.allocation_changed()
         job.waiting_for = []
         job.limit_end_ms = None
         self.dirty.add(f"job:{job.key}")
@@ -796,15 +849,40 @@ class Scheduler:
         job.condition("Running", False, reason, self.now_ms)
         return self._decide(job, "RELEASED", reason, lost=round(lost, 3) if lost else None)
 
-    def _running(self) -> list[Running]:
-        out = []
-        for key in sorted(self.jobs):
-            job = self.jobs[key]
-            if not job.holds:
+    def _victims(self, cluster_id: str, below: int) -> list[Victim]:
+        """The jobs in a cluster that a job of priority `below` may preempt, by the work each
+        would lose, with their GPUs; cached while the cluster and the clock stand still (a
+        queue pass asks again and again). The loss is `lost_work_s`, inlined: this loop runs
+        over every job of a cluster for each preemption attempt."""
+        key = (cluster_id, below, self.index.version.get(cluster_id, 0), self.now_ms)
+        cached = self._victim_cache.get(key)
+        if cached is not None:
+            return cached
+        now = self.now_ms
+        jobs = self.jobs
+        out: list[Victim] = []
+        for job_key in self.cluster_jobs.get(cluster_id, ()):
+            job = jobs[job_key]
+            if job.priority >= below:
                 continue
-            lost = lost_work_s(job, self.now_ms) if job.phase == "Running" else 0.0
-            for cluster_id, nodes in sorted(job.allocation.items()):
-                out.append(Running(key, job.priority, cluster_id, nodes, lost))
+            if job.phase != "Running":
+                cost = 0.0
+            else:
+                held = job.held
+                interval = job.interval_ms
+                if interval:
+                    start = job.started_ms if job.started_ms is not None else now
+                    checkpoint = start + ((now - start) // interval) * interval
+                    if job.checkpoint_ms is not None and job.checkpoint_ms > checkpoint:
+                        checkpoint = job.checkpoint_ms
+                    cost = held * (now - checkpoint) / 1000
+                else:
+                    cost = held * SERVICE_RESTART_S
+            out.append((cost, job_key, job.allocation[cluster_id]))
+        out.sort()  # by loss, then job key (unique), so the masks are never compared
+        if len(self._victim_cache) > 64:
+            self._victim_cache.clear()
+        self._victim_cache[key] = out
         return out
 
     def _preempt_for(self, job: Job) -> tuple[list[Decision], Outcome] | None:
@@ -814,17 +892,25 @@ class Scheduler:
         filters = tuple(f for f in self.policy.filters if f not in ("capacity", "reservation"))
         ranked = rank_clusters(Context(self.index, replace(self.policy, filters=filters),
                                        self.tenants, self.usage, request))
-        running = [r for r in self._running() if r.priority < job.priority]
-        if not running:
-            return None
         best = None
+        found = 0
+        shape = request.shape
         for score in ranked:
-            if score.rejected is not None:
+            if score.rejected is not None or found >= self.policy.preemption_clusters:
+                break
+            held = self.priority_gpus.get(score.cluster_id, {})
+            below = sum(n for p, n in held.items() if p < job.priority)
+            free = self.index.free_gpus(score.cluster_id, shape.allow_degraded,
+                                        shape.accelerator)
+            if below + free < shape.gpus:
+                continue  # even evicting every lower priority would not make room
+            plan = plan_eviction(self.index, score.cluster_id, shape,
+                                 self._victims(score.cluster_id, job.priority))
+            if plan is None:
                 continue
-            plan = plan_eviction(self.index, score.cluster_id, request.shape, job.priority,
-                                 running)
-            if plan is not None and (best is None or (plan.lost_gpu_s, -score.total)
-                                     < (best[1].lost_gpu_s, -best[0].total)):
+            found += 1
+            if best is None or (plan.lost_gpu_s, -score.total) < (best[1].lost_gpu_s,
+                                                                   -best[0].total):
                 best = (score, plan)
         if best is None:
             return None

@@ -22,6 +22,7 @@ from fleetline.processors.capacity import (
     CapacityIndex,
     ClusterFacts,
     DatasetFacts,
+    FleetFacts,
     Gang,
     GangShape,
 )
@@ -53,6 +54,9 @@ class SchedulingPolicy:
     default_max_runtime_s: int = 24 * 3600
     alternatives: int = 5
     preemption: bool = True
+    # Preemption compares the victims of this many of the best-scored clusters where eviction
+    # makes room (each costs a walk over the cluster's jobs); 1: the best such cluster.
+    preemption_clusters: int = 1
     default_tenant: TenantPolicy | None = None
 
     def __post_init__(self) -> None:
@@ -71,13 +75,15 @@ class SchedulingPolicy:
                 "interconnect_gbps": self.interconnect_gbps,
                 "default_max_runtime_s": self.default_max_runtime_s,
                 "alternatives": self.alternatives, "preemption": self.preemption,
+                "preemption_clusters": self.preemption_clusters,
                 "default_tenant": (self.default_tenant.as_data()
                                    if self.default_tenant else None)}
 
     @classmethod
     def from_data(cls, data: Mapping[str, Any]) -> SchedulingPolicy:
         known = {"filters", "weights", "cluster_preference", "interconnect_gbps",
-                 "default_max_runtime_s", "alternatives", "preemption", "default_tenant"}
+                 "default_max_runtime_s", "alternatives", "preemption", "preemption_clusters",
+                 "default_tenant"}
         unknown = set(data) - known
         if unknown:
             raise ConfigError(f"scheduling policy: unknown fields {sorted(unknown)}")
@@ -95,6 +101,8 @@ class SchedulingPolicy:
                                                    base.default_max_runtime_s)),
                 alternatives=int(data.get("alternatives", base.alternatives)),
                 preemption=bool(data.get("preemption", base.preemption)),
+                preemption_clusters=int(data.get("preemption_clusters",
+                                                 base.preemption_clusters)),
                 default_tenant=(TenantPolicy.from_data({"tenant": "*", **default_tenant})
                                 if default_tenant else None))
         except (TypeError, ValueError, FleetlineError) as exc:
@@ -304,26 +312,45 @@ SCORERS: dict[str, Scorer] = {
 
 def rank_clusters(ctx: Context) -> list[ClusterScore]:
     """Every cluster, feasible ones first by score, then the rejected with their reasons."""
-    clusters = ctx.index.facts.clusters
-    ctx.cheapest = min((cost_per_gpu_hour(c) for c in clusters.values()
-                        if cost_per_gpu_hour(c) > 0), default=0.0)
+    facts = ctx.index.facts
+    ctx.cheapest = _cheapest(facts)
     weights = ctx.policy.weights
+    scorers = [(name, SCORERS[name], weights[name]) for name in sorted(weights) if weights[name]]
+    filters = [FILTERS[name] for name in ctx.policy.filters]
     out = []
-    for cluster_id in sorted(set(clusters) | set(ctx.index.buckets)):
+    for cluster_id in _cluster_ids(ctx.index):
         reason = None
-        for name in ctx.policy.filters:
-            reason = FILTERS[name](ctx, cluster_id)
+        for check in filters:
+            reason = check(ctx, cluster_id)
             if reason is not None:
                 break
         if reason is not None:
             out.append(ClusterScore(cluster_id, 0.0, {}, reason))
             continue
-        parts = {name: round(SCORERS[name](ctx, cluster_id), 6)
-                 for name in sorted(weights) if weights[name]}
-        total = round(sum(weights[name] * v for name, v in parts.items()), 6)
+        parts = {name: round(score(ctx, cluster_id), 6) for name, score, _ in scorers}
+        total = round(sum(w * parts[name] for name, _, w in scorers), 6)
         out.append(ClusterScore(cluster_id, total, parts))
     out.sort(key=lambda s: (s.rejected is not None, -s.total, s.cluster_id))
     return out
+
+
+def _cheapest(facts: FleetFacts) -> float:
+    """The lowest GPU-hour cost in the fleet (what the cost score is relative to), once per
+    observation."""
+    cached = facts.memo.get("cheapest")
+    if cached is None:
+        cached = facts.memo["cheapest"] = min(
+            (c for c in (cost_per_gpu_hour(f) for f in facts.clusters.values()) if c > 0),
+            default=0.0)
+    return cached
+
+
+def _cluster_ids(index: CapacityIndex) -> list[str]:
+    cached = index.facts.memo.get("cluster_ids")
+    if cached is None:
+        cached = index.facts.memo["cluster_ids"] = sorted(set(index.facts.clusters)
+                                                          | set(index.buckets))
+    return cached
 
 
 @dataclass(frozen=True)
