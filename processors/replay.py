@@ -222,3 +222,80 @@ def walk(kafka: KafkaSettings, topics: Topics, begin: Offsets, end: Offsets,
 def _statuses(view: ResourceView) -> dict[str, str]:
     return {node_id: node_status(view, node) for node_id, node in view.nodes.items()}
 
+
+
+class ViewFollower:
+    """The view folded forward to one log position after another, with one consumer: a replay
+    of the scheduler asks for the view at every TICK's offsets, in log order.
+
+    A position behind the one already reached (the live view restarted from an older snapshot
+    before that tick) is rebuilt from the snapshots and the log; otherwise only the messages
+    between the two positions are folded.
+    """
+
+    def __init__(self, kafka: KafkaSettings, topics: Topics,
+                 snapshots: ViewSnapshots | None = None,
+                 policy: HealthPolicy | None = None) -> None:
+        self.kafka = kafka
+        self.topics = topics
+        self.snapshots = snapshots
+        self.folder = PartFolder(topics, policy or HealthPolicy())
+        self.parts: dict[str, ResourceView] | None = None
+        self.position: Offsets = {}
+        self.rebuilds = 0
+        self.folded = 0
+        self._consumer = _consumer(kafka)
+
+    def close(self) -> None:
+        self._consumer.close()
+
+    def at(self, target: Offsets) -> ResourceView:
+        behind = any(offset < self.position.get(t, {}).get(p, 0)
+                     for t, ps in target.items() for p, offset in ps.items())
+        if self.parts is None or behind:
+            result = rebuild(self.kafka, self.topics, target, self.snapshots,
+                             self.folder.policy)
+            self.parts = result.parts
+            self.rebuilds += 1
+            self.folded += result.folded
+            self.position = {t: dict(ps) for t, ps in target.items()}
+            return result.view
+        remaining = {(t, p): end for t, ps in target.items() for p, end in ps.items()
+                     if end > self.position.get(t, {}).get(p, 0)}
+        if remaining:
+            self._consumer.assign([TopicPartition(t, p, self.position.get(t, {}).get(p, 0))
+                                   for t, p in remaining])
+            idle_since = time.monotonic()
+            while remaining:
+                keep = []
+                for msg in self._consumer.consume(5000, 0.2):
+                    if msg.error():
+                        keep.append(msg)
+                        continue
+                    key = (msg.topic(), msg.partition())
+                    end = remaining.get(key)
+                    if end is None or msg.offset() >= end:
+                        continue  # past the target: fetched again from there next time
+                    keep.append(msg)
+                    if msg.offset() + 1 >= end:
+                        del remaining[key]
+                if keep:
+                    idle_since = time.monotonic()
+                    self.folder.fold(self.parts, keep)
+                    self.folded += len(keep)
+                    continue
+                for tp in self._consumer.position([TopicPartition(*k) for k in remaining]):
+                    if tp.offset >= remaining[(tp.topic, tp.partition)]:
+                        del remaining[(tp.topic, tp.partition)]
+                if remaining and time.monotonic() - idle_since > 60:
+                    raise StreamError(f"view follower stalled short of {sorted(remaining)}")
+        for topic, ps in target.items():
+            for partition, end in ps.items():
+                name = self.folder.part_of(topic, partition)
+                part = self.parts.get(name)
+                if part is None:
+                    part = self.parts[name] = self.folder.new_part()
+                if end > part.offsets.get(topic, {}).get(partition, 0):
+                    part.offsets.setdefault(topic, {})[partition] = end
+                self.position.setdefault(topic, {})[partition] = end
+        return compose(self.parts.values())

@@ -59,6 +59,9 @@ class TransactionalProcessor:
     instance_id: str = "0"
     batch_size: int = 500
     poll_timeout_s: float = 0.5
+    # Called after an abort, once the stores dropped their pending writes: a handler that keeps
+    # state of its own beside the stores forgets it here.
+    on_abort: Callable[[], None] | None = None
     stats: ProcessorStats = field(default_factory=ProcessorStats)
     # Set once partitions are assigned and stores restored; the slice and tests wait on it.
     ready: threading.Event = field(default_factory=threading.Event)
@@ -131,6 +134,8 @@ class TransactionalProcessor:
             producer.abort_transaction(60)
             for store in self.stores:
                 store.abort()
+            if self.on_abort is not None:
+                self.on_abort()
             _rewind(consumer)
             return
         for store in self.stores:

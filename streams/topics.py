@@ -60,6 +60,18 @@ class Topics:
         return f"{self.prefix}.scheduler.allocations"
 
     @property
+    def scheduler_requests(self) -> str:
+        return f"{self.prefix}.scheduler.requests"
+
+    @property
+    def decisions(self) -> str:
+        return f"{self.prefix}.scheduler.decisions"
+
+    @property
+    def prewarms(self) -> str:
+        return f"{self.prefix}.scheduler.prewarms"
+
+    @property
     def node_topics(self) -> tuple[str, str]:
         """The co-partitioned topics keyed by node id: partition p of each holds the same nodes."""
         return (self.telemetry, self.node_state)
@@ -109,6 +121,16 @@ class Topics:
             TopicSpec(self.allocations, 1,
                       {"cleanup.policy": "delete", "retention.ms": "-1", **LOG_APPEND_TIME},
                       "Allocation, keyed by job id; kept forever so replay sees every binding"),
+            TopicSpec(self.scheduler_requests, 1,
+                      {"cleanup.policy": "delete", "retention.ms": "-1"},
+                      "SchedulerRequest: desired state, reports and ticks, in one total order; "
+                      "kept forever, it is what a replay of the decisions folds"),
+            TopicSpec(self.decisions, 1,
+                      {"cleanup.policy": "delete", "retention.ms": "-1"},
+                      "SchedulingDecision, keyed by job: every decision with its reasons"),
+            TopicSpec(self.prewarms, 1,
+                      {"cleanup.policy": "delete", "retention.ms": str(30 * DAY_MS)},
+                      "DatasetPrewarm orders for the data movers, keyed by dataset@cluster"),
             TopicSpec(self.audit_requests, self.audit_partitions,
                       {"cleanup.policy": "delete", "retention.ms": str(30 * DAY_MS)},
                       "AuditEvent as emitted by the API, CLI and processors, keyed by tenant"),
@@ -120,7 +142,9 @@ class Topics:
                       "messages no processor could handle: original bytes, reason in headers"),
         ]
 
-    def changelog_spec(self, application_id: str, store: str) -> TopicSpec:
-        return TopicSpec(self.changelog(application_id, store), self.node_partitions,
+    def changelog_spec(self, application_id: str, store: str,
+                       partitions: int | None = None) -> TopicSpec:
+        return TopicSpec(self.changelog(application_id, store),
+                         self.node_partitions if partitions is None else partitions,
                          {"cleanup.policy": "compact"},
                          f"changelog of {application_id}'s {store} store")

@@ -1,0 +1,435 @@
+"""The imperative shell around the scheduler: the request log in, decisions and allocations out,
+exactly once; a ticker that observes the resource view; requests from the CLI and the API.
+
+The scheduler runs in the exactly-once processor loop (`streams/processor.py`) over its
+single-partition request topic. Its state lives in a store backed by a compacted changelog,
+written in the same transaction as its outputs and the consumed offset, so a crash or an abort
+neither repeats nor loses a decision. After an abort the loop rewinds; the handler sees the log
+position go back and rebuilds the scheduler from the committed store (and the view at the
+offsets the state last observed).
+
+The ticker reads the live view every `tick_interval_s`, keeps what it observed under the view's
+offsets and appends a TICK naming them; when the TICK comes round in the log, the handler uses
+that observation (or, after a restart, rebuilds the view at those offsets from snapshots and
+the log). A replay does the same (`replay_decisions`), which is why it reproduces every
+decision byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from confluent_kafka import OFFSET_BEGINNING, KafkaError, Message, TopicPartition
+
+from fleetline.config import KafkaSettings
+from fleetline.errors import ConfigError, InvalidEventError, StreamError
+from fleetline.processors.capacity import FleetFacts, observe
+from fleetline.processors.scheduler import Decision, Effect, Scheduler
+from fleetline.processors.scheduler_codec import (
+    canonical_json,
+    effect_record,
+    new_request,
+    offsets_of,
+)
+from fleetline.processors.scheduling import SchedulingPolicy
+from fleetline.processors.view import ResourceView
+from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.events import (
+    ALLOCATION,
+    DATASET_PREWARM,
+    DATASET_STATE,
+    SCHEDULER_REQUEST,
+    SCHEDULING_DECISION,
+)
+from fleetline.streams.processor import Output, TransactionalProcessor
+from fleetline.streams.serde import AvroCodec, default_codec
+from fleetline.streams.store import ChangelogStore
+from fleetline.streams.topics import Topics, TopicSpec
+
+log = logging.getLogger(__name__)
+
+APPLICATION_ID = "scheduler"
+STORE = "state"
+T = TypeVar("T")
+Offsets = dict[str, dict[int, int]]
+
+
+class ViewSource(Protocol):
+    def read(self, fn: Callable[[ResourceView], T]) -> T: ...
+
+
+def state_store(topics: Topics) -> ChangelogStore[Any]:
+    return ChangelogStore(STORE, topics.changelog(APPLICATION_ID, STORE),
+                          lambda value: json.dumps(value, sort_keys=True).encode(),
+                          lambda data: json.loads(data))
+
+
+def scheduler_topics(topics: Topics) -> list[TopicSpec]:
+    """Every topic the scheduler reads or writes, for `ensure_topics`."""
+    return [*topics.specs(), topics.changelog_spec(APPLICATION_ID, STORE, partitions=1)]
+
+
+def _offsets_key(offsets: Mapping[str, Mapping[int, int]]) -> str:
+    return canonical_json({t: {str(p): o for p, o in sorted(ps.items())}
+                           for t, ps in sorted(offsets.items())})
+
+
+@dataclass
+class Observations:
+    """What the ticker saw of the view, by the offsets it stood at, until its TICK is folded."""
+
+    keep: int = 32
+    _seen: dict[str, FleetFacts] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def put(self, facts: FleetFacts) -> None:
+        with self._lock:
+            self._seen[_offsets_key(facts.offsets)] = facts
+            while len(self._seen) > self.keep:
+                self._seen.pop(next(iter(self._seen)))
+
+    def get(self, offsets: Mapping[str, Mapping[int, int]]) -> FleetFacts | None:
+        with self._lock:
+            return self._seen.get(_offsets_key(offsets))
+
+
+@dataclass
+class SchedulerHandler:
+    """Folds one request into the scheduler; its effects become the transaction's outputs."""
+
+    topics: Topics
+    store: ChangelogStore[Any]
+    facts_at: Callable[[Offsets], FleetFacts]
+    observations: Observations
+    policy: SchedulingPolicy | None = None
+    codec: AvroCodec = field(default_factory=default_codec)
+    scheduler: Scheduler | None = None
+    decisions: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _restore(self, offset: int) -> Scheduler:
+        records = {key.decode(): value for key, value in self.store.items([0])}
+        if not records:
+            scheduler = Scheduler(self.policy)
+            if offset > 0:
+                log.warning("scheduler: no state in the store but the log resumes at %d; "
+                            "starting empty", offset)
+            scheduler.position = offset - 1
+            return scheduler
+        facts = self._facts(Scheduler.view_offsets_of(records))
+        scheduler = Scheduler.from_records(records, facts)
+        if scheduler.position != offset - 1:
+            log.warning("scheduler: state stands at request %d, the log resumes at %d",
+                        scheduler.position, offset)
+        return scheduler
+
+    def _facts(self, offsets: Offsets) -> FleetFacts:
+        if not offsets:
+            return observe(ResourceView())
+        return self.observations.get(offsets) or self.facts_at(offsets)
+
+    def __call__(self, msg: Message) -> Sequence[Output]:
+        with self.lock:
+            if self.scheduler is None or msg.offset() != self.scheduler.position + 1:
+                # A fresh start, a rebalance or an aborted batch: the committed store is the
+                # truth, and the in-memory state is rebuilt from it.
+                self.scheduler = self._restore(msg.offset())
+            request = self.codec.decode(msg.value(), expect=SCHEDULER_REQUEST).record
+            facts = None
+            if request["kind"] == "TICK":
+                facts = self._facts(offsets_of(request))
+            try:
+                effects = self.scheduler.step(request, msg.offset(), facts)
+            finally:
+                for key, value in self.scheduler.drain_dirty():
+                    self.store.put(0, key.encode(), value)
+            return self._outputs(effects)
+
+    def _outputs(self, effects: Sequence[Effect]) -> list[Output]:
+        topics = {SCHEDULING_DECISION: self.topics.decisions,
+                  ALLOCATION: self.topics.allocations, DATASET_PREWARM: self.topics.prewarms,
+                  DATASET_STATE: self.topics.datasets}
+        out = []
+        for effect in effects:
+            name, key, record = effect_record(effect)
+            topic = topics[name]
+            if isinstance(effect, Decision):
+                self.decisions += 1
+            out.append(Output(topic, key.encode(), self.codec.encode(name, record)))
+        return out
+
+    def abort(self) -> None:
+        """Forget the in-memory state (the next message rebuilds it from the store)."""
+        with self.lock:
+            self.scheduler = None
+
+
+@dataclass
+class SchedulerService:
+    """The scheduler's processor loop plus its ticker, run together by `run(stop)`."""
+
+    kafka: KafkaSettings
+    topics: Topics
+    view: ViewSource
+    facts_at: Callable[[Offsets], FleetFacts]
+    policy: SchedulingPolicy | None = None
+    tick_interval_s: float = 1.0
+    instance_id: str = "0"
+    batch_size: int = 500
+    poll_timeout_s: float = 0.05
+    clock: Callable[[], int] = field(default=lambda: int(time.time() * 1000))
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.store = state_store(self.topics)
+        self.observations = Observations()
+        self.handler = SchedulerHandler(self.topics, self.store, self.facts_at,
+                                        self.observations, self.policy)
+        self.processor = TransactionalProcessor(
+            kafka=self.kafka, application_id=f"{self.topics.prefix}.{APPLICATION_ID}",
+            inputs=[self.topics.scheduler_requests], handler=self.handler,
+            dead_letter_topic=self.topics.dead_letter, stores=[self.store],
+            instance_id=self.instance_id, batch_size=self.batch_size,
+            poll_timeout_s=self.poll_timeout_s, on_abort=self.handler.abort)
+        self.ticks = 0
+
+    def run(self, stop: threading.Event) -> None:
+        ticker = threading.Thread(target=self._tick_loop, args=(stop,), name="scheduler-tick",
+                                  daemon=True)
+        ticker.start()
+        try:
+            self.processor.run(stop)
+        finally:
+            stop.set()
+            ticker.join(30)
+
+    def _tick_loop(self, stop: threading.Event) -> None:
+        producer = kafka_clients.producer(self.kafka, **{"linger.ms": 0})
+        try:
+            if not self.processor.ready.wait(120):
+                log.warning("scheduler: no partition assigned in 120 s; ticking anyway")
+            self._send_policy(producer)
+            self.ready.set()
+            while not stop.is_set():
+                self.tick(producer)
+                stop.wait(self.tick_interval_s)
+        finally:
+            producer.flush(10)
+
+    def _send_policy(self, producer: Any) -> None:
+        if self.policy is None:
+            return
+        deadline = time.monotonic() + 30
+        while self.handler.scheduler is None and time.monotonic() < deadline:
+            # The handler restores its state with the first request; wait for one tick's worth.
+            self.tick(producer)
+            time.sleep(0.2)
+        current = self.handler.scheduler
+        if current is not None and current.digest == self.policy.digest():
+            return
+        send(producer, self.topics, new_request(
+            "POLICY", "", "", self.clock(), uuid.uuid4().hex, actor="scheduler",
+            spec_json=canonical_json(self.policy.as_data())))
+
+    def tick(self, producer: Any) -> None:
+        facts = self.view.read(observe)
+        self.observations.put(facts)
+        send(producer, self.topics, new_request("TICK", "", "", self.clock(), uuid.uuid4().hex,
+                                                view_offsets=facts.offsets))
+        producer.flush(10)
+        self.ticks += 1
+
+    def jobs(self, tenant: str | None = None) -> list[dict[str, Any]]:
+        """The committed job records (what `fleetline get` shows), for the caller's tenant."""
+        return job_records(self.store, tenant)
+
+
+def send(producer: Any, topics: Topics, request: Mapping[str, Any],
+         codec: AvroCodec | None = None,
+         on_delivery: Callable[[Any, Any], None] | None = None) -> None:
+    """Append one request to the scheduler's log (keyed by its key, one partition)."""
+    codec = codec or default_codec()
+    kwargs: dict[str, Any] = {"key": request["key"].encode() or b"-",
+                              "value": codec.encode("SchedulerRequest", request)}
+    if on_delivery is not None:
+        kwargs["on_delivery"] = on_delivery
+    while True:
+        try:
+            producer.produce(topics.scheduler_requests, **kwargs)
+            return
+        except BufferError:
+            producer.poll(0.1)
+
+
+def submit(kafka: KafkaSettings, topics: Topics,
+           requests: Sequence[Mapping[str, Any]], timeout_s: float = 30.0) -> list[int]:
+    """Append requests and wait until the broker has them; their log offsets, in order."""
+    producer = kafka_clients.producer(kafka, **{"linger.ms": 0})
+    offsets: list[int | None] = [None] * len(requests)
+    errors: list[str] = []
+
+    def delivered(index: int) -> Callable[[Any, Any], None]:
+        def done(err: Any, msg: Any) -> None:
+            if err is not None:
+                errors.append(str(err))
+            else:
+                offsets[index] = msg.offset()
+        return done
+
+    for i, request in enumerate(requests):
+        send(producer, topics, request, on_delivery=delivered(i))
+    left = producer.flush(timeout_s)
+    if left or errors:
+        raise StreamError(f"the scheduler's request log did not take "
+                          f"{left or len(errors)} request(s): {errors[:3]}")
+    return [o for o in offsets if o is not None]
+
+
+def job_records(store: ChangelogStore[Any], tenant: str | None = None) -> list[dict[str, Any]]:
+    out = []
+    for key, value in store.items([0]):
+        name = key.decode()
+        if name.startswith("job:") and value is not None and (
+                tenant is None or value["tenant"] == tenant):
+            out.append(value)
+    out.sort(key=lambda j: j["key"])
+    return out
+
+
+def read_state(kafka: KafkaSettings, topics: Topics) -> ChangelogStore[Any]:
+    """The scheduler's committed state, restored from its changelog (for the CLI)."""
+    store = state_store(topics)
+    store.restore(kafka, [0])
+    return store
+
+
+def read_topic(kafka: KafkaSettings, topic: str, timeout_s: float = 30.0
+               ) -> Iterator[Message]:
+    """Every committed message of a single-partition topic, from the start to its end now."""
+    consumer = kafka_clients.consumer(kafka, f"fleetline-read-{uuid.uuid4().hex[:12]}",
+                                      **{"enable.partition.eof": True})
+    try:
+        tp = TopicPartition(topic, 0, OFFSET_BEGINNING)
+        low, high = consumer.get_watermark_offsets(tp, timeout=timeout_s, cached=False)
+        if high <= low:
+            return
+        consumer.assign([tp])
+        deadline = time.monotonic() + timeout_s
+        while True:
+            msg = consumer.poll(0.5)
+            if msg is None:
+                if time.monotonic() > deadline:
+                    raise StreamError(f"reading {topic}: no end after {timeout_s:.0f}s")
+                continue
+            if msg.error():
+                if msg.error().code() == KafkaError._PARTITION_EOF:
+                    return
+                raise StreamError(f"reading {topic}: {msg.error().str()}")
+            deadline = time.monotonic() + timeout_s
+            yield msg
+    finally:
+        consumer.close()
+
+
+def decisions_of(kafka: KafkaSettings, topics: Topics, job: str | None = None,
+                 codec: AvroCodec | None = None) -> list[dict[str, Any]]:
+    codec = codec or default_codec()
+    out = []
+    for msg in read_topic(kafka, topics.decisions):
+        if job is not None and msg.key() != job.encode():
+            continue
+        out.append(codec.decode(msg.value(), expect=SCHEDULING_DECISION).record)
+    return out
+
+
+@dataclass
+class DecisionReplay:
+    requests: int = 0
+    ticks: int = 0
+    decisions: int = 0
+    matched: int = 0
+    first_difference: str | None = None
+    view_rebuilds: int = 0
+    seconds: float = 0.0
+    scheduler: Scheduler | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.first_difference is None
+
+
+def replay_decisions(kafka: KafkaSettings, topics: Topics,
+                     view_at: Callable[[Offsets], ResourceView],
+                     policy: SchedulingPolicy | None = None,
+                     codec: AvroCodec | None = None) -> DecisionReplay:
+    """Fold the whole request log again, observing the view at every TICK's offsets, and
+    compare each decision with the one the log holds, byte for byte."""
+    began = time.perf_counter()
+    codec = codec or default_codec()
+    recorded = iter(read_topic(kafka, topics.decisions))
+    result = DecisionReplay()
+    scheduler = Scheduler(policy)
+    for msg in read_topic(kafka, topics.scheduler_requests):
+        result.requests += 1
+        try:
+            request = codec.decode(msg.value(), expect=SCHEDULER_REQUEST).record
+            facts = None
+            if request["kind"] == "TICK":
+                result.ticks += 1
+                facts = observe(view_at(offsets_of(request)))
+            effects = scheduler.step(request, msg.offset(), facts)
+        except InvalidEventError:
+            continue  # dead-lettered live, skipped here alike
+        for effect in effects:
+            if not isinstance(effect, Decision):
+                continue
+            name, key, record = effect_record(effect)
+            again = codec.encode(name, record)
+            result.decisions += 1
+            live = next(recorded, None)
+            if live is None:
+                result.first_difference = (f"decision {effect.decision_id} for {effect.job} is "
+                                           "not in the log")
+                break
+            if live.value() != again or live.key() != key.encode():
+                was = codec.decode(live.value()).record
+                result.first_difference = (
+                    f"decision {effect.decision_id} for {effect.job}: replayed "
+                    f"{record['outcome']} ({record['reason'][:120]}), the log has "
+                    f"{was['decision_id']} {was['outcome']} ({was['reason'][:120]})")
+                break
+            result.matched += 1
+        if result.first_difference:
+            break
+    else:
+        extra = next(recorded, None)
+        if extra is not None:
+            was = codec.decode(extra.value()).record
+            result.first_difference = (f"the log has decision {was['decision_id']} that the "
+                                       "replay did not make")
+    result.scheduler = scheduler
+    result.seconds = time.perf_counter() - began
+    return result
+
+
+def load_policy(path: str | None) -> SchedulingPolicy | None:
+    """A scheduling policy from a YAML or JSON file (None: keep the scheduler's own)."""
+    if path is None:
+        return None
+    import yaml
+
+    try:
+        with open(path) as handle:
+            data = yaml.safe_load(handle) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"scheduling policy {path}: {exc}") from None
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"scheduling policy {path}: must be a mapping")
+    return SchedulingPolicy.from_data(data)
