@@ -145,6 +145,8 @@ def _cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
     from fleetline.processors.replay import offsets_at, walk
 
     topics = Topics(args.topic_prefix)
+    if args.decisions:
+        return _replay_decisions(args, settings, topics)
     if args.since or args.until:
         if not (args.since and args.until):
             raise ConfigError("--from and --to go together")
@@ -178,6 +180,27 @@ def _cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
             cluster.pop("info")
             print(json.dumps(cluster))
     return 0
+
+
+def _replay_decisions(args: argparse.Namespace, settings: Settings, topics: Topics) -> int:
+    from fleetline.processors.replay import ViewFollower
+    from fleetline.processors.scheduler_runtime import replay_decisions
+    from fleetline.processors.view_runtime import tune_gc_for_large_state
+
+    tune_gc_for_large_state()
+    snapshots = None if args.no_snapshots else _snapshots(settings, args.topic_prefix,
+                                                          args.group)
+    follower = ViewFollower(settings.kafka, topics, snapshots)
+    try:
+        result = replay_decisions(settings.kafka, topics, follower.at)
+    finally:
+        follower.close()
+    print(json.dumps({"ok": result.ok, "requests": result.requests, "ticks": result.ticks,
+                      "decisions": result.decisions, "matched": result.matched,
+                      "first_difference": result.first_difference,
+                      "view_rebuilds": follower.rebuilds, "view_events_folded": follower.folded,
+                      "seconds": round(result.seconds, 3)}, indent=2))
+    return 0 if result.ok else 2
 
 
 def _cmd_view(args: argparse.Namespace, settings: Settings) -> int:
@@ -253,6 +276,12 @@ def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
         audit_chainer,
         load_signer,
     )
+    from fleetline.processors.scheduler_runtime import (
+        KafkaJobs,
+        SchedulerService,
+        load_policy,
+        scheduler_topics,
+    )
     from fleetline.processors.view_runtime import ViewProcessor
     from fleetline.storage.audit_store import AuditArchive, AuditTable
     from fleetline.storage.clickhouse import connect, migrate
@@ -272,13 +301,26 @@ def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ConfigError("--tls-cert and --tls-key go together")
     topics = Topics(args.topic_prefix)
-    kafka_clients.ensure_topics(settings.kafka, [*topics.specs(),
+    kafka_clients.ensure_topics(settings.kafka, [*scheduler_topics(topics),
                                                  topics.changelog_spec(AUDIT_APP, "chain")])
-    processor = ViewProcessor(settings.kafka, topics,
-                              _snapshots(settings, args.topic_prefix, args.group),
+    snapshots = _snapshots(settings, args.topic_prefix, args.group)
+    processor = ViewProcessor(settings.kafka, topics, snapshots,
                               group_id=args.group, instance_id=args.instance_id,
                               snapshot_interval_s=args.snapshot_interval)
     workers: list = [processor]
+    scheduler = None
+    if not args.no_scheduler:
+        from fleetline.processors.capacity import observe
+        from fleetline.processors.replay import rebuild
+
+        def facts_at(offsets: dict) -> object:
+            return observe(rebuild(settings.kafka, topics, offsets, snapshots).view)
+
+        scheduler = SchedulerService(settings.kafka, topics, processor, facts_at,
+                                     load_policy(args.scheduler_policy),
+                                     tick_interval_s=args.tick_interval,
+                                     instance_id=args.instance_id)
+        workers.append(scheduler)
     client = connect(settings.clickhouse_url)
     migrate(client, settings.clickhouse_database)
     codec = default_codec()
@@ -335,7 +377,8 @@ def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
 
             app = create_app(processor,
                              Authenticator(AuthConfig.from_file(settings.auth_config)),
-                             emitter, audit_table, sql, ready)
+                             emitter, audit_table, sql, ready,
+                             jobs=KafkaJobs(settings.kafka, topics, scheduler))
             server = uvicorn.Server(uvicorn.Config(
                 app, host=args.host, port=args.port, log_level="warning",
                 ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key))
@@ -691,10 +734,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true")
 
     serve = sub.add_parser(
-        "serve", help="run the resource-view processor and its HTTP API",
+        "serve", help="run the resource-view processor, the scheduler and the HTTP API",
         description="Folds the fleet's topics into the resource view, snapshots it to object "
-                    "storage, and serves it over HTTP (OpenAPI at /openapi.json). Start several "
-                    "with the same --group and different --instance-id to share the load.")
+                    "storage, runs the scheduler over it, sinks telemetry, node states and "
+                    "the audit log to ClickHouse, and serves it all over HTTP (OpenAPI at "
+                    "/openapi.json). Start several with the same --group and different "
+                    "--instance-id to share the view (and --no-scheduler on all but one).")
     serve.add_argument("--topic-prefix", default="fleetline")
     serve.add_argument("--group", default="resource-view")
     serve.add_argument("--instance-id", default="0")
@@ -707,6 +752,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tier-every", type=float, default=300.0, metavar="SECONDS",
                        help="run the tiering pass this often (0: never); the embedded store "
                             "can only be tiered by the process that owns it")
+    serve.add_argument("--no-scheduler", action="store_true",
+                       help="no scheduler in this process (run it in the one instance that "
+                            "holds every shard of the view)")
+    serve.add_argument("--scheduler-policy", metavar="FILE",
+                       help="the scheduling pipeline (filters, weights, cluster preference; "
+                            "YAML or JSON); appended to the request log when it differs")
+    serve.add_argument("--tick-interval", type=float, default=1.0, metavar="SECONDS",
+                       help="how often the scheduler observes the view and reconciles")
     serve.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM)")
     serve.add_argument("--tls-key", help="... and this private key (PEM)")
     serve.set_defaults(func=_cmd_serve)
@@ -778,6 +831,10 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--from", dest="since", help="start of a range to walk")
     replay.add_argument("--to", dest="until", help="end of the range")
     replay.add_argument("--out", help="write the whole view as JSON to this file")
+    replay.add_argument("--decisions", action="store_true",
+                        help="refold the scheduler's request log, observing the view at every "
+                             "TICK's offsets, and check each decision against the log byte for "
+                             "byte (exit 2 at the first difference)")
     replay.set_defaults(func=_cmd_replay)
 
     view = sub.add_parser("view", help="show the resource view (rebuilt from snapshot + log)")
@@ -792,6 +849,10 @@ def build_parser() -> argparse.ArgumentParser:
                       choices=["idle", "allocated", "degraded", "failed", "unavailable"])
     view.add_argument("--label", action="append", metavar="KEY=VALUE")
     view.set_defaults(func=_cmd_view)
+
+    from fleetline.cli_scheduler import register as register_scheduler
+
+    register_scheduler(sub)
 
     sql = sub.add_parser(
         "sql", help="run a read-only ClickHouse SQL query on the configured store",

@@ -45,6 +45,19 @@ class AuditEmitter(Protocol):
     def emit(self, event: dict[str, Any]) -> None: ...
 
 
+class JobsPort(Protocol):
+    """The scheduler as the API reaches it: its request log, its committed state, its
+    decisions (`processors/scheduler_runtime.KafkaJobs`)."""
+
+    def submit(self, requests: list[dict[str, Any]]) -> list[int]: ...
+
+    def jobs(self, tenant: str | None = None) -> list[dict[str, Any]]: ...
+
+    def job(self, key: str) -> dict[str, Any] | None: ...
+
+    def decisions(self, job: str) -> list[dict[str, Any]]: ...
+
+
 class StaticView:
     """A view that does not move: a replay's result, served for an investigation."""
 
@@ -97,7 +110,8 @@ def create_app(source: ViewSource, authenticator: Authenticator, audit: AuditEmi
                audit_table: AuditTable | None = None,
                sql: Callable[[str], dict[str, Any]] | None = None,
                ready_query: Callable[[str, str, str | None], dict[str, Any]] | None = None,
-               clock: Callable[[], int] = lambda: int(time.time() * 1000)) -> FastAPI:
+               clock: Callable[[], int] = lambda: int(time.time() * 1000),
+               jobs: JobsPort | None = None) -> FastAPI:
     app = FastAPI(title="fleetline", version="0.1.0",
                   description="The global resource view of a multi-cluster GPU fleet, and its "
                               "audit log. Every route needs `Authorization: Bearer <token>`.")
@@ -113,9 +127,11 @@ def create_app(source: ViewSource, authenticator: Authenticator, audit: AuditEmi
                 raise HTTPException(401, str(exc),
                                     headers={"WWW-Authenticate": "Bearer"}) from None
             request.state.principal = principal
+            # The tenant a request reaches for: in its path (/v1/jobs/{tenant}/...) or asked
+            # for with ?tenant=.
+            requested = request.path_params.get("tenant") or request.query_params.get("tenant")
             try:
-                request.state.scope = authorize(principal, rule,
-                                                request.query_params.get("tenant"))
+                request.state.scope = authorize(principal, rule, requested)
             except PermissionDenied as exc:
                 request.state.refusal = str(exc)
                 log.warning("denied %s %s to %s: %s", request.method, request.url.path,
@@ -298,6 +314,94 @@ def create_app(source: ViewSource, authenticator: Authenticator, audit: AuditEmi
         if ready_query is None:
             raise HTTPException(503, "no ClickHouse store is configured on this server")
         return ready_query(name, since, until)
+
+    def _jobs() -> JobsPort:
+        if jobs is None:
+            raise HTTPException(503, "the scheduler is not configured on this server")
+        return jobs
+
+    @route("POST", "/v1/jobs", Rule("jobs", "write"), status_code=202,
+           summary="Submit TrainingJob / InferenceService / Dataset specs (YAML or JSON body)")
+    async def apply_specs(request: Request, tenant: str | None = None) -> dict[str, Any]:
+        from fleetline.processors.scheduler_codec import datasets_first, submit_request
+        from fleetline.processors.specs import SpecError, parse_specs
+
+        text = (await request.body()).decode(errors="replace")
+        try:
+            specs = parse_specs(text)
+        except SpecError as exc:
+            raise HTTPException(422, [{"path": e.path, "message": e.message}
+                                      for e in exc.errors]) from None
+        scope = request.state.scope
+        outside = sorted({s.metadata.tenant for s in specs} - ({scope} if scope else set()))
+        if scope is not None and outside:
+            raise HTTPException(403, f"{request.state.principal.subject} may only submit for "
+                                f"tenant {scope}, the specs name {', '.join(outside)}")
+        import yaml
+
+        documents = [d for d in yaml.safe_load_all(text) if d is not None]
+        principal: Principal = request.state.principal
+        ordered = datasets_first(specs, documents)
+        requests = [submit_request(spec, doc, clock(), uuid.uuid4().hex, principal.subject)
+                    for spec, doc in ordered]
+        offsets = _jobs().submit(requests)
+        return {"accepted": [{"key": r["key"], "kind": spec.kind, "request_offset": o}
+                             for r, (spec, _), o in zip(requests, ordered, offsets,
+                                                        strict=True)]}
+
+    @route("GET", "/v1/jobs", Rule("jobs", "read"),
+           summary="The scheduler's jobs of the caller's tenant: phase, conditions, GPUs")
+    def list_jobs(request: Request, tenant: str | None = None,
+                  phase: str | None = None) -> dict[str, Any]:
+        items = [j for j in _jobs().jobs(request.state.scope)
+                 if phase is None or j["phase"] == phase]
+        return {"items": [{k: v for k, v in j.items() if k != "explanation"} for j in items]}
+
+    def one_job(tenant: str, name: str) -> dict[str, Any]:
+        job = _jobs().job(f"{tenant}/{name}")
+        if job is None:
+            raise HTTPException(404, f"no job {tenant}/{name}")
+        return job
+
+    @route("GET", "/v1/jobs/{tenant}/{name}", Rule("jobs", "read"),
+           summary="One job's desired state, phase, conditions and GPUs")
+    def get_job(tenant: str, name: str) -> dict[str, Any]:
+        return {k: v for k, v in one_job(tenant, name).items() if k != "explanation"}
+
+    @route("GET", "/v1/jobs/{tenant}/{name}/explain", Rule("jobs", "read"),
+           summary="Why the job is where it is, or why it waits: the latest decision with "
+                   "every cluster's score or reason (history=true: every decision)")
+    def explain_job(tenant: str, name: str, history: bool = False) -> dict[str, Any]:
+        job = one_job(tenant, name)
+        out = {"job": job["key"], "phase": job["phase"], "conditions": job["conditions"],
+               "decision": job.get("explanation")}
+        if history:
+            out["history"] = _jobs().decisions(job["key"])
+        return out
+
+    @route("DELETE", "/v1/jobs/{tenant}/{name}", Rule("jobs", "write"), status_code=202,
+           summary="Delete a job: its GPUs are released and the queue moves on")
+    def delete_job(request: Request, tenant: str, name: str) -> dict[str, Any]:
+        from fleetline.processors.scheduler_codec import new_request
+
+        one_job(tenant, name)
+        principal: Principal = request.state.principal
+        (offset,) = _jobs().submit([new_request("DELETE", f"{tenant}/{name}", tenant, clock(),
+                                                uuid.uuid4().hex, actor=principal.subject)])
+        return {"deleted": f"{tenant}/{name}", "request_offset": offset}
+
+    @route("PUT", "/v1/tenants/{tenant}/policy", Rule("quotas", "write", tenant_scoped=False),
+           summary="Set a tenant's quotas, reservations and fair-share weight (platform admins)")
+    def set_tenant_policy(request: Request, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
+        from fleetline.processors.scheduler_codec import canonical_json, new_request
+        from fleetline.processors.tenancy import TenantPolicy
+
+        policy = TenantPolicy.from_data({**body, "tenant": tenant})
+        principal: Principal = request.state.principal
+        (offset,) = _jobs().submit([new_request(
+            "TENANT_POLICY", tenant, tenant, clock(), uuid.uuid4().hex,
+            actor=principal.subject, spec_json=canonical_json(policy.as_data()))])
+        return {"tenant": tenant, "policy": policy.as_data(), "request_offset": offset}
 
     @app.exception_handler(PermissionDenied)
     async def denied(request: Request, exc: PermissionDenied) -> JSONResponse:

@@ -18,7 +18,7 @@ FLEET_READ = ("fleet", "read")  # clusters, nodes, GPUs, topology: shared infras
 PERMISSIONS: dict[str, frozenset[tuple[str, str]]] = {
     "platform-admin": frozenset({
         FLEET_READ, ("jobs", "read"), ("jobs", "write"), ("usage", "read"), ("datasets", "read"),
-        ("audit", "read"), ("audit", "export"), ("sql", "run")}),
+        ("audit", "read"), ("audit", "export"), ("sql", "run"), ("quotas", "write")}),
     "tenant-admin": frozenset({
         FLEET_READ, ("jobs", "read"), ("jobs", "write"), ("usage", "read"), ("datasets", "read"),
         ("audit", "read"), ("audit", "export")}),

@@ -112,6 +112,32 @@ class Decision:
     def prewarm(self) -> DatasetPrewarm | None:
         return self.prewarms[0] if self.prewarms else None
 
+    def as_record(self) -> dict[str, Any]:
+        """The SchedulingDecision record."""
+        d = self
+        return {
+            "decision_id": d.decision_id, "job": d.job, "tenant": d.tenant, "kind": d.kind,
+            "outcome": d.outcome, "ts": d.ts, "input_offset": d.input_offset,
+            "view_version": d.view_version,
+            "view_offsets": [{"topic": t, "partition": p, "offset": o}
+                             for t, ps in sorted(d.view_offsets.items())
+                             for p, o in sorted(ps.items())],
+            "policy_digest": d.policy_digest, "priority": d.priority, "reason": d.reason,
+            "placements": [{"cluster_id": p.cluster_id, "leaves": list(p.leaves),
+                            "workers": [{"node_id": w[0][0], "gpus": [i for _, i in w]}
+                                        for w in p.workers if w]}
+                           for p in d.placements],
+            "alternatives": [{"cluster_id": a.cluster_id, "total": a.total,
+                              "parts": dict(a.parts), "rejected": a.rejected}
+                             for a in d.alternatives],
+            "prewarms": [{"dataset_id": p.dataset_id, "from_cluster": p.from_cluster,
+                          "to_cluster": p.to_cluster, "size_bytes": p.size_bytes,
+                          "estimated_s": p.estimated_s, "rate_gbps": p.rate_gbps}
+                         for p in d.prewarms],
+            "preempted_by": d.preempted_by, "victims": list(d.victims),
+            "resume_from_checkpoint_ms": d.resume_from_checkpoint_ms, "lost_gpu_s": d.lost_gpu_s,
+        }
+
 
 @dataclass(frozen=True)
 class AllocationChange:
@@ -175,6 +201,9 @@ class Job:
     last_decision: str | None = None
     preemptions: int = 0
     placed_ms: int | None = None
+    # The latest decision about the job, whole (for `explain`): a Decision, or its record once
+    # read back from the store.
+    explanation: Any = None
     _spec: Any = field(default=None, repr=False, compare=False)
     _interval: int | None = field(default=None, repr=False, compare=False)
     _held: int | None = field(default=None, repr=False, compare=False)
@@ -233,6 +262,8 @@ class Job:
             "waiting_for": self.waiting_for, "queued_reason": self.queued_reason,
             "last_decision": self.last_decision, "preemptions": self.preemptions,
             "placed_ms": self.placed_ms,
+            "explanation": (self.explanation.as_record()
+                            if isinstance(self.explanation, Decision) else self.explanation),
         }
 
     @classmethod
@@ -245,6 +276,14 @@ class Job:
 
 def job_key(tenant: str, name: str) -> str:
     return f"{tenant}/{name}"
+
+
+def spec_key(spec: TrainingJob | InferenceService | Dataset) -> str:
+    """The key of a spec's requests and decisions: tenant/name for jobs; dataset:<name> for
+    datasets, whose names are global (the resource view knows datasets by name)."""
+    if isinstance(spec, Dataset):
+        return f"dataset:{spec.metadata.name}"
+    return job_key(spec.metadata.tenant, spec.metadata.name)
 
 
 def checkpoint_before(job: Job, now: int) -> int:
@@ -431,7 +470,7 @@ class Scheduler:
                                f"the spec does not validate: {exc}", 0)
             return
         tenant, name = spec.metadata.tenant, spec.metadata.name
-        key = job_key(tenant, name)
+        key = spec_key(spec)
         if key != request["key"] or tenant != request["tenant"]:
             self._decide_about(request["key"], request["tenant"], spec.kind, "REJECTED",
                                f"the request is keyed {request['key']!r} (tenant "
@@ -943,16 +982,17 @@ class Scheduler:
         self._schedule_queue()
 
     def _migrate_off_faults(self) -> None:
+        # Only what the view says is broken moves a job: a node the view does not hold (a shard
+        # not restored yet, another instance's shard) is unknown, not lost.
         hit: dict[str, str] = {}
         for node_id in sorted(self.node_jobs):
             lost = self.facts.lost.get(node_id)
-            gone = node_id not in self.facts.nodes
-            if not lost and not gone:
+            if not lost:
                 continue
             for key in sorted(self.node_jobs[node_id]):
                 job = self.jobs[key]
                 masks = [nodes.get(node_id, 0) for nodes in job.allocation.values()]
-                if gone or any(m & lost for m in masks):
+                if any(m & lost for m in masks):
                     hit.setdefault(key, self.facts.lost_reason(node_id))
         for key in sorted(hit):
             job = self.jobs[key]
@@ -1028,6 +1068,7 @@ class Scheduler:
                                       preempted_by=preempted_by, victims=victims, resume=resume,
                                       lost=lost)
         job.last_decision = decision.decision_id
+        job.explanation = decision
         self.dirty.add(f"job:{job.key}")
         return decision
 

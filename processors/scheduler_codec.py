@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fleetline.processors.scheduler import (
@@ -13,6 +13,7 @@ from fleetline.processors.scheduler import (
     Decision,
     Effect,
     PrewarmOrder,
+    spec_key,
 )
 from fleetline.processors.specs import Spec
 from fleetline.streams.events import (
@@ -46,9 +47,15 @@ def canonical_json(document: Any) -> str:
 
 def submit_request(spec: Spec, document: Mapping[str, Any], ts: int, request_id: str,
                    actor: str = "") -> dict[str, Any]:
-    tenant, name = spec.metadata.tenant, spec.metadata.name
-    return new_request("SUBMIT", f"{tenant}/{name}", tenant, ts, request_id, actor=actor,
-                       spec_json=canonical_json(document))
+    return new_request("SUBMIT", spec_key(spec), spec.metadata.tenant, ts, request_id,
+                       actor=actor, spec_json=canonical_json(document))
+
+
+def datasets_first(specs: Sequence[Spec], documents: Sequence[Any]) -> list[tuple[Spec, Any]]:
+    """Specs in the order to submit them: datasets before the jobs that may read them."""
+    pairs = list(zip(specs, documents, strict=True))
+    return [p for p in pairs if p[0].kind == "Dataset"] + [p for p in pairs
+                                                            if p[0].kind != "Dataset"]
 
 
 def offsets_of(request: Mapping[str, Any]) -> dict[str, dict[int, int]]:
@@ -58,35 +65,11 @@ def offsets_of(request: Mapping[str, Any]) -> dict[str, dict[int, int]]:
     return out
 
 
-def decision_record(d: Decision) -> dict[str, Any]:
-    return {
-        "decision_id": d.decision_id, "job": d.job, "tenant": d.tenant, "kind": d.kind,
-        "outcome": d.outcome, "ts": d.ts, "input_offset": d.input_offset,
-        "view_version": d.view_version,
-        "view_offsets": [{"topic": t, "partition": p, "offset": o}
-                         for t, ps in sorted(d.view_offsets.items())
-                         for p, o in sorted(ps.items())],
-        "policy_digest": d.policy_digest, "priority": d.priority, "reason": d.reason,
-        "placements": [{"cluster_id": p.cluster_id, "leaves": list(p.leaves),
-                        "workers": [{"node_id": w[0][0], "gpus": [i for _, i in w]}
-                                    for w in p.workers if w]}
-                       for p in d.placements],
-        "alternatives": [{"cluster_id": a.cluster_id, "total": a.total, "parts": dict(a.parts),
-                          "rejected": a.rejected} for a in d.alternatives],
-        "prewarms": [{"dataset_id": p.dataset_id, "from_cluster": p.from_cluster,
-                      "to_cluster": p.to_cluster, "size_bytes": p.size_bytes,
-                      "estimated_s": p.estimated_s, "rate_gbps": p.rate_gbps}
-                     for p in d.prewarms],
-        "preempted_by": d.preempted_by, "victims": list(d.victims),
-        "resume_from_checkpoint_ms": d.resume_from_checkpoint_ms, "lost_gpu_s": d.lost_gpu_s,
-    }
-
-
 def effect_record(effect: Effect) -> tuple[str, str, dict[str, Any]]:
     """(record name, message key, record) of an effect."""
     match effect:
         case Decision():
-            return SCHEDULING_DECISION, effect.job, decision_record(effect)
+            return SCHEDULING_DECISION, effect.job, effect.as_record()
         case AllocationChange():
             return ALLOCATION, effect.job, {
                 "job_id": effect.job, "tenant": effect.tenant, "seq": effect.seq,

@@ -108,7 +108,6 @@ class SchedulerHandler:
     store: ChangelogStore[Any]
     facts_at: Callable[[Offsets], FleetFacts]
     observations: Observations
-    policy: SchedulingPolicy | None = None
     codec: AvroCodec = field(default_factory=default_codec)
     scheduler: Scheduler | None = None
     decisions: int = 0
@@ -117,7 +116,9 @@ class SchedulerHandler:
     def _restore(self, offset: int) -> Scheduler:
         records = {key.decode(): value for key, value in self.store.items([0])}
         if not records:
-            scheduler = Scheduler(self.policy)
+            # The default policy: a configured one reaches the state only through a POLICY
+            # request in the log, so a replay, which folds the same log, uses it from there too.
+            scheduler = Scheduler()
             if offset > 0:
                 log.warning("scheduler: no state in the store but the log resumes at %d; "
                             "starting empty", offset)
@@ -191,7 +192,7 @@ class SchedulerService:
         self.store = state_store(self.topics)
         self.observations = Observations()
         self.handler = SchedulerHandler(self.topics, self.store, self.facts_at,
-                                        self.observations, self.policy)
+                                        self.observations)
         self.processor = TransactionalProcessor(
             kafka=self.kafka, application_id=f"{self.topics.prefix}.{APPLICATION_ID}",
             inputs=[self.topics.scheduler_requests], handler=self.handler,
@@ -215,6 +216,11 @@ class SchedulerService:
         try:
             if not self.processor.ready.wait(120):
                 log.warning("scheduler: no partition assigned in 120 s; ticking anyway")
+            # Observing a view still restoring its snapshots would make the fleet look smaller
+            # than it is; the first tick waits for the view to catch up with the log.
+            caught_up = getattr(self.view, "caught_up", None)
+            if caught_up is not None and not caught_up.wait(300):
+                log.warning("scheduler: the view has not caught up in 300 s; ticking anyway")
             self._send_policy(producer)
             self.ready.set()
             while not stop.is_set():
@@ -433,3 +439,47 @@ def load_policy(path: str | None) -> SchedulingPolicy | None:
     if not isinstance(data, Mapping):
         raise ConfigError(f"scheduling policy {path}: must be a mapping")
     return SchedulingPolicy.from_data(data)
+
+
+class KafkaJobs:
+    """What the API needs of the scheduler: append requests to its log, read its committed
+    state (from the running service's store, or restored from the changelog), read decisions."""
+
+    def __init__(self, kafka: KafkaSettings, topics: Topics,
+                 service: SchedulerService | None = None) -> None:
+        self.kafka = kafka
+        self.topics = topics
+        self.service = service
+        self._producer = kafka_clients.producer(kafka, **{"linger.ms": 0})
+        self._lock = threading.Lock()
+
+    def submit(self, requests: Sequence[Mapping[str, Any]]) -> list[int]:
+        offsets: list[int] = []
+        errors: list[str] = []
+
+        def done(err: Any, msg: Any) -> None:
+            if err is not None:
+                errors.append(str(err))
+            else:
+                offsets.append(msg.offset())
+
+        with self._lock:
+            for request in requests:
+                send(self._producer, self.topics, request, on_delivery=done)
+            if self._producer.flush(30) or errors:
+                raise StreamError(f"the scheduler's request log did not take the request(s): "
+                                  f"{errors[:3] or 'timed out'}")
+        return sorted(offsets)
+
+    def _store(self) -> ChangelogStore[Any]:
+        return self.service.store if self.service is not None else read_state(self.kafka,
+                                                                              self.topics)
+
+    def jobs(self, tenant: str | None = None) -> list[dict[str, Any]]:
+        return job_records(self._store(), tenant)
+
+    def job(self, key: str) -> dict[str, Any] | None:
+        return self._store().committed(0, f"job:{key}".encode())
+
+    def decisions(self, job: str) -> list[dict[str, Any]]:
+        return decisions_of(self.kafka, self.topics, job)

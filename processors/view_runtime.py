@@ -188,6 +188,9 @@ class ViewProcessor:
     snapshot_interval_s: float = 30.0
     stats: ViewStats = field(default_factory=ViewStats)
     ready: threading.Event = field(default_factory=threading.Event)
+    # Set once a poll after the assignment comes back empty: the view has folded the log as far
+    # as it went (readers that must not act on a half-restored view wait for it).
+    caught_up: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
         self.folder = PartFolder(self.topics, self.policy)
@@ -254,6 +257,8 @@ class ViewProcessor:
                 messages += fleet.consume(self.batch_size, 0)
                 if messages:
                     self._fold(dlq, messages)
+                elif self.ready.is_set():
+                    self.caught_up.set()
                 due = time.monotonic() - last_snapshot >= self.snapshot_interval_s
                 if due or (not messages and self._behind_snapshot()):
                     self.snapshot()

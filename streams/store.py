@@ -39,6 +39,11 @@ class ChangelogStore(Generic[V]):
             return pending  # type: ignore[return-value]
         return self._committed.get(partition, {}).get(key)
 
+    def committed(self, partition: int, key: bytes) -> V | None:
+        """The committed value only (for readers in other threads than the processor's)."""
+        with self._lock:
+            return self._committed.get(partition, {}).get(key)
+
     def put(self, partition: int, key: bytes, value: V | None) -> None:
         """Stage a write (None deletes); it is durable once the batch's transaction commits."""
         self._pending.setdefault(partition, {})[key] = value
@@ -80,7 +85,11 @@ class ChangelogStore(Generic[V]):
 
     def restore(self, kafka: KafkaSettings, partitions: Iterable[int],
                 timeout_s: float = 60.0) -> int:
-        """Rebuild the given partitions from the changelog's committed records; count them."""
+        """Rebuild the given partitions from the changelog's committed records; count them.
+
+        Reads up to each partition's end as it was when the restore began (its position past
+        the last transaction marker): waiting for end-of-partition instead would never finish
+        while a live processor keeps appending to the changelog."""
         partitions = sorted(set(partitions))
         self.drop(partitions)
         restored: dict[int, dict[bytes, V]] = {p: {} for p in partitions}
@@ -90,12 +99,17 @@ class ChangelogStore(Generic[V]):
             "group.id": f"{self.changelog_topic}.restore",
             "isolation.level": "read_committed",
             "enable.auto.commit": False,
-            "enable.partition.eof": True,
         }))
         try:
+            ends = {}
+            for p in partitions:
+                low, high = reader.get_watermark_offsets(
+                    TopicPartition(self.changelog_topic, p), timeout=timeout_s, cached=False)
+                if high > low:
+                    ends[p] = high
             reader.assign([TopicPartition(self.changelog_topic, p, OFFSET_BEGINNING)
-                           for p in partitions])
-            remaining = set(partitions)
+                           for p in ends])
+            remaining = set(ends)
             count = 0
             deadline = time.monotonic() + timeout_s
             while remaining:
@@ -104,14 +118,20 @@ class ChangelogStore(Generic[V]):
                         f"restoring {self.name} from {self.changelog_topic} took over "
                         f"{timeout_s:.0f}s; partitions not at their end: {sorted(remaining)}"
                     )
-                msg = reader.poll(0.5)
+                msg = reader.poll(0.2)
                 if msg is None:
+                    for tp in reader.position([TopicPartition(self.changelog_topic, p)
+                                               for p in remaining]):
+                        if tp.offset >= ends[tp.partition]:
+                            remaining.discard(tp.partition)
                     continue
                 if msg.error():
                     if msg.error().code() == KafkaError._PARTITION_EOF:
-                        remaining.discard(msg.partition())
                         continue
                     raise StreamError(f"restoring {self.name}: {msg.error().str()}")
+                if msg.offset() >= ends[msg.partition()]:
+                    remaining.discard(msg.partition())
+                    continue  # written after the restore began: not part of this state
                 target = restored[msg.partition()]
                 value = msg.value()
                 if value is None:
@@ -119,6 +139,8 @@ class ChangelogStore(Generic[V]):
                 else:
                     target[msg.key()] = self.decode(value)
                 count += 1
+                if msg.offset() + 1 >= ends[msg.partition()]:
+                    remaining.discard(msg.partition())
             with self._lock:
                 self._committed.update(restored)
             return count

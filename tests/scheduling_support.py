@@ -105,8 +105,10 @@ class Driver:
         if isinstance(document, str):
             document = yaml.safe_load(document)
         meta = document["metadata"]
-        return self.feed(self._request("SUBMIT", f"{meta['tenant']}/{meta['name']}",
-                                       meta["tenant"], spec_json=canonical_json(document)))
+        key = (f"dataset:{meta['name']}" if document["kind"] == "Dataset"
+               else f"{meta['tenant']}/{meta['name']}")
+        return self.feed(self._request("SUBMIT", key, meta["tenant"],
+                                       spec_json=canonical_json(document)))
 
     def delete(self, key: str, tenant: str | None = None) -> list[Effect]:
         return self.feed(self._request("DELETE", key, tenant or key.split("/")[0],

@@ -80,7 +80,8 @@ def test_openapi_lists_every_route(setup):
         "/v1/view", "/v1/clusters", "/v1/clusters/{cluster_id}",
         "/v1/clusters/{cluster_id}/topology", "/v1/nodes", "/v1/nodes/{node_id}", "/v1/gpus",
         "/v1/allocations", "/v1/datasets", "/v1/tenants", "/v1/audit", "/v1/audit/activity",
-        "/v1/sql", "/v1/queries/{name}",
+        "/v1/sql", "/v1/queries/{name}", "/v1/jobs", "/v1/jobs/{tenant}/{name}",
+        "/v1/jobs/{tenant}/{name}/explain", "/v1/tenants/{tenant}/policy",
     }
 
 
@@ -132,19 +133,23 @@ def test_topology(setup):
 
 def _request(client: TestClient, method: str, path: str, tenant: str | None = None):
     url = (path.replace("{cluster_id}", "us-east-a").replace("{node_id}", "us-east-a-n0003")
-           .replace("{name}", "utilisation-by-cluster"))
+           .replace("{name}", "utilisation-by-cluster").replace("{tenant}", tenant or "acme"))
     params = {"from": "0", "to": str(2**62)} if path == "/v1/audit/activity" else {}
-    if tenant is not None:
+    if tenant is not None and "{tenant}" not in path:
         params["tenant"] = tenant
     if method == "POST":
         return client.post(url, params=params, json={"query": "SELECT 42 AS x"})
+    if method == "PUT":
+        return client.put(url, params=params, json={"quota": {"gpus": 8}})
+    if method == "DELETE":
+        return client.delete(url, params=params)
     return client.get(url, params=params)
 
 
 def test_every_route_with_every_role_and_no_route_escapes_the_rules(setup):
     app, _ = setup
     rules = app.state.rules
-    assert len(rules) == 14
+    assert len(rules) == 20
     for (method, path), rule in rules.items():
         anonymous = _request(TestClient(app), method, path)
         assert anonymous.status_code == 401, (method, path)
@@ -266,3 +271,92 @@ def test_a_bad_query_is_the_callers_error_not_a_server_error():
     response = TestClient(app, headers={"Authorization": "Bearer fl_a"}).post(
         "/v1/sql", json={"query": "SELECT * FROM nowhere"})
     assert response.status_code == 400 and "nowhere" in response.json()["detail"]
+
+
+class SchedulerPort:
+    """The scheduler core behind the API's jobs port, with each request stepped at once (the
+    request log and its Kafka shell are tested against the broker)."""
+
+    def __init__(self) -> None:
+        from tests.scheduling_support import Driver, fleet_view
+        from tests.test_scheduler import THREE
+
+        view, _ = fleet_view(THREE)
+        self.driver = Driver(view)
+        self.requests: list[dict] = []
+
+    def submit(self, requests: list[dict]) -> list[int]:
+        offsets = []
+        for request in requests:
+            self.requests.append(request)
+            self.driver.feed(request)
+            offsets.append(len(self.driver.log) - 1)
+        return offsets
+
+    def _records(self) -> dict:
+        return {k: json.loads(json.dumps(v)) for k, v in self.driver.scheduler.records()}
+
+    def jobs(self, tenant=None) -> list[dict]:
+        return [v for k, v in sorted(self._records().items())
+                if k.startswith("job:") and v and (tenant is None or v["tenant"] == tenant)]
+
+    def job(self, key: str):
+        return self._records().get(f"job:{key}")
+
+    def decisions(self, job: str) -> list[dict]:
+        return [d.as_record() for d in self.driver.decisions(job)]
+
+
+def test_jobs_are_submitted_listed_explained_and_deleted_within_the_tenant():
+    port = SchedulerPort()
+    auth = Authenticator(AuthConfig.from_data({"tokens": [
+        {"name": "u", "sha256": token_digest("fl_u"), "role": "user", "tenant": "acme"},
+        {"name": "v", "sha256": token_digest("fl_v"), "role": "viewer", "tenant": "acme"},
+        {"name": "a", "sha256": token_digest("fl_a"), "role": "platform-admin"}]}))
+    app = create_app(StaticView(fold([])), auth, Recorder(), jobs=port)
+    user = TestClient(app, headers={"Authorization": "Bearer fl_u"})
+    specs = """
+kind: TrainingJob
+metadata: {name: train, tenant: acme}
+spec: {accelerator: H100, gpus_per_worker: 8, workers: 2, parallelism: {tensor: 8}}
+---
+kind: InferenceService
+metadata: {name: chat, tenant: acme}
+spec: {model: m, accelerator: H100, gpus_per_replica: 2, replicas: {min: 2},
+       latency_target_ms: 100, regions: [eu-west]}
+"""
+    accepted = user.post("/v1/jobs", content=specs,
+                         headers={"Content-Type": "application/yaml"})
+    assert accepted.status_code == 202, accepted.text
+    assert [a["key"] for a in accepted.json()["accepted"]] == ["acme/train", "acme/chat"]
+    assert {r["actor"] for r in port.requests} == {"u"}
+    listed = user.get("/v1/jobs").json()["items"]
+    assert {j["key"]: j["phase"] for j in listed} == {"acme/train": "Running",
+                                                       "acme/chat": "Running"}
+    explained = user.get("/v1/jobs/acme/train/explain").json()
+    assert explained["decision"]["outcome"] == "PLACED"
+    assert {a["cluster_id"] for a in explained["decision"]["alternatives"]} == {
+        "us-east-a", "eu-west-a", "ap-south-a"}
+    assert user.get("/v1/jobs/acme/train/explain",
+                    params={"history": "true"}).json()["history"][0]["outcome"] == "PLACED"
+    # Field errors come back whole; another tenant's spec is refused; viewers cannot submit.
+    bad = user.post("/v1/jobs", content="kind: TrainingJob\nmetadata: {name: x, tenant: acme}\n"
+                    "spec: {gpus_per_worker: 0, workers: 1, acelerator: H100}")
+    assert bad.status_code == 422
+    paths = {e["path"] for e in bad.json()["detail"]}
+    assert {"spec.gpus_per_worker", "spec.acelerator"} <= paths
+    other = user.post("/v1/jobs", content=specs.replace("tenant: acme", "tenant: globex"))
+    assert other.status_code == 403 and "globex" in other.json()["detail"]
+    viewer = TestClient(app, headers={"Authorization": "Bearer fl_v"})
+    assert viewer.post("/v1/jobs", content=specs).status_code == 403
+    assert user.get("/v1/jobs/globex/train").status_code == 403
+    assert user.get("/v1/jobs/acme/ghost").status_code == 404
+    assert user.delete("/v1/jobs/acme/train").status_code == 202
+    assert port.job("acme/train")["phase"] == "Deleted"
+    # Quotas are the platform admins'.
+    assert user.put("/v1/tenants/acme/policy", json={"quota": {"gpus": 4}}).status_code == 403
+    admin = TestClient(app, headers={"Authorization": "Bearer fl_a"})
+    set_policy = admin.put("/v1/tenants/acme/policy", json={"quota": {"gpus": 4}})
+    assert set_policy.status_code == 200 and set_policy.json()["policy"]["quota"]["gpus"] == 4
+    assert port.driver.scheduler.tenants["acme"].quota.gpus == 4
+    assert admin.put("/v1/tenants/acme/policy", json={"quota": {"gpus": -1}}).status_code == 400
