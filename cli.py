@@ -84,8 +84,29 @@ def _cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     print(f"\naudit log: {audit['links']} links ({audit['digests']} signed digests, key "
           f"{audit['key_id']}) in ClickHouse, chain "
           f"{'verified' if audit['ok'] else 'BROKEN: ' + str(audit['first_broken'])}")
+    _print_scheduling(result.scheduling)
     print("timings: " + ", ".join(f"{k} {v:.1f}s" for k, v in result.timings.items()))
     return 0
+
+
+def _print_scheduling(scheduling: dict) -> None:
+    print(f"\nscheduler decisions ({len(scheduling['decisions'])}, every one an event on the "
+          "decision log with its reasons and the view offsets it read):")
+    for decision_id, job, outcome, where, reason in scheduling["decisions"]:
+        print(f"  {decision_id:>6} {job:<22} {outcome:<9} {where:<22} {reason[:70]}")
+    print("\njobs as the scheduler holds them:")
+    for key, phase, where, gpus in scheduling["jobs"]:
+        print(f"  {key:<22} {phase:<9} {gpus:>3} GPUs  {where}")
+    waiting = scheduling["waiting"]
+    if waiting:
+        print(f"\nwhy {waiting['job']} waits (fleetline explain): {waiting['reason'][:160]}")
+        for alt in waiting["alternatives"]:
+            print(f"  {alt['cluster_id']:<14} {alt['rejected'] or alt['total']}")
+    replay = scheduling["replay"]
+    print(f"\ndecision replay: {replay['requests']} requests ({replay['ticks']} ticks) refolded "
+          f"in {replay['seconds']}s; {replay['matched']} of {replay['decisions']} decisions "
+          "identical byte for byte" + ("" if replay["ok"] else
+                                      f" - DIFFERENT: {replay['first_difference']}"))
 
 
 def _print_capacity(clusters: list[dict]) -> None:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fleetline import pipeline_jobs
+from fleetline.agents.data_mover import SimulatedDataMover
 from fleetline.agents.fleet import FleetAgent
 from fleetline.agents.simulator import ClusterSpec, Fault, FleetSimulator, cluster_info
 from fleetline.config import Settings
@@ -23,7 +25,9 @@ from fleetline.processors import view_read
 from fleetline.processors.audit import Signer, export_entry, verify
 from fleetline.processors.audit_chain import APPLICATION_ID as AUDIT_APP
 from fleetline.processors.audit_chain import KafkaAuditEmitter, audit_chainer, load_signer
+from fleetline.processors.capacity import observe
 from fleetline.processors.replay import offsets_at, rebuild
+from fleetline.processors.scheduler_runtime import SchedulerService, scheduler_topics
 from fleetline.processors.view_runtime import APPLICATION_ID, ViewProcessor
 from fleetline.storage.audit_store import AuditTable
 from fleetline.storage.clickhouse import connect, migrate
@@ -56,6 +60,7 @@ class SliceResult:
     snapshots: list[str]
     api_calls: list[tuple[str, int]]
     audit: dict[str, Any]
+    scheduling: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -73,6 +78,8 @@ class RunningSlice:
     audit_sink: OffsetSink
     audit_table: AuditTable
     signer: Signer
+    scheduler: SchedulerService
+    mover: SimulatedDataMover
     stop: threading.Event = field(default_factory=threading.Event)
     threads: list[threading.Thread] = field(default_factory=list)
     errors: list[BaseException] = field(default_factory=list)
@@ -81,12 +88,14 @@ class RunningSlice:
         self.queries.start()
         for name, target in (("resource-view", self.processor.run), ("hot-sink", self.sink.run),
                              ("audit-chain", self.chainer.run),
-                             ("audit-sink", self.audit_sink.run)):
+                             ("audit-sink", self.audit_sink.run),
+                             ("scheduler", self.scheduler.run),
+                             ("data-mover", self.mover.run)):
             thread = threading.Thread(target=self._guard(target), name=name, daemon=True)
             thread.start()
             self.threads.append(thread)
         for ready in (self.processor.ready, self.sink.ready, self.chainer.ready,
-                      self.audit_sink.ready):
+                      self.audit_sink.ready, self.scheduler.processor.ready, self.mover.ready):
             if not ready.wait(timeout_s):
                 self.close()
                 raise StreamError(f"the slice's consumers got no partitions within {timeout_s}s")
@@ -134,13 +143,20 @@ def view_snapshots(settings: Settings, topics: Topics) -> S3ViewSnapshots:
 
 def build_slice(settings: Settings, topics: Topics, codec: AvroCodec | None = None) -> RunningSlice:
     codec = codec or default_codec()
-    kafka_clients.ensure_topics(settings.kafka, [*topics.specs(),
+    kafka_clients.ensure_topics(settings.kafka, [*scheduler_topics(topics),
                                                  topics.changelog_spec(AUDIT_APP, "chain")])
     client = connect(settings.clickhouse_url)
     migrate(client, settings.clickhouse_database)
-    processor = ViewProcessor(settings.kafka, topics, view_snapshots(settings, topics),
+    snapshots = view_snapshots(settings, topics)
+    processor = ViewProcessor(settings.kafka, topics, snapshots,
                               group_id=f"{topics.prefix}.{APPLICATION_ID}",
                               snapshot_interval_s=5.0)
+
+    def facts_at(offsets: dict) -> Any:
+        return observe(rebuild(settings.kafka, topics, offsets, snapshots).view)
+
+    scheduler = SchedulerService(settings.kafka, topics, processor, facts_at,
+                                 tick_interval_s=0.5)
     sink = HotSampleSink(
         kafka=settings.kafka,
         codec=codec,
@@ -157,7 +173,7 @@ def build_slice(settings: Settings, topics: Topics, codec: AvroCodec | None = No
     audit_sink = OffsetSink(settings.kafka, codec, topics.audit_log, AUDIT_RECORD, audit_table,
                             topics.dead_letter, f"{topics.prefix}.audit-clickhouse")
     return RunningSlice(settings, topics, codec, processor, sink, queries, chainer, audit_sink,
-                        audit_table, signer)
+                        audit_table, signer, scheduler, SimulatedDataMover(settings.kafka, topics))
 
 
 def exercise_api(running: RunningSlice) -> list[tuple[str, int]]:
@@ -280,6 +296,7 @@ def run_slice(
                                                         cluster_info(cluster, seq, start_ms)))
         states = agent.start(start_ms)
         telemetry = 0
+        submitted: set[str] = set()
         half_way_ms = 0
         for tick in range(1, ticks + 1):
             ts = start_ms + tick * interval_ms
@@ -288,6 +305,17 @@ def run_slice(
             telemetry += sent["telemetry"]
             if ts == down_at:
                 progress(f"t+{tick * interval_ms / 1000:.0f}s: {victim.node_id} went DOWN")
+            if tick == 2:
+                pipeline_jobs.set_tenants(settings, topics)
+                wave = pipeline_jobs.first_wave([c.cluster_id for c in clusters])
+                pipeline_jobs.submit_documents(settings, topics, wave)
+                submitted |= pipeline_jobs.keys_of(wave)
+                progress("t+2s: tenants acme and globex submitted a dataset, 8 jobs and a "
+                         "service")
+            if tick == 4:
+                pipeline_jobs.submit_documents(settings, topics, pipeline_jobs.urgent())
+                submitted |= pipeline_jobs.keys_of(pipeline_jobs.urgent())
+                progress("t+4s: ops submitted a critical 2 x 8-GPU job")
             if tick == 1:
                 # One malformed message, to show the dead-letter path end to end.
                 injector.produce(topics.telemetry, key=b"garbage", value=b"\x00not avro at all")
@@ -306,6 +334,7 @@ def run_slice(
         began = time.monotonic()
         running.wait_for(processed=states + telemetry + 1 + len(clusters),
                          telemetry=telemetry + 1)
+        pipeline_jobs.settle(settings, topics, running.scheduler, running.processor, submitted)
         timings["drain_s"] = time.monotonic() - began
         now = running.processor.read(view_read.cluster_capacity)
         unhealthy = running.processor.read(
@@ -325,6 +354,9 @@ def run_slice(
         timings["replay_s"] = time.monotonic() - began
         api_calls = exercise_api(running)
         audit = verify_audit(running, len(api_calls))
+        began = time.monotonic()
+        scheduling = pipeline_jobs.summarize(settings, topics, running.scheduler, snapshots)
+        timings["decision_replay_s"] = time.monotonic() - began
     finally:
         agent.close()
         shutil.rmtree(state_dir, ignore_errors=True)
@@ -346,6 +378,7 @@ def run_slice(
         snapshots=[f"s3://{snapshots.store.bucket}/{key}" for key in keys],
         api_calls=api_calls,
         audit=audit,
+        scheduling=scheduling,
         timings=timings,
     )
 

@@ -268,7 +268,7 @@ class ViewFollower:
             idle_since = time.monotonic()
             while remaining:
                 keep = []
-                for msg in self._consumer.consume(5000, 0.2):
+                for msg in self._consumer.consume(5000, 0.05):
                     if msg.error():
                         keep.append(msg)
                         continue
@@ -283,10 +283,12 @@ class ViewFollower:
                     idle_since = time.monotonic()
                     self.folder.fold(self.parts, keep)
                     self.folded += len(keep)
-                    continue
-                for tp in self._consumer.position([TopicPartition(*k) for k in remaining]):
-                    if tp.offset >= remaining[(tp.topic, tp.partition)]:
-                        del remaining[(tp.topic, tp.partition)]
+                # A target just past a transaction marker holds no message to stop on: the
+                # consumer's position (a local call) says when it is reached.
+                if remaining:
+                    for tp in self._consumer.position([TopicPartition(*k) for k in remaining]):
+                        if tp.offset >= remaining[(tp.topic, tp.partition)]:
+                            del remaining[(tp.topic, tp.partition)]
                 if remaining and time.monotonic() - idle_since > 60:
                     raise StreamError(f"view follower stalled short of {sorted(remaining)}")
         for topic, ps in target.items():

@@ -29,9 +29,12 @@ def test_slice_flows_end_to_end(settings) -> None:
     assert result.processor_dead_letters == 1 and result.sink_dead_letters == 1
     assert result.sink_rows == result.telemetry_sent * 8
     now = {c["cluster_id"]: c for c in result.clusters}
-    # RDMA loss behind eu-west-a's leaf switch, XID 79 on one us-east-a GPU, a node down.
+    # RDMA loss behind eu-west-a's leaf switch, XID 79 on one us-east-a GPU, a node down;
+    # the jobs the slice submitted hold some of the rest (communication-heavy ones never on
+    # the degraded GPUs).
     assert (now["eu-west-a"]["degraded"], now["eu-west-a"]["idle"]) == (16, 0)
-    assert (now["us-east-a"]["failed"], now["us-east-a"]["idle"]) == (1, 15)
+    assert now["us-east-a"]["failed"] == 1
+    assert now["us-east-a"]["idle"] + now["us-east-a"]["allocated"] == 15
     assert (now["ap-south-a"]["nodes_down"], now["ap-south-a"]["unavailable"]) == (1, 8)
     assert now["eu-west-a"]["info"]["price_per_gpu_hour"] == 2.40
     assert sorted((g["node_id"], g["gpu_index"], g["cause"]) for g in result.unhealthy_gpus
@@ -52,7 +55,14 @@ def test_slice_flows_end_to_end(settings) -> None:
         parts.append(view_codec.decode(ObjectStore.from_settings(settings.s3, bucket=bucket)
                                        .get(key)))
     assert sum(p.node_events for p in parts) == result.states_sent + result.telemetry_sent
-    assert sum(p.fleet_events for p in parts) == 3  # one ClusterInfo per cluster
+    # One ClusterInfo per cluster, the scheduler's dataset record and its allocation records.
+    assert sum(p.fleet_events for p in parts) >= 3 + 1 + 1
+    # Every job the slice submitted was decided, and the decision log replays byte for byte.
+    decided = {d[1] for d in result.scheduling["decisions"]}
+    assert {"acme/pretrain", "acme/chat", "ops/urgent", "dataset:web-corpus"} <= decided
+    replay = result.scheduling["replay"]
+    assert replay["ok"] and replay["matched"] == replay["decisions"] == len(
+        result.scheduling["decisions"])
     # The API, called as a tenant's viewer, and every call in a verified audit chain.
     assert result.api_calls == [("/v1/clusters", 200), ("/v1/allocations?tenant=globex", 403),
                                 ("/v1/clusters", 401)]
