@@ -28,6 +28,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/agents.py
 	$(PY) benchmarks/view.py
 	$(PY) benchmarks/audit.py
+	$(PY) benchmarks/tiers.py
+	$(PY) benchmarks/scheduler.py
 
 services-start: $(STAMP)
 	$(VENV)/bin/fleetline infra start

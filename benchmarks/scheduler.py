@@ -11,6 +11,7 @@ GPU and GPU-hour quotas; priorities from critical to best-effort. Together they 
 twice the fleet, so the queue, quotas and preemption all work.
 
     .venv/bin/python benchmarks/scheduler.py [--nodes 10000] [--jobs 10000] [--e2e-jobs 2000]
+        [--e2e-rates 50,100,200] [--no-kafka]
 """
 
 from __future__ import annotations
@@ -20,11 +21,15 @@ import gc
 import random
 import statistics
 import time
+import uuid
+
+from _common import report
 
 from fleetline.agents.simulator import ClusterSpec, Fault, FleetSimulator, cluster_info
 from fleetline.processors.capacity import indices_of, observe
 from fleetline.processors.scheduler import Decision, Scheduler
-from fleetline.processors.scheduler_codec import canonical_json, new_request
+from fleetline.processors.scheduler_codec import canonical_json, new_request, submit_request
+from fleetline.processors.specs import parse_spec
 from fleetline.processors.view import GPU_FIELDS, ResourceView, apply, fold_telemetry
 from fleetline.processors.view_runtime import tune_gc_for_large_state
 from fleetline.streams.serde import default_codec
@@ -125,12 +130,8 @@ def tenant_policies() -> list[dict]:
 
 
 def submit_requests(docs: list[dict], start_ms: int) -> list[dict]:
-    out = []
-    for n, doc in enumerate(docs):
-        meta = doc["metadata"]
-        out.append(new_request("SUBMIT", f"{meta['tenant']}/{meta['name']}", meta["tenant"],
-                               start_ms + n, f"bench-{n}", spec_json=canonical_json(doc)))
-    return out
+    return [submit_request(parse_spec(doc), doc, start_ms + n, f"bench-{n}")
+            for n, doc in enumerate(docs)]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -243,16 +244,123 @@ def core(nodes: int, jobs: int) -> dict[str, object]:
     return figures
 
 
+def _serve_scheduler(nodes: int, prefix: str, started, stop) -> None:
+    """The scheduler in a process of its own, as `fleetline serve` runs it, over the fleet."""
+    import threading
+
+    from fleetline.api.http import StaticView
+    from fleetline.config import Settings
+    from fleetline.processors.scheduler_runtime import SchedulerService
+    from fleetline.streams.topics import Topics
+
+    tune_gc_for_large_state()
+    view = build_view(nodes)
+    service = SchedulerService(Settings.from_env().kafka, Topics(prefix=prefix),
+                               StaticView(view), lambda offsets: observe(view),
+                               tick_interval_s=1.0)
+    halt = threading.Event()
+    runner = threading.Thread(target=service.run, args=(halt,), daemon=True)
+    runner.start()
+    if service.ready.wait(120):
+        started.set()
+    stop.wait()
+    halt.set()
+    runner.join(60)
+
+
+def e2e(nodes: int, jobs: int, rate: float) -> dict[str, object]:
+    """Submit-to-decision latency through Kafka: requests appended at `rate` per second by this
+    process, the scheduler's exactly-once loop (transactions, changelog) in another, decisions
+    read back read_committed here; latency = decision seen - request sent."""
+    import multiprocessing
+    import threading
+
+    from _common import local_services
+
+    from fleetline.config import Settings
+    from fleetline.processors.scheduler_runtime import scheduler_topics, send
+    from fleetline.streams import kafka as kafka_clients
+    from fleetline.streams.topics import Topics
+
+    settings = Settings.from_env()
+    with local_services(settings):
+        topics = Topics(prefix=f"bench.sched.{uuid.uuid4().hex[:8]}")
+        kafka_clients.ensure_topics(settings.kafka, scheduler_topics(topics))
+        context = multiprocessing.get_context("spawn")
+        started, stop = context.Event(), context.Event()
+        server = context.Process(target=_serve_scheduler,
+                                 args=(nodes, topics.prefix, started, stop), daemon=True)
+        server.start()
+        assert started.wait(180), "the scheduler did not start"
+        producer = kafka_clients.producer(settings.kafka, **{"linger.ms": 0})
+        for policy in tenant_policies():
+            send(producer, topics, new_request("TENANT_POLICY", policy["tenant"],
+                                               policy["tenant"], int(time.time() * 1000),
+                                               uuid.uuid4().hex,
+                                               spec_json=canonical_json(policy)))
+        producer.flush(10)
+        docs = workload(jobs)
+        sent: dict[str, float] = {}
+        seen: dict[str, float] = {}
+        done = threading.Event()
+
+        def read_decisions() -> None:
+            consumer = kafka_clients.consumer(settings.kafka, f"bench-{uuid.uuid4().hex}")
+            consumer.subscribe([topics.decisions])
+            try:
+                while not done.is_set() and len(seen) < len(docs):
+                    for msg in consumer.consume(1000, 0.005):
+                        if msg.error():
+                            continue
+                        key = msg.key().decode()
+                        if key in sent and key not in seen:
+                            seen[key] = time.perf_counter()
+            finally:
+                consumer.close()
+
+        reader = threading.Thread(target=read_decisions, daemon=True)
+        reader.start()
+        time.sleep(2.0)  # the reader's assignment
+        requests = [submit_request(parse_spec(doc), doc, 0, uuid.uuid4().hex) for doc in docs]
+        began = time.perf_counter()
+        for n, request in enumerate(requests):
+            wait = began + n / rate - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            request["ts"] = int(time.time() * 1000)
+            sent[request["key"]] = time.perf_counter()
+            send(producer, topics, request)
+            producer.poll(0)
+        producer.flush(30)
+        reader.join(120)
+        done.set()
+        stop.set()
+        server.join(60)
+        latencies = [seen[k] - sent[k] for k in seen]
+    tag = f"e2e_{rate:g}_per_s"
+    return {
+        f"{tag}_submitted": len(docs), f"{tag}_decided": len(seen),
+        f"{tag}_latency_p50_ms": round(statistics.median(latencies) * 1000, 1),
+        f"{tag}_latency_p99_ms": round(percentile(latencies, 0.99) * 1000, 1),
+        f"{tag}_latency_max_ms": round(max(latencies) * 1000, 1),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nodes", type=int, default=10_000)
     parser.add_argument("--jobs", type=int, default=10_000)
     parser.add_argument("--e2e-jobs", type=int, default=2_000)
+    parser.add_argument("--e2e-rates", default="50,100,200",
+                        help="request rates (per second) to measure end to end, comma-separated")
     parser.add_argument("--no-kafka", action="store_true", help="the pure core only")
     args = parser.parse_args()
     figures = core(args.nodes, args.jobs)
-    for k, v in figures.items():
-        print(f"{k:48} {v}")
+    if not args.no_kafka:
+        gc.unfreeze()
+        for rate in (float(r) for r in args.e2e_rates.split(",")):
+            figures.update(e2e(args.nodes, args.e2e_jobs, rate))
+    report("scheduler", figures)
 
 
 

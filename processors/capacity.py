@@ -122,55 +122,46 @@ class FleetFacts:
     _lost_reasons: dict[str, str] = field(default_factory=dict)
     # Values derived from these facts alone, computed once (cheapest GPU-hour, cluster ids).
     memo: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # node -> (the view's node object, its epoch, status, facts, lost, reason, present, bad):
+    # what the next observation of the same view may reuse.
+    node_cache: dict[str, tuple] = field(default_factory=dict, repr=False, compare=False)
 
     def lost_reason(self, node_id: str) -> str:
         return self._lost_reasons.get(node_id, f"{node_id} is gone from the view")
 
 
-def observe(view: ResourceView) -> FleetFacts:
-    """The scheduler's facts from the view, the same whatever order the view's dicts are in."""
+def observe(view: ResourceView, previous: FleetFacts | None = None) -> FleetFacts:
+    """The scheduler's facts from the view, the same whatever order the view's dicts are in.
+
+    With `previous` (an earlier observation of the same live view), a node whose object, epoch
+    and status are unchanged keeps its facts object: observing 10,000 nodes then costs a
+    dictionary lookup each, and `CapacityIndex.refresh` re-buckets only the nodes that moved.
+    """
     nodes: dict[str, NodeFacts] = {}
     lost: dict[str, int] = {}
     reasons: dict[str, str] = {}
     counts: dict[str, list[int]] = {}  # cluster -> [nodes, unreachable, gpus, bad gpus]
     regions: dict[str, str] = {}
+    cache = previous.node_cache if previous is not None else {}
+    fresh: dict[str, tuple] = {}
     for node_id in sorted(view.nodes):
         node = view.nodes[node_id]
         status = node_status(view, node)
-        healthy = degraded = present = failed = 0
-        for index, gpu in node.gpus.items():
-            bit = 1 << index
-            present |= bit
-            if gpu.failed_at_ms is not None and gpu.failed_at_ms >= node.up_since_ms:
-                failed |= bit
-            elif gpu.health == HEALTHY:
-                healthy |= bit
-            elif gpu.health == DEGRADED:
-                degraded |= bit
+        entry = cache.get(node_id)
+        if entry is None or entry[0] is not node or entry[1] != node.epoch or entry[2] != status:
+            entry = (node, node.epoch, status, *_node_facts(node, status))
+        fresh[node_id] = entry
+        _, _, _, facts, lost_mask, reason, present, bad = entry
+        nodes[node_id] = facts
+        if lost_mask:
+            lost[node_id] = lost_mask
+            reasons[node_id] = reason
         c = counts.setdefault(node.cluster_id, [0, 0, 0, 0])
         regions.setdefault(node.cluster_id, node.region)
         c[0] += 1
         c[1] += status == "UNREACHABLE"
-        c[2] += present.bit_count()
-        c[3] += (present if status != "UP" else failed | degraded).bit_count()
-        if status in ("DOWN", "UNREACHABLE"):
-            lost[node_id] = present
-            reasons[node_id] = (f"{node_id} is {status}"
-                                + (f" ({node.reason})" if status == "DOWN" and node.reason
-                                   else ""))
-        elif failed:
-            lost[node_id] = failed
-            causes = sorted({node.gpus[i].failure or FAILED for i in indices_of(failed)})
-            reasons[node_id] = (f"{node_id} GPU(s) {list(indices_of(failed))} failed "
-                                f"({', '.join(causes)})")
-        if status != "UP":
-            healthy = degraded = 0
-        islands = tuple(mask_of(i) for i in node.islands) or (present,)
-        nodes[node_id] = NodeFacts(
-            node_id=node_id, cluster_id=node.cluster_id, leaf=node.leaf_switch or "unknown",
-            spine=node.spine_switch or "unknown",
-            model=node.labels.get("accelerator", "").lower(), islands=islands, present=present,
-            healthy=healthy, degraded=degraded, status=status)
+        c[2] += present
+        c[3] += bad
     clusters: dict[str, ClusterFacts] = {}
     for cluster_id in sorted(set(counts) | set(view.clusters)):
         info = view.clusters.get(cluster_id)
@@ -196,7 +187,40 @@ def observe(view: ResourceView) -> FleetFacts:
                 for d, info in sorted(view.datasets.items())}
     return FleetFacts(nodes, lost, clusters, datasets, view.version,
                       {t: dict(sorted(ps.items())) for t, ps in sorted(view.offsets.items())},
-                      view.watermark_ms, reasons)
+                      view.watermark_ms, reasons, node_cache=fresh)
+
+
+def _node_facts(node: Any, status: str) -> tuple[NodeFacts, int, str, int, int]:
+    """(facts, GPUs jobs must leave, why, GPUs present, GPUs not usable) of one node."""
+    healthy = degraded = present = failed = 0
+    for index, gpu in node.gpus.items():
+        bit = 1 << index
+        present |= bit
+        if gpu.failed_at_ms is not None and gpu.failed_at_ms >= node.up_since_ms:
+            failed |= bit
+        elif gpu.health == HEALTHY:
+            healthy |= bit
+        elif gpu.health == DEGRADED:
+            degraded |= bit
+    bad = (present if status != "UP" else failed | degraded).bit_count()
+    lost_mask, reason = 0, ""
+    if status in ("DOWN", "UNREACHABLE"):
+        lost_mask = present
+        reason = (f"{node.node_id} is {status}"
+                  + (f" ({node.reason})" if status == "DOWN" and node.reason else ""))
+    elif failed:
+        lost_mask = failed
+        causes = sorted({node.gpus[i].failure or FAILED for i in indices_of(failed)})
+        reason = (f"{node.node_id} GPU(s) {list(indices_of(failed))} failed "
+                  f"({', '.join(causes)})")
+    if status != "UP":
+        healthy = degraded = 0
+    islands = tuple(mask_of(i) for i in node.islands) or (present,)
+    facts = NodeFacts(
+        node_id=node.node_id, cluster_id=node.cluster_id, leaf=node.leaf_switch or "unknown",
+        spine=node.spine_switch or "unknown", model=node.labels.get("accelerator", "").lower(),
+        islands=islands, present=present, healthy=healthy, degraded=degraded, status=status)
+    return facts, lost_mask, reason, present.bit_count(), bad
 
 
 BucketKey = tuple[str, tuple[int, ...], int, int]  # model, islands, free healthy, free degraded
@@ -313,6 +337,33 @@ class CapacityIndex:
             self.taken.pop(node_id, None)
         if schedulable:
             self._add(node)
+
+    def refresh(self, facts: FleetFacts) -> None:
+        """Move to a newer observation, re-bucketing only the nodes whose facts changed (the
+        result equals a fresh index over `facts` with the same GPUs taken)."""
+        old = self.facts.nodes
+        new = facts.nodes
+        for node_id, before in old.items():
+            if new.get(node_id) is not before and before.status == "UP":
+                self._remove(before)
+        self.facts = facts
+        for node_id, after in new.items():
+            if old.get(node_id) is after:
+                continue
+            self.buckets.setdefault(after.cluster_id, {})
+            self.counts.setdefault(after.cluster_id, {})
+            self.version.setdefault(after.cluster_id, 0)
+            self._models.setdefault(after.cluster_id, set()).add(after.model)
+            if after.status == "UP":
+                self._add(after)
+        if len(new) != len(old) or any(n not in new for n in old):
+            # Nodes left the fleet: models and clusters are recounted from what is there.
+            self._models = {}
+            for node in new.values():
+                self._models.setdefault(node.cluster_id, set()).add(node.model)
+            for cluster_id in [c for c in self.buckets if c not in self._models]:
+                del self.buckets[cluster_id]
+                del self.counts[cluster_id]
 
     def clusters(self) -> list[str]:
         return sorted(self.buckets)

@@ -43,6 +43,7 @@ from fleetline.processors.placement import (
 )
 from fleetline.processors.preemption import Victim, plan_eviction
 from fleetline.processors.scheduling import (
+    FLEET_FILTERS,
     ClusterScore,
     Context,
     DatasetPrewarm,
@@ -201,6 +202,7 @@ class Job:
     last_decision: str | None = None
     preemptions: int = 0
     placed_ms: int | None = None
+    alloc_seq: int = 0  # the job key's last Allocation record; runs on across resubmissions
     # The latest decision about the job, whole (for `explain`): a Decision, or its record once
     # read back from the store.
     explanation: Any = None
@@ -261,7 +263,7 @@ class Job:
             "checkpoint_ms": self.checkpoint_ms, "resume_from_ms": self.resume_from_ms,
             "waiting_for": self.waiting_for, "queued_reason": self.queued_reason,
             "last_decision": self.last_decision, "preemptions": self.preemptions,
-            "placed_ms": self.placed_ms,
+            "placed_ms": self.placed_ms, "alloc_seq": self.alloc_seq,
             "explanation": (self.explanation.as_record()
                             if isinstance(self.explanation, Decision) else self.explanation),
         }
@@ -318,7 +320,6 @@ class Scheduler:
         self.tenants: dict[str, TenantPolicy] = {}
         self.usage: dict[str, TenantUsage] = {}
         self.datasets: dict[str, DatasetRecord] = {}  # registered through the scheduler
-        self.alloc_seq: dict[str, int] = {}
         self.now_ms = 0
         self.position = -1  # the last request folded
         self.node_jobs: dict[str, set[str]] = {}
@@ -329,6 +330,12 @@ class Scheduler:
         self._effects: list[Effect] = []
         self._decisions = 0
         self._victim_cache: dict[tuple, list[Victim]] = {}
+        # Whether the next TICK must retry the queue: something freed capacity, changed a
+        # quota or a policy, or started jobs below the priority of jobs still waiting. Not
+        # state of record: a restored scheduler retries at its first TICK.
+        self._pass_wanted = True
+        self._bound_floor: int | None = None
+        self._preemptions_left = 0
         self.dirty: set[str] = set()  # store keys changed by the last steps
 
     # -- state as records, for the changelog store ------------------------------------------
@@ -357,8 +364,7 @@ class Scheduler:
                     "deleted": d.deleted}
             else:
                 yield key, {"policy": self.policy.as_data(), "now_ms": self.now_ms,
-                            "position": self.position, "alloc_seq": dict(sorted(
-                                self.alloc_seq.items())),
+                            "position": self.position,
                             "view_offsets": {t: {str(p): o for p, o in ps.items()}
                                              for t, ps in self.facts.offsets.items()}}
 
@@ -375,7 +381,6 @@ class Scheduler:
         s = cls(policy, facts)
         s.now_ms = meta.get("now_ms", 0)
         s.position = meta.get("position", -1)
-        s.alloc_seq = dict(meta.get("alloc_seq", {}))
         for key in sorted(records):
             value = records[key]
             kind, _, name = key.partition(":")
@@ -502,8 +507,9 @@ class Scheduler:
             job.phase, job.queued_reason = "Queued", None
             self.dirty.add(f"job:{key}")
         else:
+            before = self.jobs.get(key)
             job = Job(key, tenant, name, spec.kind, document, priority, self.position,
-                      self.now_ms, _spec=spec)
+                      self.now_ms, alloc_seq=before.alloc_seq if before else 0, _spec=spec)
             self.jobs[key] = job
             self.dirty.add(f"job:{key}")
             never = self._never_fits(job)
@@ -512,7 +518,7 @@ class Scheduler:
                 job.condition("Admitted", False, never, self.now_ms)
                 self._decide(job, "REJECTED", never)
                 return
-        self._attempt(job, {})
+        self._attempt(job, None)
 
     def _never_fits(self, job: Job) -> str | None:
         spec = job.spec
@@ -602,6 +608,7 @@ class Scheduler:
         usage = self.usage.setdefault(current.tenant, TenantUsage())
         usage.prewarms.pop(request["key"], None)
         self.dirty.add(f"tenant:{current.tenant}")
+        self._pass_wanted = True
         if cluster not in current.replicas:
             self._record_dataset(DatasetRecord(
                 current.dataset_id, current.tenant, 0, 0, current.size_bytes,
@@ -646,6 +653,7 @@ class Scheduler:
             return
         usage.storage_bytes += after - before
         self.dirty.add(f"tenant:{tenant}")
+        self._pass_wanted = True
         self._record_dataset(DatasetRecord(name, tenant, 0, 0, spec.size_bytes,
                                            tuple(sorted(spec.replicas))))
         self._decide_about(f"dataset:{name}", tenant, "Dataset", "ACCEPTED",
@@ -720,19 +728,29 @@ class Scheduler:
 
     def _attempt(self, job: Job, failed_shapes: dict[tuple, str] | None) -> bool:
         """Try to place a queued job (preempting if its priority allows); emit a decision when
-        it is placed or when its blocking reason changed. True when placed."""
-        shape_key = self._shape_key(job)
-        if failed_shapes is not None and shape_key in failed_shapes:
+        it is placed or when its blocking reason changed. True when placed.
+
+        In a queue pass, `failed_shapes` remembers what could not be placed since capacity
+        last moved: by the job's whole shape (tenant included), and by its fleet shape alone
+        when only fleet-wide filters (capacity, accelerator, region, reachability) ruled it
+        out, so a job of the same shape from any tenant is not tried again."""
+        keys = self._shape_keys(job)
+        if failed_shapes is not None and any(k in failed_shapes for k in keys):
             return False
         outcome = self._try_place(job)
         victims: list[Decision] = []
-        if not outcome.placed and self.policy.preemption and job.priority > 0:
+        may_preempt = failed_shapes is None or self._preemptions_left > 0
+        if not outcome.placed and self.policy.preemption and job.priority > 0 and may_preempt:
+            if failed_shapes is not None:
+                self._preemptions_left -= 1
             preempted = self._preempt_for(job)
             if preempted is not None:
                 victims, outcome = preempted
         if not outcome.placed:
             if failed_shapes is not None:
-                failed_shapes[shape_key] = outcome.reason
+                fleet_only = bool(outcome.alternatives) and all(
+                    s.by in FLEET_FILTERS for s in outcome.alternatives if s.rejected)
+                failed_shapes[keys[0] if fleet_only else keys[1]] = outcome.reason
             job.phase = "Queued"
             job.condition("Placed", False, outcome.reason, self.now_ms)
             if outcome.reason != job.queued_reason:
@@ -743,22 +761,25 @@ class Scheduler:
         self._bind(job, outcome, tuple(v.job for v in victims))
         return True
 
-    def _shape_key(self, job: Job) -> tuple:
-        """What decides whether a job can be placed (not where): jobs with equal keys fail
-        alike, so a queue pass tries one of them per capacity change."""
+    def _shape_keys(self, job: Job) -> tuple[tuple, tuple]:
+        """(fleet shape, tenant shape): what decides whether a job can be placed, not where;
+        jobs with equal keys fail alike."""
         spec = job.spec
         if isinstance(spec, TrainingJob):
-            return ("T", job.tenant, job.priority, spec.accelerator, spec.workers,
-                    spec.min_workers, spec.gpus_per_worker, spec.parallelism,
-                    spec.communication, spec.dataset, spec.allow_split_across_clusters,
-                    spec.max_runtime_s)
-        return ("I", job.tenant, job.priority, spec.accelerator, spec.gpus_per_replica,
-                spec.min_replicas, spec.regions)
+            fleet: tuple = ("T", job.priority, spec.accelerator, spec.workers, spec.min_workers,
+                            spec.gpus_per_worker, spec.parallelism, spec.communication,
+                            spec.allow_split_across_clusters)
+            return fleet, (*fleet, job.tenant, spec.dataset, spec.max_runtime_s)
+        fleet = ("I", job.priority, spec.accelerator, spec.gpus_per_replica, spec.min_replicas,
+                 spec.regions)
+        return fleet, (*fleet, job.tenant)
 
     def _bind(self, job: Job, outcome: Outcome, victims: tuple[str, ...]) -> None:
         spec = job.spec
+        if self._bound_floor is None or job.priority < self._bound_floor:
+            self._bound_floor = job.priority
         usage = self.usage.setdefault(job.tenant, TenantUsage())
-        seq = self.alloc_seq.get(job.key, 0)
+        seq = job.alloc_seq
         for placement in outcome.placements:
             nodes = refs_by_node(placement.gpus)
             job.allocation[placement.cluster_id] = nodes
@@ -775,7 +796,7 @@ class Scheduler:
             self._effects.append(AllocationChange(
                 job.key, job.tenant, "ALLOCATED", placement.cluster_id, placement.gpus,
                 job.priority, seq, self.now_ms, f"placed by decision {self._next_id()}"))
-        self.alloc_seq[job.key] = seq
+        job.alloc_seq = seq
         job.workers = outcome.workers
         job.placed_ms = self.now_ms
         job.queued_reason = None
@@ -828,6 +849,7 @@ class Scheduler:
                  ) -> Decision:
         """Free a job's GPUs (one RELEASED allocation record), charge its GPU-hours, and say so
         with a decision."""
+        self._pass_wanted = True
         usage = self.usage.setdefault(job.tenant, TenantUsage())
         refs: list[tuple[str, int]] = []
         for cluster_id, nodes in sorted(job.allocation.items()):
@@ -862,8 +884,8 @@ class Scheduler:
         checkpoint = (checkpoint_before(job, self.now_ms)
                       if isinstance(job.spec, TrainingJob) and job.started_ms is not None
                       else job.resume_from_ms)
-        seq = self.alloc_seq.get(job.key, 0) + 1
-        self.alloc_seq[job.key] = seq
+        seq = job.alloc_seq + 1
+        job.alloc_seq = seq
         first_cluster = min(job.allocation) if job.allocation else ""
         self._effects.append(AllocationChange(job.key, job.tenant, "RELEASED", first_cluster,
                                               (), job.priority, seq, self.now_ms, reason))
@@ -974,12 +996,19 @@ class Scheduler:
     # -- the reconcile loop -----------------------------------------------------------------
 
     def _tick(self, facts: FleetFacts) -> None:
+        if _grew(self.facts, facts):
+            self._pass_wanted = True  # some cluster has more usable GPUs than before
         self.facts = facts
-        self._rebuild_index()
+        self.index.refresh(facts)
         self._migrate_off_faults()
         self._stop_at_limits()
         self._expire_prewarms()
-        self._schedule_queue()
+        if not self._pass_wanted and self._bound_floor is not None and any(
+                j.priority > self._bound_floor for j in self.jobs.values()
+                if j.phase == "Queued"):
+            self._pass_wanted = True  # lower-priority jobs started beside waiting ones
+        if self._pass_wanted:
+            self._schedule_queue()
 
     def _migrate_off_faults(self) -> None:
         # Only what the view says is broken moves a job: a node the view does not hold (a shard
@@ -1019,6 +1048,7 @@ class Scheduler:
                 del usage.prewarms[ticket]
             if done:
                 self.dirty.add(f"tenant:{tenant}")
+                self._pass_wanted = True
 
     def queue(self) -> list[Job]:
         """Queued jobs by priority, then submission order (fair share reorders tenants)."""
@@ -1026,10 +1056,18 @@ class Scheduler:
                       key=lambda j: (-j.priority, j.order, j.key))
 
     def _schedule_queue(self) -> None:
+        self._pass_wanted = False
+        self._bound_floor = None
+        self._pass()
+
+    def _pass(self) -> None:
         """One pass over the queue: priorities high to low; within a priority the tenant holding
         the fewest GPUs per unit of share goes next (fair share); within a tenant, FIFO. Jobs
-        preempted during the pass have a lower priority and are tried when their level comes."""
+        preempted during the pass have a lower priority and are tried when their level comes.
+        At most `pass_attempts` jobs are tried; past that the next TICK goes on."""
         failed: dict[tuple, str] = {}
+        budget = self.policy.pass_attempts
+        self._preemptions_left = self.policy.pass_preemptions
         for priority in sorted(set(PRIORITIES.values()), reverse=True):
             queues: dict[str, list[Job]] = {}
             for job in self.queue():
@@ -1043,13 +1081,15 @@ class Scheduler:
                 job = queues[tenant].pop()
                 if not queues[tenant]:
                     del queues[tenant]
-                if job.phase != "Queued":
+                if job.phase != "Queued" or any(k in failed for k in self._shape_keys(job)):
                     continue
-                before = len(self._effects)
+                if budget <= 0:
+                    self._pass_wanted = True
+                    return
+                budget -= 1
+                # A preemption in the pass frees GPUs only for the preemptor; what failed before
+                # it is tried again by the next pass (a release asks for one).
                 self._attempt(job, failed)
-                if any(isinstance(e, Decision) and e.outcome == "PREEMPTED"
-                       for e in self._effects[before:]):
-                    failed.clear()  # capacity moved: what failed before may fit now
 
     # -- decisions --------------------------------------------------------------------------
 
@@ -1085,6 +1125,26 @@ class Scheduler:
         self._decisions += 1
         self._effects.append(decision)
         return decision
+
+
+def _room(facts: FleetFacts) -> dict[str, int]:
+    """Usable GPUs per cluster (none in a cluster out of reach), once per observation."""
+    cached = facts.memo.get("room")
+    if cached is None:
+        cached = {}
+        for node in facts.nodes.values():
+            cached[node.cluster_id] = (cached.get(node.cluster_id, 0)
+                                       + (node.healthy | node.degraded).bit_count())
+        for cluster_id, cluster in facts.clusters.items():
+            if cluster.health not in ("healthy", "degraded"):
+                cached[cluster_id] = 0
+        facts.memo["room"] = cached
+    return cached
+
+
+def _grew(before: FleetFacts, after: FleetFacts) -> bool:
+    old = _room(before)
+    return any(n > old.get(c, 0) for c, n in _room(after).items())
 
 
 def _same_shape(old: Any, new: Any) -> bool:

@@ -132,9 +132,10 @@ class SchedulerHandler:
         return scheduler
 
     def _facts(self, offsets: Offsets) -> FleetFacts:
-        if not offsets:
-            return observe(ResourceView())
-        return self.observations.get(offsets) or self.facts_at(offsets)
+        seen = self.observations.get(offsets)
+        if seen is not None:
+            return seen
+        return self.facts_at(offsets) if offsets else observe(ResourceView())
 
     def __call__(self, msg: Message) -> Sequence[Output]:
         with self.lock:
@@ -184,7 +185,9 @@ class SchedulerService:
     tick_interval_s: float = 1.0
     instance_id: str = "0"
     batch_size: int = 500
-    poll_timeout_s: float = 0.05
+    # A short poll: a batch is whatever arrived during the last transaction's commit, so a
+    # request waits for one commit, not for a poll timeout as well.
+    poll_timeout_s: float = 0.005
     clock: Callable[[], int] = field(default=lambda: int(time.time() * 1000))
     ready: threading.Event = field(default_factory=threading.Event)
 
@@ -198,8 +201,10 @@ class SchedulerService:
             inputs=[self.topics.scheduler_requests], handler=self.handler,
             dead_letter_topic=self.topics.dead_letter, stores=[self.store],
             instance_id=self.instance_id, batch_size=self.batch_size,
-            poll_timeout_s=self.poll_timeout_s, on_abort=self.handler.abort)
+            poll_timeout_s=self.poll_timeout_s, on_abort=self.handler.abort,
+            producer_config={"linger.ms": 1})
         self.ticks = 0
+        self._last_facts: FleetFacts | None = None
 
     def run(self, stop: threading.Event) -> None:
         ticker = threading.Thread(target=self._tick_loop, args=(stop,), name="scheduler-tick",
@@ -245,7 +250,9 @@ class SchedulerService:
             spec_json=canonical_json(self.policy.as_data())))
 
     def tick(self, producer: Any) -> None:
-        facts = self.view.read(observe)
+        last = self._last_facts
+        facts = self.view.read(lambda view: observe(view, last))
+        self._last_facts = facts
         self.observations.put(facts)
         send(producer, self.topics, new_request("TICK", "", "", self.clock(), uuid.uuid4().hex,
                                                 view_offsets=facts.offsets))
@@ -382,6 +389,7 @@ def replay_decisions(kafka: KafkaSettings, topics: Topics,
     recorded = iter(read_topic(kafka, topics.decisions))
     result = DecisionReplay()
     scheduler = Scheduler(policy)
+    last: FleetFacts | None = None
     for msg in read_topic(kafka, topics.scheduler_requests):
         result.requests += 1
         try:
@@ -389,7 +397,7 @@ def replay_decisions(kafka: KafkaSettings, topics: Topics,
             facts = None
             if request["kind"] == "TICK":
                 result.ticks += 1
-                facts = observe(view_at(offsets_of(request)))
+                facts = last = observe(view_at(offsets_of(request)), last)
             effects = scheduler.step(request, msg.offset(), facts)
         except InvalidEventError:
             continue  # dead-lettered live, skipped here alike

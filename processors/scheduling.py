@@ -37,6 +37,9 @@ from fleetline.processors.tenancy import (
 
 GPU_POWER_KW = 0.7  # an H100 SXM at full load, for the energy part of a GPU-hour's cost
 
+# Filters whose verdict does not depend on the tenant: a gang they rule out everywhere is ruled
+# out for every tenant until capacity changes.
+FLEET_FILTERS = frozenset({"reachable", "accelerator", "region", "capacity"})
 DEFAULT_FILTERS = ("reachable", "accelerator", "region", "quota", "reservation", "capacity",
                    "bandwidth")
 DEFAULT_WEIGHTS: Mapping[str, float] = {"locality": 1.0, "latency": 0.5, "cost": 1.0,
@@ -57,6 +60,11 @@ class SchedulingPolicy:
     # Preemption compares the victims of this many of the best-scored clusters where eviction
     # makes room (each costs a walk over the cluster's jobs); 1: the best such cluster.
     preemption_clusters: int = 1
+    # Placement attempts (preemption included) one queue pass may make; the rest of the queue
+    # waits for the next pass. Bounds how long a pass holds the request log up.
+    pass_attempts: int = 64
+    # ... of which at most this many may look for victims to preempt (each walks a cluster).
+    pass_preemptions: int = 8
     default_tenant: TenantPolicy | None = None
 
     def __post_init__(self) -> None:
@@ -76,6 +84,8 @@ class SchedulingPolicy:
                 "default_max_runtime_s": self.default_max_runtime_s,
                 "alternatives": self.alternatives, "preemption": self.preemption,
                 "preemption_clusters": self.preemption_clusters,
+                "pass_attempts": self.pass_attempts,
+                "pass_preemptions": self.pass_preemptions,
                 "default_tenant": (self.default_tenant.as_data()
                                    if self.default_tenant else None)}
 
@@ -83,7 +93,7 @@ class SchedulingPolicy:
     def from_data(cls, data: Mapping[str, Any]) -> SchedulingPolicy:
         known = {"filters", "weights", "cluster_preference", "interconnect_gbps",
                  "default_max_runtime_s", "alternatives", "preemption", "preemption_clusters",
-                 "default_tenant"}
+                 "pass_attempts", "pass_preemptions", "default_tenant"}
         unknown = set(data) - known
         if unknown:
             raise ConfigError(f"scheduling policy: unknown fields {sorted(unknown)}")
@@ -103,6 +113,8 @@ class SchedulingPolicy:
                 preemption=bool(data.get("preemption", base.preemption)),
                 preemption_clusters=int(data.get("preemption_clusters",
                                                  base.preemption_clusters)),
+                pass_attempts=int(data.get("pass_attempts", base.pass_attempts)),
+                pass_preemptions=int(data.get("pass_preemptions", base.pass_preemptions)),
                 default_tenant=(TenantPolicy.from_data({"tenant": "*", **default_tenant})
                                 if default_tenant else None))
         except (TypeError, ValueError, FleetlineError) as exc:
@@ -129,6 +141,8 @@ class ClusterScore:
     total: float
     parts: dict[str, float]
     rejected: str | None = None
+    # The filter that ruled the cluster out (not part of the decision record).
+    by: str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -316,16 +330,17 @@ def rank_clusters(ctx: Context) -> list[ClusterScore]:
     ctx.cheapest = _cheapest(facts)
     weights = ctx.policy.weights
     scorers = [(name, SCORERS[name], weights[name]) for name in sorted(weights) if weights[name]]
-    filters = [FILTERS[name] for name in ctx.policy.filters]
+    filters = [(name, FILTERS[name]) for name in ctx.policy.filters]
     out = []
     for cluster_id in _cluster_ids(ctx.index):
-        reason = None
-        for check in filters:
+        reason = rejected_by = None
+        for name, check in filters:
             reason = check(ctx, cluster_id)
             if reason is not None:
+                rejected_by = name
                 break
         if reason is not None:
-            out.append(ClusterScore(cluster_id, 0.0, {}, reason))
+            out.append(ClusterScore(cluster_id, 0.0, {}, reason, rejected_by))
             continue
         parts = {name: round(score(ctx, cluster_id), 6) for name, score, _ in scorers}
         total = round(sum(w * parts[name] for name, _, w in scorers), 6)

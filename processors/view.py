@@ -130,6 +130,7 @@ class NodeView:
     __slots__ = (
         "agent_version",
         "cluster_id",
+        "epoch",
         "gpu_count",
         "gpus",
         "islands",
@@ -174,6 +175,10 @@ class NodeView:
         self.telemetry_seq = 0
         self.telemetry_ts = 0
         self.gpus: dict[int, GpuState] = {}
+        # Bumped whenever something a scheduler reads changes (state, labels, topology, a
+        # GPU's health or failure, the GPU set): readers cache what they derive per (node,
+        # epoch). Not part of the view's value, and not kept in snapshots.
+        self.epoch = 0
 
     @property
     def last_heard_ms(self) -> int:
@@ -358,6 +363,7 @@ def fold_telemetry(view: ResourceView, cluster_id: str, region: str, node_id: st
         gpu = by_index.get(index)
         if gpu is None or gpu.sample[1] != sample[1]:  # new, or the GPU was swapped
             gpu = by_index[index] = GpuState(sample)
+            node.epoch += 1
             previous = sample
         else:
             previous = gpu.sample
@@ -384,15 +390,16 @@ def fold_telemetry(view: ResourceView, cluster_id: str, region: str, node_id: st
             view.changes.append(Change(ts, "gpu", f"{node_id}/{index}", gpu.health, FAILED,
                                        failure))
             gpu.failure = failure
+            node.epoch += 1
             gpu.failed_at_ms = ts
         if fault is not None:
             gpu.clean_samples = 0
             if gpu.health == HEALTHY or gpu.cause != fault:
-                _set_health(view, node_id, gpu, DEGRADED, fault, ts)
+                node.epoch += _set_health(view, node_id, gpu, DEGRADED, fault, ts)
         elif gpu.health == DEGRADED:
             gpu.clean_samples += 1
             if gpu.clean_samples >= policy.recover_after_samples:
-                _set_health(view, node_id, gpu, HEALTHY, None, ts)
+                node.epoch += _set_health(view, node_id, gpu, HEALTHY, None, ts)
 
 
 def gpu_health(node: NodeView, gpu: GpuState) -> tuple[str, str | None]:
@@ -412,14 +419,16 @@ def node_status(view: ResourceView, node: NodeView) -> str:
 
 
 def _set_health(view: ResourceView, node_id: str, gpu: GpuState, health: str,
-                cause: str | None, ts: int) -> None:
+                cause: str | None, ts: int) -> int:
+    """Move the GPU to `health`; 1 if that changed anything, else 0."""
     if health == gpu.health and cause == gpu.cause:
-        return
+        return 0
     view.changes.append(Change(ts, "gpu", f"{node_id}/{gpu.sample[0]}", gpu.health, health,
                                cause))
     gpu.health = health
     gpu.cause = cause
     gpu.health_since_ms = ts
+    return 1
 
 
 def _fold_node_state(view: ResourceView, record: Mapping[str, Any]) -> None:
@@ -432,6 +441,8 @@ def _fold_node_state(view: ResourceView, record: Mapping[str, Any]) -> None:
     node = _node(view, record["node_id"], record["cluster_id"], record["region"])
     ts = record["ts"]
     before = node.state
+    scheduled_before = (node.state, node.reason, node.up_since_ms, node.labels.get("accelerator"),
+                        node.islands, node.leaf_switch, node.spine_switch)
     if record["state"] == "UP" and before == "DOWN":
         node.up_since_ms = ts
     if record["state"] != before:
@@ -449,6 +460,10 @@ def _fold_node_state(view: ResourceView, record: Mapping[str, Any]) -> None:
     node.agent_version = record.get("agent_version")
     node.spool_bytes = record.get("agent_spool_bytes")
     node.spool_dropped = record.get("agent_spool_dropped")
+    if scheduled_before != (node.state, node.reason, node.up_since_ms,
+                            node.labels.get("accelerator"), node.islands, node.leaf_switch,
+                            node.spine_switch):
+        node.epoch += 1
     node.state_seq = record["seq"]
     if ts > node.state_ts:
         node.state_ts = ts

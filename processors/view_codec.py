@@ -24,7 +24,8 @@ from fleetline.processors.view import (
 
 FORMAT = "fleetline.view/1"
 _GPU_SLOTS = ("sample", *(s for s in GpuState.__slots__ if s != "sample"))
-_NODE_SLOTS = tuple(s for s in NodeView.__slots__ if s != "gpus")
+# `epoch` is a cache key for readers in this process, not part of the view.
+_NODE_SLOTS = tuple(s for s in NodeView.__slots__ if s not in ("gpus", "epoch"))
 
 
 def to_data(view: ResourceView) -> dict[str, Any]:

@@ -62,6 +62,7 @@ class TransactionalProcessor:
     # Called after an abort, once the stores dropped their pending writes: a handler that keeps
     # state of its own beside the stores forgets it here.
     on_abort: Callable[[], None] | None = None
+    producer_config: dict[str, object] = field(default_factory=dict)
     stats: ProcessorStats = field(default_factory=ProcessorStats)
     # Set once partitions are assigned and stores restored; the slice and tests wait on it.
     ready: threading.Event = field(default_factory=threading.Event)
@@ -70,7 +71,7 @@ class TransactionalProcessor:
         producer = kafka_clients.producer(
             self.kafka,
             transactional_id=f"{self.application_id}-{self.instance_id}",
-            **{"transaction.timeout.ms": 60000},
+            **{"transaction.timeout.ms": 60000, **self.producer_config},
         )
         consumer = kafka_clients.consumer(self.kafka, self.application_id)
         # Fence any zombie with our transactional id first, so its open transaction is aborted

@@ -9,7 +9,7 @@ import json
 import random
 
 from fleetline.agents.simulator import ClusterSpec, Fault
-from fleetline.processors.capacity import indices_of, observe
+from fleetline.processors.capacity import CapacityIndex, indices_of, observe
 from fleetline.processors.scheduler import Scheduler
 from fleetline.processors.scheduler_codec import effect_record
 from fleetline.processors.tenancy import HOUR_MS
@@ -137,6 +137,15 @@ def run_stream(seed: int, steps: int = 120) -> Driver:
             advance(view, sim, second + 1, second + step)
             second += step
             d.tick(seconds=rng.choice([step, 600, 1800]), view=view)
+            # The incremental observation and index equal ones built from scratch.
+            scratch = observe(view)
+            assert (scratch.nodes, scratch.lost, scratch.clusters) == (
+                d.last_facts.nodes, d.last_facts.lost, d.last_facts.clusters)
+            fresh = CapacityIndex(scratch, dict(d.scheduler.index.taken))
+            assert {c: b for c, b in fresh.buckets.items() if b} == {
+                c: b for c, b in d.scheduler.index.buckets.items() if b}
+            assert {c: n for c, n in fresh.counts.items() if n} == {
+                c: n for c, n in d.scheduler.index.counts.items() if n}
         check(d.scheduler)
     return d
 
