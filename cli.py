@@ -102,6 +102,12 @@ def _print_scheduling(scheduling: dict) -> None:
         print(f"\nwhy {waiting['job']} waits (fleetline explain): {waiting['reason'][:160]}")
         for alt in waiting["alternatives"]:
             print(f"  {alt['cluster_id']:<14} {alt['rejected'] or alt['total']}")
+    for name, (columns, rows) in scheduling.get("ready_queries", {}).items():
+        print(f"\nfleetline query {name} (ClickHouse, from the sunk decisions and "
+              "allocations):")
+        print("  " + "  ".join(f"{c:>14}" for c in columns))
+        for row in rows:
+            print("  " + "  ".join(f"{v!s:>14}" for v in row))
     replay = scheduling["replay"]
     print(f"\ndecision replay: {replay['requests']} requests ({replay['ticks']} ticks) refolded "
           f"in {replay['seconds']}s; {replay['matched']} of {replay['decisions']} decisions "
@@ -310,10 +316,16 @@ def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     from fleetline.storage.objects import ObjectStore
     from fleetline.storage.offset_sink import OffsetSink
     from fleetline.storage.query_service import QueryService, query_client
+    from fleetline.storage.scheduling_sink import AllocationTable, DecisionTable
     from fleetline.storage.state_sink import NodeStateTable
     from fleetline.storage.tiers import TieredStore
     from fleetline.streams import kafka as kafka_clients
-    from fleetline.streams.events import AUDIT_RECORD, NODE_STATE
+    from fleetline.streams.events import (
+        ALLOCATION,
+        AUDIT_RECORD,
+        NODE_STATE,
+        SCHEDULING_DECISION,
+    )
     from fleetline.streams.serde import default_codec
 
     if not args.no_api and settings.auth_config is None:
@@ -352,6 +364,11 @@ def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     workers.append(OffsetSink(settings.kafka, codec, topics.node_state, NODE_STATE,
                               NodeStateTable(client, db), topics.dead_letter,
                               f"{topics.prefix}.node-states"))
+    for topic, record, table in (
+            (topics.decisions, SCHEDULING_DECISION, DecisionTable(client, db)),
+            (topics.allocations, ALLOCATION, AllocationTable(client, db))):
+        workers.append(OffsetSink(settings.kafka, codec, topic, record, table,
+                                  topics.dead_letter, f"{topics.prefix}.{table.name}-sink"))
     audit_table = None
     if not args.no_audit:
         signer = load_signer(settings.signing_key_path(), create=True)
@@ -391,10 +408,9 @@ def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
                 return {"columns": result.columns, "rows": result.rows}
 
             def ready(name: str, since: str, until: str | None) -> dict:
-                from fleetline.storage.queries import READY
+                from fleetline.storage.queries import ready_sql
 
-                text = READY[name][1].replace("$samples", f"$samples({since}, {until or ''})")
-                return sql(text)
+                return sql(ready_sql(name, since, until))
 
             app = create_app(processor,
                              Authenticator(AuthConfig.from_file(settings.auth_config)),
@@ -501,8 +517,9 @@ def _cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_query(args: argparse.Namespace, settings: Settings) -> int:
-    from fleetline.storage.queries import READY
+    from fleetline.storage.queries import READY, ready_sql
     from fleetline.storage.query_service import run_query
+    from fleetline.storage.tiers import expander
 
     if args.name == "list":
         for name, (doc, _) in sorted(READY.items()):
@@ -510,10 +527,7 @@ def _cmd_query(args: argparse.Namespace, settings: Settings) -> int:
         return 0
     if args.name not in READY:
         raise ConfigError(f"no ready query {args.name!r}; `fleetline query list` names them")
-    range_ = f"$samples({args.since}, {args.until or ''})"
-    sql = READY[args.name][1].replace("$samples", range_)
-    from fleetline.storage.tiers import expander
-
+    sql = ready_sql(args.name, args.since, args.until)
     result = run_query(settings.clickhouse_url, sql, expand=expander(settings))
     print("\t".join(result.columns))
     for row in result.rows:

@@ -35,10 +35,11 @@ from fleetline.storage.hot_sink import HotSampleSink, HotSampleStore
 from fleetline.storage.objects import ObjectStore
 from fleetline.storage.offset_sink import OffsetSink
 from fleetline.storage.query_service import QueryService
+from fleetline.storage.scheduling_sink import AllocationTable, DecisionTable
 from fleetline.storage.snapshots import S3ViewSnapshots
 from fleetline.storage.tiers import expander
 from fleetline.streams import kafka as kafka_clients
-from fleetline.streams.events import AUDIT_RECORD
+from fleetline.streams.events import ALLOCATION, AUDIT_RECORD, SCHEDULING_DECISION
 from fleetline.streams.processor import TransactionalProcessor
 from fleetline.streams.serde import AvroCodec, default_codec
 from fleetline.streams.topics import Topics
@@ -80,6 +81,7 @@ class RunningSlice:
     signer: Signer
     scheduler: SchedulerService
     mover: SimulatedDataMover
+    scheduling_sinks: list[OffsetSink]
     stop: threading.Event = field(default_factory=threading.Event)
     threads: list[threading.Thread] = field(default_factory=list)
     errors: list[BaseException] = field(default_factory=list)
@@ -90,12 +92,15 @@ class RunningSlice:
                              ("audit-chain", self.chainer.run),
                              ("audit-sink", self.audit_sink.run),
                              ("scheduler", self.scheduler.run),
-                             ("data-mover", self.mover.run)):
+                             ("data-mover", self.mover.run),
+                             *((f"{sink.destination.name}-sink", sink.run)
+                               for sink in self.scheduling_sinks)):
             thread = threading.Thread(target=self._guard(target), name=name, daemon=True)
             thread.start()
             self.threads.append(thread)
         for ready in (self.processor.ready, self.sink.ready, self.chainer.ready,
-                      self.audit_sink.ready, self.scheduler.processor.ready, self.mover.ready):
+                      self.audit_sink.ready, self.scheduler.processor.ready, self.mover.ready,
+                      *(sink.ready for sink in self.scheduling_sinks)):
             if not ready.wait(timeout_s):
                 self.close()
                 raise StreamError(f"the slice's consumers got no partitions within {timeout_s}s")
@@ -172,8 +177,17 @@ def build_slice(settings: Settings, topics: Topics, codec: AvroCodec | None = No
     chainer = audit_chainer(settings.kafka, topics, signer, digest_every=10)
     audit_sink = OffsetSink(settings.kafka, codec, topics.audit_log, AUDIT_RECORD, audit_table,
                             topics.dead_letter, f"{topics.prefix}.audit-clickhouse")
+    scheduling_sinks = [
+        OffsetSink(settings.kafka, codec, topic, record, table, topics.dead_letter,
+                   f"{topics.prefix}.{table.name}-sink")
+        for topic, record, table in (
+            (topics.decisions, SCHEDULING_DECISION,
+             DecisionTable(client, settings.clickhouse_database)),
+            (topics.allocations, ALLOCATION,
+             AllocationTable(client, settings.clickhouse_database)))]
     return RunningSlice(settings, topics, codec, processor, sink, queries, chainer, audit_sink,
-                        audit_table, signer, scheduler, SimulatedDataMover(settings.kafka, topics))
+                        audit_table, signer, scheduler, SimulatedDataMover(settings.kafka, topics),
+                        scheduling_sinks)
 
 
 def exercise_api(running: RunningSlice) -> list[tuple[str, int]]:
@@ -356,6 +370,9 @@ def run_slice(
         audit = verify_audit(running, len(api_calls))
         began = time.monotonic()
         scheduling = pipeline_jobs.summarize(settings, topics, running.scheduler, snapshots)
+        scheduling["ready_queries"] = pipeline_jobs.ready_queries(
+            settings, running.sink.store.client, running.scheduling_sinks,
+            len(scheduling["decisions"]), start_ms)
         timings["decision_replay_s"] = time.monotonic() - began
     finally:
         agent.close()

@@ -128,3 +128,23 @@ def summarize(settings: Settings, topics: Topics, scheduler: SchedulerService,
                    "first_difference": replayed.first_difference,
                    "seconds": round(replayed.seconds, 2)},
     }
+
+
+def ready_queries(settings: Settings, client: Any, sinks: list[Any], decisions: int,
+                  since_ms: int) -> dict[str, Any]:
+    """Job wait times and utilisation by tenant from ClickHouse, once the decision sink holds
+    every decision (the two ready queries the scheduler's tables make possible)."""
+    from fleetline.storage.objects import ObjectStore
+    from fleetline.storage.queries import ready_sql
+    from fleetline.storage.tiers import TieredStore
+
+    deadline = time.monotonic() + 30
+    while sinks[0].stats.records < decisions and time.monotonic() < deadline:
+        time.sleep(0.1)
+    store = TieredStore(client, settings.clickhouse_database,
+                        ObjectStore.from_settings(settings.s3), settings.s3)
+    out = {}
+    for name in ("job-wait-times", "utilisation-by-tenant"):
+        result = client.query(store.tiered_sql(ready_sql(name, str(since_ms), None)))
+        out[name] = (list(result.column_names), [list(r) for r in result.result_rows])
+    return out

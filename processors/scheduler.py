@@ -887,8 +887,10 @@ class Scheduler:
         seq = job.alloc_seq + 1
         job.alloc_seq = seq
         first_cluster = min(job.allocation) if job.allocation else ""
+        # The GPUs are named (the view frees them either way; sinks keep one row per GPU).
         self._effects.append(AllocationChange(job.key, job.tenant, "RELEASED", first_cluster,
-                                              (), job.priority, seq, self.now_ms, reason))
+                                              tuple(refs), job.priority, seq, self.now_ms,
+                                              reason))
         for ticket in job.waiting_for:
             usage.prewarms.pop(ticket, None)
         job.allocation = {}

@@ -148,6 +148,54 @@ MIGRATIONS: tuple[Migration, ...] = (
         ORDER BY (cluster_id, node_id, ts_ms)
         """,
     )),
+    Migration(5, "scheduling decisions and GPU allocations", (
+        """
+        CREATE TABLE IF NOT EXISTS {db}.scheduling_decisions (
+            ts_ms Int64,
+            ts DateTime64(3, 'UTC') MATERIALIZED fromUnixTimestamp64Milli(ts_ms, 'UTC'),
+            decision_id String,
+            job String,
+            tenant LowCardinality(String),
+            kind LowCardinality(String),
+            outcome LowCardinality(String),
+            priority Int8,
+            reason String,
+            clusters Array(LowCardinality(String)),
+            gpus UInt32,
+            preempted_by Nullable(String),
+            victims Array(String),
+            lost_gpu_s Nullable(Float64),
+            resume_from_checkpoint_ms Nullable(Int64),
+            input_offset Int64,
+            view_version Int64,
+            policy_digest LowCardinality(String),
+            source_partition UInt16,
+            source_offset UInt64
+        )
+        ENGINE = MergeTree
+        PARTITION BY toYYYYMM(fromUnixTimestamp64Milli(ts_ms, 'UTC'))
+        ORDER BY (tenant, job, ts_ms)
+        """,
+        """
+        CREATE TABLE IF NOT EXISTS {db}.gpu_allocations (
+            ts_ms Int64,
+            ts DateTime64(3, 'UTC') MATERIALIZED fromUnixTimestamp64Milli(ts_ms, 'UTC'),
+            job_id String,
+            tenant LowCardinality(String),
+            cluster_id LowCardinality(String),
+            node_id LowCardinality(String),
+            gpu_index UInt8,
+            kind LowCardinality(String),
+            priority Int8,
+            seq UInt64,
+            source_partition UInt16,
+            source_offset UInt64
+        )
+        ENGINE = MergeTree
+        PARTITION BY toYYYYMM(fromUnixTimestamp64Milli(ts_ms, 'UTC'))
+        ORDER BY (node_id, gpu_index, ts_ms)
+        """,
+    )),
 )
 
 

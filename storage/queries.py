@@ -1,8 +1,11 @@
 """Ready queries for the common questions, over all tiers (`$samples` macros, see tiers.py).
 
-Each takes a time range; the tiered store reads only the tiers that overlap it. Job wait times
-and utilisation by tenant need the scheduler's decisions in ClickHouse (the scheduling issue)
-and are not here yet.
+Each takes a time range; the tiered store reads only the tiers that overlap it. The scheduler's
+tables ($decisions, $allocations) are hot only: utilisation by tenant joins each sample with the
+allocation in force on its GPU at that moment (ASOF JOIN on event time, then log position: the
+scheduler is the allocation topic's only writer and its clock never goes back, so within one
+millisecond the later record is the later change), job wait times go from a job's first
+decision (its submission) to its first placement.
 """
 
 from __future__ import annotations
@@ -26,6 +29,36 @@ READY: dict[str, tuple[str, str]] = {
         "GROUP BY hour, cluster_id, node_id, gpu_index "
         "HAVING max_rdma_loss >= 0.001 OR nvlink_errors > 0 OR length(xids) > 0 "
         "ORDER BY hour, cluster_id, node_id, gpu_index"),
+    "utilisation-by-tenant": (
+        "GPU utilisation of the GPUs each tenant held, per tenant (samples on unallocated GPUs "
+        "count as idle capacity)",
+        "SELECT if(a.kind = 'ALLOCATED', a.tenant, '(unallocated)') AS tenant, "
+        "round(avg(s.gpu_util_pct), 2) AS avg_util_pct, uniqExact(s.node_id, s.gpu_index) AS "
+        "gpus, count() AS samples, round(count() * 1.0 / 3600, 3) AS gpu_hours_at_1hz "
+        "FROM (SELECT *, toUInt128(toUnixTimestamp64Milli(ts)) * 1099511627776 + "
+        "1099511627775 AS at FROM $samples) AS s ASOF LEFT JOIN (SELECT node_id, gpu_index, "
+        "toUInt128(ts_ms) * 1099511627776 + source_offset AS at, tenant, kind FROM "
+        "$allocations) AS a ON s.node_id = a.node_id AND s.gpu_index = a.gpu_index AND "
+        "s.at >= a.at GROUP BY tenant ORDER BY tenant"),
+    "job-wait-times": (
+        "Submission to placement per tenant and priority: jobs placed, waiting now, wait "
+        "percentiles (s)",
+        "SELECT tenant, priority, countIf(placed_ms > 0) AS placed, "
+        "countIf(placed_ms = 0) AS still_waiting, "
+        "round(quantileIf(0.5)((placed_ms - first_ms) / 1000, placed_ms > 0), 3) AS p50_s, "
+        "round(quantileIf(0.95)((placed_ms - first_ms) / 1000, placed_ms > 0), 3) AS p95_s, "
+        "round(maxIf((placed_ms - first_ms) / 1000, placed_ms > 0), 3) AS max_s FROM ("
+        "SELECT tenant, job, max(priority) AS priority, min(ts_ms) AS first_ms, "
+        "minIf(ts_ms, outcome = 'PLACED') AS placed_ms FROM $decisions "
+        "WHERE kind != 'Dataset' GROUP BY tenant, job) "
+        "GROUP BY tenant, priority ORDER BY tenant, priority DESC"),
+    "preemptions": (
+        "Jobs preempted per tenant and cause (a higher priority, or a fault), with the work "
+        "lost",
+        "SELECT tenant, if(startsWith(reason, 'fault:'), 'fault', 'priority') AS cause, "
+        "count() AS preemptions, round(sum(lost_gpu_s) / 3600, 3) AS lost_gpu_hours "
+        "FROM $decisions WHERE outcome = 'PREEMPTED' GROUP BY tenant, cause "
+        "ORDER BY tenant, cause"),
     "top-energy-consumers": (
         "Nodes by energy drawn in the range (kWh, from mean power x time covered)",
         "SELECT cluster_id, node_id, round(avg(power_w) * uniqExact(gpu_index) * "
@@ -33,3 +66,10 @@ READY: dict[str, tuple[str, str]] = {
         "round(avg(power_w), 1) AS avg_gpu_power_w FROM $samples "
         "GROUP BY cluster_id, node_id ORDER BY kwh DESC LIMIT 20"),
 }
+
+
+def ready_sql(name: str, since: str, until: str | None) -> str:
+    """The ready query `name` over [since, until) (times as `fleetline query` takes them)."""
+    span = f"({since}, {until or ''})"
+    return READY[name][1].replace("$samples", f"$samples{span}").replace(
+        "$decisions", f"$decisions{span}")

@@ -285,8 +285,9 @@ class TieredStore:
         """`sql` with each `$samples` replaced by the tiers overlapping [since, until] only, so
         a query over the last hour reads the hot table and nothing from S3. A macro may carry
         its own range: `$samples(-1h)`, `$samples(-7d, -1d)`, `$samples(<ISO or ms>, ...)`."""
-        if "$samples" not in sql:
-            raise ConfigError("a tiered query names its source as $samples")
+        if "$samples" not in sql and not _TABLE_MACRO.search(sql):
+            raise ConfigError("a tiered query names its source as $samples (or $decisions, "
+                              "$allocations)")
         self._command(f"CREATE TABLE IF NOT EXISTS {self.restored} AS {self.hot}")
         now = wall_clock_ms() if now_ms is None else now_ms
 
@@ -300,7 +301,19 @@ class TieredStore:
                 high = parse_moment(parts[1], now) if len(parts) == 2 and parts[1] else None
             return f"({self._source_sql(low, high)})"
 
-        return _MACRO.sub(expand, sql)
+        def table(match: re.Match[str]) -> str:
+            name = {"decisions": "scheduling_decisions", "allocations": "gpu_allocations"}[
+                match["name"]]
+            if match["args"] is None:
+                return f"{self.database}.{name}"
+            parts = [p.strip() for p in match["args"].split(",")]
+            low = parse_moment(parts[0], now) if parts and parts[0] else None
+            high = parse_moment(parts[1], now) if len(parts) == 2 and parts[1] else None
+            where = " AND ".join([*([f"ts_ms >= {low}"] if low is not None else []),
+                                  *([f"ts_ms < {high}"] if high is not None else [])]) or "1"
+            return f"(SELECT * FROM {self.database}.{name} WHERE {where})"
+
+        return _TABLE_MACRO.sub(table, _MACRO.sub(expand, sql))
 
     # --- moves -----------------------------------------------------------------------------
 
@@ -469,6 +482,9 @@ def wall_clock_ms() -> int:
 
 
 _MACRO = re.compile(r"\$samples(?:\((?P<args>[^)]*)\))?")
+# The scheduler's tables (hot only): $decisions(FROM, TO) is the decisions in a range,
+# $allocations every GPU binding (an ASOF JOIN needs those from before the range too).
+_TABLE_MACRO = re.compile(r"\$(?P<name>decisions|allocations)(?:\((?P<args>[^)]*)\))?")
 _RELATIVE = re.compile(r"^-(?P<n>\d+)(?P<unit>[smhd])$")
 _UNITS = {"s": 1000, "m": 60_000, "h": HOUR_MS, "d": DAY_MS}
 

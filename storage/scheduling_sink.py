@@ -1,0 +1,83 @@
+"""The scheduler's decisions and the GPU allocations in ClickHouse, for "how long did jobs wait"
+and "who used the GPUs" queries: one row per decision, one row per GPU bound or freed. Both
+resume after the highest source offset they hold (`OffsetSink`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from clickhouse_connect.driver.client import Client
+
+from fleetline.errors import StorageError
+from fleetline.storage.offset_sink import Destination, Sourced, table_resume_offsets
+
+DECISIONS = "scheduling_decisions"
+ALLOCATIONS = "gpu_allocations"
+_DECISION_COLUMNS = ("ts_ms", "decision_id", "job", "tenant", "kind", "outcome", "priority",
+                     "reason", "clusters", "gpus", "preempted_by", "victims", "lost_gpu_s",
+                     "resume_from_checkpoint_ms", "input_offset", "view_version",
+                     "policy_digest", "source_partition", "source_offset")
+_ALLOCATION_COLUMNS = ("ts_ms", "job_id", "tenant", "cluster_id", "node_id", "gpu_index",
+                       "kind", "priority", "seq", "source_partition", "source_offset")
+
+
+def decision_row(item: Sourced) -> list[Any]:
+    d = item.record
+    return [d["ts"], d["decision_id"], d["job"], d["tenant"], d["kind"], d["outcome"],
+            d["priority"], d["reason"], [p["cluster_id"] for p in d["placements"]],
+            sum(len(w["gpus"]) for p in d["placements"] for w in p["workers"]),
+            d["preempted_by"], list(d["victims"]), d["lost_gpu_s"],
+            d["resume_from_checkpoint_ms"], d["input_offset"], d["view_version"],
+            d["policy_digest"], item.partition, item.offset]
+
+
+def allocation_rows(item: Sourced) -> list[list[Any]]:
+    a = item.record
+    return [[a["ts"], a["job_id"], a["tenant"], a["cluster_id"], g["node_id"], g["gpu_index"],
+             a["kind"], a["priority"], a["seq"], item.partition, item.offset]
+            for g in a["gpus"]]
+
+
+class _Table(Destination):
+    table = ""
+    columns: tuple[str, ...] = ()
+
+    def __init__(self, client: Client, database: str) -> None:
+        self.client = client
+        self.database = database
+
+    def resume_offsets(self) -> dict[int, int]:
+        return table_resume_offsets(self.client, f"{self.database}.{self.table}")
+
+    def rows(self, batch: Sequence[Sourced]) -> list[list[Any]]:
+        raise NotImplementedError
+
+    def store(self, batch: Sequence[Sourced]) -> None:
+        rows = self.rows(batch)
+        if not rows:
+            return
+        try:
+            self.client.insert(f"{self.database}.{self.table}", rows,
+                               column_names=list(self.columns),
+                               settings={"max_partitions_per_insert_block": 1000})
+        except Exception as exc:
+            raise StorageError(f"inserting {len(rows)} rows into {self.table}: {exc}") from None
+
+
+class DecisionTable(_Table):
+    name = "decisions"
+    table = DECISIONS
+    columns = _DECISION_COLUMNS
+
+    def rows(self, batch: Sequence[Sourced]) -> list[list[Any]]:
+        return [decision_row(item) for item in batch]
+
+
+class AllocationTable(_Table):
+    name = "allocations"
+    table = ALLOCATIONS
+    columns = _ALLOCATION_COLUMNS
+
+    def rows(self, batch: Sequence[Sourced]) -> list[list[Any]]:
+        return [row for item in batch for row in allocation_rows(item)]
