@@ -22,7 +22,7 @@ TABLE = "audit_log"
 _COLUMNS = ("partition", "seq", "source_offset", "chained_at_ms", "kind", "prev_hash",
             "content_digest", "hash", "event_id", "ts_ms", "actor", "actor_role", "tenant",
             "operation", "target", "outcome", "status", "request_id", "trace_id", "source",
-            "details", "salt", "digest")
+            "details", "salt", "digest", "source_topic")
 _EMPTY_EVENT = {"event_id": "", "ts": 0, "actor": "", "actor_role": "", "tenant": None,
                 "operation": "", "target": "", "outcome": "", "status": 0, "request_id": "",
                 "trace_id": None, "source": "", "details": {}, "salt": b""}
@@ -39,7 +39,7 @@ def _row(item: Sourced) -> list[Any]:
             event["actor"], event["actor_role"], event["tenant"], event["operation"],
             event["target"], event["outcome"], event["status"], event["request_id"],
             event["trace_id"], event["source"], dict(event["details"]), event["salt"].hex(),
-            digest]
+            digest, item.topic]
 
 
 def record_from_row(row: Sequence[Any]) -> dict[str, Any]:
@@ -82,8 +82,8 @@ class AuditTable(Destination):
         self.client = client
         self.database = database
 
-    def resume_offsets(self) -> dict[int, int]:
-        return table_resume_offsets(self.client, f"{self.database}.{TABLE}", "partition")
+    def resume_offsets(self, topic: str) -> dict[int, int]:
+        return table_resume_offsets(self.client, f"{self.database}.{TABLE}", topic, "partition")
 
     def store(self, batch: Sequence[Sourced]) -> None:
         try:
@@ -173,7 +173,8 @@ class AuditArchive(Destination):
                             key))
         return sorted(out)
 
-    def resume_offsets(self) -> dict[int, int]:
+    def resume_offsets(self, topic: str) -> dict[int, int]:
+        # The archive's root is per topic prefix already.
         resume: dict[int, int] = {}
         for partition, _, last, _ in self._segments():
             resume[partition] = max(resume.get(partition, 0), last + 1)

@@ -196,6 +196,16 @@ MIGRATIONS: tuple[Migration, ...] = (
         ORDER BY (node_id, gpu_index, ts_ms)
         """,
     )),
+    Migration(6, "sunk tables name the topic each row came from", (
+        "ALTER TABLE {db}.node_states ADD COLUMN IF NOT EXISTS source_topic "
+        "LowCardinality(String) DEFAULT ''",
+        "ALTER TABLE {db}.audit_log ADD COLUMN IF NOT EXISTS source_topic "
+        "LowCardinality(String) DEFAULT ''",
+        "ALTER TABLE {db}.scheduling_decisions ADD COLUMN IF NOT EXISTS source_topic "
+        "LowCardinality(String) DEFAULT ''",
+        "ALTER TABLE {db}.gpu_allocations ADD COLUMN IF NOT EXISTS source_topic "
+        "LowCardinality(String) DEFAULT ''",
+    )),
 )
 
 

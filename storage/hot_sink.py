@@ -85,7 +85,9 @@ class HotSampleStore:
     database: str
 
     def resume_offsets(self) -> dict[int, int]:
-        return table_resume_offsets(self.client, f"{self.database}.{TABLE}")
+        # Sample rows do not name their topic: one database per topic prefix (the sink also
+        # drops repeats by per-node seq).
+        return table_resume_offsets(self.client, f"{self.database}.{TABLE}", None)
 
     def node_watermarks(self) -> dict[str, int]:
         """The highest seq stored for each node: an agent that re-sends after an outage repeats

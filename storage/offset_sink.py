@@ -66,12 +66,17 @@ def run_resuming(kafka: KafkaSettings, group_id: str, topic: str, resume: dict[i
         dlq.flush(10)
 
 
-def table_resume_offsets(client: Any, table: str,
+def table_resume_offsets(client: Any, table: str, topic: str | None,
                          partition_column: str = "source_partition") -> dict[int, int]:
-    """partition -> one past the highest `source_offset` a ClickHouse table holds."""
+    """partition -> one past the highest `source_offset` a ClickHouse table holds from `topic`
+    (rows written before tables named their topic count for any topic; None: the table does
+    not name topics)."""
+    where = "WHERE source_topic IN ({topic:String}, '') " if topic is not None else ""
     try:
         rows = client.query(f"SELECT {partition_column}, max(source_offset) + 1 FROM {table} "
-                            f"GROUP BY {partition_column}").result_rows
+                            f"{where}GROUP BY {partition_column}",
+                            parameters={"topic": topic} if topic is not None else None
+                            ).result_rows
     except Exception as exc:
         raise StorageError(f"reading resume offsets from {table}: {exc}") from None
     return {int(p): int(o) for p, o in rows}
@@ -82,6 +87,7 @@ class Sourced:
     partition: int
     offset: int
     record: dict[str, Any]
+    topic: str = ""
 
 
 class Destination(ABC):
@@ -90,8 +96,9 @@ class Destination(ABC):
     name: str = "destination"
 
     @abstractmethod
-    def resume_offsets(self) -> dict[int, int]:
-        """partition -> the next offset to store, from what is already stored."""
+    def resume_offsets(self, topic: str) -> dict[int, int]:
+        """partition -> the next offset of `topic` to store, from what is already stored (one
+        database may hold the records of several topic prefixes)."""
 
     @abstractmethod
     def store(self, batch: Sequence[Sourced]) -> None:
@@ -120,7 +127,8 @@ class OffsetSink:
     ready: threading.Event = field(default_factory=threading.Event)
 
     def run(self, stop: threading.Event) -> None:
-        run_resuming(self.kafka, self.group_id, self.topic, self.destination.resume_offsets(),
+        run_resuming(self.kafka, self.group_id, self.topic,
+                     self.destination.resume_offsets(self.topic),
                      self._handle, stop, self.ready, self.max_batch, self.max_wait_s)
 
     def _handle(self, consumer, dlq, messages: list[Message]) -> None:
@@ -130,7 +138,7 @@ class OffsetSink:
                 raise StorageError(f"consuming {self.topic}: {msg.error().str()}")
             try:
                 record = self.codec.decode(msg.value(), expect=self.expect).record
-                good.append(Sourced(msg.partition(), msg.offset(), record))
+                good.append(Sourced(msg.partition(), msg.offset(), record, msg.topic()))
             except FleetlineError as exc:
                 self.stats.dead_letters += 1
                 send_dead_letter(dlq, self.dead_letter_topic, self.group_id, msg, exc)

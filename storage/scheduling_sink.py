@@ -17,9 +17,10 @@ ALLOCATIONS = "gpu_allocations"
 _DECISION_COLUMNS = ("ts_ms", "decision_id", "job", "tenant", "kind", "outcome", "priority",
                      "reason", "clusters", "gpus", "preempted_by", "victims", "lost_gpu_s",
                      "resume_from_checkpoint_ms", "input_offset", "view_version",
-                     "policy_digest", "source_partition", "source_offset")
+                     "policy_digest", "source_partition", "source_offset", "source_topic")
 _ALLOCATION_COLUMNS = ("ts_ms", "job_id", "tenant", "cluster_id", "node_id", "gpu_index",
-                       "kind", "priority", "seq", "source_partition", "source_offset")
+                       "kind", "priority", "seq", "source_partition", "source_offset",
+                       "source_topic")
 
 
 def decision_row(item: Sourced) -> list[Any]:
@@ -29,13 +30,13 @@ def decision_row(item: Sourced) -> list[Any]:
             sum(len(w["gpus"]) for p in d["placements"] for w in p["workers"]),
             d["preempted_by"], list(d["victims"]), d["lost_gpu_s"],
             d["resume_from_checkpoint_ms"], d["input_offset"], d["view_version"],
-            d["policy_digest"], item.partition, item.offset]
+            d["policy_digest"], item.partition, item.offset, item.topic]
 
 
 def allocation_rows(item: Sourced) -> list[list[Any]]:
     a = item.record
     return [[a["ts"], a["job_id"], a["tenant"], a["cluster_id"], g["node_id"], g["gpu_index"],
-             a["kind"], a["priority"], a["seq"], item.partition, item.offset]
+             a["kind"], a["priority"], a["seq"], item.partition, item.offset, item.topic]
             for g in a["gpus"]]
 
 
@@ -47,8 +48,8 @@ class _Table(Destination):
         self.client = client
         self.database = database
 
-    def resume_offsets(self) -> dict[int, int]:
-        return table_resume_offsets(self.client, f"{self.database}.{self.table}")
+    def resume_offsets(self, topic: str) -> dict[int, int]:
+        return table_resume_offsets(self.client, f"{self.database}.{self.table}", topic)
 
     def rows(self, batch: Sequence[Sourced]) -> list[list[Any]]:
         raise NotImplementedError

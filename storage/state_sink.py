@@ -14,7 +14,7 @@ from fleetline.storage.offset_sink import Destination, Sourced, table_resume_off
 TABLE = "node_states"
 _COLUMNS = ("ts_ms", "cluster_id", "region", "node_id", "seq", "state", "reason", "labels",
             "gpu_count", "leaf_switch", "spine_switch", "agent_version", "agent_spool_bytes",
-            "agent_spool_dropped", "source_partition", "source_offset")
+            "agent_spool_dropped", "source_partition", "source_offset", "source_topic")
 
 
 def _row(item: Sourced) -> list[Any]:
@@ -24,7 +24,7 @@ def _row(item: Sourced) -> list[Any]:
             r["reason"], dict(r["labels"]), topology["gpu_count"], topology["leaf_switch"],
             topology["spine_switch"], r.get("agent_version", "unknown"),
             r.get("agent_spool_bytes"), r.get("agent_spool_dropped"), item.partition,
-            item.offset]
+            item.offset, item.topic]
 
 
 class NodeStateTable(Destination):
@@ -34,8 +34,8 @@ class NodeStateTable(Destination):
         self.client = client
         self.database = database
 
-    def resume_offsets(self) -> dict[int, int]:
-        return table_resume_offsets(self.client, f"{self.database}.{TABLE}")
+    def resume_offsets(self, topic: str) -> dict[int, int]:
+        return table_resume_offsets(self.client, f"{self.database}.{TABLE}", topic)
 
     def store(self, batch: Sequence[Sourced]) -> None:
         try:
