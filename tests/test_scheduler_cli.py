@@ -148,7 +148,7 @@ def test_serve_schedules_what_the_cli_applies_through_a_sigkill(settings, tmp_pa
     assert main(["replay", "--decisions", "--group", group, *common]) == 0, \
         capsys.readouterr().out
     summary = json.loads(capsys.readouterr().out)
-    assert summary["ok"] and summary["matched"] == summary["decisions"] > 40
+    assert summary["ok"] and summary["matched"] == summary["decisions"] >= 35
     bad = tmp_path / "bad.yaml"
     bad.write_text("kind: TrainingJob\nmetadata: {name: x, tenant: acme}\nspec: {workers: 0}\n")
     with pytest.raises(SystemExit):
