@@ -212,8 +212,10 @@ def core(nodes: int, jobs: int) -> dict[str, object]:
     outcomes: dict[str, int] = {}
     gc.collect()
     gc.freeze()
+    requests = submit_requests(workload(jobs), start + 1000)
+    midway: dict[str, object] = {}
     began = time.perf_counter()
-    for request in submit_requests(workload(jobs), start + 1000):
+    for n, request in enumerate(requests):
         position += 1
         t0 = time.perf_counter()
         effects = scheduler.step(request, position)
@@ -221,6 +223,15 @@ def core(nodes: int, jobs: int) -> dict[str, object]:
         for e in effects:
             if isinstance(e, Decision):
                 outcomes[e.outcome] = outcomes.get(e.outcome, 0) + 1
+        if n == len(requests) // 4:
+            # Fragmentation means something while the fleet still has room.
+            paused = time.perf_counter()
+            frag = scheduler.index.fragmentation()
+            midway = {"quarter_way_allocated_share": round(
+                sum(j.gpus for j in scheduler.jobs.values()) / (nodes * 8), 4),
+                "quarter_way_free_healthy_gpus": frag["free_gpus"],
+                "quarter_way_fragmentation": frag["fragmentation"]}
+            began += time.perf_counter() - paused
     wall = time.perf_counter() - began
     # A reconcile pass over the full queue, as every TICK runs it.
     position += 1
@@ -232,13 +243,15 @@ def core(nodes: int, jobs: int) -> dict[str, object]:
         "nodes": nodes, "gpus": nodes * 8, "requests": len(latencies),
         "build_view_s": round(built, 2), "observe_view_s": round(observed, 3),
         "first_tick_s": round(first_tick, 3),
-        "core_decisions_per_s": round(len(latencies) / wall, 1),
+        "core_requests_per_s": round(len(latencies) / wall, 1),
+        "core_decision_events_per_s": round(sum(outcomes.values()) / wall, 1),
         "core_latency_p50_ms": round(statistics.median(latencies) * 1000, 3),
         "core_latency_p99_ms": round(percentile(latencies, 0.99) * 1000, 3),
         "core_latency_max_ms": round(max(latencies) * 1000, 3),
         "tick_with_full_queue_s": round(tick_s, 3),
         "queued_after_submissions": len(scheduler.queue()),
         **{f"decisions_{k.lower()}": v for k, v in sorted(outcomes.items())},
+        **midway,
         **quality(scheduler),
     }
     return figures
