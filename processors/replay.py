@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from confluent_kafka import TopicPartition
 
@@ -145,20 +146,7 @@ def rebuild(kafka: KafkaSettings, topics: Topics, target: Offsets,
             consumer.assign(assignment)
         idle_since = time.monotonic()
         while remaining:
-            messages = consumer.consume(5000, 0.5)
-            keep = []
-            for msg in messages:
-                if msg.error():
-                    keep.append(msg)
-                    continue
-                key = (msg.topic(), msg.partition())
-                end = remaining.get(key)
-                if end is None or msg.offset() >= end:
-                    continue
-                keep.append(msg)
-                if msg.offset() + 1 >= end:
-                    del remaining[key]
-                    consumer.pause([TopicPartition(*key)])
+            keep = _below_targets(consumer, consumer.consume(5000, 0.5), remaining, pause=True)
             if keep:
                 idle_since = time.monotonic()
                 failed = folder.fold(parts, keep)
@@ -169,9 +157,7 @@ def rebuild(kafka: KafkaSettings, topics: Topics, target: Offsets,
                 continue
             # Transaction markers and compacted-away records leave offsets that hold no
             # message: a partition whose position reached the target is complete.
-            for tp in consumer.position([TopicPartition(*k) for k in remaining]):
-                if tp.offset >= remaining[(tp.topic, tp.partition)]:
-                    del remaining[(tp.topic, tp.partition)]
+            _drop_reached(consumer, remaining)
             if remaining and time.monotonic() - idle_since > 60:
                 raise StreamError(f"replay stalled short of the target in {sorted(remaining)}")
     finally:
@@ -224,6 +210,35 @@ def _statuses(view: ResourceView) -> dict[str, str]:
 
 
 
+def _below_targets(consumer: Any, messages: list[Any], remaining: dict[tuple[str, int], int],
+                   pause: bool) -> list[Any]:
+    """The messages before their partition's target (errors kept for the folder to judge);
+    a partition whose target is reached leaves `remaining` (and is paused, if asked)."""
+    keep = []
+    for msg in messages:
+        if msg.error():
+            keep.append(msg)
+            continue
+        key = (msg.topic(), msg.partition())
+        end = remaining.get(key)
+        if end is None or msg.offset() >= end:
+            continue
+        keep.append(msg)
+        if msg.offset() + 1 >= end:
+            del remaining[key]
+            if pause:
+                consumer.pause([TopicPartition(*key)])
+    return keep
+
+
+def _drop_reached(consumer: Any, remaining: dict[tuple[str, int], int]) -> None:
+    """Forget the partitions whose consumer position has reached their target offset."""
+    if remaining:
+        for tp in consumer.position([TopicPartition(*k) for k in remaining]):
+            if tp.offset >= remaining[(tp.topic, tp.partition)]:
+                del remaining[(tp.topic, tp.partition)]
+
+
 class ViewFollower:
     """The view folded forward to one log position after another, with one consumer: a replay
     of the scheduler asks for the view at every TICK's offsets, in log order.
@@ -267,28 +282,16 @@ class ViewFollower:
                                    for t, p in remaining])
             idle_since = time.monotonic()
             while remaining:
-                keep = []
-                for msg in self._consumer.consume(5000, 0.05):
-                    if msg.error():
-                        keep.append(msg)
-                        continue
-                    key = (msg.topic(), msg.partition())
-                    end = remaining.get(key)
-                    if end is None or msg.offset() >= end:
-                        continue  # past the target: fetched again from there next time
-                    keep.append(msg)
-                    if msg.offset() + 1 >= end:
-                        del remaining[key]
+                # Past a target a message is left: it is fetched again from there next time.
+                keep = _below_targets(self._consumer, self._consumer.consume(5000, 0.05),
+                                      remaining, pause=False)
                 if keep:
                     idle_since = time.monotonic()
                     self.folder.fold(self.parts, keep)
                     self.folded += len(keep)
                 # A target just past a transaction marker holds no message to stop on: the
                 # consumer's position (a local call) says when it is reached.
-                if remaining:
-                    for tp in self._consumer.position([TopicPartition(*k) for k in remaining]):
-                        if tp.offset >= remaining[(tp.topic, tp.partition)]:
-                            del remaining[(tp.topic, tp.partition)]
+                _drop_reached(self._consumer, remaining)
                 if remaining and time.monotonic() - idle_since > 60:
                     raise StreamError(f"view follower stalled short of {sorted(remaining)}")
         for topic, ps in target.items():

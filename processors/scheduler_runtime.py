@@ -48,7 +48,7 @@ from fleetline.streams.events import (
     SCHEDULER_REQUEST,
     SCHEDULING_DECISION,
 )
-from fleetline.streams.processor import Output, TransactionalProcessor
+from fleetline.streams.processor import Output, TransactionalProcessor, produce
 from fleetline.streams.serde import AvroCodec, default_codec
 from fleetline.streams.store import ChangelogStore
 from fleetline.streams.topics import Topics, TopicSpec
@@ -269,22 +269,15 @@ def send(producer: Any, topics: Topics, request: Mapping[str, Any],
          on_delivery: Callable[[Any, Any], None] | None = None) -> None:
     """Append one request to the scheduler's log (keyed by its key, one partition)."""
     codec = codec or default_codec()
-    kwargs: dict[str, Any] = {"key": request["key"].encode() or b"-",
-                              "value": codec.encode("SchedulerRequest", request)}
-    if on_delivery is not None:
-        kwargs["on_delivery"] = on_delivery
-    while True:
-        try:
-            producer.produce(topics.scheduler_requests, **kwargs)
-            return
-        except BufferError:
-            producer.poll(0.1)
+    produce(producer, Output(topics.scheduler_requests, request["key"].encode() or b"-",
+                             codec.encode("SchedulerRequest", request)), on_delivery)
 
 
 def submit(kafka: KafkaSettings, topics: Topics,
-           requests: Sequence[Mapping[str, Any]], timeout_s: float = 30.0) -> list[int]:
+           requests: Sequence[Mapping[str, Any]], timeout_s: float = 30.0,
+           producer: Any = None) -> list[int]:
     """Append requests and wait until the broker has them; their log offsets, in order."""
-    producer = kafka_clients.producer(kafka, **{"linger.ms": 0})
+    producer = producer or kafka_clients.producer(kafka, **{"linger.ms": 0})
     offsets: list[int | None] = [None] * len(requests)
     errors: list[str] = []
 
@@ -462,22 +455,8 @@ class KafkaJobs:
         self._lock = threading.Lock()
 
     def submit(self, requests: Sequence[Mapping[str, Any]]) -> list[int]:
-        offsets: list[int] = []
-        errors: list[str] = []
-
-        def done(err: Any, msg: Any) -> None:
-            if err is not None:
-                errors.append(str(err))
-            else:
-                offsets.append(msg.offset())
-
         with self._lock:
-            for request in requests:
-                send(self._producer, self.topics, request, on_delivery=done)
-            if self._producer.flush(30) or errors:
-                raise StreamError(f"the scheduler's request log did not take the request(s): "
-                                  f"{errors[:3] or 'timed out'}")
-        return sorted(offsets)
+            return submit(self.kafka, self.topics, requests, producer=self._producer)
 
     def _store(self) -> ChangelogStore[Any]:
         return self.service.store if self.service is not None else read_state(self.kafka,

@@ -114,10 +114,10 @@ class TransactionalProcessor:
                 next_offsets[(msg.topic(), msg.partition())] = msg.offset() + 1
                 handled += 1
                 for out in self._transform(msg):
-                    _produce(producer, out)
+                    produce(producer, out)
             for store in self.stores:
                 for partition, key, value in store.pending_changelog():
-                    _produce(producer, Output(store.changelog_topic, key, value, partition))
+                    produce(producer, Output(store.changelog_topic, key, value, partition))
             producer.send_offsets_to_transaction(
                 [TopicPartition(t, p, o) for (t, p), o in next_offsets.items()],
                 consumer.consumer_group_metadata(),
@@ -167,12 +167,15 @@ class TransactionalProcessor:
             ]
 
 
-def _produce(producer, out: Output) -> None:
+def produce(producer, out: Output, on_delivery: Callable[..., None] | None = None) -> None:
+    """Produce one output, waiting for room when librdkafka's local queue is full."""
     kwargs: dict[str, object] = {"key": out.key, "value": out.value}
     if out.partition is not None:
         kwargs["partition"] = out.partition
     if out.headers:
         kwargs["headers"] = out.headers
+    if on_delivery is not None:
+        kwargs["on_delivery"] = on_delivery
     while True:
         try:
             producer.produce(out.topic, **kwargs)

@@ -4,7 +4,6 @@ the request log reproducing every decision byte for byte."""
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -70,16 +69,8 @@ def scheduling(settings: Settings, topics: Topics, processor: ViewProcessor,
         settings.kafka, topics, processor,
         lambda offsets: observe(rebuild(settings.kafka, topics, offsets, snapshots).view),
         tick_interval_s=0.3)
-    stop = threading.Event()
-    thread = threading.Thread(target=service_.run, args=(stop,), daemon=True)
-    thread.start()
-    try:
-        assert service_.ready.wait(90), "the scheduler did not start"
+    with running(service_):
         yield service_
-    finally:
-        stop.set()
-        thread.join(60)
-        assert not thread.is_alive()
 
 
 def test_decisions_over_kafka_survive_a_restart_and_replay_byte_for_byte(settings):
