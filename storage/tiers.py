@@ -51,6 +51,9 @@ class DataClass:
     hot_ms: int = DAY_MS
     warm_ms: int = 7 * DAY_MS
     cold_ms: int | None = None  # None: cold archives are kept for ever
+    # What tells one row from another (late rows for a moved hour are the hot rows not among
+    # the warm copies): a sample is one GPU of one Kafka message.
+    identity: tuple[str, ...] = ("source_partition", "source_offset", "gpu_index")
 
 
 GPU_SAMPLES = DataClass("gpu_samples")
@@ -60,7 +63,9 @@ GPU_SAMPLES = DataClass("gpu_samples")
 class Manifest:
     table: str
     tier: str
-    partition: str  # warm: the hour, YYYYMMDDHH; cold: the day, YYYYMMDD
+    # warm: the hour, YYYYMMDDHH (late rows moved after it: YYYYMMDDHH-late<n>); cold: the
+    # day, YYYYMMDD
+    partition: str
     key: str
     rows: int
     checksum: str  # sum(cityHash64(row)) over the rows, as ClickHouse computes it
@@ -107,6 +112,7 @@ def _day(ms: int) -> str:
 
 
 def _parse(partition: str) -> int:
+    partition = partition.split("-", 1)[0]  # an hour's late objects belong to the hour
     fmt = "%Y%m%d%H" if len(partition) == 10 else "%Y%m%d"
     return int(datetime.strptime(partition, fmt).replace(tzinfo=UTC).timestamp() * 1000)
 
@@ -252,7 +258,7 @@ class TieredStore:
         cols = self._columns()
         warm = self.manifests(WARM)
         cold = self.manifests(COLD)
-        moved = sorted({m.partition for m in warm} | {
+        moved = sorted({m.partition[:10] for m in warm} | {
             _hour(h) for m in cold for h in range(_parse(m.partition), _parse(m.partition)
                                                   + DAY_MS, HOUR_MS)})
 
@@ -346,6 +352,10 @@ class TieredStore:
             self.rebuild_view()
             self.on_step("switched", committed[-1])
             for partition in committed:
+                if self._unmoved(partition)[0]:
+                    # Rows came in for the hour after it was copied: the next pass moves them
+                    # as a late object; dropping now would lose them.
+                    continue
                 self._drop_hot(partition)
         replaced: list[str] = []
         for day in sorted({m.partition[:8] for m in self.manifests(WARM)}):
@@ -378,21 +388,34 @@ class TieredStore:
         for (partition_id,) in ids:
             self._command(f"ALTER TABLE {self.hot} DROP PARTITION ID '{partition_id}'")
 
+    def _warm_of(self, hour: str) -> list[Manifest]:
+        return [m for m in self.manifests(WARM) if m.partition[:10] == hour]
+
+    def _unmoved_where(self, hour: str) -> str:
+        """The hot rows of an hour that no warm object of the hour holds."""
+        where = self._hot_where(hour)
+        keys = sorted(m.key for m in self._warm_of(hour))
+        if not keys:
+            return where
+        identity = ", ".join(self.data.identity)
+        return (f"{where} AND ({identity}) NOT IN (SELECT {identity} FROM {self._s3(keys)})")
+
+    def _unmoved(self, hour: str) -> tuple[int, str, int, int]:
+        return self._fingerprint(self.hot, self._unmoved_where(hour))
+
     def _copy_to_warm(self, partition: str) -> None:
-        """Copy, verify and commit one hot hour (or find it committed by an earlier pass)."""
-        key = self._key(WARM, partition)
-        where = self._hot_where(partition)
-        committed = self._committed(WARM, partition)
-        if committed is not None:
-            # Committed before a crash: the warm copy holds these rows and the move only needs
-            # finishing. Rows that arrived for the hour after it moved are not dropped.
-            if self._fingerprint(self.hot, where)[:2] != (committed.rows, committed.checksum):
-                raise IntegrityError(
-                    f"{self.data.table} hour {partition} was moved to warm but the hot table "
-                    "holds other rows for it (late arrivals); left in place")
+        """Copy, verify and commit one hot hour (or find it committed by an earlier pass). Rows
+        that came in for an hour after it moved are moved as the hour's next late object."""
+        earlier = self._warm_of(partition)
+        name = partition if not earlier else f"{partition}-late{len(earlier)}"
+        where = self._unmoved_where(partition)
+        rows, checksum, low, high = self._fingerprint(self.hot, where)
+        if earlier and rows == 0:
+            # Everything the hot table holds for the hour is in warm already (a pass stopped
+            # after its commit): only the drop is left.
             self.stats.completed_after_crash += 1
             return
-        rows, checksum, low, high = self._fingerprint(self.hot, where)
+        key = self._key(WARM, name)
         order = ", ".join(self.data.order_by)
         self._command(
             f"INSERT INTO FUNCTION {self._s3([key])} SELECT {self._columns()} FROM {self.hot} "
@@ -407,7 +430,7 @@ class TieredStore:
             raise IntegrityError(f"warm copy {key} holds {copy[0]} rows / {copy[1]}, the hot "
                                  f"partition {rows} / {checksum}; not moving it")
         self.on_step("verified", partition)
-        self._commit(Manifest(self.data.table, WARM, partition, key, rows, checksum, low, high,
+        self._commit(Manifest(self.data.table, WARM, name, key, rows, checksum, low, high,
                               self._size(key)))
         self.on_step("committed", partition)
         self.stats.to_warm += 1
