@@ -55,20 +55,23 @@ def _wait_for_decisions(settings: Settings, topics: Topics, keys: list[str], off
                         timeout_s: float) -> dict[str, dict[str, Any]]:
     """The latest decision about each key made at or after its request's log offset, once each
     is settled (placed, accepted or rejected) or the time is up (then it may be QUEUED)."""
-    from fleetline.processors.scheduler_runtime import decisions_of
+    from fleetline.processors.scheduler_runtime import DecisionFollower
 
     wanted = dict(zip(keys, offsets, strict=True))
     latest: dict[str, dict[str, Any]] = {}
+    follower = DecisionFollower(settings.kafka, topics)
     deadline = time.monotonic() + timeout_s
-    while True:
-        for decision in decisions_of(settings.kafka, topics):
-            key = decision["job"]
-            if key in wanted and decision["input_offset"] >= wanted[key]:
-                latest[key] = decision
-        settled = [k for k, d in latest.items() if d["outcome"] != "QUEUED"]
-        if len(settled) == len(wanted) or time.monotonic() > deadline:
-            return latest
-        time.sleep(0.3)
+    try:
+        while True:
+            for decision in follower.poll():
+                key = decision["job"]
+                if key in wanted and decision["input_offset"] >= wanted[key]:
+                    latest[key] = decision
+            settled = [k for k, d in latest.items() if d["outcome"] != "QUEUED"]
+            if len(settled) == len(wanted) or time.monotonic() > deadline:
+                return latest
+    finally:
+        follower.close()
 
 
 def cmd_apply(args: argparse.Namespace, settings: Settings) -> int:

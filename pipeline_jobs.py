@@ -10,6 +10,7 @@ from typing import Any
 
 from fleetline.config import Settings
 from fleetline.processors.replay import ViewFollower
+from fleetline.processors.scheduler import spec_key
 from fleetline.processors.scheduler_codec import (
     canonical_json,
     datasets_first,
@@ -17,6 +18,7 @@ from fleetline.processors.scheduler_codec import (
     submit_request,
 )
 from fleetline.processors.scheduler_runtime import (
+    DecisionFollower,
     SchedulerService,
     decisions_of,
     replay_decisions,
@@ -87,20 +89,23 @@ def settle(settings: Settings, topics: Topics, scheduler: SchedulerService, view
     from fleetline.processors import view_read
 
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        decided = {d["job"] for d in decisions_of(settings.kafka, topics)}
-        held = {j["key"]: sum(bin(m).count("1") for n in j["allocation"].values()
-                              for m in n.values()) for j in scheduler.jobs()}
-        seen = {a["job_id"]: len(a["gpus"]) for a in view.read(view_read.allocations)}
-        if keys <= decided and {k: v for k, v in held.items() if v} == seen:
-            return
-        time.sleep(0.2)
+    decided: set[str] = set()
+    follower = DecisionFollower(settings.kafka, topics)
+    try:
+        while time.monotonic() < deadline:
+            decided |= {d["job"] for d in follower.poll(0.2)}
+            held = {j["key"]: sum(bin(m).count("1") for n in j["allocation"].values()
+                                  for m in n.values()) for j in scheduler.jobs()}
+            seen = {a["job_id"]: len(a["gpus"]) for a in view.read(view_read.allocations)}
+            if keys <= decided and {k: v for k, v in held.items() if v} == seen:
+                return
+    finally:
+        follower.close()
     raise TimeoutError(f"the scheduler did not settle within {timeout_s:.0f}s")
 
 
 def keys_of(documents: list[dict[str, Any]]) -> set[str]:
-    return {f"dataset:{d['metadata']['name']}" if d["kind"] == "Dataset"
-            else f"{d['metadata']['tenant']}/{d['metadata']['name']}" for d in documents}
+    return {spec_key(parse_spec(d)) for d in documents}
 
 
 def summarize(settings: Settings, topics: Topics, scheduler: SchedulerService,

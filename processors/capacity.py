@@ -276,12 +276,16 @@ class CapacityIndex:
         self._models: dict[str, set[str]] = {}
         self._fits: dict[tuple[str, GangShape], tuple[int, list[tuple[int, BucketKey, int]]]] = {}
         for node in facts.nodes.values():
-            self.buckets.setdefault(node.cluster_id, {})
-            self.counts.setdefault(node.cluster_id, {})
-            self.version.setdefault(node.cluster_id, 0)
-            self._models.setdefault(node.cluster_id, set()).add(node.model)
-            if node.status == "UP":
-                self._add(node)
+            self._enter(node)
+
+    def _enter(self, node: NodeFacts) -> None:
+        """Know the node's cluster and model; bucket it when it takes new work."""
+        self.buckets.setdefault(node.cluster_id, {})
+        self.counts.setdefault(node.cluster_id, {})
+        self.version.setdefault(node.cluster_id, 0)
+        self._models.setdefault(node.cluster_id, set()).add(node.model)
+        if node.status == "UP":
+            self._add(node)
 
     def _key(self, node: NodeFacts) -> BucketKey:
         taken = self.taken.get(node.node_id, 0)
@@ -348,14 +352,8 @@ class CapacityIndex:
                 self._remove(before)
         self.facts = facts
         for node_id, after in new.items():
-            if old.get(node_id) is after:
-                continue
-            self.buckets.setdefault(after.cluster_id, {})
-            self.counts.setdefault(after.cluster_id, {})
-            self.version.setdefault(after.cluster_id, 0)
-            self._models.setdefault(after.cluster_id, set()).add(after.model)
-            if after.status == "UP":
-                self._add(after)
+            if old.get(node_id) is not after:
+                self._enter(after)
         if len(new) != len(old) or any(n not in new for n in old):
             # Nodes left the fleet: models and clusters are recounted from what is there.
             self._models = {}

@@ -218,7 +218,11 @@ class Job:
 
     @property
     def gpus(self) -> int:
-        return sum(m.bit_count() for nodes in self.allocation.values() for m in nodes.values())
+        """GPUs held, cached until the allocation changes (`allocation_changed`)."""
+        if self._held is None:
+            self._held = sum(m.bit_count() for nodes in self.allocation.values()
+                             for m in nodes.values())
+        return self._held
 
     @property
     def interval_ms(self) -> int:
@@ -228,13 +232,6 @@ class Job:
             self._interval = (spec.checkpoint_interval_s * 1000 if isinstance(spec, TrainingJob)
                               else 0)
         return self._interval
-
-    @property
-    def held(self) -> int:
-        """`gpus`, cached until the allocation changes (`allocation_changed`)."""
-        if self._held is None:
-            self._held = self.gpus
-        return self._held
 
     def allocation_changed(self) -> None:
         self._held = None
@@ -298,13 +295,12 @@ def checkpoint_before(job: Job, now: int) -> int:
     return max(implied, reported, start)
 
 
-def lost_work_s(job: Job, now: int, gpus: int | None = None) -> float:
+def lost_work_s(job: Job, now: int) -> float:
     """What evicting the job now loses: GPU-seconds since its last checkpoint (a service: a
     restart's worth per GPU)."""
-    held = job.gpus if gpus is None else gpus
     if job.interval_ms:
-        return held * (now - checkpoint_before(job, now)) / 1000
-    return held * SERVICE_RESTART_S
+        return job.gpus * (now - checkpoint_before(job, now)) / 1000
+    return job.gpus * SERVICE_RESTART_S
 
 
 class Scheduler:
@@ -573,11 +569,7 @@ class Scheduler:
         self._schedule_queue()
 
     def _tenant_policy(self, request: Mapping[str, Any]) -> None:
-        try:
-            data = json.loads(request["spec_json"] or "null")
-        except ValueError as exc:
-            raise InvalidEventError(f"tenant policy is not JSON: {exc}") from None
-        policy = TenantPolicy.from_data(data)
+        policy = TenantPolicy.from_data(_payload(request, "tenant policy"))
         if policy.tenant != request["tenant"]:
             raise InvalidEventError(f"tenant policy for {policy.tenant} sent as "
                                     f"{request['tenant']}")
@@ -586,10 +578,7 @@ class Scheduler:
         self._schedule_queue()
 
     def _policy(self, request: Mapping[str, Any]) -> None:
-        try:
-            data = json.loads(request["spec_json"] or "null")
-        except ValueError as exc:
-            raise InvalidEventError(f"scheduling policy is not JSON: {exc}") from None
+        data = _payload(request, "scheduling policy")
         if not isinstance(data, Mapping):
             raise InvalidEventError("a scheduling policy must be a mapping")
         try:
@@ -915,8 +904,7 @@ class Scheduler:
     def _victims(self, cluster_id: str, below: int) -> list[Victim]:
         """The jobs in a cluster that a job of priority `below` may preempt, by the work each
         would lose, with their GPUs; cached while the cluster and the clock stand still (a
-        queue pass asks again and again). The loss is `lost_work_s`, inlined: this loop runs
-        over every job of a cluster for each preemption attempt."""
+        queue pass asks again and again)."""
         key = (cluster_id, below, self.index.version.get(cluster_id, 0), self.now_ms)
         cached = self._victim_cache.get(key)
         if cached is not None:
@@ -928,19 +916,7 @@ class Scheduler:
             job = jobs[job_key]
             if job.priority >= below:
                 continue
-            if job.phase != "Running":
-                cost = 0.0
-            else:
-                held = job.held
-                interval = job.interval_ms
-                if interval:
-                    start = job.started_ms if job.started_ms is not None else now
-                    checkpoint = start + ((now - start) // interval) * interval
-                    if job.checkpoint_ms is not None and job.checkpoint_ms > checkpoint:
-                        checkpoint = job.checkpoint_ms
-                    cost = held * (now - checkpoint) / 1000
-                else:
-                    cost = held * SERVICE_RESTART_S
+            cost = lost_work_s(job, now) if job.phase == "Running" else 0.0
             out.append((cost, job_key, job.allocation[cluster_id]))
         out.sort()  # by loss, then job key (unique), so the masks are never compared
         if len(self._victim_cache) > 64:
@@ -1127,6 +1103,14 @@ class Scheduler:
         self._decisions += 1
         self._effects.append(decision)
         return decision
+
+
+def _payload(request: Mapping[str, Any], what: str) -> Any:
+    """The JSON a request carries, or InvalidEventError naming what it should have been."""
+    try:
+        return json.loads(request["spec_json"] or "null")
+    except ValueError as exc:
+        raise InvalidEventError(f"{what} is not JSON: {exc}") from None
 
 
 def _room(facts: FleetFacts) -> dict[str, int]:

@@ -319,29 +319,8 @@ def read_state(kafka: KafkaSettings, topics: Topics) -> ChangelogStore[Any]:
 def read_topic(kafka: KafkaSettings, topic: str, timeout_s: float = 30.0
                ) -> Iterator[Message]:
     """Every committed message of a single-partition topic, from the start to its end now."""
-    consumer = kafka_clients.consumer(kafka, f"fleetline-read-{uuid.uuid4().hex[:12]}",
-                                      **{"enable.partition.eof": True})
-    try:
-        tp = TopicPartition(topic, 0, OFFSET_BEGINNING)
-        low, high = consumer.get_watermark_offsets(tp, timeout=timeout_s, cached=False)
-        if high <= low:
-            return
-        consumer.assign([tp])
-        deadline = time.monotonic() + timeout_s
-        while True:
-            msg = consumer.poll(0.5)
-            if msg is None:
-                if time.monotonic() > deadline:
-                    raise StreamError(f"reading {topic}: no end after {timeout_s:.0f}s")
-                continue
-            if msg.error():
-                if msg.error().code() == KafkaError._PARTITION_EOF:
-                    return
-                raise StreamError(f"reading {topic}: {msg.error().str()}")
-            deadline = time.monotonic() + timeout_s
-            yield msg
-    finally:
-        consumer.close()
+    return kafka_clients.read_to_end(kafka, topic, [0],
+                                     f"fleetline-read-{uuid.uuid4().hex[:12]}", timeout_s)
 
 
 def decisions_of(kafka: KafkaSettings, topics: Topics, job: str | None = None,
@@ -353,6 +332,31 @@ def decisions_of(kafka: KafkaSettings, topics: Topics, job: str | None = None,
             continue
         out.append(codec.decode(msg.value(), expect=SCHEDULING_DECISION).record)
     return out
+
+
+class DecisionFollower:
+    """The decision log read from its start and then as it grows, with one consumer (callers
+    that wait for decisions poll this instead of reading the log again each time)."""
+
+    def __init__(self, kafka: KafkaSettings, topics: Topics,
+                 codec: AvroCodec | None = None) -> None:
+        self.codec = codec or default_codec()
+        self._consumer = kafka_clients.consumer(kafka, f"fleetline-follow-{uuid.uuid4().hex}")
+        self._consumer.assign([TopicPartition(topics.decisions, 0, OFFSET_BEGINNING)])
+
+    def poll(self, timeout_s: float = 0.3) -> list[dict[str, Any]]:
+        """The decisions appended (and committed) since the last poll."""
+        out = []
+        for msg in self._consumer.consume(1000, timeout_s):
+            if msg.error():
+                if msg.error().code() == KafkaError._PARTITION_EOF:
+                    continue
+                raise StreamError(f"reading the decision log: {msg.error().str()}")
+            out.append(self.codec.decode(msg.value(), expect=SCHEDULING_DECISION).record)
+        return out
+
+    def close(self) -> None:
+        self._consumer.close()
 
 
 @dataclass

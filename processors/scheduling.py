@@ -26,7 +26,7 @@ from fleetline.processors.capacity import (
     Gang,
     GangShape,
 )
-from fleetline.processors.placement import Placement, to_placement
+from fleetline.processors.placement import Placement, refs_by_node, to_placement
 from fleetline.processors.tenancy import (
     Request,
     TenantPolicy,
@@ -411,10 +411,15 @@ def _reserve(index: CapacityIndex, gang: Gang) -> None:
         index.reserve(node, mask)
 
 
+def _unreserve_gang(index: CapacityIndex, gang: Gang) -> None:
+    for node, mask in gang.workers:
+        index.release(node, mask)
+
+
 def unreserve(index: CapacityIndex, placements: tuple[Placement, ...] | list[Placement]) -> None:
     for placement in placements:
-        for worker in placement.gpus:
-            index.release(worker[0], 1 << worker[1])
+        for node, mask in refs_by_node(placement.gpus).items():
+            index.release(node, mask)
 
 
 def place_gang(ctx: Context) -> Outcome:
@@ -498,8 +503,7 @@ def place_replicas(ctx: Context, replicas: int) -> Outcome:
                 break
         if chosen is None:
             for gang in gangs:
-                for node, mask in gang.workers:
-                    ctx.index.release(node, mask)
+                _unreserve_gang(ctx.index, gang)
             return Outcome((), f"{len(gangs)} of {replicas} replicas fit: "
                            + _queued_reason(scores), _shown(ctx, scores))
         _reserve(ctx.index, chosen)

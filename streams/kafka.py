@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from fleetline.config import KafkaSettings
@@ -83,3 +92,45 @@ def next_offsets(messages: Iterable[Message]) -> list[TopicPartition]:
     for msg in messages:
         last[(msg.topic(), msg.partition())] = msg.offset() + 1
     return [TopicPartition(topic, partition, offset) for (topic, partition), offset in last.items()]
+
+
+def read_to_end(kafka: KafkaSettings, topic: str, partitions: Iterable[int], group_id: str,
+                timeout_s: float = 60.0) -> Iterator[Message]:
+    """The committed messages of `partitions` of `topic`, from the start up to each one's end
+    as it was when the read began (its position past the last transaction marker). Waiting for
+    end-of-partition instead would never finish while a live writer keeps appending."""
+    reader = consumer(kafka, group_id)
+    try:
+        ends: dict[int, int] = {}
+        for p in sorted(set(partitions)):
+            low, high = reader.get_watermark_offsets(TopicPartition(topic, p),
+                                                     timeout=timeout_s, cached=False)
+            if high > low:
+                ends[p] = high
+        if not ends:
+            return
+        reader.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in ends])
+        remaining = set(ends)
+        deadline = time.monotonic() + timeout_s
+        while remaining:
+            if time.monotonic() > deadline:
+                raise StreamError(f"reading {topic} took over {timeout_s:.0f}s; partitions "
+                                  f"not at their end: {sorted(remaining)}")
+            msg = reader.poll(0.2)
+            if msg is None:
+                for tp in reader.position([TopicPartition(topic, p) for p in remaining]):
+                    if tp.offset >= ends[tp.partition]:
+                        remaining.discard(tp.partition)
+                continue
+            if msg.error():
+                if msg.error().code() == KafkaError._PARTITION_EOF:
+                    continue
+                raise StreamError(f"reading {topic}: {msg.error().str()}")
+            if msg.offset() >= ends[msg.partition()]:
+                remaining.discard(msg.partition())
+                continue  # appended after the read began
+            yield msg
+            if msg.offset() + 1 >= ends[msg.partition()]:
+                remaining.discard(msg.partition())
+    finally:
+        reader.close()

@@ -8,15 +8,12 @@ when that transaction commits, so an aborted batch leaves no trace in memory eit
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
-
 from fleetline.config import KafkaSettings
-from fleetline.errors import StreamError
+from fleetline.streams.kafka import read_to_end
 
 V = TypeVar("V")
 _ABSENT = object()
@@ -85,64 +82,21 @@ class ChangelogStore(Generic[V]):
 
     def restore(self, kafka: KafkaSettings, partitions: Iterable[int],
                 timeout_s: float = 60.0) -> int:
-        """Rebuild the given partitions from the changelog's committed records; count them.
-
-        Reads up to each partition's end as it was when the restore began (its position past
-        the last transaction marker): waiting for end-of-partition instead would never finish
-        while a live processor keeps appending to the changelog."""
+        """Rebuild the given partitions from the changelog's committed records, up to its end
+        when the restore began; count them."""
         partitions = sorted(set(partitions))
         self.drop(partitions)
         restored: dict[int, dict[bytes, V]] = {p: {} for p in partitions}
-        if not partitions:
-            return 0
-        reader = Consumer(kafka.client_config(**{
-            "group.id": f"{self.changelog_topic}.restore",
-            "isolation.level": "read_committed",
-            "enable.auto.commit": False,
-        }))
-        try:
-            ends = {}
-            for p in partitions:
-                low, high = reader.get_watermark_offsets(
-                    TopicPartition(self.changelog_topic, p), timeout=timeout_s, cached=False)
-                if high > low:
-                    ends[p] = high
-            reader.assign([TopicPartition(self.changelog_topic, p, OFFSET_BEGINNING)
-                           for p in ends])
-            remaining = set(ends)
-            count = 0
-            deadline = time.monotonic() + timeout_s
-            while remaining:
-                if time.monotonic() > deadline:
-                    raise StreamError(
-                        f"restoring {self.name} from {self.changelog_topic} took over "
-                        f"{timeout_s:.0f}s; partitions not at their end: {sorted(remaining)}"
-                    )
-                msg = reader.poll(0.2)
-                if msg is None:
-                    for tp in reader.position([TopicPartition(self.changelog_topic, p)
-                                               for p in remaining]):
-                        if tp.offset >= ends[tp.partition]:
-                            remaining.discard(tp.partition)
-                    continue
-                if msg.error():
-                    if msg.error().code() == KafkaError._PARTITION_EOF:
-                        continue
-                    raise StreamError(f"restoring {self.name}: {msg.error().str()}")
-                if msg.offset() >= ends[msg.partition()]:
-                    remaining.discard(msg.partition())
-                    continue  # written after the restore began: not part of this state
-                target = restored[msg.partition()]
-                value = msg.value()
-                if value is None:
-                    target.pop(msg.key(), None)
-                else:
-                    target[msg.key()] = self.decode(value)
-                count += 1
-                if msg.offset() + 1 >= ends[msg.partition()]:
-                    remaining.discard(msg.partition())
-            with self._lock:
-                self._committed.update(restored)
-            return count
-        finally:
-            reader.close()
+        count = 0
+        for msg in read_to_end(kafka, self.changelog_topic, partitions,
+                               f"{self.changelog_topic}.restore", timeout_s):
+            target = restored[msg.partition()]
+            value = msg.value()
+            if value is None:
+                target.pop(msg.key(), None)
+            else:
+                target[msg.key()] = self.decode(value)
+            count += 1
+        with self._lock:
+            self._committed.update(restored)
+        return count

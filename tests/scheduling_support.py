@@ -106,6 +106,7 @@ class Driver:
     def submit(self, document: dict | str) -> list[Effect]:
         if isinstance(document, str):
             document = yaml.safe_load(document)
+        # Keyed from the raw document, so invalid specs reach the scheduler too.
         meta = document["metadata"]
         key = (f"dataset:{meta['name']}" if document["kind"] == "Dataset"
                else f"{meta['tenant']}/{meta['name']}")
