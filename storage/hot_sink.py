@@ -23,7 +23,6 @@ from confluent_kafka import Message
 from fleetline.config import KafkaSettings
 from fleetline.errors import FleetlineError, StorageError
 from fleetline.storage.offset_sink import run_resuming, table_resume_offsets
-from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.columnar import TelemetryBatchDecoder
 from fleetline.streams.deadletter import send_dead_letter
 from fleetline.streams.events import NODE_TELEMETRY, check_telemetry
@@ -140,25 +139,28 @@ class HotSampleSink:
         self._decoder = TelemetryBatchDecoder(self.codec, _GPU_NAMES)
 
     def run(self, stop: threading.Event) -> None:
+        # Decoding one batch while the previous one is inserted keeps both cores busy.
+        run_resuming(self.kafka, self.group_id, self.topic, self._resume, self, stop,
+                     self.ready, self.max_batch_messages, self.max_batch_wait_s, overlap=True)
+
+    def _resume(self) -> dict[int, int]:
         # The table, not the group's committed offsets, says where to resume; it also holds
         # the highest seq per node, by which an agent's repeats are recognised.
         self._seen = self.store.node_watermarks()
-        run_resuming(self.kafka, self.group_id, self.topic, self.store.resume_offsets(),
-                     self._handle, stop, self.ready, self.max_batch_messages,
-                     self.max_batch_wait_s)
+        return self.store.resume_offsets()
 
-    def _handle(self, consumer, dlq, messages: list[Message]) -> None:
-        for msg in messages:
-            if msg.error():
-                raise StorageError(f"consuming {self.topic}: {msg.error().str()}")
+    def prepare(self, dlq: Any, messages: list[Message]) -> tuple[pa.Table, int]:
         table = self._columnar(messages)
         if table is None:
             table = self._per_record(dlq, messages)
+        return table, len(messages)
+
+    def write(self, prepared: tuple[pa.Table, int]) -> None:
+        table, messages = prepared
         self.store.store(table)
         self.stats.batches += 1
-        self.stats.messages += len(messages)
+        self.stats.messages += messages
         self.stats.rows += table.num_rows
-        consumer.commit(offsets=kafka_clients.next_offsets(messages), asynchronous=False)
 
     def _columnar(self, messages: list[Message]) -> pa.Table | None:
         """The batch decoded and converted in native code, or None when any message needs the
@@ -194,8 +196,6 @@ class HotSampleSink:
     def _per_record(self, dlq, messages: list[Message]) -> pa.Table:
         good: list[SourcedTelemetry] = []
         for msg in messages:
-            if msg.error():
-                raise StorageError(f"consuming {self.topic}: {msg.error().str()}")
             try:
                 decoded = self.codec.decode(msg.value(), expect=NODE_TELEMETRY)
                 check_telemetry(decoded.record)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from fleetline.errors import ConfigError, StorageError
@@ -97,6 +99,78 @@ def test_sink_writes_every_sample_once_across_restarts(settings, clickhouse) -> 
     # The bad message was dead-lettered again after the restart; its source id tells them apart.
     assert {letter.source_id for letter in letters} == {(topics.telemetry, letters[0].partition,
                                                          letters[0].offset)}
+
+
+class FailingOnce(HotSampleStore):
+    """The real table, whose second insert fails (as when the server goes away)."""
+
+    calls = 0
+
+    def store(self, table) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            raise StorageError("the table went away")
+        super().store(table)
+
+
+def test_a_failed_insert_stops_the_overlapped_sink_and_a_restart_loses_nothing(
+        settings, clickhouse) -> None:
+    # The sink decodes the next batch while the previous one is inserted; a failed insert must
+    # stop it before anything received later is stored, and a restart resumes from the table.
+    topics = fresh_topics(partitions=1)
+    kafka_clients.ensure_topics(settings.kafka, topics.specs())
+    fleet = small_fleet(nodes=2)
+    publisher = make_publisher(settings, topics)
+    for tick in range(6):
+        publisher.publish_telemetry(fleet.telemetry(BASE_MS + tick * 1000))
+    publisher.flush()
+    db = settings.clickhouse_database
+    sink = make_sink(settings, clickhouse, topics)
+    sink.store = FailingOnce(clickhouse, db)
+    sink.max_batch_messages = 8  # one batch per two ticks
+    loop = Background(sink.run)
+    wait_until(lambda: not loop.thread.is_alive(), what="the failing sink to stop")
+    with pytest.raises(StorageError, match="went away"):
+        loop.stop()
+    count = f"SELECT count(), uniqExact(node_id, seq, gpu_index) FROM {db}.gpu_samples"
+    assert clickhouse.query(count).result_rows == [(64, 64)]  # the first batch only
+
+    restarted = make_sink(settings, clickhouse, topics)
+    loop = Background(restarted.run)
+    wait_until(lambda: clickhouse.query(count).result_rows[0][0] >= 192, what="the restart")
+    loop.stop()
+    assert clickhouse.query(count).result_rows == [(192, 192)]
+
+
+def test_a_partition_that_moves_to_another_sink_resumes_after_the_rows_stored(
+        settings, clickhouse) -> None:
+    # A second instance joins the group while telemetry keeps flowing: partitions move, and
+    # each new owner starts where the table says, not where it stood when it started.
+    topics = fresh_topics(partitions=2)
+    kafka_clients.ensure_topics(settings.kafka, topics.specs())
+    fleet = small_fleet(nodes=6)  # 12 nodes, keyed into both partitions
+    publisher = make_publisher(settings, topics)
+    db = settings.clickhouse_database
+    first = make_sink(settings, clickhouse, topics)
+    loops = [Background(first.run)]
+    wait_until(first.ready.is_set, what="the first sink")
+    second = make_sink(settings, clickhouse, topics)
+    tick, after_join = 0, 0
+    while after_join < 10:
+        publisher.publish_telemetry(fleet.telemetry(BASE_MS + tick * 1000))
+        publisher.flush()
+        tick += 1
+        if tick == 3:  # takes its resume point now, joins the group seconds later
+            loops.append(Background(second.run))
+        after_join += second.stats.messages > 0
+        assert tick < 600, "no partition moved to the second sink"
+        time.sleep(0.1)
+    count = f"SELECT count(), uniqExact(node_id, seq, gpu_index) FROM {db}.gpu_samples"
+    wait_until(lambda: clickhouse.query(count).result_rows[0][0] >= tick * 96,
+               what="every sample")
+    for loop in loops:
+        loop.stop()
+    assert clickhouse.query(count).result_rows == [(tick * 96, tick * 96)]
 
 
 def test_sample_values_survive_the_trip_into_clickhouse(settings, clickhouse) -> None:
