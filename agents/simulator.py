@@ -338,8 +338,9 @@ class FleetSimulator:
                     "gpu_uuid": node.gpu_uuids[index],
                     "vendor": "nvidia",
                     "model": node.model,
-                    "gpu_util_pct": round(util, 2),
-                    "mem_copy_util_pct": round(util * 0.7, 2),
+                    # NVML reports utilisation and temperature in whole percent and degrees.
+                    "gpu_util_pct": float(round(util)),
+                    "mem_copy_util_pct": float(round(util * 0.7)),
                     "fb_used_mib": int(H100_FB_MIB * min(0.98, 0.05 + 0.9 * bias)),
                     "fb_total_mib": H100_FB_MIB,
                     # NVML counts throughput in KiB, packets in whole packets: the readings
@@ -349,7 +350,7 @@ class FleetSimulator:
                     "nvlink_errors_total": counters[2],
                     "rdma_packet_loss_ratio": (loss if loss is not None else
                                                (rng.random() < 0.3) / RDMA_PACKETS_PER_S),
-                    "temperature_c": round(32 + 45 * busy + rng.gauss(0, 1), 1),
+                    "temperature_c": float(round(32 + 45 * busy + rng.gauss(0, 1))),
                     "power_w": round(power, 1),
                     "ecc_sbe_total": counters[0],
                     "ecc_dbe_total": counters[1],

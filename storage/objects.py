@@ -47,6 +47,14 @@ class ObjectStore:
             raise _translate(f"writing s3://{self.bucket}/{key}", exc) from None
         return result.etag
 
+    def put_file(self, key: str, path: str) -> str:
+        """Store the file at `path` under `key` (streamed, in parts when large)."""
+        try:
+            result = self.client.fput_object(self.bucket, key, path)
+        except (S3Error, HTTPError, OSError) as exc:
+            raise _translate(f"writing s3://{self.bucket}/{key}", exc) from None
+        return result.etag
+
     def get(self, key: str) -> bytes:
         try:
             response = self.client.get_object(self.bucket, key)

@@ -7,8 +7,9 @@ A move is always copy -> verify -> commit manifest -> switch the union view -> d
   `sum(cityHash64(row))`) with the partition, its manifest is written, the union view is
   rebuilt to read that hour from S3, and only then is the hot partition dropped;
 - warm -> cold: a closed day's warm objects are compacted into one highly compressed Parquet
-  archive, verified against the warm objects the same way, its manifest (naming its sources)
-  written, the view rebuilt, and the warm objects and their manifests deleted;
+  archive (encodings chosen per column, zstd 19), verified against the warm objects the same
+  way, its manifest (naming its sources) written, the view rebuilt, and the warm objects and
+  their manifests deleted;
 - cold retention deletes an archive only when the data class's policy says it may.
 
 A manifest is one small JSON object in the bucket, written after its data; it is what makes a
@@ -23,12 +24,16 @@ from __future__ import annotations
 import json
 import logging
 import re
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from clickhouse_connect.driver.client import Client
 
 from fleetline.config import S3Settings, Settings
@@ -39,6 +44,28 @@ log = logging.getLogger(__name__)
 HOUR_MS = 3600 * 1000
 DAY_MS = 24 * HOUR_MS
 HOT, WARM, COLD = "hot", "warm", "cold"
+
+
+ARCHIVE_GROUP_ROWS = 1_000_000
+
+
+def archive_encodings(table: pa.Table) -> dict[str, Any]:
+    """Parquet writer options for a cold archive of `table`'s kind of rows (see
+    `TieredStore._write_archive`)."""
+    encodings: dict[str, str] = {}
+    for column in table.schema:
+        kind = column.type
+        if not (pa.types.is_floating(kind) or pa.types.is_integer(kind)
+                or pa.types.is_timestamp(kind)):
+            continue
+        distinct = pc.count_distinct(table[column.name]).as_py()
+        if pa.types.is_floating(kind):
+            if distinct > 65536 or distinct * 4 > table.num_rows:  # mostly unique readings
+                encodings[column.name] = "BYTE_STREAM_SPLIT"
+        elif distinct > 1024 and (not pa.types.is_integer(kind) or kind.bit_width >= 32):
+            encodings[column.name] = "DELTA_BINARY_PACKED"  # times, offsets, counters
+    return {"use_dictionary": [c for c in table.column_names if c not in encodings],
+            "column_encoding": encodings or None}
 
 
 @dataclass(frozen=True)
@@ -446,14 +473,7 @@ class TieredStore:
         if rows != expected_rows:
             raise IntegrityError(f"warm objects of {day} hold {rows} rows, their manifests "
                                  f"say {expected_rows}")
-        order = ", ".join(self.data.order_by)
-        self._command(
-            f"INSERT INTO FUNCTION {self._s3([key])} SELECT {self._columns()} FROM "
-            f"{self._s3(keys)} ORDER BY {order} SETTINGS s3_truncate_on_insert = 1, "
-            "output_format_parquet_compression_method = 'zstd', "
-            "output_format_compression_level = 19, output_format_parquet_row_group_size = "
-            "1000000, output_format_parquet_write_bloom_filter = 0, "
-            "output_format_parquet_write_page_index = 0")
+        self._write_archive(key, keys)
         self.on_step("copied", day)
         copy = self._fingerprint(self._s3([key]))
         if copy[:2] != (rows, checksum):
@@ -466,6 +486,45 @@ class TieredStore:
         self.stats.to_cold += 1
         self.stats.rows_moved += rows
         return keys
+
+    def _write_archive(self, key: str, sources: Sequence[str]) -> None:
+        """One Parquet archive of the warm objects, written here rather than by ClickHouse,
+        whose writer picks no encodings: metric floats with many distinct values are split by
+        byte (exponent and high bytes compress apart from the noisy low ones), many-valued
+        integers and times are delta-packed, the rest dictionary-encoded; zstd 19. One warm
+        object (an hour, sorted) at a time, so memory holds an hour, not a day."""
+        order = ", ".join(self.data.order_by)
+        with tempfile.NamedTemporaryFile(suffix=".parquet") as spool:
+            writer: pq.ParquetWriter | None = None
+            pending: list[pa.Table] = []
+
+            def flush() -> None:
+                nonlocal writer
+                table = pa.concat_tables(pending)
+                pending.clear()
+                if writer is None:
+                    writer = pq.ParquetWriter(
+                        spool.name, table.schema, compression="zstd", compression_level=19,
+                        write_page_index=False, **archive_encodings(table))
+                writer.write_table(table.cast(writer.schema), row_group_size=ARCHIVE_GROUP_ROWS)
+
+            try:
+                for source in sources:
+                    try:
+                        pending.append(self.client.query_arrow(
+                            f"SELECT {self._columns()} FROM {self._s3([source])} "
+                            f"ORDER BY {order}"))
+                    except Exception as exc:
+                        raise QueryError(f"reading {source}: {exc}") from None
+                    # Small hours are gathered into row groups of a useful size.
+                    if sum(t.num_rows for t in pending) >= ARCHIVE_GROUP_ROWS:
+                        flush()
+                if pending:
+                    flush()
+            finally:
+                if writer is not None:
+                    writer.close()
+            self.objects.put_file(key, spool.name)
 
     def _delete_warm(self, keys: Iterable[str]) -> None:
         for key in keys:

@@ -20,6 +20,7 @@ from fleetline.storage.tiers import (
     Crash,
     DataClass,
     TieredStore,
+    archive_encodings,
 )
 from tests.support import BASE_MS
 
@@ -60,6 +61,23 @@ def fingerprint(store: TieredStore, source: str, where: str = "1") -> tuple[int,
 
 UTILISATION = ("SELECT cluster_id, toStartOfHour(ts) AS hour, round(avg(gpu_util_pct), 4), "
                "count() FROM {src} GROUP BY cluster_id, hour ORDER BY cluster_id, hour")
+
+
+def test_cold_archives_choose_encodings_by_what_a_column_holds():
+    import pyarrow as pa
+
+    n = 100_000
+    table = pa.table({
+        "rate": pa.array([float(i * 1024) for i in range(n)]),  # a noisy reading: split bytes
+        "util": pa.array([float(i % 101) for i in range(n)], pa.float32()),  # few values
+        "offset": pa.array(range(n), pa.uint64()),  # many integers: delta-packed
+        "gpu_index": pa.array([i % 8 for i in range(n)], pa.uint8()),
+        "node_id": pa.array([f"n{i % 50}" for i in range(n)]),
+    })
+    options = archive_encodings(table)
+    assert options["column_encoding"] == {"rate": "BYTE_STREAM_SPLIT",
+                                          "offset": "DELTA_BINARY_PACKED"}
+    assert options["use_dictionary"] == ["util", "gpu_index", "node_id"]
 
 
 def test_days_of_telemetry_flow_hot_warm_cold_and_cross_tier_queries_match(settings, clickhouse):
