@@ -546,7 +546,8 @@ def _cmd_tier(args: argparse.Namespace, settings: Settings) -> int:
     objects.ensure_bucket()
     data = DataClass("gpu_samples", hot_ms=int(args.hot_hours * HOUR_MS),
                      warm_ms=int(args.warm_days * DAY_MS),
-                     cold_ms=None if args.cold_days is None else int(args.cold_days * DAY_MS))
+                     cold_ms=None if args.cold_days is None else int(args.cold_days * DAY_MS),
+                     tenant_cold_ms=_tenant_retention(args.tenant_cold_days, DAY_MS))
     store = TieredStore(client, settings.clickhouse_database, objects, settings.s3, data)
     if args.action == "restore":
         if not (args.since and args.until):
@@ -559,11 +560,29 @@ def _cmd_tier(args: argparse.Namespace, settings: Settings) -> int:
         stats = store.run_once(now)
         print(json.dumps({"to_warm": stats.to_warm, "to_cold": stats.to_cold,
                           "completed_after_crash": stats.completed_after_crash,
-                          "expired": stats.expired, "rows_moved": stats.rows_moved,
+                          "expired": stats.expired, "purged": stats.purged,
+                          "rows_moved": stats.rows_moved,
                           "refused": stats.refused}))
         if not args.every:
             return 0
         time.sleep(args.every)
+
+
+def _tenant_retention(values: list[str], day_ms: int) -> tuple[tuple[str, int | None], ...]:
+    """`TENANT=DAYS` (or `TENANT=forever`) flags as a DataClass's tenant_cold_ms."""
+    out: dict[str, int | None] = {}
+    for value in values:
+        tenant, sep, days = value.partition("=")
+        try:
+            if not (sep and tenant):
+                raise ValueError
+            out[tenant] = None if days == "forever" else int(float(days) * day_ms)
+            if out[tenant] is not None and out[tenant] < 0:  # type: ignore[operator]
+                raise ValueError
+        except ValueError:
+            raise ConfigError(f"--tenant-cold-days {value!r}: expected TENANT=DAYS or "
+                              "TENANT=forever") from None
+    return tuple(sorted(out.items()))
 
 
 def _cmd_validate(args: argparse.Namespace, settings: Settings) -> int:
@@ -842,6 +861,11 @@ def build_parser() -> argparse.ArgumentParser:
         tier.add_argument("--warm-days", type=float, default=7)
         tier.add_argument("--cold-days", type=float, help="delete cold archives older than "
                           "this (default: keep)")
+        tier.add_argument("--tenant-cold-days", action="append", default=[],
+                          metavar="TENANT=DAYS",
+                          help="keep the GPU samples of a tenant's allocations in cold for "
+                          "another time than --cold-days (DAYS or `forever`; repeatable): "
+                          "archives are rewritten without the rows whose time is up")
         tier.set_defaults(func=_cmd_tier)
 
     validate = sub.add_parser("validate", help="check TrainingJob / InferenceService / Dataset "

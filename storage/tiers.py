@@ -21,6 +21,7 @@ twice: the union view reads a partition from exactly one tier, chosen by the man
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -78,12 +79,36 @@ class DataClass:
     hot_ms: int = DAY_MS
     warm_ms: int = 7 * DAY_MS
     cold_ms: int | None = None  # None: cold archives are kept for ever
+    # Tenants whose rows cold keeps for another time than `cold_ms` (None: for ever).
+    tenant_cold_ms: tuple[tuple[str, int | None], ...] = ()
+    # The column naming a row's tenant; None for GPU samples, whose tenant is the one the
+    # scheduler had allocated the GPU to at the sample's time (the gpu_allocations table).
+    tenant_column: str | None = None
     # What tells one row from another (late rows for a moved hour are the hot rows not among
     # the warm copies): a sample is one GPU of one Kafka message.
     identity: tuple[str, ...] = ("source_partition", "source_offset", "gpu_index")
 
 
 GPU_SAMPLES = DataClass("gpu_samples")
+EVERYONE_ELSE = "*"  # in a purge: the rows of every tenant without its own retention
+
+
+def retention_plan(data: DataClass, day_ms: int, now_ms: int) -> tuple[str, ...] | None:
+    """What policy lets go of a cold day at `now_ms` (pure): None when the whole archive may
+    be deleted, else the tenants whose rows may be (EVERYONE_ELSE: every tenant without its
+    own retention, and rows of no tenant); () when nothing may."""
+    end = day_ms + DAY_MS
+
+    def expired(keep_ms: int | None) -> bool:
+        return keep_ms is not None and end <= now_ms - keep_ms
+
+    overrides = dict(data.tenant_cold_ms)
+    gone = sorted(tenant for tenant, keep_ms in overrides.items() if expired(keep_ms))
+    if expired(data.cold_ms):
+        if len(gone) == len(overrides):
+            return None
+        gone.append(EVERYONE_ELSE)
+    return tuple(sorted(gone))
 
 
 @dataclass(frozen=True)
@@ -99,7 +124,8 @@ class Manifest:
     min_ts_ms: int
     max_ts_ms: int
     bytes: int
-    sources: tuple[str, ...] = ()  # cold: the warm keys it replaced
+    sources: tuple[str, ...] = ()  # cold: the warm keys (and earlier archives) it replaced
+    purged: tuple[str, ...] = ()  # cold: tenants whose rows retention has removed
 
     def as_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -108,6 +134,7 @@ class Manifest:
     def from_json(cls, data: bytes) -> Manifest:
         raw = json.loads(data)
         raw["sources"] = tuple(raw.get("sources", ()))
+        raw["purged"] = tuple(raw.get("purged", ()))
         return cls(**raw)
 
 
@@ -121,8 +148,13 @@ class TierStats:
     to_cold: int = 0
     completed_after_crash: int = 0
     expired: int = 0
+    purged: int = 0  # cold archives rewritten without the rows of tenants retention let go
     rows_moved: int = 0
     refused: list[str] = field(default_factory=list)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def _lit(text: str) -> str:
@@ -396,10 +428,7 @@ class TieredStore:
             self.rebuild_view()
             self.on_step("switched", replaced[-1].rsplit("/", 1)[1][:8])
             self._delete_warm(sorted(set(replaced)))
-        if self.data.cold_ms is not None:
-            for m in self.manifests(COLD):
-                if _parse(m.partition) + DAY_MS <= now_ms - self.data.cold_ms:
-                    self._expire(m)
+        self._apply_retention(now_ms)
         return self.stats
 
     def _hot_where(self, partition: str) -> str:
@@ -473,7 +502,9 @@ class TieredStore:
         if rows != expected_rows:
             raise IntegrityError(f"warm objects of {day} hold {rows} rows, their manifests "
                                  f"say {expected_rows}")
-        self._write_archive(key, keys)
+        order = ", ".join(self.data.order_by)
+        self._write_archive(key, [f"SELECT {self._columns()} FROM {self._s3([source])} "
+                                  f"ORDER BY {order}" for source in keys])
         self.on_step("copied", day)
         copy = self._fingerprint(self._s3([key]))
         if copy[:2] != (rows, checksum):
@@ -487,13 +518,12 @@ class TieredStore:
         self.stats.rows_moved += rows
         return keys
 
-    def _write_archive(self, key: str, sources: Sequence[str]) -> None:
+    def _write_archive(self, key: str, selects: Sequence[str]) -> None:
         """One Parquet archive of the warm objects, written here rather than by ClickHouse,
         whose writer picks no encodings: metric floats with many distinct values are split by
         byte (exponent and high bytes compress apart from the noisy low ones), many-valued
-        integers and times are delta-packed, the rest dictionary-encoded; zstd 19. One warm
-        object (an hour, sorted) at a time, so memory holds an hour, not a day."""
-        order = ", ".join(self.data.order_by)
+        integers and times are delta-packed, the rest dictionary-encoded; zstd 19. `selects`
+        are read one at a time (an hour each, sorted), so memory holds an hour, not a day."""
         with tempfile.NamedTemporaryFile(suffix=".parquet") as spool:
             writer: pq.ParquetWriter | None = None
             pending: list[pa.Table] = []
@@ -509,13 +539,11 @@ class TieredStore:
                 writer.write_table(table.cast(writer.schema), row_group_size=ARCHIVE_GROUP_ROWS)
 
             try:
-                for source in sources:
+                for select in selects:
                     try:
-                        pending.append(self.client.query_arrow(
-                            f"SELECT {self._columns()} FROM {self._s3([source])} "
-                            f"ORDER BY {order}"))
+                        pending.append(self.client.query_arrow(select))
                     except Exception as exc:
-                        raise QueryError(f"reading {source}: {exc}") from None
+                        raise QueryError(f"reading rows for {key}: {exc}") from None
                     # Small hours are gathered into row groups of a useful size.
                     if sum(t.num_rows for t in pending) >= ARCHIVE_GROUP_ROWS:
                         flush()
@@ -532,9 +560,96 @@ class TieredStore:
             if self.objects.keys(key):
                 self.objects.delete(key)
 
+    def _apply_retention(self, now_ms: int) -> None:
+        cold = self.manifests(COLD)
+        replaced = {k for m in cold for k in m.sources if f"/{COLD}/" in k}
+        if replaced:  # archives a purge replaced, left by an interrupted pass
+            folder = f"{self.root}/{self.database}/{self.data.table}/{COLD}/"
+            for key in sorted(replaced & set(self.objects.keys(folder))):
+                self.objects.delete(key)
+        for m in cold:
+            plan = retention_plan(self.data, _parse(m.partition), now_ms)
+            if plan is None:
+                self._expire(m)
+            elif set(plan) - set(m.purged):
+                self._purge(m, tuple(sorted(set(plan) | set(m.purged))))
+
+    def _tenanted(self, source: str) -> str:
+        """`source`'s rows with the tenant each belongs to, as `_tenant` ('' for none)."""
+        cols = self._columns()
+        if self.data.tenant_column is not None:
+            return f"(SELECT {cols}, {self.data.tenant_column} AS _tenant FROM {source})"
+        # The allocation in force: the latest record at or before the sample, by event time,
+        # then log position (as the utilisation-by-tenant query orders them).
+        ts = self.data.ts_column
+        picked = ", ".join(f"s.{name} AS {name}" for name, _ in self._column_types())
+        return (f"(SELECT {picked}, if(a.kind = 'ALLOCATED', a.tenant, '') AS _tenant FROM "
+                f"(SELECT *, toUInt128(toUnixTimestamp64Milli({ts})) * 1099511627776 + "
+                f"1099511627775 AS _at FROM {source}) AS s ASOF LEFT JOIN (SELECT node_id, "
+                "gpu_index, toUInt128(ts_ms) * 1099511627776 + source_offset AS _at, tenant, "
+                f"kind FROM {self.database}.gpu_allocations) AS a ON s.node_id = a.node_id "
+                "AND s.gpu_index = a.gpu_index AND s._at >= a._at)")
+
+    def _purge(self, m: Manifest, purged: tuple[str, ...]) -> None:
+        """Rewrite a cold archive without the rows of the tenants retention let go (copy ->
+        verify -> commit manifest -> switch -> delete the old archive), or delete it when
+        nothing is left."""
+        overrides = [tenant for tenant, _ in self.data.tenant_cold_ms]
+        if EVERYONE_ELSE in purged:
+            kept = [t for t in overrides if t not in purged]
+            keep = f"_tenant IN ({', '.join(_lit(t) for t in kept)})" if kept else "0"
+        else:
+            keep = f"_tenant NOT IN ({', '.join(_lit(t) for t in purged)})"
+        source = self._tenanted(self._s3([m.key]))
+        rows, checksum, low, high = self._fingerprint(source, keep)
+        if rows == 0:
+            self._expire(m)
+            return
+        key = self._key(COLD, f"{m.partition}-{_digest(','.join(purged))}")
+        ts = self.data.ts_column
+        order = ", ".join(self.data.order_by)
+        day = _parse(m.partition)
+        self._write_archive(key, [
+            f"SELECT {self._columns()} FROM {source} WHERE {keep} AND {ts} >= "
+            f"fromUnixTimestamp64Milli({hour}, 'UTC') AND {ts} < fromUnixTimestamp64Milli("
+            f"{hour + HOUR_MS}, 'UTC') ORDER BY {order}"
+            for hour in range(day, day + DAY_MS, HOUR_MS)])
+        self.on_step("copied", m.partition)
+        copy = self._fingerprint(self._s3([key]))
+        if copy[:2] != (rows, checksum):
+            raise IntegrityError(f"purged archive {key} holds {copy[0]} rows / {copy[1]}, "
+                                 f"expected {rows} / {checksum}; keeping {m.key}")
+        self.on_step("verified", m.partition)
+        self._commit(Manifest(self.data.table, COLD, m.partition, key, rows, checksum, low,
+                              high, self._size(key), (*m.sources, m.key), purged))
+        self.on_step("committed", m.partition)
+        self.rebuild_view()
+        self._forget_restored(m, replace=True)
+        self.on_step("switched", m.partition)
+        if self.objects.keys(m.key):
+            self.objects.delete(m.key)
+        self.stats.purged += 1
+
+    def _forget_restored(self, m: Manifest, replace: bool = False) -> None:
+        """Rows of `m`'s day rehydrated earlier go with what retention removed: deleted, or
+        with `replace`, restored again from the current archive."""
+        day = _parse(m.partition)
+        ts = self.data.ts_column
+        where = (f"{ts} >= fromUnixTimestamp64Milli({day}, 'UTC') AND "
+                 f"{ts} < fromUnixTimestamp64Milli({day + DAY_MS}, 'UTC')")
+        (held,), = self._query(f"SELECT count() FROM {self.restored} WHERE {where}")
+        if not held:
+            return
+        if replace:
+            self.restore(day, day + DAY_MS - 1)
+        else:
+            self._command(f"ALTER TABLE {self.restored} DELETE WHERE {where} "
+                          "SETTINGS mutations_sync = 1")
+
     def _expire(self, manifest: Manifest) -> None:
         self._uncommit(COLD, manifest.partition)
         self.rebuild_view()
+        self._forget_restored(manifest)
         if self.objects.keys(manifest.key):
             self.objects.delete(manifest.key)
         self.stats.expired += 1

@@ -21,6 +21,7 @@ from fleetline.storage.tiers import (
     DataClass,
     TieredStore,
     archive_encodings,
+    retention_plan,
 )
 from tests.support import BASE_MS
 
@@ -176,6 +177,112 @@ def test_cold_retention_deletes_only_what_policy_allows(settings, clickhouse):
     cold = sorted(m.partition for m in store.manifests(COLD))
     assert len(cold) == 1 and store.stats.expired == 1  # the oldest day only
     assert GPU_SAMPLES.cold_ms is None  # by default cold archives are kept for ever
+
+
+def test_a_retention_plan_names_what_policy_lets_go():
+    day = NOW - 10 * DAY_MS
+    policy = DataClass("t", cold_ms=5 * DAY_MS, tenant_cold_ms=(("acme", 2 * DAY_MS),
+                                                                ("keep", None)))
+    assert retention_plan(policy, day, day + 3 * DAY_MS) == ("acme",)
+    assert retention_plan(policy, day, day + 3 * DAY_MS - 1) == ()
+    assert retention_plan(policy, day, day + 6 * DAY_MS) == ("*", "acme")  # "keep" stays
+    assert retention_plan(DataClass("t", cold_ms=DAY_MS), day, day + 2 * DAY_MS) is None
+    assert retention_plan(DataClass("t"), day, day + 99 * DAY_MS) == ()
+
+
+def allocate(clickhouse, db: str, rows: list[tuple[int, str, str, int, str]]) -> None:
+    """Allocation records as the scheduler sink stores them: (ts, tenant, node, gpu, kind)."""
+    clickhouse.insert(f"{db}.gpu_allocations", [
+        [ts, f"job-{tenant}", tenant, "c1", node, gpu, kind, 0, i, 0, i, "allocations"]
+        for i, (ts, tenant, node, gpu, kind) in enumerate(rows)],
+        column_names=["ts_ms", "job_id", "tenant", "cluster_id", "node_id", "gpu_index",
+                      "kind", "priority", "seq", "source_partition", "source_offset",
+                      "source_topic"])
+
+
+def tenant_fixture(clickhouse, db: str) -> dict[str, str]:
+    """acme holds four GPUs of one node from before the data on; beta a whole node for four
+    hours of the oldest day. Returns SQL conditions that pick each tenant's samples."""
+    load(clickhouse, db)
+    nodes = [n for (n,) in clickhouse.query(
+        f"SELECT DISTINCT node_id FROM {db}.reference ORDER BY node_id").result_rows]
+    start = NOW - DAYS * DAY_MS
+    beta_from, beta_to = start + 2 * HOUR_MS, start + 6 * HOUR_MS
+    allocate(clickhouse, db, [(start - HOUR_MS, "acme", nodes[0], g, "ALLOCATED")
+                              for g in range(4)]
+             + [(beta_from, "beta", nodes[1], g, "ALLOCATED") for g in range(8)]
+             + [(beta_to, "beta", nodes[1], g, "RELEASED") for g in range(8)])
+    oldest_day_end = start + 12 * HOUR_MS  # the data starts at midday
+    return {
+        "acme": f"node_id = '{nodes[0]}' AND gpu_index < 4",
+        "beta": (f"node_id = '{nodes[1]}' AND ts >= fromUnixTimestamp64Milli({beta_from}, "
+                 f"'UTC') AND ts < fromUnixTimestamp64Milli({beta_to}, 'UTC')"),
+        "oldest": f"ts < fromUnixTimestamp64Milli({oldest_day_end}, 'UTC')",
+    }
+
+
+def no_orphans(store: TieredStore, db: str) -> None:
+    keys = store.objects.keys(f"{store.root}/{db}/gpu_samples/")
+    assert {k for k in keys if k.endswith(".parquet")} == \
+        {m.key for m in store.manifests(WARM)} | {m.key for m in store.manifests(COLD)}
+
+
+def test_tenant_retention_rewrites_cold_archives_without_the_rows_whose_time_is_up(
+        settings, clickhouse):
+    db = settings.clickhouse_database
+    pick = tenant_fixture(clickhouse, db)
+    # acme's samples are kept three days in cold, everyone else's for ever: only the oldest
+    # day (ended 3.5 days ago) loses acme's rows.
+    policy = DataClass(GPU_SAMPLES.table, warm_ms=2 * DAY_MS,
+                       tenant_cold_ms=(("acme", 3 * DAY_MS),))
+    store = tiers(settings, clickhouse, db, data=policy)
+    store.run_once(NOW)
+    oldest, second = store.manifests(COLD)
+    assert (oldest.purged, second.purged, store.stats.purged) == (("acme",), (), 1)
+    store.restore(NOW - DAYS * DAY_MS, NOW)
+    expected = f"NOT ({pick['oldest']} AND {pick['acme']})"
+    assert fingerprint(store, store.union_view) == fingerprint(store, f"{db}.reference",
+                                                               expected)
+    no_orphans(store, db)
+    store.run_once(NOW)  # nothing more is due
+    assert store.stats.purged == 1 and store.manifests(COLD)[0] == oldest
+
+    # Then everyone's samples go after three days but beta's are kept for ever: the oldest
+    # day keeps beta's four hours only, and what was restored of it goes too.
+    policy = DataClass(GPU_SAMPLES.table, warm_ms=2 * DAY_MS, cold_ms=3 * DAY_MS,
+                       tenant_cold_ms=(("acme", 3 * DAY_MS), ("beta", None)))
+    store = tiers(settings, clickhouse, db, data=policy)
+    store.run_once(NOW)
+    assert store.manifests(COLD)[0].purged == ("*", "acme")
+    expected = f"NOT ({pick['oldest']} AND NOT ({pick['beta']}))"
+    assert fingerprint(store, store.union_view) == fingerprint(store, f"{db}.reference",
+                                                               expected)
+    no_orphans(store, db)
+
+
+@pytest.mark.parametrize("step", ["copied", "committed", "switched"])
+def test_a_crash_in_a_retention_rewrite_loses_and_keeps_nothing_wrongly(settings, clickhouse,
+                                                                         step):
+    db = settings.clickhouse_database
+    pick = tenant_fixture(clickhouse, db)
+    tiers(settings, clickhouse, db).run_once(NOW)  # the moves, before any tenant policy
+    policy = DataClass(GPU_SAMPLES.table, warm_ms=2 * DAY_MS,
+                       tenant_cold_ms=(("acme", 3 * DAY_MS),))
+
+    def crash(at: str, partition: str) -> None:
+        if at == step:
+            raise Crash(f"killed after {at} of {partition}")
+
+    with pytest.raises(Crash):
+        tiers(settings, clickhouse, db, data=policy, on_step=crash).run_once(NOW)
+    store = tiers(settings, clickhouse, db, data=policy)
+    store.run_once(NOW)
+    assert store.manifests(COLD)[0].purged == ("acme",)
+    store.restore(NOW - DAYS * DAY_MS, NOW)
+    expected = f"NOT ({pick['oldest']} AND {pick['acme']})"
+    assert fingerprint(store, store.union_view) == fingerprint(store, f"{db}.reference",
+                                                               expected)
+    no_orphans(store, db)
 
 
 def test_rows_arriving_for_an_hour_already_in_warm_follow_it_as_a_late_object(settings,
