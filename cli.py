@@ -8,12 +8,16 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from fleetline.agents.simulator import default_clusters
 from fleetline.config import Settings
 from fleetline.errors import ConfigError, FleetlineError
 from fleetline.infra import LocalServices
 from fleetline.streams.topics import Topics
+
+if TYPE_CHECKING:
+    from fleetline.storage.tiers import DataClass
 
 
 def _cmd_infra(args: argparse.Namespace, settings: Settings) -> int:
@@ -383,7 +387,8 @@ def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     stop = threading.Event()
     if args.tier_every:
         workers.append(_TierLoop(TieredStore(client, db, ObjectStore.from_settings(settings.s3),
-                                             settings.s3), args.tier_every))
+                                             settings.s3, _tier_policy(args)),
+                                 args.tier_every))
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     threads = [threading.Thread(target=w.run, args=(stop,), daemon=True) for w in workers]
     for thread in threads:
@@ -538,16 +543,13 @@ def _cmd_query(args: argparse.Namespace, settings: Settings) -> int:
 def _cmd_tier(args: argparse.Namespace, settings: Settings) -> int:
     from fleetline.storage.clickhouse import connect, migrate
     from fleetline.storage.objects import ObjectStore
-    from fleetline.storage.tiers import DAY_MS, HOUR_MS, DataClass, TieredStore, wall_clock_ms
+    from fleetline.storage.tiers import TieredStore, wall_clock_ms
 
     client = connect(settings.clickhouse_url)
     migrate(client, settings.clickhouse_database)
     objects = ObjectStore.from_settings(settings.s3)
     objects.ensure_bucket()
-    data = DataClass("gpu_samples", hot_ms=int(args.hot_hours * HOUR_MS),
-                     warm_ms=int(args.warm_days * DAY_MS),
-                     cold_ms=None if args.cold_days is None else int(args.cold_days * DAY_MS),
-                     tenant_cold_ms=_tenant_retention(args.tenant_cold_days, DAY_MS))
+    data = _tier_policy(args)
     store = TieredStore(client, settings.clickhouse_database, objects, settings.s3, data)
     if args.action == "restore":
         if not (args.since and args.until):
@@ -566,6 +568,27 @@ def _cmd_tier(args: argparse.Namespace, settings: Settings) -> int:
         if not args.every:
             return 0
         time.sleep(args.every)
+
+
+def _tier_policy(args: argparse.Namespace) -> DataClass:
+    from fleetline.storage.tiers import DAY_MS, HOUR_MS, DataClass
+
+    return DataClass("gpu_samples", hot_ms=int(args.hot_hours * HOUR_MS),
+                     warm_ms=int(args.warm_days * DAY_MS),
+                     cold_ms=None if args.cold_days is None else int(args.cold_days * DAY_MS),
+                     tenant_cold_ms=_tenant_retention(args.tenant_cold_days, DAY_MS))
+
+
+def _add_tier_policy(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hot-hours", type=float, default=24)
+    parser.add_argument("--warm-days", type=float, default=7)
+    parser.add_argument("--cold-days", type=float, help="delete cold archives older than "
+                        "this (default: keep)")
+    parser.add_argument("--tenant-cold-days", action="append", default=[],
+                        metavar="TENANT=DAYS",
+                        help="keep the GPU samples of a tenant's allocations in cold for "
+                        "another time than --cold-days (DAYS or `forever`; repeatable): "
+                        "archives are rewritten without the rows whose time is up")
 
 
 def _tenant_retention(values: list[str], day_ms: int) -> tuple[tuple[str, int | None], ...]:
@@ -806,6 +829,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tier-every", type=float, default=300.0, metavar="SECONDS",
                        help="run the tiering pass this often (0: never); the embedded store "
                             "can only be tiered by the process that owns it")
+    _add_tier_policy(serve)
     serve.add_argument("--no-scheduler", action="store_true",
                        help="no scheduler in this process (run it in the one instance that "
                             "holds every shard of the view)")
@@ -857,15 +881,7 @@ def build_parser() -> argparse.ArgumentParser:
         tier.add_argument("--every", type=float, metavar="SECONDS", help="tier: run repeatedly")
         tier.add_argument("--from", dest="since")
         tier.add_argument("--to", dest="until")
-        tier.add_argument("--hot-hours", type=float, default=24)
-        tier.add_argument("--warm-days", type=float, default=7)
-        tier.add_argument("--cold-days", type=float, help="delete cold archives older than "
-                          "this (default: keep)")
-        tier.add_argument("--tenant-cold-days", action="append", default=[],
-                          metavar="TENANT=DAYS",
-                          help="keep the GPU samples of a tenant's allocations in cold for "
-                          "another time than --cold-days (DAYS or `forever`; repeatable): "
-                          "archives are rewritten without the rows whose time is up")
+        _add_tier_policy(tier)
         tier.set_defaults(func=_cmd_tier)
 
     validate = sub.add_parser("validate", help="check TrainingJob / InferenceService / Dataset "

@@ -343,3 +343,19 @@ def test_a_sigkilled_tiering_process_loses_and_duplicates_nothing(settings, tmp_
     assert report["before"][0] == report["before"][1]
     assert report["after"][0] == report["after"][1]
     assert report["orphans"] == [] and report["refused"] == []
+
+
+def test_the_tier_policy_flags_of_tier_run_and_serve():
+    from fleetline.cli import _tier_policy, build_parser
+    from fleetline.errors import ConfigError
+
+    for command in (["tier", "run"], ["serve"]):
+        args = build_parser().parse_args([*command, "--cold-days", "30", "--tenant-cold-days",
+                                          "acme=2.5", "--tenant-cold-days", "keep=forever"])
+        policy = _tier_policy(args)
+        assert policy.cold_ms == 30 * DAY_MS
+        assert policy.tenant_cold_ms == (("acme", int(2.5 * DAY_MS)), ("keep", None))
+    for bad in ("acme", "=3", "acme=soon", "acme=-1"):
+        args = build_parser().parse_args(["tier", "run", "--tenant-cold-days", bad])
+        with pytest.raises(ConfigError, match="TENANT=DAYS"):
+            _tier_policy(args)
