@@ -206,6 +206,11 @@ MIGRATIONS: tuple[Migration, ...] = (
         "ALTER TABLE {db}.gpu_allocations ADD COLUMN IF NOT EXISTS source_topic "
         "LowCardinality(String) DEFAULT ''",
     )),
+    # Rows stored before name no topic and count for any (as in migration 6).
+    Migration(7, "sample rows name the topic they came from", (
+        "ALTER TABLE {db}.gpu_samples ADD COLUMN IF NOT EXISTS source_topic "
+        "LowCardinality(String) DEFAULT ''",
+    )),
 )
 
 

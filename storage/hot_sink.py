@@ -50,7 +50,8 @@ _NODE_FIELDS = (("cluster_id", pa.string()), ("region", pa.string()), ("node_id"
 _GPU_NAMES = tuple(name for name, _ in _GPU_FIELDS)
 SAMPLE_SCHEMA = pa.schema(
     [("ts", pa.timestamp("ms", tz="UTC")), *_NODE_FIELDS, *_GPU_FIELDS,
-     ("source_partition", pa.uint16()), ("source_offset", pa.uint64())]
+     ("source_partition", pa.uint16()), ("source_offset", pa.uint64()),
+     ("source_topic", pa.string())]
 )
 
 
@@ -59,6 +60,7 @@ class SourcedTelemetry:
     partition: int
     offset: int
     record: dict[str, Any]
+    topic: str = ""
 
 
 def to_columns(batch: Sequence[SourcedTelemetry]) -> pa.Table:
@@ -75,6 +77,7 @@ def to_columns(batch: Sequence[SourcedTelemetry]) -> pa.Table:
                 columns[name].append(gpu[name])
             columns["source_partition"].append(item.partition)
             columns["source_offset"].append(item.offset)
+            columns["source_topic"].append(item.topic)
     return pa.table({name: pa.array(values, type=SAMPLE_SCHEMA.field(name).type)
                      for name, values in columns.items()}, schema=SAMPLE_SCHEMA)
 
@@ -90,18 +93,19 @@ class HotSampleStore:
     client: Client
     database: str
 
-    def resume_offsets(self) -> dict[int, int]:
-        # Sample rows do not name their topic: one database per topic prefix (the sink also
-        # drops repeats by per-node seq).
-        return table_resume_offsets(self.client, f"{self.database}.{TABLE}", None)
+    def resume_offsets(self, topic: str) -> dict[int, int]:
+        # One database may hold the samples of several topic prefixes.
+        return table_resume_offsets(self.client, f"{self.database}.{TABLE}", topic)
 
-    def node_watermarks(self) -> dict[str, int]:
-        """The highest seq stored for each node: an agent that re-sends after an outage repeats
-        records the table already has, and those are recognised by their seq."""
+    def node_watermarks(self, topic: str) -> dict[str, int]:
+        """The highest seq stored for each node from `topic`: an agent that re-sends after an
+        outage repeats records the table already has, and those are recognised by their seq
+        (another topic prefix is another fleet, whose agents count from 1)."""
         try:
             rows = self.client.query(
-                f"SELECT node_id, max(seq) FROM {self.database}.{TABLE} GROUP BY node_id"
-            ).result_rows
+                f"SELECT node_id, max(seq) FROM {self.database}.{TABLE} "
+                "WHERE source_topic IN ({topic:String}, '') GROUP BY node_id",
+                parameters={"topic": topic}).result_rows
         except Exception as exc:
             raise StorageError(f"reading node watermarks from {TABLE}: {exc}") from None
         return {str(node): int(seq) for node, seq in rows}
@@ -168,8 +172,8 @@ class HotSampleSink:
     def _resume(self) -> dict[int, int]:
         # The table, not the group's committed offsets, says where to resume; it also holds
         # the highest seq per node, by which an agent's repeats are recognised.
-        self._seen = self.store.node_watermarks()
-        return self.store.resume_offsets()
+        self._seen = self.store.node_watermarks(self.topic)
+        return self.store.resume_offsets(self.topic)
 
     def prepare(self, dlq: Any, messages: list[Message]) -> tuple[pl.DataFrame | pa.Table, int]:
         rows: pl.DataFrame | pa.Table | None = self._columnar_rows(messages)
@@ -214,8 +218,9 @@ class HotSampleSink:
             "_record": range(len(messages)),
             "source_partition": [m.partition() for m in messages],
             "source_offset": [m.offset() for m in messages],
+            "source_topic": [m.topic() for m in messages],
         }, schema={"_record": pl.UInt32, "source_partition": pl.UInt16,
-                   "source_offset": pl.UInt64})
+                   "source_offset": pl.UInt64, "source_topic": pl.String})
         return (samples.filter(pl.col("_record").is_in(kept))
                 .join(sources, on="_record", how="left")
                 .with_columns(pl.col("ts").cast(pl.Datetime("ms", "UTC"))))
@@ -231,7 +236,7 @@ class HotSampleSink:
                     self.stats.repeats += 1
                     continue
                 self._seen[record["node_id"]] = record["seq"]
-                good.append(SourcedTelemetry(msg.partition(), msg.offset(), record))
+                good.append(SourcedTelemetry(msg.partition(), msg.offset(), record, msg.topic()))
             except FleetlineError as exc:
                 self.stats.dead_letters += 1
                 send_dead_letter(dlq, self.dead_letter_topic, self.group_id, msg, exc)

@@ -86,7 +86,8 @@ class DataClass:
     tenant_column: str | None = None
     # What tells one row from another (late rows for a moved hour are the hot rows not among
     # the warm copies): a sample is one GPU of one Kafka message.
-    identity: tuple[str, ...] = ("source_partition", "source_offset", "gpu_index")
+    identity: tuple[str, ...] = ("source_topic", "source_partition", "source_offset",
+                                 "gpu_index")
 
 
 GPU_SAMPLES = DataClass("gpu_samples")

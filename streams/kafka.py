@@ -32,6 +32,7 @@ def ensure_topics(
     kafka: KafkaSettings, specs: Iterable[TopicSpec], timeout_s: float = 30.0
 ) -> None:
     """Create the topics that do not exist yet; an existing topic is left as it is."""
+    specs = list(specs)
     new = [
         NewTopic(
             spec.name, num_partitions=spec.partitions, replication_factor=1, config=spec.config
@@ -49,6 +50,20 @@ def ensure_topics(
         except KafkaException as exc:
             if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
                 raise StreamError(f"creating topic {name}: {exc.args[0].str()}") from None
+    # Created is not yet visible: a consumer subscribing before the broker's metadata has the
+    # topic gets "Subscribed topic not available". Return once every topic is listed.
+    wanted = {spec.name: spec.partitions for spec in specs}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        listed = admin.list_topics(timeout=timeout_s).topics
+        missing = [name for name, partitions in wanted.items() if name not in listed
+                   or listed[name].error is not None
+                   or len(listed[name].partitions) < partitions]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise StreamError(f"topics created but not visible after {timeout_s}s: {missing}")
+        time.sleep(0.1)
 
 
 def producer(

@@ -32,7 +32,8 @@ def test_the_columnar_sink_path_builds_the_same_rows_as_the_per_record_one(versi
     msgs = messages(version)
     table = sink()._columnar(msgs)
     reference = to_columns([SourcedTelemetry(m.partition(), m.offset(),
-                                             CODEC.decode(m.value()).record) for m in msgs])
+                                             CODEC.decode(m.value()).record, m.topic())
+                            for m in msgs])
     assert table is not None and table.equals(reference)
 
 

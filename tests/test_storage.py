@@ -101,6 +101,27 @@ def test_sink_writes_every_sample_once_across_restarts(settings, clickhouse) -> 
                                                          letters[0].offset)}
 
 
+def test_a_second_topic_prefix_in_the_same_database_loses_nothing(settings, clickhouse) -> None:
+    # Another fleet (a new prefix) counts its offsets and its agents' seq from the start again;
+    # the rows of the first must neither skip nor drop any of it.
+    db = settings.clickhouse_database
+    for _ in range(2):
+        topics = fresh_topics(partitions=2)
+        kafka_clients.ensure_topics(settings.kafka, topics.specs())
+        fleet = small_fleet(nodes=2)  # the same node names, seq from 1
+        publisher = make_publisher(settings, topics)
+        for tick in range(3):
+            publisher.publish_telemetry(fleet.telemetry(BASE_MS + tick * 1000))
+        publisher.flush()
+        sink = make_sink(settings, clickhouse, topics)
+        loop = Background(sink.run)
+        wait_until(lambda s=sink: s.stats.messages >= 12, what="the sink")
+        loop.stop()
+        rows = clickhouse.query(f"SELECT count() FROM {db}.gpu_samples WHERE source_topic = "
+                                "{t:String}", parameters={"t": topics.telemetry}).result_rows
+        assert rows == [(96,)] and sink.stats.repeats == 0
+
+
 class FailingOnce(HotSampleStore):
     """The real table, whose second insert fails (as when the server goes away)."""
 
