@@ -52,13 +52,11 @@ def ensure_topics(
                 raise StreamError(f"creating topic {name}: {exc.args[0].str()}") from None
     # Created is not yet visible: a consumer subscribing before the broker's metadata has the
     # topic gets "Subscribed topic not available". Return once every topic is listed.
-    wanted = {spec.name: spec.partitions for spec in specs}
     deadline = time.monotonic() + timeout_s
     while True:
         listed = admin.list_topics(timeout=timeout_s).topics
-        missing = [name for name, partitions in wanted.items() if name not in listed
-                   or listed[name].error is not None
-                   or len(listed[name].partitions) < partitions]
+        missing = [spec.name for spec in specs if spec.name not in listed
+                   or listed[spec.name].error is not None or not listed[spec.name].partitions]
         if not missing:
             return
         if time.monotonic() > deadline:
