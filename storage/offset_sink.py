@@ -116,17 +116,25 @@ def run_resuming(kafka: KafkaSettings, group_id: str, topic: str,
     dlq = kafka_clients.producer(kafka)
     writer: _Writer[Any] = _Writer(steps.write, overlap)
 
+    # The next offset to hand over, per assigned partition: what a fetch from before a
+    # rebalance still delivers is handed over at most once, and only while the partition is
+    # this sink's.
+    expected: dict[tuple[str, int], int] = {}
+
     def on_assign(cons, partitions: list[TopicPartition]) -> None:
         writer.drain()
         offsets = resume()
         for tp in partitions:
             tp.offset = offsets.get(tp.partition, OFFSET_BEGINNING)
+            expected[(tp.topic, tp.partition)] = max(tp.offset, 0)
         cons.assign(partitions)
         ready.set()
 
     def on_revoke(cons, partitions: list[TopicPartition]) -> None:
         # The next owner resumes from what the destination holds: finish storing first.
         writer.drain()
+        for tp in partitions:
+            expected.pop((tp.topic, tp.partition), None)
 
     consumer.subscribe([topic], on_assign=on_assign, on_revoke=on_revoke)
     try:
@@ -139,11 +147,16 @@ def run_resuming(kafka: KafkaSettings, group_id: str, topic: str,
                 if left <= 0:
                     break
                 batch.extend(consumer.consume(max_batch - len(batch), min(left, 0.5)))
-            if batch:
-                for msg in batch:
-                    if msg.error():
-                        raise StorageError(f"consuming {topic}: {msg.error().str()}")
-                writer.submit(steps.prepare(dlq, batch), kafka_clients.next_offsets(batch))
+            handed: list[Message] = []
+            for msg in batch:
+                if msg.error():
+                    raise StorageError(f"consuming {topic}: {msg.error().str()}")
+                key = (msg.topic(), msg.partition())
+                if key in expected and msg.offset() >= expected[key]:
+                    expected[key] = msg.offset() + 1
+                    handed.append(msg)
+            if handed:
+                writer.submit(steps.prepare(dlq, handed), kafka_clients.next_offsets(handed))
             _commit(consumer, group_id, writer.stored())
         writer.drain()
         _commit(consumer, group_id, writer.stored())
