@@ -597,14 +597,13 @@ def _tenant_retention(values: list[str], day_ms: int) -> tuple[tuple[str, int | 
     for value in values:
         tenant, sep, days = value.partition("=")
         try:
-            if not (sep and tenant):
-                raise ValueError
-            out[tenant] = None if days == "forever" else int(float(days) * day_ms)
-            if out[tenant] is not None and out[tenant] < 0:  # type: ignore[operator]
-                raise ValueError
-        except ValueError:
+            keep_ms = None if days == "forever" else int(float(days) * day_ms)
+        except (ValueError, OverflowError):  # not a number, or inf
+            keep_ms = -1
+        if not (sep and tenant) or (keep_ms is not None and keep_ms < 0):
             raise ConfigError(f"--tenant-cold-days {value!r}: expected TENANT=DAYS or "
-                              "TENANT=forever") from None
+                              "TENANT=forever")
+        out[tenant] = keep_ms
     return tuple(sorted(out.items()))
 
 

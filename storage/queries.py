@@ -10,6 +10,18 @@ decision (its submission) to its first placement.
 
 from __future__ import annotations
 
+
+def with_allocation(samples: str, allocations: str, ts: str = "ts") -> str:
+    """`samples` (as s) ASOF-joined with the allocation record in force on each sample's GPU
+    (as a; a.kind is '' where none was): the latest at or before the sample by event time,
+    then log position (a sample sorts after every record of its millisecond)."""
+    return (f"(SELECT *, toUInt128(toUnixTimestamp64Milli({ts})) * 1099511627776 + "
+            f"1099511627775 AS _at FROM {samples}) AS s ASOF LEFT JOIN (SELECT node_id, "
+            "gpu_index, toUInt128(ts_ms) * 1099511627776 + source_offset AS _at, tenant, kind "
+            f"FROM {allocations}) AS a ON s.node_id = a.node_id AND s.gpu_index = a.gpu_index "
+            "AND s._at >= a._at")
+
+
 READY: dict[str, tuple[str, str]] = {
     "utilisation-by-cluster-hour": (
         "GPU utilisation per cluster per hour",
@@ -35,11 +47,7 @@ READY: dict[str, tuple[str, str]] = {
         "SELECT if(a.kind = 'ALLOCATED', a.tenant, '(unallocated)') AS tenant, "
         "round(avg(s.gpu_util_pct), 2) AS avg_util_pct, uniqExact(s.node_id, s.gpu_index) AS "
         "gpus, count() AS samples, round(count() * 1.0 / 3600, 3) AS gpu_hours_at_1hz "
-        "FROM (SELECT *, toUInt128(toUnixTimestamp64Milli(ts)) * 1099511627776 + "
-        "1099511627775 AS at FROM $samples) AS s ASOF LEFT JOIN (SELECT node_id, gpu_index, "
-        "toUInt128(ts_ms) * 1099511627776 + source_offset AS at, tenant, kind FROM "
-        "$allocations) AS a ON s.node_id = a.node_id AND s.gpu_index = a.gpu_index AND "
-        "s.at >= a.at GROUP BY tenant ORDER BY tenant"),
+        f"FROM {with_allocation('$samples', '$allocations')} GROUP BY tenant ORDER BY tenant"),
     "job-wait-times": (
         "Submission to placement per tenant and priority: jobs placed, waiting now, wait "
         "percentiles (s)",

@@ -40,6 +40,7 @@ from clickhouse_connect.driver.client import Client
 from fleetline.config import S3Settings, Settings
 from fleetline.errors import ConfigError, IntegrityError, QueryError, StorageError
 from fleetline.storage.objects import ObjectStore
+from fleetline.storage.queries import with_allocation
 
 log = logging.getLogger(__name__)
 HOUR_MS = 3600 * 1000
@@ -580,16 +581,11 @@ class TieredStore:
         cols = self._columns()
         if self.data.tenant_column is not None:
             return f"(SELECT {cols}, {self.data.tenant_column} AS _tenant FROM {source})"
-        # The allocation in force: the latest record at or before the sample, by event time,
-        # then log position (as the utilisation-by-tenant query orders them).
-        ts = self.data.ts_column
+        # The allocation in force, as the utilisation-by-tenant query finds it.
         picked = ", ".join(f"s.{name} AS {name}" for name, _ in self._column_types())
-        return (f"(SELECT {picked}, if(a.kind = 'ALLOCATED', a.tenant, '') AS _tenant FROM "
-                f"(SELECT *, toUInt128(toUnixTimestamp64Milli({ts})) * 1099511627776 + "
-                f"1099511627775 AS _at FROM {source}) AS s ASOF LEFT JOIN (SELECT node_id, "
-                "gpu_index, toUInt128(ts_ms) * 1099511627776 + source_offset AS _at, tenant, "
-                f"kind FROM {self.database}.gpu_allocations) AS a ON s.node_id = a.node_id "
-                "AND s.gpu_index = a.gpu_index AND s._at >= a._at)")
+        joined = with_allocation(source, f"{self.database}.gpu_allocations",
+                                 self.data.ts_column)
+        return f"(SELECT {picked}, if(a.kind = 'ALLOCATED', a.tenant, '') AS _tenant FROM {joined})"
 
     def _purge(self, m: Manifest, purged: tuple[str, ...]) -> None:
         """Rewrite a cold archive without the rows of the tenants retention let go (copy ->

@@ -355,7 +355,7 @@ def test_the_tier_policy_flags_of_tier_run_and_serve():
         policy = _tier_policy(args)
         assert policy.cold_ms == 30 * DAY_MS
         assert policy.tenant_cold_ms == (("acme", int(2.5 * DAY_MS)), ("keep", None))
-    for bad in ("acme", "=3", "acme=soon", "acme=-1"):
+    for bad in ("acme", "=3", "acme=soon", "acme=-1", "acme=inf"):
         args = build_parser().parse_args(["tier", "run", "--tenant-cold-days", bad])
         with pytest.raises(ConfigError, match="TENANT=DAYS"):
             _tier_policy(args)
