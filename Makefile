@@ -6,7 +6,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test lint bench services-start services-stop clean
 
-$(STAMP): pyproject.toml
+# The native decoder (streams/_avrocols.c) is built by the install, so a change rebuilds it.
+$(STAMP): pyproject.toml streams/_avrocols.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import chdb
-import polars as pl
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from clickhouse_connect.driver._chdbclient import ChdbClient
 from clickhouse_connect.driver.client import Client
 from confluent_kafka import Message
@@ -48,11 +49,11 @@ _GPU_FIELDS = (
 _NODE_FIELDS = (("cluster_id", pa.string()), ("region", pa.string()), ("node_id", pa.string()),
                 ("seq", pa.uint64()))
 _GPU_NAMES = tuple(name for name, _ in _GPU_FIELDS)
-SAMPLE_SCHEMA = pa.schema(
-    [("ts", pa.timestamp("ms", tz="UTC")), *_NODE_FIELDS, *_GPU_FIELDS,
-     ("source_partition", pa.uint16()), ("source_offset", pa.uint64()),
-     ("source_topic", pa.string())]
-)
+_SAMPLE_FIELDS = [("ts", pa.timestamp("ms", tz="UTC")), *_NODE_FIELDS, *_GPU_FIELDS]
+SAMPLE_SCHEMA = pa.schema([*_SAMPLE_FIELDS, ("source_partition", pa.uint16()),
+                           ("source_offset", pa.uint64()), ("source_topic", pa.string())])
+# What the batch decoder gives, in the table's types: `_record` says which message a row is of.
+_DECODED_SCHEMA = pa.schema([("_record", pa.uint32()), *_SAMPLE_FIELDS])
 
 
 @dataclass(frozen=True)
@@ -80,10 +81,6 @@ def to_columns(batch: Sequence[SourcedTelemetry]) -> pa.Table:
             columns["source_topic"].append(item.topic)
     return pa.table({name: pa.array(values, type=SAMPLE_SCHEMA.field(name).type)
                      for name, values in columns.items()}, schema=SAMPLE_SCHEMA)
-
-
-def _sample_table(rows: pl.DataFrame) -> pa.Table:
-    return rows.select(SAMPLE_SCHEMA.names).to_arrow().cast(SAMPLE_SCHEMA)
 
 
 @dataclass
@@ -175,16 +172,14 @@ class HotSampleSink:
         self._seen = self.store.node_watermarks(self.topic)
         return self.store.resume_offsets(self.topic)
 
-    def prepare(self, dlq: Any, messages: list[Message]) -> tuple[pl.DataFrame | pa.Table, int]:
-        rows: pl.DataFrame | pa.Table | None = self._columnar_rows(messages)
+    def prepare(self, dlq: Any, messages: list[Message]) -> tuple[pa.Table, int]:
+        rows = self._columnar(messages)
         if rows is None:
             rows = self._per_record(dlq, messages)
         return rows, len(messages)
 
-    def write(self, prepared: tuple[pl.DataFrame | pa.Table, int]) -> None:
-        rows, messages = prepared
-        # Converting to Arrow here takes it off the thread that receives and decodes.
-        table = _sample_table(rows) if isinstance(rows, pl.DataFrame) else rows
+    def write(self, prepared: tuple[pa.Table, int]) -> None:
+        table, messages = prepared
         self.store.store(table)
         self.stats.batches += 1
         self.stats.messages += messages
@@ -193,37 +188,39 @@ class HotSampleSink:
     def _columnar(self, messages: list[Message]) -> pa.Table | None:
         """The batch decoded and converted in native code, or None when any message needs the
         per-record path (which names and dead-letters it)."""
-        rows = self._columnar_rows(messages)
-        return None if rows is None else _sample_table(rows)
-
-    def _columnar_rows(self, messages: list[Message]) -> pl.DataFrame | None:
-        samples = self._decoder.samples([m.key() for m in messages],
-                                        [m.value() for m in messages], _GPU_NAMES)
-        if samples is None:
+        batch = self._decoder.samples([m.key() for m in messages],
+                                      [m.value() for m in messages], _GPU_NAMES)
+        if batch is None:
             return None
-        bad = samples.filter(~pl.col("gpu_util_pct").is_between(0.0, 100.0)
-                             | (pl.col("fb_used_mib") > pl.col("fb_total_mib")))
-        if bad.height:
+        records, samples = batch
+        util = samples["gpu_util_pct"]
+        bad = pc.or_(pc.or_(pc.less(util, 0.0), pc.greater(util, 100.0)),
+                     pc.greater(samples["fb_used_mib"], samples["fb_total_mib"]))
+        if pc.any(bad).as_py():
             return None
-        records = samples.select("_record", "node_id", "seq").unique("_record",
-                                                                     maintain_order=True)
-        kept = []
-        for index, node_id, seq in records.iter_rows():
+        try:
+            samples = samples.select(_DECODED_SCHEMA.names).cast(_DECODED_SCHEMA)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            return None  # a value outside its column's range: the per-record path names it
+        kept = np.zeros(len(messages), dtype=bool)
+        for index, (node_id, seq) in enumerate(zip(records["node_id"].to_pylist(),
+                                                   records["seq"].to_pylist(), strict=True)):
             if seq <= self._seen.get(node_id, 0):
                 self.stats.repeats += 1
                 continue
             self._seen[node_id] = seq
-            kept.append(index)
-        sources = pl.DataFrame({
-            "_record": range(len(messages)),
-            "source_partition": [m.partition() for m in messages],
-            "source_offset": [m.offset() for m in messages],
-            "source_topic": [m.topic() for m in messages],
-        }, schema={"_record": pl.UInt32, "source_partition": pl.UInt16,
-                   "source_offset": pl.UInt64, "source_topic": pl.String})
-        return (samples.filter(pl.col("_record").is_in(kept))
-                .join(sources, on="_record", how="left")
-                .with_columns(pl.col("ts").cast(pl.Datetime("ms", "UTC"))))
+            kept[index] = True
+        at = samples["_record"].to_numpy()
+        rows = samples
+        if not kept.all():
+            rows, at = samples.filter(kept[at]), at[kept[at]]
+        sources = pa.table({
+            "source_partition": pa.array([m.partition() for m in messages], pa.uint16()),
+            "source_offset": pa.array([m.offset() for m in messages], pa.uint64()),
+            "source_topic": pa.array([m.topic() for m in messages], pa.string()),
+        }).take(at)
+        return pa.table([rows[name] if name in rows.column_names else sources[name]
+                         for name in SAMPLE_SCHEMA.names], schema=SAMPLE_SCHEMA)
 
     def _per_record(self, dlq, messages: list[Message]) -> pa.Table:
         good: list[SourcedTelemetry] = []
