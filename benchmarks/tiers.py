@@ -30,7 +30,7 @@ from fleetline.streams.serde import default_codec
 from fleetline.streams.topics import Topics
 
 
-def sink_rate(settings: Settings, client, db: str, records: int) -> float:
+def sink_rate(settings: Settings, client, db: str, records: int) -> dict[str, float]:
     codec = default_codec()
     sim = FleetSimulator([ClusterSpec(f"c{i}", "r", 125) for i in range(8)], seed=3)
     topics = Topics(prefix=f"bench.tiers.{uuid.uuid4().hex[:8]}")
@@ -54,13 +54,16 @@ def sink_rate(settings: Settings, client, db: str, records: int) -> float:
     # the last record is stored.
     if not sink.ready.wait(60):
         raise SystemExit("the sink was never assigned its partitions")
-    began = time.perf_counter()
+    began, cpu_began = time.perf_counter(), time.process_time()
     while sink.stats.messages < sent:
         time.sleep(0.01)
     seconds = time.perf_counter() - began
+    cpu_s = time.process_time() - cpu_began  # every thread of this process, chdb's included
     stop.set()
     thread.join(30)
-    return sink.stats.rows / seconds
+    return {"sink_rows_per_s": sink.stats.rows / seconds,
+            "sink_process_cpu_us_per_row": cpu_s / sink.stats.rows * 1e6,
+            "sink_rows": sink.stats.rows}
 
 
 def hot_query(client, db: str, rows: int) -> dict[str, float]:
@@ -149,7 +152,7 @@ def main() -> None:
     parser.add_argument("--hot-rows", type=int, default=100_000_000)
     parser.add_argument("--sim-nodes", type=int, default=50)
     parser.add_argument("--days", type=int, default=9)
-    parser.add_argument("--sink-records", type=int, default=100_000)
+    parser.add_argument("--sink-records", type=int, default=300_000)
     parser.add_argument("--only", choices=["sink", "bytes", "query"],
                         help="run one part (the figures file then holds that part only)")
     args = parser.parse_args()
@@ -159,7 +162,7 @@ def main() -> None:
     with local_services(settings):
         if args.only in (None, "sink"):
             migrate(client, "sink")
-            figures["sink_rows_per_s"] = sink_rate(settings, client, "sink", args.sink_records)
+            figures.update(sink_rate(settings, client, "sink", args.sink_records))
         if args.only in (None, "bytes"):
             migrate(client, "tiers")
             figures.update(tier_bytes(settings, client, "tiers", args.sim_nodes, args.days))

@@ -25,7 +25,7 @@ from clickhouse_connect.driver.client import Client
 from confluent_kafka import Message
 
 from fleetline.config import KafkaSettings
-from fleetline.errors import FleetlineError, StorageError
+from fleetline.errors import FleetlineError, InvalidEventError, StorageError
 from fleetline.storage.offset_sink import run_resuming, table_resume_offsets
 from fleetline.streams.columnar import TelemetryBatchDecoder
 from fleetline.streams.deadletter import send_dead_letter
@@ -152,7 +152,7 @@ class HotSampleSink:
     topic: str
     dead_letter_topic: str
     group_id: str = "hot-sink"
-    max_batch_messages: int = 10000
+    max_batch_messages: int = 50000
     max_batch_wait_s: float = 1.0
     stats: SinkStats = field(default_factory=SinkStats)
     ready: threading.Event = field(default_factory=threading.Event)
@@ -173,10 +173,7 @@ class HotSampleSink:
         return self.store.resume_offsets(self.topic)
 
     def prepare(self, dlq: Any, messages: list[Message]) -> tuple[pa.Table, int]:
-        rows = self._columnar(messages)
-        if rows is None:
-            rows = self._per_record(dlq, messages)
-        return rows, len(messages)
+        return self._rows(dlq, messages), len(messages)
 
     def write(self, prepared: tuple[pa.Table, int]) -> None:
         table, messages = prepared
@@ -185,59 +182,128 @@ class HotSampleSink:
         self.stats.messages += messages
         self.stats.rows += table.num_rows
 
-    def _columnar(self, messages: list[Message]) -> pa.Table | None:
-        """The batch decoded and converted in native code, or None when any message needs the
-        per-record path (which names and dead-letters it)."""
+    def _rows(self, dlq: Any, messages: list[Message]) -> pa.Table:
+        """The batch's new GPU sample rows. The batch is decoded in native code; a message that
+        path cannot read or vouch for (malformed, a value out of range, a schema it does not
+        run) is decoded record by record instead, which names and dead-letters it if it is bad.
+        Repeats are dropped by seq in the batch's order, whichever path read the message."""
         batch = self._decoder.samples([m.key() for m in messages],
                                       [m.value() for m in messages], _GPU_NAMES)
-        if batch is None:
-            return None
-        records, samples = batch
-        util = samples["gpu_util_pct"]
-        bad = pc.or_(pc.or_(pc.less(util, 0.0), pc.greater(util, 100.0)),
-                     pc.greater(samples["fb_used_mib"], samples["fb_total_mib"]))
-        if pc.any(bad).as_py():
-            return None
-        try:
+        singles = set(batch.failed)
+        samples = batch.samples
+        if samples.num_rows:
+            bad = _out_of_range(samples)
+            if bad is not None:
+                singles.update(samples["_record"].filter(bad).to_pylist())
+                samples = samples.filter(pc.invert(bad))
             samples = samples.select(_DECODED_SCHEMA.names).cast(_DECODED_SCHEMA)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            return None  # a value outside its column's range: the per-record path names it
+        node_ids: list[str | None] = [None] * len(messages)
+        seqs: list[int] = [0] * len(messages)
+        if batch.records.num_rows:
+            for at, node_id, seq in zip(*(batch.records[name].to_pylist()
+                                          for name in ("_record", "node_id", "seq")),
+                                        strict=True):
+                node_ids[at], seqs[at] = node_id, seq
         kept = np.zeros(len(messages), dtype=bool)
-        for index, (node_id, seq) in enumerate(zip(records["node_id"].to_pylist(),
-                                                   records["seq"].to_pylist(), strict=True)):
-            if seq <= self._seen.get(node_id, 0):
+        good: list[SourcedTelemetry] = []
+        dead = 0
+        for index, msg in enumerate(messages):
+            if index in singles:
+                record = self._decode_one(dlq, msg)
+                if record is None:
+                    dead += 1
+                    continue
+                node_id, seq = record["node_id"], record["seq"]
+            else:
+                node_id, seq = node_ids[index], seqs[index]
+            if seq <= self._seen.get(node_id, 0):  # type: ignore[arg-type]
                 self.stats.repeats += 1
                 continue
-            self._seen[node_id] = seq
-            kept[index] = True
+            self._seen[node_id] = seq  # type: ignore[index]
+            if index in singles:
+                good.append(SourcedTelemetry(msg.partition(), msg.offset(), record, msg.topic()))
+            else:
+                kept[index] = True
+        # Dead letters are durable before the batch's offsets can be passed.
+        if dead and dlq.flush(30):
+            raise StorageError("dead-letter messages were not delivered within 30s")
+        tables = [self._with_sources(samples, kept, messages)] if samples.num_rows else []
+        if good:
+            tables.append(to_columns(good))
+        if not tables:
+            return SAMPLE_SCHEMA.empty_table()
+        return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+
+    @staticmethod
+    def _with_sources(samples: pa.Table, kept: np.ndarray, messages: list[Message]) -> pa.Table:
         at = samples["_record"].to_numpy()
-        rows = samples
-        if not kept.all():
-            rows, at = samples.filter(kept[at]), at[kept[at]]
+        if not kept[at].all():
+            samples, at = samples.filter(kept[at]), at[kept[at]]
         sources = pa.table({
             "source_partition": pa.array([m.partition() for m in messages], pa.uint16()),
             "source_offset": pa.array([m.offset() for m in messages], pa.uint64()),
             "source_topic": pa.array([m.topic() for m in messages], pa.string()),
         }).take(at)
-        return pa.table([rows[name] if name in rows.column_names else sources[name]
+        return pa.table([samples[name] if name in samples.column_names else sources[name]
                          for name in SAMPLE_SCHEMA.names], schema=SAMPLE_SCHEMA)
 
-    def _per_record(self, dlq, messages: list[Message]) -> pa.Table:
-        good: list[SourcedTelemetry] = []
-        for msg in messages:
-            try:
-                decoded = self.codec.decode(msg.value(), expect=NODE_TELEMETRY)
-                check_telemetry(decoded.record)
-                record = decoded.record
-                if record["seq"] <= self._seen.get(record["node_id"], 0):
-                    self.stats.repeats += 1
-                    continue
-                self._seen[record["node_id"]] = record["seq"]
-                good.append(SourcedTelemetry(msg.partition(), msg.offset(), record, msg.topic()))
-            except FleetlineError as exc:
-                self.stats.dead_letters += 1
-                send_dead_letter(dlq, self.dead_letter_topic, self.group_id, msg, exc)
-        # Dead letters are durable before the batch's offsets can be passed.
-        if dlq.flush(30):
-            raise StorageError("dead-letter messages were not delivered within 30s")
-        return to_columns(good)
+    def _decode_one(self, dlq: Any, msg: Message) -> dict[str, Any] | None:
+        """One message the batch path left out: its record if it is good (another writer
+        version, say), else None, dead-lettered with the reason."""
+        try:
+            record = self.codec.decode(msg.value(), expect=NODE_TELEMETRY).record
+            check_telemetry(record)
+            check_ranges(record)
+            return record
+        except FleetlineError as exc:
+            self.stats.dead_letters += 1
+            send_dead_letter(dlq, self.dead_letter_topic, self.group_id, msg, exc)
+            return None
+
+
+def _out_of_range(samples: pa.Table) -> pa.ChunkedArray | None:
+    """Rows that break a rule Avro cannot express (check_telemetry's) or that do not fit their
+    column (check_ranges'), or None when there are none."""
+    util = samples["gpu_util_pct"]
+    bad = pc.or_(pc.or_(pc.less(util, 0.0), pc.greater(util, 100.0)),
+                 pc.greater(samples["fb_used_mib"], samples["fb_total_mib"]))
+    for name, (low, high) in _INTEGER_RANGES.items():
+        column = samples[name]
+        wrong = pc.less(column, low)
+        if high < 2 ** 63 - 1:  # Avro's long can't exceed the wider ones
+            wrong = pc.or_(wrong, pc.greater(column, high))
+        bad = pc.or_(bad, pc.fill_null(wrong, False))
+    bad = pc.fill_null(bad, False).combine_chunks()
+    xids = samples["xid_codes"].combine_chunks()
+    codes = pc.list_flatten(xids)
+    wrong = pc.or_(pc.less(codes, 0), pc.greater(codes, _XID_MAX))
+    if pc.any(wrong).as_py():
+        rows = np.zeros(len(bad), dtype=bool)
+        rows[pc.list_parent_indices(xids).filter(wrong).to_numpy()] = True
+        bad = pc.or_(bad, pa.array(rows))
+    return bad if pc.any(bad).as_py() else None
+
+
+# The integer fields whose table column is narrower or unsigned than Avro's, and what fits.
+_INTEGER_RANGES = {
+    "seq": (0, 2 ** 63 - 1),
+    **{name: (0, 2 ** type_.bit_width - 1) for name, type_ in _GPU_FIELDS
+       if pa.types.is_unsigned_integer(type_)},
+}
+_XID_MAX = 2 ** 16 - 1
+
+
+def check_ranges(record: dict[str, Any]) -> None:
+    """Raise InvalidEventError if a GPU value does not fit its gpu_samples column (a negative
+    counter, a GPU index over 255): Avro's int and long are wider than the table's columns."""
+    if record["seq"] < 0:
+        raise InvalidEventError(f"{record['node_id']} seq {record['seq']} is negative")
+    for gpu in record["gpus"]:
+        values = [(name, gpu.get(name), low, high) for name, (low, high) in
+                  _INTEGER_RANGES.items() if name != "seq"]
+        values += [("xid_codes", code, 0, _XID_MAX) for code in gpu.get("xid_codes") or ()]
+        for name, value, low, high in values:
+            if value is not None and not low <= value <= high:
+                raise InvalidEventError(
+                    f"{record['node_id']} seq {record['seq']} gpu {gpu.get('gpu_index')}: "
+                    f"{name} {value} does not fit {low}-{high}")

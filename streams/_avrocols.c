@@ -61,6 +61,11 @@ typedef struct {
     size_t nulls;
 } Column;
 
+/* A column's length before a message, to take the message back if it fails. */
+typedef struct {
+    size_t count, len, nulls;
+} Mark;
+
 typedef struct {
     const uint8_t *p, *end;
     const char *error;
@@ -314,9 +319,10 @@ static void free_columns(Column *cols, Py_ssize_t n) {
 
 PyDoc_STRVAR(decode_doc,
 "decode(program, columns, header, values, keys, key_column)\n"
-"-> (columns, None) or (None, (index, reason))\n\n"
+"-> (columns, [(index, reason) of each message not decoded])\n\n"
 "Runs `program` (packed int32 instructions) over each message in `values`, each of which must\n"
-"start with `header` (magic and writer fingerprint) and be consumed exactly. `columns` gives\n"
+"start with `header` (magic and writer fingerprint) and be consumed exactly; one that fails\n"
+"is left out of every column and listed with the reason. `columns` gives\n"
 "each column's (value width or 0 for strings, bytes and values expected). When `key_column` >= 0, that string column's value\n"
 "in each message must equal the message's key. A column is (values, offsets, validity, count,\n"
 "null_count) as Arrow buffers.");
@@ -329,8 +335,9 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*Oy#OOn", &prog_buf, &specs, &header, &header_len, &values,
                           &keys, &key_column))
         return NULL;
-    PyObject *result = NULL;
+    PyObject *result = NULL, *failures = NULL;
     Column *cols = NULL;
+    Mark *marks = NULL;
     Py_ssize_t ncols = 0;
     PyObject *vseq = PySequence_Fast(values, "values must be a sequence");
     PyObject *kseq = keys == Py_None ? NULL : PySequence_Fast(keys, "keys must be a sequence");
@@ -374,9 +381,18 @@ static PyObject *decode(PyObject *self, PyObject *args) {
         goto done;
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(vseq);
+    failures = PyList_New(0);
+    marks = calloc((size_t)(ncols ? ncols : 1), sizeof(Mark));
+    if (!failures || !marks) { if (!marks) PyErr_NoMemory(); goto done; }
+    size_t decoded = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PySequence_Fast_GET_ITEM(vseq, i);
         const char *reason = NULL;
+        for (Py_ssize_t c = 0; c < ncols; c++) {
+            marks[c].count = cols[c].count;
+            marks[c].len = cols[c].values.len;
+            marks[c].nulls = cols[c].nulls;
+        }
         if (!PyBytes_Check(item)) {
             reason = "message is not bytes";
         } else {
@@ -397,7 +413,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
             PyObject *key = PySequence_Fast_GET_ITEM(kseq, i);
             Column *kc = &cols[key_column];
             size_t last = kc->count - 1;
-            if (kc->count != (size_t)i + 1 || !PyBytes_Check(key) ||
+            if (kc->count != decoded + 1 || !PyBytes_Check(key) ||
                 (size_t)PyBytes_GET_SIZE(key) !=
                     (size_t)(string_offsets(kc)[last + 1] - string_offsets(kc)[last]) ||
                 memcmp(PyBytes_AS_STRING(key), kc->values.p + string_offsets(kc)[last],
@@ -405,8 +421,20 @@ static PyObject *decode(PyObject *self, PyObject *args) {
                 reason = "key differs from the record";
         }
         if (reason) {
-            result = Py_BuildValue("(O(ns))", Py_None, i, reason);
-            goto done;
+            /* Take back what the message appended: the columns hold only whole records. */
+            for (Py_ssize_t c = 0; c < ncols; c++) {
+                cols[c].count = marks[c].count;
+                cols[c].values.len = marks[c].len;
+                cols[c].nulls = marks[c].nulls;
+            }
+            PyObject *failure = Py_BuildValue("(ns)", i, reason);
+            if (!failure || PyList_Append(failures, failure)) {
+                Py_XDECREF(failure);
+                goto done;
+            }
+            Py_DECREF(failure);
+        } else {
+            decoded++;
         }
     }
     PyObject *out = PyList_New(ncols);
@@ -416,9 +444,11 @@ static PyObject *decode(PyObject *self, PyObject *args) {
         if (!col) { Py_DECREF(out); goto done; }
         PyList_SET_ITEM(out, i, col);
     }
-    result = Py_BuildValue("(NO)", out, Py_None);
+    result = Py_BuildValue("(NO)", out, failures);
 done:
     if (cols) free_columns(cols, ncols);
+    free(marks);
+    Py_XDECREF(failures);
     Py_XDECREF(vseq);
     Py_XDECREF(kseq);
     Py_XDECREF(wseq);

@@ -2,9 +2,10 @@
 
 A writer schema is compiled once into a flat program; the native decoder runs it over a whole
 batch and appends every value to its column, so no Python object is made per value. Each message
-is decoded on its own and must end exactly where its record ends, so a malformed message fails
-the batch instead of shifting the values after it; the caller then takes its per-record path,
-which names and dead-letters the bad message.
+is decoded on its own and must end exactly where its record ends; one that does not (or whose
+key differs, or that another writer schema wrote) is left out of every column, not allowed to
+shift the values after it, and listed with the reason, so the caller can take its per-record
+path for just that message.
 
 Columns are grouped by level: the top record's scalar fields are one table with a row per
 message, and each array of records is a table with a row per item plus the offsets that say
@@ -60,23 +61,25 @@ class _Column:
 
 @dataclass(frozen=True)
 class Decoded:
-    """A decoded batch: one table per level, and for each array-of-records level the end offset
-    of each parent row's items (row i's items are ends[i-1]:ends[i])."""
+    """A decoded batch: one table per level, for each array-of-records level the end offset of
+    each parent row's items (row i's items are ends[i-1]:ends[i]), and the messages left out
+    (their index in the batch, and why). The top level has a row per message decoded, in order."""
 
     tables: dict[str, pa.Table]
     ends: dict[str, np.ndarray]
+    failed: dict[int, str]
+    messages: int
+
+    def indices(self) -> np.ndarray:
+        """For each top-level row, the index in the batch of the message it was decoded from."""
+        everything = np.arange(self.messages, dtype=np.uint32)
+        return np.delete(everything, list(self.failed)) if self.failed else everything
 
     def parents(self, level: str) -> np.ndarray:
         """For each row of `level`, the index of the top-level row it belongs to."""
         ends = self.ends[level]
         lengths = np.diff(ends, prepend=0)
         return np.repeat(np.arange(len(ends), dtype=np.uint32), lengths)
-
-
-@dataclass(frozen=True)
-class Failure:
-    index: int  # the message that failed the batch
-    reason: str
 
 
 class Program:
@@ -94,6 +97,11 @@ class Program:
         self._packed = array.array("i", [v for ins in code for v in ins]).tobytes()
         self._per_message = [(0.0, 0.0)] * len(self._columns)
         self._levels = [""] + [c.child for c in self._columns if c.kind == "ends"]
+
+    def types(self, level: str) -> dict[str, pa.DataType]:
+        """The Arrow type of each field of `level` that is decoded."""
+        return {c.name: c.type for c in self._columns
+                if c.level == level and c.kind in ("scalar", "list")}
 
     def _add(self, name: str, level: str, type_: pa.DataType, width: int,
              kind: str = "scalar", ref: int = -1, child: str = "") -> int:
@@ -187,9 +195,9 @@ class Program:
         return 1
 
     def decode(self, values: Sequence[bytes | None], keys: Sequence[bytes | None] | None = None,
-               key_field: str | None = None) -> Decoded | Failure:
-        """Every message decoded, or the first one that could not be (and why). With
-        `key_field`, that top-level string field must equal each message's key."""
+               key_field: str | None = None) -> Decoded:
+        """Every message that decodes, and which did not and why. With `key_field`, that
+        top-level string field must equal each message's key."""
         key_column = -1
         if key_field is not None:
             key_column = next(i for i, c in enumerate(self._columns)
@@ -197,11 +205,9 @@ class Program:
         # Each column's buffers are sized from the previous batch's, per message.
         hints = [(c.width, int(size * 1.1 * len(values)) + 64, int(count * 1.1 * len(values)) + 8)
                  for c, (size, count) in zip(self._columns, self._per_message, strict=True)]
-        columns, failure = _avrocols.decode(self._packed, hints, self.header, values, keys,
-                                            key_column)
-        if failure is not None:
-            return Failure(*failure)
-        if values:
+        columns, failures = _avrocols.decode(self._packed, hints, self.header, values, keys,
+                                             key_column)
+        if len(values) > len(failures):
             self._per_message = [(len(data) / len(values), count / len(values))
                                  for data, _, _, count, _ in columns]
         arrays: dict[int, pa.Array] = {}
@@ -230,4 +236,5 @@ class Program:
                 offsets = pa.array(np.concatenate(([0], ends.pop(str(index)))), pa.int32())
                 tables[column.level][column.name] = pa.ListArray.from_arrays(
                     offsets, arrays[column.ref])
-        return Decoded({level: pa.table(cols) for level, cols in tables.items()}, ends)
+        return Decoded({level: pa.table(cols) for level, cols in tables.items()}, ends,
+                       dict(failures), len(values))

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from fleetline.streams.avrocols import Decoded, Failure, Program, Unsupported
+from fleetline.streams.avrocols import Decoded, Program, Unsupported
 from fleetline.streams.events import NODE_TELEMETRY
 from fleetline.streams.serde import HEADER_LEN, MAGIC, AvroCodec
 
@@ -42,6 +43,18 @@ def _sparse_lists(column: pa.ChunkedArray | pa.Array) -> list[Any]:
     return out
 
 
+@dataclass(frozen=True)
+class SampleBatch:
+    """A batch decoded in native code. `records` has a row per message decoded: `_record` (its
+    index in the batch), cluster_id, region, node_id, seq, ts; `samples` a row per GPU of those:
+    `_record`, the record's fields, then the GPU fields asked for. `failed` names the messages
+    the native path could not read (their index, and why): the per-record path's to name."""
+
+    records: pa.Table
+    samples: pa.Table
+    failed: dict[int, str]
+
+
 class TelemetryBatchDecoder:
     """Decodes lists of NodeTelemetry messages into Arrow columns or TelemetryRows."""
 
@@ -53,6 +66,10 @@ class TelemetryBatchDecoder:
         self._defaults = {f["name"]: f.get("default")
                           for f in gpu_schema["type"]["items"]["fields"]}
         self._programs: dict[bytes, Program | None] = {}
+        # An older writer's missing GPU fields get the newest schema's default, in its type.
+        newest_program = self._program(newest.fingerprint)
+        assert newest_program is not None, "the newest NodeTelemetry must be natively decodable"
+        self._types = newest_program.types("gpus")
 
     def _program(self, fingerprint: bytes) -> Program | None:
         if fingerprint not in self._programs:
@@ -71,19 +88,37 @@ class TelemetryBatchDecoder:
             self._programs[fingerprint] = program
         return self._programs[fingerprint]
 
-    def _decoded(self, keys: Sequence[bytes | None],
-                 values: Sequence[bytes | None]) -> Decoded | None:
-        """The batch's columns if every message decodes and matches its key, else None."""
-        first = values[0]
-        if first is None or len(first) < HEADER_LEN or first[:2] != MAGIC:
-            return None
-        program = self._program(first[2:HEADER_LEN])
-        if program is None:
-            return None
-        decoded = program.decode(values, keys, "node_id")
-        return None if isinstance(decoded, Failure) else decoded
+    def _parts(self, keys: Sequence[bytes | None], values: Sequence[bytes | None]
+               ) -> tuple[list[tuple[np.ndarray, Decoded]], dict[int, str]]:
+        """The batch decoded by writer schema: each part with the batch index of each of its
+        top-level rows; and the messages not decoded, with the reason."""
+        parts: list[tuple[np.ndarray, Decoded]] = []
+        failed: dict[int, str] = {}
+        # Nearly always one writer wrote the whole batch: try that first, then group the rest.
+        pending = [np.arange(len(values))]
+        while pending:
+            at = pending.pop()
+            head = values[int(at[0])]
+            program = None
+            if head is not None and len(head) >= HEADER_LEN and head[:2] == MAGIC:
+                program = self._program(head[2:HEADER_LEN])
+            if program is None:
+                failed[int(at[0])] = "not a NodeTelemetry the batch decoder reads"
+                if len(at) > 1:
+                    pending.append(at[1:])
+                continue
+            whole = len(at) == len(values)
+            decoded = program.decode(values if whole else [values[i] for i in at],
+                                     keys if whole else [keys[i] for i in at], "node_id")
+            parts.append((at[decoded.indices()], decoded))
+            others = [i for i, why in decoded.failed.items() if why.startswith("another writer")]
+            failed.update((int(at[i]), why) for i, why in decoded.failed.items()
+                          if not why.startswith("another writer"))
+            if others:
+                pending.append(at[others])
+        return parts, failed
 
-    def _gpu_columns(self, decoded: Decoded, gpu_fields: Sequence[str]) -> dict[str, pa.Array]:
+    def _gpu_columns(self, decoded: Decoded, gpu_fields: Sequence[str]) -> dict[str, Any]:
         """The requested GPU fields, an older writer's missing ones as the newest schema's
         defaults (as Avro schema resolution gives)."""
         gpus = decoded.tables["gpus"]
@@ -93,8 +128,8 @@ class TelemetryBatchDecoder:
                 columns[name] = gpus[name]
             else:
                 default = self._defaults[name]
-                columns[name] = (pa.nulls(gpus.num_rows) if default is None
-                                 else pa.array([default] * gpus.num_rows))
+                columns[name] = (pa.nulls(gpus.num_rows, self._types[name]) if default is None
+                                 else pa.array([default] * gpus.num_rows, self._types[name]))
         return columns
 
     def decode(self, keys: Sequence[bytes | None],
@@ -103,9 +138,10 @@ class TelemetryBatchDecoder:
         (not telemetry, several writer versions, or a check failed)."""
         if not values:
             return []
-        decoded = self._decoded(keys, values)
-        if decoded is None:
+        parts, failed = self._parts(keys, values)
+        if failed or len(parts) != 1:
             return None
+        _, decoded = parts[0]
         columns: list[list[Any]] = []
         for column in self._gpu_columns(decoded, self.gpu_fields).values():
             if pa.types.is_list(column.type):
@@ -125,18 +161,18 @@ class TelemetryBatchDecoder:
         return rows
 
     def samples(self, keys: Sequence[bytes | None], values: Sequence[bytes | None],
-                gpu_fields: Sequence[str]) -> tuple[pa.Table, pa.Table] | None:
-        """The records (a row per message: cluster_id, region, node_id, seq, ts) and their GPU
-        samples (a row per GPU: `_record`, the message's index in the batch, then the record's
-        fields, then `gpu_fields`), or None as `decode` would."""
-        if not values:
-            return None
-        decoded = self._decoded(keys, values)
-        if decoded is None:
-            return None
-        parents = pa.array(decoded.parents("gpus"))
-        records = decoded.tables[""].select(list(_RECORD_FIELDS))
-        top = records.take(parents)
-        return records, pa.table({"_record": parents,
-                                  **{name: top[name] for name in _RECORD_FIELDS},
-                                  **self._gpu_columns(decoded, gpu_fields)})
+                gpu_fields: Sequence[str]) -> SampleBatch:
+        """The batch as records and GPU samples (see SampleBatch)."""
+        records, samples = [], []
+        parts, failed = self._parts(keys, values) if values else ([], {})
+        for indices, decoded in parts:
+            top = decoded.tables[""].select(list(_RECORD_FIELDS))
+            records.append(top.add_column(0, "_record", pa.array(indices)))
+            parents = decoded.parents("gpus")
+            per_gpu = top.take(parents)
+            samples.append(pa.table({"_record": pa.array(indices[parents]),
+                                     **{name: per_gpu[name] for name in _RECORD_FIELDS},
+                                     **self._gpu_columns(decoded, gpu_fields)}))
+        if not parts:
+            return SampleBatch(pa.table({}), pa.table({}), failed)
+        return SampleBatch(pa.concat_tables(records), pa.concat_tables(samples), failed)

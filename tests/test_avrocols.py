@@ -9,7 +9,7 @@ import random
 import fastavro
 import pytest
 
-from fleetline.streams.avrocols import Decoded, Failure, Program, Unsupported
+from fleetline.streams.avrocols import Program, Unsupported
 
 SCHEMA = {
     "type": "record", "name": "Outer", "fields": [
@@ -85,7 +85,7 @@ def test_decodes_every_type_as_fastavro_reads_it():
     recs = records()
     values = [body(r, block_size=(i == 0)) for i, r in enumerate(recs)]
     decoded = program().decode(values, [r["id"].encode() for r in recs], key_field="id")
-    assert isinstance(decoded, Decoded)
+    assert decoded.failed == {}
     top = decoded.tables[""]
     assert top.column_names == ["id", "flag", "blob", "where.x", "where.n", "last"]
     assert top.to_pylist() == [
@@ -102,11 +102,11 @@ def test_decodes_every_type_as_fastavro_reads_it():
 def test_an_empty_batch_and_a_batch_after_a_large_one_decode():
     prog = program()
     big = [body(records()[0])] * 5000
-    assert isinstance(prog.decode(big), Decoded)
+    assert prog.decode(big).tables["items"].num_rows == 10000
     small = prog.decode([body(records()[1])])
-    assert isinstance(small, Decoded) and small.tables[""]["id"].to_pylist() == ["bb"]
+    assert small.tables[""]["id"].to_pylist() == ["bb"]
     empty = prog.decode([])
-    assert isinstance(empty, Decoded) and empty.tables[""].num_rows == 0
+    assert empty.tables[""].num_rows == 0 and empty.failed == {}
 
 
 @pytest.mark.parametrize(("mangle", "reason"), [
@@ -117,28 +117,35 @@ def test_an_empty_batch_and_a_batch_after_a_large_one_decode():
     (lambda v: v[:10] + b"\x02a\x05" + v[13:], "boolean is neither 0 nor 1"),
     (lambda v: v[:10] + b"\xff" * 11, "varint longer than 10 bytes"),
 ])
-def test_a_malformed_message_fails_the_batch_and_is_named(mangle, reason):
+def test_a_malformed_message_is_left_out_named_and_shifts_nothing(mangle, reason):
     recs = records()
     values = [body(r) for r in recs]
     values[1] = mangle(values[1])
-    failure = program().decode(values)
-    assert isinstance(failure, Failure)
-    assert failure.index == 1 and failure.reason.startswith(reason)
+    decoded = program().decode(values)
+    assert list(decoded.failed) == [1] and decoded.failed[1].startswith(reason)
+    assert decoded.indices().tolist() == [0, 2]
+    # The records either side are whole: nothing of the bad one is left in any column.
+    assert decoded.tables[""]["id"].to_pylist() == ["a", "ccc"]
+    assert decoded.tables[""]["where.n"].to_pylist() == [7, -1]
+    assert decoded.tables["items"]["tags"].to_pylist() == [[1, -2], [], [2**31 - 1]]
+    assert decoded.ends["items"].tolist() == [2, 3]
 
 
-def test_a_record_whose_key_differs_fails_the_batch():
+def test_a_record_whose_key_differs_is_left_out():
     recs = records()
-    failure = program().decode([body(r) for r in recs], [b"a", b"bb", b"cc"], key_field="id")
-    assert failure == Failure(2, "key differs from the record")
-    assert isinstance(program().decode([body(recs[0])], [None], key_field="id"), Failure)
+    decoded = program().decode([body(r) for r in recs], [b"a", b"bb", b"cc"], key_field="id")
+    assert decoded.failed == {2: "key differs from the record"}
+    assert decoded.tables[""]["id"].to_pylist() == ["a", "bb"]
+    assert program().decode([body(recs[0])], [None], key_field="id").failed == {
+        0: "key differs from the record"}
 
 
-def test_a_bad_union_branch_fails_the_batch():
+def test_a_bad_union_branch_is_left_out():
     value = bytearray(body(records()[1]))
     # `where.n` is null here: its branch index (1, zigzag 02) sits just before `items` (00).
     assert value[-11:-9] == b"\x02\x00"
     value[-11] = 0x04
-    assert program().decode([bytes(value)]) == Failure(0, "union branch out of range")
+    assert program().decode([bytes(value)]).failed == {0: "union branch out of range"}
 
 
 @pytest.mark.parametrize("field_type", [
@@ -155,13 +162,18 @@ def test_a_schema_the_decoder_cannot_run_is_refused_when_compiled(field_type):
 def test_every_truncation_and_random_corruption_is_refused_or_read_never_crashes():
     prog = program()
     value = body(records()[0])
-    for cut in range(len(value)):
-        assert isinstance(prog.decode([value[:cut]]), Failure)
+    cuts = [value[:cut] for cut in range(len(value))]
+    assert sorted(prog.decode(cuts).failed) == list(range(len(value)))
     rng = random.Random(5)
-    outcomes = set()
+    mangled = []
     for _ in range(3000):
-        mangled = bytearray(value)
+        one = bytearray(value)
         for _ in range(rng.randint(1, 4)):
-            mangled[rng.randrange(10, len(mangled))] = rng.randrange(256)
-        outcomes.add(type(prog.decode([bytes(mangled)])))
-    assert outcomes == {Decoded, Failure}
+            one[rng.randrange(10, len(one))] = rng.randrange(256)
+        mangled.append(bytes(one))
+    decoded = prog.decode([value, *mangled, value])
+    assert 0 < len(decoded.failed) < len(mangled)
+    # Whatever the corrupt ones left behind, the last (intact) message reads back whole.
+    assert decoded.tables[""].slice(decoded.tables[""].num_rows - 1).to_pylist() == [
+        decoded.tables[""].slice(0, 1).to_pylist()[0]]
+    assert decoded.ends["items"][-1] - decoded.ends["items"][-2] == 2

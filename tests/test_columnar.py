@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pyarrow as pa
 import pytest
 from confluent_kafka import Message
 
@@ -27,32 +28,91 @@ def sink() -> HotSampleSink:
     return HotSampleSink(KafkaSettings(), CODEC, None, "t", "dlq")  # type: ignore[arg-type]
 
 
+class Letters:
+    """Records what the sink dead-letters (the real producer path is tested in test_storage)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[bytes, dict]] = []
+
+    def produce(self, topic, key=None, value=None, headers=None, **_) -> None:
+        self.sent.append((value, dict(headers or {})))
+
+    def flush(self, timeout: float = 0) -> int:
+        return 0
+
+
+def per_record(msgs: list[Message]) -> pa.Table:
+    return to_columns([SourcedTelemetry(m.partition(), m.offset(),
+                                        CODEC.decode(m.value()).record, m.topic())
+                       for m in msgs])
+
+
+def same_rows(a: pa.Table, b: pa.Table) -> bool:
+    order = [("source_partition", "ascending"), ("source_offset", "ascending"),
+             ("gpu_index", "ascending")]
+    return a.sort_by(order).equals(b.sort_by(order))
+
+
 @pytest.mark.parametrize("version", [1, 2])
 def test_the_columnar_sink_path_builds_the_same_rows_as_the_per_record_one(version):
     msgs = messages(version)
-    table = sink()._columnar(msgs)
-    reference = to_columns([SourcedTelemetry(m.partition(), m.offset(),
-                                             CODEC.decode(m.value()).record, m.topic())
-                            for m in msgs])
-    assert table is not None and table.equals(reference)
+    letters = Letters()
+    assert sink()._rows(letters, msgs).equals(per_record(msgs)) and not letters.sent
 
 
-def test_the_columnar_sink_path_hands_bad_batches_to_the_per_record_one():
+def test_a_batch_of_both_writer_versions_is_read_whole():
+    v1, v2 = messages(1), messages(2)
+    mixed = [v1[i] if i % 3 == 0 else v2[i] for i in range(len(v1))]
+    assert same_rows(sink()._rows(Letters(), mixed), per_record(mixed))
+
+
+def bad_value(msgs: list[Message], at: int, **changes) -> list[Message]:
+    record = CODEC.decode(msgs[at].value()).record
+    record["gpus"][0].update(changes)
+    bad = Message(topic="t", partition=msgs[at].partition(), offset=msgs[at].offset(),
+                  key=msgs[at].key(), value=CODEC.encode("NodeTelemetry", record))
+    return [*msgs[:at], bad, *msgs[at + 1:]]
+
+
+@pytest.mark.parametrize(("changes", "reason"), [
+    ({"gpu_util_pct": 130.0}, "outside 0-100"),
+    ({"gpu_index": 300}, "gpu_index 300 does not fit 0-255"),
+    ({"ecc_sbe_total": -1}, "ecc_sbe_total -1 does not fit"),
+    ({"xid_codes": [79, 70000]}, "xid_codes 70000 does not fit 0-65535"),
+    (None, "not Avro"),
+    ("truncated", "decod"),
+])
+def test_a_bad_message_is_dead_lettered_and_the_rest_of_its_batch_stored(changes, reason):
     msgs = messages(2)
-    record = CODEC.decode(msgs[2].value()).record
-    record["gpus"][0]["gpu_util_pct"] = 130.0
-    bad = Message(topic="t", partition=0, offset=2, key=msgs[2].key(),
-                  value=CODEC.encode("NodeTelemetry", record))
-    assert sink()._columnar([*msgs[:2], bad, *msgs[3:]]) is None
-    truncated = Message(topic="t", partition=0, offset=2, key=msgs[2].key(),
-                        value=msgs[2].value()[:-5])
-    assert sink()._columnar([*msgs[:2], truncated]) is None
+    if changes is None:
+        msgs[5] = Message(topic="t", partition=2, offset=5, key=msgs[5].key(), value=b"junk")
+    elif changes == "truncated":
+        msgs[5] = Message(topic="t", partition=2, offset=5, key=msgs[5].key(),
+                          value=msgs[5].value()[:-5])
+    else:
+        msgs = bad_value(msgs, 5, **changes)
+    letters = Letters()
+    rows = sink()._rows(letters, msgs)
+    assert same_rows(rows, per_record([m for i, m in enumerate(msgs) if i != 5]))
+    assert len(letters.sent) == 1 and letters.sent[0][0] == msgs[5].value()
+    assert reason in letters.sent[0][1]["fleetline.dlq.reason"].decode()
 
 
 def test_repeats_are_dropped_by_seq_on_the_columnar_path():
     msgs = messages(2)
     s = sink()
-    first = s._columnar(msgs)
-    again = s._columnar(msgs)
-    assert first is not None and first.num_rows == len(msgs) * 8
-    assert again is not None and again.num_rows == 0 and s.stats.repeats == len(msgs)
+    first = s._rows(Letters(), msgs)
+    again = s._rows(Letters(), msgs)
+    assert first.num_rows == len(msgs) * 8
+    assert again.num_rows == 0 and s.stats.repeats == len(msgs)
+
+
+def test_repeats_are_dropped_in_batch_order_whichever_path_read_them():
+    # A node's record read record by record (another schema version) and its repeat read by the
+    # batch path: the first is kept and the second dropped, by the order they came in.
+    v1, v2 = messages(1), messages(2)
+    batch = [v1[0], v2[0], v2[1]]
+    s = sink()
+    rows = s._rows(Letters(), batch)
+    assert s.stats.repeats == 1
+    assert sorted(set(rows["source_offset"].to_pylist())) == [0, 1]
