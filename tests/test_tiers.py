@@ -5,6 +5,8 @@ any step of any move loses and duplicates nothing."""
 
 from __future__ import annotations
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from fleetline.agents.simulator import ClusterSpec, FleetSimulator
@@ -20,7 +22,7 @@ from fleetline.storage.tiers import (
     Crash,
     DataClass,
     TieredStore,
-    archive_encodings,
+    archive_layout,
     retention_plan,
 )
 from tests.support import BASE_MS
@@ -64,21 +66,34 @@ UTILISATION = ("SELECT cluster_id, toStartOfHour(ts) AS hour, round(avg(gpu_util
                "count() FROM {src} GROUP BY cluster_id, hour ORDER BY cluster_id, hour")
 
 
-def test_cold_archives_choose_encodings_by_what_a_column_holds():
-    import pyarrow as pa
+def test_cold_archives_store_whole_floats_as_integers_and_pick_encodings_by_trial():
+    import random
 
+    rng = random.Random(3)
     n = 100_000
     table = pa.table({
-        "rate": pa.array([float(i * 1024) for i in range(n)]),  # a noisy reading: split bytes
-        "util": pa.array([float(i % 101) for i in range(n)], pa.float32()),  # few values
-        "offset": pa.array(range(n), pa.uint64()),  # many integers: delta-packed
+        "rate": pa.array([rng.randrange(10**6, 10**8) * 1024.0 for _ in range(n)]),  # KiB
+        "util": pa.array([float(rng.randrange(101)) for _ in range(n)], pa.float32()),
+        "power": pa.array([rng.randrange(9000) / 10 for _ in range(n)], pa.float32()),
+        "offset": pa.array(range(n), pa.uint64()),
         "gpu_index": pa.array([i % 8 for i in range(n)], pa.uint8()),
         "node_id": pa.array([f"n{i % 50}" for i in range(n)]),
     })
-    options = archive_encodings(table)
-    assert options["column_encoding"] == {"rate": "BYTE_STREAM_SPLIT",
-                                          "offset": "DELTA_BINARY_PACKED"}
-    assert options["use_dictionary"] == ["util", "gpu_index", "node_id"]
+    schema, options = archive_layout(table, integral=["rate", "util"])
+    assert [f.type for f in schema] == [pa.int64(), pa.int64(), pa.float32(), pa.uint64(),
+                                        pa.uint8(), pa.string()]
+    assert options["column_encoding"]["offset"] == "DELTA_BINARY_PACKED"
+
+    def size(**writer) -> int:
+        out = pa.BufferOutputStream()
+        pq.write_table(table.cast(writer.pop("schema", table.schema)), out,
+                       compression="zstd", compression_level=19, **writer)
+        return out.getvalue().size
+
+    chosen = size(schema=schema, **options)
+    assert chosen < size()  # pyarrow's defaults: dictionary everywhere
+    assert chosen < size(use_dictionary=False)
+    assert chosen < size(**archive_layout(table)[1])  # the same encodings, floats kept
 
 
 def test_days_of_telemetry_flow_hot_warm_cold_and_cross_tier_queries_match(settings, clickhouse):
@@ -89,6 +104,12 @@ def test_days_of_telemetry_flow_hot_warm_cold_and_cross_tier_queries_match(setti
     hot_hours = {p for p, _, _ in store.hot_partitions()}
     assert len(hot_hours) <= 25 and rows > 0
     warm, cold = store.manifests(WARM), store.manifests(COLD)
+    # Whole-number readings (utilisation, temperature, throughput in KiB) are archived as
+    # integers; the copy's verification read them back as the table's floats, bit for bit.
+    archived = pq.read_schema(pa.BufferReader(store.objects.get(cold[0].key)))
+    assert archived.field("gpu_util_pct").type == pa.int64()
+    assert archived.field("nvlink_tx_bytes_per_s").type == pa.int64()
+    assert archived.field("power_w").type == pa.float32()
     # 24 h hot; then two days warm (by the hour); older whole days cold, one archive a day.
     # The oldest day starts at midday (the data does), so its archive replaces 12 hours.
     assert sorted(len(m.sources) for m in cold) == [12, 24]
