@@ -27,7 +27,7 @@ from fleetline.processors.view_runtime import tune_gc_for_large_state
 from fleetline.storage.objects import ObjectStore
 from fleetline.storage.snapshots import S3ViewSnapshots
 from fleetline.streams import kafka as kafka_clients
-from fleetline.streams.columnar import _zigzag
+from fleetline.streams.avrocols import avro_long as _zigzag
 from fleetline.streams.serde import HEADER_LEN, default_codec
 from fleetline.streams.topics import Topics
 

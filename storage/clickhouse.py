@@ -211,11 +211,11 @@ MIGRATIONS: tuple[Migration, ...] = (
         "ALTER TABLE {db}.gpu_samples ADD COLUMN IF NOT EXISTS source_topic "
         "LowCardinality(String) DEFAULT ''",
     )),
-    # A sink batch (a few hundred thousand rows, tens of MB) is written as one Compact part (one
-    # data file instead of two per column: ~15 % less CPU an insert); merges make Wide parts
-    # once they pass 512 MiB.
+    # A sink batch (up to 400,000 rows, ~60-80 MB) is written as one Compact part (one data
+    # file instead of two per column: ~15 % less CPU an insert); merged parts past 128 MiB are
+    # Wide, which queries reading a few columns prefer.
     Migration(8, "sample inserts write compact parts", (
-        "ALTER TABLE {db}.gpu_samples MODIFY SETTING min_bytes_for_wide_part = 536870912",
+        "ALTER TABLE {db}.gpu_samples MODIFY SETTING min_bytes_for_wide_part = 134217728",
     )),
 )
 

@@ -41,6 +41,19 @@ _SCALARS: dict[str, tuple[int, int, int, pa.DataType]] = {
 }
 
 
+def avro_long(value: int) -> bytes:
+    """Avro's binary encoding of an int or long: zigzag, then a base-128 varint."""
+    value = (value << 1) ^ (value >> 63)
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if not value:
+            out.append(byte)
+            return bytes(out)
+        out.append(byte | 0x80)
+
+
 class Unsupported(Exception):
     """The writer schema uses a construct the native decoder does not run."""
 

@@ -10,6 +10,7 @@ import fastavro
 import pytest
 
 from fleetline.streams.avrocols import Program, Unsupported
+from fleetline.streams.avrocols import avro_long as _zigzag
 
 SCHEMA = {
     "type": "record", "name": "Outer", "fields": [
@@ -49,16 +50,6 @@ def body(record: dict, block_size: bool = False) -> bytes:
     items = b"".join(_write(item_schema, item) for item in record["items"])
     return (HEADER + before + _zigzag(-len(record["items"])) + _zigzag(len(items)) + items
             + b"\x00" + after)
-
-
-def _zigzag(value: int) -> bytes:
-    value = (value << 1) ^ (value >> 63)
-    out = bytearray()
-    while True:
-        out.append((value & 0x7F) | (0x80 if value > 0x7F else 0))
-        value >>= 7
-        if not value:
-            return bytes(out)
 
 
 def records() -> list[dict]:
