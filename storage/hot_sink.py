@@ -207,6 +207,8 @@ class HotSampleSink:
         kept = np.zeros(len(messages), dtype=bool)
         good: list[SourcedTelemetry] = []
         dead = 0
+        # A record without GPUs has no rows to range-check: its seq is checked here.
+        singles.update(index for index, seq in enumerate(seqs) if seq < 0)
         for index, msg in enumerate(messages):
             if index in singles:
                 record = self._decode_one(dlq, msg)

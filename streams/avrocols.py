@@ -103,6 +103,7 @@ class Program:
         self.header = header
         self._wanted = wanted
         self._named: dict[str, Any] = {}
+        self._open: set[str] = set()  # records being compiled, to refuse recursive ones
         self._columns: list[_Column] = []
         self._code: list[tuple[int, int, int, int]] = []
         self._record(schema, "", "")
@@ -131,8 +132,13 @@ class Program:
         return node
 
     def _record(self, node: dict[str, Any], prefix: str, level: str) -> None:
+        self._resolve(node)
+        if node["name"] in self._open:
+            raise Unsupported(f"{prefix or node['name']}: a record that contains itself")
+        self._open.add(node["name"])
         for field in node["fields"]:
             self._field(field["type"], f"{prefix}{field['name']}", level)
+        self._open.discard(node["name"])
 
     def _field(self, node: Any, path: str, level: str) -> None:
         node = self._resolve(node)

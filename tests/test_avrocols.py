@@ -143,6 +143,7 @@ def test_a_bad_union_branch_is_left_out():
     {"type": "map", "values": "int"}, ["null", "int", "string"],
     {"type": "enum", "name": "E", "symbols": ["A"]}, {"type": "fixed", "name": "F", "size": 2},
     {"type": "array", "items": {"type": "array", "items": "int"}},
+    {"type": "array", "items": "R"},  # a record that contains itself
 ])
 def test_a_schema_the_decoder_cannot_run_is_refused_when_compiled(field_type):
     with pytest.raises(Unsupported):

@@ -79,6 +79,7 @@ def bad_value(msgs: list[Message], at: int, **changes) -> list[Message]:
     ({"gpu_index": 300}, "gpu_index 300 does not fit 0-255"),
     ({"ecc_sbe_total": -1}, "ecc_sbe_total -1 does not fit"),
     ({"xid_codes": [79, 70000]}, "xid_codes 70000 does not fit 0-65535"),
+    ({"seq": -4}, "seq -4 is negative"),
     (None, "not Avro"),
     ("truncated", "decod"),
 ])
@@ -89,6 +90,11 @@ def test_a_bad_message_is_dead_lettered_and_the_rest_of_its_batch_stored(changes
     elif changes == "truncated":
         msgs[5] = Message(topic="t", partition=2, offset=5, key=msgs[5].key(),
                           value=msgs[5].value()[:-5])
+    elif "seq" in changes:
+        record = CODEC.decode(msgs[5].value()).record
+        record.update(changes, gpus=[])  # no GPU rows: only the record's seq can tell
+        msgs[5] = Message(topic="t", partition=2, offset=5, key=msgs[5].key(),
+                          value=CODEC.encode("NodeTelemetry", record))
     else:
         msgs = bad_value(msgs, 5, **changes)
     letters = Letters()
