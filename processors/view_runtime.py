@@ -132,11 +132,10 @@ class PartFolder:
                             run: Sequence[Message],
                             failed: list[tuple[Message, FleetlineError]]) -> None:
         rows = self.decoder.decode([m.key() for m in run], [m.value() for m in run])
-        if rows is None:
-            for msg in run:
-                self._fold_one(view, msg, failed)
-            return
         for msg, row in zip(run, rows, strict=True):
+            if row is None:  # the batch path could not read it: record by record, in order
+                self._fold_one(view, msg, failed)
+                continue
             try:
                 fold_telemetry(view, *row)
             except FleetlineError as exc:

@@ -133,32 +133,30 @@ class TelemetryBatchDecoder:
         return columns
 
     def decode(self, keys: Sequence[bytes | None],
-               values: Sequence[bytes | None]) -> list[TelemetryRow] | None:
-        """Rows for every message, in order, or None if any message needs the per-record path
-        (not telemetry, several writer versions, or a check failed)."""
-        if not values:
-            return []
-        parts, failed = self._parts(keys, values)
-        if failed or len(parts) != 1:
-            return None
-        _, decoded = parts[0]
-        columns: list[list[Any]] = []
-        for column in self._gpu_columns(decoded, self.gpu_fields).values():
-            if pa.types.is_list(column.type):
-                columns.append(_sparse_lists(column))
-            else:
-                columns.append(column.to_pylist())
-        flat = list(zip(*columns, strict=True))
-        top = decoded.tables[""]
-        clusters, regions, node_ids, seqs, stamps = (top[name].to_pylist()
-                                                     for name in _RECORD_FIELDS)
-        rows = []
-        at = 0
-        for i, end in enumerate(decoded.ends["gpus"].tolist()):
-            rows.append((clusters[i], regions[i], node_ids[i], seqs[i], stamps[i],
-                         flat[at:end]))
-            at = end
-        return rows
+               values: Sequence[bytes | None]) -> list[TelemetryRow | None]:
+        """A row for each message, in order; None for a message the batch path could not read
+        (malformed, another record, a schema it does not run), which the caller reads record
+        by record, naming it if it is bad."""
+        out: list[TelemetryRow | None] = [None] * len(values)
+        parts, _ = self._parts(keys, values) if values else ([], {})
+        for indices, decoded in parts:
+            columns: list[list[Any]] = []
+            for column in self._gpu_columns(decoded, self.gpu_fields).values():
+                if pa.types.is_list(column.type):
+                    columns.append(_sparse_lists(column))
+                else:
+                    columns.append(column.to_pylist())
+            flat = list(zip(*columns, strict=True))
+            top = decoded.tables[""]
+            clusters, regions, node_ids, seqs, stamps = (top[name].to_pylist()
+                                                         for name in _RECORD_FIELDS)
+            at = 0
+            for i, (index, end) in enumerate(zip(indices.tolist(),
+                                                 decoded.ends["gpus"].tolist(), strict=True)):
+                out[index] = (clusters[i], regions[i], node_ids[i], seqs[i], stamps[i],
+                              flat[at:end])
+                at = end
+        return out
 
     def samples(self, keys: Sequence[bytes | None], values: Sequence[bytes | None],
                 gpu_fields: Sequence[str]) -> SampleBatch:

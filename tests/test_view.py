@@ -260,6 +260,36 @@ def test_columnar_and_per_record_paths_fold_the_same_view():
         scenario_events(seconds=20)))["nodes"]
 
 
+class OneByOne(PartFolder):
+    """Counts the messages folded record by record."""
+
+    one_by_one = 0
+
+    def _fold_one(self, view, msg, failed) -> None:
+        self.one_by_one += 1
+        super()._fold_one(view, msg, failed)
+
+
+def test_a_run_mixing_writer_versions_folds_as_record_by_record_does():
+    msgs = [m for m in messages(scenario_events(seconds=6)) if m.topic() == TOPICS.telemetry]
+    mixed = []
+    for i, m in enumerate(msgs):
+        if i % 2:  # every other one as an older agent writes it
+            record = CODEC.decode(m.value()).record
+            m = Message(topic=m.topic(), partition=m.partition(), offset=m.offset(), key=m.key(),
+                        value=CODEC.encode("NodeTelemetry", record, version=1))
+        mixed.append(m)
+    folder = OneByOne(TOPICS)
+    fast: dict[str, ResourceView] = {}
+    assert folder.fold(fast, mixed) == [] and folder.one_by_one == 0
+    slow: dict[str, ResourceView] = {}
+    for msg in mixed:
+        PartFolder(TOPICS)._fold_one(slow.setdefault(folder.part_of(msg.topic(), msg.partition()),
+                                                     folder.new_part()), msg, [])
+    for name in fast:
+        assert view_codec.to_data(fast[name]) == view_codec.to_data(slow[name])
+
+
 def test_bad_messages_in_a_telemetry_run_are_named_and_the_rest_folded():
     msgs = messages(scenario_events(seconds=3))
     tele = [m for m in msgs if m.topic() == TOPICS.telemetry and m.partition() == 0]
@@ -270,8 +300,10 @@ def test_bad_messages_in_a_telemetry_run_are_named_and_the_rest_folded():
                         key=b"someone-else", value=tele[1].value())
     batch = [corrupt if m is victim else wrong_key if m is tele[1] else m for m in tele]
     parts: dict[str, ResourceView] = {}
-    failed = PartFolder(TOPICS).fold(parts, batch)
+    folder = OneByOne(TOPICS)
+    failed = folder.fold(parts, batch)
     assert sorted(m.offset() for m, _ in failed) == sorted([victim.offset(), tele[1].offset()])
+    assert folder.one_by_one == 2  # only the bad two left the batch path
     reasons = " | ".join(str(e) for _, e in failed)
     assert "bytes left after the record" in reasons and "is not the record's node_id" in reasons
     view = parts[shard_part(0)]
