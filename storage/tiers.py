@@ -305,12 +305,22 @@ class TieredStore:
             raise StorageError(f"{sql.split()[0]} on {self.data.table}: {exc}") from None
 
     def _fingerprint(self, source: str, where: str = "1") -> tuple[int, str, int, int]:
+        return self._archive_source(source, where, whole_floats=False)[0]
+
+    def _archive_source(self, source: str, where: str = "1", whole_floats: bool = True
+                        ) -> tuple[tuple[int, str, int, int], list[str]]:
+        """The rows' fingerprint (count, checksum, min and max time) and, in the same read,
+        the float columns whose every value is a whole number (see `archive_layout`)."""
         ts = self.data.ts_column
-        (rows, checksum, low, high), = self._query(
+        floats = ([name for name, kind in self._column_types() if "Float" in kind]
+                  if whole_floats else [])
+        counts = "".join(f", countIf(NOT {_whole_numbers(name)})" for name in floats)
+        (rows, checksum, low, high, *not_whole), = self._query(
             f"SELECT count(), toString(sum(cityHash64(tuple({self._columns()})))), "
-            f"toUnixTimestamp64Milli(min({ts})), toUnixTimestamp64Milli(max({ts})) "
+            f"toUnixTimestamp64Milli(min({ts})), toUnixTimestamp64Milli(max({ts})){counts} "
             f"FROM {source} WHERE {where}")
-        return int(rows), str(checksum), int(low), int(high)
+        whole = [name for name, count in zip(floats, not_whole, strict=True) if count == 0]
+        return (int(rows), str(checksum), int(low), int(high)), whole
 
     def manifests(self, tier: str) -> list[Manifest]:
         """The committed manifests of a tier (read from the bucket once, then kept current by
@@ -542,13 +552,13 @@ class TieredStore:
         sources = [m for m in self.manifests(WARM) if m.partition.startswith(day)]
         keys = sorted(m.key for m in sources)
         expected_rows = sum(m.rows for m in sources)
-        rows, checksum, low, high = self._fingerprint(self._s3(keys))
+        (rows, checksum, low, high), whole = self._archive_source(self._s3(keys))
         if rows != expected_rows:
             raise IntegrityError(f"warm objects of {day} hold {rows} rows, their manifests "
                                  f"say {expected_rows}")
         order = ", ".join(self.data.order_by)
         self._write_archive(key, [f"SELECT {self._columns()} FROM {self._s3([source])} "
-                                  f"ORDER BY {order}" for source in keys], self._s3(keys))
+                                  f"ORDER BY {order}" for source in keys], whole)
         self.on_step("copied", day)
         copy = self._fingerprint(self._s3([key]))
         if copy[:2] != (rows, checksum):
@@ -562,20 +572,13 @@ class TieredStore:
         self.stats.rows_moved += rows
         return keys
 
-    def _write_archive(self, key: str, selects: Sequence[str], rows_from: str) -> None:
+    def _write_archive(self, key: str, selects: Sequence[str], whole: Sequence[str]) -> None:
         """One Parquet archive of the warm objects, written here rather than by ClickHouse,
-        whose writer picks no encodings: float columns that hold only whole numbers (asked of
-        `rows_from`, the archive's rows as a FROM clause) are stored as integers, and each
-        column gets the encoding that compresses a sample of it best (`archive_layout`); zstd
-        19. `selects` are read one at a time (an hour each, sorted), so memory holds an hour,
-        not a day."""
-        floats = [name for name, kind in self._column_types() if "Float" in kind]
-        whole: list[str] = []
-        if floats:
-            (counts,) = self._query(
-                "SELECT " + ", ".join(f"countIf(NOT {_whole_numbers(name)})" for name in floats)
-                + f" FROM {rows_from}")
-            whole = [name for name, count in zip(floats, counts, strict=True) if count == 0]
+        whose writer picks no encodings: the float columns in `whole` (every value of the
+        archive a whole number, see `_archive_source`) are stored as integers, and each column
+        gets the encoding that compresses a sample of it best (`archive_layout`); zstd 19.
+        `selects` are read one at a time (an hour each, sorted), so memory holds an hour, not a
+        day."""
         with tempfile.NamedTemporaryFile(suffix=".parquet") as spool:
             writer: pq.ParquetWriter | None = None
             pending: list[pa.Table] = []
@@ -650,7 +653,7 @@ class TieredStore:
         else:
             keep = f"_tenant NOT IN ({', '.join(_lit(t) for t in purged)})"
         source = self._tenanted(self._s3([m.key]))
-        rows, checksum, low, high = self._fingerprint(source, keep)
+        (rows, checksum, low, high), whole = self._archive_source(source, keep)
         if rows == 0:
             self._expire(m)
             return
@@ -662,7 +665,7 @@ class TieredStore:
             f"SELECT {self._columns()} FROM {source} WHERE {keep} AND {ts} >= "
             f"fromUnixTimestamp64Milli({hour}, 'UTC') AND {ts} < fromUnixTimestamp64Milli("
             f"{hour + HOUR_MS}, 'UTC') ORDER BY {order}"
-            for hour in range(day, day + DAY_MS, HOUR_MS)], f"{source} WHERE {keep}")
+            for hour in range(day, day + DAY_MS, HOUR_MS)], whole)
         self.on_step("copied", m.partition)
         copy = self._fingerprint(self._s3([key]))
         if copy[:2] != (rows, checksum):

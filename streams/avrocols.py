@@ -54,6 +54,11 @@ def avro_long(value: int) -> bytes:
         out.append(byte | 0x80)
 
 
+# The reason the native decoder gives for a message another writer schema wrote (or that is
+# not single-object Avro at all): a caller may decode those with another program.
+OTHER_WRITER = "another writer schema or not single-object Avro"
+
+
 class Unsupported(Exception):
     """The writer schema uses a construct the native decoder does not run."""
 
@@ -230,12 +235,15 @@ class Program:
             self._per_message = [(len(data) / len(values), count / len(values))
                                  for data, _, _, count, _ in columns]
         arrays: dict[int, pa.Array] = {}
-        ends: dict[str, np.ndarray] = {}
+        ends: dict[str, np.ndarray] = {}  # by level, for the arrays of records
+        list_ends: dict[int, np.ndarray] = {}  # by column, for the arrays of scalars
         for index, column in enumerate(self._columns):
             data, offsets, valid, count, nulls = columns[index]
             validity = None if valid is None else pa.py_buffer(valid)
-            if column.kind in ("ends", "list"):
-                ends[column.child or str(index)] = np.frombuffer(data, np.int32)
+            if column.kind == "ends":
+                ends[column.child] = np.frombuffer(data, np.int32)
+            elif column.kind == "list":
+                list_ends[index] = np.frombuffer(data, np.int32)
             elif column.width == 0:
                 arrays[index] = pa.Array.from_buffers(
                     column.type, count, [validity, pa.py_buffer(offsets), pa.py_buffer(data)],
@@ -252,7 +260,7 @@ class Program:
             if column.kind == "scalar":
                 tables[column.level][column.name] = arrays[index]
             elif column.kind == "list":
-                offsets = pa.array(np.concatenate(([0], ends.pop(str(index)))), pa.int32())
+                offsets = pa.array(np.concatenate(([0], list_ends[index])), pa.int32())
                 tables[column.level][column.name] = pa.ListArray.from_arrays(
                     offsets, arrays[column.ref])
         return Decoded({level: pa.table(cols) for level, cols in tables.items()}, ends,

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from fleetline.streams.avrocols import Decoded, Program, Unsupported
+from fleetline.streams.avrocols import OTHER_WRITER, Decoded, Program, Unsupported
 from fleetline.streams.events import NODE_TELEMETRY
 from fleetline.streams.serde import HEADER_LEN, MAGIC, AvroCodec
 
@@ -111,9 +111,9 @@ class TelemetryBatchDecoder:
             decoded = program.decode(values if whole else [values[i] for i in at],
                                      keys if whole else [keys[i] for i in at], "node_id")
             parts.append((at[decoded.indices()], decoded))
-            others = [i for i, why in decoded.failed.items() if why.startswith("another writer")]
+            others = [i for i, why in decoded.failed.items() if why == OTHER_WRITER]
             failed.update((int(at[i]), why) for i, why in decoded.failed.items()
-                          if not why.startswith("another writer"))
+                          if why != OTHER_WRITER)
             if others:
                 pending.append(at[others])
         return parts, failed

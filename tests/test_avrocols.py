@@ -9,7 +9,7 @@ import random
 import fastavro
 import pytest
 
-from fleetline.streams.avrocols import Program, Unsupported
+from fleetline.streams.avrocols import OTHER_WRITER, Program, Unsupported
 from fleetline.streams.avrocols import avro_long as _zigzag
 
 SCHEMA = {
@@ -120,6 +120,11 @@ def test_a_malformed_message_is_left_out_named_and_shifts_nothing(mangle, reason
     assert decoded.tables[""]["where.n"].to_pylist() == [7, -1]
     assert decoded.tables["items"]["tags"].to_pylist() == [[1, -2], [], [2**31 - 1]]
     assert decoded.ends["items"].tolist() == [2, 3]
+
+
+def test_another_writers_message_is_named_so_callers_can_tell_it_from_a_bad_one():
+    other = b"\xc3\x01" + b"\x01" * 8 + body(records()[0])[10:]
+    assert program().decode([other, b"junk"]).failed == {0: OTHER_WRITER, 1: OTHER_WRITER}
 
 
 def test_a_record_whose_key_differs_is_left_out():
