@@ -6,8 +6,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test lint bench services-start services-stop clean
 
-# The native decoder (streams/_avrocols.c) is built by the install, so a change rebuilds it.
-$(STAMP): pyproject.toml streams/_avrocols.c
+# The native decoder (fleetline/streams/_avrocols.c) is built by the install, so a change rebuilds it.
+$(STAMP): pyproject.toml fleetline/streams/_avrocols.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'

@@ -15,8 +15,8 @@ from _common import local_services, report
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fleetline.config import Settings
-from fleetline.processors.audit import Signer, chain_event, export_entry, verify
-from fleetline.processors.audit_chain import (
+from fleetline.processors.audit.chain import Signer, chain_event, export_entry, verify
+from fleetline.processors.audit.runtime import (
     APPLICATION_ID,
     KafkaAuditEmitter,
     audit_chainer,

@@ -26,12 +26,12 @@ import uuid
 from _common import report
 
 from fleetline.agents.simulator import ClusterSpec, Fault, FleetSimulator, cluster_info
-from fleetline.processors.capacity import indices_of, observe
-from fleetline.processors.scheduler import Decision, Scheduler
-from fleetline.processors.scheduler_codec import canonical_json, new_request, submit_request
-from fleetline.processors.specs import parse_spec
-from fleetline.processors.view import GPU_FIELDS, ResourceView, apply, fold_telemetry
-from fleetline.processors.view_runtime import tune_gc_for_large_state
+from fleetline.processors.scheduling.capacity import indices_of, observe
+from fleetline.processors.scheduling.codec import canonical_json, new_request, submit_request
+from fleetline.processors.scheduling.scheduler import Decision, Scheduler
+from fleetline.processors.scheduling.specs import parse_spec
+from fleetline.processors.view.fold import GPU_FIELDS, ResourceView, apply, fold_telemetry
+from fleetline.processors.view.runtime import tune_gc_for_large_state
 from fleetline.streams.serde import default_codec
 
 BASE_MS = 1_796_000_000_000
@@ -263,7 +263,7 @@ def _serve_scheduler(nodes: int, prefix: str, started, stop) -> None:
 
     from fleetline.api.http import StaticView
     from fleetline.config import Settings
-    from fleetline.processors.scheduler_runtime import SchedulerService
+    from fleetline.processors.scheduling.runtime import SchedulerService
     from fleetline.streams.topics import Topics
 
     tune_gc_for_large_state()
@@ -291,7 +291,7 @@ def e2e(nodes: int, jobs: int, rate: float) -> dict[str, object]:
     from _common import local_services
 
     from fleetline.config import Settings
-    from fleetline.processors.scheduler_runtime import scheduler_topics, send
+    from fleetline.processors.scheduling.runtime import scheduler_topics, send
     from fleetline.streams import kafka as kafka_clients
     from fleetline.streams.topics import Topics
 

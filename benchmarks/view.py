@@ -22,8 +22,8 @@ from _common import local_services, report
 from fleetline.agents.simulator import ClusterSpec, FleetSimulator
 from fleetline.config import Settings
 from fleetline.processors.replay import log_bounds, rebuild
-from fleetline.processors.view_read import cluster_capacity
-from fleetline.processors.view_runtime import tune_gc_for_large_state
+from fleetline.processors.view.read import cluster_capacity
+from fleetline.processors.view.runtime import tune_gc_for_large_state
 from fleetline.storage.objects import ObjectStore
 from fleetline.storage.snapshots import S3ViewSnapshots
 from fleetline.streams import kafka as kafka_clients

@@ -10,11 +10,11 @@ from typing import Any
 import yaml
 
 from fleetline.agents.simulator import ClusterSpec, Fault, FleetSimulator, cluster_info
-from fleetline.processors.capacity import observe
-from fleetline.processors.scheduler import Decision, Effect, Scheduler
-from fleetline.processors.scheduler_codec import canonical_json, new_request
-from fleetline.processors.scheduling import SchedulingPolicy
-from fleetline.processors.view import ResourceView, fold_telemetry
+from fleetline.processors.scheduling.capacity import observe
+from fleetline.processors.scheduling.codec import canonical_json, new_request
+from fleetline.processors.scheduling.pipeline import SchedulingPolicy
+from fleetline.processors.scheduling.scheduler import Decision, Effect, Scheduler
+from fleetline.processors.view.fold import ResourceView, fold_telemetry
 from tests.support import BASE_MS
 from tests.test_view import fold
 
@@ -32,7 +32,7 @@ def fleet_view(clusters: list[ClusterSpec], seconds: int = 2, faults: Iterable[F
 
 
 def advance(view: ResourceView, sim: FleetSimulator, first: int, last: int) -> ResourceView:
-    from fleetline.processors.view import GPU_FIELDS
+    from fleetline.processors.view.fold import GPU_FIELDS
 
     for t in range(first, last + 1):
         ts = BASE_MS + t * 1000

@@ -8,7 +8,7 @@ import json
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from fleetline.processors.audit import (
+from fleetline.processors.audit.chain import (
     Signer,
     chain_event,
     content_digest_of,
@@ -17,7 +17,7 @@ from fleetline.processors.audit import (
     stub_entry,
     verify,
 )
-from fleetline.processors.audit_chain import new_event
+from fleetline.processors.audit.runtime import new_event
 from fleetline.storage import audit_export
 from fleetline.streams.serde import default_codec
 from tests.support import BASE_MS

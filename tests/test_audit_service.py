@@ -18,8 +18,8 @@ from fastapi.testclient import TestClient
 from fleetline.api.auth import AuthConfig, Authenticator, token_digest
 from fleetline.api.http import StaticView, create_app
 from fleetline.cli import main
-from fleetline.processors.audit import Signer, export_entry, verify
-from fleetline.processors.audit_chain import (
+from fleetline.processors.audit.chain import Signer, export_entry, verify
+from fleetline.processors.audit.runtime import (
     APPLICATION_ID,
     KafkaAuditEmitter,
     audit_chainer,
@@ -82,7 +82,7 @@ def audit_env(settings, clickhouse, tmp_path, monkeypatch):
                                 [*topics.specs(), topics.changelog_spec(APPLICATION_ID, "chain")])
     migrate(clickhouse, settings.clickhouse_database)
     key_path = tmp_path / "signing-key.pem"
-    from fleetline.processors.audit_chain import load_signer
+    from fleetline.processors.audit.runtime import load_signer
 
     signer = load_signer(key_path, create=True)
     secret = base64.b64encode(os.urandom(32)).decode()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fleetline.errors import InvalidEventError
-from fleetline.processors.live_view import NodeSummary, apply, summarize
+from fleetline.processors.view.summary import NodeSummary, apply, summarize
 from fleetline.streams.serde import Decoded, default_codec
 from tests.support import BASE_MS, small_fleet
 

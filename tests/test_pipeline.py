@@ -6,7 +6,7 @@ from __future__ import annotations
 from fleetline.agents.simulator import default_clusters
 from fleetline.cli import main
 from fleetline.pipeline import run_slice
-from fleetline.processors import view_codec
+from fleetline.processors.view import codec as view_codec
 from fleetline.storage.objects import ObjectStore
 from tests.support import BASE_MS, fresh_topics
 

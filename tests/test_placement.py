@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 
 from fleetline.agents.simulator import ClusterSpec, FleetSimulator
-from fleetline.processors.placement import Placement, Unplaceable, place_training
-from fleetline.processors.specs import parse_specs
-from fleetline.processors.view import apply
+from fleetline.processors.scheduling.placement import Placement, Unplaceable, place_training
+from fleetline.processors.scheduling.specs import parse_specs
+from fleetline.processors.view.fold import apply
 from tests.support import BASE_MS
 from tests.test_view import allocation, decoded, fold, scenario_events
 

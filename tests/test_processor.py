@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fleetline.processors import live_view
+from fleetline.processors.view import summary as live_view
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.deadletter import read_dead_letter
 from fleetline.streams.processor import TransactionalProcessor

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from fleetline.agents.simulator import ClusterSpec, Fault
-from fleetline.processors.scheduler import AllocationChange, DatasetRecord, PrewarmOrder
-from fleetline.processors.scheduling import DEFAULT_WEIGHTS, SchedulingPolicy
+from fleetline.processors.scheduling.pipeline import DEFAULT_WEIGHTS, SchedulingPolicy
+from fleetline.processors.scheduling.scheduler import AllocationChange, DatasetRecord, PrewarmOrder
 from tests.scheduling_support import (
     Driver,
     advance,

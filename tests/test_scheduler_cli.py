@@ -17,8 +17,8 @@ import pytest
 
 from fleetline.agents.simulator import ClusterSpec, cluster_info
 from fleetline.cli import main
-from fleetline.processors.scheduler_codec import new_request
-from fleetline.processors.scheduler_runtime import decisions_of, scheduler_topics, submit
+from fleetline.processors.scheduling.codec import new_request
+from fleetline.processors.scheduling.runtime import decisions_of, scheduler_topics, submit
 from fleetline.streams import kafka as kafka_clients
 from tests.scheduling_support import training
 from tests.support import BASE_MS, fresh_topics

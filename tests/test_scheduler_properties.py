@@ -9,10 +9,10 @@ import json
 import random
 
 from fleetline.agents.simulator import ClusterSpec, Fault
-from fleetline.processors.capacity import CapacityIndex, indices_of, observe
-from fleetline.processors.scheduler import Scheduler
-from fleetline.processors.scheduler_codec import effect_record
-from fleetline.processors.tenancy import HOUR_MS
+from fleetline.processors.scheduling.capacity import CapacityIndex, indices_of, observe
+from fleetline.processors.scheduling.codec import effect_record
+from fleetline.processors.scheduling.scheduler import Scheduler
+from fleetline.processors.scheduling.tenancy import HOUR_MS
 from fleetline.streams.serde import default_codec
 from tests.scheduling_support import Driver, advance, dataset, fleet_view, service, training
 from tests.support import BASE_MS

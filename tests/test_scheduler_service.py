@@ -13,11 +13,10 @@ import pytest
 
 from fleetline.agents.simulator import ClusterSpec, cluster_info
 from fleetline.config import Settings
-from fleetline.processors import view_read
-from fleetline.processors.capacity import observe
 from fleetline.processors.replay import ViewFollower, rebuild
-from fleetline.processors.scheduler_codec import canonical_json, new_request, submit_request
-from fleetline.processors.scheduler_runtime import (
+from fleetline.processors.scheduling.capacity import observe
+from fleetline.processors.scheduling.codec import canonical_json, new_request, submit_request
+from fleetline.processors.scheduling.runtime import (
     SchedulerService,
     decisions_of,
     job_records,
@@ -26,8 +25,9 @@ from fleetline.processors.scheduler_runtime import (
     scheduler_topics,
     submit,
 )
-from fleetline.processors.specs import parse_spec
-from fleetline.processors.view_runtime import ViewProcessor
+from fleetline.processors.scheduling.specs import parse_spec
+from fleetline.processors.view import read as view_read
+from fleetline.processors.view.runtime import ViewProcessor
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.topics import Topics
 from tests.scheduling_support import dataset, service, training

@@ -7,15 +7,15 @@ import pytest
 
 from fleetline.agents.simulator import ClusterSpec
 from fleetline.errors import ConfigError
-from fleetline.processors.capacity import CapacityIndex, observe
-from fleetline.processors.placement import training_shape
-from fleetline.processors.scheduling import (
+from fleetline.processors.scheduling.capacity import CapacityIndex, observe
+from fleetline.processors.scheduling.pipeline import (
     Context,
     JobRequest,
     SchedulingPolicy,
     rank_clusters,
 )
-from fleetline.processors.specs import parse_spec
+from fleetline.processors.scheduling.placement import training_shape
+from fleetline.processors.scheduling.specs import parse_spec
 from tests.scheduling_support import fleet_view, training
 
 CLUSTERS = [ClusterSpec("us-east-a", "us-east", 4), ClusterSpec("eu-west-a", "eu-west", 4),

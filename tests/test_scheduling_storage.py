@@ -9,9 +9,9 @@ import time
 import pytest
 
 from fleetline.agents.simulator import ClusterSpec, FleetSimulator
-from fleetline.processors.scheduler import AllocationChange
-from fleetline.processors.scheduler_codec import effect_record
-from fleetline.processors.scheduler_runtime import scheduler_topics
+from fleetline.processors.scheduling.codec import effect_record
+from fleetline.processors.scheduling.runtime import scheduler_topics
+from fleetline.processors.scheduling.scheduler import AllocationChange
 from fleetline.storage.clickhouse import migrate
 from fleetline.storage.hot_sink import HotSampleStore, SourcedTelemetry, to_columns
 from fleetline.storage.objects import ObjectStore

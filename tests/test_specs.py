@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetline.processors.specs import (
+from fleetline.processors.scheduling.specs import (
     Dataset,
     InferenceService,
     SpecError,

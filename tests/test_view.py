@@ -11,8 +11,9 @@ from confluent_kafka import Message
 
 from fleetline.agents.simulator import ClusterSpec, FleetSimulator, load_faults
 from fleetline.errors import InvalidEventError
-from fleetline.processors import view_codec, view_read
-from fleetline.processors.view import (
+from fleetline.processors.view import codec as view_codec
+from fleetline.processors.view import read as view_read
+from fleetline.processors.view.fold import (
     DEGRADED,
     FAILED,
     HEALTHY,
@@ -22,7 +23,7 @@ from fleetline.processors.view import (
     gpu_health,
     node_status,
 )
-from fleetline.processors.view_runtime import FLEET_PART, PartFolder, shard_part
+from fleetline.processors.view.runtime import FLEET_PART, PartFolder, shard_part
 from fleetline.streams.partitioner import partition_for
 from fleetline.streams.serde import default_codec
 from fleetline.streams.topics import Topics

@@ -17,10 +17,10 @@ import pytest
 
 from fleetline.config import Settings
 from fleetline.errors import IntegrityError
-from fleetline.processors import view_codec
 from fleetline.processors.replay import log_bounds, offsets_at, rebuild, walk
-from fleetline.processors.view import ResourceView, compose
-from fleetline.processors.view_runtime import FLEET_PART, ViewProcessor, shard_part
+from fleetline.processors.view import codec as view_codec
+from fleetline.processors.view.fold import ResourceView, compose
+from fleetline.processors.view.runtime import FLEET_PART, ViewProcessor, shard_part
 from fleetline.storage.objects import ObjectStore
 from fleetline.storage.snapshots import S3ViewSnapshots
 from fleetline.streams import kafka as kafka_clients

@@ -29,20 +29,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fleetline.errors import FleetlineError, InvalidEventError
-from fleetline.processors.capacity import (
+from fleetline.processors.scheduling.capacity import (
     CapacityIndex,
     DatasetFacts,
     FleetFacts,
     indices_of,
 )
-from fleetline.processors.placement import (
-    Placement,
-    inference_shape,
-    refs_by_node,
-    training_shape,
-)
-from fleetline.processors.preemption import Victim, plan_eviction
-from fleetline.processors.scheduling import (
+from fleetline.processors.scheduling.pipeline import (
     FLEET_FILTERS,
     ClusterScore,
     Context,
@@ -56,14 +49,21 @@ from fleetline.processors.scheduling import (
     rank_clusters,
     replace_request,
 )
-from fleetline.processors.specs import (
+from fleetline.processors.scheduling.placement import (
+    Placement,
+    inference_shape,
+    refs_by_node,
+    training_shape,
+)
+from fleetline.processors.scheduling.preemption import Victim, plan_eviction
+from fleetline.processors.scheduling.specs import (
     Dataset,
     InferenceService,
     SpecError,
     TrainingJob,
     parse_spec,
 )
-from fleetline.processors.tenancy import (
+from fleetline.processors.scheduling.tenancy import (
     PRIORITIES,
     Request,
     TenantPolicy,

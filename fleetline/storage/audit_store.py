@@ -14,7 +14,7 @@ from typing import Any
 from clickhouse_connect.driver.client import Client
 
 from fleetline.errors import IntegrityError, QueryError, StorageError
-from fleetline.processors.audit import EVENT_FIELDS, digest_content, export_entry
+from fleetline.processors.audit.chain import EVENT_FIELDS, digest_content, export_entry
 from fleetline.storage.crypto import SealedObjectStore
 from fleetline.storage.offset_sink import Destination, Sourced, table_resume_offsets
 

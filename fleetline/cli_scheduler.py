@@ -24,7 +24,7 @@ def _documents(path: str) -> tuple[list[Any], list[dict[str, Any]]]:
     """The specs of a file (or stdin), validated, with their documents; exit 1 on field errors."""
     import yaml
 
-    from fleetline.processors.specs import SpecError, parse_specs
+    from fleetline.processors.scheduling.specs import SpecError, parse_specs
 
     text = sys.stdin.read() if path == "-" else Path(path).read_text()
     try:
@@ -39,7 +39,7 @@ def _documents(path: str) -> tuple[list[Any], list[dict[str, Any]]]:
 
 def _audit(settings: Settings, topics: Topics, actor: str, operation: str, targets: list[str],
            request_ids: list[str], tenant: str | None = None) -> None:
-    from fleetline.processors.audit_chain import KafkaAuditEmitter, new_event
+    from fleetline.processors.audit.runtime import KafkaAuditEmitter, new_event
 
     emitter = KafkaAuditEmitter(settings.kafka, topics)
     for target, request_id in zip(targets, request_ids, strict=True):
@@ -55,7 +55,7 @@ def _wait_for_decisions(settings: Settings, topics: Topics, keys: list[str], off
                         timeout_s: float) -> dict[str, dict[str, Any]]:
     """The latest decision about each key made at or after its request's log offset, once each
     is settled (placed, accepted or rejected) or the time is up (then it may be QUEUED)."""
-    from fleetline.processors.scheduler_runtime import DecisionFollower
+    from fleetline.processors.scheduling.runtime import DecisionFollower
 
     wanted = dict(zip(keys, offsets, strict=True))
     latest: dict[str, dict[str, Any]] = {}
@@ -75,8 +75,8 @@ def _wait_for_decisions(settings: Settings, topics: Topics, keys: list[str], off
 
 
 def cmd_apply(args: argparse.Namespace, settings: Settings) -> int:
-    from fleetline.processors.scheduler_codec import datasets_first, submit_request
-    from fleetline.processors.scheduler_runtime import submit
+    from fleetline.processors.scheduling.codec import datasets_first, submit_request
+    from fleetline.processors.scheduling.runtime import submit
 
     specs, documents = _documents(args.file)
     topics = Topics(args.topic_prefix)
@@ -104,8 +104,8 @@ def cmd_apply(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_delete(args: argparse.Namespace, settings: Settings) -> int:
-    from fleetline.processors.scheduler_codec import new_request
-    from fleetline.processors.scheduler_runtime import submit
+    from fleetline.processors.scheduling.codec import new_request
+    from fleetline.processors.scheduling.runtime import submit
 
     keys: list[tuple[str, str]] = []  # (request key, tenant)
     if args.file:
@@ -145,13 +145,13 @@ def _age(ms: int | None) -> str:
 
 
 def _state(settings: Settings, topics: Topics):
-    from fleetline.processors.scheduler_runtime import read_state
+    from fleetline.processors.scheduling.runtime import read_state
 
     return read_state(settings.kafka, topics)
 
 
 def cmd_get(args: argparse.Namespace, settings: Settings) -> int:
-    from fleetline.processors.scheduler_runtime import job_records
+    from fleetline.processors.scheduling.runtime import job_records
 
     store = _state(settings, Topics(args.topic_prefix))
     if args.what == "jobs":
@@ -246,7 +246,7 @@ def _print_alternatives(alternatives: Iterable[dict[str, Any]]) -> None:
 
 
 def cmd_explain(args: argparse.Namespace, settings: Settings) -> int:
-    from fleetline.processors.scheduler_runtime import decisions_of
+    from fleetline.processors.scheduling.runtime import decisions_of
 
     topics = Topics(args.topic_prefix)
     job = _job_or_fail(settings, topics, args.job)
@@ -282,9 +282,9 @@ def _pairs(items: list[str] | None, what: str) -> dict[str, int]:
 
 
 def cmd_quota(args: argparse.Namespace, settings: Settings) -> int:
-    from fleetline.processors.scheduler_codec import canonical_json, new_request
-    from fleetline.processors.scheduler_runtime import submit
-    from fleetline.processors.tenancy import TenantPolicy
+    from fleetline.processors.scheduling.codec import canonical_json, new_request
+    from fleetline.processors.scheduling.runtime import submit
+    from fleetline.processors.scheduling.tenancy import TenantPolicy
 
     policy = {"tenant": args.tenant, "share": args.share,
               "reserved": _pairs(args.reserve, "--reserve"),

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import combinations
 
-from fleetline.processors.capacity import CapacityIndex, GangShape, pick
+from fleetline.processors.scheduling.capacity import CapacityIndex, GangShape, pick
 
 # Subsets of a node's victims tried exhaustively up to this many jobs on one node; beyond it
 # only single victims and all of them (a node rarely holds more than eight jobs).

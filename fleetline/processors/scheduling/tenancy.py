@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleetline.errors import InvalidEventError
-from fleetline.processors.specs import parse_size
+from fleetline.processors.scheduling.specs import parse_size
 
 PRIORITIES = {"critical": 4, "high": 3, "normal": 2, "low": 1, "best-effort": 0}
 HOUR_MS = 3_600_000

@@ -6,7 +6,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fleetline.processors.scheduler import (
+from fleetline.processors.scheduling.scheduler import (
     REQUEST_KINDS,
     AllocationChange,
     DatasetRecord,
@@ -15,7 +15,7 @@ from fleetline.processors.scheduler import (
     PrewarmOrder,
     spec_key,
 )
-from fleetline.processors.specs import Spec
+from fleetline.processors.scheduling.specs import Spec
 from fleetline.streams.events import (
     ALLOCATION,
     DATASET_PREWARM,

@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives.serialization import (
 
 from fleetline.config import KafkaSettings
 from fleetline.errors import ConfigError, InvalidEventError
-from fleetline.processors.audit import (
+from fleetline.processors.audit.chain import (
     ChainHead,
     Signer,
     chain_event,

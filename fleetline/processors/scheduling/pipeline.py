@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fleetline.errors import ConfigError, FleetlineError
-from fleetline.processors.capacity import (
+from fleetline.processors.scheduling.capacity import (
     CapacityIndex,
     ClusterFacts,
     DatasetFacts,
@@ -26,8 +26,8 @@ from fleetline.processors.capacity import (
     Gang,
     GangShape,
 )
-from fleetline.processors.placement import Placement, refs_by_node, to_placement
-from fleetline.processors.tenancy import (
+from fleetline.processors.scheduling.placement import Placement, refs_by_node, to_placement
+from fleetline.processors.scheduling.tenancy import (
     Request,
     TenantPolicy,
     TenantUsage,

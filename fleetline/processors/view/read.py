@@ -7,7 +7,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import asdict
 from typing import Any
 
-from fleetline.processors.view import (
+from fleetline.processors.view.fold import (
     DEGRADED,
     FAILED,
     HEALTHY,

@@ -19,8 +19,8 @@ from confluent_kafka import TopicPartition
 
 from fleetline.config import KafkaSettings
 from fleetline.errors import StreamError
-from fleetline.processors.view import Change, HealthPolicy, ResourceView, compose, node_status
-from fleetline.processors.view_runtime import PartFolder
+from fleetline.processors.view.fold import Change, HealthPolicy, ResourceView, compose, node_status
+from fleetline.processors.view.runtime import PartFolder
 from fleetline.storage.snapshots import ViewSnapshots
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.topics import Topics

@@ -22,7 +22,7 @@ from functools import lru_cache
 from typing import Any
 
 from fleetline.errors import InvalidEventError
-from fleetline.processors.view import DEGRADED, FAILED, HEALTHY, ResourceView, node_status
+from fleetline.processors.view.fold import DEGRADED, FAILED, HEALTHY, ResourceView, node_status
 
 GpuRef = tuple[str, int]
 Offsets = dict[str, dict[int, int]]

@@ -21,14 +21,14 @@ from fleetline.agents.fleet import FleetAgent
 from fleetline.agents.simulator import ClusterSpec, Fault, FleetSimulator, cluster_info
 from fleetline.config import Settings
 from fleetline.errors import StreamError
-from fleetline.processors import view_read
-from fleetline.processors.audit import Signer, export_entry, verify
-from fleetline.processors.audit_chain import APPLICATION_ID as AUDIT_APP
-from fleetline.processors.audit_chain import KafkaAuditEmitter, audit_chainer, load_signer
-from fleetline.processors.capacity import observe
+from fleetline.processors.audit.chain import Signer, export_entry, verify
+from fleetline.processors.audit.runtime import APPLICATION_ID as AUDIT_APP
+from fleetline.processors.audit.runtime import KafkaAuditEmitter, audit_chainer, load_signer
 from fleetline.processors.replay import offsets_at, rebuild
-from fleetline.processors.scheduler_runtime import SchedulerService, scheduler_topics
-from fleetline.processors.view_runtime import APPLICATION_ID, ViewProcessor
+from fleetline.processors.scheduling.capacity import observe
+from fleetline.processors.scheduling.runtime import SchedulerService, scheduler_topics
+from fleetline.processors.view import read as view_read
+from fleetline.processors.view.runtime import APPLICATION_ID, ViewProcessor
 from fleetline.storage.audit_store import AuditTable
 from fleetline.storage.clickhouse import connect, migrate
 from fleetline.storage.hot_sink import HotSampleSink, HotSampleStore

@@ -23,7 +23,7 @@ from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, Messag
 
 from fleetline.config import KafkaSettings
 from fleetline.errors import FleetlineError, InvalidEventError
-from fleetline.processors.view import (
+from fleetline.processors.view.fold import (
     GPU_FIELDS,
     HealthPolicy,
     ResourceView,

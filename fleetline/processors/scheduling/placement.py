@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fleetline.processors.capacity import (
+from fleetline.processors.scheduling.capacity import (
     CapacityIndex,
     Gang,
     GangShape,
@@ -21,8 +21,8 @@ from fleetline.processors.capacity import (
     mask_of,
     observe,
 )
-from fleetline.processors.specs import InferenceService, TrainingJob
-from fleetline.processors.view import ResourceView
+from fleetline.processors.scheduling.specs import InferenceService, TrainingJob
+from fleetline.processors.view.fold import ResourceView
 
 
 @dataclass(frozen=True)

@@ -163,7 +163,7 @@ def _target(args: argparse.Namespace, settings: Settings, topics: Topics) -> dic
 
 def _rebuild(args: argparse.Namespace, settings: Settings):
     from fleetline.processors.replay import rebuild
-    from fleetline.processors.view_runtime import tune_gc_for_large_state
+    from fleetline.processors.view.runtime import tune_gc_for_large_state
 
     tune_gc_for_large_state()
     topics = Topics(args.topic_prefix)
@@ -172,8 +172,9 @@ def _rebuild(args: argparse.Namespace, settings: Settings):
 
 
 def _cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
-    from fleetline.processors import view_codec, view_read
     from fleetline.processors.replay import offsets_at, walk
+    from fleetline.processors.view import codec as view_codec
+    from fleetline.processors.view import read as view_read
 
     topics = Topics(args.topic_prefix)
     if args.decisions:
@@ -215,8 +216,8 @@ def _cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
 
 def _replay_decisions(args: argparse.Namespace, settings: Settings, topics: Topics) -> int:
     from fleetline.processors.replay import ViewFollower
-    from fleetline.processors.scheduler_runtime import replay_decisions
-    from fleetline.processors.view_runtime import tune_gc_for_large_state
+    from fleetline.processors.scheduling.runtime import replay_decisions
+    from fleetline.processors.view.runtime import tune_gc_for_large_state
 
     tune_gc_for_large_state()
     snapshots = None if args.no_snapshots else _snapshots(settings, args.topic_prefix,
@@ -235,7 +236,7 @@ def _replay_decisions(args: argparse.Namespace, settings: Settings, topics: Topi
 
 
 def _cmd_view(args: argparse.Namespace, settings: Settings) -> int:
-    from fleetline.processors import view_read
+    from fleetline.processors.view import read as view_read
 
     view = _rebuild(args, settings).view
     labels = dict(item.split("=", 1) for item in args.label or [] if "=" in item)
@@ -276,7 +277,7 @@ def _cmd_view(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _verify_keys(settings: Settings) -> dict:
-    from fleetline.processors.audit_chain import load_public_keys
+    from fleetline.processors.audit.runtime import load_public_keys
 
     paths = list(settings.audit_verify_keys)
     if not paths and settings.signing_key_path().exists():
@@ -299,21 +300,21 @@ def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     import signal
     import threading
 
-    from fleetline.processors.audit_chain import (
+    from fleetline.processors.audit.runtime import (
         APPLICATION_ID as AUDIT_APP,
     )
-    from fleetline.processors.audit_chain import (
+    from fleetline.processors.audit.runtime import (
         KafkaAuditEmitter,
         audit_chainer,
         load_signer,
     )
-    from fleetline.processors.scheduler_runtime import (
+    from fleetline.processors.scheduling.runtime import (
         KafkaJobs,
         SchedulerService,
         load_policy,
         scheduler_topics,
     )
-    from fleetline.processors.view_runtime import ViewProcessor
+    from fleetline.processors.view.runtime import ViewProcessor
     from fleetline.storage.audit_store import AuditArchive, AuditTable
     from fleetline.storage.clickhouse import connect, migrate
     from fleetline.storage.hot_sink import HotSampleSink, HotSampleStore
@@ -347,8 +348,8 @@ def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     workers: list = [processor]
     scheduler = None
     if not args.no_scheduler:
-        from fleetline.processors.capacity import observe
         from fleetline.processors.replay import rebuild
+        from fleetline.processors.scheduling.capacity import observe
 
         def facts_at(offsets: dict) -> object:
             return observe(rebuild(settings.kafka, topics, offsets, snapshots).view)
@@ -458,7 +459,7 @@ class _TierLoop:
 
 def _audit_records(args: argparse.Namespace, settings: Settings) -> list:
     if args.source == "kafka":
-        from fleetline.processors.audit_chain import read_chain
+        from fleetline.processors.audit.runtime import read_chain
 
         return read_chain(settings.kafka, Topics(args.topic_prefix))
     from fleetline.storage.audit_store import AuditTable
@@ -471,8 +472,8 @@ def _audit_records(args: argparse.Namespace, settings: Settings) -> list:
 def _cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
     from pathlib import Path
 
-    from fleetline.processors.audit import export_entry, masked_event, verify
-    from fleetline.processors.audit_chain import export_window
+    from fleetline.processors.audit.chain import export_entry, masked_event, verify
+    from fleetline.processors.audit.runtime import export_window
     from fleetline.storage import audit_export
 
     since = parse_time_ms(args.since) if getattr(args, "since", None) else None
@@ -610,7 +611,7 @@ def _tenant_retention(values: list[str], day_ms: int) -> tuple[tuple[str, int | 
 def _cmd_validate(args: argparse.Namespace, settings: Settings) -> int:
     from pathlib import Path
 
-    from fleetline.processors.specs import SpecError, parse_specs
+    from fleetline.processors.scheduling.specs import SpecError, parse_specs
 
     text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
     try:
@@ -724,7 +725,7 @@ def _cmd_command(args: argparse.Namespace, settings: Settings) -> int:
                      value=default_codec().encode("NodeCommand", record))
     if producer.flush(30):
         raise FleetlineError("the command was not delivered within 30 s")
-    from fleetline.processors.audit_chain import KafkaAuditEmitter, new_event
+    from fleetline.processors.audit.runtime import KafkaAuditEmitter, new_event
 
     emitter = KafkaAuditEmitter(settings.kafka, topics)
     emitter.emit(new_event(ts=record["ts"], actor=args.issued_by, actor_role="operator",

@@ -10,21 +10,21 @@ from typing import Any
 
 from fleetline.config import Settings
 from fleetline.processors.replay import ViewFollower
-from fleetline.processors.scheduler import spec_key
-from fleetline.processors.scheduler_codec import (
+from fleetline.processors.scheduling.codec import (
     canonical_json,
     datasets_first,
     new_request,
     submit_request,
 )
-from fleetline.processors.scheduler_runtime import (
+from fleetline.processors.scheduling.runtime import (
     DecisionFollower,
     SchedulerService,
     decisions_of,
     replay_decisions,
     submit,
 )
-from fleetline.processors.specs import parse_spec
+from fleetline.processors.scheduling.scheduler import spec_key
+from fleetline.processors.scheduling.specs import parse_spec
 from fleetline.storage.snapshots import ViewSnapshots
 from fleetline.streams.topics import Topics
 
@@ -86,7 +86,7 @@ def settle(settings: Settings, topics: Topics, scheduler: SchedulerService, view
            keys: set[str], timeout_s: float = 60.0) -> None:
     """Wait until every key has a decision and the view has folded the allocations the
     scheduler holds (its own records reach the view through the log, a moment later)."""
-    from fleetline.processors import view_read
+    from fleetline.processors.view import read as view_read
 
     deadline = time.monotonic() + timeout_s
     decided: set[str] = set()

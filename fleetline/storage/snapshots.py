@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fleetline.errors import IntegrityError, StorageError
-from fleetline.processors import view_codec
-from fleetline.processors.view import ResourceView
+from fleetline.processors.view import codec as view_codec
+from fleetline.processors.view.fold import ResourceView
 from fleetline.storage.objects import ObjectStore
 
 Offsets = Mapping[str, Mapping[int, int]]

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from fleetline.errors import ConfigError
 
-REPO_ROOT = Path(__file__).resolve().parent
+# The checkout this package is installed from (editable), where .data/ and .cache/ live.
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)

@@ -30,16 +30,16 @@ from confluent_kafka import OFFSET_BEGINNING, KafkaError, Message, TopicPartitio
 
 from fleetline.config import KafkaSettings
 from fleetline.errors import ConfigError, InvalidEventError, StreamError
-from fleetline.processors.capacity import FleetFacts, observe
-from fleetline.processors.scheduler import Decision, Effect, Scheduler
-from fleetline.processors.scheduler_codec import (
+from fleetline.processors.scheduling.capacity import FleetFacts, observe
+from fleetline.processors.scheduling.codec import (
     canonical_json,
     effect_record,
     new_request,
     offsets_of,
 )
-from fleetline.processors.scheduling import SchedulingPolicy
-from fleetline.processors.view import ResourceView
+from fleetline.processors.scheduling.pipeline import SchedulingPolicy
+from fleetline.processors.scheduling.scheduler import Decision, Effect, Scheduler
+from fleetline.processors.view.fold import ResourceView
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.events import (
     ALLOCATION,

@@ -27,10 +27,10 @@ from fleetline.errors import (
     QueryError,
     StorageError,
 )
-from fleetline.processors import view_read
-from fleetline.processors.audit import is_sensitive, masked_event
-from fleetline.processors.audit_chain import new_event
-from fleetline.processors.view import ResourceView
+from fleetline.processors.audit.chain import is_sensitive, masked_event
+from fleetline.processors.audit.runtime import new_event
+from fleetline.processors.view import read as view_read
+from fleetline.processors.view.fold import ResourceView
 from fleetline.storage.audit_store import AuditQuery, AuditTable
 
 log = logging.getLogger(__name__)
@@ -323,8 +323,8 @@ def create_app(source: ViewSource, authenticator: Authenticator, audit: AuditEmi
     @route("POST", "/v1/jobs", Rule("jobs", "write"), status_code=202,
            summary="Submit TrainingJob / InferenceService / Dataset specs (YAML or JSON body)")
     async def apply_specs(request: Request, tenant: str | None = None) -> dict[str, Any]:
-        from fleetline.processors.scheduler_codec import datasets_first, submit_request
-        from fleetline.processors.specs import SpecError, parse_specs
+        from fleetline.processors.scheduling.codec import datasets_first, submit_request
+        from fleetline.processors.scheduling.specs import SpecError, parse_specs
 
         text = (await request.body()).decode(errors="replace")
         try:
@@ -382,7 +382,7 @@ def create_app(source: ViewSource, authenticator: Authenticator, audit: AuditEmi
     @route("DELETE", "/v1/jobs/{tenant}/{name}", Rule("jobs", "write"), status_code=202,
            summary="Delete a job: its GPUs are released and the queue moves on")
     def delete_job(request: Request, tenant: str, name: str) -> dict[str, Any]:
-        from fleetline.processors.scheduler_codec import new_request
+        from fleetline.processors.scheduling.codec import new_request
 
         one_job(tenant, name)
         principal: Principal = request.state.principal
@@ -393,8 +393,8 @@ def create_app(source: ViewSource, authenticator: Authenticator, audit: AuditEmi
     @route("PUT", "/v1/tenants/{tenant}/policy", Rule("quotas", "write", tenant_scoped=False),
            summary="Set a tenant's quotas, reservations and fair-share weight (platform admins)")
     def set_tenant_policy(request: Request, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
-        from fleetline.processors.scheduler_codec import canonical_json, new_request
-        from fleetline.processors.tenancy import TenantPolicy
+        from fleetline.processors.scheduling.codec import canonical_json, new_request
+        from fleetline.processors.scheduling.tenancy import TenantPolicy
 
         policy = TenantPolicy.from_data({**body, "tenant": tenant})
         principal: Principal = request.state.principal

@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from fleetline.errors import IntegrityError
-from fleetline.processors.view import (
+from fleetline.processors.view.fold import (
     ClusterInfo,
     DatasetInfo,
     GpuState,

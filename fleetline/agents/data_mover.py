@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from confluent_kafka import KafkaError
 
 from fleetline.config import KafkaSettings
-from fleetline.processors.scheduler_codec import new_request
-from fleetline.processors.scheduler_runtime import send
+from fleetline.processors.scheduling.codec import new_request
+from fleetline.processors.scheduling.runtime import send
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.events import DATASET_PREWARM
 from fleetline.streams.serde import AvroCodec, default_codec
