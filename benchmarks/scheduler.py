@@ -28,7 +28,8 @@ from _common import report
 from fleetline.agents.simulator import ClusterSpec, Fault, FleetSimulator, cluster_info
 from fleetline.processors.scheduling.capacity import indices_of, observe
 from fleetline.processors.scheduling.codec import canonical_json, new_request, submit_request
-from fleetline.processors.scheduling.scheduler import Decision, Scheduler
+from fleetline.processors.scheduling.effects import Decision
+from fleetline.processors.scheduling.scheduler import Scheduler
 from fleetline.processors.scheduling.specs import parse_spec
 from fleetline.processors.view.fold import GPU_FIELDS, ResourceView, apply, fold_telemetry
 from fleetline.processors.view.runtime import tune_gc_for_large_state

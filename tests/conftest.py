@@ -1,7 +1,10 @@
 """Fixtures: the real Kafka broker and S3 server (started here unless already running) and chdb.
 
-Services run on their own ports (29092, 29000) so a `fleetline run` on the default ports and a
-test run never share a broker. Unit tests of pure code need none of this.
+Tests are grouped by kind: `unit/` (pure, no services, the whole folder in seconds),
+`contract/` (one case per port, run against each real backend), `integration/` (real Kafka, S3
+and chdb) and `e2e/` (scenarios played on the whole stack). Every test outside `unit/` is
+marked `services`. Services run on their own ports (29092, 29000) so a `fleetline run` on the
+default ports and a test run never share a broker; they start only when a test asks for them.
 """
 
 from __future__ import annotations
@@ -20,6 +23,15 @@ from fleetline.storage.clickhouse import connect
 
 TEST_KAFKA = os.environ.get("FLEETLINE_TEST_KAFKA_BOOTSTRAP", "127.0.0.1:29092")
 TEST_S3 = os.environ.get("FLEETLINE_TEST_S3_ENDPOINT", "127.0.0.1:29000")
+
+
+_NEED_SERVICES = ("contract", "integration", "e2e")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(part in _NEED_SERVICES for part in Path(str(item.fspath)).parts):
+            item.add_marker(pytest.mark.services)
 
 
 @pytest.fixture(scope="session")

@@ -12,11 +12,16 @@ import yaml
 from fleetline.agents.simulator import ClusterSpec, Fault, FleetSimulator, cluster_info
 from fleetline.processors.scheduling.capacity import observe
 from fleetline.processors.scheduling.codec import canonical_json, new_request
+from fleetline.processors.scheduling.effects import Decision, Effect
 from fleetline.processors.scheduling.pipeline import SchedulingPolicy
-from fleetline.processors.scheduling.scheduler import Decision, Effect, Scheduler
+from fleetline.processors.scheduling.scheduler import Scheduler
 from fleetline.processors.view.fold import ResourceView, fold_telemetry
+from tests.fleet_events import fold
 from tests.support import BASE_MS
-from tests.test_view import fold
+
+# Three 32-GPU clusters in three regions (the last with H100s too, unlike the demo's).
+THREE = [ClusterSpec("us-east-a", "us-east", 4), ClusterSpec("eu-west-a", "eu-west", 4),
+         ClusterSpec("ap-south-a", "ap-south", 4)]
 
 
 def fleet_view(clusters: list[ClusterSpec], seconds: int = 2, faults: Iterable[Fault] = (),

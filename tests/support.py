@@ -114,3 +114,13 @@ def wait_until(condition, timeout_s: float = 60.0, what: str = "condition") -> N
             return
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+class Recorder:
+    """Collects the API's audit events (the Kafka emitter is tested against the broker)."""
+
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+
+    def emit(self, event: dict) -> None:
+        self.events.append(event)

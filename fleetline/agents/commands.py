@@ -209,7 +209,9 @@ class CommandLoop:
         publisher.publish_results(results)
         publisher.flush()
         self._dlq.flush(30)
-        self._consumer.commit(offsets=kafka_clients.next_offsets(messages), asynchronous=False)
+        self._consumer.commit(
+            offsets=kafka_clients.topic_partitions(kafka_clients.next_offsets(messages)),
+            asynchronous=False)
         return results
 
     def close(self) -> None:

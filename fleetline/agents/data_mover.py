@@ -39,6 +39,10 @@ class SimulatedDataMover:
     moved: list[str] = field(default_factory=list)
     ready: threading.Event = field(default_factory=threading.Event)
 
+    @property
+    def name(self) -> str:
+        return f"{self.topics.prefix}.{self.group_id}"
+
     def run(self, stop: threading.Event) -> None:
         consumer = kafka_clients.consumer(self.kafka, f"{self.topics.prefix}.{self.group_id}",
                                           **{"enable.auto.commit": True,

@@ -212,6 +212,11 @@ class FleetSimulator:
         if not ok:
             raise ConfigError(f"{fault.kind} fault: no such target {fault.target!r} in the fleet")
 
+    def add_fault(self, fault: Fault) -> None:
+        """Script one more fault (its target must be in the fleet)."""
+        self._check_target(fault)
+        self.faults.append(fault)
+
     def node(self, node_id: str) -> SimNode:
         return self._by_id[node_id]
 

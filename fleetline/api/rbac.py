@@ -9,10 +9,20 @@ and asking for another tenant is refused the same way whether or not that tenant
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from fleetline.errors import PermissionDenied
 
-ROLES = ("platform-admin", "tenant-admin", "user", "viewer", "auditor")
+
+class Role(StrEnum):
+    PLATFORM_ADMIN = "platform-admin"  # reaches across tenants
+    TENANT_ADMIN = "tenant-admin"
+    USER = "user"
+    VIEWER = "viewer"
+    AUDITOR = "auditor"  # the audit log (across tenants when it has no tenant)
+
+
+ROLES = tuple(role.value for role in Role)
 
 FLEET_READ = ("fleet", "read")  # clusters, nodes, GPUs, topology: shared infrastructure
 PERMISSIONS: dict[str, frozenset[tuple[str, str]]] = {

@@ -1,4 +1,5 @@
-"""Replay and time travel: the view as it stood at a past moment or offset, and what changed.
+"""Replay and time travel: the view as it stood at a past moment or offset, what changed, and
+every scheduling decision made again from the request log.
 
 A moment is a log position: in every partition, the messages the broker had appended by then
 (the view topics use LogAppendTime, so a message's timestamp is when the system saw it). The view
@@ -15,19 +16,27 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import TopicPartition
+from confluent_kafka import KafkaError, TopicPartition
 
 from fleetline.config import KafkaSettings
-from fleetline.errors import StreamError
+from fleetline.errors import InvalidEventError, StreamError
+from fleetline.processors.scheduling.capacity import FleetFacts, observe
+from fleetline.processors.scheduling.codec import effect_record, offsets_of
+from fleetline.processors.scheduling.effects import Decision
+from fleetline.processors.scheduling.pipeline import SchedulingPolicy
+from fleetline.processors.scheduling.runtime import read_topic
+from fleetline.processors.scheduling.scheduler import Scheduler
 from fleetline.processors.view.fold import Change, HealthPolicy, ResourceView, compose, node_status
-from fleetline.processors.view.runtime import PartFolder
-from fleetline.storage.snapshots import ViewSnapshots
+from fleetline.processors.view.folder import PartFolder
+from fleetline.processors.view.snapshots import ViewSnapshots
 from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.events import SCHEDULER_REQUEST
+from fleetline.streams.records import Offsets
+from fleetline.streams.serde import AvroCodec, default_codec
 from fleetline.streams.topics import Topics
 
 log = logging.getLogger(__name__)
 
-Offsets = dict[str, dict[int, int]]
 
 
 def view_partitions(kafka: KafkaSettings, topics: Topics) -> list[TopicPartition]:
@@ -212,13 +221,15 @@ def _statuses(view: ResourceView) -> dict[str, str]:
 
 def _below_targets(consumer: Any, messages: list[Any], remaining: dict[tuple[str, int], int],
                    pause: bool) -> list[Any]:
-    """The messages before their partition's target (errors kept for the folder to judge);
-    a partition whose target is reached leaves `remaining` (and is paused, if asked)."""
+    """The messages before their partition's target; a partition whose target is reached
+    leaves `remaining` (and is paused, if asked)."""
     keep = []
     for msg in messages:
-        if msg.error():
-            keep.append(msg)
-            continue
+        error = msg.error()
+        if error is not None:
+            if error.code() == KafkaError._PARTITION_EOF:
+                continue
+            raise StreamError(f"replaying {msg.topic()}: {error.str()}")
         key = (msg.topic(), msg.partition())
         end = remaining.get(key)
         if end is None or msg.offset() >= end:
@@ -304,3 +315,74 @@ class ViewFollower:
                     part.offsets.setdefault(topic, {})[partition] = end
                 self.position.setdefault(topic, {})[partition] = end
         return compose(self.parts.values())
+
+
+@dataclass
+class DecisionReplay:
+    requests: int = 0
+    ticks: int = 0
+    decisions: int = 0
+    matched: int = 0
+    first_difference: str | None = None
+    view_rebuilds: int = 0
+    seconds: float = 0.0
+    scheduler: Scheduler | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.first_difference is None
+
+
+def replay_decisions(kafka: KafkaSettings, topics: Topics,
+                     view_at: Callable[[Offsets], ResourceView],
+                     policy: SchedulingPolicy | None = None,
+                     codec: AvroCodec | None = None) -> DecisionReplay:
+    """Fold the whole request log again, observing the view at every TICK's offsets, and
+    compare each decision with the one the log holds, byte for byte."""
+    began = time.perf_counter()
+    codec = codec or default_codec()
+    recorded = iter(read_topic(kafka, topics.decisions))
+    result = DecisionReplay()
+    scheduler = Scheduler(policy)
+    last: FleetFacts | None = None
+    for msg in read_topic(kafka, topics.scheduler_requests):
+        result.requests += 1
+        try:
+            request = codec.decode(msg.value(), expect=SCHEDULER_REQUEST).record
+            facts = None
+            if request["kind"] == "TICK":
+                result.ticks += 1
+                facts = last = observe(view_at(offsets_of(request)), last)
+            effects = scheduler.step(request, msg.offset(), facts)
+        except InvalidEventError:
+            continue  # dead-lettered live, skipped here alike
+        for effect in effects:
+            if not isinstance(effect, Decision):
+                continue
+            name, key, record = effect_record(effect)
+            again = codec.encode(name, record)
+            result.decisions += 1
+            live = next(recorded, None)
+            if live is None:
+                result.first_difference = (f"decision {effect.decision_id} for {effect.job} is "
+                                           "not in the log")
+                break
+            if live.value() != again or live.key() != key.encode():
+                was = codec.decode(live.value()).record
+                result.first_difference = (
+                    f"decision {effect.decision_id} for {effect.job}: replayed "
+                    f"{record['outcome']} ({record['reason'][:120]}), the log has "
+                    f"{was['decision_id']} {was['outcome']} ({was['reason'][:120]})")
+                break
+            result.matched += 1
+        if result.first_difference:
+            break
+    else:
+        extra = next(recorded, None)
+        if extra is not None:
+            was = codec.decode(extra.value()).record
+            result.first_difference = (f"the log has decision {was['decision_id']} that the "
+                                       "replay did not make")
+    result.scheduler = scheduler
+    result.seconds = time.perf_counter() - began
+    return result

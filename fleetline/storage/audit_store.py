@@ -1,6 +1,7 @@
 """Where the audit log is kept besides Kafka: a ClickHouse table (search) and gzipped JSON Lines
-segments in object storage (archive), both fed by `OffsetSink` and both able to give the chain
-back for `fleetline audit verify`."""
+segments in object storage (archive), both fed by record sinks and both able to give the chain
+back for `fleetline audit verify`. The table stores AuditRecords as the chainer wrote them; the
+archive stores the export entries the audit domain makes of them (values and salts included)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,20 @@ from typing import Any
 from clickhouse_connect.driver.client import Client
 
 from fleetline.errors import IntegrityError, QueryError, StorageError
-from fleetline.processors.audit.chain import EVENT_FIELDS, digest_content, export_entry
+from fleetline.storage.clickhouse import CLICKHOUSE_ERRORS
 from fleetline.storage.crypto import SealedObjectStore
-from fleetline.storage.offset_sink import Destination, Sourced, table_resume_offsets
+from fleetline.storage.sinks import Destination, Sourced, table_resume_offsets
 
 TABLE = "audit_log"
 _COLUMNS = ("partition", "seq", "source_offset", "chained_at_ms", "kind", "prev_hash",
             "content_digest", "hash", "event_id", "ts_ms", "actor", "actor_role", "tenant",
             "operation", "target", "outcome", "status", "request_id", "trace_id", "source",
             "details", "salt", "digest", "source_topic")
+# The AuditEvent fields kept in columns of their own (`ts` as ts_ms), and the digest's binary
+# fields (hex in the digest column's JSON).
+_EVENT_COLUMNS = ("event_id", "actor", "actor_role", "tenant", "operation", "target",
+                  "outcome", "status", "request_id", "trace_id", "source")
+_DIGEST_BYTES = ("covers_hash", "signature")
 _EMPTY_EVENT = {"event_id": "", "ts": 0, "actor": "", "actor_role": "", "tenant": None,
                 "operation": "", "target": "", "outcome": "", "status": 0, "request_id": "",
                 "trace_id": None, "source": "", "details": {}, "salt": b""}
@@ -31,8 +37,9 @@ _EMPTY_EVENT = {"event_id": "", "ts": 0, "actor": "", "actor_role": "", "tenant"
 def _row(item: Sourced) -> list[Any]:
     r = item.record
     event = r["event"] or _EMPTY_EVENT
-    digest = "" if r["digest"] is None else json.dumps(digest_content(r["digest"]),
-                                                        sort_keys=True)
+    digest = "" if r["digest"] is None else json.dumps(
+        {k: v.hex() if k in _DIGEST_BYTES else v for k, v in r["digest"].items()},
+        sort_keys=True)
     return [r["partition"], r["seq"], item.offset, r["chained_at"],
             "event" if r["event"] is not None else "digest", r["prev_hash"].hex(),
             r["content_digest"].hex(), r["hash"].hex(), event["event_id"], event["ts"],
@@ -52,12 +59,10 @@ def record_from_row(row: Sequence[Any]) -> dict[str, Any]:
     }
     if d["kind"] == "digest":
         g = json.loads(d["digest"])
-        record["digest"] = {"covers_seq": g["covers_seq"],
-                            "covers_hash": bytes.fromhex(g["covers_hash"]),
-                            "key_id": g["key_id"], "algorithm": g["algorithm"],
-                            "signature": bytes.fromhex(g["signature"])}
+        record["digest"] = {k: bytes.fromhex(v) if k in _DIGEST_BYTES else v
+                            for k, v in g.items()}
     else:
-        event = {name: d[name] for name in EVENT_FIELDS if name != "ts"}
+        event = {name: d[name] for name in _EVENT_COLUMNS}
         event["ts"] = d["ts_ms"]
         event["details"] = dict(d["details"])
         event["salt"] = bytes.fromhex(d["salt"])
@@ -89,7 +94,7 @@ class AuditTable(Destination):
         try:
             self.client.insert(f"{self.database}.{TABLE}", [_row(item) for item in batch],
                                column_names=list(_COLUMNS))
-        except Exception as exc:
+        except CLICKHOUSE_ERRORS as exc:
             raise StorageError(f"inserting {len(batch)} audit records: {exc}") from None
 
     def records(self, partition: int | None = None, from_seq: int = 0,
@@ -107,7 +112,7 @@ class AuditTable(Destination):
                f"WHERE {' AND '.join(where)} ORDER BY partition, seq")
         try:
             rows = self.client.query(sql, parameters=params).result_rows
-        except Exception as exc:
+        except CLICKHOUSE_ERRORS as exc:
             raise QueryError(f"reading the audit chain: {exc}") from None
         for row in rows:
             yield record_from_row(row)
@@ -120,7 +125,7 @@ class AuditTable(Destination):
                f"WHERE {where} ORDER BY ts_ms DESC, partition, seq LIMIT {{limit:UInt32}}")
         try:
             rows = self.client.query(sql, parameters=params).result_rows
-        except Exception as exc:
+        except CLICKHOUSE_ERRORS as exc:
             raise QueryError(f"searching the audit log: {exc}") from None
         return [record_from_row(row) for row in rows]
 
@@ -131,7 +136,7 @@ class AuditTable(Destination):
                f"WHERE {where} GROUP BY operation, outcome ORDER BY operation, outcome")
         try:
             rows = self.client.query(sql, parameters=params).result_rows
-        except Exception as exc:
+        except CLICKHOUSE_ERRORS as exc:
             raise QueryError(f"audit activity: {exc}") from None
         return [{"operation": o, "outcome": r, "calls": int(c)} for o, r, c in rows]
 
@@ -155,8 +160,9 @@ _SEGMENT = re.compile(r"/p(?P<partition>\d{3})/(?P<first>\d{20})-(?P<last>\d{20}
 
 
 class AuditArchive(Destination):
-    """Segments of export entries (values and salts included) per partition, encrypted when a
-    key is configured; keys are deterministic, so a re-stored batch overwrites itself."""
+    """Segments of export entries (values and salts included: the sink hands entries, not
+    records) per partition, encrypted when a key is configured; keys are deterministic, so a
+    re-stored batch overwrites itself."""
 
     name = "object-storage"
 
@@ -185,9 +191,8 @@ class AuditArchive(Destination):
         for item in batch:
             by_partition.setdefault(item.partition, []).append(item)
         for partition, items in by_partition.items():
-            lines = [json.dumps({"offset": i.offset,
-                                 **export_entry(i.record, reveal_sensitive=True)},
-                                sort_keys=True) for i in items]
+            lines = [json.dumps({"offset": i.offset, **i.record}, sort_keys=True)
+                     for i in items]
             key = (f"{self.root}/p{partition:03d}/{items[0].offset:020d}-"
                    f"{items[-1].offset:020d}.jsonl.gz")
             self.objects.put(key, gzip.compress("\n".join(lines).encode() + b"\n", mtime=0))

@@ -13,9 +13,15 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import clickhouse_connect
+from chdb import ChdbError
 from clickhouse_connect.driver.client import Client
+from clickhouse_connect.driver.exceptions import ClickHouseError
 
 from fleetline.errors import ConfigError, StorageError
+
+# What a ClickHouse call raises: the client's errors (a server's answer, a connection that
+# failed) and the embedded engine's own.
+CLICKHOUSE_ERRORS: tuple[type[Exception], ...] = (ClickHouseError, ChdbError)
 
 
 def connect(url: str) -> Client:

@@ -66,3 +66,6 @@ class SealedObjectStore:
 
     def keys(self, prefix: str = "") -> list[str]:
         return self.store.keys(prefix)
+
+    def delete(self, key: str) -> None:
+        self.store.delete(key)

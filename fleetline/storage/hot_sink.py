@@ -11,7 +11,6 @@ committed too, but only for lag monitoring.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,14 +21,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from clickhouse_connect.driver._chdbclient import ChdbClient
 from clickhouse_connect.driver.client import Client
-from confluent_kafka import Message
+from confluent_kafka import Message, TopicPartition
 
-from fleetline.config import KafkaSettings
 from fleetline.errors import FleetlineError, InvalidEventError, StorageError
-from fleetline.storage.offset_sink import run_resuming, table_resume_offsets
+from fleetline.storage.clickhouse import CLICKHOUSE_ERRORS
+from fleetline.storage.sinks import resume_positions, table_resume_offsets
 from fleetline.streams.columnar import TelemetryBatchDecoder
-from fleetline.streams.deadletter import send_dead_letter
 from fleetline.streams.events import NODE_TELEMETRY, check_telemetry
+from fleetline.streams.loop import Step, StepResult
+from fleetline.streams.records import where
 from fleetline.streams.serde import AvroCodec
 
 TABLE = "gpu_samples"
@@ -103,7 +103,7 @@ class HotSampleStore:
                 f"SELECT node_id, max(seq) FROM {self.database}.{TABLE} "
                 "WHERE source_topic IN ({topic:String}, '') GROUP BY node_id",
                 parameters={"topic": topic}).result_rows
-        except Exception as exc:
+        except CLICKHOUSE_ERRORS as exc:
             raise StorageError(f"reading node watermarks from {TABLE}: {exc}") from None
         return {str(node): int(seq) for node, seq in rows}
 
@@ -117,7 +117,7 @@ class HotSampleStore:
                 # A batch an agent replays after a long outage can span many hourly partitions.
                 self.client.insert_arrow(f"{self.database}.{TABLE}", table,
                                          settings={"max_partitions_per_insert_block": 1000})
-        except Exception as exc:
+        except CLICKHOUSE_ERRORS as exc:
             raise StorageError(f"inserting {table.num_rows} rows into {TABLE}: {exc}") from None
 
     def _store_in_place(self, table: pa.Table) -> None:
@@ -134,7 +134,7 @@ class HotSampleStore:
 
 
 @dataclass
-class SinkStats:
+class SampleSinkStats:
     batches: int = 0
     messages: int = 0
     rows: int = 0
@@ -142,50 +142,47 @@ class SinkStats:
     repeats: int = 0  # records an agent sent again, already stored
 
 
-@dataclass
-class HotSampleSink:
-    """Consumes NodeTelemetry and stores its GPU samples in ClickHouse."""
+Prepared = tuple[pa.Table, int]  # the batch's new sample rows, and how many messages it had
 
-    kafka: KafkaSettings
+
+@dataclass
+class HotSampleSink(Step[Prepared]):
+    """NodeTelemetry -> GPU sample rows in ClickHouse (a stream-loop step; run it with
+    `overlap`, so one batch is decoded while the previous one is inserted)."""
+
     codec: AvroCodec
-    store: HotSampleStore
+    samples: HotSampleStore
     topic: str
-    dead_letter_topic: str
-    group_id: str = "hot-sink"
-    max_batch_messages: int = 50000
-    max_batch_wait_s: float = 1.0
-    stats: SinkStats = field(default_factory=SinkStats)
-    ready: threading.Event = field(default_factory=threading.Event)
+    stats: SampleSinkStats = field(default_factory=SampleSinkStats)
     _seen: dict[str, int] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._decoder = TelemetryBatchDecoder(self.codec, _GPU_NAMES)
 
-    def run(self, stop: threading.Event) -> None:
-        # Decoding one batch while the previous one is inserted keeps both cores busy.
-        run_resuming(self.kafka, self.group_id, self.topic, self._resume, self, stop,
-                     self.ready, self.max_batch_messages, self.max_batch_wait_s, overlap=True)
-
-    def _resume(self) -> dict[int, int]:
+    def assigned(self, partitions: list[TopicPartition]) -> list[TopicPartition]:
         # The table, not the group's committed offsets, says where to resume; it also holds
         # the highest seq per node, by which an agent's repeats are recognised.
-        self._seen = self.store.node_watermarks(self.topic)
-        return self.store.resume_offsets(self.topic)
+        self._seen = self.samples.node_watermarks(self.topic)
+        return resume_positions(partitions, self.samples.resume_offsets(self.topic))
 
-    def prepare(self, dlq: Any, messages: list[Message]) -> tuple[pa.Table, int]:
-        return self._rows(dlq, messages), len(messages)
+    def process(self, messages: list[Message]) -> StepResult[Prepared]:
+        dead: list[tuple[Message, FleetlineError]] = []
+        table = self._rows(messages, dead)
+        self.stats.dead_letters += len(dead)
+        return StepResult(dead_letters=dead, payload=(table, len(messages)))
 
-    def write(self, prepared: tuple[pa.Table, int]) -> None:
-        table, messages = prepared
-        self.store.store(table)
+    def store(self, payload: Prepared) -> None:
+        table, messages = payload
+        self.samples.store(table)
         self.stats.batches += 1
         self.stats.messages += messages
         self.stats.rows += table.num_rows
 
-    def _rows(self, dlq: Any, messages: list[Message]) -> pa.Table:
+    def _rows(self, messages: list[Message],
+              dead: list[tuple[Message, FleetlineError]]) -> pa.Table:
         """The batch's new GPU sample rows. The batch is decoded in native code; a message that
         path cannot read or vouch for (malformed, a value out of range, a schema it does not
-        run) is decoded record by record instead, which names and dead-letters it if it is bad.
+        run) is decoded record by record instead, which names it (in `dead`) if it is bad.
         Repeats are dropped by seq in the batch's order, whichever path read the message."""
         batch = self._decoder.samples([m.key() for m in messages],
                                       [m.value() for m in messages], _GPU_NAMES)
@@ -206,29 +203,27 @@ class HotSampleSink:
                 node_ids[at], seqs[at] = node_id, seq
         kept = np.zeros(len(messages), dtype=bool)
         good: list[SourcedTelemetry] = []
-        dead = 0
         # A record without GPUs has no rows to range-check: its seq is checked here.
         singles.update(index for index, seq in enumerate(seqs) if seq < 0)
         for index, msg in enumerate(messages):
+            record: dict[str, Any] | None = None
             if index in singles:
-                record = self._decode_one(dlq, msg)
+                record = self._decode_one(msg, dead)
                 if record is None:
-                    dead += 1
                     continue
                 node_id, seq = record["node_id"], record["seq"]
             else:
                 node_id, seq = node_ids[index], seqs[index]
-            if seq <= self._seen.get(node_id, 0):  # type: ignore[arg-type]
+            assert node_id is not None
+            if seq <= self._seen.get(node_id, 0):
                 self.stats.repeats += 1
                 continue
-            self._seen[node_id] = seq  # type: ignore[index]
-            if index in singles:
-                good.append(SourcedTelemetry(msg.partition(), msg.offset(), record, msg.topic()))
+            self._seen[node_id] = seq
+            if record is not None:
+                topic, partition, offset = where(msg)
+                good.append(SourcedTelemetry(partition, offset, record, topic))
             else:
                 kept[index] = True
-        # Dead letters are durable before the batch's offsets can be passed.
-        if dead and dlq.flush(30):
-            raise StorageError("dead-letter messages were not delivered within 30s")
         tables = [self._with_sources(samples, kept, messages)] if samples.num_rows else []
         if good:
             tables.append(to_columns(good))
@@ -249,17 +244,17 @@ class HotSampleSink:
         return pa.table([samples[name] if name in samples.column_names else sources[name]
                          for name in SAMPLE_SCHEMA.names], schema=SAMPLE_SCHEMA)
 
-    def _decode_one(self, dlq: Any, msg: Message) -> dict[str, Any] | None:
+    def _decode_one(self, msg: Message,
+                    dead: list[tuple[Message, FleetlineError]]) -> dict[str, Any] | None:
         """One message the batch path left out: its record if it is good (another writer
-        version, say), else None, dead-lettered with the reason."""
+        version, say), else None, with the reason in `dead`."""
         try:
             record = self.codec.decode(msg.value(), expect=NODE_TELEMETRY).record
             check_telemetry(record)
             check_ranges(record)
             return record
         except FleetlineError as exc:
-            self.stats.dead_letters += 1
-            send_dead_letter(dlq, self.dead_letter_topic, self.group_id, msg, exc)
+            dead.append((msg, exc))
             return None
 
 

@@ -1,6 +1,6 @@
 """The scheduler's decisions and the GPU allocations in ClickHouse, for "how long did jobs wait"
 and "who used the GPUs" queries: one row per decision, one row per GPU bound or freed. Both
-resume after the highest source offset they hold (`OffsetSink`)."""
+resume after the highest source offset they hold (a record sink)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from typing import Any
 from clickhouse_connect.driver.client import Client
 
 from fleetline.errors import StorageError
-from fleetline.storage.offset_sink import Destination, Sourced, table_resume_offsets
+from fleetline.storage.clickhouse import CLICKHOUSE_ERRORS
+from fleetline.storage.sinks import Destination, Sourced, table_resume_offsets
 
 DECISIONS = "scheduling_decisions"
 ALLOCATIONS = "gpu_allocations"
@@ -62,7 +63,7 @@ class _Table(Destination):
             self.client.insert(f"{self.database}.{self.table}", rows,
                                column_names=list(self.columns),
                                settings={"max_partitions_per_insert_block": 1000})
-        except Exception as exc:
+        except CLICKHOUSE_ERRORS as exc:
             raise StorageError(f"inserting {len(rows)} rows into {self.table}: {exc}") from None
 
 

@@ -1,40 +1,33 @@
-"""View snapshots: a cache of the fold plus the offsets it stands at, kept in object storage.
+"""Snapshot blobs in object storage: a cache of a fold plus the offsets it stands at.
 
-Each snapshot is two objects under `<root>/<part>/`: the gzipped view, then a small JSON manifest
-naming its offsets and checksum. The manifest is written last and is what makes a snapshot
-exist, so a crash between the two leaves an orphan blob that nothing reads. Keys sort by the
-part's position in the log (the sum of its offsets, which only grows), so the newest is last.
+Each snapshot is two objects under `<root>/<part>/`: the blob (a fold's state, encoded by its
+owner), then a small JSON manifest naming its offsets and checksum. The manifest is written
+last and is what makes a snapshot exist, so a crash between the two leaves an orphan blob that
+nothing reads. Keys sort by the part's position in the log (the sum of its offsets, which only
+grows), so the newest is last. This adapter knows nothing of what the blob holds.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fleetline.errors import IntegrityError, StorageError
-from fleetline.processors.view import codec as view_codec
-from fleetline.processors.view.fold import ResourceView
 from fleetline.storage.objects import ObjectStore
-
-Offsets = Mapping[str, Mapping[int, int]]
+from fleetline.streams.records import Offsets, copy_offsets, position
 
 
 @dataclass(frozen=True)
 class SnapshotInfo:
     part: str
     position: int
-    offsets: dict[str, dict[int, int]]
+    offsets: Offsets
     sha256: str
     blob_key: str
     version: int
     watermark_ms: int
-
-
-def _position(offsets: Offsets) -> int:
-    return sum(sum(parts.values()) for parts in offsets.values())
 
 
 def _stem(key: str) -> str:
@@ -42,52 +35,35 @@ def _stem(key: str) -> str:
     return key[:key.index(".", key.rindex("/"))]
 
 
-def covers(limit: Offsets, offsets: Offsets) -> bool:
+def covers(limit: Mapping[str, Mapping[int, int]], offsets: Offsets) -> bool:
     """True when `offsets` does not go past `limit` in any partition (missing in limit = 0)."""
     return all(offset <= limit.get(topic, {}).get(partition, 0)
                for topic, parts in offsets.items() for partition, offset in parts.items())
 
 
-class ViewSnapshots(ABC):
-    """The port: store a part's view, find the newest one at or before some offsets."""
+class SnapshotStore:
+    """Snapshots of the parts of one fold, under `root` in a bucket."""
 
-    @abstractmethod
-    def save(self, part: str, view: ResourceView) -> SnapshotInfo: ...
-
-    @abstractmethod
-    def list(self, part: str) -> list[SnapshotInfo]: ...
-
-    @abstractmethod
-    def load(self, info: SnapshotInfo) -> ResourceView: ...
-
-    def latest(self, part: str, within: Offsets | None = None) -> SnapshotInfo | None:
-        """The newest snapshot of `part`, or the newest whose offsets are all within `within`."""
-        for info in reversed(self.list(part)):
-            if within is None or covers(within, info.offsets):
-                return info
-        return None
-
-
-class S3ViewSnapshots(ViewSnapshots):
-    def __init__(self, store: ObjectStore, root: str, keep: int = 100) -> None:
+    def __init__(self, store: ObjectStore, root: str, keep: int = 100,
+                 suffix: str = ".view.json.gz") -> None:
         self.store = store
         self.root = root.strip("/")
         self.keep = keep
+        self.suffix = suffix  # of the blobs' keys: what their owner encodes them as
 
     def _prefix(self, part: str) -> str:
         return f"{self.root}/{part}/"
 
-    def save(self, part: str, view: ResourceView) -> SnapshotInfo:
-        blob, sha256 = view_codec.encode(view)
-        offsets = {t: dict(ps) for t, ps in view.offsets.items()}
-        position = _position(offsets)
-        stem = f"{self._prefix(part)}{position:020d}-{sha256[:12]}"
-        info = SnapshotInfo(part, position, offsets, sha256, f"{stem}.view.json.gz",
-                            view.version, view.watermark_ms)
+    def save(self, part: str, blob: bytes, sha256: str, offsets: Offsets, version: int,
+             watermark_ms: int) -> SnapshotInfo:
+        offsets = copy_offsets(offsets)
+        at = position(offsets)
+        stem = f"{self._prefix(part)}{at:020d}-{sha256[:12]}"
+        info = SnapshotInfo(part, at, offsets, sha256, f"{stem}{self.suffix}", version,
+                            watermark_ms)
         self.store.put(info.blob_key, blob, "application/gzip")
-        manifest = {"part": part, "position": position, "sha256": sha256,
-                    "blob_key": info.blob_key, "version": view.version,
-                    "watermark_ms": view.watermark_ms,
+        manifest = {"part": part, "position": at, "sha256": sha256, "blob_key": info.blob_key,
+                    "version": version, "watermark_ms": watermark_ms,
                     "offsets": {t: {str(p): o for p, o in ps.items()}
                                 for t, ps in offsets.items()}}
         self.store.put(f"{stem}.manifest.json", json.dumps(manifest, sort_keys=True).encode(),
@@ -112,11 +88,16 @@ class S3ViewSnapshots(ViewSnapshots):
                 raise IntegrityError(f"snapshot manifest {key} is malformed: {exc}") from None
         return sorted(out, key=lambda info: (info.position, info.blob_key))
 
-    def load(self, info: SnapshotInfo) -> ResourceView:
-        view = view_codec.decode(self.store.get(info.blob_key), info.sha256)
-        if view.offsets != info.offsets:
-            raise IntegrityError(f"snapshot {info.blob_key}: offsets differ from its manifest")
-        return view
+    def latest(self, part: str, within: Mapping[str, Mapping[int, int]] | None = None
+               ) -> SnapshotInfo | None:
+        """The newest snapshot of `part`, or the newest whose offsets are all within `within`."""
+        for info in reversed(self.list(part)):
+            if within is None or covers(within, info.offsets):
+                return info
+        return None
+
+    def load(self, info: SnapshotInfo) -> bytes:
+        return self.store.get(info.blob_key)
 
     def _prune(self, part: str) -> None:
         keys = self.store.keys(self._prefix(part))
@@ -126,7 +107,7 @@ class S3ViewSnapshots(ViewSnapshots):
             stem = _stem(key)
             # Orphan blobs (no manifest: a crash between the two writes) older than the newest
             # manifest are dead too.
-            orphan = key.endswith(".view.json.gz") and stem not in stems and stems \
+            orphan = key.endswith(self.suffix) and stem not in stems and stems \
                 and stem < stems[-1]
             if stem in doomed or orphan:
                 # Pruning is housekeeping; the next save tries again.

@@ -9,7 +9,8 @@ from typing import Any
 from clickhouse_connect.driver.client import Client
 
 from fleetline.errors import StorageError
-from fleetline.storage.offset_sink import Destination, Sourced, table_resume_offsets
+from fleetline.storage.clickhouse import CLICKHOUSE_ERRORS
+from fleetline.storage.sinks import Destination, Sourced, table_resume_offsets
 
 TABLE = "node_states"
 _COLUMNS = ("ts_ms", "cluster_id", "region", "node_id", "seq", "state", "reason", "labels",
@@ -42,5 +43,5 @@ class NodeStateTable(Destination):
             self.client.insert(f"{self.database}.{TABLE}", [_row(i) for i in batch],
                                column_names=list(_COLUMNS),
                                settings={"max_partitions_per_insert_block": 1000})
-        except Exception as exc:
+        except CLICKHOUSE_ERRORS as exc:
             raise StorageError(f"inserting {len(batch)} node states: {exc}") from None

@@ -26,6 +26,7 @@ import json
 import logging
 import re
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -37,7 +38,13 @@ import pyarrow.parquet as pq
 from clickhouse_connect.driver.client import Client
 
 from fleetline.config import S3Settings, Settings
-from fleetline.errors import ConfigError, IntegrityError, QueryError, StorageError
+from fleetline.errors import (
+    ConfigError,
+    FleetlineError,
+    IntegrityError,
+    QueryError,
+    StorageError,
+)
 from fleetline.storage.objects import ObjectStore
 from fleetline.storage.queries import with_allocation
 
@@ -728,6 +735,25 @@ class TieredStore:
 
 def wall_clock_ms() -> int:
     return int(time.time() * 1000)
+
+
+class TierLoop:
+    """Runs the tiering pass every `every_s` seconds in the process that owns the store."""
+
+    name = "tiering"
+
+    def __init__(self, store: TieredStore, every_s: float) -> None:
+        self.store = store
+        self.every_s = every_s
+        self.ready = threading.Event()
+
+    def run(self, stop: threading.Event) -> None:
+        self.ready.set()
+        while not stop.wait(self.every_s):
+            try:
+                self.store.run_once(wall_clock_ms())
+            except FleetlineError as exc:  # the next pass retries; every move is restartable
+                log.warning("tiering pass failed: %s", exc)
 
 
 _MACRO = re.compile(r"\$samples(?:\((?P<args>[^)]*)\))?")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 from confluent_kafka import (
     OFFSET_BEGINNING,
@@ -99,12 +99,25 @@ def consumer(kafka: KafkaSettings, group_id: str, **extra: object) -> Consumer:
     )
 
 
-def next_offsets(messages: Iterable[Message]) -> list[TopicPartition]:
+def next_offsets(messages: Iterable[Message]) -> dict[tuple[str, int], int]:
     """The offsets to commit after `messages`: one past the last of each partition."""
     last: dict[tuple[str, int], int] = {}
     for msg in messages:
-        last[(msg.topic(), msg.partition())] = msg.offset() + 1
-    return [TopicPartition(topic, partition, offset) for (topic, partition), offset in last.items()]
+        last[(msg.topic() or "", msg.partition() or 0)] = (msg.offset() or 0) + 1
+    return last
+
+
+def topic_partitions(offsets: Mapping[tuple[str, int], int]) -> list[TopicPartition]:
+    return [TopicPartition(topic, partition, offset)
+            for (topic, partition), offset in offsets.items()]
+
+
+def partitions_of(kafka: KafkaSettings, topic: str, timeout_s: float = 30.0) -> list[int]:
+    """The partition numbers of an existing topic."""
+    metadata = admin_client(kafka).list_topics(topic, timeout=timeout_s).topics.get(topic)
+    if metadata is None or metadata.error is not None or not metadata.partitions:
+        raise StreamError(f"topic {topic} does not exist (is the topic prefix right?)")
+    return sorted(metadata.partitions)
 
 
 def read_to_end(kafka: KafkaSettings, topic: str, partitions: Iterable[int], group_id: str,

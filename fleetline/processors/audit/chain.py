@@ -290,3 +290,41 @@ def verify(entries: Iterable[Mapping[str, Any]], public_keys: Mapping[str, Ed255
         if tail:
             report.unsigned_tail[p] = tail
     return report
+
+
+def export_window(records: list[dict[str, Any]], tenant: str | None, since_ms: int | None,
+                  until_ms: int | None, reveal_sensitive: bool
+                  ) -> tuple[list[dict[str, Any]], dict[int, tuple[int, bytes]]]:
+    """The export entries for a tenant (None: all) and time range, and the anchors where a
+    partition's window starts mid-chain. Within each partition's window, from the first
+    matching event to the last, links the reader may not see are stubs and digests are kept,
+    so the window verifies as a whole."""
+    by_partition: dict[int, list[dict[str, Any]]] = {}
+    for record in records:
+        by_partition.setdefault(record["partition"], []).append(record)
+    entries: list[dict[str, Any]] = []
+    anchors: dict[int, tuple[int, bytes]] = {}
+
+    def matches(record: dict[str, Any]) -> bool:
+        event = record["event"]
+        return event is not None and (tenant is None or event["tenant"] == tenant) and (
+            since_ms is None or event["ts"] >= since_ms) and (
+            until_ms is None or event["ts"] <= until_ms)
+
+    for partition in sorted(by_partition):
+        chain = by_partition[partition]
+        hits = [i for i, r in enumerate(chain) if matches(r)]
+        if not hits:
+            continue
+        first, last = hits[0], hits[-1]
+        # Carry on to the next digest, so the window ends signed where the chain allows.
+        while last + 1 < len(chain) and chain[last]["digest"] is None:
+            last += 1
+        if chain[first]["seq"] != 0:
+            anchors[partition] = (chain[first]["seq"], chain[first]["prev_hash"])
+        for record in chain[first:last + 1]:
+            visible = record["event"] is None or (
+                tenant is None or record["event"]["tenant"] == tenant)
+            entries.append(export_entry(record, reveal_sensitive) if visible
+                           else stub_entry(record))
+    return entries, anchors

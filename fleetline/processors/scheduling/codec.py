@@ -6,16 +6,16 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fleetline.processors.scheduling.scheduler import (
-    REQUEST_KINDS,
+from fleetline.processors.scheduling.effects import (
     AllocationChange,
     DatasetRecord,
     Decision,
     Effect,
     PrewarmOrder,
-    spec_key,
 )
+from fleetline.processors.scheduling.requests import RequestKind
 from fleetline.processors.scheduling.specs import Spec
+from fleetline.processors.scheduling.state import spec_key
 from fleetline.streams.events import (
     ALLOCATION,
     DATASET_PREWARM,
@@ -31,7 +31,7 @@ def new_request(kind: str, key: str, tenant: str, ts: int, request_id: str, *,
                 checkpoint_ms: int | None = None,
                 view_offsets: Offsets | None = None) -> dict[str, Any]:
     """A SchedulerRequest record."""
-    if kind not in REQUEST_KINDS:
+    if kind not in tuple(RequestKind):
         raise ValueError(f"unknown request kind {kind!r}")
     return {"request_id": request_id, "kind": kind, "key": key, "tenant": tenant, "ts": ts,
             "actor": actor, "spec_json": spec_json, "phase": phase,

@@ -369,7 +369,7 @@ def _cluster_ids(index: CapacityIndex) -> list[str]:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class Attempt:
     """A placement attempt: where (one placement per cluster part), why, what else was there."""
 
     placements: tuple[Placement, ...]
@@ -422,7 +422,7 @@ def unreserve(index: CapacityIndex, placements: tuple[Placement, ...] | list[Pla
             index.release(node, mask)
 
 
-def place_gang(ctx: Context) -> Outcome:
+def place_gang(ctx: Context) -> Attempt:
     """The whole gang in the best cluster that holds it."""
     scores = rank_clusters(ctx)
     top = tuple(s for s in scores if s.rejected is None)[:ctx.policy.alternatives]
@@ -436,12 +436,12 @@ def place_gang(ctx: Context) -> Outcome:
         _reserve(ctx.index, gang)
         placement = to_placement(gang, ctx.request.shape, ctx.index)
         prewarm = _prewarm(ctx, score.cluster_id)
-        return Outcome((placement,), _explain(score) + "; " + "; ".join(placement.reasons),
+        return Attempt((placement,), _explain(score) + "; " + "; ".join(placement.reasons),
                        shown, (prewarm,) if prewarm else (), ctx.request.shape.workers)
-    return Outcome((), _queued_reason(scores), shown)
+    return Attempt((), _queued_reason(scores), shown)
 
 
-def place_split(ctx: Context) -> Outcome:
+def place_split(ctx: Context) -> Attempt:
     """Whole pipeline replicas over several clusters, the best-scored first; all or none."""
     shape = ctx.request.shape
     unit = shape.replica_workers if shape.workers % shape.replica_workers == 0 else shape.workers
@@ -470,16 +470,16 @@ def place_split(ctx: Context) -> Outcome:
     shown = _shown(ctx, scores)
     if left:
         unreserve(ctx.index, placements)
-        return Outcome((), f"no single cluster holds the job, and split by pipeline replicas "
+        return Attempt((), f"no single cluster holds the job, and split by pipeline replicas "
                        f"{replicas - left} of {replicas} replicas fit: " + _queued_reason(scores),
                        shown)
     prewarms = tuple(p for p in (_prewarm(ctx, pl.cluster_id) for pl in placements) if p)
     where = ", ".join(f"{pl.cluster_id} ({len(pl.workers)} workers)" for pl in placements)
-    return Outcome(tuple(placements), f"split across clusters by whole pipeline replicas: "
+    return Attempt(tuple(placements), f"split across clusters by whole pipeline replicas: "
                    f"{where}", shown, prewarms, shape.workers)
 
 
-def place_replicas(ctx: Context, replicas: int) -> Outcome:
+def place_replicas(ctx: Context, replicas: int) -> Attempt:
     """Service replicas one by one, each to the best cluster given those already placed (the
     spread scorer keeps them apart); all `replicas` or none."""
     base = ctx.request
@@ -504,7 +504,7 @@ def place_replicas(ctx: Context, replicas: int) -> Outcome:
         if chosen is None:
             for gang in gangs:
                 _unreserve_gang(ctx.index, gang)
-            return Outcome((), f"{len(gangs)} of {replicas} replicas fit: "
+            return Attempt((), f"{len(gangs)} of {replicas} replicas fit: "
                            + _queued_reason(scores), _shown(ctx, scores))
         _reserve(ctx.index, chosen)
         gangs.append(chosen)
@@ -519,7 +519,7 @@ def place_replicas(ctx: Context, replicas: int) -> Outcome:
                      replace(one, workers=len(group)), ctx.index)
         for cluster, group in sorted(by_cluster.items()))
     where = ", ".join(f"{p.cluster_id} x{len(p.workers)}" for p in placements)
-    return Outcome(placements, f"{replicas} replicas over {len(placements)} cluster(s): {where}",
+    return Attempt(placements, f"{replicas} replicas over {len(placements)} cluster(s): {where}",
                    _shown(ctx, first_scores or []), (), replicas)
 
 

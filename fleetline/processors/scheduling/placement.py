@@ -21,7 +21,7 @@ from fleetline.processors.scheduling.capacity import (
     mask_of,
     observe,
 )
-from fleetline.processors.scheduling.specs import InferenceService, TrainingJob
+from fleetline.processors.scheduling.specs import InferenceServiceSpec, TrainingJobSpec
 from fleetline.processors.view.fold import ResourceView
 
 
@@ -43,7 +43,7 @@ class Unplaceable:
     reason: str
 
 
-def training_shape(job: TrainingJob, workers: int | None = None) -> GangShape:
+def training_shape(job: TrainingJobSpec, workers: int | None = None) -> GangShape:
     per_replica_gpus = job.parallelism.tensor * job.parallelism.pipeline
     return GangShape(
         accelerator=job.accelerator, workers=workers or job.workers,
@@ -52,7 +52,7 @@ def training_shape(job: TrainingJob, workers: int | None = None) -> GangShape:
         allow_degraded=job.communication == "light")
 
 
-def inference_shape(service: InferenceService, replicas: int) -> GangShape:
+def inference_shape(service: InferenceServiceSpec, replicas: int) -> GangShape:
     # A replica serves from one node; a single-GPU replica may use a degraded GPU (its
     # collective traffic is nil), a sharded one may not.
     return GangShape(accelerator=service.accelerator, workers=replicas,
@@ -100,7 +100,7 @@ def index_of_view(view: ResourceView) -> CapacityIndex:
 
 
 def place_training(view: ResourceView, cluster_id: str,
-                   job: TrainingJob) -> Placement | Unplaceable:
+                   job: TrainingJobSpec) -> Placement | Unplaceable:
     return place(index_of_view(view), cluster_id, training_shape(job))
 
 

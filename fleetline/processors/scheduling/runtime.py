@@ -1,7 +1,7 @@
 """The imperative shell around the scheduler: the request log in, decisions and allocations out,
 exactly once; a ticker that observes the resource view; requests from the CLI and the API.
 
-The scheduler runs in the exactly-once processor loop (`streams/processor.py`) over its
+The scheduler runs in the stream loop (`streams/loop.py`), exactly once, over its
 single-partition request topic. Its state lives in a store backed by a compacted changelog,
 written in the same transaction as its outputs and the consumed offset, so a crash or an abort
 neither repeats nor loses a decision. After an abort the loop rewinds; the handler sees the log
@@ -11,8 +11,8 @@ offsets the state last observed).
 The ticker reads the live view every `tick_interval_s`, keeps what it observed under the view's
 offsets and appends a TICK naming them; when the TICK comes round in the log, the handler uses
 that observation (or, after a restart, rebuilds the view at those offsets from snapshots and
-the log). A replay does the same (`replay_decisions`), which is why it reproduces every
-decision byte for byte.
+the log). A replay does the same (`processors/replay.replay_decisions`), which is why it
+reproduces every decision byte for byte.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, KafkaError, Message, TopicPartition
 
 from fleetline.config import KafkaSettings
-from fleetline.errors import ConfigError, InvalidEventError, StreamError
+from fleetline.errors import ConfigError, StreamError
 from fleetline.processors.scheduling.capacity import FleetFacts, observe
 from fleetline.processors.scheduling.codec import (
     canonical_json,
@@ -37,9 +37,11 @@ from fleetline.processors.scheduling.codec import (
     new_request,
     offsets_of,
 )
+from fleetline.processors.scheduling.effects import Decision, Effect
 from fleetline.processors.scheduling.pipeline import SchedulingPolicy
-from fleetline.processors.scheduling.scheduler import Decision, Effect, Scheduler
+from fleetline.processors.scheduling.scheduler import Scheduler
 from fleetline.processors.view.fold import ResourceView
+from fleetline.processors.view.read import ViewSource
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.events import (
     ALLOCATION,
@@ -48,7 +50,8 @@ from fleetline.streams.events import (
     SCHEDULER_REQUEST,
     SCHEDULING_DECISION,
 )
-from fleetline.streams.processor import Output, TransactionalProcessor, produce
+from fleetline.streams.loop import MessageStep, StreamLoop, produce
+from fleetline.streams.records import Offsets, Output
 from fleetline.streams.serde import AvroCodec, default_codec
 from fleetline.streams.store import ChangelogStore
 from fleetline.streams.topics import Topics, TopicSpec
@@ -57,12 +60,6 @@ log = logging.getLogger(__name__)
 
 APPLICATION_ID = "scheduler"
 STORE = "state"
-T = TypeVar("T")
-Offsets = dict[str, dict[int, int]]
-
-
-class ViewSource(Protocol):
-    def read(self, fn: Callable[[ResourceView], T]) -> T: ...
 
 
 def state_store(topics: Topics) -> ChangelogStore[Any]:
@@ -100,21 +97,25 @@ class Observations:
             return self._seen.get(_offsets_key(offsets))
 
 
-@dataclass
-class SchedulerHandler:
-    """Folds one request into the scheduler; its effects become the transaction's outputs."""
+class SchedulerStep(MessageStep):
+    """Folds one request into the scheduler; its effects become the transaction's outputs and
+    its changed state the store's changelog records, in the same transaction."""
 
-    topics: Topics
-    store: ChangelogStore[Any]
-    facts_at: Callable[[Offsets], FleetFacts]
-    observations: Observations
-    codec: AvroCodec = field(default_factory=default_codec)
-    scheduler: Scheduler | None = None
-    decisions: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    def __init__(self, topics: Topics, store: ChangelogStore[Any],
+                 facts_at: Callable[[Offsets], FleetFacts], observations: Observations,
+                 codec: AvroCodec | None = None) -> None:
+        self.topics = topics
+        self.state = store  # the scheduler's state as changelog records
+        self.stores = [store]
+        self.facts_at = facts_at
+        self.observations = observations
+        self.codec = codec or default_codec()
+        self.scheduler: Scheduler | None = None
+        self.decisions = 0
+        self.lock = threading.Lock()
 
     def _restore(self, offset: int) -> Scheduler:
-        records = {key.decode(): value for key, value in self.store.items([0])}
+        records = {key.decode(): value for key, value in self.state.items([0])}
         if not records:
             # The default policy: a configured one reaches the state only through a POLICY
             # request in the log, so a replay, which folds the same log, uses it from there too.
@@ -137,7 +138,8 @@ class SchedulerHandler:
             return seen
         return self.facts_at(offsets) if offsets else observe(ResourceView())
 
-    def __call__(self, msg: Message) -> Sequence[Output]:
+    def handle(self, message: Message) -> Sequence[Output]:
+        msg = message
         with self.lock:
             if self.scheduler is None or msg.offset() != self.scheduler.position + 1:
                 # A fresh start, a rebalance or an aborted batch: the committed store is the
@@ -151,7 +153,7 @@ class SchedulerHandler:
                 effects = self.scheduler.step(request, msg.offset(), facts)
             finally:
                 for key, value in self.scheduler.drain_dirty():
-                    self.store.put(0, key.encode(), value)
+                    self.state.put(0, key.encode(), value)
             return self._outputs(effects)
 
     def _outputs(self, effects: Sequence[Effect]) -> list[Output]:
@@ -167,7 +169,7 @@ class SchedulerHandler:
             out.append(Output(topic, key.encode(), self.codec.encode(name, record)))
         return out
 
-    def abort(self) -> None:
+    def aborted(self) -> None:
         """Forget the in-memory state (the next message rebuilds it from the store)."""
         with self.lock:
             self.scheduler = None
@@ -189,20 +191,20 @@ class SchedulerService:
     # request waits for one commit, not for a poll timeout as well.
     poll_timeout_s: float = 0.005
     clock: Callable[[], int] = field(default=lambda: int(time.time() * 1000))
-    ready: threading.Event = field(default_factory=threading.Event)
+    # Set once the ticker has started (the loop has its partition, the view has caught up).
+    ticking: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
         self.store = state_store(self.topics)
         self.observations = Observations()
-        self.handler = SchedulerHandler(self.topics, self.store, self.facts_at,
-                                        self.observations)
-        self.processor = TransactionalProcessor(
-            kafka=self.kafka, application_id=f"{self.topics.prefix}.{APPLICATION_ID}",
-            inputs=[self.topics.scheduler_requests], handler=self.handler,
-            dead_letter_topic=self.topics.dead_letter, stores=[self.store],
-            instance_id=self.instance_id, batch_size=self.batch_size,
-            poll_timeout_s=self.poll_timeout_s, on_abort=self.handler.abort,
+        self.step = SchedulerStep(self.topics, self.store, self.facts_at, self.observations)
+        self.name = f"{self.topics.prefix}.{APPLICATION_ID}"
+        self.loop = StreamLoop(
+            self.kafka, self.name, [self.topics.scheduler_requests], self.step,
+            self.topics.dead_letter, exactly_once=True, instance_id=self.instance_id,
+            max_messages=self.batch_size, max_wait_s=self.poll_timeout_s,
             producer_config={"linger.ms": 1})
+        self.ready = self.loop.ready
         self.ticks = 0
         self._last_facts: FleetFacts | None = None
 
@@ -211,7 +213,7 @@ class SchedulerService:
                                   daemon=True)
         ticker.start()
         try:
-            self.processor.run(stop)
+            self.loop.run(stop)
         finally:
             stop.set()
             ticker.join(30)
@@ -219,7 +221,7 @@ class SchedulerService:
     def _tick_loop(self, stop: threading.Event) -> None:
         producer = kafka_clients.producer(self.kafka, **{"linger.ms": 0})
         try:
-            if not self.processor.ready.wait(120):
+            if not self.loop.ready.wait(120):
                 log.warning("scheduler: no partition assigned in 120 s; ticking anyway")
             # Observing a view still restoring its snapshots would make the fleet look smaller
             # than it is; the first tick waits for the view to catch up with the log.
@@ -227,7 +229,7 @@ class SchedulerService:
             if caught_up is not None and not caught_up.wait(300):
                 log.warning("scheduler: the view has not caught up in 300 s; ticking anyway")
             self._send_policy(producer)
-            self.ready.set()
+            self.ticking.set()
             while not stop.is_set():
                 self.tick(producer)
                 stop.wait(self.tick_interval_s)
@@ -238,11 +240,11 @@ class SchedulerService:
         if self.policy is None:
             return
         deadline = time.monotonic() + 30
-        while self.handler.scheduler is None and time.monotonic() < deadline:
+        while self.step.scheduler is None and time.monotonic() < deadline:
             # The handler restores its state with the first request; wait for one tick's worth.
             self.tick(producer)
             time.sleep(0.2)
-        current = self.handler.scheduler
+        current = self.step.scheduler
         if current is not None and current.digest == self.policy.digest():
             return
         send(producer, self.topics, new_request(
@@ -357,77 +359,6 @@ class DecisionFollower:
 
     def close(self) -> None:
         self._consumer.close()
-
-
-@dataclass
-class DecisionReplay:
-    requests: int = 0
-    ticks: int = 0
-    decisions: int = 0
-    matched: int = 0
-    first_difference: str | None = None
-    view_rebuilds: int = 0
-    seconds: float = 0.0
-    scheduler: Scheduler | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.first_difference is None
-
-
-def replay_decisions(kafka: KafkaSettings, topics: Topics,
-                     view_at: Callable[[Offsets], ResourceView],
-                     policy: SchedulingPolicy | None = None,
-                     codec: AvroCodec | None = None) -> DecisionReplay:
-    """Fold the whole request log again, observing the view at every TICK's offsets, and
-    compare each decision with the one the log holds, byte for byte."""
-    began = time.perf_counter()
-    codec = codec or default_codec()
-    recorded = iter(read_topic(kafka, topics.decisions))
-    result = DecisionReplay()
-    scheduler = Scheduler(policy)
-    last: FleetFacts | None = None
-    for msg in read_topic(kafka, topics.scheduler_requests):
-        result.requests += 1
-        try:
-            request = codec.decode(msg.value(), expect=SCHEDULER_REQUEST).record
-            facts = None
-            if request["kind"] == "TICK":
-                result.ticks += 1
-                facts = last = observe(view_at(offsets_of(request)), last)
-            effects = scheduler.step(request, msg.offset(), facts)
-        except InvalidEventError:
-            continue  # dead-lettered live, skipped here alike
-        for effect in effects:
-            if not isinstance(effect, Decision):
-                continue
-            name, key, record = effect_record(effect)
-            again = codec.encode(name, record)
-            result.decisions += 1
-            live = next(recorded, None)
-            if live is None:
-                result.first_difference = (f"decision {effect.decision_id} for {effect.job} is "
-                                           "not in the log")
-                break
-            if live.value() != again or live.key() != key.encode():
-                was = codec.decode(live.value()).record
-                result.first_difference = (
-                    f"decision {effect.decision_id} for {effect.job}: replayed "
-                    f"{record['outcome']} ({record['reason'][:120]}), the log has "
-                    f"{was['decision_id']} {was['outcome']} ({was['reason'][:120]})")
-                break
-            result.matched += 1
-        if result.first_difference:
-            break
-    else:
-        extra = next(recorded, None)
-        if extra is not None:
-            was = codec.decode(extra.value()).record
-            result.first_difference = (f"the log has decision {was['decision_id']} that the "
-                                       "replay did not make")
-    result.scheduler = scheduler
-    result.seconds = time.perf_counter() - began
-    return result
 
 
 def load_policy(path: str | None) -> SchedulingPolicy | None:

@@ -17,7 +17,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+)
+from pydantic_core import PydanticCustomError
 
 from fleetline.errors import InvalidEventError
 from fleetline.processors.scheduling.specs import parse_size
@@ -26,21 +36,49 @@ PRIORITIES = {"critical": 4, "high": 3, "normal": 2, "low": 1, "best-effort": 0}
 HOUR_MS = 3_600_000
 
 
-@dataclass(frozen=True)
-class Quota:
-    gpus: int | None = None
-    cluster_gpus: Mapping[str, int] = field(default_factory=dict)
-    gpu_hours: float | None = None
-    storage_bytes: int | None = None
-    bandwidth_gbps: float | None = None
+Whole = Annotated[StrictInt, Field(ge=0)]
+Amount = Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]
 
 
-@dataclass(frozen=True)
-class TenantPolicy:
-    tenant: str
-    quota: Quota = field(default_factory=Quota)
-    reserved: Mapping[str, int] = field(default_factory=dict)
-    share: float = 1.0
+def _storage(value: Any) -> int | None:
+    if value is None:
+        return None
+    size = parse_size(value)
+    if size is None:
+        raise PydanticCustomError("size", "is not a size (bytes, or like 500TB), got {value!r}",
+                                  {"value": value})
+    return size
+
+
+class Quota(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gpus: Whole | None = Field(default=None, description="GPUs held at once, fleet-wide")
+    cluster_gpus: Mapping[str, Whole] = Field(default_factory=dict,
+                                              description="GPUs held at once, per cluster")
+    gpu_hours: Amount | None = Field(default=None, description="a budget: consumed plus what "
+                                     "running jobs may still consume")
+    storage_bytes: Annotated[int | None, BeforeValidator(_storage)] = Field(
+        default=None, description="dataset bytes x replicas, prewarms included")
+    bandwidth_gbps: Amount | None = Field(default=None,
+                                          description="cross-cluster dataset moves at once")
+
+
+class TenantTerms(BaseModel):
+    """What a tenant's policy sets: its quotas, the GPUs reserved for it per cluster, and its
+    fair-share weight among tenants of equal priority."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    quota: Quota = Quota()
+    reserved: Mapping[str, Whole] = Field(default_factory=dict)
+    share: Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)] = 1.0
+
+
+class TenantPolicy(TenantTerms):
+    """A tenant's terms, named."""
+
+    tenant: Annotated[str, Field(strict=True, min_length=1)]
 
     def as_data(self) -> dict[str, Any]:
         q = self.quota
@@ -51,59 +89,20 @@ class TenantPolicy:
                           "bandwidth_gbps": q.bandwidth_gbps}}
 
     @classmethod
-    def from_data(cls, data: Mapping[str, Any]) -> TenantPolicy:
-        """From a mapping (an event's JSON or an operator's YAML); InvalidEventError names what
-        is wrong."""
+    def from_data(cls, data: Any) -> TenantPolicy:
+        """From a mapping (an event's JSON or an operator's YAML); InvalidEventError names
+        every field that is wrong."""
         if not isinstance(data, Mapping):
             raise InvalidEventError(f"a tenant policy must be a mapping, got {data!r}")
-        unknown = set(data) - {"tenant", "quota", "reserved", "share"}
-        if unknown:
-            raise InvalidEventError(f"tenant policy: unknown fields {sorted(unknown)}")
-        tenant = data.get("tenant")
-        if not isinstance(tenant, str) or not tenant:
-            raise InvalidEventError("tenant policy: tenant is required")
-        q = data.get("quota") or {}
-        unknown = set(q) - {"gpus", "cluster_gpus", "gpu_hours", "storage_bytes",
-                            "bandwidth_gbps"}
-        if unknown:
-            raise InvalidEventError(f"tenant policy {tenant}: unknown quota fields "
-                                    f"{sorted(unknown)}")
-        storage = q.get("storage_bytes")
-        if storage is not None:
-            storage = parse_size(storage)
-            if storage is None:
-                raise InvalidEventError(f"tenant policy {tenant}: storage_bytes is not a size")
-        quota = Quota(
-            gpus=_count(tenant, "gpus", q.get("gpus")),
-            cluster_gpus={str(c): _count(tenant, f"cluster_gpus.{c}", n) or 0
-                          for c, n in (q.get("cluster_gpus") or {}).items()},
-            gpu_hours=_number(tenant, "gpu_hours", q.get("gpu_hours")),
-            storage_bytes=storage,
-            bandwidth_gbps=_number(tenant, "bandwidth_gbps", q.get("bandwidth_gbps")))
-        reserved = {str(c): _count(tenant, f"reserved.{c}", n) or 0
-                    for c, n in (data.get("reserved") or {}).items()}
-        share = _number(tenant, "share", data.get("share", 1.0))
-        if share is None or share <= 0:
-            raise InvalidEventError(f"tenant policy {tenant}: share must be positive")
-        return cls(tenant, quota, reserved, share)
-
-
-def _count(tenant: str, name: str, value: Any) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidEventError(f"tenant policy {tenant}: {name} must be a whole number >= 0, "
-                                f"got {value!r}")
-    return value
-
-
-def _number(tenant: str, name: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise InvalidEventError(f"tenant policy {tenant}: {name} must be a number >= 0, "
-                                f"got {value!r}")
-    return float(value)
+        try:
+            return cls.model_validate({k: v for k, v in data.items() if v is not None})
+        except ValidationError as exc:
+            tenant = data.get("tenant") or "?"
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc'])}: "
+                f"{'unknown field' if e['type'] == 'extra_forbidden' else e['msg']}"
+                for e in exc.errors())
+            raise InvalidEventError(f"tenant policy {tenant}: {problems}") from None
 
 
 @dataclass
@@ -177,12 +176,6 @@ def quota_block(policy: TenantPolicy | None, usage: TenantUsage, request: Reques
         return (f"quota: tenant {tenant} moves data at {usage.bandwidth_gbps():g} of its "
                 f"{q.bandwidth_gbps:g} Gbit/s")
     return None
-
-
-def quota_fits_ever(policy: TenantPolicy | None, request: Request) -> str | None:
-    """Why the request could never fit the quota even with nothing else running (a reason to
-    reject rather than queue), or None."""
-    return quota_block(policy, TenantUsage(), request)
 
 
 def reserved_for_others(policies: Mapping[str, TenantPolicy],

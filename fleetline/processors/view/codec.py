@@ -16,8 +16,10 @@ from fleetline.processors.view.fold import (
     ClusterInfo,
     DatasetInfo,
     GpuState,
+    Health,
     HealthPolicy,
     JobAllocation,
+    NodeStatus,
     NodeView,
     ResourceView,
 )
@@ -71,10 +73,12 @@ def from_data(data: dict[str, Any]) -> ResourceView:
         node = NodeView(node_id, node_data["cluster_id"], node_data["region"])
         for slot in _NODE_SLOTS:
             setattr(node, slot, node_data[slot])
+        node.state = NodeStatus(node.state)
         for values in node_data["gpus"]:
             gpu = GpuState(tuple(values[0]))
             for slot, value in zip(_GPU_SLOTS[1:], values[1:], strict=True):
                 setattr(gpu, slot, value)
+            gpu.health = Health(gpu.health)
             node.gpus[gpu.index] = gpu
         view.nodes[node_id] = node
     view.clusters = {k: ClusterInfo(**v) for k, v in data["clusters"].items()}

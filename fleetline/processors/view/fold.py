@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from operator import itemgetter
 from typing import Any
 
@@ -30,9 +31,25 @@ from fleetline.streams.events import (
 )
 from fleetline.streams.serde import Decoded
 
-HEALTHY = "healthy"
-DEGRADED = "degraded"
-FAILED = "failed"
+
+class Health(StrEnum):
+    """What a GPU's telemetry says of it (joined with its node's reboots by `gpu_health`)."""
+
+    HEALTHY = "healthy"
+    DEGRADED = "degraded"  # usable, but not by communication-heavy work
+    FAILED = "failed"  # out until its node comes back up
+
+
+class NodeStatus(StrEnum):
+    """What a node declared (UP, DRAINING, DOWN), or UNREACHABLE when it went silent."""
+
+    UP = "UP"
+    DRAINING = "DRAINING"
+    DOWN = "DOWN"
+    UNREACHABLE = "UNREACHABLE"
+
+
+HEALTHY, DEGRADED, FAILED = Health.HEALTHY, Health.DEGRADED, Health.FAILED
 
 # The per-GPU fields the fold reads, in this order, from a decoded GpuSample or from the
 # columnar decoder (streams/columnar.py); one tuple per GPU sample.
@@ -102,7 +119,7 @@ class GpuState:
     def __init__(self, sample: tuple) -> None:
         self.sample = sample
         # HEALTHY or DEGRADED, from the telemetry stream's thresholds, with hysteresis.
-        self.health = HEALTHY
+        self.health: Health = HEALTHY
         self.cause: str | None = None
         self.health_since_ms = 0
         self.clean_samples = 0
@@ -156,7 +173,7 @@ class NodeView:
         self.node_id = node_id
         self.cluster_id = cluster_id
         self.region = region
-        self.state = "UP"
+        self.state = NodeStatus.UP
         self.reason: str | None = None
         self.labels: dict[str, str] = {}
         self.gpu_count = 0
@@ -402,23 +419,23 @@ def fold_telemetry(view: ResourceView, cluster_id: str, region: str, node_id: st
                 node.epoch += _set_health(view, node_id, gpu, HEALTHY, None, ts)
 
 
-def gpu_health(node: NodeView, gpu: GpuState) -> tuple[str, str | None]:
+def gpu_health(node: NodeView, gpu: GpuState) -> tuple[Health, str | None]:
     """The GPU's health and its cause, joining its telemetry with its node's reboots."""
     if gpu.failed_at_ms is not None and gpu.failed_at_ms >= node.up_since_ms:
         return FAILED, gpu.failure
     return gpu.health, gpu.cause
 
 
-def node_status(view: ResourceView, node: NodeView) -> str:
+def node_status(view: ResourceView, node: NodeView) -> NodeStatus:
     """UP, DRAINING or DOWN as the node declared it, or UNREACHABLE when an UP or DRAINING node
     has not been heard from for the policy's timeout, measured against the view's event time."""
-    if node.state != "DOWN" and (
+    if node.state != NodeStatus.DOWN and (
             view.watermark_ms - node.last_heard_ms > view.policy.unreachable_after_ms):
-        return "UNREACHABLE"
+        return NodeStatus.UNREACHABLE
     return node.state
 
 
-def _set_health(view: ResourceView, node_id: str, gpu: GpuState, health: str,
+def _set_health(view: ResourceView, node_id: str, gpu: GpuState, health: Health,
                 cause: str | None, ts: int) -> int:
     """Move the GPU to `health`; 1 if that changed anything, else 0."""
     if health == gpu.health and cause == gpu.cause:
@@ -443,12 +460,12 @@ def _fold_node_state(view: ResourceView, record: Mapping[str, Any]) -> None:
     before = node.state
     scheduled_before = (node.state, node.reason, node.up_since_ms, node.labels.get("accelerator"),
                         node.islands, node.leaf_switch, node.spine_switch)
-    if record["state"] == "UP" and before == "DOWN":
+    state = NodeStatus(record["state"])
+    if state == NodeStatus.UP and before == NodeStatus.DOWN:
         node.up_since_ms = ts
-    if record["state"] != before:
-        view.changes.append(Change(ts, "node", node.node_id, before, record["state"],
-                                   record["reason"]))
-    node.state = record["state"]
+    if state != before:
+        view.changes.append(Change(ts, "node", node.node_id, before, state, record["reason"]))
+    node.state = state
     node.reason = record["reason"]
     node.labels = dict(record["labels"])
     node.gpu_count = topology["gpu_count"]

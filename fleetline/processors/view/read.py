@@ -1,37 +1,78 @@
 """Reading the resource view: capacity, node and GPU detail, topology, usage. Pure functions of a
-view, shared by the HTTP API, the CLI and the scheduler, so they all count the same way."""
+view, shared by the HTTP API, the CLI and the scheduler, so they all count the same way; and
+`ViewSource`, what they read from (the live processor, a replay's result)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict
-from typing import Any
+from enum import StrEnum
+from typing import Any, Protocol, TypeVar
 
 from fleetline.processors.view.fold import (
     DEGRADED,
     FAILED,
     HEALTHY,
     GpuState,
+    NodeStatus,
     NodeView,
     ResourceView,
     gpu_health,
     node_status,
 )
 
-# What a GPU is, for capacity: usable and free, bound to a job, suspect, broken, or out of
-# reach (its node is down, unreachable or draining).
-IDLE, ALLOCATED, UNAVAILABLE = "idle", "allocated", "unavailable"
+T = TypeVar("T")
 
 
-def gpu_capacity_state(view: ResourceView, node: NodeView, status: str, gpu: GpuState) -> str:
+class ViewSource(Protocol):
+    """A view one can read consistently: `read(fn)` runs `fn` over one version of it."""
+
+    def read(self, fn: Callable[[ResourceView], T]) -> T: ...
+
+
+class StaticView:
+    """A view that does not move: a replay's result, served for an investigation."""
+
+    def __init__(self, view: ResourceView) -> None:
+        self.view = view
+
+    def read(self, fn: Callable[[ResourceView], T]) -> T:
+        return fn(self.view)
+
+
+class CapacityState(StrEnum):
+    """What a GPU is, for capacity: usable and free, bound to a job, suspect, broken, or out of
+    reach (its node is down, unreachable or draining)."""
+
+    IDLE = "idle"
+    ALLOCATED = "allocated"
+    DEGRADED = "degraded"
+    FAILED = "failed"
+    UNAVAILABLE = "unavailable"
+
+
+class ClusterHealth(StrEnum):
+    HEALTHY = "healthy"
+    DEGRADED = "degraded"  # some nodes out of reach, or over 10 % of its GPUs not usable
+    UNREACHABLE = "unreachable"  # every node out of reach
+    RETIRED = "retired"  # its operator took it out of the pool
+    EMPTY = "empty"  # no node reports from it
+
+
+IDLE, ALLOCATED, UNAVAILABLE = (CapacityState.IDLE, CapacityState.ALLOCATED,
+                                CapacityState.UNAVAILABLE)
+
+
+def gpu_capacity_state(view: ResourceView, node: NodeView, status: NodeStatus,
+                       gpu: GpuState) -> CapacityState:
     health, _ = gpu_health(node, gpu)
     if health == FAILED:
-        return FAILED
-    if status != "UP":
+        return CapacityState.FAILED
+    if status != NodeStatus.UP:
         return UNAVAILABLE
     if (node.node_id, gpu.index) in view.gpu_owner:
         return ALLOCATED
-    return DEGRADED if health == DEGRADED else IDLE
+    return CapacityState.DEGRADED if health == DEGRADED else IDLE
 
 
 def view_meta(view: ResourceView) -> dict[str, Any]:
@@ -90,20 +131,21 @@ def cluster_capacity(view: ResourceView, region: str | None = None) -> list[dict
     return out
 
 
-def _cluster_health(c: Mapping[str, int], retired: bool) -> str:
+def _cluster_health(c: Mapping[str, int], retired: bool) -> ClusterHealth:
     if retired:
-        return "retired"
+        return ClusterHealth.RETIRED
     if c["nodes"] == 0:
-        return "empty"
+        return ClusterHealth.EMPTY
     if c["nodes_unreachable"] == c["nodes"]:
-        return "unreachable"
+        return ClusterHealth.UNREACHABLE
     bad = c[DEGRADED] + c[FAILED] + c[UNAVAILABLE]
     if c["nodes_unreachable"] or (c["gpus"] and bad / c["gpus"] > 0.1):
-        return "degraded"
-    return "healthy"
+        return ClusterHealth.DEGRADED
+    return ClusterHealth.HEALTHY
 
 
-def gpu_data(view: ResourceView, node: NodeView, status: str, gpu: GpuState) -> dict[str, Any]:
+def gpu_data(view: ResourceView, node: NodeView, status: NodeStatus,
+             gpu: GpuState) -> dict[str, Any]:
     health, cause = gpu_health(node, gpu)
     return {
         "node_id": node.node_id,

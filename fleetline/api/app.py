@@ -1,0 +1,108 @@
+"""The HTTP API (FastAPI; OpenAPI at /openapi.json): the composition of its routes.
+
+Every route is declared with a `Rule` and passes one guard: authenticate the bearer token,
+authorise the role and hold the request to the principal's tenant. `create_app` refuses to build
+an app with a route that has no rule. Every call, allowed or refused, becomes an AuditEvent.
+Reads of the view run with the fold paused, so a response is one version of the view. A new
+route goes in the `routes/` module of its area, declared through `Routes`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+
+from fleetline.api.auth import Authenticator
+from fleetline.api.ports import JobsPort, Ports, ReadyQuery, Sql
+from fleetline.api.rbac import Principal
+from fleetline.api.routes import audit as audit_routes
+from fleetline.api.routes import jobs as job_routes
+from fleetline.api.routes import queries as query_routes
+from fleetline.api.routes import view as view_routes
+from fleetline.api.routing import Routes
+from fleetline.errors import (
+    FleetlineError,
+    PermissionDenied,
+    QueryError,
+    StorageError,
+)
+from fleetline.processors.audit.runtime import AuditEmitter, new_event
+from fleetline.processors.view.read import ViewSource
+from fleetline.storage.audit_store import AuditTable
+
+log = logging.getLogger(__name__)
+_UNAUDITED = ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
+
+
+def _audit_middleware(audit: AuditEmitter, clock: Callable[[], int]) -> Callable[
+        [Request, Callable[[Request], Awaitable[Response]]], Awaitable[Response]]:
+    async def audit_every_call(request: Request,
+                               call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        trace = request.headers.get("traceparent", "")
+        trace_id = trace.split("-")[1] if trace.count("-") >= 3 else None
+        response = await call_next(request)
+        response.headers["X-Request-ID"] = request_id
+        if request.url.path in _UNAUDITED:
+            return response
+        principal: Principal | None = getattr(request.state, "principal", None)
+        status = response.status_code
+        outcome = ("SUCCEEDED" if status < 400 else "UNAUTHENTICATED" if status == 401
+                   else "DENIED" if status == 403 else "FAILED")
+        matched = request.scope.get("route")
+        template = matched.path if isinstance(matched, APIRoute) else request.url.path
+        details = {"query": str(request.url.query)} if request.url.query else {}
+        refusal = getattr(request.state, "refusal", None)
+        if refusal:
+            details["reason"] = refusal
+        audit.emit(new_event(
+            ts=clock(), actor=principal.subject if principal else "anonymous",
+            actor_role=principal.role if principal else "none",
+            tenant=(getattr(request.state, "scope", None) or
+                    (principal.tenant if principal else None)),
+            operation=f"api.{request.method} {template}", target=request.url.path,
+            outcome=outcome, status=status, request_id=request_id, trace_id=trace_id,
+            source="api", details=details))
+        return response
+    return audit_every_call
+
+
+def create_app(source: ViewSource, authenticator: Authenticator, audit: AuditEmitter,
+               audit_table: AuditTable | None = None, sql: Sql | None = None,
+               ready_query: ReadyQuery | None = None,
+               clock: Callable[[], int] = lambda: int(time.time() * 1000),
+               jobs: JobsPort | None = None) -> FastAPI:
+    """The API over a view, the audit store, ClickHouse and the scheduler (each optional but
+    the view: a route whose port is missing answers 503)."""
+    app = FastAPI(title="fleetline", version="0.1.0",
+                  description="The global resource view of a multi-cluster GPU fleet, its "
+                              "scheduler and its audit log. Every route needs "
+                              "`Authorization: Bearer <token>`.")
+    routes = Routes(app, authenticator)
+    ports = Ports(source, audit_table, sql, ready_query, jobs, clock)
+    app.middleware("http")(_audit_middleware(audit, clock))
+    for area in (view_routes, audit_routes, query_routes, job_routes):
+        area.register(routes, ports)
+
+    @app.exception_handler(PermissionDenied)
+    async def denied(request: Request, exc: PermissionDenied) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=403)
+
+    @app.exception_handler(FleetlineError)
+    async def refused(request: Request, exc: FleetlineError) -> JSONResponse:
+        # A bad query or argument is the caller's to fix; a store that is down is ours.
+        status = 503 if isinstance(exc, StorageError) and not isinstance(exc, QueryError) \
+            else 400
+        return JSONResponse({"detail": str(exc)}, status_code=status)
+
+    missing = routes.unruled()
+    if missing:
+        raise RuntimeError(f"routes without an access rule: {missing}")
+    app.state.rules = routes.rules
+    return app

@@ -1,0 +1,49 @@
+"""What the API's routes reach: the view, the audit store, ClickHouse and the scheduler."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from fastapi import HTTPException
+
+from fleetline.processors.view.read import ViewSource
+from fleetline.storage.audit_store import AuditTable
+
+# A read-only query -> {"columns": [...], "rows": [...]}; a ready query by name and range.
+Sql = Callable[[str], dict[str, Any]]
+ReadyQuery = Callable[[str, str, str | None], dict[str, Any]]
+
+
+class JobsPort(Protocol):
+    """The scheduler as the API reaches it: its request log, its committed state, its
+    decisions (`processors/scheduling/runtime.KafkaJobs`)."""
+
+    def submit(self, requests: list[dict[str, Any]]) -> list[int]: ...
+
+    def jobs(self, tenant: str | None = None) -> list[dict[str, Any]]: ...
+
+    def job(self, key: str) -> dict[str, Any] | None: ...
+
+    def decisions(self, job: str) -> list[dict[str, Any]]: ...
+
+
+@dataclass(frozen=True)
+class Ports:
+    view: ViewSource
+    audit_table: AuditTable | None
+    sql: Sql | None
+    ready_query: ReadyQuery | None
+    jobs: JobsPort | None
+    clock: Callable[[], int]
+
+    def audit(self) -> AuditTable:
+        if self.audit_table is None:
+            raise HTTPException(503, "the audit store is not configured on this server")
+        return self.audit_table
+
+    def scheduler(self) -> JobsPort:
+        if self.jobs is None:
+            raise HTTPException(503, "the scheduler is not configured on this server")
+        return self.jobs

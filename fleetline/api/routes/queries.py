@@ -1,0 +1,34 @@
+"""ClickHouse over every storage tier: raw read-only SQL (platform admins) and ready queries."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import HTTPException, Query
+
+from fleetline.api import models
+from fleetline.api.ports import Ports
+from fleetline.api.rbac import Rule
+from fleetline.api.routing import Routes
+from fleetline.storage.queries import READY
+
+
+def register(route: Routes, ports: Ports) -> None:
+    @route("POST", "/v1/sql", Rule("sql", "run", tenant_scoped=False),
+           response_model=models.SqlResult,
+           summary="Raw read-only ClickHouse SQL: platform admins only")
+    def run_sql(body: models.SqlRequest) -> dict[str, Any]:
+        if ports.sql is None:
+            raise HTTPException(503, "no ClickHouse store is configured on this server")
+        return ports.sql(body.query)
+
+    @route("GET", "/v1/queries/{name}", Rule("fleet", "read", tenant_scoped=False),
+           response_model=models.SqlResult,
+           summary="A ready query over all storage tiers (see `fleetline query list`)")
+    def run_ready_query(name: str, since: Annotated[str, Query(alias="from")] = "-1h",
+                        until: Annotated[str | None, Query(alias="to")] = None) -> dict[str, Any]:
+        if name not in READY:
+            raise HTTPException(404, f"no ready query {name!r}; known: {sorted(READY)}")
+        if ports.ready_query is None:
+            raise HTTPException(503, "no ClickHouse store is configured on this server")
+        return ports.ready_query(name, since, until)

@@ -1,0 +1,275 @@
+"""The composition root: settings and options -> the set of services one process runs.
+
+`fleetline serve`, `fleetline run` and the tests all build their services here, so the wiring
+of processors, sinks, stores and the API exists once. A service is anything with a name, a
+`ready` event and `run(stop)`; adding one is one entry in `build`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from clickhouse_connect.driver.client import Client
+from fastapi import FastAPI
+
+from fleetline.agents.data_mover import SimulatedDataMover
+from fleetline.api.app import create_app
+from fleetline.api.auth import Authenticator
+from fleetline.config import Settings
+from fleetline.errors import StreamError
+from fleetline.processors.audit.chain import Signer, export_entry
+from fleetline.processors.audit.runtime import (
+    APPLICATION_ID as AUDIT_APP,
+)
+from fleetline.processors.audit.runtime import (
+    AuditEmitter,
+    audit_chainer,
+    load_signer,
+)
+from fleetline.processors.replay import rebuild
+from fleetline.processors.scheduling.capacity import FleetFacts, observe
+from fleetline.processors.scheduling.pipeline import SchedulingPolicy
+from fleetline.processors.scheduling.runtime import KafkaJobs, SchedulerService, scheduler_topics
+from fleetline.processors.view.runtime import APPLICATION_ID as VIEW_APP
+from fleetline.processors.view.runtime import ViewProcessor
+from fleetline.processors.view.snapshots import ViewSnapshots
+from fleetline.storage.audit_store import AuditArchive, AuditTable
+from fleetline.storage.clickhouse import connect, migrate
+from fleetline.storage.crypto import ObjectCipher, SealedObjectStore
+from fleetline.storage.hot_sink import HotSampleSink, HotSampleStore
+from fleetline.storage.objects import ObjectStore
+from fleetline.storage.queries import ready_sql
+from fleetline.storage.query_service import QueryService, query_client
+from fleetline.storage.scheduling_sink import AllocationTable, DecisionTable
+from fleetline.storage.sinks import Destination, RecordSink
+from fleetline.storage.snapshots import SnapshotStore
+from fleetline.storage.state_sink import NodeStateTable
+from fleetline.storage.tiers import GPU_SAMPLES, DataClass, TieredStore, TierLoop, expander
+from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.events import ALLOCATION, AUDIT_RECORD, NODE_STATE, SCHEDULING_DECISION
+from fleetline.streams.loop import Step, StreamLoop
+from fleetline.streams.records import Offsets
+from fleetline.streams.serde import default_codec
+from fleetline.streams.topics import Topics
+
+log = logging.getLogger(__name__)
+
+
+class Service(Protocol):
+    """Something a process runs in a thread of its own until `stop` is set."""
+
+    name: str
+    ready: threading.Event
+
+    def run(self, stop: threading.Event) -> None: ...
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a process runs, beyond the settings every adapter takes (the `serve` flags)."""
+
+    topics: Topics = field(default_factory=Topics)
+    group: str = VIEW_APP  # the view's instances (and its snapshots' folder)
+    instance_id: str = "0"
+    snapshot_interval_s: float = 30.0
+    scheduler: bool = True
+    scheduler_policy: SchedulingPolicy | None = None
+    tick_interval_s: float = 1.0
+    audit: bool = True
+    audit_digest_every: int = 100
+    tier_every_s: float = 0.0  # 0: no tiering in this process
+    tier_policy: DataClass = GPU_SAMPLES
+    data_mover: bool = False  # the simulated cluster layer that carries out prewarms
+
+
+def view_snapshots(settings: Settings, prefix: str, group: str = VIEW_APP) -> ViewSnapshots:
+    """The view's snapshots of a topic prefix and view group, in the configured bucket."""
+    store = ObjectStore.from_settings(settings.s3)
+    store.ensure_bucket()
+    return ViewSnapshots(SnapshotStore(store, f"views/{prefix}/{group}"))
+
+
+def sealed_objects(settings: Settings) -> SealedObjectStore:
+    """The configured bucket, sealing what it writes when an object-encryption key is set."""
+    store = ObjectStore.from_settings(settings.s3)
+    store.ensure_bucket()
+    cipher = (ObjectCipher.from_base64(settings.object_encryption_key)
+              if settings.object_encryption_key else None)
+    return SealedObjectStore(store, cipher)
+
+
+def record_sink(settings: Settings, name: str, topic: str, expect: str,
+                destination: Destination, dead_letter_topic: str,
+                convert: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> StreamLoop:
+    """A loop that stores every `expect` record of `topic` in `destination`."""
+    step = RecordSink(default_codec(), topic, expect, destination, convert)
+    return StreamLoop(settings.kafka, name, [topic], step, dead_letter_topic,
+                      max_messages=5000, max_wait_s=0.5)
+
+
+def sample_sink(settings: Settings, client: Client, topics: Topics, name: str | None = None,
+                max_wait_s: float = 1.0) -> StreamLoop:
+    """The loop that stores every GPU sample of `topics.telemetry` in ClickHouse's hot table."""
+    step = HotSampleSink(default_codec(), HotSampleStore(client, settings.clickhouse_database),
+                         topics.telemetry)
+    return StreamLoop(settings.kafka, name or f"{topics.prefix}.hot-sink", [topics.telemetry],
+                      step, topics.dead_letter, max_messages=50_000, max_wait_s=max_wait_s,
+                      # Decoding one batch while the previous one is inserted keeps both
+                      # cores busy.
+                      overlap=True)
+
+
+@dataclass
+class Fleetline:
+    """The services of one process, built by `build`, started and stopped together."""
+
+    settings: Settings
+    options: Options
+    clickhouse: Client
+    view: ViewProcessor
+    samples: StreamLoop  # the hot GPU sample sink
+    sinks: dict[str, StreamLoop]  # the other record sinks, by destination
+    scheduler: SchedulerService | None = None
+    chainer: StreamLoop | None = None
+    audit_table: AuditTable | None = None
+    signer: Signer | None = None
+    mover: SimulatedDataMover | None = None
+    tiering: TierLoop | None = None
+    queries: QueryService | None = None
+    stop: threading.Event = field(default_factory=threading.Event)
+    threads: list[threading.Thread] = field(default_factory=list)
+    errors: list[BaseException] = field(default_factory=list)
+
+    @property
+    def topics(self) -> Topics:
+        return self.options.topics
+
+    @property
+    def snapshots(self) -> ViewSnapshots:
+        return self.view.snapshots
+
+    @property
+    def sample_sink(self) -> HotSampleSink:
+        step: Step[Any] = self.samples.step
+        assert isinstance(step, HotSampleSink)
+        return step
+
+    def services(self) -> list[Service]:
+        optional: list[Service | None] = [self.scheduler, self.chainer, self.mover, self.tiering]
+        return [self.view, self.samples, *self.sinks.values(),
+                *(s for s in optional if s is not None)]
+
+    def start(self, ready_timeout_s: float | None = 60.0) -> Fleetline:
+        """Start every service in a thread and (unless the timeout is None) wait until each
+        has had its partitions assigned."""
+        if self.queries is not None:
+            self.queries.start()
+        for service in self.services():
+            thread = threading.Thread(target=self._guard(service), name=service.name,
+                                      daemon=True)
+            thread.start()
+            self.threads.append(thread)
+        for service in self.services() if ready_timeout_s is not None else ():
+            if not service.ready.wait(ready_timeout_s):
+                self.close()
+                raise StreamError(f"{service.name} got no partitions within "
+                                  f"{ready_timeout_s:.0f}s")
+        return self
+
+    def _guard(self, service: Service) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                service.run(self.stop)
+            # Thread boundary: a service that dies stops the process's other services, and its
+            # error is raised again in the main thread (raise_errors).
+            except BaseException as exc:
+                log.exception("%s stopped", service.name)
+                self.errors.append(exc)
+                self.stop.set()
+        return run
+
+    def raise_errors(self) -> None:
+        if self.errors:
+            raise self.errors[0]
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout_s)
+        if self.queries is not None:
+            self.queries.stop()
+        self.raise_errors()
+
+    def api(self, authenticator: Authenticator, emitter: AuditEmitter) -> FastAPI:
+        """The HTTP API over this process's view, scheduler, audit table and ClickHouse."""
+        expand = expander(self.settings)
+
+        def sql(query: str) -> dict[str, Any]:
+            result = query_client(self.clickhouse, query, expand)
+            return {"columns": result.columns, "rows": result.rows}
+
+        def ready(name: str, since: str, until: str | None) -> dict[str, Any]:
+            return sql(ready_sql(name, since, until))
+
+        return create_app(self.view, authenticator, emitter, self.audit_table, sql, ready,
+                          jobs=KafkaJobs(self.settings.kafka, self.topics, self.scheduler))
+
+
+def build(settings: Settings, options: Options) -> Fleetline:
+    """Every service `options` asks for, wired to the configured Kafka, S3 and ClickHouse."""
+    topics = options.topics
+    kafka = settings.kafka
+    kafka_clients.ensure_topics(kafka, [*scheduler_topics(topics),
+                                        topics.changelog_spec(AUDIT_APP, "chain")])
+    client = connect(settings.clickhouse_url)
+    migrate(client, settings.clickhouse_database)
+    db = settings.clickhouse_database
+    snapshots = view_snapshots(settings, topics.prefix, options.group)
+    view = ViewProcessor(kafka, topics, snapshots, group_id=f"{topics.prefix}.{options.group}",
+                         instance_id=options.instance_id,
+                         snapshot_interval_s=options.snapshot_interval_s)
+    samples = sample_sink(settings, client, topics)
+    sinks = {
+        "node-states": record_sink(settings, f"{topics.prefix}.node-states", topics.node_state,
+                                   NODE_STATE, NodeStateTable(client, db), topics.dead_letter),
+        "decisions": record_sink(settings, f"{topics.prefix}.decisions-sink", topics.decisions,
+                                 SCHEDULING_DECISION, DecisionTable(client, db),
+                                 topics.dead_letter),
+        "allocations": record_sink(settings, f"{topics.prefix}.allocations-sink",
+                                   topics.allocations, ALLOCATION, AllocationTable(client, db),
+                                   topics.dead_letter),
+    }
+    fleet = Fleetline(settings, options, client, view, samples, sinks)
+    if options.scheduler:
+        def facts_at(offsets: Offsets) -> FleetFacts:
+            return observe(rebuild(kafka, topics, offsets, snapshots).view)
+
+        fleet.scheduler = SchedulerService(kafka, topics, view, facts_at,
+                                           options.scheduler_policy,
+                                           tick_interval_s=options.tick_interval_s,
+                                           instance_id=options.instance_id)
+    if options.audit:
+        fleet.signer = load_signer(settings.signing_key_path(), create=True)
+        fleet.audit_table = AuditTable(client, db)
+        fleet.chainer = audit_chainer(kafka, topics, fleet.signer, options.audit_digest_every,
+                                      options.instance_id)
+        sinks["audit-clickhouse"] = record_sink(
+            settings, f"{topics.prefix}.audit-clickhouse", topics.audit_log, AUDIT_RECORD,
+            fleet.audit_table, topics.dead_letter)
+        sinks["audit-object-storage"] = record_sink(
+            settings, f"{topics.prefix}.audit-object-storage", topics.audit_log, AUDIT_RECORD,
+            AuditArchive(sealed_objects(settings), f"audit/{topics.prefix}"),
+            topics.dead_letter, convert=lambda r: export_entry(r, reveal_sensitive=True))
+    if options.data_mover:
+        fleet.mover = SimulatedDataMover(kafka, topics)
+    if options.tier_every_s:
+        fleet.tiering = TierLoop(TieredStore(client, db, ObjectStore.from_settings(settings.s3),
+                                             settings.s3, options.tier_policy),
+                                 options.tier_every_s)
+    # This process owns the embedded store; other processes (`fleetline sql`) query through it.
+    fleet.queries = QueryService(client, settings.clickhouse_url, expand=expander(settings))
+    return fleet

@@ -1,0 +1,60 @@
+"""The `fleetline` command: one module per command group, composed here.
+
+A new command goes in the module of its group (or a new module, added to `_GROUPS`); its
+`--help` comes from its signature and docstring.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Annotated
+
+import typer
+
+from fleetline.cli import agents, audit, data, infra, jobs, run, serve, specs, view
+from fleetline.errors import FleetlineError
+
+app = typer.Typer(
+    name="fleetline", no_args_is_help=True, add_completion=False,
+    pretty_exceptions_enable=False, rich_markup_mode=None,
+    help="Event-sourced control plane for multi-cluster GPU fleets. Settings come from "
+         "FLEETLINE_* environment variables (see README).")
+_GROUPS = (infra, run, agents, serve, audit, data, specs, jobs, view)
+
+
+@app.callback()
+def _root(verbose: Annotated[bool, typer.Option("-v", "--verbose",
+                                                 help="log at INFO level")] = False) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    from fleetline.api.auth import CredentialFilter
+
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(CredentialFilter())
+    if not verbose:
+        # librdkafka warns while a fresh broker loads its coordinators; it retries by itself.
+        logging.getLogger("fleetline.librdkafka").setLevel(logging.ERROR)
+
+
+for _group in _GROUPS:
+    _group.register(app)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; its exit code (1: an error fleetline names, 2: a usage error)."""
+    try:
+        app(args=list(argv) if argv is not None else None, prog_name="fleetline")
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 1
+    except FleetlineError as exc:
+        print(f"fleetline: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Node agents: `agent nvml` on a GPU server, `agent simulator` for a simulated fleet, and
+`command`, which sends a node's agent a command."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import uuid
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from fleetline.cli.common import TopicPrefix, pairs, settings
+from fleetline.errors import FleetlineError
+
+agent = typer.Typer(
+    help="run a node agent: real GPUs through NVML, or a simulated fleet",
+    no_args_is_help=True)
+
+IntervalMs = Annotated[int, typer.Option(min=1, help="sampling interval")]
+Ticks = Annotated[int | None, typer.Option(min=1, help="stop after this many intervals")]
+StateDir = Annotated[Path | None, typer.Option(
+    help="spool and control state (default: .cache/agent)")]
+
+
+@agent.command()
+def nvml(
+    cluster_id: Annotated[str, typer.Option(help="this node's cluster")] = "local",
+    region: Annotated[str, typer.Option(help="this node's region")] = "local",
+    node_id: Annotated[str | None, typer.Option(
+        help="this node's id (default: the host name)")] = None,
+    leaf_switch: Annotated[str | None, typer.Option(
+        help="the node's leaf switch, if known")] = None,
+    topic_prefix: TopicPrefix = "fleetline",
+    interval_ms: IntervalMs = 1000,
+    ticks: Ticks = None,
+    state_dir: StateDir = None,
+) -> None:
+    """The node agent on a real GPU server: NodeTelemetry every interval and NodeState
+    heartbeats through an on-disk spool; applies the node's commands."""
+    from fleetline.agents.node import NodeAgent, NodeIdentity
+    from fleetline.agents.nvml import NvmlCollector
+    from fleetline.streams import kafka as kafka_clients
+    from fleetline.streams.serde import default_codec
+    from fleetline.streams.topics import Topics
+
+    config = settings()
+    topics = Topics(topic_prefix)
+    kafka_clients.ensure_topics(config.kafka, topics.specs())
+    identity = NodeIdentity(cluster_id, region, node_id or socket.gethostname(),
+                            leaf_switch=leaf_switch)
+    node = NodeAgent.create(config, default_codec(), topics, identity, NvmlCollector().open(),
+                            state_dir or config.cache_dir / "agent", interval_ms=interval_ms)
+    try:
+        sent = node.run(threading.Event(), max_ticks=ticks)
+    finally:
+        node.close()
+    print(f"{identity.node_id}: {sent} intervals sent to {topics.telemetry}")
+
+
+@agent.command()
+def simulator(
+    clusters: Annotated[int, typer.Option(min=1, max=3)] = 3,
+    nodes: Annotated[int, typer.Option(min=1, help="nodes per cluster")] = 4,
+    seed: Annotated[int, typer.Option()] = 7,
+    faults: Annotated[Path | None, typer.Option(
+        help="a YAML fault script (see tests/scenarios/degraded-fabric.yaml)")] = None,
+    topic_prefix: TopicPrefix = "fleetline",
+    interval_ms: IntervalMs = 1000,
+    ticks: Ticks = None,
+    state_dir: StateDir = None,
+) -> None:
+    """A simulated fleet's agents, paced in real time."""
+    from fleetline.agents.fleet import FleetAgent
+    from fleetline.agents.simulator import FleetSimulator, default_clusters, load_faults
+    from fleetline.streams import kafka as kafka_clients
+    from fleetline.streams.serde import default_codec
+    from fleetline.streams.topics import Topics
+
+    config = settings()
+    topics = Topics(topic_prefix)
+    kafka_clients.ensure_topics(config.kafka, topics.specs())
+    start_ms = (int(time.time() * 1000) // interval_ms) * interval_ms
+    fleet = FleetSimulator(default_clusters(nodes)[:clusters], seed=seed,
+                           interval_ms=interval_ms,
+                           faults=load_faults(faults, start_ms) if faults else [])
+    agents = FleetAgent.create(config, default_codec(), topics, fleet,
+                               state_dir or config.cache_dir / "agent")
+    tick = 0
+    try:
+        agents.start(start_ms)
+        while ticks is None or tick < ticks:
+            tick += 1
+            agents.tick(start_ms + tick * interval_ms)
+            time.sleep(max(0.0, start_ms / 1000 + tick * interval_ms / 1000 - time.time()))
+        agents.flush()
+    finally:
+        agents.close()
+    print(f"{len(fleet.nodes)} simulated nodes: {tick} intervals sent to {topics.telemetry}; "
+          f"spools: {agents.spool_metrics()}")
+
+
+class CommandKind(StrEnum):
+    DRAIN = "DRAIN"
+    CORDON = "CORDON"
+    UNCORDON = "UNCORDON"
+    SET_POWER_CAP = "SET_POWER_CAP"
+    APPLY_CONFIG = "APPLY_CONFIG"
+
+
+def command(
+    node_id: Annotated[str, typer.Argument(help="the node")],
+    kind: Annotated[CommandKind, typer.Argument(help="what to do")],
+    cluster_id: Annotated[str, typer.Option(help="the node's cluster")],
+    power_cap_w: Annotated[float | None, typer.Option(help="SET_POWER_CAP: watts")] = None,
+    config_version: Annotated[str | None, typer.Option(help="APPLY_CONFIG: its version")]
+    = None,
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", metavar="KEY=VALUE", help="APPLY_CONFIG setting, e.g. interval_ms=5000")]
+    = None,
+    command_id: Annotated[str | None, typer.Option(help="default: a new random id")] = None,
+    issued_by: Annotated[str, typer.Option()] = "cli",
+    topic_prefix: TopicPrefix = "fleetline",
+) -> None:
+    """Send a command to a node's agent; its CommandResult lands on
+    <prefix>.commands.result."""
+    from fleetline.processors.audit.runtime import KafkaAuditEmitter, new_event
+    from fleetline.streams import kafka as kafka_clients
+    from fleetline.streams.serde import default_codec
+    from fleetline.streams.topics import Topics
+
+    config = settings()
+    values = pairs(set_, "--set")
+    record = {
+        "command_id": command_id or uuid.uuid4().hex, "cluster_id": cluster_id,
+        "node_id": node_id, "ts": int(time.time() * 1000), "issued_by": issued_by,
+        "kind": str(kind), "power_cap_w": power_cap_w, "config_version": config_version,
+        "config": values,
+    }
+    topics = Topics(topic_prefix)
+    producer = kafka_clients.producer(config.kafka)
+    producer.produce(topics.commands, key=node_id.encode(),
+                     value=default_codec().encode("NodeCommand", record))
+    if producer.flush(30):
+        raise FleetlineError("the command was not delivered within 30 s")
+    emitter = KafkaAuditEmitter(config.kafka, topics)
+    emitter.emit(new_event(ts=record["ts"], actor=issued_by, actor_role="operator",
+                           operation=f"command.{kind}", target=node_id, outcome="SUCCEEDED",
+                           request_id=record["command_id"], source="cli", details=values))
+    if emitter.flush(30):
+        raise FleetlineError("the command was sent but its audit event was not delivered")
+    print(f"sent {kind} {record['command_id']} to {node_id} on {topics.commands}")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(agent, name="agent")
+    app.command(name="command")(command)

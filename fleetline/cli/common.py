@@ -1,0 +1,99 @@
+"""What every command shares: settings, the console, options used by several commands, output."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from typing import Annotated, Any
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from fleetline.config import Settings
+from fleetline.errors import ConfigError
+from fleetline.streams.topics import Topics
+
+# Tables are not wrapped to 80 columns when the output is a file or a pipe.
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+errors = Console(stderr=True, highlight=False)
+
+TopicPrefix = Annotated[str, typer.Option("--topic-prefix", help="the topics' prefix")]
+Json = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
+Actor = Annotated[str, typer.Option("--actor", help="who is acting (for the audit log)")]
+ViewGroup = Annotated[str, typer.Option(
+    "--group", help="the view processors' group; its snapshots are used")]
+At = Annotated[str | None, typer.Option(
+    "--at", help="the view as it was at this time (ISO 8601 or epoch ms)")]
+AtOffsets = Annotated[str | None, typer.Option(
+    "--offsets", help='exact log position: {"topic": {"partition": offset}}')]
+NoSnapshots = Annotated[bool, typer.Option(
+    "--no-snapshots", help="fold from the start of the log, ignoring snapshots")]
+Since = Annotated[str | None, typer.Option("--from", help="ISO 8601, epoch ms or -<n>s|m|h|d")]
+Until = Annotated[str | None, typer.Option("--to", help="ISO 8601, epoch ms or -<n>s|m|h|d")]
+
+
+def settings() -> Settings:
+    return Settings.from_env()
+
+
+def topics(prefix: str) -> Topics:
+    return Topics(prefix)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def parse_time_ms(text: str) -> int:
+    """Epoch milliseconds, an ISO 8601 time (UTC when it names no zone), or -<n>s|m|h|d ago."""
+    from fleetline.storage.tiers import parse_moment
+
+    return parse_moment(text, now_ms())
+
+
+def pairs(items: Sequence[str] | None, what: str) -> dict[str, str]:
+    """KEY=VALUE flags as a mapping; ConfigError names the one that is not."""
+    out = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{what} takes KEY=VALUE, got {item!r}")
+        out[key] = value
+    return out
+
+
+def exit_with(code: int) -> None:
+    """End the command with `code` (0: success)."""
+    if code:
+        raise typer.Exit(code)
+
+
+def print_json(data: Any, indent: int | None = 2) -> None:
+    print(json.dumps(data, indent=indent, sort_keys=True, default=str))
+
+
+def print_tsv(columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+    """A query's result as tab-separated lines (a header, then a line per row)."""
+    print("\t".join(columns))
+    for row in rows:
+        print("\t".join(str(v) for v in row))
+
+
+def table(*columns: str, title: str | None = None, numeric: Sequence[str] = ()) -> Table:
+    """A plain table (no box), numeric columns right-aligned."""
+    out = Table(*(), title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                title_justify="left")
+    for name in columns:
+        out.add_column(name, justify="right" if name in numeric else "left", no_wrap=True)
+    return out
+
+
+def fail_fields(source: str, errors_: Iterable[Any]) -> None:
+    """Print each bad field of a spec file on stderr and end with exit code 1."""
+    for error in errors_:
+        print(f"{source}: {error}", file=sys.stderr)
+    raise typer.Exit(1)

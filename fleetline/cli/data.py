@@ -1,0 +1,147 @@
+"""ClickHouse and the storage tiers: `sql`, `query`, `tier run`, `archive restore`."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated
+
+import typer
+
+from fleetline.cli.common import Since, Until, parse_time_ms, print_tsv, settings
+from fleetline.errors import ConfigError
+from fleetline.storage.tiers import DAY_MS, HOUR_MS, DataClass, TieredStore, wall_clock_ms
+
+
+class TierPolicy:
+    """The retention flags `serve`, `tier run` and `archive restore` share."""
+
+    HotHours = Annotated[float, typer.Option(help="hours a sample stays in ClickHouse")]
+    WarmDays = Annotated[float, typer.Option(help="days it stays in warm Parquet")]
+    ColdDays = Annotated[float | None, typer.Option(
+        help="delete cold archives older than this (default: keep)")]
+    TenantColdDays = Annotated[list[str] | None, typer.Option(
+        metavar="TENANT=DAYS", help="keep the GPU samples of a tenant's allocations in cold "
+        "for another time than --cold-days (DAYS or `forever`; repeatable): archives are "
+        "rewritten without the rows whose time is up")]
+
+
+def tier_policy(hot_hours: float, warm_days: float, cold_days: float | None,
+                tenant_cold_days: list[str] | None) -> DataClass:
+    return DataClass("gpu_samples", hot_ms=int(hot_hours * HOUR_MS),
+                     warm_ms=int(warm_days * DAY_MS),
+                     cold_ms=None if cold_days is None else int(cold_days * DAY_MS),
+                     tenant_cold_ms=tenant_retention(tenant_cold_days or [], DAY_MS))
+
+
+def tenant_retention(values: list[str], day_ms: int) -> tuple[tuple[str, int | None], ...]:
+    """`TENANT=DAYS` (or `TENANT=forever`) flags as a DataClass's tenant_cold_ms."""
+    out: dict[str, int | None] = {}
+    for value in values:
+        tenant, sep, days = value.partition("=")
+        try:
+            keep_ms = None if days == "forever" else int(float(days) * day_ms)
+        except (ValueError, OverflowError):  # not a number, or inf
+            keep_ms = -1
+        if not (sep and tenant) or (keep_ms is not None and keep_ms < 0):
+            raise ConfigError(f"--tenant-cold-days {value!r}: expected TENANT=DAYS or "
+                              "TENANT=forever")
+        out[tenant] = keep_ms
+    return tuple(sorted(out.items()))
+
+
+def sql(query: Annotated[str, typer.Argument(help="one read-only query")]) -> None:
+    """Run a read-only ClickHouse SQL query on the configured store.
+
+    With the embedded chdb store, a running `fleetline serve` or `fleetline run` owns it and
+    answers the query; otherwise it is opened here. $samples stands for GPU samples across
+    hot, warm and restored tiers; $samples(-1h) or $samples(FROM, TO) reads only the tiers
+    that range needs.
+    """
+    from fleetline.storage.query_service import run_query
+    from fleetline.storage.tiers import expander
+
+    config = settings()
+    result = run_query(config.clickhouse_url, query, expand=expander(config))
+    print_tsv(result.columns, result.rows)
+
+
+def query(
+    name: Annotated[str, typer.Argument(help="a ready query, or `list`")],
+    since: Annotated[str, typer.Option("--from", help="-<n>h / -<n>d, epoch ms or ISO 8601")]
+    = "-1h",
+    until: Until = None,
+) -> None:
+    """Run a ready query over all storage tiers (`fleetline query list` names them)."""
+    from fleetline.storage.queries import READY, ready_sql
+    from fleetline.storage.query_service import run_query
+    from fleetline.storage.tiers import expander
+
+    if name == "list":
+        for ready, (doc, _) in sorted(READY.items()):
+            print(f"{ready:<30} {doc}")
+        return
+    if name not in READY:
+        raise ConfigError(f"no ready query {name!r}; `fleetline query list` names them")
+    config = settings()
+    result = run_query(config.clickhouse_url, ready_sql(name, since, until),
+                       expand=expander(config))
+    print_tsv(result.columns, result.rows)
+
+
+tier = typer.Typer(help="move closed data hot -> warm -> cold, by policy", no_args_is_help=True)
+archive = typer.Typer(help="rehydrate a cold range into ClickHouse", no_args_is_help=True)
+
+
+def _store(policy: DataClass) -> TieredStore:
+    from fleetline.storage.clickhouse import connect, migrate
+    from fleetline.storage.objects import ObjectStore
+
+    config = settings()
+    client = connect(config.clickhouse_url)
+    migrate(client, config.clickhouse_database)
+    objects = ObjectStore.from_settings(config.s3)
+    objects.ensure_bucket()
+    return TieredStore(client, config.clickhouse_database, objects, config.s3, policy)
+
+
+@tier.command(name="run")
+def tier_run(
+    now: Annotated[str | None, typer.Option(
+        help="the moment the policy is applied at (default: the clock)")] = None,
+    every: Annotated[float | None, typer.Option(
+        metavar="SECONDS", help="run repeatedly")] = None,
+    hot_hours: TierPolicy.HotHours = 24,
+    warm_days: TierPolicy.WarmDays = 7,
+    cold_days: TierPolicy.ColdDays = None,
+    tenant_cold_days: TierPolicy.TenantColdDays = None,
+) -> None:
+    """One tiering pass (or one every --every seconds), when no other process owns the
+    embedded store."""
+    store = _store(tier_policy(hot_hours, warm_days, cold_days, tenant_cold_days))
+    while True:
+        stats = store.run_once(parse_time_ms(now) if now else wall_clock_ms())
+        print(json.dumps({"to_warm": stats.to_warm, "to_cold": stats.to_cold,
+                          "completed_after_crash": stats.completed_after_crash,
+                          "expired": stats.expired, "purged": stats.purged,
+                          "rows_moved": stats.rows_moved, "refused": stats.refused}))
+        if not every:
+            return
+        time.sleep(every)
+
+
+@archive.command(name="restore")
+def archive_restore(since: Since = None, until: Until = None) -> None:
+    """Rehydrate the cold rows of [--from, --to] into the `_restored` table."""
+    if not (since and until):
+        raise ConfigError("archive restore needs --from and --to")
+    store = _store(tier_policy(24, 7, None, None))
+    rows = store.restore(parse_time_ms(since), parse_time_ms(until))
+    print(f"{rows} rows restored into {store.restored} (queryable in {store.union_view})")
+
+
+def register(app: typer.Typer) -> None:
+    app.command(name="sql")(sql)
+    app.command(name="query")(query)
+    app.add_typer(tier, name="tier")
+    app.add_typer(archive, name="archive")

@@ -1,0 +1,250 @@
+"""The scheduler's committed state: `get`, `describe`, `explain`, and `quota set`."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterable
+from typing import Annotated, Any
+
+import typer
+
+from fleetline.cli.common import Actor, Json, TopicPrefix, console, now_ms, print_json, settings
+from fleetline.cli.common import table as new_table
+from fleetline.cli.specs import audit_requests
+from fleetline.config import Settings
+from fleetline.errors import ConfigError, FleetlineError
+from fleetline.streams.store import ChangelogStore
+from fleetline.streams.topics import Topics
+
+Job = Annotated[str, typer.Argument(help="TENANT/NAME")]
+get = typer.Typer(help="list jobs, datasets or tenants as the scheduler holds them",
+                  no_args_is_help=True)
+quota = typer.Typer(help="set a tenant's quotas, reservations and fair share",
+                    no_args_is_help=True)
+
+
+def _age(ms: int | None) -> str:
+    if not ms:
+        return "-"
+    seconds = max(0, (now_ms() - ms) // 1000)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def _gpus(job: dict[str, Any]) -> int:
+    return sum(bin(mask).count("1") for nodes in job["allocation"].values()
+               for mask in nodes.values())
+
+
+def _state(config: Settings, topics: Topics) -> ChangelogStore[Any]:
+    from fleetline.processors.scheduling.runtime import read_state
+
+    return read_state(config.kafka, topics)
+
+
+Tenant = Annotated[str | None, typer.Option(help="only this tenant's")]
+
+
+@get.command(name="jobs")
+def get_jobs(tenant: Tenant = None,
+             all_: Annotated[bool, typer.Option("--all", help="include deleted jobs")] = False,
+             json_: Json = False, topic_prefix: TopicPrefix = "fleetline") -> None:
+    """Jobs: phase, priority, GPUs, where they run."""
+    from fleetline.processors.scheduling.runtime import job_records
+
+    jobs = [j for j in job_records(_state(settings(), Topics(topic_prefix)), tenant)
+            if all_ or j["phase"] != "Deleted"]
+    if json_:
+        print_json(jobs)
+        return
+    out = new_table("JOB", "KIND", "PHASE", "PRIO", "GPUS", "WHERE", "AGE",
+                    numeric=("PRIO", "GPUS"))
+    for job in jobs:
+        out.add_row(job["key"], job["kind"], job["phase"], str(job["priority"]),
+                    str(_gpus(job)), ",".join(sorted(job["allocation"])) or "-",
+                    _age(job["submitted_ms"]))
+    console.print(out)
+
+
+def _rows(prefix: str, tenant: str | None, topic_prefix: str) -> dict[str, Any]:
+    store = _state(settings(), Topics(topic_prefix))
+    rows = {key.decode(): value for key, value in store.items([0])
+            if key.decode().startswith(prefix) and value is not None}
+    if tenant:
+        rows = {k: v for k, v in rows.items()
+                if (v.get("tenant") if prefix == "dataset:" else k[len(prefix):]) == tenant}
+    return rows
+
+
+@get.command(name="datasets")
+def get_datasets(tenant: Tenant = None, topic_prefix: TopicPrefix = "fleetline") -> None:
+    """Datasets the scheduler registered: size, replicas (JSON)."""
+    print_json(_rows("dataset:", tenant, topic_prefix))
+
+
+@get.command(name="tenants")
+def get_tenants(tenant: Tenant = None, topic_prefix: TopicPrefix = "fleetline") -> None:
+    """Tenants' policies and usage (JSON)."""
+    print_json(_rows("tenant:", tenant, topic_prefix))
+
+
+def _job_or_fail(config: Settings, topics: Topics, key: str) -> dict[str, Any]:
+    value = _state(config, topics).committed(0, f"job:{key}".encode())
+    if value is None:
+        raise ConfigError(f"no job {key!r} in the scheduler's state")
+    return value
+
+
+def describe(job: Job, json_: Json = False, topic_prefix: TopicPrefix = "fleetline") -> None:
+    """One job: phase, conditions, GPUs."""
+    record = _job_or_fail(settings(), Topics(topic_prefix), job)
+    if json_:
+        print_json(record)
+        return
+    spec = record["document"]["spec"]
+    print(f"Job:        {record['key']} ({record['kind']})")
+    print(f"Phase:      {record['phase']}   priority {record['priority']}   submitted "
+          f"{_age(record['submitted_ms'])} ago   preempted {record['preemptions']} time(s)")
+    print(f"Spec:       {json.dumps(spec, sort_keys=True)}")
+    print("Conditions:")
+    for name, cond in sorted(record["conditions"].items()):
+        print(f"  {name:<10} {cond['status']!s:<6} {cond['reason']}")
+    print("Allocation:")
+    for cluster, nodes in sorted(record["allocation"].items()):
+        for node, mask in sorted(nodes.items()):
+            gpus = [i for i in range(64) if mask >> i & 1]
+            print(f"  {cluster:<14} {node:<22} GPUs {gpus}")
+    if not record["allocation"]:
+        print("  (none)")
+    if record["waiting_for"]:
+        print(f"Waiting for: {', '.join(record['waiting_for'])}")
+    print(f"Last decision: {record['last_decision'] or '-'} "
+          f"(`fleetline explain {record['key']}`)")
+
+
+def _print_decision(decision: dict[str, Any]) -> None:
+    print(f"{decision['decision_id']:>10}  {decision['outcome']:<9} priority "
+          f"{decision['priority']}  at {decision['ts']}  (request {decision['input_offset']}, "
+          f"view version {decision['view_version']}, policy {decision['policy_digest']})")
+    print(f"            {decision['reason']}")
+    for placement in decision["placements"]:
+        workers = "; ".join(f"{w['node_id']} {w['gpus']}" for w in placement["workers"])
+        print(f"            placed in {placement['cluster_id']} under "
+              f"{', '.join(placement['leaves'])}: {workers}")
+    for prewarm in decision["prewarms"]:
+        print(f"            prewarm {prewarm['dataset_id']} {prewarm['from_cluster']} -> "
+              f"{prewarm['to_cluster']}: {prewarm['size_bytes']} bytes, "
+              f"~{prewarm['estimated_s']:.0f}s at {prewarm['rate_gbps']:g} Gbit/s")
+    if decision["preempted_by"]:
+        print(f"            preempted by {decision['preempted_by']}; lost "
+              f"{decision['lost_gpu_s']} GPU-seconds; resumes from "
+              f"{decision['resume_from_checkpoint_ms']}")
+    if decision["victims"]:
+        print(f"            preempted {', '.join(decision['victims'])}")
+
+
+def _print_alternatives(alternatives: Iterable[dict[str, Any]]) -> None:
+    rows = list(alternatives)
+    if not rows:
+        return
+    print()
+    out = new_table("CLUSTER", "SCORE", "PARTS / WHY NOT", numeric=("SCORE",))
+    for alt in rows:
+        if alt["rejected"]:
+            out.add_row(alt["cluster_id"], "-", alt["rejected"])
+        else:
+            parts = ", ".join(f"{k} {v:g}" for k, v in sorted(alt["parts"].items()))
+            out.add_row(alt["cluster_id"], f"{alt['total']:.3f}", parts)
+    console.print(out)
+
+
+def explain(job: Job,
+            history: Annotated[bool, typer.Option(
+                help="every decision about the job, from the decision log")] = False,
+            topic_prefix: TopicPrefix = "fleetline") -> None:
+    """Why a job is where it is, or why it is waiting: the latest decision, where it placed
+    the job, every cluster's score or the reason it was ruled out, the view version and
+    offsets it read and the policy digest."""
+    from fleetline.processors.scheduling.runtime import decisions_of
+
+    config = settings()
+    topics = Topics(topic_prefix)
+    record = _job_or_fail(config, topics, job)
+    latest = record.get("explanation")
+    print(f"{record['key']} is {record['phase']}"
+          + (f": {record['conditions']['Placed']['reason']}" if record["phase"] == "Queued"
+             and "Placed" in record["conditions"] else ""))
+    if history:
+        print("\nEvery decision about it:")
+        for decision in decisions_of(config.kafka, topics, job):
+            _print_decision(decision)
+        return
+    if latest is None:
+        print("no decision yet")
+        return
+    print("\nThe latest decision:")
+    _print_decision(latest)
+    _print_alternatives(latest["alternatives"])
+    offsets = ", ".join(f"{o['topic']}[{o['partition']}]@{o['offset']}"
+                        for o in latest["view_offsets"])
+    print(f"\n  decided on the resource view at {offsets or '(empty view)'}")
+
+
+def _counts(items: list[str] | None, what: str) -> dict[str, int]:
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not value.isdigit():
+            raise ConfigError(f"{what} wants CLUSTER=GPUS, got {item!r}")
+        out[key] = int(value)
+    return out
+
+
+@quota.command(name="set")
+def quota_set(
+    tenant: Annotated[str, typer.Argument()],
+    gpus: Annotated[int | None, typer.Option(help="GPUs held at once, fleet-wide")] = None,
+    cluster_gpus: Annotated[list[str] | None, typer.Option(metavar="CLUSTER=GPUS")] = None,
+    gpu_hours: Annotated[float | None, typer.Option(
+        help="budget; a training job reserves GPUs x its max runtime")] = None,
+    storage: Annotated[str | None, typer.Option(
+        help="dataset bytes x replicas, e.g. 500TB")] = None,
+    bandwidth_gbps: Annotated[float | None, typer.Option(
+        help="cross-cluster dataset moves at once")] = None,
+    reserve: Annotated[list[str] | None, typer.Option(
+        metavar="CLUSTER=GPUS", help="GPUs held back for this tenant in a cluster")] = None,
+    share: Annotated[float, typer.Option(help="fair-share weight")] = 1.0,
+    actor: Actor = "cli",
+    topic_prefix: TopicPrefix = "fleetline",
+) -> None:
+    """A tenant's quotas, reserved capacity and fair-share weight."""
+    from fleetline.processors.scheduling.codec import canonical_json, new_request
+    from fleetline.processors.scheduling.runtime import submit
+    from fleetline.processors.scheduling.tenancy import TenantPolicy
+
+    policy = {"tenant": tenant, "share": share, "reserved": _counts(reserve, "--reserve"),
+              "quota": {"gpus": gpus, "cluster_gpus": _counts(cluster_gpus, "--cluster-gpus"),
+                        "gpu_hours": gpu_hours, "storage_bytes": storage,
+                        "bandwidth_gbps": bandwidth_gbps}}
+    try:
+        TenantPolicy.from_data(policy)  # refuse here what the scheduler would dead-letter
+    except FleetlineError as exc:
+        raise ConfigError(str(exc)) from None
+    config = settings()
+    topics = Topics(topic_prefix)
+    request = new_request("TENANT_POLICY", tenant, tenant, now_ms(), uuid.uuid4().hex,
+                          actor=actor, spec_json=canonical_json(policy))
+    (offset,) = submit(config.kafka, topics, [request])
+    audit_requests(config, topics, actor, "tenant.policy", [tenant], [request["request_id"]],
+                   tenant=tenant)
+    print(f"tenant {tenant}: policy set (request {offset}): {canonical_json(policy)}")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(get, name="get")
+    app.command(name="describe")(describe)
+    app.command(name="explain")(explain)
+    app.add_typer(quota, name="quota")

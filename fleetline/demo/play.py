@@ -1,0 +1,385 @@
+"""A scenario played on the real stack: simulated agents -> Kafka -> the services of
+`fleetline serve` (built by the composition root) -> ClickHouse and S3; then what each stage
+saw, a replay of the half-way view, a call of the API and a replay of every decision.
+
+`fleetline run` prints the result (`demo/report.py`); the end-to-end tests assert on it.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from fleetline.agents.fleet import FleetAgent
+from fleetline.agents.simulator import FleetSimulator
+from fleetline.api.auth import AuthConfig, Authenticator, token_digest
+from fleetline.app import Fleetline, Options, build
+from fleetline.config import Settings
+from fleetline.demo.scenario import Scenario
+from fleetline.errors import StreamError
+from fleetline.processors.audit.chain import export_entry, verify
+from fleetline.processors.audit.runtime import KafkaAuditEmitter
+from fleetline.processors.replay import ViewFollower, offsets_at, rebuild, replay_decisions
+from fleetline.processors.scheduling.codec import (
+    canonical_json,
+    datasets_first,
+    new_request,
+    submit_request,
+)
+from fleetline.processors.scheduling.runtime import DecisionFollower, decisions_of, submit
+from fleetline.processors.scheduling.specs import parse_spec
+from fleetline.processors.scheduling.state import spec_key
+from fleetline.processors.view import read as view_read
+from fleetline.storage.queries import ready_sql
+from fleetline.storage.tiers import TieredStore
+from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.serde import default_codec
+from fleetline.streams.topics import Topics
+
+
+@dataclass
+class SliceResult:
+    telemetry_sent: int
+    states_sent: int
+    malformed_sent: int
+    clusters: list[dict[str, Any]]
+    unhealthy_gpus: list[dict[str, Any]]
+    half_way_clusters: list[dict[str, Any]]
+    half_way_replay: dict[str, Any]
+    processor_dead_letters: int
+    sink_rows: int
+    sink_dead_letters: int
+    query_rows: list[tuple[Any, ...]]
+    snapshots: list[str]
+    api_calls: list[tuple[str, int]]
+    audit: dict[str, Any]
+    scheduling: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def demo_options(topics: Topics) -> Options:
+    """`serve`'s services, tuned for a run of seconds: frequent snapshots and ticks, a digest
+    every 10 audit links, and a simulated data mover answering prewarms."""
+    return Options(topics=topics, snapshot_interval_s=5.0, tick_interval_s=0.5,
+                   audit_digest_every=10, data_mover=True)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def submit_specs(settings: Settings, topics: Topics, documents: Sequence[Mapping[str, Any]],
+                 actor: str = "fleetline-run") -> list[int]:
+    specs = [parse_spec(d) for d in documents]
+    return submit(settings.kafka, topics, [
+        submit_request(spec, dict(doc), _now_ms(), uuid.uuid4().hex, actor)
+        for spec, doc in datasets_first(specs, list(documents))])
+
+
+def set_policies(settings: Settings, topics: Topics, policies: Sequence[Mapping[str, Any]],
+                 actor: str = "fleetline-run") -> list[int]:
+    return submit(settings.kafka, topics, [
+        new_request("TENANT_POLICY", str(p["tenant"]), str(p["tenant"]), _now_ms(),
+                    uuid.uuid4().hex, actor=actor, spec_json=canonical_json(dict(p)))
+        for p in policies])
+
+
+def settle(fleet: Fleetline, keys: set[str], timeout_s: float = 60.0) -> None:
+    """Wait until every key has a decision and the view has folded the allocations the
+    scheduler holds (its own records reach the view through the log, a moment later)."""
+    assert fleet.scheduler is not None
+    deadline = time.monotonic() + timeout_s
+    decided: set[str] = set()
+    follower = DecisionFollower(fleet.settings.kafka, fleet.topics)
+    try:
+        while time.monotonic() < deadline:
+            fleet.raise_errors()
+            decided |= {d["job"] for d in follower.poll(0.2)}
+            held = {j["key"]: _gpus(j) for j in fleet.scheduler.jobs()}
+            seen = {a["job_id"]: len(a["gpus"]) for a in fleet.view.read(view_read.allocations)}
+            if keys <= decided and {k: v for k, v in held.items() if v} == seen:
+                return
+    finally:
+        follower.close()
+    raise StreamError(f"the scheduler did not settle within {timeout_s:.0f}s")
+
+
+def _gpus(job: Mapping[str, Any]) -> int:
+    return sum(bin(mask).count("1") for nodes in job["allocation"].values()
+               for mask in nodes.values())
+
+
+def wait_drained(fleet: Fleetline, processed: int, telemetry: int,
+                 timeout_s: float = 120.0) -> None:
+    """Until the view has handled `processed` messages and the sample sink `telemetry`."""
+    deadline = time.monotonic() + timeout_s
+    view, sink = fleet.view.loop.stats, fleet.samples.stats
+    while time.monotonic() < deadline:
+        fleet.raise_errors()
+        if view.messages >= processed and sink.messages >= telemetry:
+            return
+        time.sleep(0.1)
+    raise StreamError(f"timed out: the view handled {view.messages}/{processed}, the sample "
+                      f"sink {sink.messages}/{telemetry} messages")
+
+
+def call_api(fleet: Fleetline) -> list[tuple[str, int]]:
+    """Serve the HTTP API on a loopback port for a moment and call it as a tenant's viewer
+    would, plus two calls that must be refused; every call lands in the audit log."""
+    token = "fl_" + secrets.token_urlsafe(24)
+    auth = Authenticator(AuthConfig.from_data({"tokens": [
+        {"name": "viewer@acme", "sha256": token_digest(token), "role": "viewer",
+         "tenant": "acme"}]}))
+    emitter = KafkaAuditEmitter(fleet.settings.kafka, fleet.topics)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(fleet.api(auth, emitter), host="127.0.0.1",
+                                           port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    calls = []
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for path, bearer in (("/v1/clusters", token), ("/v1/allocations?tenant=globex", token),
+                             ("/v1/clusters", "fl_guess")):
+            request = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
+                                             headers={"Authorization": f"Bearer {bearer}"})
+            try:
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    json.loads(response.read())
+                    calls.append((path, response.status))
+            except urllib.error.HTTPError as exc:
+                calls.append((path, exc.code))
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        emitter.flush()
+    return calls
+
+
+def verify_audit(fleet: Fleetline, events: int, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Wait for `events` audit events in ClickHouse, then verify the whole chain there."""
+    assert fleet.audit_table is not None and fleet.signer is not None
+    keys = {fleet.signer.key_id: fleet.signer.private_key.public_key()}
+    deadline = time.monotonic() + timeout_s
+    records: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        records = list(fleet.audit_table.records())
+        if sum(1 for r in records if r["event"]) >= events:
+            break
+        time.sleep(0.2)
+    report = verify([export_entry(r, reveal_sensitive=True) for r in records], keys)
+    return {"links": report.checked, "digests": report.digests, "ok": report.ok,
+            "first_broken": report.first_broken, "unsigned_tail": report.unsigned_tail,
+            "key_id": fleet.signer.key_id}
+
+
+UTILISATION_QUERY = """
+SELECT cluster_id, count() AS samples, uniqExact(node_id) AS nodes,
+       round(avg(toFloat64(gpu_util_pct)), 2) AS avg_util_pct,
+       round(toFloat64(max(power_w)), 1) AS max_power_w
+FROM {db:Identifier}.gpu_samples
+WHERE ts >= fromUnixTimestamp64Milli({start_ms:Int64}, 'UTC')
+GROUP BY cluster_id ORDER BY cluster_id
+"""
+
+
+def scheduling_summary(fleet: Fleetline) -> dict[str, Any]:
+    """Every decision, each job's phase, why the last queued job waits, and a replay of the
+    request log checked against the decisions byte for byte."""
+    assert fleet.scheduler is not None
+    settings, topics = fleet.settings, fleet.topics
+    decisions = decisions_of(settings.kafka, topics)
+    jobs = fleet.scheduler.jobs()
+    waiting = next((j for j in reversed(jobs) if j["phase"] == "Queued"), None)
+    follower = ViewFollower(settings.kafka, topics, fleet.snapshots)
+    try:
+        replayed = replay_decisions(settings.kafka, topics, follower.at)
+    finally:
+        follower.close()
+    return {
+        "decisions": [(d["decision_id"], d["job"], d["outcome"],
+                       ",".join(p["cluster_id"] for p in d["placements"]) or "-", d["reason"])
+                      for d in decisions],
+        "jobs": [(j["key"], j["phase"], ",".join(sorted(j["allocation"])) or "-", _gpus(j))
+                 for j in jobs],
+        "waiting": None if waiting is None else waiting.get("explanation"),
+        "replay": {"ok": replayed.ok, "requests": replayed.requests, "ticks": replayed.ticks,
+                   "matched": replayed.matched, "decisions": replayed.decisions,
+                   "first_difference": replayed.first_difference,
+                   "seconds": round(replayed.seconds, 2)},
+    }
+
+
+def ready_queries(fleet: Fleetline, decisions: int, since_ms: int) -> dict[str, Any]:
+    """Job wait times and utilisation by tenant from ClickHouse, once the decision sink holds
+    every decision (the two ready queries the scheduler's tables make possible)."""
+    from fleetline.storage.objects import ObjectStore
+    from fleetline.storage.sinks import RecordSink
+
+    step = fleet.sinks["decisions"].step
+    assert isinstance(step, RecordSink)
+    deadline = time.monotonic() + 30
+    while step.stats.records < decisions and time.monotonic() < deadline:
+        time.sleep(0.1)
+    settings = fleet.settings
+    store = TieredStore(fleet.clickhouse, settings.clickhouse_database,
+                        ObjectStore.from_settings(settings.s3), settings.s3)
+    out = {}
+    for name in ("job-wait-times", "utilisation-by-tenant"):
+        result = fleet.clickhouse.query(store.tiered_sql(ready_sql(name, str(since_ms), None)))
+        out[name] = (list(result.column_names), [list(r) for r in result.result_rows])
+    return out
+
+
+def _fault_note(kind: str, target: str, value: float) -> str:
+    return {"node_down": f"{target} went DOWN",
+            "rdma_loss": f"leaf switch {target} drops {value:.0%} of RDMA packets",
+            "xid": f"GPU {target} raised XID {value:g}",
+            "ecc_dbe": f"GPU {target} had a double-bit ECC error",
+            "nvlink_errors": f"GPU {target}'s NVLink errors rise by {value:g} an interval",
+            "cluster_link_loss": f"cluster {target} lost its link to the control plane",
+            }[kind]
+
+
+def play(settings: Settings, scenario: Scenario, *, start_ms: int, realtime: bool,
+         topics: Topics | None = None,
+         progress: Callable[[str], None] = lambda line: None) -> SliceResult:
+    """Run the scenario for its intervals of event time and return what every stage saw."""
+    topics = topics or Topics()
+    interval = scenario.interval_ms
+    timings: dict[str, float] = {}
+    began = time.monotonic()
+    fleet = build(settings, demo_options(topics)).start()
+    timings["pipeline_start_s"] = time.monotonic() - began
+    simulator = FleetSimulator([p.spec for p in scenario.clusters], seed=scenario.seed,
+                               interval_ms=interval)
+    for fault in scenario.faults_in(simulator, start_ms):
+        simulator.add_fault(fault)
+    state_dir = Path(tempfile.mkdtemp(prefix="fleetline-agents-"))
+    codec = default_codec()
+    agent = FleetAgent.create(settings, codec, topics, simulator, state_dir, commands=False)
+    injector = kafka_clients.producer(settings.kafka)
+    events = {scenario.tick_of(e.at): e for e in scenario.events}
+    half = scenario.ticks // 2
+    try:
+        began = time.monotonic()
+        for record in scenario.cluster_facts(1, start_ms):
+            injector.produce(topics.clusters, key=record["cluster_id"].encode(),
+                             value=codec.encode("ClusterInfo", record))
+        states = agent.start(start_ms)
+        telemetry = malformed = 0
+        submitted: set[str] = set()
+        half_way_ms = 0
+        for tick in range(1, scenario.ticks + 1):
+            ts = start_ms + tick * interval
+            sent = agent.tick(ts)
+            states += sent["states"]
+            telemetry += sent["telemetry"]
+            for fault in simulator.faults:
+                if fault.start_ms == ts:
+                    progress(f"t+{tick * interval / 1000:.0f}s: "
+                             + _fault_note(fault.kind, fault.target, fault.value))
+            event = events.get(tick)
+            if event is not None:
+                for bad in event.malformed:
+                    topic = getattr(topics, str(bad.get("topic", "telemetry")))
+                    injector.produce(topic, key=str(bad.get("key", "")).encode(),
+                                     value=str(bad.get("value", "")).encode("latin-1"))
+                    malformed += 1
+                injector.flush(30)
+                if event.tenant_policies:
+                    set_policies(settings, topics, event.tenant_policies)
+                if event.apply:
+                    submit_specs(settings, topics, event.apply)
+                    submitted |= {spec_key(parse_spec(d)) for d in event.apply}
+                if event.note:
+                    progress(f"t+{tick * interval / 1000:.0f}s: {event.note}")
+            if tick == half:
+                agent.flush()
+                half_way_ms = _now_ms()
+                time.sleep(0.01)  # the next append is stamped after this moment
+            if realtime:
+                time.sleep(interval / 1000)
+                if tick % 5 == 0:
+                    progress(_view_line(fleet.view.read(view_read.cluster_capacity)))
+        agent.flush()
+        injector.flush(30)
+        timings["produce_s"] = time.monotonic() - began
+        began = time.monotonic()
+        telemetry_malformed = sum(1 for e in scenario.events for bad in e.malformed
+                                  if bad.get("topic", "telemetry") == "telemetry")
+        wait_drained(fleet, processed=states + telemetry + malformed + len(scenario.clusters),
+                     telemetry=telemetry + telemetry_malformed)
+        settle(fleet, submitted)
+        timings["drain_s"] = time.monotonic() - began
+        now = fleet.view.read(view_read.cluster_capacity)
+        unhealthy = fleet.view.read(
+            lambda v: [g for g in view_read.select_gpus(v) if g["health"] != "healthy"])
+        rows = fleet.clickhouse.query(UTILISATION_QUERY, parameters={
+            "db": settings.clickhouse_database, "start_ms": start_ms}).result_rows
+        fleet.view.snapshot()
+        snapshots = fleet.snapshots
+        keys = [info.blob_key for part in sorted(fleet.view.parts)
+                for info in snapshots.list(part)[-1:]]
+        # Time travel: the view as it stood half-way, from the newest snapshots before that
+        # moment plus the log after them.
+        began = time.monotonic()
+        replayed = rebuild(settings.kafka, topics, offsets_at(settings.kafka, topics,
+                                                              half_way_ms), snapshots)
+        timings["replay_s"] = time.monotonic() - began
+        api_calls = call_api(fleet)
+        audit = verify_audit(fleet, len(api_calls))
+        began = time.monotonic()
+        scheduling = scheduling_summary(fleet)
+        scheduling["ready_queries"] = ready_queries(fleet, len(scheduling["decisions"]),
+                                                    start_ms)
+        timings["decision_replay_s"] = time.monotonic() - began
+    finally:
+        agent.close()
+        shutil.rmtree(state_dir, ignore_errors=True)
+        fleet.close()
+    return SliceResult(
+        telemetry_sent=telemetry,
+        states_sent=states,
+        malformed_sent=malformed,
+        clusters=now,
+        unhealthy_gpus=unhealthy,
+        half_way_clusters=view_read.cluster_capacity(replayed.view),
+        half_way_replay={"at_ms": half_way_ms, "folded": replayed.folded,
+                         "from_snapshots": replayed.snapshot_positions,
+                         "view_version": replayed.view.version},
+        processor_dead_letters=fleet.view.loop.stats.dead_letters,
+        sink_rows=fleet.sample_sink.stats.rows,
+        sink_dead_letters=fleet.sample_sink.stats.dead_letters,
+        query_rows=rows,
+        snapshots=[f"s3://{snapshots.blobs.store.bucket}/{key}" for key in keys],
+        api_calls=api_calls,
+        audit=audit,
+        scheduling=scheduling,
+        timings=timings,
+    )
+
+
+def _view_line(clusters: list[dict[str, Any]]) -> str:
+    return "  ".join(
+        f"{c['cluster_id']}: {c['gpus']} GPUs, {c['idle']} idle, {c['degraded']} degraded, "
+        f"{c['nodes_down']} nodes down" for c in clusters
+    )

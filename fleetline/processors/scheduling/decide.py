@@ -1,0 +1,407 @@
+"""The scheduler's decisions: try to place a job (preempting where its priority allows), bind
+it to the GPUs found, release it, and say every time what was decided and why.
+
+Each function takes the state (`SchedulerState`, mutated in place) and the step's `EffectLog`,
+where it appends its decisions, allocation records and prewarm orders. Nothing here reads a
+clock: time is `state.now_ms`, the requests' event time.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import replace
+from typing import Any
+
+from fleetline.processors.scheduling.capacity import indices_of
+from fleetline.processors.scheduling.effects import (
+    AllocationChange,
+    AllocationKind,
+    Decision,
+    EffectLog,
+    Outcome,
+    PrewarmOrder,
+)
+from fleetline.processors.scheduling.pipeline import (
+    FLEET_FILTERS,
+    Attempt,
+    ClusterScore,
+    Context,
+    DatasetPrewarm,
+    JobRequest,
+    place_gang,
+    place_replicas,
+    place_split,
+    rank_clusters,
+    replace_request,
+)
+from fleetline.processors.scheduling.placement import (
+    Placement,
+    inference_shape,
+    refs_by_node,
+    training_shape,
+)
+from fleetline.processors.scheduling.preemption import Victim, plan_eviction
+from fleetline.processors.scheduling.specs import InferenceServiceSpec, TrainingJobSpec
+from fleetline.processors.scheduling.state import (
+    Condition,
+    Job,
+    Phase,
+    SchedulerState,
+    checkpoint_before,
+    lost_work_s,
+)
+from fleetline.processors.scheduling.tenancy import Request, quota_block
+
+# A job's shape as far as whether it can be placed goes, not where: (fleet shape, tenant shape).
+ShapeKey = tuple[Any, ...]
+
+
+def request_for(s: SchedulerState, job: Job, workers: int | None = None) -> JobRequest:
+    spec = job.spec
+    if isinstance(spec, TrainingJobSpec):
+        shape = training_shape(spec, workers)
+        return JobRequest(job.key, job.tenant, shape, job.priority,
+                          s.dataset(spec.dataset) if spec.dataset else None,
+                          user_region=spec.region, gpu_ms=shape.gpus * s.runtime_ms(spec))
+    shape = inference_shape(spec, spec.min_replicas)
+    return JobRequest(job.key, job.tenant, shape, job.priority, regions=spec.regions)
+
+
+def context(s: SchedulerState, request: JobRequest) -> Context:
+    return Context(s.index, s.policy, s.tenants, s.usage, request)
+
+
+def try_place(s: SchedulerState, job: Job) -> Attempt:
+    """Where the job would go now (reserved in the index when it fits), without preempting."""
+    spec = job.spec
+    request = request_for(s, job)
+    ctx = context(s, request)
+    block = quota_block(ctx.tenant_policy, ctx.usage_of(),
+                        Request(request.shape.gpus, {}, request.gpu_ms))
+    if isinstance(spec, InferenceServiceSpec):
+        if block is not None:
+            return Attempt((), block, tuple(rank_clusters(ctx)))
+        return place_replicas(ctx, spec.min_replicas)
+    if spec.dataset and request.dataset is None:
+        return Attempt((), f"dataset {spec.dataset} is not registered (apply its Dataset "
+                       "spec)", ())
+    attempt = place_gang(ctx) if block is None else Attempt((), block, ())
+    if not attempt.placed and block is None and spec.allow_split_across_clusters:
+        split = place_split(ctx)
+        if split.placed:
+            return split
+    if not attempt.placed and spec.min_workers < spec.workers:
+        unit = request.shape.replica_workers
+        fewer = spec.workers - unit
+        while fewer >= spec.min_workers:
+            smaller = request_for(s, job, fewer)
+            sctx = context(s, smaller)
+            if quota_block(sctx.tenant_policy, sctx.usage_of(),
+                           Request(smaller.shape.gpus, {}, smaller.gpu_ms)) is None:
+                elastic = place_gang(sctx)
+                if elastic.placed:
+                    return replace(elastic, reason=f"elastic: {fewer} of {spec.workers} "
+                                   f"workers; " + elastic.reason)
+            fewer -= unit
+    if not attempt.alternatives and block is not None:
+        attempt = Attempt((), block, tuple(rank_clusters(ctx)))
+    return attempt
+
+
+def shape_keys(job: Job) -> tuple[ShapeKey, ShapeKey]:
+    """(fleet shape, tenant shape): what decides whether a job can be placed, not where; jobs
+    with equal keys fail alike."""
+    spec = job.spec
+    if isinstance(spec, TrainingJobSpec):
+        fleet: ShapeKey = ("T", job.priority, spec.accelerator, spec.workers, spec.min_workers,
+                           spec.gpus_per_worker, spec.parallelism, spec.communication,
+                           spec.allow_split_across_clusters)
+        return fleet, (*fleet, job.tenant, spec.dataset, spec.max_runtime_s)
+    fleet = ("I", job.priority, spec.accelerator, spec.gpus_per_replica, spec.min_replicas,
+             spec.regions)
+    return fleet, (*fleet, job.tenant)
+
+
+def attempt(s: SchedulerState, out: EffectLog, job: Job,
+            failed_shapes: dict[ShapeKey, str] | None) -> bool:
+    """Try to place a queued job (preempting if its priority allows); decide when it is placed
+    or when its blocking reason changed. True when placed.
+
+    In a queue pass, `failed_shapes` remembers what could not be placed since capacity last
+    moved: by the job's whole shape (tenant included), and by its fleet shape alone when only
+    fleet-wide filters (capacity, accelerator, region, reachability) ruled it out, so a job of
+    the same shape from any tenant is not tried again."""
+    keys = shape_keys(job)
+    if failed_shapes is not None and any(k in failed_shapes for k in keys):
+        return False
+    placed = try_place(s, job)
+    victims: list[Decision] = []
+    may_preempt = failed_shapes is None or s.preemptions_left > 0
+    if not placed.placed and s.policy.preemption and job.priority > 0 and may_preempt:
+        if failed_shapes is not None:
+            s.preemptions_left -= 1
+        preempted = preempt_for(s, out, job)
+        if preempted is not None:
+            victims, placed = preempted
+    if not placed.placed:
+        if failed_shapes is not None:
+            fleet_only = bool(placed.alternatives) and all(
+                score.by in FLEET_FILTERS for score in placed.alternatives if score.rejected)
+            failed_shapes[keys[0] if fleet_only else keys[1]] = placed.reason
+        job.phase = Phase.QUEUED
+        job.condition(Condition.PLACED, False, placed.reason, s.now_ms)
+        if placed.reason != job.queued_reason:
+            job.queued_reason = placed.reason
+            decide(s, out, job, Outcome.QUEUED, placed.reason,
+                   alternatives=placed.alternatives)
+        s.dirty.add(f"job:{job.key}")
+        return False
+    bind(s, out, job, placed, tuple(v.job for v in victims))
+    return True
+
+
+def bind(s: SchedulerState, out: EffectLog, job: Job, placed: Attempt,
+         victims: tuple[str, ...]) -> None:
+    """Give the job the GPUs it was placed on: allocation records, quota usage, its time
+    limit and prewarms, and the decision that says so."""
+    spec = job.spec
+    if s.bound_floor is None or job.priority < s.bound_floor:
+        s.bound_floor = job.priority
+    usage = s.usage_of(job.tenant)
+    seq = job.alloc_seq
+    for placement in placed.placements:
+        nodes = refs_by_node(placement.gpus)
+        job.allocation[placement.cluster_id] = nodes
+        job.allocation_changed()
+        s.cluster_jobs.setdefault(placement.cluster_id, set()).add(job.key)
+        s.count_priority(placement.cluster_id, job.priority, len(placement.gpus))
+        for node in nodes:
+            s.node_jobs.setdefault(node, set()).add(job.key)
+        count = len(placement.gpus)
+        usage.gpus += count
+        usage.cluster_gpus[placement.cluster_id] = (
+            usage.cluster_gpus.get(placement.cluster_id, 0) + count)
+        seq += 1
+        out.add(AllocationChange(job.key, job.tenant, AllocationKind.ALLOCATED,
+                                 placement.cluster_id, placement.gpus, job.priority, seq,
+                                 s.now_ms, f"placed by decision {out.next_id()}"))
+    job.alloc_seq = seq
+    job.workers = placed.workers
+    job.placed_ms = s.now_ms
+    job.queued_reason = None
+    resume = job.resume_from_ms
+    if isinstance(spec, TrainingJobSpec):
+        job.committed_gpu_ms = job.gpus * s.runtime_ms(spec)
+        usage.committed_gpu_ms += job.committed_gpu_ms
+        job.limit_end_ms = s.now_ms + s.runtime_ms(spec)
+        heapq.heappush(s.limits, (job.limit_end_ms, job.key))
+    job.waiting_for = []
+    for prewarm in placed.prewarms:
+        ticket = f"{prewarm.dataset_id}@{prewarm.to_cluster}"
+        job.waiting_for.append(ticket)
+        if ticket not in usage.prewarms:
+            usage.prewarms[ticket] = (prewarm.rate_gbps,
+                                      s.now_ms + int(prewarm.estimated_s * 1000))
+            usage.storage_bytes += prewarm.size_bytes
+    s.dirty.add(f"tenant:{job.tenant}")
+    s.dirty.add(f"job:{job.key}")
+    reason = placed.reason
+    if victims:
+        reason = f"after preempting {', '.join(victims)}: " + reason
+    if resume is not None:
+        reason += f"; resumes from its checkpoint at {resume}"
+    decision = decide(s, out, job, Outcome.PLACED, reason, placements=placed.placements,
+                      alternatives=placed.alternatives, prewarms=placed.prewarms,
+                      victims=victims, resume=resume)
+    for prewarm in placed.prewarms:
+        out.add(PrewarmOrder(job.key, job.tenant, decision.decision_id, s.now_ms, prewarm))
+    job.condition(Condition.PLACED, True, reason, s.now_ms)
+    job.condition(Condition.PREEMPTED, False, "", s.now_ms)
+    if job.waiting_for:
+        job.phase = Phase.PLACED
+        job.condition(Condition.DATA_READY, False, "waiting for " + ", ".join(job.waiting_for),
+                      s.now_ms)
+    else:
+        start(s, job)
+
+
+def start(s: SchedulerState, job: Job) -> None:
+    job.phase = Phase.RUNNING
+    job.started_ms = s.now_ms
+    job.condition(Condition.DATA_READY, True, "the dataset is in the cluster", s.now_ms)
+    job.condition(Condition.RUNNING, True, "started" + (
+        f" from its checkpoint at {job.resume_from_ms}" if job.resume_from_ms else ""),
+        s.now_ms)
+    s.dirty.add(f"job:{job.key}")
+
+
+def release(s: SchedulerState, out: EffectLog, job: Job, outcome: Outcome, reason: str, *,
+            preempted_by: str | None = None) -> Decision:
+    """Free a job's GPUs (one RELEASED allocation record), charge its GPU-hours, and say so
+    with a decision (PREEMPTED puts it back in the queue, to resume from its checkpoint)."""
+    s.pass_wanted = True
+    usage = s.usage_of(job.tenant)
+    refs: list[tuple[str, int]] = []
+    for cluster_id, nodes in sorted(job.allocation.items()):
+        count = 0
+        holding = s.cluster_jobs.get(cluster_id)
+        if holding is not None:
+            holding.discard(job.key)
+        s.count_priority(cluster_id, job.priority, -sum(m.bit_count() for m in nodes.values()))
+        for node, mask in sorted(nodes.items()):
+            s.index.release(node, mask)
+            holders = s.node_jobs.get(node)
+            if holders is not None:
+                holders.discard(job.key)
+                if not holders:
+                    del s.node_jobs[node]
+            count += mask.bit_count()
+            refs.extend((node, i) for i in indices_of(mask))
+        usage.gpus -= count
+        left = usage.cluster_gpus.get(cluster_id, 0) - count
+        if left:
+            usage.cluster_gpus[cluster_id] = left
+        else:
+            usage.cluster_gpus.pop(cluster_id, None)
+    if job.committed_gpu_ms:
+        ran = max(0, min(s.now_ms, job.limit_end_ms or s.now_ms) - (job.placed_ms or s.now_ms))
+        usage.consumed_gpu_ms += min(job.committed_gpu_ms, len(refs) * ran)
+        usage.committed_gpu_ms -= job.committed_gpu_ms
+        job.committed_gpu_ms = 0
+    lost = lost_work_s(job, s.now_ms) if job.phase == Phase.RUNNING else 0.0
+    checkpoint = (checkpoint_before(job, s.now_ms)
+                  if isinstance(job.spec, TrainingJobSpec) and job.started_ms is not None
+                  else job.resume_from_ms)
+    seq = job.alloc_seq + 1
+    job.alloc_seq = seq
+    first_cluster = min(job.allocation) if job.allocation else ""
+    # The GPUs are named (the view frees them either way; sinks keep one row per GPU).
+    out.add(AllocationChange(job.key, job.tenant, AllocationKind.RELEASED, first_cluster,
+                             tuple(refs), job.priority, seq, s.now_ms, reason))
+    for ticket in job.waiting_for:
+        usage.prewarms.pop(ticket, None)
+    job.allocation = {}
+    job.allocation_changed()
+    job.waiting_for = []
+    job.limit_end_ms = None
+    s.dirty.add(f"job:{job.key}")
+    s.dirty.add(f"tenant:{job.tenant}")
+    if outcome == Outcome.PREEMPTED:
+        job.resume_from_ms = checkpoint
+        job.started_ms = None
+        job.preemptions += 1
+        job.phase = Phase.QUEUED
+        job.queued_reason = None
+        job.condition(Condition.RUNNING, False, reason, s.now_ms)
+        job.condition(Condition.PREEMPTED, True, reason, s.now_ms)
+        return decide(s, out, job, Outcome.PREEMPTED, reason, preempted_by=preempted_by,
+                      resume=checkpoint, lost=round(lost, 3))
+    job.condition(Condition.RUNNING, False, reason, s.now_ms)
+    return decide(s, out, job, Outcome.RELEASED, reason, lost=round(lost, 3) if lost else None)
+
+
+def victims_in(s: SchedulerState, cluster_id: str, below: int) -> list[Victim]:
+    """The jobs in a cluster that a job of priority `below` may preempt, by the work each
+    would lose, with their GPUs; cached while the cluster and the clock stand still (a queue
+    pass asks again and again)."""
+    key = (cluster_id, below, s.index.version.get(cluster_id, 0), s.now_ms)
+    cached = s.victim_cache.get(key)
+    if cached is not None:
+        return cached
+    now = s.now_ms
+    out: list[Victim] = []
+    for job_key in s.cluster_jobs.get(cluster_id, ()):
+        job = s.jobs[job_key]
+        if job.priority >= below:
+            continue
+        cost = lost_work_s(job, now) if job.phase == Phase.RUNNING else 0.0
+        out.append((cost, job_key, job.allocation[cluster_id]))
+    out.sort()  # by loss, then job key (unique), so the masks are never compared
+    if len(s.victim_cache) > 64:
+        s.victim_cache.clear()
+    s.victim_cache[key] = out
+    return out
+
+
+def preempt_for(s: SchedulerState, out: EffectLog,
+                job: Job) -> tuple[list[Decision], Attempt] | None:
+    """Evict the lower-priority jobs that lose the least work so the job fits; None when no
+    eviction makes room (nothing is evicted then)."""
+    request = request_for(s, job)
+    filters = tuple(f for f in s.policy.filters if f not in ("capacity", "reservation"))
+    ranked = rank_clusters(Context(s.index, replace(s.policy, filters=filters), s.tenants,
+                                   s.usage, request))
+    best = None
+    found = 0
+    shape = request.shape
+    for score in ranked:
+        if score.rejected is not None or found >= s.policy.preemption_clusters:
+            break
+        held = s.priority_gpus.get(score.cluster_id, {})
+        below = sum(n for p, n in held.items() if p < job.priority)
+        free = s.index.free_gpus(score.cluster_id, shape.allow_degraded, shape.accelerator)
+        if below + free < shape.gpus:
+            continue  # even evicting every lower priority would not make room
+        plan = plan_eviction(s.index, score.cluster_id, shape,
+                             victims_in(s, score.cluster_id, job.priority))
+        if plan is None:
+            continue
+        found += 1
+        if best is None or (plan.lost_gpu_s, -score.total) < (best[1].lost_gpu_s,
+                                                               -best[0].total):
+            best = (score, plan)
+    if best is None:
+        return None
+    score, plan = best
+    decisions = []
+    for victim in plan.victims:
+        decisions.append(release(
+            s, out, s.jobs[victim], Outcome.PREEMPTED,
+            f"preempted by {job.key} (priority {job.priority} over "
+            f"{s.jobs[victim].priority}) in {score.cluster_id}, freeing "
+            f"{', '.join(plan.leaves)}", preempted_by=job.key))
+    single = Context(s.index, replace(s.policy, filters=(*filters, "capacity")), s.tenants,
+                     s.usage, request)
+    if isinstance(job.spec, InferenceServiceSpec):
+        placed = place_replicas(single, job.spec.min_replicas)
+    else:
+        placed = place_gang(replace_request(single))
+    # Were the plan and the placement ever to disagree, the victims stay queued and the queue
+    # pass places them again.
+    return decisions, placed
+
+
+def decide(s: SchedulerState, out: EffectLog, job: Job, outcome: Outcome, reason: str, *,
+           placements: tuple[Placement, ...] = (), alternatives: tuple[ClusterScore, ...] = (),
+           prewarms: tuple[DatasetPrewarm, ...] = (), preempted_by: str | None = None,
+           victims: tuple[str, ...] = (), resume: int | None = None,
+           lost: float | None = None) -> Decision:
+    """A decision about a job, which becomes its explanation."""
+    decision = decide_about(s, out, job.key, job.tenant, job.kind, outcome, reason,
+                            job.priority, placements=placements, alternatives=alternatives,
+                            prewarms=prewarms, preempted_by=preempted_by, victims=victims,
+                            resume=resume, lost=lost)
+    job.last_decision = decision.decision_id
+    job.explanation = decision
+    s.dirty.add(f"job:{job.key}")
+    return decision
+
+
+def decide_about(s: SchedulerState, out: EffectLog, key: str, tenant: str, kind: str,
+                 outcome: Outcome, reason: str, priority: int, *,
+                 placements: tuple[Placement, ...] = (),
+                 alternatives: tuple[ClusterScore, ...] = (),
+                 prewarms: tuple[DatasetPrewarm, ...] = (), preempted_by: str | None = None,
+                 victims: tuple[str, ...] = (), resume: int | None = None,
+                 lost: float | None = None) -> Decision:
+    """A decision with the inputs it was made on: the request, the view version and offsets,
+    the policy digest."""
+    decision = Decision(
+        decision_id=out.next_id(), job=key, tenant=tenant, kind=kind, outcome=outcome,
+        ts=s.now_ms, input_offset=s.position, view_version=s.facts.view_version,
+        view_offsets=s.facts.offsets, policy_digest=s.digest, priority=priority, reason=reason,
+        placements=placements, alternatives=alternatives, prewarms=prewarms,
+        preempted_by=preempted_by, victims=victims, resume_from_checkpoint_ms=resume,
+        lost_gpu_s=lost)
+    out.add(decision)
+    return decision

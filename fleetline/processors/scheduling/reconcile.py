@@ -1,0 +1,130 @@
+"""The reconcile loop, run by every TICK: jobs on GPUs that failed or on nodes that went down or
+out of reach are migrated (released, resumed from their last checkpoint elsewhere); jobs past
+their time limit are stopped; prewarm bandwidth past its estimate is given back; and the queue
+is retried in priority order, fair share between tenants of equal priority, then submission
+order, preempting lower priorities where the policy allows.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from fleetline.processors.scheduling.capacity import FleetFacts
+from fleetline.processors.scheduling.decide import ShapeKey, attempt, release, shape_keys
+from fleetline.processors.scheduling.effects import EffectLog, Outcome
+from fleetline.processors.scheduling.state import Condition, Job, Phase, SchedulerState
+from fleetline.processors.scheduling.tenancy import PRIORITIES, fair_share_key
+
+
+def tick(s: SchedulerState, out: EffectLog, facts: FleetFacts) -> None:
+    if _grew(s.facts, facts):
+        s.pass_wanted = True  # some cluster has more usable GPUs than before
+    s.facts = facts
+    s.index.refresh(facts)
+    migrate_off_faults(s, out)
+    stop_at_limits(s, out)
+    expire_prewarms(s)
+    if not s.pass_wanted and s.bound_floor is not None and any(
+            j.priority > s.bound_floor for j in s.jobs.values() if j.phase == Phase.QUEUED):
+        s.pass_wanted = True  # lower-priority jobs started beside waiting ones
+    if s.pass_wanted:
+        schedule_queue(s, out)
+
+
+def migrate_off_faults(s: SchedulerState, out: EffectLog) -> None:
+    # Only what the view says is broken moves a job: a node the view does not hold (a shard not
+    # restored yet, another instance's shard) is unknown, not lost.
+    hit: dict[str, str] = {}
+    for node_id in sorted(s.node_jobs):
+        lost = s.facts.lost.get(node_id)
+        if not lost:
+            continue
+        for key in sorted(s.node_jobs[node_id]):
+            job = s.jobs[key]
+            masks = [nodes.get(node_id, 0) for nodes in job.allocation.values()]
+            if any(m & lost for m in masks):
+                hit.setdefault(key, s.facts.lost_reason(node_id))
+    for key in sorted(hit):
+        release(s, out, s.jobs[key], Outcome.PREEMPTED,
+                f"fault: {hit[key]}; migrating from its last checkpoint")
+
+
+def stop_at_limits(s: SchedulerState, out: EffectLog) -> None:
+    while s.limits and s.limits[0][0] <= s.now_ms:
+        end, key = heapq.heappop(s.limits)
+        job = s.jobs.get(key)
+        if job is None or not job.holds or job.limit_end_ms != end:
+            continue  # released or re-placed since
+        release(s, out, job, Outcome.RELEASED, "reached its max runtime")
+        job.phase = Phase.TIMED_OUT
+        job.condition(Condition.FINISHED, True, "reached its max runtime", s.now_ms)
+
+
+def expire_prewarms(s: SchedulerState) -> None:
+    # A move's bandwidth is given back once its estimate has passed, even if the mover has not
+    # reported it done (the job keeps waiting for the replica).
+    for tenant in sorted(s.usage):
+        usage = s.usage[tenant]
+        done = [t for t, (_, until) in sorted(usage.prewarms.items()) if until <= s.now_ms]
+        for ticket in done:
+            del usage.prewarms[ticket]
+        if done:
+            s.dirty.add(f"tenant:{tenant}")
+            s.pass_wanted = True
+
+
+def schedule_queue(s: SchedulerState, out: EffectLog) -> None:
+    s.pass_wanted = False
+    s.bound_floor = None
+    _pass(s, out)
+
+
+def _pass(s: SchedulerState, out: EffectLog) -> None:
+    """One pass over the queue: priorities high to low; within a priority the tenant holding
+    the fewest GPUs per unit of share goes next (fair share); within a tenant, FIFO. Jobs
+    preempted during the pass have a lower priority and are tried when their level comes. At
+    most `pass_attempts` jobs are tried; past that the next TICK goes on."""
+    failed: dict[ShapeKey, str] = {}
+    budget = s.policy.pass_attempts
+    s.preemptions_left = s.policy.pass_preemptions
+    for priority in sorted(set(PRIORITIES.values()), reverse=True):
+        queues: dict[str, list[Job]] = {}
+        for job in s.queue():
+            if job.priority == priority:
+                queues.setdefault(job.tenant, []).append(job)
+        for q in queues.values():
+            q.reverse()
+        while queues:
+            tenant = min(queues, key=lambda t: (fair_share_key(s.tenants, s.usage, t), t))
+            job = queues[tenant].pop()
+            if not queues[tenant]:
+                del queues[tenant]
+            if job.phase != Phase.QUEUED or any(k in failed for k in shape_keys(job)):
+                continue
+            if budget <= 0:
+                s.pass_wanted = True
+                return
+            budget -= 1
+            # A preemption in the pass frees GPUs only for the preemptor; what failed before it
+            # is tried again by the next pass (a release asks for one).
+            attempt(s, out, job, failed)
+
+
+def _room(facts: FleetFacts) -> dict[str, int]:
+    """Usable GPUs per cluster (none in a cluster out of reach), once per observation."""
+    cached: dict[str, int] | None = facts.memo.get("room")
+    if cached is None:
+        cached = {}
+        for node in facts.nodes.values():
+            cached[node.cluster_id] = (cached.get(node.cluster_id, 0)
+                                       + (node.healthy | node.degraded).bit_count())
+        for cluster_id, cluster in facts.clusters.items():
+            if cluster.health not in ("healthy", "degraded"):
+                cached[cluster_id] = 0
+        facts.memo["room"] = cached
+    return cached
+
+
+def _grew(before: FleetFacts, after: FleetFacts) -> bool:
+    old = _room(before)
+    return any(n > old.get(c, 0) for c, n in _room(after).items())

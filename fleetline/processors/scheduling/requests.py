@@ -1,0 +1,280 @@
+"""The scheduler's requests, one handler each: SUBMIT (a spec: the desired state), DELETE,
+PROGRESS (a job's checkpoint, finish or failure, from the cluster layer), TENANT_POLICY
+(quotas, reservations, share), POLICY (the scheduling pipeline) and DATASET_READY (a prewarm
+finished). TICK is the reconcile loop (`reconcile.py`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import replace
+from enum import StrEnum
+from typing import Any
+
+from fleetline.errors import FleetlineError, InvalidEventError
+from fleetline.processors.scheduling.decide import (
+    attempt,
+    decide,
+    decide_about,
+    release,
+    start,
+)
+from fleetline.processors.scheduling.effects import DatasetRecord, EffectLog, Outcome
+from fleetline.processors.scheduling.pipeline import SchedulingPolicy
+from fleetline.processors.scheduling.reconcile import schedule_queue
+from fleetline.processors.scheduling.specs import (
+    Dataset,
+    JobSpec,
+    SpecError,
+    TrainingJobSpec,
+    parse_spec,
+)
+from fleetline.processors.scheduling.state import (
+    TERMINAL,
+    Condition,
+    Job,
+    Phase,
+    SchedulerState,
+    spec_key,
+)
+from fleetline.processors.scheduling.tenancy import (
+    PRIORITIES,
+    Request,
+    TenantPolicy,
+    TenantUsage,
+    quota_block,
+)
+
+
+class RequestKind(StrEnum):
+    SUBMIT = "SUBMIT"
+    DELETE = "DELETE"
+    PROGRESS = "PROGRESS"
+    TENANT_POLICY = "TENANT_POLICY"
+    POLICY = "POLICY"
+    DATASET_READY = "DATASET_READY"
+    TICK = "TICK"
+
+
+class Progress(StrEnum):
+    """What the cluster layer reports of a job."""
+
+    RUNNING = "RUNNING"
+    CHECKPOINT = "CHECKPOINT"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+
+
+def submit(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> None:
+    try:
+        document = json.loads(request["spec_json"] or "null")
+        spec = parse_spec(document)
+    except (ValueError, SpecError) as exc:
+        decide_about(s, out, request["key"], request["tenant"], "Unknown", Outcome.REJECTED,
+                     f"the spec does not validate: {exc}", 0)
+        return
+    tenant, name = spec.metadata.tenant, spec.metadata.name
+    key = spec_key(spec)
+    if key != request["key"] or tenant != request["tenant"]:
+        decide_about(s, out, request["key"], request["tenant"], spec.kind, Outcome.REJECTED,
+                     f"the request is keyed {request['key']!r} (tenant "
+                     f"{request['tenant']!r}) but the spec names {key!r}", 0)
+        return
+    if isinstance(spec, Dataset):
+        register_dataset(s, out, spec)
+        return
+    priority = PRIORITIES[spec.spec.priority_class]
+    job = s.jobs.get(key)
+    if job is not None and job.phase not in TERMINAL:
+        if job.kind != spec.kind:
+            decide(s, out, job, Outcome.REJECTED, f"{key} is a {job.kind}; delete it before "
+                   f"applying a {spec.kind} of that name")
+            return
+        if job.document == document:
+            return  # applied again unchanged: nothing to do
+        if job.holds and _same_shape(job.spec, spec.spec):
+            for cluster_id, nodes in job.allocation.items():
+                held = sum(m.bit_count() for m in nodes.values())
+                s.count_priority(cluster_id, job.priority, -held)
+                s.count_priority(cluster_id, priority, held)
+            job.set_spec(document, spec.spec, priority)
+            s.dirty.add(f"job:{key}")
+            return
+        if job.holds:
+            release(s, out, job, Outcome.RELEASED, "the spec changed; placing it again")
+        job.set_spec(document, spec.spec, priority)
+        job.phase, job.queued_reason = Phase.QUEUED, None
+        s.dirty.add(f"job:{key}")
+    else:
+        before = s.jobs.get(key)
+        job = Job(key, tenant, name, spec.kind, document, priority, s.position, s.now_ms,
+                  alloc_seq=before.alloc_seq if before else 0, _spec=spec.spec)
+        s.jobs[key] = job
+        s.dirty.add(f"job:{key}")
+        never = never_fits(s, job)
+        if never is not None:
+            job.phase = Phase.REJECTED
+            job.condition(Condition.ADMITTED, False, never, s.now_ms)
+            decide(s, out, job, Outcome.REJECTED, never)
+            return
+    attempt(s, out, job, None)
+
+
+def never_fits(s: SchedulerState, job: Job) -> str | None:
+    """Why the job could never fit its tenant's quota, even with nothing else running (a
+    reason to reject it rather than queue it), or None."""
+    spec = job.spec
+    if isinstance(spec, TrainingJobSpec):
+        gpus = spec.gpus_per_worker * spec.min_workers
+        gpu_ms = gpus * s.runtime_ms(spec)
+        dataset = s.dataset(spec.dataset) if spec.dataset else None
+        if spec.dataset and dataset is not None and dataset.tenant != job.tenant:
+            return f"dataset {spec.dataset} belongs to another tenant"
+    else:
+        gpus, gpu_ms = spec.gpus_per_replica * spec.min_replicas, 0
+    block = quota_block(s.tenant_policy_of(job.tenant), TenantUsage(), Request(gpus, {}, gpu_ms))
+    return None if block is None else f"can never fit: {block}"
+
+
+def delete(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> None:
+    key = request["key"]
+    if key.startswith("dataset:"):
+        delete_dataset(s, out, key.partition(":")[2], request["tenant"])
+        return
+    job = s.jobs.get(key)
+    if job is None or job.phase in TERMINAL:
+        return
+    who = request.get("actor") or "someone"
+    if job.holds:
+        release(s, out, job, Outcome.RELEASED, f"deleted by {who}")
+    job.phase = Phase.DELETED
+    job.condition(Condition.FINISHED, True, f"deleted by {who}", s.now_ms)
+    s.dirty.add(f"job:{key}")
+    schedule_queue(s, out)
+
+
+def progress(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> None:
+    job = s.jobs.get(request["key"])
+    if job is None or job.phase in TERMINAL:
+        return
+    phase = request.get("phase")
+    s.dirty.add(f"job:{job.key}")
+    if phase == Progress.CHECKPOINT:
+        if request.get("checkpoint_ms") is not None and job.holds:
+            job.checkpoint_ms = max(job.checkpoint_ms or 0, int(request["checkpoint_ms"]))
+        return
+    if phase == Progress.RUNNING:
+        if job.holds:
+            job.condition(Condition.RUNNING, True, "the cluster reports it running", s.now_ms)
+        return
+    if phase not in (Progress.SUCCEEDED, Progress.FAILED):
+        raise InvalidEventError(f"{job.key}: unknown progress phase {phase!r}")
+    if job.holds:
+        release(s, out, job, Outcome.RELEASED, f"the job {phase.lower()}")
+    job.phase = Phase.SUCCEEDED if phase == Progress.SUCCEEDED else Phase.FAILED
+    job.condition(Condition.FINISHED, True, f"the cluster reports it {phase.lower()}", s.now_ms)
+    schedule_queue(s, out)
+
+
+def tenant_policy(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> None:
+    policy = TenantPolicy.from_data(_payload(request, "tenant policy"))
+    if policy.tenant != request["tenant"]:
+        raise InvalidEventError(f"tenant policy for {policy.tenant} sent as "
+                                f"{request['tenant']}")
+    s.tenants[policy.tenant] = policy
+    s.dirty.add(f"tenant:{policy.tenant}")
+    schedule_queue(s, out)
+
+
+def scheduling_policy(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> None:
+    data = _payload(request, "scheduling policy")
+    if not isinstance(data, Mapping):
+        raise InvalidEventError("a scheduling policy must be a mapping")
+    try:
+        s.policy = SchedulingPolicy.from_data(data)
+    except FleetlineError as exc:
+        raise InvalidEventError(str(exc)) from None
+    s.digest = s.policy.digest()
+    schedule_queue(s, out)
+
+
+def dataset_ready(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> None:
+    dataset_id, _, cluster = request["key"].partition("@")
+    current = s.dataset(dataset_id)
+    if current is None or not cluster:
+        raise InvalidEventError(f"DATASET_READY for unknown dataset or cluster "
+                                f"{request['key']!r}")
+    usage = s.usage_of(current.tenant)
+    usage.prewarms.pop(request["key"], None)
+    s.dirty.add(f"tenant:{current.tenant}")
+    s.pass_wanted = True
+    if cluster not in current.replicas:
+        record_dataset(s, out, DatasetRecord(
+            current.dataset_id, current.tenant, 0, 0, current.size_bytes,
+            tuple(sorted({*current.replicas, cluster}))))
+    for key in sorted(s.jobs):
+        job = s.jobs[key]
+        if request["key"] in job.waiting_for:
+            job.waiting_for.remove(request["key"])
+            s.dirty.add(f"job:{key}")
+            if not job.waiting_for and job.holds:
+                start(s, job)
+
+
+def record_dataset(s: SchedulerState, out: EffectLog, record: DatasetRecord) -> None:
+    record = replace(record, seq=s.position + 1, ts=s.now_ms)
+    s.datasets[record.dataset_id] = record
+    s.dirty.add(f"dataset:{record.dataset_id}")
+    out.add(record)
+
+
+def register_dataset(s: SchedulerState, out: EffectLog, spec: Dataset) -> None:
+    tenant, name = spec.metadata.tenant, spec.metadata.name
+    current = s.dataset(name)
+    if current is not None and current.tenant != tenant:
+        decide_about(s, out, f"dataset:{name}", tenant, "Dataset", Outcome.REJECTED,
+                     f"dataset {name} belongs to another tenant", 0)
+        return
+    usage = s.usage_of(tenant)
+    before = current.size_bytes * len(current.replicas) if current else 0
+    after = spec.spec.size_bytes * len(spec.spec.replicas)
+    block = quota_block(s.tenant_policy_of(tenant), usage,
+                        Request(storage_bytes=max(0, after - before)))
+    if block is not None:
+        decide_about(s, out, f"dataset:{name}", tenant, "Dataset", Outcome.REJECTED, block, 0)
+        return
+    usage.storage_bytes += after - before
+    s.dirty.add(f"tenant:{tenant}")
+    s.pass_wanted = True
+    record_dataset(s, out, DatasetRecord(name, tenant, 0, 0, spec.spec.size_bytes,
+                                         tuple(sorted(spec.spec.replicas))))
+    decide_about(s, out, f"dataset:{name}", tenant, "Dataset", Outcome.ACCEPTED,
+                 f"{spec.spec.size_bytes} bytes in {len(spec.spec.replicas)} replica(s); "
+                 f"tenant {tenant} stores {usage.storage_bytes} bytes", 0)
+
+
+def delete_dataset(s: SchedulerState, out: EffectLog, name: str, tenant: str) -> None:
+    current = s.datasets.get(name)
+    if current is None or current.deleted or current.tenant != tenant:
+        return
+    usage = s.usage_of(tenant)
+    usage.storage_bytes -= current.size_bytes * len(current.replicas)
+    s.dirty.add(f"tenant:{tenant}")
+    record_dataset(s, out, replace(current, deleted=True))
+
+
+def _payload(request: Mapping[str, Any], what: str) -> Any:
+    """The JSON a request carries, or InvalidEventError naming what it should have been."""
+    try:
+        return json.loads(request["spec_json"] or "null")
+    except ValueError as exc:
+        raise InvalidEventError(f"{what} is not JSON: {exc}") from None
+
+
+def _same_shape(old: JobSpec, new: JobSpec) -> bool:
+    """True when only the priority changed (labels are metadata): the placement can stay."""
+    if type(old) is not type(new):
+        return False
+    strip: dict[str, Any] = {"priority_class": "normal"}
+    return old.model_copy(update=strip) == new.model_copy(update=strip)

@@ -1,0 +1,137 @@
+"""Batches of records folded into view parts: the same code live, in replay and in benchmarks.
+
+The view is split into parts: `shard-<p>` folds partition p of the node topics (telemetry and
+node state are co-partitioned by node id), `fleet` folds the small fleet topics whole. A run of
+telemetry records from one partition goes through the columnar decoder; anything it will not
+vouch for, and every other record, is decoded and folded one by one. A record that cannot be
+folded is returned with its error (to be dead-lettered) and still counts as consumed, so a bad
+message never stops the fold and is never silently lost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from fleetline.errors import FleetlineError, InvalidEventError
+from fleetline.processors.view.fold import (
+    GPU_FIELDS,
+    HealthPolicy,
+    ResourceView,
+    apply,
+    fold_telemetry,
+    forget,
+)
+from fleetline.streams.columnar import TelemetryBatchDecoder
+from fleetline.streams.events import (
+    ALLOCATION,
+    CLUSTER_INFO,
+    DATASET_STATE,
+    NODE_STATE,
+    NODE_TELEMETRY,
+)
+from fleetline.streams.records import Record, where
+from fleetline.streams.serde import AvroCodec, default_codec
+from fleetline.streams.topics import Topics
+
+FLEET_PART = "fleet"
+R = TypeVar("R", bound=Record)
+
+
+def shard_part(partition: int) -> str:
+    return f"shard-{partition:03d}"
+
+
+@dataclass(frozen=True)
+class TopicRole:
+    record: str  # the record the topic carries
+    key_field: str  # the field the message key must equal
+    tombstone: str | None  # what a null value removes, on compacted topics
+
+
+def topic_roles(topics: Topics) -> dict[str, TopicRole]:
+    return {
+        topics.telemetry: TopicRole(NODE_TELEMETRY, "node_id", None),
+        topics.node_state: TopicRole(NODE_STATE, "node_id", "node"),
+        topics.clusters: TopicRole(CLUSTER_INFO, "cluster_id", "cluster"),
+        topics.datasets: TopicRole(DATASET_STATE, "dataset_id", "dataset"),
+        topics.allocations: TopicRole(ALLOCATION, "job_id", None),
+    }
+
+
+@dataclass
+class PartFolder:
+    """Folds batches of records into view parts (see the module's docstring)."""
+
+    topics: Topics
+    policy: HealthPolicy = field(default_factory=HealthPolicy)
+    codec: AvroCodec = field(default_factory=default_codec)
+
+    def __post_init__(self) -> None:
+        self.roles = topic_roles(self.topics)
+        self.decoder = TelemetryBatchDecoder(self.codec, GPU_FIELDS)
+        self.node_topics = set(self.topics.node_topics)
+
+    def part_of(self, topic: str, partition: int) -> str:
+        return shard_part(partition) if topic in self.node_topics else FLEET_PART
+
+    def new_part(self) -> ResourceView:
+        return ResourceView(policy=self.policy)
+
+    def fold(self, parts: dict[str, ResourceView],
+             records: Iterable[R]) -> list[tuple[R, FleetlineError]]:
+        """Fold the records into their parts (made as needed); the ones that could not be
+        folded, with why."""
+        runs: dict[tuple[str, int], list[R]] = {}
+        for record in records:
+            topic, partition, _ = where(record)
+            runs.setdefault((topic, partition), []).append(record)
+        failed: list[tuple[R, FleetlineError]] = []
+        for (topic, partition), run in runs.items():
+            name = self.part_of(topic, partition)
+            view = parts.get(name)
+            if view is None:
+                view = parts[name] = self.new_part()
+            if topic == self.topics.telemetry:
+                self._fold_telemetry_run(view, topic, partition, run, failed)
+            else:
+                for record in run:
+                    self.fold_one(view, record, failed)
+        return failed
+
+    def _fold_telemetry_run(self, view: ResourceView, topic: str, partition: int,
+                            run: Sequence[R], failed: list[tuple[R, FleetlineError]]) -> None:
+        rows = self.decoder.decode([m.key() for m in run], [m.value() for m in run])
+        for record, row in zip(run, rows, strict=True):
+            if row is None:  # the batch path could not read it: record by record, in order
+                self.fold_one(view, record, failed)
+                continue
+            try:
+                fold_telemetry(view, *row)
+            except FleetlineError as exc:
+                failed.append((record, exc))
+            view.advance(topic, partition, where(record)[2])
+
+    def fold_one(self, view: ResourceView, record: R,
+                 failed: list[tuple[R, FleetlineError]]) -> None:
+        """Fold one record by the per-record path (decode, check the key, apply)."""
+        topic, partition, offset = where(record)
+        role = self.roles.get(topic)
+        try:
+            if role is None:
+                raise InvalidEventError(f"the resource view does not read {topic}")
+            key = record.key()
+            value = record.value()
+            if value is None and role.tombstone is not None and key is not None:
+                forget(view, role.tombstone, key.decode(errors="replace"))
+            else:
+                event = self.codec.decode(value, expect=role.record)
+                entity = event.record[role.key_field]
+                if key is None or key.decode(errors="replace") != entity:
+                    raise InvalidEventError(
+                        f"message key {key!r} is not the record's {role.key_field} {entity!r}")
+                apply(view, event)
+        except FleetlineError as exc:
+            failed.append((record, exc))
+        view.advance(topic, partition, offset)

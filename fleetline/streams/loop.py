@@ -1,0 +1,472 @@
+"""The one stream loop every processor and sink runs.
+
+    receive a batch -> the step turns it into outputs, dead letters and something to store
+    -> produce -> store durably -> commit the consumed offsets
+
+A `Step` is the processor's own part (its pure fold behind a small adapter); the loop owns
+Kafka. It commits in one of two ways, as Kafka Streams does:
+
+- **Exactly once** (`exactly_once=True`): outputs, dead letters, the step's changelog records
+  and the consumed offsets go in one transaction. An abortable error aborts it, drops the
+  stores' pending writes, tells the step (`aborted`) and rewinds to the committed offsets; a
+  fatal one stops the loop loudly (`StreamError`); a retriable commit is retried.
+- **Effect first** (`exactly_once=False`): dead letters are flushed, the step stores the batch
+  (`store`; with `overlap`, in a writer thread while the next batch is received and prepared,
+  stores still in order), and only then are offsets committed. Such steps say where each
+  partition resumes from their own durable state (`assigned`), so the committed offsets are
+  for lag monitoring and a crash between store and commit neither loses nor repeats anything.
+
+Either way a message is handed to the step at most once while its partition is this loop's:
+what a fetch from before a rebalance still delivers for a revoked partition is dropped, and a
+partition assigned again starts where the step says. Bad input never stops the loop: the step
+names it and it goes whole to the dead-letter topic with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    OFFSET_INVALID,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
+
+from fleetline.config import KafkaSettings
+from fleetline.errors import FleetlineError, StreamError
+from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.deadletter import dead_letter_headers
+from fleetline.streams.records import Output
+from fleetline.streams.store import ChangelogStore
+
+log = logging.getLogger(__name__)
+P = TypeVar("P")
+Partition = tuple[str, int]
+_ANY = -1  # a partition whose next offset is whatever the broker gives first
+
+
+@dataclass
+class StepResult(Generic[P]):
+    """What a step made of a batch: messages to produce, messages it could not handle (with
+    why), and what `store` must make durable before the batch's offsets are committed."""
+
+    outputs: list[Output] = field(default_factory=list)
+    dead_letters: list[tuple[Message, FleetlineError]] = field(default_factory=list)
+    payload: P | None = None
+
+
+class Step(ABC, Generic[P]):
+    """A processor or sink as the loop drives it."""
+
+    # Changelog-backed state (exactly once only): restored on assignment, written in the
+    # batch's transaction, committed with it.
+    stores: Sequence[ChangelogStore[Any]] = ()
+
+    def assigned(self, partitions: list[TopicPartition]) -> list[TopicPartition]:
+        """Where each newly assigned partition resumes (OFFSET_INVALID: from the group's
+        committed offset). Called once what was received before is stored."""
+        return partitions
+
+    def revoked(self, partitions: list[TopicPartition]) -> None:
+        """The partitions are another instance's now; what was received is stored."""
+
+    @abstractmethod
+    def process(self, messages: list[Message]) -> StepResult[P]:
+        """Turn a batch into outputs, dead letters and a payload to store."""
+
+    def store(self, payload: P) -> None:
+        """Make a batch's payload durable (all of it, or raise)."""
+
+    def checkpoint(self, idle: bool) -> bool:
+        """After each batch (`idle` False), each empty receive (True) and once more when the
+        loop stops: make what was processed durable if that is due; True when the offsets of
+        what is stored may be committed (effect-first loops only). A step whose `store` makes
+        each batch durable needs nothing more."""
+        return True
+
+    def aborted(self) -> None:
+        """The batch's transaction was aborted: forget state kept beside the stores."""
+
+
+class MessageStep(Step[None]):
+    """A step that handles one message at a time; a message that raises a FleetlineError is
+    dead-lettered with the reason and the others go on."""
+
+    @abstractmethod
+    def handle(self, message: Message) -> Sequence[Output]:
+        """The outputs of one message, or a FleetlineError saying why it cannot be handled."""
+
+    def process(self, messages: list[Message]) -> StepResult[None]:
+        result: StepResult[None] = StepResult()
+        for message in messages:
+            try:
+                result.outputs.extend(self.handle(message))
+            except FleetlineError as exc:
+                result.dead_letters.append((message, exc))
+        return result
+
+
+@dataclass
+class LoopStats:
+    batches: int = 0
+    messages: int = 0
+    dead_letters: int = 0
+    aborts: int = 0
+    restored: int = 0
+
+
+@dataclass
+class _Writer(Generic[P]):
+    """Stores prepared batches in order: in the calling thread, or with `overlap` in one
+    writer thread while the next batch is received and prepared (at most one waits). After a
+    failed store nothing later is stored, and the failure is raised in the consuming thread."""
+
+    store: Callable[[P], None]
+    overlap: bool
+    _queue: queue.Queue[tuple[P | None, dict[Partition, int]] | None] = field(
+        default_factory=lambda: queue.Queue(maxsize=1))
+    _stored: dict[Partition, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _failure: BaseException | None = None
+    _thread: threading.Thread | None = None
+
+    def submit(self, payload: P | None, offsets: dict[Partition, int]) -> None:
+        self.check()
+        if not self.overlap:
+            self._store(payload, offsets)
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="stream-writer", daemon=True)
+            self._thread.start()
+        self._queue.put((payload, offsets))
+
+    def _store(self, payload: P | None, offsets: dict[Partition, int]) -> None:
+        if payload is not None:
+            self.store(payload)
+        with self._lock:
+            self._stored.update(offsets)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if self._failure is None:
+                    self._store(*item)
+            # Thread boundary: whatever the store raised is raised again in the consuming
+            # thread by check(), which stops the loop.
+            except BaseException as exc:
+                log.error("store failed; nothing received later will be stored: %s", exc)
+                self._failure = exc
+            finally:
+                self._queue.task_done()
+
+    def drain(self) -> None:
+        """Wait until every submitted batch is stored (or one failed: raise its error)."""
+        if self._thread is not None:
+            self._queue.join()
+        self.check()
+
+    def check(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    def take_stored(self) -> dict[Partition, int]:
+        with self._lock:
+            stored, self._stored = self._stored, {}
+        return stored
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+
+@dataclass
+class StreamLoop:
+    """Runs `step` over `inputs` (a consumer group named `name`) until `stop` is set."""
+
+    kafka: KafkaSettings
+    name: str
+    inputs: Sequence[str]
+    step: Step[Any]
+    dead_letter_topic: str
+    exactly_once: bool = False
+    # Topics every instance reads whole (small tables, like Kafka Streams' global tables),
+    # through a consumer of its own; their positions come from the step. Effect first only.
+    global_inputs: Sequence[str] = ()
+    instance_id: str = "0"
+    max_messages: int = 500
+    # How long to gather a batch: a short wait keeps latency down, a long one makes fewer,
+    # larger stores.
+    max_wait_s: float = 0.5
+    overlap: bool = False
+    consumer_config: Mapping[str, object] = field(default_factory=dict)
+    producer_config: Mapping[str, object] = field(default_factory=dict)
+    stats: LoopStats = field(default_factory=LoopStats)
+    # Set once partitions are assigned (and stores restored); services wait on it.
+    ready: threading.Event = field(default_factory=threading.Event)
+    # Set once a receive after the assignment comes back empty: the loop has handled the log
+    # as far as it went (readers that must not act on a half-restored state wait for it).
+    caught_up: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        if self.global_inputs and self.exactly_once:
+            raise ValueError("global inputs are read outside the group: effect-first loops only")
+        # The next offset to hand over, per partition this loop holds.
+        self._expected: dict[Partition, int] = {}
+
+    def run(self, stop: threading.Event) -> None:
+        producer = self._producer()
+        consumer = kafka_clients.consumer(self.kafka, self.name, **self.consumer_config)
+        writer: _Writer[Any] = _Writer(self.step.store, self.overlap and not self.exactly_once)
+        global_consumer = self._global_consumer()
+
+        def on_assign(cons: Consumer, partitions: list[TopicPartition]) -> None:
+            writer.drain()
+            if self.exactly_once:
+                numbers = {tp.partition for tp in partitions}
+                for store in self.step.stores:
+                    self.stats.restored += store.restore(self.kafka, numbers)
+            positions = self.step.assigned(partitions)
+            for tp in positions:
+                self._expected[(tp.topic, tp.partition)] = tp.offset if tp.offset >= 0 else _ANY
+            cons.assign(positions)
+            self.ready.set()
+
+        def on_revoke(cons: Consumer, partitions: list[TopicPartition]) -> None:
+            writer.drain()
+            for tp in partitions:
+                self._expected.pop((tp.topic, tp.partition), None)
+            if stop.is_set():
+                return  # closing: keep the last state readable
+            for store in self.step.stores:
+                store.drop({tp.partition for tp in partitions})
+            self.step.revoked(partitions)
+
+        consumer.subscribe(list(self.inputs), on_assign=on_assign, on_revoke=on_revoke)
+        try:
+            while not stop.is_set():
+                writer.check()
+                messages = self._receive(consumer, global_consumer, stop)
+                if messages:
+                    if self.exactly_once:
+                        self._transact(producer, consumer, messages)
+                    else:
+                        self._store(producer, writer, messages)
+                elif self.ready.is_set():
+                    self.caught_up.set()
+                if not self.exactly_once and self.step.checkpoint(idle=not messages):
+                    self._commit(consumer, writer.take_stored())
+            if not self.exactly_once:
+                writer.drain()
+                if self.step.checkpoint(idle=True):
+                    self._commit(consumer, writer.take_stored(), asynchronous=False)
+        finally:
+            writer.close()
+            consumer.close()
+            if global_consumer is not None:
+                global_consumer.close()
+            producer.flush(10)
+
+    # -- receiving ----------------------------------------------------------------------------
+
+    def _producer(self) -> Producer:
+        if not self.exactly_once:
+            return kafka_clients.producer(self.kafka, **self.producer_config)
+        producer = kafka_clients.producer(
+            self.kafka, transactional_id=f"{self.name}-{self.instance_id}",
+            **{"transaction.timeout.ms": 60000, **self.producer_config})
+        # Fence any zombie with our transactional id first, so its open transaction is aborted
+        # before the stores are restored from their changelogs.
+        producer.init_transactions(60)
+        return producer
+
+    def _global_consumer(self) -> Consumer | None:
+        if not self.global_inputs:
+            return None
+        consumer = kafka_clients.consumer(self.kafka, f"{self.name}.global.{self.instance_id}")
+        partitions = [TopicPartition(topic, p) for topic in self.global_inputs
+                      for p in kafka_clients.partitions_of(self.kafka, topic)]
+        positions = self.step.assigned(partitions)
+        for tp in positions:
+            self._expected[(tp.topic, tp.partition)] = tp.offset if tp.offset >= 0 else _ANY
+        consumer.assign([TopicPartition(tp.topic, tp.partition,
+                                        tp.offset if tp.offset >= 0 else OFFSET_BEGINNING)
+                         for tp in positions])
+        return consumer
+
+    def _receive(self, consumer: Consumer, global_consumer: Consumer | None,
+                 stop: threading.Event) -> list[Message]:
+        """Up to `max_messages` gathered for up to `max_wait_s`, each handed at most once and
+        only while its partition is this loop's."""
+        batch: list[Message] = []
+        deadline = time.monotonic() + self.max_wait_s
+        while len(batch) < self.max_messages and not stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            batch.extend(consumer.consume(self.max_messages - len(batch), min(left, 0.5)))
+        if global_consumer is not None:
+            batch.extend(global_consumer.consume(self.max_messages, 0))
+        handed: list[Message] = []
+        for msg in batch:
+            error = msg.error()
+            if error is not None:
+                if error.code() == KafkaError._PARTITION_EOF:
+                    continue
+                raise StreamError(f"{self.name}: consuming {msg.topic()}: {error.str()}")
+            key = (msg.topic() or "", msg.partition() or 0)
+            offset = msg.offset() or 0
+            expected = self._expected.get(key)
+            if expected is None or offset < expected:
+                continue  # not ours any more, or handed over already
+            self._expected[key] = offset + 1
+            handed.append(msg)
+        return handed
+
+    # -- effect first -------------------------------------------------------------------------
+
+    def _store(self, producer: Producer, writer: _Writer[Any], messages: list[Message]) -> None:
+        result = self.step.process(messages)
+        for msg, exc in result.dead_letters:
+            self._log_dead_letter(msg, exc)
+            produce(producer, self._dead_letter(msg, exc))
+        # Dead letters are durable before the batch's offsets can be passed.
+        if result.dead_letters and producer.flush(30):
+            raise StreamError(f"{self.name}: dead letters were not delivered within 30 s; "
+                              "not storing past them")
+        for out in result.outputs:
+            produce(producer, out)
+        if result.outputs and producer.flush(30):
+            raise StreamError(f"{self.name}: outputs were not delivered within 30 s")
+        writer.submit(result.payload, kafka_clients.next_offsets(messages))
+        self._count(messages, result)
+
+    def _commit(self, consumer: Consumer, stored: dict[Partition, int],
+                asynchronous: bool = True) -> None:
+        offsets = [TopicPartition(topic, partition, offset)
+                   for (topic, partition), offset in stored.items()
+                   if topic not in self.global_inputs and (topic, partition) in self._expected]
+        if not offsets:
+            return
+        try:
+            consumer.commit(offsets=offsets, asynchronous=asynchronous)
+        except KafkaException as exc:
+            # For lag monitoring only: the step's own durable state says where it resumes.
+            log.warning("%s: committing offsets: %s", self.name, exc.args[0].str())
+
+    # -- exactly once -------------------------------------------------------------------------
+
+    def _transact(self, producer: Producer, consumer: Consumer, messages: list[Message]) -> None:
+        producer.begin_transaction()
+        try:
+            result = self.step.process(messages)
+            for out in result.outputs:
+                produce(producer, out)
+            for msg, exc in result.dead_letters:
+                self._log_dead_letter(msg, exc)
+                produce(producer, self._dead_letter(msg, exc))
+            for store in self.step.stores:
+                for partition, key, value in store.pending_changelog():
+                    produce(producer, Output(store.changelog_topic, key, value, partition))
+            producer.send_offsets_to_transaction(
+                kafka_clients.topic_partitions(kafka_clients.next_offsets(messages)),
+                consumer.consumer_group_metadata(), 30)
+            _commit_transaction(producer)
+        except KafkaException as exc:
+            error: KafkaError = exc.args[0]
+            if error.fatal():
+                raise StreamError(f"{self.name}: fatal Kafka error: {error.str()}") from None
+            log.warning("%s: aborting a batch after %s", self.name, error.str())
+            self.stats.aborts += 1
+            producer.abort_transaction(60)
+            for store in self.step.stores:
+                store.abort()
+            self.step.aborted()
+            self._rewind(consumer)
+            return
+        for store in self.step.stores:
+            store.commit()
+        self._count(messages, result)
+
+    def _rewind(self, consumer: Consumer) -> None:
+        """Seek every assigned partition back to its committed offset (the aborted batch's
+        start), and hand its messages over again from there."""
+        assignment = consumer.assignment()
+        if not assignment:
+            return
+        positions = [TopicPartition(tp.topic, tp.partition,
+                                    tp.offset if tp.offset >= 0 else OFFSET_BEGINNING)
+                     for tp in consumer.committed(assignment, timeout=30)]
+        for tp in positions:
+            self._expected[(tp.topic, tp.partition)] = tp.offset if tp.offset >= 0 else _ANY
+        try:
+            for tp in positions:
+                consumer.seek(tp)
+        except KafkaException:
+            # seek() needs a partition already being fetched; reassigning works in any state.
+            consumer.assign(positions)
+
+    # -- shared -------------------------------------------------------------------------------
+
+    def _dead_letter(self, msg: Message, exc: FleetlineError) -> Output:
+        return Output(self.dead_letter_topic, msg.key(), msg.value(),
+                      headers=dead_letter_headers(msg, self.name, exc))
+
+    def _log_dead_letter(self, msg: Message, exc: FleetlineError) -> None:
+        log.warning("%s: dead-lettering %s[%s]@%s: %s", self.name, msg.topic(), msg.partition(),
+                    msg.offset(), exc)
+
+    def _count(self, messages: list[Message], result: StepResult[Any]) -> None:
+        self.stats.batches += 1
+        self.stats.messages += len(messages)
+        self.stats.dead_letters += len(result.dead_letters)
+
+
+def produce(producer: Producer, out: Output,
+            on_delivery: Callable[[KafkaError | None, Message], None] | None = None) -> None:
+    """Produce one output, waiting for room when librdkafka's local queue is full."""
+    kwargs: dict[str, Any] = {"key": out.key, "value": out.value}
+    if out.partition is not None:
+        kwargs["partition"] = out.partition
+    if out.headers:
+        kwargs["headers"] = out.headers
+    if on_delivery is not None:
+        kwargs["on_delivery"] = on_delivery
+    while True:
+        try:
+            producer.produce(out.topic, **kwargs)
+            return
+        except BufferError:
+            producer.poll(0.1)  # local queue full: let librdkafka deliver, then try again
+
+
+def _commit_transaction(producer: Producer, attempts: int = 5) -> None:
+    """Commit, retrying what librdkafka calls retriable (a commit timeout)."""
+    for attempt in range(attempts):
+        try:
+            producer.commit_transaction(60)
+            return
+        except KafkaException as exc:
+            error: KafkaError = exc.args[0]
+            if attempt + 1 == attempts or not error.retriable() or error.txn_requires_abort():
+                raise
+
+
+__all__ = ["OFFSET_INVALID", "LoopStats", "MessageStep", "Output", "Step", "StepResult",
+           "StreamLoop", "produce"]

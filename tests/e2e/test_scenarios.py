@@ -1,0 +1,111 @@
+"""Scenarios played end to end on the real services (the README's story and its stages):
+agents -> Kafka -> the resource view and ClickHouse, snapshots in S3, a replay of the half-way
+view, the API, the audit chain, and the scheduler's decisions replayed byte for byte."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleetline.cli import main
+from fleetline.demo import scenario
+from fleetline.demo.play import play
+from fleetline.processors.view import codec as view_codec
+from fleetline.storage.objects import ObjectStore
+from tests.support import BASE_MS, fresh_topics
+
+pytestmark = pytest.mark.services
+
+
+def test_the_default_scenario_flows_end_to_end(settings) -> None:
+    topics = fresh_topics()
+    story = scenario.load("default").sized(nodes=2, ticks=6)
+    result = play(settings, story, start_ms=BASE_MS, realtime=False, topics=topics)
+    # 3 clusters x 2 nodes; the last node goes down at tick 4 and reports no more.
+    assert result.states_sent == 7
+    assert result.telemetry_sent == 6 * 6 - 3
+    assert result.processor_dead_letters == 1 and result.sink_dead_letters == 1
+    assert result.sink_rows == result.telemetry_sent * 8
+    now = {c["cluster_id"]: c for c in result.clusters}
+    # RDMA loss behind eu-west-a's leaf switch, XID 79 on one us-east-a GPU, a node down;
+    # the jobs the slice submitted hold some of the rest (communication-heavy ones never on
+    # the degraded GPUs).
+    assert (now["eu-west-a"]["degraded"], now["eu-west-a"]["idle"]) == (16, 0)
+    assert now["us-east-a"]["failed"] == 1
+    assert now["us-east-a"]["idle"] + now["us-east-a"]["allocated"] == 15
+    assert (now["ap-south-a"]["nodes_down"], now["ap-south-a"]["unavailable"]) == (1, 8)
+    assert now["eu-west-a"]["info"]["price_per_gpu_hour"] == 2.40
+    assert sorted((g["node_id"], g["gpu_index"], g["cause"]) for g in result.unhealthy_gpus
+                  if g["health"] == "failed") == [("us-east-a-n0000", 3, "xid 79")]
+    # Half-way, before the node went down, replayed from snapshots and the log.
+    then = {c["cluster_id"]: c for c in result.half_way_clusters}
+    assert then["ap-south-a"]["nodes_down"] == 0
+    assert then["ap-south-a"]["idle"] + then["ap-south-a"]["allocated"] == 16
+    assert then["eu-west-a"]["degraded"] == 16
+    assert {r[0]: r[1] for r in result.query_rows} == {
+        "ap-south-a": (6 + 3) * 8,
+        "eu-west-a": 12 * 8,
+        "us-east-a": 12 * 8,
+    }
+    assert len(result.snapshots) == 4  # three shards and the fleet part
+    parts = []
+    for url in result.snapshots:
+        bucket, key = url.removeprefix("s3://").split("/", 1)
+        parts.append(view_codec.decode(ObjectStore.from_settings(settings.s3, bucket=bucket)
+                                       .get(key)))
+    assert sum(p.node_events for p in parts) == result.states_sent + result.telemetry_sent
+    # One ClusterInfo per cluster, the scheduler's dataset record and its allocation records.
+    assert sum(p.fleet_events for p in parts) >= 3 + 1 + 1
+    # Every job the slice submitted was decided, and the decision log replays byte for byte.
+    decided = {d[1] for d in result.scheduling["decisions"]}
+    assert {"acme/pretrain", "acme/chat", "ops/urgent", "dataset:web-corpus"} <= decided
+    replay = result.scheduling["replay"]
+    assert replay["ok"] and replay["matched"] == replay["decisions"] == len(
+        result.scheduling["decisions"])
+    # The API, called as a tenant's viewer, and every call in a verified audit chain.
+    assert result.api_calls == [("/v1/clusters", 200), ("/v1/allocations?tenant=globex", 403),
+                                ("/v1/clusters", 401)]
+    assert result.audit["ok"] and result.audit["links"] >= 3
+
+
+def test_cli_sql_and_bad_input(settings, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("FLEETLINE_CLICKHOUSE_URL", settings.clickhouse_url)
+    assert main(["sql", "SELECT 40 + 2 AS answer"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["answer", "42"]
+    assert main(["sql", "SELECT no_such_column FROM system.one"]) == 1
+    assert "fleetline: error:" in capsys.readouterr().err
+
+
+def test_another_process_queries_the_embedded_store_through_its_owner(settings) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from fleetline.storage.clickhouse import connect
+    from fleetline.storage.query_service import QueryService
+
+    owner = connect(settings.clickhouse_url)
+    db = settings.clickhouse_database
+    owner.command(f"CREATE DATABASE {db}")
+    owner.command(f"CREATE TABLE {db}.kept (v UInt8) ENGINE = MergeTree ORDER BY v")
+    service = QueryService(owner, settings.clickhouse_url).start()
+    env = {**os.environ, "FLEETLINE_CLICKHOUSE_URL": settings.clickhouse_url}
+    try:
+        ok = subprocess.run(
+            [sys.executable, "-m", "fleetline.cli", "sql", "SELECT 6 * 7 AS x"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        bad = subprocess.run(
+            [sys.executable, "-m", "fleetline.cli", "sql", f"DROP TABLE {db}.kept"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        service.stop()
+    assert (ok.returncode, ok.stdout.splitlines()) == (0, ["x", "42"]), ok.stderr
+    assert bad.returncode == 1 and "readonly" in bad.stderr.lower(), bad.stderr
+    assert owner.query(f"EXISTS TABLE {db}.kept").result_rows == [(1,)]

@@ -1,0 +1,195 @@
+"""The resource view against the real broker and S3 server: snapshots, the live processor, a
+SIGKILL mid-stream, replay at a past time, instances sharing the load, dead letters."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from fleetline.processors.replay import log_bounds, offsets_at, rebuild, walk
+from fleetline.processors.view import codec as view_codec
+from fleetline.processors.view.fold import compose
+from fleetline.processors.view.folder import FLEET_PART, shard_part
+from fleetline.processors.view.runtime import ViewProcessor
+from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.deadletter import read_dead_letter
+from fleetline.streams.serde import default_codec
+from tests.fleet_events import allocation, scenario_events
+from tests.services import caught_up, produce, running, snapshot_store
+from tests.support import BASE_MS, fresh_topics, read_all
+
+pytestmark = pytest.mark.services
+CODEC = default_codec()
+
+
+def test_live_view_equals_replay_and_replay_at_a_past_time_matches_the_live_view(settings):
+    topics = fresh_topics()
+    kafka_clients.ensure_topics(settings.kafka, topics.specs())
+    events = scenario_events(seconds=30)
+    half = len(events) // 2
+    snapshots = snapshot_store(settings)
+    processor = ViewProcessor(settings.kafka, topics, snapshots, group_id=f"v-{uuid.uuid4().hex}",
+                              snapshot_interval_s=0.5)
+    with running(processor):
+        produce(settings, topics, events[:half])
+        produce(settings, topics, [allocation("job-a", "ALLOCATED", [("us-east-a-n0002", 0)], 1)])
+        caught_up(settings, topics, [processor])
+        live_then = processor.read(view_codec.to_data)
+        time.sleep(0.05)
+        moment = int(time.time() * 1000)
+        time.sleep(0.05)
+        produce(settings, topics, events[half:])
+        # A malformed message on the telemetry topic: dead-lettered, the fold goes on.
+        producer = kafka_clients.producer(settings.kafka)
+        producer.produce(topics.telemetry, key=b"us-east-a-n0000", value=b"\xc3\x01garbage")
+        producer.flush(10)
+        caught_up(settings, topics, [processor])
+        live_now = processor.read(view_codec.to_data)
+        assert processor.loop.stats.dead_letters == 1
+
+    at_moment = rebuild(settings.kafka, topics, offsets_at(settings.kafka, topics, moment))
+    assert view_codec.to_data(at_moment.view) == live_then
+    assert at_moment.snapshot_positions == {}
+    _, end = log_bounds(settings.kafka, topics)
+    from_log = rebuild(settings.kafka, topics, end)
+    assert view_codec.to_data(from_log.view) == live_now
+    assert from_log.dead_letters == 1
+    with_snapshots = rebuild(settings.kafka, topics, end, snapshots)
+    assert view_codec.to_data(with_snapshots.view) == live_now
+    assert with_snapshots.snapshot_positions  # started from snapshots, not the beginning
+    assert with_snapshots.folded < from_log.folded
+    # Between the moment and the end, the node the scenario took down came back.
+    _, changes = walk(settings.kafka, topics, offsets_at(settings.kafka, topics, moment), end)
+    assert [(c.entity_id, c.before, c.after) for c in changes if c.entity == "node"] == [
+        ("ap-south-a-n0003", "DOWN", "UP")]
+    (dead,) = read_all(settings, topics.dead_letter, 1)
+    letter = read_dead_letter(dead)
+    assert letter.topic == topics.telemetry and "fingerprint" in letter.reason
+
+
+def test_two_instances_share_the_shards_and_compose_the_global_view(settings):
+    topics = fresh_topics(partitions=4)
+    kafka_clients.ensure_topics(settings.kafka, topics.specs())
+    events = scenario_events(seconds=12)
+    root = f"views/test-{uuid.uuid4().hex[:8]}"
+    group = f"v-{uuid.uuid4().hex}"
+    processors = [ViewProcessor(settings.kafka, topics, snapshot_store(settings, root),
+                                group_id=group, instance_id=str(i), snapshot_interval_s=0.5)
+                  for i in range(2)]
+    with running(processors[0]), running(processors[1]):
+        produce(settings, topics, events)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            held = [set(p.read(lambda v: list(v.offsets.get(topics.telemetry, {}))))
+                    for p in processors]
+            if held[0] and held[1] and not held[0] & held[1] and len(held[0] | held[1]) == 4:
+                break
+            time.sleep(0.2)
+        caught_up(settings, topics, processors)
+        shards = [set(p.parts) - {FLEET_PART} for p in processors]
+        assert shards[0] and shards[1] and not shards[0] & shards[1]
+        assert shards[0] | shards[1] == {shard_part(p) for p in range(4)}
+        views = [p.read(lambda v: v) for p in processors]
+        composed = view_codec.to_data(compose(views))
+    _, end = log_bounds(settings.kafka, topics)
+    assert composed == view_codec.to_data(rebuild(settings.kafka, topics, end).view)
+
+
+def test_sigkill_mid_stream_then_restart_equals_a_clean_replay(settings, tmp_path):
+    topics = fresh_topics()
+    kafka_clients.ensure_topics(settings.kafka, topics.specs())
+    group = f"v-{uuid.uuid4().hex[:10]}"
+    root = f"views/{topics.prefix}/{group}"
+    snapshots = snapshot_store(settings, root)
+    env = {**os.environ, "FLEETLINE_KAFKA_BOOTSTRAP": settings.kafka.bootstrap_servers,
+           "FLEETLINE_S3_ENDPOINT": settings.s3.endpoint, "FLEETLINE_S3_BUCKET": settings.s3.bucket,
+           "FLEETLINE_S3_ACCESS_KEY": settings.s3.access_key,
+           "FLEETLINE_S3_SECRET_KEY": settings.s3.secret_key,
+           "FLEETLINE_CLICKHOUSE_URL": f"chdb://{tmp_path / 'chdb'}"}
+    command = [sys.executable, "-m", "fleetline.cli", "serve", "--no-api", "--no-audit",
+               "--tier-every", "0", "--topic-prefix", topics.prefix, "--group", group,
+               "--snapshot-interval", "0.3"]
+    events = scenario_events(seconds=40)
+    produce(settings, topics, events[: len(events) // 3])
+    log = (tmp_path / "serve.log").open("w")
+    first = subprocess.Popen(command, env=env, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not snapshots.list(shard_part(0)):
+            time.sleep(0.1)
+        assert snapshots.list(shard_part(0)), (tmp_path / "serve.log").read_text()
+        produce(settings, topics, events[len(events) // 3: 2 * len(events) // 3])
+        time.sleep(0.5)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+    produce(settings, topics, events[2 * len(events) // 3:])
+    _, end = log_bounds(settings.kafka, topics)
+    second = subprocess.Popen(command, env=env, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            latest = [snapshots.latest(shard_part(p)) for p in range(3)]
+            if all(info is not None and all(info.offsets.get(t, {}).get(p, 0) == end[t][p]
+                                            for t in topics.node_topics)
+                   for p, info in enumerate(latest)):
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError((tmp_path / "serve.log").read_text())
+    finally:
+        second.send_signal(signal.SIGTERM)
+        second.wait(60)
+    restored = compose(snapshots.load(snapshots.latest(shard_part(i))) for i in range(3))
+    node_end = {t: ps for t, ps in end.items() if t in topics.node_topics}
+    clean = rebuild(settings.kafka, topics, node_end)
+    assert view_codec.to_data(restored) == view_codec.to_data(clean.view)
+    assert clean.view.node_events == len(events)
+    assert clean.view.watermark_ms > BASE_MS
+
+
+def test_view_and_replay_commands(settings, monkeypatch, capsys, tmp_path):
+    import json
+
+    from fleetline.cli import main
+
+    topics = fresh_topics()
+    kafka_clients.ensure_topics(settings.kafka, topics.specs())
+    events = scenario_events(seconds=12)
+    produce(settings, topics, events[: len(events) // 2])
+    time.sleep(0.05)
+    moment = int(time.time() * 1000)
+    time.sleep(0.05)
+    produce(settings, topics, events[len(events) // 2:])
+    for name, value in {"FLEETLINE_KAFKA_BOOTSTRAP": settings.kafka.bootstrap_servers,
+                        "FLEETLINE_S3_ENDPOINT": settings.s3.endpoint,
+                        "FLEETLINE_S3_BUCKET": settings.s3.bucket}.items():
+        monkeypatch.setenv(name, value)
+    common = ["--topic-prefix", topics.prefix, "--group", f"g-{uuid.uuid4().hex[:6]}"]
+    assert main(["view", "gpus", "--health", "failed", "--json", *common]) == 0
+    failed = json.loads(capsys.readouterr().out)
+    assert [(g["node_id"], g["gpu_index"], g["cause"]) for g in failed] == [
+        ("eu-west-a-n0002", 5, "xid 79")]
+    assert main(["view", "nodes", "--status", "DOWN", *common]) == 0
+    header, _, *rows = capsys.readouterr().out.splitlines()
+    assert header.split()[:3] == ["node", "cluster", "status"]
+    assert [row.split()[:3] for row in rows] == [["ap-south-a-n0003", "ap-south-a", "DOWN"]]
+    out = tmp_path / "view.json"
+    assert main(["replay", "--at", str(moment), "--out", str(out), *common]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["folded"] < len(events)
+    assert set(json.loads(out.read_text())["nodes"]) <= {r["node_id"] for _, r in events}
+    assert main(["replay", "--from", str(moment), "--to", str(int(time.time() * 1000)),
+                 "--json", *common]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert all(line["ts"] >= BASE_MS for line in lines)
+    assert main(["replay", "--at", "yesterday-ish", *common]) == 1
+    assert "neither epoch milliseconds nor an ISO 8601 time" in capsys.readouterr().err
+    assert main(["view", "clusters", "--topic-prefix", "no.such.prefix"]) == 1
+    assert "does not exist" in capsys.readouterr().err

@@ -1,0 +1,88 @@
+"""Helpers for tests against the real services: producing events, running a view processor,
+snapshot stores, scheduler requests, an audit recorder."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+from fleetline.config import Settings
+from fleetline.processors.replay import log_bounds
+from fleetline.processors.scheduling.codec import submit_request
+from fleetline.processors.scheduling.specs import parse_spec
+from fleetline.processors.view.fold import ResourceView, compose
+from fleetline.processors.view.runtime import ViewProcessor
+from fleetline.processors.view.snapshots import ViewSnapshots
+from fleetline.storage.objects import ObjectStore
+from fleetline.storage.snapshots import SnapshotStore
+from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.serde import default_codec
+from fleetline.streams.topics import Topics
+from tests.support import wait_until
+
+CODEC = default_codec()
+
+
+def snapshot_store(settings: Settings, root: str | None = None) -> ViewSnapshots:
+    store = ObjectStore.from_settings(settings.s3)
+    store.ensure_bucket()
+    return ViewSnapshots(SnapshotStore(store, root or f"views/test-{uuid.uuid4().hex[:8]}",
+                                       keep=5))
+
+
+def produce(settings: Settings, topics: Topics, events: Iterable[tuple[str, dict]]) -> int:
+    producer = kafka_clients.producer(settings.kafka)
+    count = 0
+    for name, record in events:
+        topic, key = {
+            "NodeTelemetry": (topics.telemetry, "node_id"),
+            "NodeState": (topics.node_state, "node_id"),
+            "Allocation": (topics.allocations, "job_id"),
+            "ClusterInfo": (topics.clusters, "cluster_id"),
+        }[name]
+        producer.produce(topic, key=record[key].encode(), value=CODEC.encode(name, record))
+        producer.poll(0)
+        count += 1
+    assert producer.flush(30) == 0
+    return count
+
+
+def caught_up(settings: Settings, topics: Topics, processors: list[ViewProcessor],
+              timeout_s: float = 60) -> dict:
+    _, end = log_bounds(settings.kafka, topics)
+
+    def reached() -> bool:
+        offsets = compose(p.read(lambda v: _copy_offsets(v)) for p in processors).offsets
+        return all(offsets.get(t, {}).get(p, 0) >= o for t, ps in end.items()
+                   for p, o in ps.items())
+
+    wait_until(reached, timeout_s, what=f"the view to reach {end}")
+    return end
+
+
+def _copy_offsets(view: ResourceView) -> ResourceView:
+    out = ResourceView(policy=view.policy)
+    out.offsets = {t: dict(ps) for t, ps in view.offsets.items()}
+    return out
+
+
+@contextmanager
+def running(processor: ViewProcessor) -> Iterator[ViewProcessor]:
+    stop = threading.Event()
+    thread = threading.Thread(target=processor.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        assert processor.ready.wait(60), "no partitions assigned"
+        yield processor
+    finally:
+        stop.set()
+        thread.join(60)
+        assert not thread.is_alive()
+
+
+def submits(*documents: dict) -> list[dict]:
+    return [submit_request(parse_spec(d), d, int(time.time() * 1000), uuid.uuid4().hex, "tester")
+            for d in documents]

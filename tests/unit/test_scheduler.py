@@ -1,0 +1,329 @@
+"""The scheduler's pure core: one test per rule, through requests as the log carries them."""
+
+from __future__ import annotations
+
+from fleetline.agents.simulator import ClusterSpec, Fault
+from fleetline.processors.scheduling.effects import AllocationChange, DatasetRecord, PrewarmOrder
+from fleetline.processors.scheduling.pipeline import DEFAULT_WEIGHTS, SchedulingPolicy
+from tests.scheduling_support import (
+    THREE,
+    Driver,
+    advance,
+    dataset,
+    fleet_view,
+    service,
+    training,
+)
+from tests.support import BASE_MS
+
+
+def one_cluster(nodes: int = 4, faults=(), nodes_per_leaf: int = 2, seconds: int = 2):
+    return fleet_view([ClusterSpec("us-east-a", "us-east", nodes,
+                                   nodes_per_leaf=nodes_per_leaf)], seconds, faults)
+
+
+def test_a_communication_heavy_job_avoids_the_sixteen_gpus_of_a_lossy_leaf():
+    view, _ = one_cluster(faults=[Fault("rdma_loss", "us-east-a-leaf000", BASE_MS, None, 0.02)])
+    d = Driver(view)
+    d.submit(training("heavy", workers=2))
+    placed = d.last("acme/heavy")
+    assert placed.outcome == "PLACED"
+    assert d.nodes_of("acme/heavy") == {"us-east-a-n0002", "us-east-a-n0003"}
+    assert "no degraded GPUs (communication-heavy)" in placed.reason
+    d.submit(training("heavy2", workers=2))
+    queued = d.last("acme/heavy2")
+    assert queued.outcome == "QUEUED" and "healthy H100 GPUs" in queued.reason
+    # A light job may use the degraded GPUs.
+    d.submit(training("light", workers=2, communication="light"))
+    assert d.last("acme/light").outcome == "PLACED"
+    assert d.nodes_of("acme/light") == {"us-east-a-n0000", "us-east-a-n0001"}
+
+
+def test_tensor_parallel_groups_land_in_one_nvlink_island():
+    view, _ = one_cluster()
+    d = Driver(view)
+    d.submit(training("tp4", workers=3, per_worker=4, tensor=4))
+    placement = d.last("acme/tp4").placement
+    assert "inside one NVLink island" in d.last("acme/tp4").reason
+    for worker in placement.workers:
+        assert {i for _, i in worker} in ({0, 1, 2, 3}, {4, 5, 6, 7})
+    # A 2-GPU TP group fills the island already half used before an empty one (best fit).
+    d.submit(training("tp2", per_worker=2, tensor=2))
+    (worker,) = d.last("acme/tp2").placement.workers
+    used = {ref for w in placement.workers for ref in w}
+    node = worker[0][0]
+    assert any(ref[0] == node for ref in used)
+
+
+def test_pipeline_replicas_stay_under_one_leaf_and_data_parallel_spreads():
+    view, _ = one_cluster(nodes=12, nodes_per_leaf=4)
+    d = Driver(view)
+    # Half of every leaf is busy, so no leaf holds the 4-worker gang whole.
+    for leaf in range(3):
+        d.submit(training(f"busy{leaf}", workers=2, priority="high"))
+    busy = {n for leaf in range(3) for n in d.nodes_of(f"acme/busy{leaf}")}
+    assert len(busy) == 6
+    d.submit(training("pp", workers=4, per_worker=8, tensor=8, pipeline=2))
+    decision = d.last("acme/pp")
+    assert decision.outcome == "PLACED", decision.reason
+    workers = decision.placement.workers
+    leaf = {n: f"leaf{int(n[-4:]) // 4}" for n in (w[0][0] for w in workers)}
+    ranks = [w[0][0] for w in workers]
+    # Ranks 0-1 are one pipeline replica, 2-3 the other: each under one leaf.
+    assert leaf[ranks[0]] == leaf[ranks[1]] and leaf[ranks[2]] == leaf[ranks[3]]
+    assert "pipeline replicas of 2 workers under one leaf" in decision.reason
+
+
+def test_quota_exhaustion_queues_with_the_reason_and_a_release_admits():
+    view, _ = one_cluster()
+    d = Driver(view)
+    d.tenant({"tenant": "acme", "quota": {"gpus": 16}})
+    d.submit(training("a", workers=2))
+    d.submit(training("b", workers=1))
+    queued = d.last("acme/b")
+    assert queued.outcome == "QUEUED"
+    assert queued.reason == "quota: tenant acme holds 16 of its 16 GPUs, this needs 8 more"
+    assert d.job("acme/b").conditions["Placed"]["reason"] == queued.reason
+    d.delete("acme/a")
+    assert d.last("acme/a").outcome == "RELEASED"
+    assert d.last("acme/b").outcome == "PLACED"
+    # More than the quota could ever allow is rejected, not queued for ever.
+    d.submit(training("huge", workers=3))
+    assert d.last("acme/huge").outcome == "REJECTED"
+    assert "can never fit" in d.last("acme/huge").reason
+
+
+def test_gpu_hour_budgets_reserve_the_time_limit_and_stop_jobs_at_it():
+    view, _ = one_cluster()
+    d = Driver(view)
+    d.tenant({"tenant": "acme", "quota": {"gpu_hours": 100}})
+    d.submit(training("first", max_runtime="10h"))
+    d.submit(training("second", max_runtime="10h"))
+    assert d.last("acme/first").outcome == "PLACED"
+    second = d.last("acme/second")
+    assert second.outcome == "QUEUED" and "80.0 of its 100 GPU-hours" in second.reason
+    d.tick(seconds=10 * 3600)
+    assert d.last("acme/first").reason == "reached its max runtime"
+    assert d.job("acme/first").phase == "TimedOut"
+    usage = d.scheduler.usage["acme"]
+    assert usage.consumed_gpu_ms == 80 * 3600_000 and usage.committed_gpu_ms == 0
+    assert d.job("acme/second").phase == "Queued"
+    # An early finish gives back what the job did not use.
+    d.tenant({"tenant": "acme", "quota": {"gpu_hours": 200}})
+    assert d.last("acme/second").outcome == "PLACED"
+    d.tick(seconds=3600)
+    d.progress("acme/second", "SUCCEEDED")
+    assert usage.consumed_gpu_ms == 88 * 3600_000
+
+
+def test_preemption_takes_the_victim_losing_least_work_and_frees_a_whole_island():
+    view, _ = one_cluster(nodes=1)
+    d = Driver(view)
+    hour = 3600_000
+    # Two low-priority jobs, one per NVLink island; both checkpoint every 30 minutes.
+    d.submit(training("old", per_worker=4, tensor=4, priority="low", checkpoint_interval_s=1800))
+    d.tick(seconds=40 * 60)  # "old" last checkpointed at 30 min: 10 min of work at risk
+    d.submit(training("new", per_worker=4, tensor=4, priority="low", checkpoint_interval_s=1800))
+    d.tick(seconds=25 * 60)  # now old: 5 min since its 60-min checkpoint; new: 25 min
+    d.submit(training("urgent", per_worker=4, tensor=4, priority="critical"))
+    preempted = d.decisions(outcome="PREEMPTED")
+    assert [p.job for p in preempted] == ["acme/old"]
+    victim = preempted[0]
+    assert victim.preempted_by == "acme/urgent"
+    assert victim.lost_gpu_s == 4 * 5 * 60
+    assert victim.resume_from_checkpoint_ms == d.job("acme/old").resume_from_ms
+    assert victim.resume_from_checkpoint_ms == BASE_MS + 10_000 + hour
+    placed = d.last("acme/urgent")
+    assert placed.outcome == "PLACED" and placed.victims == ("acme/old",)
+    assert {i for _, i in placed.placement.workers[0]} in ({0, 1, 2, 3}, {4, 5, 6, 7})
+    assert d.job("acme/old").phase == "Queued" and d.job("acme/new").phase == "Running"
+    # The same priority never preempts: another low job waits behind "new".
+    d.submit(training("peer", per_worker=4, tensor=4, priority="low"))
+    assert d.last("acme/peer").outcome == "QUEUED"
+    assert d.job("acme/new").phase == "Running"
+
+
+def test_preemption_frees_whole_nodes_under_one_leaf_for_a_gang():
+    view, _ = one_cluster(nodes=4)
+    d = Driver(view)
+    for i in range(8):
+        d.submit(training(f"low{i}", per_worker=4, tensor=4, priority="low"))
+        d.tick(seconds=60)
+    d.submit(training("gang", workers=2, priority="high"))
+    placed = d.last("acme/gang")
+    assert placed.outcome == "PLACED"
+    assert len(placed.placement.leaves) == 1
+    assert len(placed.victims) == 4  # two whole nodes, nothing more
+    # The leaf whose jobs started last (the least work since a checkpoint) was freed.
+    assert placed.victims == ("acme/low4", "acme/low5", "acme/low6", "acme/low7")
+    assert placed.placement.leaves == ("us-east-a-leaf001",)
+    lost = {p.job: p.lost_gpu_s for p in d.decisions(outcome="PREEMPTED")}
+    assert lost == {"acme/low4": 960.0, "acme/low5": 720.0, "acme/low6": 480.0,
+                    "acme/low7": 240.0}
+
+
+def test_a_prewarm_goes_ahead_of_a_job_placed_away_from_its_data():
+    view, _ = fleet_view(THREE)
+    d = Driver(view)
+    d.submit(dataset("corpus", "100TB", ["eu-west-a"]))
+    assert d.last("dataset:corpus").outcome == "ACCEPTED"
+    # Another tenant's job goes to its own data in eu-west-a and fills the cluster.
+    d.submit(dataset("logs", "10TB", ["eu-west-a"], tenant="other"))
+    d.submit(training("fill", workers=4, tenant="other", dataset="logs"))
+    assert d.job("other/fill").allocation.keys() == {"eu-west-a"}
+    d.submit(training("train", workers=2, dataset="corpus"))
+    decision = d.last("acme/train")
+    assert decision.outcome == "PLACED" and decision.cluster_id != "eu-west-a"
+    assert decision.prewarm is not None
+    assert (decision.prewarm.dataset_id, decision.prewarm.from_cluster,
+            decision.prewarm.to_cluster) == ("corpus", "eu-west-a", decision.cluster_id)
+    assert decision.prewarm.estimated_s == 100 * 10**12 * 8 / 10e9
+    orders = [e for e in d.effects if isinstance(e, PrewarmOrder)]
+    assert orders and orders[-1].prewarm == decision.prewarm
+    job = d.job("acme/train")
+    assert job.phase == "Placed" and job.conditions["DataReady"]["status"] is False
+    d.dataset_ready("corpus", decision.cluster_id)
+    assert job.phase == "Running"
+    record = [e for e in d.effects if isinstance(e, DatasetRecord)][-1]
+    assert set(record.replicas) == {"eu-west-a", decision.cluster_id}
+
+
+def test_data_locality_wins_when_the_job_fits_where_the_data_is():
+    view, _ = fleet_view(THREE)
+    d = Driver(view)
+    d.submit(dataset("corpus", "100TB", ["eu-west-a"]))
+    d.submit(training("train", workers=2, dataset="corpus"))
+    decision = d.last("acme/train")
+    assert decision.cluster_id == "eu-west-a" and not decision.prewarms
+    best, *others = decision.alternatives
+    assert best.cluster_id == "eu-west-a" and best.parts["locality"] == 1.0
+    assert all(o.total < best.total for o in others if o.rejected is None)
+
+
+def test_without_data_the_cheapest_wins_unless_the_operator_prefers_another():
+    view, _ = fleet_view(THREE)
+    cheap = Driver(view)
+    cheap.submit(training("j"))
+    assert cheap.last("acme/j").cluster_id == "ap-south-a"
+    preferred = Driver(view, SchedulingPolicy(
+        weights={**DEFAULT_WEIGHTS, "preference": 2.0}, cluster_preference=("us-east-a",)))
+    preferred.submit(training("j"))
+    assert preferred.last("acme/j").cluster_id == "us-east-a"
+
+
+def test_a_job_on_a_node_that_goes_down_migrates_from_its_checkpoint():
+    faults = [Fault("node_down", "us-east-a-n0000", BASE_MS + 20_000, None)]
+    view, sim = one_cluster(faults=faults)
+    d = Driver(view)
+    d.submit(training("j", checkpoint_interval_s=5))
+    assert d.nodes_of("acme/j") == {"us-east-a-n0000"}
+    advance(view, sim, 3, 22)
+    effects = d.tick(seconds=12, view=view)
+    preempted = [e for e in effects if getattr(e, "outcome", None) == "PREEMPTED"]
+    assert len(preempted) == 1 and preempted[0].reason.startswith(
+        "fault: us-east-a-n0000 is DOWN")
+    assert preempted[0].resume_from_checkpoint_ms == BASE_MS + 20_000
+    placed = d.last("acme/j")
+    assert placed.outcome == "PLACED" and "resumes from its checkpoint" in placed.reason
+    assert d.nodes_of("acme/j") != {"us-east-a-n0000"}
+    released = [e for e in effects if isinstance(e, AllocationChange) and e.kind == "RELEASED"]
+    assert [e.job for e in released] == ["acme/j"]
+
+
+def test_fair_share_alternates_tenants_of_equal_priority():
+    view, _ = one_cluster(nodes=4)
+    d = Driver(view)
+    d.submit(training("blocker", workers=4, tenant="ops", priority="high"))
+    for i in range(4):
+        d.submit(training(f"a{i}", tenant="alpha"))
+    for i in range(4):
+        d.submit(training(f"b{i}", tenant="beta"))
+    d.delete("ops/blocker")
+    placed = [e.job for e in d.decisions(outcome="PLACED") if e.job != "ops/blocker"]
+    assert placed == ["alpha/a0", "beta/b0", "alpha/a1", "beta/b1"]
+
+
+def test_reserved_capacity_is_held_for_its_tenant():
+    view, _ = one_cluster(nodes=4)
+    d = Driver(view)
+    d.tenant({"tenant": "vip", "reserved": {"us-east-a": 16}})
+    d.submit(training("a", workers=2, tenant="other"))
+    d.submit(training("b", workers=1, tenant="other"))
+    blocked = d.last("other/b")
+    assert blocked.outcome == "QUEUED" and "16 of them reserved for other tenants" in \
+        blocked.reason
+    d.submit(training("mine", workers=2, tenant="vip"))
+    assert d.last("vip/mine").outcome == "PLACED"
+
+
+def test_a_job_that_allows_it_is_split_across_clusters_by_pipeline_replicas():
+    view, _ = fleet_view(THREE)
+    d = Driver(view)
+    d.submit(training("big", workers=8, tensor=8, pipeline=2))
+    assert d.last("acme/big").outcome == "QUEUED"
+    d.submit(training("split", workers=8, tensor=8, pipeline=2,
+                      allow_split_across_clusters=True))
+    decision = d.last("acme/split")
+    assert decision.outcome == "PLACED" and len(decision.placements) >= 2
+    assert sum(len(p.workers) for p in decision.placements) == 8
+    assert all(len(p.workers) % 2 == 0 for p in decision.placements)
+
+
+def test_an_elastic_job_starts_with_fewer_workers_when_that_is_all_there_is():
+    view, _ = one_cluster(nodes=4)
+    d = Driver(view)
+    d.submit(training("e", workers=6, pipeline=1, elastic={"min_workers": 2, "max_workers": 6}))
+    decision = d.last("acme/e")
+    assert decision.outcome == "PLACED" and decision.reason.startswith("elastic: 4 of 6")
+    assert d.job("acme/e").workers == 4
+
+
+def test_inference_replicas_spread_over_the_allowed_regions():
+    view, _ = fleet_view(THREE)
+    d = Driver(view)
+    d.submit(service("chat", replicas=4, per_replica=2, regions=("eu-west", "us-east")))
+    decision = d.last("acme/chat")
+    assert decision.outcome == "PLACED"
+    assert {p.cluster_id for p in decision.placements} == {"eu-west-a", "us-east-a"}
+    assert sum(len(p.workers) for p in decision.placements) == 4
+    d.submit(service("far", replicas=1, regions=("mars",)))
+    assert d.last("acme/far").outcome == "QUEUED"
+    assert "is not one of mars" in d.last("acme/far").reason
+
+
+def test_a_single_gpu_replica_may_use_a_degraded_gpu():
+    view, _ = one_cluster(nodes=2, faults=[
+        Fault("rdma_loss", "us-east-a-leaf000", BASE_MS, None, 0.02)])
+    d = Driver(view)
+    d.submit(service("small", replicas=1, per_replica=1, regions=("us-east",)))
+    assert d.last("acme/small").outcome == "PLACED"
+    d.submit(service("sharded", replicas=1, per_replica=2, regions=("us-east",)))
+    assert d.last("acme/sharded").outcome == "QUEUED"
+
+
+def test_bad_specs_and_mismatched_keys_are_rejected_with_the_reason():
+    view, _ = one_cluster()
+    d = Driver(view)
+    bad = training("x", workers=2)
+    bad["spec"]["parallelism"]["data"] = 5
+    d.submit(bad)
+    assert d.last("acme/x").outcome == "REJECTED"
+    assert "tensor x pipeline x data is 40" in d.last("acme/x").reason
+    request = d._request("SUBMIT", "evil/x", "evil",
+                         spec_json='{"apiVersion": "fleetline/v1", "kind": "TrainingJob"}')
+    d.feed(request)
+    assert d.last("evil/x").outcome == "REJECTED"
+
+
+def test_applying_the_same_spec_again_changes_nothing_and_a_priority_change_keeps_gpus():
+    view, _ = one_cluster()
+    d = Driver(view)
+    d.submit(training("j"))
+    before = list(d.effects)
+    assert d.submit(training("j")) == []
+    d.submit(training("j", priority="high"))
+    assert d.job("acme/j").priority == 3 and d.job("acme/j").holds
+    assert d.effects[len(before):] == []
+    d.submit(training("j", workers=2))
+    outcomes = [e.outcome for e in d.decisions("acme/j")]
+    assert outcomes[-2:] == ["RELEASED", "PLACED"] and len(d.nodes_of("acme/j")) == 2

@@ -1,0 +1,120 @@
+"""Declarative specs: what parses, and every field-level error a user can get."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fleetline.processors.scheduling.specs import (
+    Dataset,
+    InferenceService,
+    SpecError,
+    TrainingJob,
+    parse_size,
+    parse_specs,
+)
+
+SPECS = Path(__file__).parent.parent / "specs" / "llm-pretrain.yaml"
+EXAMPLE = SPECS.read_text()
+
+
+def test_the_example_parses_into_typed_specs():
+    job, dataset, service = parse_specs(EXAMPLE)
+    assert isinstance(job, TrainingJob) and job.spec.gpus == 64
+    parallelism = job.spec.parallelism
+    assert (parallelism.tensor, parallelism.pipeline, parallelism.data) == (8, 4, 2)
+    assert (job.spec.min_workers, job.spec.max_workers, job.spec.communication) == (
+        4, 8, "heavy")
+    assert job.metadata.labels == {"team": "research"}
+    assert isinstance(dataset, Dataset) and dataset.spec.size_bytes == 2 * 2**40
+    assert isinstance(service, InferenceService)
+    assert (service.spec.min_replicas, service.spec.max_replicas, service.spec.regions) == (
+        2, 8, ("eu-west", "us-east"))
+
+
+def test_data_parallelism_defaults_to_what_tensor_and_pipeline_leave():
+    (job,) = parse_specs("kind: TrainingJob\nmetadata: {name: j, tenant: t}\nspec: "
+                         "{accelerator: H100, gpus_per_worker: 8, workers: 4, "
+                         "parallelism: {tensor: 8}}")
+    assert isinstance(job, TrainingJob) and job.spec.parallelism.data == 4
+
+
+def test_json_is_accepted_too():
+    doc = {"kind": "Dataset", "metadata": {"name": "d1", "tenant": "acme"},
+           "spec": {"size": "500GB", "replicas": []}}
+    (spec,) = parse_specs(json.dumps(doc))
+    assert isinstance(spec, Dataset)
+    assert spec.spec.size_bytes == 500 * 10**9 and spec.spec.replicas == ()
+
+
+def test_every_bad_field_is_named_in_one_go():
+    bad = """
+kind: TrainingJob
+metadata: {name: Bad_Name, tenant: acme}
+spec:
+  accelerator: H100
+  gpus_per_worker: 8
+  workers: 0
+  parallelism: {tensor: 3, pipeline: 1, data: 1}
+  comunication: heavy
+  priority_class: urgent
+  elastic: {min_workers: 2, max_workers: 1}
+"""
+    with pytest.raises(SpecError) as caught:
+        parse_specs(bad)
+    paths = {e.path: e.message for e in caught.value.errors}
+    assert "metadata.name" in paths and "lower-case" in paths["metadata.name"]
+    assert paths["spec.workers"] == "must be >= 1, got 0"
+    assert paths["spec.comunication"] == "unknown field (did you mean communication?)"
+    assert "urgent" in paths["spec.priority_class"]
+    assert "tensor x pipeline x data is 3" in paths["spec.parallelism"]
+    assert "NVLink" in paths["spec.parallelism.tensor"]
+    assert "spec.elastic" in paths
+
+
+@pytest.mark.parametrize("text, path, message", [
+    ("kind: Pod", "kind", "must be one of"),
+    ("[1, 2]", "(document)", "must be a mapping"),
+    ("kind: Dataset\nmetadata: {name: d}\nspec: {size: lots}", "spec.size", "like 500GB"),
+    ("kind: Dataset\nmetadata: {name: d}\nspec: {size: 1}", "metadata.tenant", "is required"),
+    ("kind: InferenceService\nmetadata: {name: s, tenant: t}\nspec: {model: m, accelerator: a,"
+     " replicas: {min: 3, max: 2}, latency_target_ms: 100, regions: [eu]}",
+     "spec.replicas", "min 3 is above max 2"),
+    ("kind: InferenceService\nmetadata: {name: s, tenant: t}\nspec: {model: m, accelerator: a,"
+     " latency_target_ms: -5, regions: []}", "spec.latency_target_ms", "positive number"),
+    ("apiVersion: v9\nkind: Dataset\nmetadata: {name: d, tenant: t}\nspec: {size: 1}",
+     "apiVersion", "fleetline/v1"),
+    ("key: [unclosed", "(text)", "not YAML or JSON"),
+])
+def test_specific_errors(text, path, message):
+    with pytest.raises(SpecError) as caught:
+        parse_specs(text)
+    assert any(e.path == path and message in e.message for e in caught.value.errors), \
+        caught.value.errors
+
+
+def test_errors_in_a_multi_document_file_name_their_document():
+    text = EXAMPLE + "\n---\nkind: Dataset\nmetadata: {name: x, tenant: acme}\nspec: {size: -1}"
+    with pytest.raises(SpecError, match=r"document 4: spec\.size"):
+        parse_specs(text)
+
+
+def test_sizes():
+    assert parse_size("1.5 GiB") == int(1.5 * 2**30)
+    assert parse_size(42) == 42
+    assert parse_size("12 parsecs") is None and parse_size(True) is None
+
+
+def test_the_validate_command(capsys, tmp_path):
+    from fleetline.cli import main
+
+    assert main(["validate", "-f", str(SPECS)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "TrainingJob acme/llm-pretrain: valid", "Dataset acme/web-corpus: valid",
+        "InferenceService acme/chat: valid"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("kind: Dataset\nmetadata: {name: d, tenant: t}\nspec: {size: huge}\n")
+    assert main(["validate", "-f", str(bad)]) == 1
+    assert "spec.size: must be bytes" in capsys.readouterr().err
