@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench services-start services-stop clean
+.PHONY: run test test-unit lint bench services-start services-stop clean
 
 # The native decoder (fleetline/streams/_avrocols.c) is built by the install, so a change rebuilds it.
 $(STAMP): pyproject.toml fleetline/streams/_avrocols.c
@@ -21,8 +21,16 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest
 
+# Style, formatting, types (strict in processors/) and the layering contracts (pyproject.toml).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+# The pure tests alone: no services, seconds.
+test-unit: $(STAMP)
+	$(PY) -m pytest tests/unit
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py

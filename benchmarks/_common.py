@@ -30,8 +30,11 @@ def local_services(settings: Settings) -> Iterator[None]:
 
 def report(name: str, figures: dict[str, object]) -> None:
     rounded = {k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}
-    full = {"machine": f"{platform.machine()} {platform.python_implementation()} "
-                       f"{platform.python_version()}", **rounded}
+    full = {
+        "machine": f"{platform.machine()} {platform.python_implementation()} "
+        f"{platform.python_version()}",
+        **rounded,
+    }
     for key, value in full.items():
         print(f"{key:44} {value}")
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)

@@ -29,14 +29,22 @@ BASE_MS = 1_796_000_000_000
 
 def fleet(nodes: int, clusters: int = 4) -> FleetSimulator:
     return FleetSimulator(
-        [ClusterSpec(f"c{i}", f"region-{i}", nodes // clusters) for i in range(clusters)], seed=1)
+        [ClusterSpec(f"c{i}", f"region-{i}", nodes // clusters) for i in range(clusters)], seed=1
+    )
 
 
 def agent_for(settings: Settings, nodes: int, state_dir: Path) -> tuple[FleetAgent, Topics]:
     topics = Topics(prefix=f"bench.{uuid.uuid4().hex[:8]}")
     kafka_clients.ensure_topics(settings.kafka, topics.specs())
-    agent = FleetAgent.create(settings, default_codec(), topics, fleet(nodes), state_dir,
-                              commands=True, spool_max_bytes=2**31)
+    agent = FleetAgent.create(
+        settings,
+        default_codec(),
+        topics,
+        fleet(nodes),
+        state_dir,
+        commands=True,
+        spool_max_bytes=2**31,
+    )
     return agent, topics
 
 
@@ -104,8 +112,10 @@ def main() -> None:
     args = parser.parse_args()
     settings = Settings.from_env()
     with local_services(settings):
-        figures = {**paced(settings, args.nodes, args.seconds),
-                   **push(settings, args.big_nodes, args.big_ticks)}
+        figures = {
+            **paced(settings, args.nodes, args.seconds),
+            **push(settings, args.big_nodes, args.big_ticks),
+        }
     report("agents", figures)
 
 

@@ -1,6 +1,6 @@
 """Audit benchmark: append (chain + sign) and verify rates, pure and through Kafka and chdb.
 
-    .venv/bin/python benchmarks/audit.py [--events 20000] [--digest-every 100]
+.venv/bin/python benchmarks/audit.py [--events 20000] [--digest-every 100]
 """
 
 from __future__ import annotations
@@ -34,10 +34,20 @@ BASE_MS = 1_796_000_000_000
 
 
 def events(n: int) -> list[dict]:
-    return [new_event(ts=BASE_MS + i, actor=f"user{i % 50}", actor_role="user",
-                      tenant=f"tenant{i % 8}", operation="api.GET /v1/nodes",
-                      target="/v1/nodes", outcome="SUCCEEDED", status=200,
-                      details={"query": f"cluster=c{i % 8}"}) for i in range(n)]
+    return [
+        new_event(
+            ts=BASE_MS + i,
+            actor=f"user{i % 50}",
+            actor_role="user",
+            tenant=f"tenant{i % 8}",
+            operation="api.GET /v1/nodes",
+            target="/v1/nodes",
+            outcome="SUCCEEDED",
+            status=200,
+            details={"query": f"cluster=c{i % 8}"},
+        )
+        for i in range(n)
+    ]
 
 
 def main() -> None:
@@ -65,9 +75,9 @@ def main() -> None:
     settings = Settings.from_env()
     with local_services(settings):
         topics = Topics(prefix=f"bench.audit.{uuid.uuid4().hex[:8]}")
-        kafka_clients.ensure_topics(settings.kafka, [*topics.specs(),
-                                                     topics.changelog_spec(APPLICATION_ID,
-                                                                           "chain")])
+        kafka_clients.ensure_topics(
+            settings.kafka, [*topics.specs(), topics.changelog_spec(APPLICATION_ID, "chain")]
+        )
         emitter = KafkaAuditEmitter(settings.kafka, topics)
         began = time.perf_counter()
         for e in batch:
@@ -83,16 +93,22 @@ def main() -> None:
         thread.start()
         while chainer.stats.messages < args.events:
             time.sleep(0.05)
-        figures["append_through_kafka_events_per_s"] = args.events / (
-            time.perf_counter() - began)
+        figures["append_through_kafka_events_per_s"] = args.events / (time.perf_counter() - began)
         stop.set()
         thread.join(60)
 
         client = connect(f"chdb://{tempfile.mkdtemp(prefix='bench-audit-')}")
         migrate(client, "bench")
         table = AuditTable(client, "bench")
-        sink = OffsetSink(settings.kafka, default_codec(), topics.audit_log, AUDIT_RECORD, table,
-                          topics.dead_letter, f"{topics.prefix}.bench-sink")
+        sink = OffsetSink(
+            settings.kafka,
+            default_codec(),
+            topics.audit_log,
+            AUDIT_RECORD,
+            table,
+            topics.dead_letter,
+            f"{topics.prefix}.bench-sink",
+        )
         stop = threading.Event()
         thread = threading.Thread(target=sink.run, args=(stop,), daemon=True)
         began = time.perf_counter()

@@ -38,26 +38,41 @@ from fleetline.streams.serde import default_codec
 BASE_MS = 1_796_000_000_000
 REGIONS = ["eu-west", "us-east", "ap-south", "us-west"]
 SHAPES = [  # (weight, workers, gpus per worker, tensor, pipeline)
-    (15, 1, 1, 1, 1), (10, 1, 2, 2, 1), (15, 1, 4, 4, 1), (20, 1, 8, 8, 1),
-    (15, 2, 8, 8, 1), (10, 4, 8, 8, 2), (10, 8, 8, 8, 4), (5, 16, 8, 8, 4)]
+    (15, 1, 1, 1, 1),
+    (10, 1, 2, 2, 1),
+    (15, 1, 4, 4, 1),
+    (20, 1, 8, 8, 1),
+    (15, 2, 8, 8, 1),
+    (10, 4, 8, 8, 2),
+    (10, 8, 8, 8, 4),
+    (5, 16, 8, 8, 4),
+]
 PRIORITIES = [(5, "critical"), (20, "high"), (50, "normal"), (20, "low"), (5, "best-effort")]
 
 
 def build_view(nodes: int, seed: int = 1) -> ResourceView:
     per_cluster = nodes // 8
-    clusters = [ClusterSpec(f"{REGIONS[i % 4]}-{chr(97 + i // 4)}", REGIONS[i % 4], per_cluster,
-                            model="NVIDIA H200" if i == 7 else "NVIDIA H100 80GB HBM3",
-                            nodes_per_leaf=16) for i in range(8)]
-    faults = [Fault("rdma_loss", f"{clusters[1].cluster_id}-leaf003", BASE_MS, None, 0.02),
-              Fault("xid", f"{clusters[0].cluster_id}-n0007/3", BASE_MS, None, 79),
-              Fault("xid", f"{clusters[2].cluster_id}-n0100/0", BASE_MS, None, 79),
-              Fault("node_down", f"{clusters[3].cluster_id}-n0042", BASE_MS, None)]
+    clusters = [
+        ClusterSpec(
+            f"{REGIONS[i % 4]}-{chr(97 + i // 4)}",
+            REGIONS[i % 4],
+            per_cluster,
+            model="NVIDIA H200" if i == 7 else "NVIDIA H100 80GB HBM3",
+            nodes_per_leaf=16,
+        )
+        for i in range(8)
+    ]
+    faults = [
+        Fault("rdma_loss", f"{clusters[1].cluster_id}-leaf003", BASE_MS, None, 0.02),
+        Fault("xid", f"{clusters[0].cluster_id}-n0007/3", BASE_MS, None, 79),
+        Fault("xid", f"{clusters[2].cluster_id}-n0100/0", BASE_MS, None, 79),
+        Fault("node_down", f"{clusters[3].cluster_id}-n0042", BASE_MS, None),
+    ]
     sim = FleetSimulator(clusters, seed=seed, faults=faults)
     codec = default_codec()
     view = ResourceView()
     for c in clusters:
-        apply(view, codec.decode(codec.encode("ClusterInfo", cluster_info(c, 1, BASE_MS,
-                                                                           REGIONS))))
+        apply(view, codec.decode(codec.encode("ClusterInfo", cluster_info(c, 1, BASE_MS, REGIONS))))
     for record in sim.initial_states(BASE_MS):
         apply(view, codec.decode(codec.encode("NodeState", record)))
     for t in (1, 2):
@@ -65,14 +80,22 @@ def build_view(nodes: int, seed: int = 1) -> ResourceView:
         for record in sim.state_changes(ts):
             apply(view, codec.decode(codec.encode("NodeState", record)))
         for r in sim.telemetry(ts):
-            fold_telemetry(view, r["cluster_id"], r["region"], r["node_id"], r["seq"], r["ts"],
-                           [tuple(g[f] for f in GPU_FIELDS) for g in r["gpus"]])
+            fold_telemetry(
+                view,
+                r["cluster_id"],
+                r["region"],
+                r["node_id"],
+                r["seq"],
+                r["ts"],
+                [tuple(g[f] for f in GPU_FIELDS) for g in r["gpus"]],
+            )
     return view
 
 
 def _choice(rng: random.Random, weighted):
-    return rng.choices([x[1:] if len(x) > 2 else x[1] for x in weighted],
-                       [x[0] for x in weighted])[0]
+    return rng.choices([x[1:] if len(x) > 2 else x[1] for x in weighted], [x[0] for x in weighted])[
+        0
+    ]
 
 
 def workload(jobs: int, seed: int = 7) -> list[dict]:
@@ -82,10 +105,17 @@ def workload(jobs: int, seed: int = 7) -> list[dict]:
     clusters = [f"{REGIONS[i % 4]}-{chr(97 + i // 4)}" for i in range(8)]
     docs: list[dict] = []
     for i in range(10):
-        docs.append({"apiVersion": "fleetline/v1", "kind": "Dataset",
-                     "metadata": {"name": f"corpus{i}", "tenant": tenants[i]},
-                     "spec": {"size": f"{rng.choice([5, 20, 100])}TB",
-                              "replicas": [rng.choice(clusters)]}})
+        docs.append(
+            {
+                "apiVersion": "fleetline/v1",
+                "kind": "Dataset",
+                "metadata": {"name": f"corpus{i}", "tenant": tenants[i]},
+                "spec": {
+                    "size": f"{rng.choice([5, 20, 100])}TB",
+                    "replicas": [rng.choice(clusters)],
+                },
+            }
+        )
     for n in range(jobs):
         tenant = rng.choice(tenants)
         priority = _choice(rng, PRIORITIES)
@@ -93,46 +123,72 @@ def workload(jobs: int, seed: int = 7) -> list[dict]:
         if rng.random() < 0.2:
             per_replica = rng.choice([1, 1, 2, 4])
             regions = rng.sample(REGIONS, rng.choice([1, 2]))
-            docs.append({"apiVersion": "fleetline/v1", "kind": "InferenceService",
-                         "metadata": meta,
-                         "spec": {"model": "llm", "accelerator": "H100",
-                                  "gpus_per_replica": per_replica,
-                                  "replicas": {"min": rng.randint(1, 4), "max": 8},
-                                  "latency_target_ms": 200, "regions": regions,
-                                  "priority_class": "high" if priority == "critical"
-                                  else priority}})
+            docs.append(
+                {
+                    "apiVersion": "fleetline/v1",
+                    "kind": "InferenceService",
+                    "metadata": meta,
+                    "spec": {
+                        "model": "llm",
+                        "accelerator": "H100",
+                        "gpus_per_replica": per_replica,
+                        "replicas": {"min": rng.randint(1, 4), "max": 8},
+                        "latency_target_ms": 200,
+                        "regions": regions,
+                        "priority_class": "high" if priority == "critical" else priority,
+                    },
+                }
+            )
             continue
         workers, per_worker, tensor, pipeline = _choice(rng, SHAPES)
-        spec = {"accelerator": "H200" if rng.random() < 0.12 else "H100",
-                "gpus_per_worker": per_worker, "workers": workers,
-                "parallelism": {"tensor": tensor, "pipeline": pipeline,
-                                "data": workers * per_worker // (tensor * pipeline)},
-                "communication": rng.choice(["heavy", "heavy", "moderate", "light"]),
-                "priority_class": priority,
-                "checkpoint_interval_s": rng.choice([600, 1800, 3600]),
-                "max_runtime": f"{rng.choice([2, 8, 24, 72])}h",
-                "region": rng.choice(REGIONS)}
+        spec = {
+            "accelerator": "H200" if rng.random() < 0.12 else "H100",
+            "gpus_per_worker": per_worker,
+            "workers": workers,
+            "parallelism": {
+                "tensor": tensor,
+                "pipeline": pipeline,
+                "data": workers * per_worker // (tensor * pipeline),
+            },
+            "communication": rng.choice(["heavy", "heavy", "moderate", "light"]),
+            "priority_class": priority,
+            "checkpoint_interval_s": rng.choice([600, 1800, 3600]),
+            "max_runtime": f"{rng.choice([2, 8, 24, 72])}h",
+            "region": rng.choice(REGIONS),
+        }
         if rng.random() < 0.15:
             spec["dataset"] = f"corpus{tenants.index(tenant)}"
         if workers >= 4 and rng.random() < 0.3:
             spec["elastic"] = {"min_workers": workers // 2, "max_workers": workers}
         if workers >= 8 and rng.random() < 0.3:
             spec["allow_split_across_clusters"] = True
-        docs.append({"apiVersion": "fleetline/v1", "kind": "TrainingJob", "metadata": meta,
-                     "spec": spec})
+        docs.append(
+            {"apiVersion": "fleetline/v1", "kind": "TrainingJob", "metadata": meta, "spec": spec}
+        )
     return docs
 
 
 def tenant_policies() -> list[dict]:
-    return [{"tenant": f"tenant{i:02d}", "share": 2 if i < 2 else 1,
-             "quota": {"gpus": 16_000 if i < 5 else 8_000, "gpu_hours": 2_000_000,
-                       "storage_bytes": "1PB", "bandwidth_gbps": 40}}
-            for i in range(10)]
+    return [
+        {
+            "tenant": f"tenant{i:02d}",
+            "share": 2 if i < 2 else 1,
+            "quota": {
+                "gpus": 16_000 if i < 5 else 8_000,
+                "gpu_hours": 2_000_000,
+                "storage_bytes": "1PB",
+                "bandwidth_gbps": 40,
+            },
+        }
+        for i in range(10)
+    ]
 
 
 def submit_requests(docs: list[dict], start_ms: int) -> list[dict]:
-    return [submit_request(parse_spec(doc), doc, start_ms + n, f"bench-{n}")
-            for n, doc in enumerate(docs)]
+    return [
+        submit_request(parse_spec(doc), doc, start_ms + n, f"bench-{n}")
+        for n, doc in enumerate(docs)
+    ]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -155,39 +211,49 @@ def quality(scheduler: Scheduler) -> dict[str, object]:
                 islands = facts.nodes[node].islands
                 gpus = indices_of(mask)
                 for g in range(0, len(gpus), tensor):
-                    group = sum(1 << i for i in gpus[g:g + tensor])
+                    group = sum(1 << i for i in gpus[g : g + tensor])
                     tp_total += 1
-                    tp_inside += any(group & island == group for island in islands) or \
-                        tensor > max(i.bit_count() for i in islands)
-        per_replica = max(1, spec.parallelism.tensor * spec.parallelism.pipeline
-                          // spec.gpus_per_worker)
+                    tp_inside += any(group & island == group for island in islands) or tensor > max(
+                        i.bit_count() for i in islands
+                    )
+        per_replica = max(
+            1, spec.parallelism.tensor * spec.parallelism.pipeline // spec.gpus_per_worker
+        )
         if per_replica > 1:
             decision_nodes = [n for nodes in job.allocation.values() for n in sorted(nodes)]
             leaves = [facts.nodes[n].leaf for n in decision_nodes]
             for r in range(0, len(leaves), per_replica):
                 replicas_total += 1
-                replicas_one_leaf += len(set(leaves[r:r + per_replica])) == 1
+                replicas_one_leaf += len(set(leaves[r : r + per_replica])) == 1
     violations = 0
     for tenant, usage in scheduler.usage.items():
         policy = scheduler.tenants.get(tenant)
         if policy and policy.quota.gpus is not None and usage.gpus > policy.quota.gpus:
             violations += 1
-        if policy and policy.quota.gpu_hours is not None and (
-                usage.consumed_gpu_ms + usage.committed_gpu_ms
-                > policy.quota.gpu_hours * 3_600_000):
+        if (
+            policy
+            and policy.quota.gpu_hours is not None
+            and (
+                usage.consumed_gpu_ms + usage.committed_gpu_ms > policy.quota.gpu_hours * 3_600_000
+            )
+        ):
             violations += 1
     frag = scheduler.index.fragmentation()
     owned = sum(j.gpus for j in scheduler.jobs.values())
     total = sum(n.present.bit_count() for n in facts.nodes.values())
-    return {"tp_groups_in_one_nvlink_island": round(tp_inside / tp_total, 4) if tp_total else 1,
-            "tp_groups": tp_total,
-            "pipeline_replicas_in_one_leaf": round(replicas_one_leaf / replicas_total, 4)
-            if replicas_total else 1,
-            "gpus_allocated": owned, "gpus_in_fleet": total,
-            "allocated_share": round(owned / total, 4),
-            "free_healthy_gpus": frag["free_gpus"],
-            "fragmentation_free_gpus_on_partly_used_nodes": frag["fragmentation"],
-            "quota_violations": violations}
+    return {
+        "tp_groups_in_one_nvlink_island": round(tp_inside / tp_total, 4) if tp_total else 1,
+        "tp_groups": tp_total,
+        "pipeline_replicas_in_one_leaf": round(replicas_one_leaf / replicas_total, 4)
+        if replicas_total
+        else 1,
+        "gpus_allocated": owned,
+        "gpus_in_fleet": total,
+        "allocated_share": round(owned / total, 4),
+        "free_healthy_gpus": frag["free_gpus"],
+        "fragmentation_free_gpus_on_partly_used_nodes": frag["fragmentation"],
+        "quota_violations": violations,
+    }
 
 
 def core(nodes: int, jobs: int) -> dict[str, object]:
@@ -207,8 +273,17 @@ def core(nodes: int, jobs: int) -> dict[str, object]:
     first_tick = time.perf_counter() - began
     for policy in tenant_policies():
         position += 1
-        scheduler.step(new_request("TENANT_POLICY", policy["tenant"], policy["tenant"], start,
-                                   f"p{position}", spec_json=canonical_json(policy)), position)
+        scheduler.step(
+            new_request(
+                "TENANT_POLICY",
+                policy["tenant"],
+                policy["tenant"],
+                start,
+                f"p{position}",
+                spec_json=canonical_json(policy),
+            ),
+            position,
+        )
     latencies: list[float] = []
     outcomes: dict[str, int] = {}
     gc.collect()
@@ -228,21 +303,30 @@ def core(nodes: int, jobs: int) -> dict[str, object]:
             # Fragmentation means something while the fleet still has room.
             paused = time.perf_counter()
             frag = scheduler.index.fragmentation()
-            midway = {"quarter_way_allocated_share": round(
-                sum(j.gpus for j in scheduler.jobs.values()) / (nodes * 8), 4),
+            midway = {
+                "quarter_way_allocated_share": round(
+                    sum(j.gpus for j in scheduler.jobs.values()) / (nodes * 8), 4
+                ),
                 "quarter_way_free_healthy_gpus": frag["free_gpus"],
-                "quarter_way_fragmentation": frag["fragmentation"]}
+                "quarter_way_fragmentation": frag["fragmentation"],
+            }
             began += time.perf_counter() - paused
     wall = time.perf_counter() - began
     # A reconcile pass over the full queue, as every TICK runs it.
     position += 1
     t0 = time.perf_counter()
-    scheduler.step(new_request("TICK", "", "", start + 60_000, "tick-1",
-                               view_offsets=facts.offsets), position, facts)
+    scheduler.step(
+        new_request("TICK", "", "", start + 60_000, "tick-1", view_offsets=facts.offsets),
+        position,
+        facts,
+    )
     tick_s = time.perf_counter() - t0
     figures: dict[str, object] = {
-        "nodes": nodes, "gpus": nodes * 8, "requests": len(latencies),
-        "build_view_s": round(built, 2), "observe_view_s": round(observed, 3),
+        "nodes": nodes,
+        "gpus": nodes * 8,
+        "requests": len(latencies),
+        "build_view_s": round(built, 2),
+        "observe_view_s": round(observed, 3),
         "first_tick_s": round(first_tick, 3),
         "core_requests_per_s": round(len(latencies) / wall, 1),
         "core_decision_events_per_s": round(sum(outcomes.values()) / wall, 1),
@@ -269,9 +353,13 @@ def _serve_scheduler(nodes: int, prefix: str, started, stop) -> None:
 
     tune_gc_for_large_state()
     view = build_view(nodes)
-    service = SchedulerService(Settings.from_env().kafka, Topics(prefix=prefix),
-                               StaticView(view), lambda offsets: observe(view),
-                               tick_interval_s=1.0)
+    service = SchedulerService(
+        Settings.from_env().kafka,
+        Topics(prefix=prefix),
+        StaticView(view),
+        lambda offsets: observe(view),
+        tick_interval_s=1.0,
+    )
     halt = threading.Event()
     runner = threading.Thread(target=service.run, args=(halt,), daemon=True)
     runner.start()
@@ -302,16 +390,25 @@ def e2e(nodes: int, jobs: int, rate: float) -> dict[str, object]:
         kafka_clients.ensure_topics(settings.kafka, scheduler_topics(topics))
         context = multiprocessing.get_context("spawn")
         started, stop = context.Event(), context.Event()
-        server = context.Process(target=_serve_scheduler,
-                                 args=(nodes, topics.prefix, started, stop), daemon=True)
+        server = context.Process(
+            target=_serve_scheduler, args=(nodes, topics.prefix, started, stop), daemon=True
+        )
         server.start()
         assert started.wait(180), "the scheduler did not start"
-        producer = kafka_clients.producer(settings.kafka, **{"linger.ms": 0})
+        producer = kafka_clients.producer(settings.kafka, {"linger.ms": 0})
         for policy in tenant_policies():
-            send(producer, topics, new_request("TENANT_POLICY", policy["tenant"],
-                                               policy["tenant"], int(time.time() * 1000),
-                                               uuid.uuid4().hex,
-                                               spec_json=canonical_json(policy)))
+            send(
+                producer,
+                topics,
+                new_request(
+                    "TENANT_POLICY",
+                    policy["tenant"],
+                    policy["tenant"],
+                    int(time.time() * 1000),
+                    uuid.uuid4().hex,
+                    spec_json=canonical_json(policy),
+                ),
+            )
         producer.flush(10)
         docs = workload(jobs)
         sent: dict[str, float] = {}
@@ -353,7 +450,8 @@ def e2e(nodes: int, jobs: int, rate: float) -> dict[str, object]:
         latencies = [seen[k] - sent[k] for k in seen]
     tag = f"e2e_{rate:g}_per_s"
     return {
-        f"{tag}_submitted": len(docs), f"{tag}_decided": len(seen),
+        f"{tag}_submitted": len(docs),
+        f"{tag}_decided": len(seen),
         f"{tag}_latency_p50_ms": round(statistics.median(latencies) * 1000, 1),
         f"{tag}_latency_p99_ms": round(percentile(latencies, 0.99) * 1000, 1),
         f"{tag}_latency_max_ms": round(max(latencies) * 1000, 1),
@@ -365,8 +463,11 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=10_000)
     parser.add_argument("--jobs", type=int, default=10_000)
     parser.add_argument("--e2e-jobs", type=int, default=2_000)
-    parser.add_argument("--e2e-rates", default="50,100,200",
-                        help="request rates (per second) to measure end to end, comma-separated")
+    parser.add_argument(
+        "--e2e-rates",
+        default="50,100,200",
+        help="request rates (per second) to measure end to end, comma-separated",
+    )
     parser.add_argument("--no-kafka", action="store_true", help="the pure core only")
     args = parser.parse_args()
     figures = core(args.nodes, args.jobs)
@@ -375,7 +476,6 @@ def main() -> None:
         for rate in (float(r) for r in args.e2e_rates.split(",")):
             figures.update(e2e(args.nodes, args.e2e_jobs, rate))
     report("scheduler", figures)
-
 
 
 if __name__ == "__main__":

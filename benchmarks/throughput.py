@@ -60,8 +60,12 @@ def bench(nodes: int, ticks: int) -> dict[str, float]:
     topics = Topics(prefix=f"bench.{uuid.uuid4().hex[:8]}")
     kafka_clients.ensure_topics(settings.kafka, topics.specs())
     spool_dir = tempfile.mkdtemp(prefix="bench-spool-")
-    publisher = TelemetryPublisher(kafka_clients.producer(settings.kafka), codec, topics,
-                                   DiskSpool(Path(spool_dir), max_bytes=2**31))
+    publisher = TelemetryPublisher(
+        kafka_clients.producer(settings.kafka),
+        codec,
+        topics,
+        DiskSpool(Path(spool_dir), max_bytes=2**31),
+    )
     cpu0 = time.process_time()
     began = time.perf_counter()
     publisher.publish_telemetry(records)
@@ -87,8 +91,15 @@ def bench(nodes: int, ticks: int) -> dict[str, float]:
         figures["chdb_insert_arrow_rows_per_s"] = table.num_rows / (time.perf_counter() - began)
         client.command("TRUNCATE TABLE bench.gpu_samples")
 
-        sink = HotSampleSink(settings.kafka, codec, store, topics.telemetry, topics.dead_letter,
-                             group_id=f"{topics.prefix}.sink", max_batch_messages=5000)
+        sink = HotSampleSink(
+            settings.kafka,
+            codec,
+            store,
+            topics.telemetry,
+            topics.dead_letter,
+            group_id=f"{topics.prefix}.sink",
+            max_batch_messages=5000,
+        )
         stop = threading.Event()
         thread = threading.Thread(target=sink.run, args=(stop,), daemon=True)
         thread.start()

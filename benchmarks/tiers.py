@@ -35,18 +35,27 @@ def sink_rate(settings: Settings, client, db: str, records: int) -> dict[str, fl
     sim = FleetSimulator([ClusterSpec(f"c{i}", "r", 125) for i in range(8)], seed=3)
     topics = Topics(prefix=f"bench.tiers.{uuid.uuid4().hex[:8]}")
     kafka_clients.ensure_topics(settings.kafka, topics.specs())
-    producer = kafka_clients.producer(settings.kafka, **{"linger.ms": 50})
+    producer = kafka_clients.producer(settings.kafka, {"linger.ms": 50})
     sent, tick = 0, 0
     while sent < records:
         tick += 1
         for record in sim.telemetry(1_796_000_000_000 + tick * 1000):
-            producer.produce(topics.telemetry, key=record["node_id"].encode(),
-                             value=codec.encode("NodeTelemetry", record))
+            producer.produce(
+                topics.telemetry,
+                key=record["node_id"].encode(),
+                value=codec.encode("NodeTelemetry", record),
+            )
             producer.poll(0)
             sent += 1
     producer.flush(60)
-    sink = HotSampleSink(settings.kafka, codec, HotSampleStore(client, db), topics.telemetry,
-                         topics.dead_letter, group_id=f"{topics.prefix}.sink")
+    sink = HotSampleSink(
+        settings.kafka,
+        codec,
+        HotSampleStore(client, db),
+        topics.telemetry,
+        topics.dead_letter,
+        group_id=f"{topics.prefix}.sink",
+    )
     stop = threading.Event()
     thread = threading.Thread(target=sink.run, args=(stop,), daemon=True)
     thread.start()
@@ -61,9 +70,11 @@ def sink_rate(settings: Settings, client, db: str, records: int) -> dict[str, fl
     cpu_s = time.process_time() - cpu_began  # every thread of this process, chdb's included
     stop.set()
     thread.join(30)
-    return {"sink_rows_per_s": sink.stats.rows / seconds,
-            "sink_process_cpu_us_per_row": cpu_s / sink.stats.rows * 1e6,
-            "sink_rows": sink.stats.rows}
+    return {
+        "sink_rows_per_s": sink.stats.rows / seconds,
+        "sink_process_cpu_us_per_row": cpu_s / sink.stats.rows * 1e6,
+        "sink_rows": sink.stats.rows,
+    }
 
 
 def hot_query(client, db: str, rows: int) -> dict[str, float]:
@@ -80,25 +91,36 @@ def hot_query(client, db: str, rows: int) -> dict[str, float]:
         "number % 8, concat('GPU-', toString(number % 80000)), 'nvidia', 'H100', "
         "(cityHash64(number) % 10000) / 100, 40000, 81559, 60, 400 + cityHash64(number) % 300, "
         "0, 0, [], intDiv(number, 80000), 0, number "
-        f"FROM numbers({rows}) SETTINGS max_insert_threads = 2")
+        f"FROM numbers({rows}) SETTINGS max_insert_threads = 2"
+    )
     load_s = time.perf_counter() - began
-    query = (f"SELECT cluster_id, avg(gpu_util_pct), count() FROM {db}.big WHERE ts >= "
-             f"fromUnixTimestamp64Milli({(end - 3600) * 1000}, 'UTC') GROUP BY cluster_id")
+    query = (
+        f"SELECT cluster_id, avg(gpu_util_pct), count() FROM {db}.big WHERE ts >= "
+        f"fromUnixTimestamp64Milli({(end - 3600) * 1000}, 'UTC') GROUP BY cluster_id"
+    )
     timings = []
     for _ in range(5):
         began = time.perf_counter()
         result = client.query(query).result_rows
         timings.append(time.perf_counter() - began)
     assert len(result) == 8
-    return {"hot_rows": rows, "hot_load_rows_per_s": rows / load_s,
-            "last_hour_query_s_best": min(timings), "last_hour_query_s_median":
-            sorted(timings)[len(timings) // 2]}
+    return {
+        "hot_rows": rows,
+        "hot_load_rows_per_s": rows / load_s,
+        "last_hour_query_s_best": min(timings),
+        "last_hour_query_s_median": sorted(timings)[len(timings) // 2],
+    }
 
 
 def tier_bytes(settings: Settings, client, db: str, nodes: int, days: int) -> dict[str, float]:
-    sim = FleetSimulator([ClusterSpec("c1", "eu-west", nodes // 2),
-                          ClusterSpec("c2", "us-east", nodes - nodes // 2)],
-                         seed=9, interval_ms=60_000)
+    sim = FleetSimulator(
+        [
+            ClusterSpec("c1", "eu-west", nodes // 2),
+            ClusterSpec("c2", "us-east", nodes - nodes // 2),
+        ],
+        seed=9,
+        interval_ms=60_000,
+    )
     now = 1_796_083_200_000
     start = now - days * DAY_MS
     store = HotSampleStore(client, db)
@@ -119,13 +141,15 @@ def tier_bytes(settings: Settings, client, db: str, nodes: int, days: int) -> di
     if batch:
         store.store(to_columns(batch))
     client.command(f"OPTIMIZE TABLE {db}.gpu_samples FINAL")
-    (rows, hot_bytes), = client.query(
+    ((rows, hot_bytes),) = client.query(
         f"SELECT sum(rows), sum(data_compressed_bytes) FROM system.parts WHERE database = "
-        f"'{db}' AND table = 'gpu_samples' AND active").result_rows
+        f"'{db}' AND table = 'gpu_samples' AND active"
+    ).result_rows
     objects = ObjectStore.from_settings(settings.s3)
     objects.ensure_bucket()
-    tiers = TieredStore(client, db, objects, settings.s3,
-                        root=f"bench-tiers-{uuid.uuid4().hex[:8]}")
+    tiers = TieredStore(
+        client, db, objects, settings.s3, root=f"bench-tiers-{uuid.uuid4().hex[:8]}"
+    )
     began = time.perf_counter()
     tiers.run_once(now)
     tier_s = time.perf_counter() - began
@@ -139,11 +163,11 @@ def tier_bytes(settings: Settings, client, db: str, nodes: int, days: int) -> di
         "warm_bytes_per_sample": sum(m.bytes for m in warm) / max(warm_rows, 1),
         "cold_bytes_per_sample": sum(m.bytes for m in cold) / max(cold_rows, 1),
         "raw_avro_bytes_per_sample": avro_per_sample,
-        "cold_vs_avro_ratio": avro_per_sample / (
-            sum(m.bytes for m in cold) / max(cold_rows, 1)),
+        "cold_vs_avro_ratio": avro_per_sample / (sum(m.bytes for m in cold) / max(cold_rows, 1)),
         "tiering_pass_rows_per_s": tiers.stats.rows_moved / tier_s,
         "tiering_pass_s": tier_s,
-        "warm_objects": len(warm), "cold_objects": len(cold),
+        "warm_objects": len(warm),
+        "cold_objects": len(cold),
     }
 
 
@@ -153,8 +177,11 @@ def main() -> None:
     parser.add_argument("--sim-nodes", type=int, default=50)
     parser.add_argument("--days", type=int, default=9)
     parser.add_argument("--sink-records", type=int, default=300_000)
-    parser.add_argument("--only", choices=["sink", "bytes", "query"],
-                        help="run one part (the figures file then holds that part only)")
+    parser.add_argument(
+        "--only",
+        choices=["sink", "bytes", "query"],
+        help="run one part (the figures file then holds that part only)",
+    )
     args = parser.parse_args()
     settings = Settings.from_env()
     client = connect(f"chdb://{tempfile.mkdtemp(prefix='bench-tiers-')}")

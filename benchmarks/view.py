@@ -48,8 +48,7 @@ def _skip_varint(data: bytes, at: int) -> int:
 
 def templates(nodes: int) -> list[tuple[bytes, str, list[bytes]]]:
     """Per node: (header + the three leading strings, node id, [bytes after seq and ts])."""
-    sim = FleetSimulator([ClusterSpec(f"c{i}", f"r{i % 4}", nodes // 8) for i in range(8)],
-                         seed=1)
+    sim = FleetSimulator([ClusterSpec(f"c{i}", f"r{i % 4}", nodes // 8) for i in range(8)], seed=1)
     codec = default_codec()
     per_node: dict[str, list[bytes]] = {}
     prefixes: dict[str, bytes] = {}
@@ -57,7 +56,8 @@ def templates(nodes: int) -> list[tuple[bytes, str, list[bytes]]]:
         for record in sim.telemetry(BASE_MS + t * 1000):
             data = codec.encode("NodeTelemetry", record)
             prefix = data[:HEADER_LEN] + b"".join(
-                _string(record[k]) for k in ("cluster_id", "region", "node_id"))
+                _string(record[k]) for k in ("cluster_id", "region", "node_id")
+            )
             assert data.startswith(prefix)
             rest_at = _skip_varint(data, _skip_varint(data, len(prefix)))
             prefixes[record["node_id"]] = prefix
@@ -67,8 +67,7 @@ def templates(nodes: int) -> list[tuple[bytes, str, list[bytes]]]:
 
 def produce(settings: Settings, topics: Topics, nodes: int, ticks: int) -> tuple[int, float]:
     shapes = templates(nodes)
-    producer = kafka_clients.producer(settings.kafka, **{"linger.ms": 50,
-                                                         "batch.size": 1_000_000})
+    producer = kafka_clients.producer(settings.kafka, {"linger.ms": 50, "batch.size": 1_000_000})
     began = time.perf_counter()
     sent = 0
     for tick in range(ticks):
@@ -103,8 +102,7 @@ def main() -> None:
     args = parser.parse_args()
     settings = Settings.from_env()
     tune_gc_for_large_state()  # as `fleetline serve` and `fleetline replay` do
-    figures: dict[str, object] = {"nodes": args.nodes, "gpus": args.nodes * 8,
-                                  "ticks": args.ticks}
+    figures: dict[str, object] = {"nodes": args.nodes, "gpus": args.nodes * 8, "ticks": args.ticks}
     with local_services(settings):
         topics = Topics(prefix=f"bench.view.{uuid.uuid4().hex[:8]}")
         kafka_clients.ensure_topics(settings.kafka, topics.specs())

@@ -62,8 +62,11 @@ log = logging.getLogger(__name__)
 class Service(Protocol):
     """Something a process runs in a thread of its own until `stop` is set."""
 
-    name: str
-    ready: threading.Event
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def ready(self) -> threading.Event: ...
 
     def run(self, stop: threading.Event) -> None: ...
 
@@ -97,30 +100,53 @@ def sealed_objects(settings: Settings) -> SealedObjectStore:
     """The configured bucket, sealing what it writes when an object-encryption key is set."""
     store = ObjectStore.from_settings(settings.s3)
     store.ensure_bucket()
-    cipher = (ObjectCipher.from_base64(settings.object_encryption_key)
-              if settings.object_encryption_key else None)
+    cipher = (
+        ObjectCipher.from_base64(settings.object_encryption_key)
+        if settings.object_encryption_key
+        else None
+    )
     return SealedObjectStore(store, cipher)
 
 
-def record_sink(settings: Settings, name: str, topic: str, expect: str,
-                destination: Destination, dead_letter_topic: str,
-                convert: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> StreamLoop:
+def record_sink(
+    settings: Settings,
+    name: str,
+    topic: str,
+    expect: str,
+    destination: Destination,
+    dead_letter_topic: str,
+    convert: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+) -> StreamLoop:
     """A loop that stores every `expect` record of `topic` in `destination`."""
     step = RecordSink(default_codec(), topic, expect, destination, convert)
-    return StreamLoop(settings.kafka, name, [topic], step, dead_letter_topic,
-                      max_messages=5000, max_wait_s=0.5)
+    return StreamLoop(
+        settings.kafka, name, [topic], step, dead_letter_topic, max_messages=5000, max_wait_s=0.5
+    )
 
 
-def sample_sink(settings: Settings, client: Client, topics: Topics, name: str | None = None,
-                max_wait_s: float = 1.0) -> StreamLoop:
+def sample_sink(
+    settings: Settings,
+    client: Client,
+    topics: Topics,
+    name: str | None = None,
+    max_wait_s: float = 1.0,
+) -> StreamLoop:
     """The loop that stores every GPU sample of `topics.telemetry` in ClickHouse's hot table."""
-    step = HotSampleSink(default_codec(), HotSampleStore(client, settings.clickhouse_database),
-                         topics.telemetry)
-    return StreamLoop(settings.kafka, name or f"{topics.prefix}.hot-sink", [topics.telemetry],
-                      step, topics.dead_letter, max_messages=50_000, max_wait_s=max_wait_s,
-                      # Decoding one batch while the previous one is inserted keeps both
-                      # cores busy.
-                      overlap=True)
+    step = HotSampleSink(
+        default_codec(), HotSampleStore(client, settings.clickhouse_database), topics.telemetry
+    )
+    return StreamLoop(
+        settings.kafka,
+        name or f"{topics.prefix}.hot-sink",
+        [topics.telemetry],
+        step,
+        topics.dead_letter,
+        max_messages=50_000,
+        max_wait_s=max_wait_s,
+        # Decoding one batch while the previous one is inserted keeps both
+        # cores busy.
+        overlap=True,
+    )
 
 
 @dataclass
@@ -160,8 +186,12 @@ class Fleetline:
 
     def services(self) -> list[Service]:
         optional: list[Service | None] = [self.scheduler, self.chainer, self.mover, self.tiering]
-        return [self.view, self.samples, *self.sinks.values(),
-                *(s for s in optional if s is not None)]
+        return [
+            self.view,
+            self.samples,
+            *self.sinks.values(),
+            *(s for s in optional if s is not None),
+        ]
 
     def start(self, ready_timeout_s: float | None = 60.0) -> Fleetline:
         """Start every service in a thread and (unless the timeout is None) wait until each
@@ -169,15 +199,13 @@ class Fleetline:
         if self.queries is not None:
             self.queries.start()
         for service in self.services():
-            thread = threading.Thread(target=self._guard(service), name=service.name,
-                                      daemon=True)
+            thread = threading.Thread(target=self._guard(service), name=service.name, daemon=True)
             thread.start()
             self.threads.append(thread)
         for service in self.services() if ready_timeout_s is not None else ():
             if not service.ready.wait(ready_timeout_s):
                 self.close()
-                raise StreamError(f"{service.name} got no partitions within "
-                                  f"{ready_timeout_s:.0f}s")
+                raise StreamError(f"{service.name} got no partitions within {ready_timeout_s:.0f}s")
         return self
 
     def _guard(self, service: Service) -> Callable[[], None]:
@@ -190,6 +218,7 @@ class Fleetline:
                 log.exception("%s stopped", service.name)
                 self.errors.append(exc)
                 self.stop.set()
+
         return run
 
     def raise_errors(self) -> None:
@@ -215,61 +244,110 @@ class Fleetline:
         def ready(name: str, since: str, until: str | None) -> dict[str, Any]:
             return sql(ready_sql(name, since, until))
 
-        return create_app(self.view, authenticator, emitter, self.audit_table, sql, ready,
-                          jobs=KafkaJobs(self.settings.kafka, self.topics, self.scheduler))
+        return create_app(
+            self.view,
+            authenticator,
+            emitter,
+            self.audit_table,
+            sql,
+            ready,
+            jobs=KafkaJobs(self.settings.kafka, self.topics, self.scheduler),
+        )
 
 
 def build(settings: Settings, options: Options) -> Fleetline:
     """Every service `options` asks for, wired to the configured Kafka, S3 and ClickHouse."""
     topics = options.topics
     kafka = settings.kafka
-    kafka_clients.ensure_topics(kafka, [*scheduler_topics(topics),
-                                        topics.changelog_spec(AUDIT_APP, "chain")])
+    kafka_clients.ensure_topics(
+        kafka, [*scheduler_topics(topics), topics.changelog_spec(AUDIT_APP, "chain")]
+    )
     client = connect(settings.clickhouse_url)
     migrate(client, settings.clickhouse_database)
     db = settings.clickhouse_database
     snapshots = view_snapshots(settings, topics.prefix, options.group)
-    view = ViewProcessor(kafka, topics, snapshots, group_id=f"{topics.prefix}.{options.group}",
-                         instance_id=options.instance_id,
-                         snapshot_interval_s=options.snapshot_interval_s)
+    view = ViewProcessor(
+        kafka,
+        topics,
+        snapshots,
+        group_id=f"{topics.prefix}.{options.group}",
+        instance_id=options.instance_id,
+        snapshot_interval_s=options.snapshot_interval_s,
+    )
     samples = sample_sink(settings, client, topics)
     sinks = {
-        "node-states": record_sink(settings, f"{topics.prefix}.node-states", topics.node_state,
-                                   NODE_STATE, NodeStateTable(client, db), topics.dead_letter),
-        "decisions": record_sink(settings, f"{topics.prefix}.decisions-sink", topics.decisions,
-                                 SCHEDULING_DECISION, DecisionTable(client, db),
-                                 topics.dead_letter),
-        "allocations": record_sink(settings, f"{topics.prefix}.allocations-sink",
-                                   topics.allocations, ALLOCATION, AllocationTable(client, db),
-                                   topics.dead_letter),
+        "node-states": record_sink(
+            settings,
+            f"{topics.prefix}.node-states",
+            topics.node_state,
+            NODE_STATE,
+            NodeStateTable(client, db),
+            topics.dead_letter,
+        ),
+        "decisions": record_sink(
+            settings,
+            f"{topics.prefix}.decisions-sink",
+            topics.decisions,
+            SCHEDULING_DECISION,
+            DecisionTable(client, db),
+            topics.dead_letter,
+        ),
+        "allocations": record_sink(
+            settings,
+            f"{topics.prefix}.allocations-sink",
+            topics.allocations,
+            ALLOCATION,
+            AllocationTable(client, db),
+            topics.dead_letter,
+        ),
     }
     fleet = Fleetline(settings, options, client, view, samples, sinks)
     if options.scheduler:
+
         def facts_at(offsets: Offsets) -> FleetFacts:
             return observe(rebuild(kafka, topics, offsets, snapshots).view)
 
-        fleet.scheduler = SchedulerService(kafka, topics, view, facts_at,
-                                           options.scheduler_policy,
-                                           tick_interval_s=options.tick_interval_s,
-                                           instance_id=options.instance_id)
+        fleet.scheduler = SchedulerService(
+            kafka,
+            topics,
+            view,
+            facts_at,
+            options.scheduler_policy,
+            tick_interval_s=options.tick_interval_s,
+            instance_id=options.instance_id,
+        )
     if options.audit:
         fleet.signer = load_signer(settings.signing_key_path(), create=True)
         fleet.audit_table = AuditTable(client, db)
-        fleet.chainer = audit_chainer(kafka, topics, fleet.signer, options.audit_digest_every,
-                                      options.instance_id)
+        fleet.chainer = audit_chainer(
+            kafka, topics, fleet.signer, options.audit_digest_every, options.instance_id
+        )
         sinks["audit-clickhouse"] = record_sink(
-            settings, f"{topics.prefix}.audit-clickhouse", topics.audit_log, AUDIT_RECORD,
-            fleet.audit_table, topics.dead_letter)
+            settings,
+            f"{topics.prefix}.audit-clickhouse",
+            topics.audit_log,
+            AUDIT_RECORD,
+            fleet.audit_table,
+            topics.dead_letter,
+        )
         sinks["audit-object-storage"] = record_sink(
-            settings, f"{topics.prefix}.audit-object-storage", topics.audit_log, AUDIT_RECORD,
+            settings,
+            f"{topics.prefix}.audit-object-storage",
+            topics.audit_log,
+            AUDIT_RECORD,
             AuditArchive(sealed_objects(settings), f"audit/{topics.prefix}"),
-            topics.dead_letter, convert=lambda r: export_entry(r, reveal_sensitive=True))
+            topics.dead_letter,
+            convert=lambda r: export_entry(r, reveal_sensitive=True),
+        )
     if options.data_mover:
         fleet.mover = SimulatedDataMover(kafka, topics)
     if options.tier_every_s:
-        fleet.tiering = TierLoop(TieredStore(client, db, ObjectStore.from_settings(settings.s3),
-                                             settings.s3, options.tier_policy),
-                                 options.tier_every_s)
+        fleet.tiering = TierLoop(
+            TieredStore(
+                client, db, ObjectStore.from_settings(settings.s3), settings.s3, options.tier_policy
+            ),
+            options.tier_every_s,
+        )
     # This process owns the embedded store; other processes (`fleetline sql`) query through it.
     fleet.queries = QueryService(client, settings.clickhouse_url, expand=expander(settings))
     return fleet

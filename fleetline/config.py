@@ -92,12 +92,15 @@ class Settings:
                 "FLEETLINE_CLICKHOUSE_DATABASE", defaults.clickhouse_database
             ),
             cache_dir=Path(env.get("FLEETLINE_CACHE_DIR", str(defaults.cache_dir))),
-            auth_config=Path(env["FLEETLINE_AUTH_CONFIG"]) if env.get("FLEETLINE_AUTH_CONFIG")
+            auth_config=Path(env["FLEETLINE_AUTH_CONFIG"])
+            if env.get("FLEETLINE_AUTH_CONFIG")
             else None,
             audit_signing_key=Path(env["FLEETLINE_AUDIT_SIGNING_KEY"])
-            if env.get("FLEETLINE_AUDIT_SIGNING_KEY") else None,
-            audit_verify_keys=tuple(Path(p) for p in
-                                    env.get("FLEETLINE_AUDIT_VERIFY_KEYS", "").split(",") if p),
+            if env.get("FLEETLINE_AUDIT_SIGNING_KEY")
+            else None,
+            audit_verify_keys=tuple(
+                Path(p) for p in env.get("FLEETLINE_AUDIT_VERIFY_KEYS", "").split(",") if p
+            ),
             object_encryption_key=env.get("FLEETLINE_OBJECT_ENCRYPTION_KEY") or None,
         )
 

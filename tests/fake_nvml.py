@@ -36,10 +36,17 @@ class FakeNvml:
 
     def nvmlInit(self): ...
     def nvmlShutdown(self): ...
-    def nvmlDeviceGetCount(self): return len(self.gpus)
-    def nvmlDeviceGetHandleByIndex(self, i): return self.handles[i]
-    def nvmlDeviceGetUUID(self, h): return self._gpu(h, "uuid")
-    def nvmlDeviceGetName(self, h): return self._gpu(h, "name")
+    def nvmlDeviceGetCount(self):
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return self.handles[i]
+
+    def nvmlDeviceGetUUID(self, h):
+        return self._gpu(h, "uuid")
+
+    def nvmlDeviceGetName(self, h):
+        return self._gpu(h, "name")
 
     def nvmlDeviceGetUtilizationRates(self, h):
         gpu, mem = self._gpu(h, "util")
@@ -49,9 +56,14 @@ class FakeNvml:
         used, total = self._gpu(h, "memory")
         return SimpleNamespace(used=used, total=total, free=total - used)
 
-    def nvmlDeviceGetTemperature(self, h, sensor): return self._gpu(h, "temp")
-    def nvmlDeviceGetPowerUsage(self, h): return self._gpu(h, "power_mw")
-    def nvmlDeviceGetEnforcedPowerLimit(self, h): return self._gpu(h, "limit_mw")
+    def nvmlDeviceGetTemperature(self, h, sensor):
+        return self._gpu(h, "temp")
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        return self._gpu(h, "power_mw")
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, h):
+        return self._gpu(h, "limit_mw")
 
     def nvmlDeviceGetTotalEccErrors(self, h, error_type, counter_type):
         sbe, dbe = self._gpu(h, "ecc")
@@ -68,7 +80,8 @@ class FakeNvml:
     def nvmlDeviceGetPciInfo(self, h):
         return SimpleNamespace(busId=f"00000000:{0x10 + h.index:02X}:00.0".encode())
 
-    def nvmlDeviceGetNumaNodeId(self, h): return self._gpu(h, "numa")
+    def nvmlDeviceGetNumaNodeId(self, h):
+        return self._gpu(h, "numa")
 
     def nvmlDeviceGetNvLinkState(self, h, link):
         links = self.gpus[h.index].get("links")
@@ -90,11 +103,16 @@ class FakeNvml:
         values = []
         for field_id, _scope in fields:
             value = tx if field_id == pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX else rx
-            values.append(SimpleNamespace(nvmlReturn=0, timestamp=self.clock_us,
-                                          value=SimpleNamespace(ullVal=value)))
+            values.append(
+                SimpleNamespace(
+                    nvmlReturn=0, timestamp=self.clock_us, value=SimpleNamespace(ullVal=value)
+                )
+            )
         return values
 
-    def nvmlEventSetCreate(self): return "event-set"
+    def nvmlEventSetCreate(self):
+        return "event-set"
+
     def nvmlEventSetFree(self, event_set): ...
     def nvmlDeviceRegisterEvents(self, h, types, event_set): ...
 
@@ -113,11 +131,20 @@ class FakeNvml:
 def hgx_gpu(index: int, **overrides) -> dict:
     island = range(0, 4) if index < 4 else range(4, 8)
     gpu = {
-        "uuid": f"GPU-{index:08d}", "name": b"NVIDIA H100 80GB HBM3", "util": (55, 30),
-        "memory": (40 * 2**30, 80 * 2**30), "temp": 61, "power_mw": 412_500,
-        "limit_mw": 700_000, "ecc": (3, 0), "pcie_kbps": (1000, 2000), "clocks": (1980, 2619),
-        "numa": index // 4, "links": [p for p in island if p != index] * 6,
-        "nvlink_kib": (1_000_000, 2_000_000), "link_errors": 0,
+        "uuid": f"GPU-{index:08d}",
+        "name": b"NVIDIA H100 80GB HBM3",
+        "util": (55, 30),
+        "memory": (40 * 2**30, 80 * 2**30),
+        "temp": 61,
+        "power_mw": 412_500,
+        "limit_mw": 700_000,
+        "ecc": (3, 0),
+        "pcie_kbps": (1000, 2000),
+        "clocks": (1980, 2619),
+        "numa": index // 4,
+        "links": [p for p in island if p != index] * 6,
+        "nvlink_kib": (1_000_000, 2_000_000),
+        "link_errors": 0,
     }
     gpu.update(overrides)
     return gpu

@@ -20,8 +20,11 @@ TOPICS = Topics(prefix="unit", node_partitions=3)
 
 
 def scenario_fleet() -> FleetSimulator:
-    clusters = [ClusterSpec("us-east-a", "us-east", 4), ClusterSpec("eu-west-a", "eu-west", 4),
-                ClusterSpec("ap-south-a", "ap-south", 4)]
+    clusters = [
+        ClusterSpec("us-east-a", "us-east", 4),
+        ClusterSpec("eu-west-a", "eu-west", 4),
+        ClusterSpec("ap-south-a", "ap-south", 4),
+    ]
     return FleetSimulator(clusters, seed=7, faults=load_faults(SCENARIO, BASE_MS))
 
 
@@ -32,8 +35,11 @@ def scenario_events(seconds: int = 60) -> list[tuple[str, dict]]:
     for t in range(1, seconds + 1):
         ts = BASE_MS + t * 1000
         events += [("NodeState", r) for r in sim.state_changes(ts)]
-        events += [("NodeTelemetry", r) for r in sim.telemetry(ts)
-                   if sim.cluster_link_up(r["cluster_id"], ts)]
+        events += [
+            ("NodeTelemetry", r)
+            for r in sim.telemetry(ts)
+            if sim.cluster_link_up(r["cluster_id"], ts)
+        ]
     return events
 
 
@@ -58,14 +64,32 @@ def messages(events, partitions: int = 3) -> list[Message]:
         partition = partition_for(key, partitions)
         offset = next_offset.get((topic, partition), 0)
         next_offset[(topic, partition)] = offset + 1
-        out.append(Message(topic=topic, partition=partition, offset=offset, key=key,
-                           value=CODEC.encode(name, record)))
+        out.append(
+            Message(
+                topic=topic,
+                partition=partition,
+                offset=offset,
+                key=key,
+                value=CODEC.encode(name, record),
+            )
+        )
     return out
 
 
-def allocation(job: str, kind: str, gpus: list[tuple[str, int]], seq: int,
-               tenant: str = "t1") -> tuple[str, dict]:
-    return ("Allocation", {"job_id": job, "tenant": tenant, "seq": seq, "ts": BASE_MS + seq,
-                           "kind": kind, "cluster_id": "us-east-a", "priority": 1,
-                           "reason": None,
-                           "gpus": [{"node_id": n, "gpu_index": i} for n, i in gpus]})
+def allocation(
+    job: str, kind: str, gpus: list[tuple[str, int]], seq: int, tenant: str = "t1"
+) -> tuple[str, dict]:
+    return (
+        "Allocation",
+        {
+            "job_id": job,
+            "tenant": tenant,
+            "seq": seq,
+            "ts": BASE_MS + seq,
+            "kind": kind,
+            "cluster_id": "us-east-a",
+            "priority": 1,
+            "reason": None,
+            "gpus": [{"node_id": n, "gpu_index": i} for n, i in gpus],
+        },
+    )

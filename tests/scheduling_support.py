@@ -20,16 +20,21 @@ from tests.fleet_events import fold
 from tests.support import BASE_MS
 
 # Three 32-GPU clusters in three regions (the last with H100s too, unlike the demo's).
-THREE = [ClusterSpec("us-east-a", "us-east", 4), ClusterSpec("eu-west-a", "eu-west", 4),
-         ClusterSpec("ap-south-a", "ap-south", 4)]
+THREE = [
+    ClusterSpec("us-east-a", "us-east", 4),
+    ClusterSpec("eu-west-a", "eu-west", 4),
+    ClusterSpec("ap-south-a", "ap-south", 4),
+]
 
 
-def fleet_view(clusters: list[ClusterSpec], seconds: int = 2, faults: Iterable[Fault] = (),
-               seed: int = 5) -> tuple[ResourceView, FleetSimulator]:
+def fleet_view(
+    clusters: list[ClusterSpec], seconds: int = 2, faults: Iterable[Fault] = (), seed: int = 5
+) -> tuple[ResourceView, FleetSimulator]:
     """The view after `seconds` one-second intervals of a simulated fleet, with cluster facts."""
     sim = FleetSimulator(clusters, seed=seed, faults=list(faults))
-    events: list[tuple[str, dict]] = [("ClusterInfo", cluster_info(c, 1, BASE_MS))
-                                      for c in clusters]
+    events: list[tuple[str, dict]] = [
+        ("ClusterInfo", cluster_info(c, 1, BASE_MS)) for c in clusters
+    ]
     events += [("NodeState", r) for r in sim.initial_states(BASE_MS)]
     view = fold(events)
     advance(view, sim, 1, seconds)
@@ -45,43 +50,94 @@ def advance(view: ResourceView, sim: FleetSimulator, first: int, last: int) -> R
         for record in sim.telemetry(ts):
             if not sim.cluster_link_up(record["cluster_id"], ts):
                 continue
-            fold_telemetry(view, record["cluster_id"], record["region"], record["node_id"],
-                           record["seq"], record["ts"],
-                           [tuple(g[f] for f in GPU_FIELDS) for g in record["gpus"]])
+            fold_telemetry(
+                view,
+                record["cluster_id"],
+                record["region"],
+                record["node_id"],
+                record["seq"],
+                record["ts"],
+                [tuple(g[f] for f in GPU_FIELDS) for g in record["gpus"]],
+            )
     return view
 
 
-def training(name: str, workers: int = 1, per_worker: int = 8, tensor: int = 8,
-             pipeline: int = 1, tenant: str = "acme", priority: str = "normal",
-             communication: str = "heavy", accelerator: str = "H100", **extra: Any) -> dict:
-    spec = {"accelerator": accelerator, "gpus_per_worker": per_worker, "workers": workers,
-            "parallelism": {"tensor": tensor, "pipeline": pipeline,
-                            "data": workers * per_worker // (tensor * pipeline)},
-            "communication": communication, "priority_class": priority, **extra}
-    return {"apiVersion": "fleetline/v1", "kind": "TrainingJob",
-            "metadata": {"name": name, "tenant": tenant}, "spec": spec}
+def training(
+    name: str,
+    workers: int = 1,
+    per_worker: int = 8,
+    tensor: int = 8,
+    pipeline: int = 1,
+    tenant: str = "acme",
+    priority: str = "normal",
+    communication: str = "heavy",
+    accelerator: str = "H100",
+    **extra: Any,
+) -> dict:
+    spec = {
+        "accelerator": accelerator,
+        "gpus_per_worker": per_worker,
+        "workers": workers,
+        "parallelism": {
+            "tensor": tensor,
+            "pipeline": pipeline,
+            "data": workers * per_worker // (tensor * pipeline),
+        },
+        "communication": communication,
+        "priority_class": priority,
+        **extra,
+    }
+    return {
+        "apiVersion": "fleetline/v1",
+        "kind": "TrainingJob",
+        "metadata": {"name": name, "tenant": tenant},
+        "spec": spec,
+    }
 
 
-def service(name: str, replicas: int, per_replica: int = 1, regions=("eu-west",),
-            tenant: str = "acme", priority: str = "high", accelerator: str = "H100") -> dict:
-    return {"apiVersion": "fleetline/v1", "kind": "InferenceService",
-            "metadata": {"name": name, "tenant": tenant},
-            "spec": {"model": "m", "accelerator": accelerator, "gpus_per_replica": per_replica,
-                     "replicas": {"min": replicas, "max": replicas}, "latency_target_ms": 100,
-                     "regions": list(regions), "priority_class": priority}}
+def service(
+    name: str,
+    replicas: int,
+    per_replica: int = 1,
+    regions=("eu-west",),
+    tenant: str = "acme",
+    priority: str = "high",
+    accelerator: str = "H100",
+) -> dict:
+    return {
+        "apiVersion": "fleetline/v1",
+        "kind": "InferenceService",
+        "metadata": {"name": name, "tenant": tenant},
+        "spec": {
+            "model": "m",
+            "accelerator": accelerator,
+            "gpus_per_replica": per_replica,
+            "replicas": {"min": replicas, "max": replicas},
+            "latency_target_ms": 100,
+            "regions": list(regions),
+            "priority_class": priority,
+        },
+    }
 
 
 def dataset(name: str, size: str, replicas: list[str], tenant: str = "acme") -> dict:
-    return {"apiVersion": "fleetline/v1", "kind": "Dataset",
-            "metadata": {"name": name, "tenant": tenant},
-            "spec": {"size": size, "replicas": replicas}}
+    return {
+        "apiVersion": "fleetline/v1",
+        "kind": "Dataset",
+        "metadata": {"name": name, "tenant": tenant},
+        "spec": {"size": size, "replicas": replicas},
+    }
 
 
 class Driver:
     """Feeds a Scheduler requests at positions 0, 1, 2, ... with event times the test sets."""
 
-    def __init__(self, view: ResourceView, policy: SchedulingPolicy | None = None,
-                 now_ms: int = BASE_MS + 10_000) -> None:
+    def __init__(
+        self,
+        view: ResourceView,
+        policy: SchedulingPolicy | None = None,
+        now_ms: int = BASE_MS + 10_000,
+    ) -> None:
         self.view = view
         self.scheduler = Scheduler(policy)
         self.now_ms = now_ms
@@ -113,29 +169,46 @@ class Driver:
             document = yaml.safe_load(document)
         # Keyed from the raw document, so invalid specs reach the scheduler too.
         meta = document["metadata"]
-        key = (f"dataset:{meta['name']}" if document["kind"] == "Dataset"
-               else f"{meta['tenant']}/{meta['name']}")
-        return self.feed(self._request("SUBMIT", key, meta["tenant"],
-                                       spec_json=canonical_json(document)))
+        key = (
+            f"dataset:{meta['name']}"
+            if document["kind"] == "Dataset"
+            else f"{meta['tenant']}/{meta['name']}"
+        )
+        return self.feed(
+            self._request("SUBMIT", key, meta["tenant"], spec_json=canonical_json(document))
+        )
 
     def delete(self, key: str, tenant: str | None = None) -> list[Effect]:
-        return self.feed(self._request("DELETE", key, tenant or key.split("/")[0],
-                                       actor="tester"))
+        return self.feed(self._request("DELETE", key, tenant or key.split("/")[0], actor="tester"))
 
     def progress(self, key: str, phase: str, checkpoint_ms: int | None = None) -> list[Effect]:
-        return self.feed(self._request("PROGRESS", key, key.split("/")[0], phase=phase,
-                                       checkpoint_ms=checkpoint_ms))
+        return self.feed(
+            self._request(
+                "PROGRESS", key, key.split("/")[0], phase=phase, checkpoint_ms=checkpoint_ms
+            )
+        )
 
     def tenant(self, policy: dict) -> list[Effect]:
-        return self.feed(self._request("TENANT_POLICY", policy["tenant"], policy["tenant"],
-                                       spec_json=canonical_json(policy)))
+        return self.feed(
+            self._request(
+                "TENANT_POLICY",
+                policy["tenant"],
+                policy["tenant"],
+                spec_json=canonical_json(policy),
+            )
+        )
 
     def dataset_ready(self, dataset_id: str, cluster: str, tenant: str = "acme") -> list[Effect]:
         return self.feed(self._request("DATASET_READY", f"{dataset_id}@{cluster}", tenant))
 
     def decisions(self, job: str | None = None, outcome: str | None = None) -> list[Decision]:
-        return [e for e in self.effects if isinstance(e, Decision)
-                and (job is None or e.job == job) and (outcome is None or e.outcome == outcome)]
+        return [
+            e
+            for e in self.effects
+            if isinstance(e, Decision)
+            and (job is None or e.job == job)
+            and (outcome is None or e.outcome == outcome)
+        ]
 
     def last(self, job: str) -> Decision:
         return self.decisions(job)[-1]

@@ -29,8 +29,7 @@ CODEC = default_codec()
 def snapshot_store(settings: Settings, root: str | None = None) -> ViewSnapshots:
     store = ObjectStore.from_settings(settings.s3)
     store.ensure_bucket()
-    return ViewSnapshots(SnapshotStore(store, root or f"views/test-{uuid.uuid4().hex[:8]}",
-                                       keep=5))
+    return ViewSnapshots(SnapshotStore(store, root or f"views/test-{uuid.uuid4().hex[:8]}", keep=5))
 
 
 def produce(settings: Settings, topics: Topics, events: Iterable[tuple[str, dict]]) -> int:
@@ -50,14 +49,16 @@ def produce(settings: Settings, topics: Topics, events: Iterable[tuple[str, dict
     return count
 
 
-def caught_up(settings: Settings, topics: Topics, processors: list[ViewProcessor],
-              timeout_s: float = 60) -> dict:
+def caught_up(
+    settings: Settings, topics: Topics, processors: list[ViewProcessor], timeout_s: float = 60
+) -> dict:
     _, end = log_bounds(settings.kafka, topics)
 
     def reached() -> bool:
         offsets = compose(p.read(lambda v: _copy_offsets(v)) for p in processors).offsets
-        return all(offsets.get(t, {}).get(p, 0) >= o for t, ps in end.items()
-                   for p, o in ps.items())
+        return all(
+            offsets.get(t, {}).get(p, 0) >= o for t, ps in end.items() for p, o in ps.items()
+        )
 
     wait_until(reached, timeout_s, what=f"the view to reach {end}")
     return end
@@ -84,5 +85,7 @@ def running(processor: ViewProcessor) -> Iterator[ViewProcessor]:
 
 
 def submits(*documents: dict) -> list[dict]:
-    return [submit_request(parse_spec(d), d, int(time.time() * 1000), uuid.uuid4().hex, "tester")
-            for d in documents]
+    return [
+        submit_request(parse_spec(d), d, int(time.time() * 1000), uuid.uuid4().hex, "tester")
+        for d in documents
+    ]

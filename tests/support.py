@@ -31,8 +31,12 @@ def make_publisher(settings: Settings, topics: Topics):
     from fleetline.streams import kafka as kafka_clients
     from fleetline.streams.serde import default_codec
 
-    return TelemetryPublisher(kafka_clients.producer(settings.kafka), default_codec(), topics,
-                              DiskSpool(Path(tempfile.mkdtemp(prefix="spool-"))))
+    return TelemetryPublisher(
+        kafka_clients.producer(settings.kafka),
+        default_codec(),
+        topics,
+        DiskSpool(Path(tempfile.mkdtemp(prefix="spool-"))),
+    )
 
 
 def fresh_topics(partitions: int = 3) -> Topics:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
@@ -64,22 +64,32 @@ def apply_command(control: NodeControl, command: Mapping[str, Any]) -> Decision:
     remember = (*control.applied, command_id)[-REMEMBERED_COMMANDS:]
     match kind:
         case "DRAIN":
-            return Decision(replace(control, state="DRAINING", applied=remember), "APPLIED",
-                            "draining: no new work, running work finishes")
+            return Decision(
+                replace(control, state="DRAINING", applied=remember),
+                "APPLIED",
+                "draining: no new work, running work finishes",
+            )
         case "CORDON":
-            return Decision(replace(control, cordoned=True, applied=remember), "APPLIED",
-                            "cordoned")
+            return Decision(
+                replace(control, cordoned=True, applied=remember), "APPLIED", "cordoned"
+            )
         case "UNCORDON":
-            return Decision(replace(control, cordoned=False, applied=remember), "APPLIED",
-                            "uncordoned")
+            return Decision(
+                replace(control, cordoned=False, applied=remember), "APPLIED", "uncordoned"
+            )
         case "SET_POWER_CAP":
             cap = command.get("power_cap_w")
             if cap is None or not MIN_POWER_CAP_W <= cap <= MAX_POWER_CAP_W:
-                return Decision(control, "REJECTED",
-                                f"power_cap_w must be {MIN_POWER_CAP_W:.0f}-"
-                                f"{MAX_POWER_CAP_W:.0f} W, got {cap}")
-            return Decision(replace(control, power_cap_w=float(cap), applied=remember),
-                            "APPLIED", f"power cap {cap:.0f} W on every GPU")
+                return Decision(
+                    control,
+                    "REJECTED",
+                    f"power_cap_w must be {MIN_POWER_CAP_W:.0f}-{MAX_POWER_CAP_W:.0f} W, got {cap}",
+                )
+            return Decision(
+                replace(control, power_cap_w=float(cap), applied=remember),
+                "APPLIED",
+                f"power cap {cap:.0f} W on every GPU",
+            )
         case "APPLY_CONFIG":
             version = command.get("config_version")
             if not version:
@@ -87,28 +97,40 @@ def apply_command(control: NodeControl, command: Mapping[str, Any]) -> Decision:
             config = dict(command.get("config") or {})
             unknown = sorted(set(config) - set(CONFIG_KEYS))
             if unknown:
-                return Decision(control, "REJECTED",
-                                f"unknown settings {unknown}; known: {sorted(CONFIG_KEYS)}")
+                return Decision(
+                    control, "REJECTED", f"unknown settings {unknown}; known: {sorted(CONFIG_KEYS)}"
+                )
             interval = control.interval_ms
             if "interval_ms" in config:
                 low, high = CONFIG_KEYS["interval_ms"]
                 raw = config["interval_ms"]
                 if not raw.isdigit() or not low <= int(raw) <= high:
-                    return Decision(control, "REJECTED",
-                                    f"interval_ms must be an integer {low}-{high}, got {raw!r}")
+                    return Decision(
+                        control,
+                        "REJECTED",
+                        f"interval_ms must be an integer {low}-{high}, got {raw!r}",
+                    )
                 interval = int(raw)
-            return Decision(replace(control, config_version=version, interval_ms=interval,
-                                    applied=remember), "APPLIED", f"config {version} applied")
+            return Decision(
+                replace(control, config_version=version, interval_ms=interval, applied=remember),
+                "APPLIED",
+                f"config {version} applied",
+            )
         case _:
             return Decision(control, "REJECTED", f"this agent does not know command {kind}")
 
 
 def result_record(command: Mapping[str, Any], decision: Decision, ts_ms: int) -> dict[str, Any]:
     return {
-        "command_id": command["command_id"], "cluster_id": command["cluster_id"],
-        "node_id": command["node_id"], "ts": ts_ms, "outcome": decision.outcome,
-        "message": decision.message, "node_state": decision.control.state,
-        "cordoned": decision.control.cordoned, "config_version": decision.control.config_version,
+        "command_id": command["command_id"],
+        "cluster_id": command["cluster_id"],
+        "node_id": command["node_id"],
+        "ts": ts_ms,
+        "outcome": decision.outcome,
+        "message": decision.message,
+        "node_state": decision.control.state,
+        "cordoned": decision.control.cordoned,
+        "config_version": decision.control.config_version,
     }
 
 
@@ -120,8 +142,10 @@ class ControlStore:
         self.controls: dict[str, NodeControl] = {}
         if path.exists():
             raw = json.loads(path.read_text())
-            self.controls = {node: NodeControl(**{**c, "applied": tuple(c["applied"])})
-                             for node, c in raw.items()}
+            self.controls = {
+                node: NodeControl(**{**c, "applied": tuple(c["applied"])})
+                for node, c in raw.items()
+            }
 
     def get(self, node_id: str) -> NodeControl:
         return self.controls.get(node_id, NodeControl())
@@ -133,6 +157,14 @@ class ControlStore:
 
 # Applies a decided control state to the hardware (NVML) or the simulator.
 Effector = Callable[[str, NodeControl], None]
+
+
+class ResultPublisher(Protocol):
+    """Where command results go: the agent's spool and producer."""
+
+    def publish_results(self, records: list[dict[str, Any]]) -> Any: ...
+
+    def flush(self) -> Any: ...
 
 
 @dataclass
@@ -152,10 +184,16 @@ class CommandLoop:
     _dlq: Any = field(default=None, init=False)
 
     def open(self) -> None:
-        self._consumer = Consumer(self.kafka.client_config(**{
-            "group.id": self.group_id, "enable.auto.commit": False,
-            "auto.offset.reset": "earliest", "isolation.level": "read_committed",
-        }))
+        self._consumer = Consumer(
+            self.kafka.client_config(
+                **{
+                    "group.id": self.group_id,
+                    "enable.auto.commit": False,
+                    "auto.offset.reset": "earliest",
+                    "isolation.level": "read_committed",
+                }
+            )
+        )
         mine = sorted({partition_for(n.encode(), self.partitions) for n in self.node_ids})
         # Read only the partitions our nodes' keys land in, resuming at our committed offsets.
         wanted = [TopicPartition(self.commands_topic, p) for p in mine]
@@ -172,7 +210,9 @@ class CommandLoop:
         self._consumer.assign(committed)
         self._dlq = kafka_clients.producer(self.kafka)
 
-    def poll(self, publisher, ts_ms: int, timeout_s: float = 0.0) -> list[dict[str, Any]]:
+    def poll(
+        self, publisher: ResultPublisher, ts_ms: int, timeout_s: float = 0.0
+    ) -> list[dict[str, Any]]:
         """Handle the commands waiting; return the results. Offsets are committed only after
         the results are acknowledged by Kafka."""
         assert self._consumer is not None, "open() first"
@@ -182,14 +222,19 @@ class CommandLoop:
         results = []
         ours = set(self.node_ids)
         for msg in messages:
-            if msg.error():
-                raise FleetlineError(f"reading {self.commands_topic}: {msg.error().str()}")
+            error = msg.error()
+            if error is not None:
+                raise FleetlineError(f"reading {self.commands_topic}: {error.str()}")
             try:
                 command = self.codec.decode(msg.value(), expect="NodeCommand").record
             except FleetlineError as exc:
                 self.dead_letters += 1
-                self._dlq.produce(self.dead_letter_topic, key=msg.key(), value=msg.value(),
-                                  headers=dead_letter_headers(msg, self.group_id, exc))
+                self._dlq.produce(
+                    self.dead_letter_topic,
+                    key=msg.key(),
+                    value=msg.value(),
+                    headers=dead_letter_headers(msg, self.group_id, exc),
+                )
                 continue
             if command["node_id"] not in ours:
                 continue  # another node's command sharing the partition
@@ -211,7 +256,8 @@ class CommandLoop:
         self._dlq.flush(30)
         self._consumer.commit(
             offsets=kafka_clients.topic_partitions(kafka_clients.next_offsets(messages)),
-            asynchronous=False)
+            asynchronous=False,
+        )
         return results
 
     def close(self) -> None:

@@ -44,28 +44,40 @@ class SimulatedDataMover:
         return f"{self.topics.prefix}.{self.group_id}"
 
     def run(self, stop: threading.Event) -> None:
-        consumer = kafka_clients.consumer(self.kafka, f"{self.topics.prefix}.{self.group_id}",
-                                          **{"enable.auto.commit": True,
-                                             "enable.auto.offset.store": True})
-        producer = kafka_clients.producer(self.kafka, **{"linger.ms": 0})
+        consumer = kafka_clients.consumer(
+            self.kafka,
+            f"{self.topics.prefix}.{self.group_id}",
+            {"enable.auto.commit": True, "enable.auto.offset.store": True},
+        )
+        producer = kafka_clients.producer(self.kafka, {"linger.ms": 0})
         due: list[tuple[float, str, str]] = []  # (when, ticket, tenant)
-        consumer.subscribe([self.topics.prewarms],
-                           on_assign=lambda c, ps: self.ready.set())
+        consumer.subscribe([self.topics.prewarms], on_assign=lambda c, ps: self.ready.set())
         try:
             while not stop.is_set():
                 msg = consumer.poll(0.1)
-                if msg is not None and not msg.error():
+                error = msg.error() if msg is not None else None
+                if msg is not None and error is None:
                     order = self.codec.decode(msg.value(), expect=DATASET_PREWARM).record
                     delay = min(order["estimated_s"] / self.speedup, self.max_delay_s)
                     ticket = f"{order['dataset_id']}@{order['to_cluster']}"
                     heapq.heappush(due, (time.monotonic() + delay, ticket, order["tenant"]))
-                elif msg is not None and msg.error().code() != KafkaError._PARTITION_EOF:
-                    log.warning("data mover: %s", msg.error().str())
+                elif error is not None and error.code() != KafkaError._PARTITION_EOF:
+                    log.warning("data mover: %s", error.str())
                 while due and due[0][0] <= time.monotonic():
                     _, ticket, tenant = heapq.heappop(due)
-                    send(producer, self.topics, new_request(
-                        "DATASET_READY", ticket, tenant, int(time.time() * 1000),
-                        uuid.uuid4().hex, actor="data-mover"), self.codec)
+                    send(
+                        producer,
+                        self.topics,
+                        new_request(
+                            "DATASET_READY",
+                            ticket,
+                            tenant,
+                            int(time.time() * 1000),
+                            uuid.uuid4().hex,
+                            actor="data-mover",
+                        ),
+                        self.codec,
+                    )
                     producer.flush(10)
                     self.moved.append(ticket)
         finally:

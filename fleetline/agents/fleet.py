@@ -36,33 +36,51 @@ class FleetAgent:
     _changed: list[str] = field(default_factory=list)
 
     @classmethod
-    def create(cls, settings: Settings, codec: AvroCodec, topics: Topics,
-               simulator: FleetSimulator, state_dir: Path, *, commands: bool = True,
-               spool_max_bytes: int = 256 * 2**20, agent_id: str = "sim",
-               message_timeout_ms: int = 15000) -> FleetAgent:
+    def create(
+        cls,
+        settings: Settings,
+        codec: AvroCodec,
+        topics: Topics,
+        simulator: FleetSimulator,
+        state_dir: Path,
+        *,
+        commands: bool = True,
+        spool_max_bytes: int = 256 * 2**20,
+        agent_id: str = "sim",
+        message_timeout_ms: int = 15000,
+    ) -> FleetAgent:
         publishers = {
             cluster.cluster_id: TelemetryPublisher(
-                kafka_clients.producer(settings.kafka,
-                                       **{"message.timeout.ms": message_timeout_ms}),
-                codec, topics,
-                DiskSpool(state_dir / "spool" / cluster.cluster_id, max_bytes=spool_max_bytes,
-                          segment_bytes=min(8 * 2**20, spool_max_bytes // 4)),
+                kafka_clients.producer(settings.kafka, {"message.timeout.ms": message_timeout_ms}),
+                codec,
+                topics,
+                DiskSpool(
+                    state_dir / "spool" / cluster.cluster_id,
+                    max_bytes=spool_max_bytes,
+                    segment_bytes=min(8 * 2**20, spool_max_bytes // 4),
+                ),
             )
             for cluster in simulator.clusters
         }
-        agent = cls(simulator, publishers, ControlStore(state_dir / "controls.json"),
-                    sequences=SequenceStore(state_dir / "sequences.json"))
+        sequences = SequenceStore(state_dir / "sequences.json")
+        agent = cls(
+            simulator, publishers, ControlStore(state_dir / "controls.json"), sequences=sequences
+        )
         # A restarted agent goes on numbering where it stopped, or the folds would take its
         # new events for replays of old ones.
-        simulator.resume_sequences(agent.sequences.load())
+        simulator.resume_sequences(sequences.load())
         for node_id, control in agent.controls.controls.items():
             agent._apply(node_id, control, announce=False)
         if commands:
             agent.commands = CommandLoop(
-                kafka=settings.kafka, codec=codec, commands_topic=topics.commands,
+                kafka=settings.kafka,
+                codec=codec,
+                commands_topic=topics.commands,
                 dead_letter_topic=topics.dead_letter,
-                node_ids=[n.node_id for n in simulator.nodes], partitions=topics.node_partitions,
-                store=agent.controls, effect=agent._apply,
+                node_ids=[n.node_id for n in simulator.nodes],
+                partitions=topics.node_partitions,
+                store=agent.controls,
+                effect=agent._apply,
                 group_id=f"{topics.prefix}.agent.{agent_id}",
             )
             agent.commands.open()
@@ -81,8 +99,9 @@ class FleetAgent:
         labels = {"cordoned": str(control.cordoned).lower()}
         if control.config_version:
             labels["config_version"] = control.config_version
-        return self.simulator.node_state(node, ts_ms, state, labels=labels,
-                                         spool=(spool.size_bytes, spool.dropped))
+        return self.simulator.node_state(
+            node, ts_ms, state, labels=labels, spool=(spool.size_bytes, spool.dropped)
+        )
 
     def start(self, ts_ms: int) -> int:
         states = [self._state(node, ts_ms) for node in self.simulator.nodes]
@@ -126,10 +145,16 @@ class FleetAgent:
             publisher.flush(timeout_s)
 
     def spool_metrics(self) -> dict[str, dict[str, int]]:
-        return {cluster: {"bytes": p.spool.size_bytes, "records": len(p.spool),
-                          "dropped": p.spool.dropped, "resent": p.metrics.resent,
-                          "rewinds": p.metrics.rewinds}
-                for cluster, p in self.publishers.items()}
+        return {
+            cluster: {
+                "bytes": p.spool.size_bytes,
+                "records": len(p.spool),
+                "dropped": p.spool.dropped,
+                "resent": p.metrics.resent,
+                "rewinds": p.metrics.rewinds,
+            }
+            for cluster, p in self.publishers.items()
+        }
 
     def close(self) -> None:
         if self.commands is not None:

@@ -44,22 +44,42 @@ class NodeAgent:
     _seq: int = 0
 
     @classmethod
-    def create(cls, settings: Settings, codec: AvroCodec, topics: Topics,
-               identity: NodeIdentity, collector: NvmlCollector, state_dir: Path,
-               interval_ms: int = 1000, commands: bool = True) -> NodeAgent:
-        publisher = TelemetryPublisher(kafka_clients.producer(settings.kafka), codec, topics,
-                                       DiskSpool(state_dir / "spool"))
-        agent = cls(identity, collector, publisher, ControlStore(state_dir / "controls.json"),
-                    SequenceStore(state_dir / "sequences.json"), interval_ms=interval_ms)
+    def create(
+        cls,
+        settings: Settings,
+        codec: AvroCodec,
+        topics: Topics,
+        identity: NodeIdentity,
+        collector: NvmlCollector,
+        state_dir: Path,
+        interval_ms: int = 1000,
+        commands: bool = True,
+    ) -> NodeAgent:
+        publisher = TelemetryPublisher(
+            kafka_clients.producer(settings.kafka), codec, topics, DiskSpool(state_dir / "spool")
+        )
+        agent = cls(
+            identity,
+            collector,
+            publisher,
+            ControlStore(state_dir / "controls.json"),
+            SequenceStore(state_dir / "sequences.json"),
+            interval_ms=interval_ms,
+        )
         agent._seq = agent.sequences.load().get(identity.node_id, 0)
         control = agent.controls.get(identity.node_id)
         if control.interval_ms:
             agent.interval_ms = control.interval_ms
         if commands:
             agent.commands = CommandLoop(
-                kafka=settings.kafka, codec=codec, commands_topic=topics.commands,
-                dead_letter_topic=topics.dead_letter, node_ids=[identity.node_id],
-                partitions=topics.node_partitions, store=agent.controls, effect=agent._apply,
+                kafka=settings.kafka,
+                codec=codec,
+                commands_topic=topics.commands,
+                dead_letter_topic=topics.dead_letter,
+                node_ids=[identity.node_id],
+                partitions=topics.node_partitions,
+                store=agent.controls,
+                effect=agent._apply,
                 group_id=f"{topics.prefix}.agent.{identity.node_id}",
             )
             agent.commands.open()
@@ -78,26 +98,41 @@ class NodeAgent:
 
     def state(self, ts_ms: int) -> dict[str, Any]:
         control = self.controls.get(self.identity.node_id)
-        topology = {"leaf_switch": self.identity.leaf_switch,
-                    "spine_switch": self.identity.spine_switch, **self.collector.topology()}
+        topology = {
+            "leaf_switch": self.identity.leaf_switch,
+            "spine_switch": self.identity.spine_switch,
+            **self.collector.topology(),
+        }
         labels = {**self.identity.labels, "cordoned": str(control.cordoned).lower()}
         if control.config_version:
             labels["config_version"] = control.config_version
         spool = self.publisher.spool
         return {
-            "cluster_id": self.identity.cluster_id, "region": self.identity.region,
-            "node_id": self.identity.node_id, "seq": self._next_seq(), "ts": ts_ms,
-            "state": control.state, "reason": None, "labels": labels, "topology": topology,
-            "agent_version": AGENT_VERSION, "agent_spool_bytes": spool.size_bytes,
+            "cluster_id": self.identity.cluster_id,
+            "region": self.identity.region,
+            "node_id": self.identity.node_id,
+            "seq": self._next_seq(),
+            "ts": ts_ms,
+            "state": control.state,
+            "reason": None,
+            "labels": labels,
+            "topology": topology,
+            "agent_version": AGENT_VERSION,
+            "agent_spool_bytes": spool.size_bytes,
             "agent_spool_dropped": spool.dropped,
         }
 
     def telemetry(self, ts_ms: int) -> dict[str, Any]:
         return {
-            "cluster_id": self.identity.cluster_id, "region": self.identity.region,
-            "node_id": self.identity.node_id, "seq": self._next_seq(), "ts": ts_ms,
-            "interval_ms": self.interval_ms, "gpus": self.collector.sample(),
-            "agent_version": AGENT_VERSION, "collector": "nvml",
+            "cluster_id": self.identity.cluster_id,
+            "region": self.identity.region,
+            "node_id": self.identity.node_id,
+            "seq": self._next_seq(),
+            "ts": ts_ms,
+            "interval_ms": self.interval_ms,
+            "gpus": self.collector.sample(),
+            "agent_version": AGENT_VERSION,
+            "collector": "nvml",
         }
 
     def run(self, stop: threading.Event, max_ticks: int | None = None) -> int:

@@ -36,7 +36,7 @@ def load_nvml() -> ModuleType:
         import pynvml
     except ImportError as exc:  # pragma: no cover - a declared dependency
         raise CollectorError(f"nvidia-ml-py is not installed: {exc}") from None
-    return pynvml
+    return pynvml  # type: ignore[no-any-return]  # the module has no type information
 
 
 @dataclass
@@ -51,8 +51,11 @@ class RdmaCounters:
     root: Path = Path("/sys/class/infiniband")
     _previous: tuple[int, int] | None = field(default=None, init=False)
 
-    _LOSS = ("hw_counters/out_of_sequence", "hw_counters/packet_seq_err",
-             "hw_counters/local_ack_timeout_err")
+    _LOSS = (
+        "hw_counters/out_of_sequence",
+        "hw_counters/packet_seq_err",
+        "hw_counters/local_ack_timeout_err",
+    )
     _PACKETS = ("counters/port_xmit_packets", "counters/port_rcv_packets")
 
     def _read(self) -> tuple[int, int] | None:
@@ -166,8 +169,12 @@ class NvmlCollector:
             getter = getattr(nv, "nvmlDeviceGetNumaNodeId", None)
             node = self._try(getter, handle) if getter else None
             numa.append(-1 if node is None else int(node))
-        return {"gpu_count": self.gpu_count, "nvlink_islands": _islands(peers, self.gpu_count),
-                "gpu_numa_nodes": numa, "nvlink_peers": peers}
+        return {
+            "gpu_count": self.gpu_count,
+            "nvlink_islands": _islands(peers, self.gpu_count),
+            "gpu_numa_nodes": numa,
+            "nvlink_peers": peers,
+        }
 
     def _xids(self) -> dict[int, list[int]]:
         found: dict[int, list[int]] = {}
@@ -187,13 +194,21 @@ class NvmlCollector:
 
     def _nvlink_rates(self, index: int, handle: Any) -> tuple[float | None, float | None]:
         nv = self.nvml
-        values = self._try(nv.nvmlDeviceGetFieldValues, handle,
-                           [(nv.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, 0),
-                            (nv.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, 0)])
+        values = self._try(
+            nv.nvmlDeviceGetFieldValues,
+            handle,
+            [
+                (nv.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, 0),
+                (nv.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, 0),
+            ],
+        )
         if values is None or any(v.nvmlReturn != 0 for v in values):
             return None, None
-        tx, rx, stamp = int(values[0].value.ullVal), int(values[1].value.ullVal), int(
-            values[0].timestamp)
+        tx, rx, stamp = (
+            int(values[0].value.ullVal),
+            int(values[1].value.ullVal),
+            int(values[0].timestamp),
+        )
         previous = self._previous_nvlink.get(index)
         self._previous_nvlink[index] = (tx, rx, stamp)
         if previous is None or stamp <= previous[2] or tx < previous[0] or rx < previous[1]:
@@ -205,8 +220,12 @@ class NvmlCollector:
         nv = self.nvml
         total, any_read = 0, False
         for link in links:
-            for counter in (nv.NVML_NVLINK_ERROR_DL_REPLAY, nv.NVML_NVLINK_ERROR_DL_RECOVERY,
-                            nv.NVML_NVLINK_ERROR_DL_CRC_FLIT, nv.NVML_NVLINK_ERROR_DL_CRC_DATA):
+            for counter in (
+                nv.NVML_NVLINK_ERROR_DL_REPLAY,
+                nv.NVML_NVLINK_ERROR_DL_RECOVERY,
+                nv.NVML_NVLINK_ERROR_DL_CRC_FLIT,
+                nv.NVML_NVLINK_ERROR_DL_CRC_DATA,
+            ):
                 value = self._try(nv.nvmlDeviceGetNvLinkErrorCounter, handle, link, counter)
                 if value is not None:
                     total += int(value)
@@ -229,37 +248,55 @@ class NvmlCollector:
             links = self._links[index]
             tx, rx = self._nvlink_rates(index, handle) if links else (None, None)
             name = self._try(nv.nvmlDeviceGetName, handle)
-            samples.append({
-                "gpu_index": index,
-                "gpu_uuid": _text(nv.nvmlDeviceGetUUID(handle)),
-                "vendor": self.vendor,
-                "model": _text(name) if name is not None else "unknown",
-                "gpu_util_pct": float(util.gpu) if util is not None else 0.0,
-                "mem_copy_util_pct": float(util.memory) if util is not None else None,
-                "fb_used_mib": int(memory.used) // MIB if memory is not None else 0,
-                "fb_total_mib": int(memory.total) // MIB if memory is not None else 0,
-                "nvlink_tx_bytes_per_s": tx,
-                "nvlink_rx_bytes_per_s": rx,
-                "nvlink_errors_total": self._nvlink_errors(handle, links) if links else None,
-                "rdma_packet_loss_ratio": rdma_loss,
-                "temperature_c": float(self._try(nv.nvmlDeviceGetTemperature, handle,
-                                                 nv.NVML_TEMPERATURE_GPU) or 0.0),
-                "power_w": power / 1000 if power is not None else 0.0,
-                "ecc_sbe_total": int(self._try(nv.nvmlDeviceGetTotalEccErrors, handle,
-                                               nv.NVML_MEMORY_ERROR_TYPE_CORRECTED,
-                                               nv.NVML_VOLATILE_ECC) or 0),
-                "ecc_dbe_total": int(self._try(nv.nvmlDeviceGetTotalEccErrors, handle,
-                                               nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
-                                               nv.NVML_VOLATILE_ECC) or 0),
-                "xid_codes": xids.get(index, []),
-                # NVML reports PCIe throughput in KB/s.
-                "pcie_tx_bytes_per_s": pcie_tx * 1024.0 if pcie_tx is not None else None,
-                "pcie_rx_bytes_per_s": pcie_rx * 1024.0 if pcie_rx is not None else None,
-                "sm_clock_mhz": self._try(nv.nvmlDeviceGetClockInfo, handle, nv.NVML_CLOCK_SM),
-                "mem_clock_mhz": self._try(nv.nvmlDeviceGetClockInfo, handle, nv.NVML_CLOCK_MEM),
-                "power_limit_w": limit / 1000 if limit is not None else None,
-                "nvlink_links_active": len(links) if links else None,
-            })
+            samples.append(
+                {
+                    "gpu_index": index,
+                    "gpu_uuid": _text(nv.nvmlDeviceGetUUID(handle)),
+                    "vendor": self.vendor,
+                    "model": _text(name) if name is not None else "unknown",
+                    "gpu_util_pct": float(util.gpu) if util is not None else 0.0,
+                    "mem_copy_util_pct": float(util.memory) if util is not None else None,
+                    "fb_used_mib": int(memory.used) // MIB if memory is not None else 0,
+                    "fb_total_mib": int(memory.total) // MIB if memory is not None else 0,
+                    "nvlink_tx_bytes_per_s": tx,
+                    "nvlink_rx_bytes_per_s": rx,
+                    "nvlink_errors_total": self._nvlink_errors(handle, links) if links else None,
+                    "rdma_packet_loss_ratio": rdma_loss,
+                    "temperature_c": float(
+                        self._try(nv.nvmlDeviceGetTemperature, handle, nv.NVML_TEMPERATURE_GPU)
+                        or 0.0
+                    ),
+                    "power_w": power / 1000 if power is not None else 0.0,
+                    "ecc_sbe_total": int(
+                        self._try(
+                            nv.nvmlDeviceGetTotalEccErrors,
+                            handle,
+                            nv.NVML_MEMORY_ERROR_TYPE_CORRECTED,
+                            nv.NVML_VOLATILE_ECC,
+                        )
+                        or 0
+                    ),
+                    "ecc_dbe_total": int(
+                        self._try(
+                            nv.nvmlDeviceGetTotalEccErrors,
+                            handle,
+                            nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                            nv.NVML_VOLATILE_ECC,
+                        )
+                        or 0
+                    ),
+                    "xid_codes": xids.get(index, []),
+                    # NVML reports PCIe throughput in KB/s.
+                    "pcie_tx_bytes_per_s": pcie_tx * 1024.0 if pcie_tx is not None else None,
+                    "pcie_rx_bytes_per_s": pcie_rx * 1024.0 if pcie_rx is not None else None,
+                    "sm_clock_mhz": self._try(nv.nvmlDeviceGetClockInfo, handle, nv.NVML_CLOCK_SM),
+                    "mem_clock_mhz": self._try(
+                        nv.nvmlDeviceGetClockInfo, handle, nv.NVML_CLOCK_MEM
+                    ),
+                    "power_limit_w": limit / 1000 if limit is not None else None,
+                    "nvlink_links_active": len(links) if links else None,
+                }
+            )
         return samples
 
     def set_power_limit(self, watts: float) -> None:

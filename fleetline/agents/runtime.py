@@ -70,8 +70,7 @@ class TelemetryPublisher:
     def publish_results(self, records: Iterable[Mapping[str, Any]], send: bool = True) -> int:
         return self.publish("result", records, send=send)
 
-    def publish(self, kind: str, records: Iterable[Mapping[str, Any]], *,
-                send: bool = True) -> int:
+    def publish(self, kind: str, records: Iterable[Mapping[str, Any]], *, send: bool = True) -> int:
         """Spool records of one kind; with `send` False (the node's link is down) they wait
         in the spool until a later `pump`."""
         topic, schema = {
@@ -132,7 +131,9 @@ class TelemetryPublisher:
                 break
             try:
                 self.producer.produce(
-                    entry.topic, key=entry.key, value=entry.value,
+                    entry.topic,
+                    key=entry.key,
+                    value=entry.value,
                     on_delivery=lambda err, msg, o=entry.offset: self._on_delivery(err, msg, o),
                 )
             except BufferError:

@@ -124,25 +124,46 @@ def default_clusters(nodes_per_cluster: int = 4) -> list[ClusterSpec]:
 
 
 # Round-trip times between the simulated regions, ms, and what a GPU-hour and a kWh cost there.
-_REGION_RTT_MS = {("eu-west", "us-east"): 75.0, ("eu-west", "ap-south"): 120.0,
-                  ("us-east", "ap-south"): 190.0}
-_REGION_PRICES = {"eu-west": (2.40, 0.21, 1.25), "us-east": (2.10, 0.09, 1.35),
-                  "ap-south": (1.80, 0.11, 1.50)}
+_REGION_RTT_MS = {
+    ("eu-west", "us-east"): 75.0,
+    ("eu-west", "ap-south"): 120.0,
+    ("us-east", "ap-south"): 190.0,
+}
+_REGION_PRICES = {
+    "eu-west": (2.40, 0.21, 1.25),
+    "us-east": (2.10, 0.09, 1.35),
+    "ap-south": (1.80, 0.11, 1.50),
+}
 
 
-def cluster_info(cluster: ClusterSpec, seq: int, ts_ms: int,
-                 regions: list[str] | None = None) -> dict[str, Any]:
+def cluster_info(
+    cluster: ClusterSpec, seq: int, ts_ms: int, regions: list[str] | None = None
+) -> dict[str, Any]:
     """A ClusterInfo record for a simulated cluster: what an operator would declare."""
     price, energy, pue = _REGION_PRICES.get(cluster.region, (2.50, 0.15, 1.40))
     names = regions or sorted({r for pair in _REGION_RTT_MS for r in pair})
-    latency = {r: (0.5 if r == cluster.region else
-                   _REGION_RTT_MS.get((cluster.region, r), _REGION_RTT_MS.get((r, cluster.region),
-                                                                              150.0)))
-               for r in names}
-    return {"cluster_id": cluster.cluster_id, "region": cluster.region, "seq": seq, "ts": ts_ms,
-            "kind": "ON_PREMISES" if cluster.region == "eu-west" else "CLOUD",
-            "price_per_gpu_hour": price, "energy_price_per_kwh": energy, "pue": pue,
-            "link_latency_ms": latency, "retired": False}
+    latency = {
+        r: (
+            0.5
+            if r == cluster.region
+            else _REGION_RTT_MS.get(
+                (cluster.region, r), _REGION_RTT_MS.get((r, cluster.region), 150.0)
+            )
+        )
+        for r in names
+    }
+    return {
+        "cluster_id": cluster.cluster_id,
+        "region": cluster.region,
+        "seq": seq,
+        "ts": ts_ms,
+        "kind": "ON_PREMISES" if cluster.region == "eu-west" else "CLOUD",
+        "price_per_gpu_hour": price,
+        "energy_price_per_kwh": energy,
+        "pue": pue,
+        "link_latency_ms": latency,
+        "retired": False,
+    }
 
 
 RDMA_PACKETS_PER_S = 1_000_000  # a NIC's packets per interval, for the background loss ratio
@@ -181,14 +202,18 @@ class FleetSimulator:
         for cluster in self.clusters:
             for n in range(cluster.nodes):
                 node_id = f"{cluster.cluster_id}-n{n:04d}"
-                self.nodes.append(SimNode(
-                    cluster_id=cluster.cluster_id, region=cluster.region, node_id=node_id,
-                    model=cluster.model,
-                    leaf_switch=f"{cluster.cluster_id}-leaf{n // cluster.nodes_per_leaf:03d}",
-                    spine_switch=f"{cluster.cluster_id}-spine0",
-                    load_bias=tuple(self._rng.random() for _ in range(GPUS_PER_NODE)),
-                    gpu_uuids=tuple(_uuid(self.seed, node_id, i) for i in range(GPUS_PER_NODE)),
-                ))
+                self.nodes.append(
+                    SimNode(
+                        cluster_id=cluster.cluster_id,
+                        region=cluster.region,
+                        node_id=node_id,
+                        model=cluster.model,
+                        leaf_switch=f"{cluster.cluster_id}-leaf{n // cluster.nodes_per_leaf:03d}",
+                        spine_switch=f"{cluster.cluster_id}-spine0",
+                        load_bias=tuple(self._rng.random() for _ in range(GPUS_PER_NODE)),
+                        gpu_uuids=tuple(_uuid(self.seed, node_id, i) for i in range(GPUS_PER_NODE)),
+                    )
+                )
         self._by_id = {node.node_id: node for node in self.nodes}
         self._seq = {node.node_id: 0 for node in self.nodes}
         # Cumulative per-GPU counters: ECC single-bit, ECC double-bit, NVLink errors.
@@ -224,18 +249,30 @@ class FleetSimulator:
         self._seq[node_id] += 1
         return self._seq[node_id]
 
-    def node_state(self, node: SimNode, ts_ms: int, state: str = "UP",
-                   reason: str | None = None, labels: Mapping[str, str] | None = None,
-                   spool: tuple[int, int] | None = None) -> dict[str, Any]:
+    def node_state(
+        self,
+        node: SimNode,
+        ts_ms: int,
+        state: str = "UP",
+        reason: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        spool: tuple[int, int] | None = None,
+    ) -> dict[str, Any]:
         peers = {str(i): [j for j in island if j != i] for island in _islands() for i in island}
         return {
-            "cluster_id": node.cluster_id, "region": node.region, "node_id": node.node_id,
-            "seq": self._next_seq(node.node_id), "ts": ts_ms, "state": state, "reason": reason,
+            "cluster_id": node.cluster_id,
+            "region": node.region,
+            "node_id": node.node_id,
+            "seq": self._next_seq(node.node_id),
+            "ts": ts_ms,
+            "state": state,
+            "reason": reason,
             "labels": {"accelerator": node.model, "pool": "training", **(labels or {})},
             "topology": {
                 "gpu_count": GPUS_PER_NODE,
                 "nvlink_islands": _islands(),
-                "leaf_switch": node.leaf_switch, "spine_switch": node.spine_switch,
+                "leaf_switch": node.leaf_switch,
+                "spine_switch": node.spine_switch,
                 "gpu_numa_nodes": [i * 2 // GPUS_PER_NODE for i in range(GPUS_PER_NODE)],
                 "nvlink_peers": peers,
             },
@@ -275,8 +312,10 @@ class FleetSimulator:
         return self.cluster_link_up(self._by_id[node_id].cluster_id, ts_ms)
 
     def cluster_link_up(self, cluster_id: str, ts_ms: int) -> bool:
-        return not any(f.kind == "cluster_link_loss" and f.target == cluster_id
-                       and f.active(ts_ms) for f in self.faults)
+        return not any(
+            f.kind == "cluster_link_loss" and f.target == cluster_id and f.active(ts_ms)
+            for f in self.faults
+        )
 
     def state_changes(self, ts_ms: int) -> list[dict[str, Any]]:
         """NodeState records for node_down faults that start or end at this tick."""
@@ -287,11 +326,14 @@ class FleetSimulator:
             active = fault.active(ts_ms)
             if active and fault.target not in self._down:
                 changes.append(self.take_down(fault.target, ts_ms, "simulated node failure"))
-            elif not active and fault.target in self._down and fault.end_ms is not None \
-                    and ts_ms >= fault.end_ms:
+            elif (
+                not active
+                and fault.target in self._down
+                and fault.end_ms is not None
+                and ts_ms >= fault.end_ms
+            ):
                 self._down.discard(fault.target)
-                changes.append(self.node_state(self._by_id[fault.target], ts_ms, "UP",
-                                               "recovered"))
+                changes.append(self.node_state(self._by_id[fault.target], ts_ms, "UP", "recovered"))
         return changes
 
     def telemetry(self, ts_ms: int) -> list[dict[str, Any]]:
@@ -322,8 +364,7 @@ class FleetSimulator:
                 bias = node.load_bias[index]
                 # A training job runs steady and near full, whatever the hour; inference
                 # follows the users' day.
-                level = (85 + 12 * bias if bias >= TRAINING_BIAS
-                         else 100 * diurnal * (0.4 + bias))
+                level = 85 + 12 * bias if bias >= TRAINING_BIAS else 100 * diurnal * (0.4 + bias)
                 util = min(100.0, max(0.0, level + rng.gauss(0, 4)))
                 busy = util / 100
                 key = f"{node.node_id}/{index}"
@@ -338,39 +379,49 @@ class FleetSimulator:
                 # Errors force replays: a degraded link moves a fraction of the data.
                 link_bytes = (0.3 if link_errors is not None else 1.0) * busy * 180e9
                 power = min(limit, 90 + 600 * busy + rng.gauss(0, 10))
-                gpus.append({
-                    "gpu_index": index,
-                    "gpu_uuid": node.gpu_uuids[index],
-                    "vendor": "nvidia",
-                    "model": node.model,
-                    # NVML reports utilisation and temperature in whole percent and degrees.
-                    "gpu_util_pct": float(round(util)),
-                    "mem_copy_util_pct": float(round(util * 0.7)),
-                    "fb_used_mib": int(H100_FB_MIB * min(0.98, 0.05 + 0.9 * bias)),
-                    "fb_total_mib": H100_FB_MIB,
-                    # NVML counts throughput in KiB, packets in whole packets: the readings
-                    # have the resolution real collectors report, not float noise.
-                    "nvlink_tx_bytes_per_s": _kib(link_bytes * (0.9 + 0.2 * rng.random())),
-                    "nvlink_rx_bytes_per_s": _kib(link_bytes * (0.9 + 0.2 * rng.random())),
-                    "nvlink_errors_total": counters[2],
-                    "rdma_packet_loss_ratio": (loss if loss is not None else
-                                               (rng.random() < 0.3) / RDMA_PACKETS_PER_S),
-                    "temperature_c": float(round(32 + 45 * busy + rng.gauss(0, 1))),
-                    "power_w": round(power, 1),
-                    "ecc_sbe_total": counters[0],
-                    "ecc_dbe_total": counters[1],
-                    "xid_codes": xids.get(key, []),
-                    "pcie_tx_bytes_per_s": _kib(busy * 20e9),
-                    "pcie_rx_bytes_per_s": _kib(busy * 22e9),
-                    "sm_clock_mhz": int(1980 * min(1.0, limit / DEFAULT_POWER_LIMIT_W)),
-                    "mem_clock_mhz": 2619,
-                    "power_limit_w": limit,
-                    "nvlink_links_active": NVLINK_LINKS,
-                })
-            records.append({
-                "cluster_id": node.cluster_id, "region": node.region, "node_id": node.node_id,
-                "seq": self._next_seq(node.node_id), "ts": ts_ms,
-                "interval_ms": self.interval_ms, "gpus": gpus,
-                "agent_version": AGENT_VERSION, "collector": "simulator",
-            })
+                gpus.append(
+                    {
+                        "gpu_index": index,
+                        "gpu_uuid": node.gpu_uuids[index],
+                        "vendor": "nvidia",
+                        "model": node.model,
+                        # NVML reports utilisation and temperature in whole percent and degrees.
+                        "gpu_util_pct": float(round(util)),
+                        "mem_copy_util_pct": float(round(util * 0.7)),
+                        "fb_used_mib": int(H100_FB_MIB * min(0.98, 0.05 + 0.9 * bias)),
+                        "fb_total_mib": H100_FB_MIB,
+                        # NVML counts throughput in KiB, packets in whole packets: the readings
+                        # have the resolution real collectors report, not float noise.
+                        "nvlink_tx_bytes_per_s": _kib(link_bytes * (0.9 + 0.2 * rng.random())),
+                        "nvlink_rx_bytes_per_s": _kib(link_bytes * (0.9 + 0.2 * rng.random())),
+                        "nvlink_errors_total": counters[2],
+                        "rdma_packet_loss_ratio": (
+                            loss if loss is not None else (rng.random() < 0.3) / RDMA_PACKETS_PER_S
+                        ),
+                        "temperature_c": float(round(32 + 45 * busy + rng.gauss(0, 1))),
+                        "power_w": round(power, 1),
+                        "ecc_sbe_total": counters[0],
+                        "ecc_dbe_total": counters[1],
+                        "xid_codes": xids.get(key, []),
+                        "pcie_tx_bytes_per_s": _kib(busy * 20e9),
+                        "pcie_rx_bytes_per_s": _kib(busy * 22e9),
+                        "sm_clock_mhz": int(1980 * min(1.0, limit / DEFAULT_POWER_LIMIT_W)),
+                        "mem_clock_mhz": 2619,
+                        "power_limit_w": limit,
+                        "nvlink_links_active": NVLINK_LINKS,
+                    }
+                )
+            records.append(
+                {
+                    "cluster_id": node.cluster_id,
+                    "region": node.region,
+                    "node_id": node.node_id,
+                    "seq": self._next_seq(node.node_id),
+                    "ts": ts_ms,
+                    "interval_ms": self.interval_ms,
+                    "gpus": gpus,
+                    "agent_version": AGENT_VERSION,
+                    "collector": "simulator",
+                }
+            )
         return records

@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from fleetline.agents.durable import write_atomically
 from fleetline.errors import FleetlineError
@@ -45,14 +46,19 @@ class SpoolEntry:
 def _decode(offset: int, payload: bytes) -> SpoolEntry:
     topic_len, key_len = _STRINGS.unpack_from(payload)
     start = _STRINGS.size
-    topic = payload[start:start + topic_len].decode()
-    key = payload[start + topic_len:start + topic_len + key_len]
-    return SpoolEntry(offset, topic, key, payload[start + topic_len + key_len:])
+    topic = payload[start : start + topic_len].decode()
+    key = payload[start + topic_len : start + topic_len + key_len]
+    return SpoolEntry(offset, topic, key, payload[start + topic_len + key_len :])
 
 
 class DiskSpool:
-    def __init__(self, directory: Path, max_bytes: int = 256 * 2**20,
-                 segment_bytes: int = 8 * 2**20, fsync: bool = False) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        max_bytes: int = 256 * 2**20,
+        segment_bytes: int = 8 * 2**20,
+        fsync: bool = False,
+    ) -> None:
         if segment_bytes > max_bytes:
             raise SpoolError(f"segment_bytes {segment_bytes} exceeds max_bytes {max_bytes}")
         self.directory = directory
@@ -72,7 +78,7 @@ class DiskSpool:
         self._unacked: deque[SpoolEntry] = deque()
         self.next_offset = self.acked + 1
         self._load()
-        self._writer = None
+        self._writer: BinaryIO | None = None
 
     def _load(self) -> None:
         for path in sorted(self.directory.glob("*.seg"), key=lambda p: int(p.stem)):
@@ -81,7 +87,7 @@ class DiskSpool:
             position, offset = 0, first
             while position + _FRAME.size <= len(data):
                 length, crc = _FRAME.unpack_from(data, position)
-                payload = data[position + _FRAME.size:position + _FRAME.size + length]
+                payload = data[position + _FRAME.size : position + _FRAME.size + length]
                 if len(payload) < length or zlib.crc32(payload) != crc:
                     break
                 if offset > self.acked:
@@ -112,6 +118,7 @@ class DiskSpool:
         elif self._writer is None:  # reopened: continue the newest segment
             self._writer = self._segments[-1][1].open("ab")
         first, path, size = self._segments[-1]
+        assert self._writer is not None
         self._writer.write(frame)
         self._writer.flush()
         if self.fsync:

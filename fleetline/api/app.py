@@ -40,10 +40,12 @@ log = logging.getLogger(__name__)
 _UNAUDITED = ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
 
 
-def _audit_middleware(audit: AuditEmitter, clock: Callable[[], int]) -> Callable[
-        [Request, Callable[[Request], Awaitable[Response]]], Awaitable[Response]]:
-    async def audit_every_call(request: Request,
-                               call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+def _audit_middleware(
+    audit: AuditEmitter, clock: Callable[[], int]
+) -> Callable[[Request, Callable[[Request], Awaitable[Response]]], Awaitable[Response]]:
+    async def audit_every_call(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         trace = request.headers.get("traceparent", "")
         trace_id = trace.split("-")[1] if trace.count("-") >= 3 else None
@@ -53,37 +55,64 @@ def _audit_middleware(audit: AuditEmitter, clock: Callable[[], int]) -> Callable
             return response
         principal: Principal | None = getattr(request.state, "principal", None)
         status = response.status_code
-        outcome = ("SUCCEEDED" if status < 400 else "UNAUTHENTICATED" if status == 401
-                   else "DENIED" if status == 403 else "FAILED")
+        outcome = (
+            "SUCCEEDED"
+            if status < 400
+            else "UNAUTHENTICATED"
+            if status == 401
+            else "DENIED"
+            if status == 403
+            else "FAILED"
+        )
         matched = request.scope.get("route")
         template = matched.path if isinstance(matched, APIRoute) else request.url.path
         details = {"query": str(request.url.query)} if request.url.query else {}
         refusal = getattr(request.state, "refusal", None)
         if refusal:
             details["reason"] = refusal
-        audit.emit(new_event(
-            ts=clock(), actor=principal.subject if principal else "anonymous",
-            actor_role=principal.role if principal else "none",
-            tenant=(getattr(request.state, "scope", None) or
-                    (principal.tenant if principal else None)),
-            operation=f"api.{request.method} {template}", target=request.url.path,
-            outcome=outcome, status=status, request_id=request_id, trace_id=trace_id,
-            source="api", details=details))
+        audit.emit(
+            new_event(
+                ts=clock(),
+                actor=principal.subject if principal else "anonymous",
+                actor_role=principal.role if principal else "none",
+                tenant=(
+                    getattr(request.state, "scope", None)
+                    or (principal.tenant if principal else None)
+                ),
+                operation=f"api.{request.method} {template}",
+                target=request.url.path,
+                outcome=outcome,
+                status=status,
+                request_id=request_id,
+                trace_id=trace_id,
+                source="api",
+                details=details,
+            )
+        )
         return response
+
     return audit_every_call
 
 
-def create_app(source: ViewSource, authenticator: Authenticator, audit: AuditEmitter,
-               audit_table: AuditTable | None = None, sql: Sql | None = None,
-               ready_query: ReadyQuery | None = None,
-               clock: Callable[[], int] = lambda: int(time.time() * 1000),
-               jobs: JobsPort | None = None) -> FastAPI:
+def create_app(
+    source: ViewSource,
+    authenticator: Authenticator,
+    audit: AuditEmitter,
+    audit_table: AuditTable | None = None,
+    sql: Sql | None = None,
+    ready_query: ReadyQuery | None = None,
+    clock: Callable[[], int] = lambda: int(time.time() * 1000),
+    jobs: JobsPort | None = None,
+) -> FastAPI:
     """The API over a view, the audit store, ClickHouse and the scheduler (each optional but
     the view: a route whose port is missing answers 503)."""
-    app = FastAPI(title="fleetline", version="0.1.0",
-                  description="The global resource view of a multi-cluster GPU fleet, its "
-                              "scheduler and its audit log. Every route needs "
-                              "`Authorization: Bearer <token>`.")
+    app = FastAPI(
+        title="fleetline",
+        version="0.1.0",
+        description="The global resource view of a multi-cluster GPU fleet, its "
+        "scheduler and its audit log. Every route needs "
+        "`Authorization: Bearer <token>`.",
+    )
     routes = Routes(app, authenticator)
     ports = Ports(source, audit_table, sql, ready_query, jobs, clock)
     app.middleware("http")(_audit_middleware(audit, clock))
@@ -97,8 +126,7 @@ def create_app(source: ViewSource, authenticator: Authenticator, audit: AuditEmi
     @app.exception_handler(FleetlineError)
     async def refused(request: Request, exc: FleetlineError) -> JSONResponse:
         # A bad query or argument is the caller's to fix; a store that is down is ours.
-        status = 503 if isinstance(exc, StorageError) and not isinstance(exc, QueryError) \
-            else 400
+        status = 503 if isinstance(exc, StorageError) and not isinstance(exc, QueryError) else 400
         return JSONResponse({"detail": str(exc)}, status_code=status)
 
     missing = routes.unruled()

@@ -86,8 +86,9 @@ class AuthConfig:
         for entry in data.get("tokens", []) or []:
             role = entry.get("role")
             if role not in ROLES:
-                raise ConfigError(f"token {entry.get('name')!r}: role {role!r} is not one of "
-                                  f"{', '.join(ROLES)}")
+                raise ConfigError(
+                    f"token {entry.get('name')!r}: role {role!r} is not one of {', '.join(ROLES)}"
+                )
             digest = str(entry.get("sha256", "")).lower()
             if len(digest) != 64:
                 raise ConfigError(f"token {entry.get('name')!r}: sha256 must be 64 hex digits")
@@ -99,10 +100,13 @@ class AuthConfig:
                 jwks_path = base / j["jwks_file"]
                 jwks = jwt.PyJWKSet.from_dict(json.loads(jwks_path.read_text()))
                 jwt_config = JwtConfig(
-                    jwks=jwks, issuer=j["issuer"], audience=j["audience"],
+                    jwks=jwks,
+                    issuer=j["issuer"],
+                    audience=j["audience"],
                     role_claim=j.get("role_claim", "fleetline_role"),
                     tenant_claim=j.get("tenant_claim", "tenant"),
-                    algorithms=tuple(j.get("algorithms", JwtConfig.algorithms)))
+                    algorithms=tuple(j.get("algorithms", JwtConfig.algorithms)),
+                )
             except (KeyError, OSError, ValueError, jwt.PyJWTError) as exc:
                 raise ConfigError(f"auth config jwt: {type(exc).__name__}: {exc}") from None
         mfa = frozenset(data.get("require_mfa", []) or [])
@@ -146,10 +150,15 @@ class Authenticator:
         if key is None:
             raise AuthenticationError("token has no kid header")
         try:
-            claims = jwt.decode(token, key=key, algorithms=list(config.algorithms),
-                                audience=config.audience, issuer=config.issuer,
-                                leeway=config.leeway_s,
-                                options={"require": ["exp", "sub", "aud", "iss"]})
+            claims = jwt.decode(
+                token,
+                key=key,
+                algorithms=list(config.algorithms),
+                audience=config.audience,
+                issuer=config.issuer,
+                leeway=config.leeway_s,
+                options={"require": ["exp", "sub", "aud", "iss"]},
+            )
         except jwt.ExpiredSignatureError:
             raise AuthenticationError("token expired") from None
         except jwt.InvalidAudienceError:

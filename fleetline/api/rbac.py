@@ -26,14 +26,33 @@ ROLES = tuple(role.value for role in Role)
 
 FLEET_READ = ("fleet", "read")  # clusters, nodes, GPUs, topology: shared infrastructure
 PERMISSIONS: dict[str, frozenset[tuple[str, str]]] = {
-    "platform-admin": frozenset({
-        FLEET_READ, ("jobs", "read"), ("jobs", "write"), ("usage", "read"), ("datasets", "read"),
-        ("audit", "read"), ("audit", "export"), ("sql", "run"), ("quotas", "write")}),
-    "tenant-admin": frozenset({
-        FLEET_READ, ("jobs", "read"), ("jobs", "write"), ("usage", "read"), ("datasets", "read"),
-        ("audit", "read"), ("audit", "export")}),
-    "user": frozenset({FLEET_READ, ("jobs", "read"), ("jobs", "write"), ("usage", "read"),
-                       ("datasets", "read")}),
+    "platform-admin": frozenset(
+        {
+            FLEET_READ,
+            ("jobs", "read"),
+            ("jobs", "write"),
+            ("usage", "read"),
+            ("datasets", "read"),
+            ("audit", "read"),
+            ("audit", "export"),
+            ("sql", "run"),
+            ("quotas", "write"),
+        }
+    ),
+    "tenant-admin": frozenset(
+        {
+            FLEET_READ,
+            ("jobs", "read"),
+            ("jobs", "write"),
+            ("usage", "read"),
+            ("datasets", "read"),
+            ("audit", "read"),
+            ("audit", "export"),
+        }
+    ),
+    "user": frozenset(
+        {FLEET_READ, ("jobs", "read"), ("jobs", "write"), ("usage", "read"), ("datasets", "read")}
+    ),
     "viewer": frozenset({FLEET_READ, ("jobs", "read"), ("usage", "read"), ("datasets", "read")}),
     "auditor": frozenset({FLEET_READ, ("audit", "read"), ("audit", "export")}),
 }
@@ -72,7 +91,8 @@ def authorize(principal: Principal, rule: Rule, requested_tenant: str | None = N
     if not rule.tenant_scoped:
         return ALL_TENANTS
     crosses = principal.role == "platform-admin" or (
-        principal.role == "auditor" and principal.tenant is None and rule.resource == "audit")
+        principal.role == "auditor" and principal.tenant is None and rule.resource == "audit"
+    )
     if crosses:
         return requested_tenant
     if principal.tenant is None:

@@ -24,11 +24,13 @@ class Routes:
         self.authenticator = authenticator
         self.rules: dict[tuple[str, str], Rule] = {}
 
-    def __call__(self, method: str, path: str, rule: Rule,
-                 **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def __call__(
+        self, method: str, path: str, rule: Rule, **kwargs: Any
+    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         self.rules[(method, path)] = rule
-        return self.app.api_route(path, methods=[method],
-                                  dependencies=[Depends(self._guard(rule))], **kwargs)
+        return self.app.api_route(
+            path, methods=[method], dependencies=[Depends(self._guard(rule))], **kwargs
+        )
 
     def _guard(self, rule: Rule) -> Callable[[Request], Principal]:
         def check(request: Request) -> Principal:
@@ -37,8 +39,7 @@ class Routes:
             except AuthenticationError as exc:
                 request.state.refusal = str(exc)
                 log.warning("refused %s %s: %s", request.method, request.url.path, exc)
-                raise HTTPException(401, str(exc),
-                                    headers={"WWW-Authenticate": "Bearer"}) from None
+                raise HTTPException(401, str(exc), headers={"WWW-Authenticate": "Bearer"}) from None
             request.state.principal = principal
             # The tenant a request reaches for: in its path (/v1/jobs/{tenant}/...) or asked
             # for with ?tenant=.
@@ -47,13 +48,22 @@ class Routes:
                 request.state.scope = authorize(principal, rule, requested)
             except PermissionDenied as exc:
                 request.state.refusal = str(exc)
-                log.warning("denied %s %s to %s: %s", request.method, request.url.path,
-                            principal.subject, exc)
+                log.warning(
+                    "denied %s %s to %s: %s",
+                    request.method,
+                    request.url.path,
+                    principal.subject,
+                    exc,
+                )
                 raise HTTPException(403, str(exc)) from None
             return principal
+
         return check
 
     def unruled(self) -> list[str]:
         """Routes served without an access rule (there must be none)."""
-        return [f"{sorted(r.methods)[0]} {r.path}" for r in self.app.routes
-                if isinstance(r, APIRoute) and (sorted(r.methods)[0], r.path) not in self.rules]
+        return [
+            f"{sorted(r.methods or ())[0]} {r.path}"
+            for r in self.app.routes
+            if isinstance(r, APIRoute) and (sorted(r.methods or ())[0], r.path) not in self.rules
+        ]

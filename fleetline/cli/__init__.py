@@ -17,18 +17,26 @@ from fleetline.cli import agents, audit, data, infra, jobs, run, serve, specs, v
 from fleetline.errors import FleetlineError
 
 app = typer.Typer(
-    name="fleetline", no_args_is_help=True, add_completion=False,
-    pretty_exceptions_enable=False, rich_markup_mode=None,
+    name="fleetline",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
     help="Event-sourced control plane for multi-cluster GPU fleets. Settings come from "
-         "FLEETLINE_* environment variables (see README).")
+    "FLEETLINE_* environment variables (see README).",
+)
 _GROUPS = (infra, run, agents, serve, audit, data, specs, jobs, view)
 
 
 @app.callback()
-def _root(verbose: Annotated[bool, typer.Option("-v", "--verbose",
-                                                 help="log at INFO level")] = False) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+def _root(
+    verbose: Annotated[bool, typer.Option("-v", "--verbose", help="log at INFO level")] = False,
+) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
     from fleetline.api.auth import CredentialFilter
 
     for handler in logging.getLogger().handlers:

@@ -17,23 +17,26 @@ from fleetline.cli.common import TopicPrefix, pairs, settings
 from fleetline.errors import FleetlineError
 
 agent = typer.Typer(
-    help="run a node agent: real GPUs through NVML, or a simulated fleet",
-    no_args_is_help=True)
+    help="run a node agent: real GPUs through NVML, or a simulated fleet", no_args_is_help=True
+)
 
 IntervalMs = Annotated[int, typer.Option(min=1, help="sampling interval")]
 Ticks = Annotated[int | None, typer.Option(min=1, help="stop after this many intervals")]
-StateDir = Annotated[Path | None, typer.Option(
-    help="spool and control state (default: .cache/agent)")]
+StateDir = Annotated[
+    Path | None, typer.Option(help="spool and control state (default: .cache/agent)")
+]
 
 
 @agent.command()
 def nvml(
     cluster_id: Annotated[str, typer.Option(help="this node's cluster")] = "local",
     region: Annotated[str, typer.Option(help="this node's region")] = "local",
-    node_id: Annotated[str | None, typer.Option(
-        help="this node's id (default: the host name)")] = None,
-    leaf_switch: Annotated[str | None, typer.Option(
-        help="the node's leaf switch, if known")] = None,
+    node_id: Annotated[
+        str | None, typer.Option(help="this node's id (default: the host name)")
+    ] = None,
+    leaf_switch: Annotated[
+        str | None, typer.Option(help="the node's leaf switch, if known")
+    ] = None,
     topic_prefix: TopicPrefix = "fleetline",
     interval_ms: IntervalMs = 1000,
     ticks: Ticks = None,
@@ -50,10 +53,18 @@ def nvml(
     config = settings()
     topics = Topics(topic_prefix)
     kafka_clients.ensure_topics(config.kafka, topics.specs())
-    identity = NodeIdentity(cluster_id, region, node_id or socket.gethostname(),
-                            leaf_switch=leaf_switch)
-    node = NodeAgent.create(config, default_codec(), topics, identity, NvmlCollector().open(),
-                            state_dir or config.cache_dir / "agent", interval_ms=interval_ms)
+    identity = NodeIdentity(
+        cluster_id, region, node_id or socket.gethostname(), leaf_switch=leaf_switch
+    )
+    node = NodeAgent.create(
+        config,
+        default_codec(),
+        topics,
+        identity,
+        NvmlCollector().open(),
+        state_dir or config.cache_dir / "agent",
+        interval_ms=interval_ms,
+    )
     try:
         sent = node.run(threading.Event(), max_ticks=ticks)
     finally:
@@ -66,8 +77,10 @@ def simulator(
     clusters: Annotated[int, typer.Option(min=1, max=3)] = 3,
     nodes: Annotated[int, typer.Option(min=1, help="nodes per cluster")] = 4,
     seed: Annotated[int, typer.Option()] = 7,
-    faults: Annotated[Path | None, typer.Option(
-        help="a YAML fault script (see tests/scenarios/degraded-fabric.yaml)")] = None,
+    faults: Annotated[
+        Path | None,
+        typer.Option(help="a YAML fault script (see tests/scenarios/degraded-fabric.yaml)"),
+    ] = None,
     topic_prefix: TopicPrefix = "fleetline",
     interval_ms: IntervalMs = 1000,
     ticks: Ticks = None,
@@ -84,11 +97,15 @@ def simulator(
     topics = Topics(topic_prefix)
     kafka_clients.ensure_topics(config.kafka, topics.specs())
     start_ms = (int(time.time() * 1000) // interval_ms) * interval_ms
-    fleet = FleetSimulator(default_clusters(nodes)[:clusters], seed=seed,
-                           interval_ms=interval_ms,
-                           faults=load_faults(faults, start_ms) if faults else [])
-    agents = FleetAgent.create(config, default_codec(), topics, fleet,
-                               state_dir or config.cache_dir / "agent")
+    fleet = FleetSimulator(
+        default_clusters(nodes)[:clusters],
+        seed=seed,
+        interval_ms=interval_ms,
+        faults=load_faults(faults, start_ms) if faults else [],
+    )
+    agents = FleetAgent.create(
+        config, default_codec(), topics, fleet, state_dir or config.cache_dir / "agent"
+    )
     tick = 0
     try:
         agents.start(start_ms)
@@ -99,8 +116,10 @@ def simulator(
         agents.flush()
     finally:
         agents.close()
-    print(f"{len(fleet.nodes)} simulated nodes: {tick} intervals sent to {topics.telemetry}; "
-          f"spools: {agents.spool_metrics()}")
+    print(
+        f"{len(fleet.nodes)} simulated nodes: {tick} intervals sent to {topics.telemetry}; "
+        f"spools: {agents.spool_metrics()}"
+    )
 
 
 class CommandKind(StrEnum):
@@ -116,11 +135,13 @@ def command(
     kind: Annotated[CommandKind, typer.Argument(help="what to do")],
     cluster_id: Annotated[str, typer.Option(help="the node's cluster")],
     power_cap_w: Annotated[float | None, typer.Option(help="SET_POWER_CAP: watts")] = None,
-    config_version: Annotated[str | None, typer.Option(help="APPLY_CONFIG: its version")]
-    = None,
-    set_: Annotated[list[str] | None, typer.Option(
-        "--set", metavar="KEY=VALUE", help="APPLY_CONFIG setting, e.g. interval_ms=5000")]
-    = None,
+    config_version: Annotated[str | None, typer.Option(help="APPLY_CONFIG: its version")] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set", metavar="KEY=VALUE", help="APPLY_CONFIG setting, e.g. interval_ms=5000"
+        ),
+    ] = None,
     command_id: Annotated[str | None, typer.Option(help="default: a new random id")] = None,
     issued_by: Annotated[str, typer.Option()] = "cli",
     topic_prefix: TopicPrefix = "fleetline",
@@ -134,25 +155,42 @@ def command(
 
     config = settings()
     values = pairs(set_, "--set")
+    ts, request_id = int(time.time() * 1000), command_id or uuid.uuid4().hex
     record = {
-        "command_id": command_id or uuid.uuid4().hex, "cluster_id": cluster_id,
-        "node_id": node_id, "ts": int(time.time() * 1000), "issued_by": issued_by,
-        "kind": str(kind), "power_cap_w": power_cap_w, "config_version": config_version,
+        "command_id": request_id,
+        "cluster_id": cluster_id,
+        "node_id": node_id,
+        "ts": ts,
+        "issued_by": issued_by,
+        "kind": str(kind),
+        "power_cap_w": power_cap_w,
+        "config_version": config_version,
         "config": values,
     }
     topics = Topics(topic_prefix)
     producer = kafka_clients.producer(config.kafka)
-    producer.produce(topics.commands, key=node_id.encode(),
-                     value=default_codec().encode("NodeCommand", record))
+    producer.produce(
+        topics.commands, key=node_id.encode(), value=default_codec().encode("NodeCommand", record)
+    )
     if producer.flush(30):
         raise FleetlineError("the command was not delivered within 30 s")
     emitter = KafkaAuditEmitter(config.kafka, topics)
-    emitter.emit(new_event(ts=record["ts"], actor=issued_by, actor_role="operator",
-                           operation=f"command.{kind}", target=node_id, outcome="SUCCEEDED",
-                           request_id=record["command_id"], source="cli", details=values))
+    emitter.emit(
+        new_event(
+            ts=ts,
+            actor=issued_by,
+            actor_role="operator",
+            operation=f"command.{kind}",
+            target=node_id,
+            outcome="SUCCEEDED",
+            request_id=request_id,
+            source="cli",
+            details=values,
+        )
+    )
     if emitter.flush(30):
         raise FleetlineError("the command was sent but its audit event was not delivered")
-    print(f"sent {kind} {record['command_id']} to {node_id} on {topics.commands}")
+    print(f"sent {kind} {request_id} to {node_id} on {topics.commands}")
 
 
 def register(app: typer.Typer) -> None:

@@ -19,8 +19,9 @@ from fleetline.errors import ConfigError
 audit = typer.Typer(
     no_args_is_help=True,
     help="verify, search and export the tamper-evident audit log. verify checks hash links, "
-         "seq continuity and signed digests and names the first broken link (exit 2); search "
-         "and export read ClickHouse (or Kafka).")
+    "seq continuity and signed digests and names the first broken link (exit 2); search "
+    "and export read ClickHouse (or Kafka).",
+)
 
 
 class Source(StrEnum):
@@ -35,11 +36,11 @@ class Format(StrEnum):
     PARQUET = "parquet"
 
 
-SourceOption = Annotated[Source, typer.Option(
-    help="where the chain is read from (archive: verify only)")]
+SourceOption = Annotated[
+    Source, typer.Option(help="where the chain is read from (archive: verify only)")
+]
 Tenant = Annotated[str | None, typer.Option(help="only this tenant's events")]
-Reveal = Annotated[bool, typer.Option(
-    help="include sensitive fields unmasked (platform admins)")]
+Reveal = Annotated[bool, typer.Option(help="include sensitive fields unmasked (platform admins)")]
 
 
 def _verify_keys(config: Settings) -> dict[str, Any]:
@@ -65,8 +66,7 @@ def _records(config: Settings, source: Source, prefix: str) -> list[dict[str, An
 
 @audit.command()
 def verify(
-    file: Annotated[Path | None, typer.Option(help="an export file instead of a source")]
-    = None,
+    file: Annotated[Path | None, typer.Option(help="an export file instead of a source")] = None,
     source: SourceOption = Source.KAFKA,
     topic_prefix: TopicPrefix = "fleetline",
 ) -> None:
@@ -83,26 +83,39 @@ def verify(
     if file is not None:
         entries, named, anchors = audit_export.read(file)
         if not keys:
-            print("warning: no FLEETLINE_AUDIT_VERIFY_KEYS; trusting the keys the export names",
-                  file=sys.stderr)
+            print(
+                "warning: no FLEETLINE_AUDIT_VERIFY_KEYS; trusting the keys the export names",
+                file=sys.stderr,
+            )
             keys = named
     elif source == Source.ARCHIVE:
         entries = list(AuditArchive(sealed_objects(config), f"audit/{topic_prefix}").entries())
     else:
-        entries = [export_entry(r, reveal_sensitive=True)
-                   for r in _records(config, source, topic_prefix)]
+        entries = [
+            export_entry(r, reveal_sensitive=True) for r in _records(config, source, topic_prefix)
+        ]
     report = verify_chain(entries, keys, anchors)
-    print(json.dumps({"ok": report.ok, "checked": report.checked, "digests": report.digests,
-                      "first_broken": report.first_broken,
-                      "unsigned_tail": report.unsigned_tail}, indent=2))
+    print(
+        json.dumps(
+            {
+                "ok": report.ok,
+                "checked": report.checked,
+                "digests": report.digests,
+                "first_broken": report.first_broken,
+                "unsigned_tail": report.unsigned_tail,
+            },
+            indent=2,
+        )
+    )
     exit_with(0 if report.ok else 2)
 
 
 @audit.command()
 def search(
-    tenant: Tenant = None, since: Since = None, until: Until = None,
-    op: Annotated[str | None, typer.Option(
-        help="operation, e.g. 'api.GET /v1/nodes'")] = None,
+    tenant: Tenant = None,
+    since: Since = None,
+    until: Until = None,
+    op: Annotated[str | None, typer.Option(help="operation, e.g. 'api.GET /v1/nodes'")] = None,
     actor: Annotated[str | None, typer.Option()] = None,
     limit: Annotated[int, typer.Option(min=1)] = 100,
     reveal: Reveal = False,
@@ -118,21 +131,42 @@ def search(
         raise ConfigError("audit search reads ClickHouse (--source clickhouse)")
     config = settings()
     table = AuditTable(connect(config.clickhouse_url), config.clickhouse_database)
-    for record in table.search(AuditQuery(
-            tenant, parse_time_ms(since) if since else None,
-            parse_time_ms(until) if until else None, op, actor, limit)):
-        print(json.dumps({"partition": record["partition"], "seq": record["seq"],
-                          **masked_event(record["event"], reveal)}, sort_keys=True))
+    for record in table.search(
+        AuditQuery(
+            tenant,
+            parse_time_ms(since) if since else None,
+            parse_time_ms(until) if until else None,
+            op,
+            actor,
+            limit,
+        )
+    ):
+        print(
+            json.dumps(
+                {
+                    "partition": record["partition"],
+                    "seq": record["seq"],
+                    **masked_event(record["event"], reveal),
+                },
+                sort_keys=True,
+            )
+        )
 
 
 @audit.command()
 def export(
     out: Annotated[Path, typer.Option(help="the file to write")],
     format: Annotated[Format, typer.Option()] = Format.JSONL,
-    tenant: Tenant = None, since: Since = None, until: Until = None,
-    to_s3: Annotated[str | None, typer.Option(
-        metavar="KEY", help="also upload (encrypted when FLEETLINE_OBJECT_ENCRYPTION_KEY is "
-        "set)")] = None,
+    tenant: Tenant = None,
+    since: Since = None,
+    until: Until = None,
+    to_s3: Annotated[
+        str | None,
+        typer.Option(
+            metavar="KEY",
+            help="also upload (encrypted when FLEETLINE_OBJECT_ENCRYPTION_KEY is set)",
+        ),
+    ] = None,
     reveal: Reveal = False,
     source: SourceOption = Source.KAFKA,
     topic_prefix: TopicPrefix = "fleetline",
@@ -146,9 +180,12 @@ def export(
         raise ConfigError("audit export reads Kafka or ClickHouse")
     config = settings()
     entries, anchors = export_window(
-        _records(config, source, topic_prefix), tenant,
-        parse_time_ms(since) if since else None, parse_time_ms(until) if until else None,
-        reveal)
+        _records(config, source, topic_prefix),
+        tenant,
+        parse_time_ms(since) if since else None,
+        parse_time_ms(until) if until else None,
+        reveal,
+    )
     count = audit_export.write(out, str(format), entries, _verify_keys(config), anchors)
     if to_s3:
         sealed_objects(config).put(to_s3, out.read_bytes())
@@ -159,9 +196,11 @@ auth = typer.Typer(help="mint an API token", no_args_is_help=True)
 
 
 @auth.command()
-def token(name: Annotated[str, typer.Option(help="who the token is for")],
-          role: Annotated[Role, typer.Option()],
-          tenant: Annotated[str | None, typer.Option()] = None) -> None:
+def token(
+    name: Annotated[str, typer.Option(help="who the token is for")],
+    role: Annotated[Role, typer.Option()],
+    tenant: Annotated[str | None, typer.Option()] = None,
+) -> None:
     """Mint an API token and print its config line (only its SHA-256 is stored)."""
     from fleetline.api.auth import token_digest
 

@@ -24,14 +24,19 @@ errors = Console(stderr=True, highlight=False)
 TopicPrefix = Annotated[str, typer.Option("--topic-prefix", help="the topics' prefix")]
 Json = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
 Actor = Annotated[str, typer.Option("--actor", help="who is acting (for the audit log)")]
-ViewGroup = Annotated[str, typer.Option(
-    "--group", help="the view processors' group; its snapshots are used")]
-At = Annotated[str | None, typer.Option(
-    "--at", help="the view as it was at this time (ISO 8601 or epoch ms)")]
-AtOffsets = Annotated[str | None, typer.Option(
-    "--offsets", help='exact log position: {"topic": {"partition": offset}}')]
-NoSnapshots = Annotated[bool, typer.Option(
-    "--no-snapshots", help="fold from the start of the log, ignoring snapshots")]
+ViewGroup = Annotated[
+    str, typer.Option("--group", help="the view processors' group; its snapshots are used")
+]
+At = Annotated[
+    str | None, typer.Option("--at", help="the view as it was at this time (ISO 8601 or epoch ms)")
+]
+AtOffsets = Annotated[
+    str | None,
+    typer.Option("--offsets", help='exact log position: {"topic": {"partition": offset}}'),
+]
+NoSnapshots = Annotated[
+    bool, typer.Option("--no-snapshots", help="fold from the start of the log, ignoring snapshots")
+]
 Since = Annotated[str | None, typer.Option("--from", help="ISO 8601, epoch ms or -<n>s|m|h|d")]
 Until = Annotated[str | None, typer.Option("--to", help="ISO 8601, epoch ms or -<n>s|m|h|d")]
 
@@ -85,8 +90,9 @@ def print_tsv(columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
 
 def table(*columns: str, title: str | None = None, numeric: Sequence[str] = ()) -> Table:
     """A plain table (no box), numeric columns right-aligned."""
-    out = Table(*(), title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
-                title_justify="left")
+    out = Table(
+        *(), title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, title_justify="left"
+    )
     for name in columns:
         out.add_column(name, justify="right" if name in numeric else "left", no_wrap=True)
     return out

@@ -18,20 +18,30 @@ class TierPolicy:
 
     HotHours = Annotated[float, typer.Option(help="hours a sample stays in ClickHouse")]
     WarmDays = Annotated[float, typer.Option(help="days it stays in warm Parquet")]
-    ColdDays = Annotated[float | None, typer.Option(
-        help="delete cold archives older than this (default: keep)")]
-    TenantColdDays = Annotated[list[str] | None, typer.Option(
-        metavar="TENANT=DAYS", help="keep the GPU samples of a tenant's allocations in cold "
-        "for another time than --cold-days (DAYS or `forever`; repeatable): archives are "
-        "rewritten without the rows whose time is up")]
+    ColdDays = Annotated[
+        float | None, typer.Option(help="delete cold archives older than this (default: keep)")
+    ]
+    TenantColdDays = Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="TENANT=DAYS",
+            help="keep the GPU samples of a tenant's allocations in cold "
+            "for another time than --cold-days (DAYS or `forever`; repeatable): archives are "
+            "rewritten without the rows whose time is up",
+        ),
+    ]
 
 
-def tier_policy(hot_hours: float, warm_days: float, cold_days: float | None,
-                tenant_cold_days: list[str] | None) -> DataClass:
-    return DataClass("gpu_samples", hot_ms=int(hot_hours * HOUR_MS),
-                     warm_ms=int(warm_days * DAY_MS),
-                     cold_ms=None if cold_days is None else int(cold_days * DAY_MS),
-                     tenant_cold_ms=tenant_retention(tenant_cold_days or [], DAY_MS))
+def tier_policy(
+    hot_hours: float, warm_days: float, cold_days: float | None, tenant_cold_days: list[str] | None
+) -> DataClass:
+    return DataClass(
+        "gpu_samples",
+        hot_ms=int(hot_hours * HOUR_MS),
+        warm_ms=int(warm_days * DAY_MS),
+        cold_ms=None if cold_days is None else int(cold_days * DAY_MS),
+        tenant_cold_ms=tenant_retention(tenant_cold_days or [], DAY_MS),
+    )
 
 
 def tenant_retention(values: list[str], day_ms: int) -> tuple[tuple[str, int | None], ...]:
@@ -44,8 +54,9 @@ def tenant_retention(values: list[str], day_ms: int) -> tuple[tuple[str, int | N
         except (ValueError, OverflowError):  # not a number, or inf
             keep_ms = -1
         if not (sep and tenant) or (keep_ms is not None and keep_ms < 0):
-            raise ConfigError(f"--tenant-cold-days {value!r}: expected TENANT=DAYS or "
-                              "TENANT=forever")
+            raise ConfigError(
+                f"--tenant-cold-days {value!r}: expected TENANT=DAYS or TENANT=forever"
+            )
         out[tenant] = keep_ms
     return tuple(sorted(out.items()))
 
@@ -68,8 +79,9 @@ def sql(query: Annotated[str, typer.Argument(help="one read-only query")]) -> No
 
 def query(
     name: Annotated[str, typer.Argument(help="a ready query, or `list`")],
-    since: Annotated[str, typer.Option("--from", help="-<n>h / -<n>d, epoch ms or ISO 8601")]
-    = "-1h",
+    since: Annotated[
+        str, typer.Option("--from", help="-<n>h / -<n>d, epoch ms or ISO 8601")
+    ] = "-1h",
     until: Until = None,
 ) -> None:
     """Run a ready query over all storage tiers (`fleetline query list` names them)."""
@@ -84,8 +96,9 @@ def query(
     if name not in READY:
         raise ConfigError(f"no ready query {name!r}; `fleetline query list` names them")
     config = settings()
-    result = run_query(config.clickhouse_url, ready_sql(name, since, until),
-                       expand=expander(config))
+    result = run_query(
+        config.clickhouse_url, ready_sql(name, since, until), expand=expander(config)
+    )
     print_tsv(result.columns, result.rows)
 
 
@@ -107,10 +120,10 @@ def _store(policy: DataClass) -> TieredStore:
 
 @tier.command(name="run")
 def tier_run(
-    now: Annotated[str | None, typer.Option(
-        help="the moment the policy is applied at (default: the clock)")] = None,
-    every: Annotated[float | None, typer.Option(
-        metavar="SECONDS", help="run repeatedly")] = None,
+    now: Annotated[
+        str | None, typer.Option(help="the moment the policy is applied at (default: the clock)")
+    ] = None,
+    every: Annotated[float | None, typer.Option(metavar="SECONDS", help="run repeatedly")] = None,
     hot_hours: TierPolicy.HotHours = 24,
     warm_days: TierPolicy.WarmDays = 7,
     cold_days: TierPolicy.ColdDays = None,
@@ -121,10 +134,19 @@ def tier_run(
     store = _store(tier_policy(hot_hours, warm_days, cold_days, tenant_cold_days))
     while True:
         stats = store.run_once(parse_time_ms(now) if now else wall_clock_ms())
-        print(json.dumps({"to_warm": stats.to_warm, "to_cold": stats.to_cold,
-                          "completed_after_crash": stats.completed_after_crash,
-                          "expired": stats.expired, "purged": stats.purged,
-                          "rows_moved": stats.rows_moved, "refused": stats.refused}))
+        print(
+            json.dumps(
+                {
+                    "to_warm": stats.to_warm,
+                    "to_cold": stats.to_cold,
+                    "completed_after_crash": stats.completed_after_crash,
+                    "expired": stats.expired,
+                    "purged": stats.purged,
+                    "rows_moved": stats.rows_moved,
+                    "refused": stats.refused,
+                }
+            )
+        )
         if not every:
             return
         time.sleep(every)

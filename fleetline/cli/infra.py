@@ -9,8 +9,9 @@ import typer
 from fleetline.cli.common import settings
 from fleetline.infra import LocalServices
 
-infra = typer.Typer(help="start, stop or inspect the local Kafka and S3 services",
-                    no_args_is_help=True)
+infra = typer.Typer(
+    help="start, stop or inspect the local Kafka and S3 services", no_args_is_help=True
+)
 
 
 def _status(services: LocalServices) -> None:

@@ -18,10 +18,10 @@ from fleetline.streams.store import ChangelogStore
 from fleetline.streams.topics import Topics
 
 Job = Annotated[str, typer.Argument(help="TENANT/NAME")]
-get = typer.Typer(help="list jobs, datasets or tenants as the scheduler holds them",
-                  no_args_is_help=True)
-quota = typer.Typer(help="set a tenant's quotas, reservations and fair share",
-                    no_args_is_help=True)
+get = typer.Typer(
+    help="list jobs, datasets or tenants as the scheduler holds them", no_args_is_help=True
+)
+quota = typer.Typer(help="set a tenant's quotas, reservations and fair share", no_args_is_help=True)
 
 
 def _age(ms: int | None) -> str:
@@ -35,8 +35,9 @@ def _age(ms: int | None) -> str:
 
 
 def _gpus(job: dict[str, Any]) -> int:
-    return sum(bin(mask).count("1") for nodes in job["allocation"].values()
-               for mask in nodes.values())
+    return sum(
+        bin(mask).count("1") for nodes in job["allocation"].values() for mask in nodes.values()
+    )
 
 
 def _state(config: Settings, topics: Topics) -> ChangelogStore[Any]:
@@ -49,33 +50,52 @@ Tenant = Annotated[str | None, typer.Option(help="only this tenant's")]
 
 
 @get.command(name="jobs")
-def get_jobs(tenant: Tenant = None,
-             all_: Annotated[bool, typer.Option("--all", help="include deleted jobs")] = False,
-             json_: Json = False, topic_prefix: TopicPrefix = "fleetline") -> None:
+def get_jobs(
+    tenant: Tenant = None,
+    all_: Annotated[bool, typer.Option("--all", help="include deleted jobs")] = False,
+    json_: Json = False,
+    topic_prefix: TopicPrefix = "fleetline",
+) -> None:
     """Jobs: phase, priority, GPUs, where they run."""
     from fleetline.processors.scheduling.runtime import job_records
 
-    jobs = [j for j in job_records(_state(settings(), Topics(topic_prefix)), tenant)
-            if all_ or j["phase"] != "Deleted"]
+    jobs = [
+        j
+        for j in job_records(_state(settings(), Topics(topic_prefix)), tenant)
+        if all_ or j["phase"] != "Deleted"
+    ]
     if json_:
         print_json(jobs)
         return
-    out = new_table("JOB", "KIND", "PHASE", "PRIO", "GPUS", "WHERE", "AGE",
-                    numeric=("PRIO", "GPUS"))
+    out = new_table(
+        "JOB", "KIND", "PHASE", "PRIO", "GPUS", "WHERE", "AGE", numeric=("PRIO", "GPUS")
+    )
     for job in jobs:
-        out.add_row(job["key"], job["kind"], job["phase"], str(job["priority"]),
-                    str(_gpus(job)), ",".join(sorted(job["allocation"])) or "-",
-                    _age(job["submitted_ms"]))
+        out.add_row(
+            job["key"],
+            job["kind"],
+            job["phase"],
+            str(job["priority"]),
+            str(_gpus(job)),
+            ",".join(sorted(job["allocation"])) or "-",
+            _age(job["submitted_ms"]),
+        )
     console.print(out)
 
 
 def _rows(prefix: str, tenant: str | None, topic_prefix: str) -> dict[str, Any]:
     store = _state(settings(), Topics(topic_prefix))
-    rows = {key.decode(): value for key, value in store.items([0])
-            if key.decode().startswith(prefix) and value is not None}
+    rows = {
+        key.decode(): value
+        for key, value in store.items([0])
+        if key.decode().startswith(prefix) and value is not None
+    }
     if tenant:
-        rows = {k: v for k, v in rows.items()
-                if (v.get("tenant") if prefix == "dataset:" else k[len(prefix):]) == tenant}
+        rows = {
+            k: v
+            for k, v in rows.items()
+            if (v.get("tenant") if prefix == "dataset:" else k[len(prefix) :]) == tenant
+        }
     return rows
 
 
@@ -93,7 +113,7 @@ def get_tenants(tenant: Tenant = None, topic_prefix: TopicPrefix = "fleetline") 
 
 def _job_or_fail(config: Settings, topics: Topics, key: str) -> dict[str, Any]:
     value = _state(config, topics).committed(0, f"job:{key}".encode())
-    if value is None:
+    if not isinstance(value, dict):
         raise ConfigError(f"no job {key!r} in the scheduler's state")
     return value
 
@@ -106,8 +126,10 @@ def describe(job: Job, json_: Json = False, topic_prefix: TopicPrefix = "fleetli
         return
     spec = record["document"]["spec"]
     print(f"Job:        {record['key']} ({record['kind']})")
-    print(f"Phase:      {record['phase']}   priority {record['priority']}   submitted "
-          f"{_age(record['submitted_ms'])} ago   preempted {record['preemptions']} time(s)")
+    print(
+        f"Phase:      {record['phase']}   priority {record['priority']}   submitted "
+        f"{_age(record['submitted_ms'])} ago   preempted {record['preemptions']} time(s)"
+    )
     print(f"Spec:       {json.dumps(spec, sort_keys=True)}")
     print("Conditions:")
     for name, cond in sorted(record["conditions"].items()):
@@ -121,27 +143,34 @@ def describe(job: Job, json_: Json = False, topic_prefix: TopicPrefix = "fleetli
         print("  (none)")
     if record["waiting_for"]:
         print(f"Waiting for: {', '.join(record['waiting_for'])}")
-    print(f"Last decision: {record['last_decision'] or '-'} "
-          f"(`fleetline explain {record['key']}`)")
+    print(f"Last decision: {record['last_decision'] or '-'} (`fleetline explain {record['key']}`)")
 
 
 def _print_decision(decision: dict[str, Any]) -> None:
-    print(f"{decision['decision_id']:>10}  {decision['outcome']:<9} priority "
-          f"{decision['priority']}  at {decision['ts']}  (request {decision['input_offset']}, "
-          f"view version {decision['view_version']}, policy {decision['policy_digest']})")
+    print(
+        f"{decision['decision_id']:>10}  {decision['outcome']:<9} priority "
+        f"{decision['priority']}  at {decision['ts']}  (request {decision['input_offset']}, "
+        f"view version {decision['view_version']}, policy {decision['policy_digest']})"
+    )
     print(f"            {decision['reason']}")
     for placement in decision["placements"]:
         workers = "; ".join(f"{w['node_id']} {w['gpus']}" for w in placement["workers"])
-        print(f"            placed in {placement['cluster_id']} under "
-              f"{', '.join(placement['leaves'])}: {workers}")
+        print(
+            f"            placed in {placement['cluster_id']} under "
+            f"{', '.join(placement['leaves'])}: {workers}"
+        )
     for prewarm in decision["prewarms"]:
-        print(f"            prewarm {prewarm['dataset_id']} {prewarm['from_cluster']} -> "
-              f"{prewarm['to_cluster']}: {prewarm['size_bytes']} bytes, "
-              f"~{prewarm['estimated_s']:.0f}s at {prewarm['rate_gbps']:g} Gbit/s")
+        print(
+            f"            prewarm {prewarm['dataset_id']} {prewarm['from_cluster']} -> "
+            f"{prewarm['to_cluster']}: {prewarm['size_bytes']} bytes, "
+            f"~{prewarm['estimated_s']:.0f}s at {prewarm['rate_gbps']:g} Gbit/s"
+        )
     if decision["preempted_by"]:
-        print(f"            preempted by {decision['preempted_by']}; lost "
-              f"{decision['lost_gpu_s']} GPU-seconds; resumes from "
-              f"{decision['resume_from_checkpoint_ms']}")
+        print(
+            f"            preempted by {decision['preempted_by']}; lost "
+            f"{decision['lost_gpu_s']} GPU-seconds; resumes from "
+            f"{decision['resume_from_checkpoint_ms']}"
+        )
     if decision["victims"]:
         print(f"            preempted {', '.join(decision['victims'])}")
 
@@ -161,10 +190,13 @@ def _print_alternatives(alternatives: Iterable[dict[str, Any]]) -> None:
     console.print(out)
 
 
-def explain(job: Job,
-            history: Annotated[bool, typer.Option(
-                help="every decision about the job, from the decision log")] = False,
-            topic_prefix: TopicPrefix = "fleetline") -> None:
+def explain(
+    job: Job,
+    history: Annotated[
+        bool, typer.Option(help="every decision about the job, from the decision log")
+    ] = False,
+    topic_prefix: TopicPrefix = "fleetline",
+) -> None:
     """Why a job is where it is, or why it is waiting: the latest decision, where it placed
     the job, every cluster's score or the reason it was ruled out, the view version and
     offsets it read and the policy digest."""
@@ -174,9 +206,14 @@ def explain(job: Job,
     topics = Topics(topic_prefix)
     record = _job_or_fail(config, topics, job)
     latest = record.get("explanation")
-    print(f"{record['key']} is {record['phase']}"
-          + (f": {record['conditions']['Placed']['reason']}" if record["phase"] == "Queued"
-             and "Placed" in record["conditions"] else ""))
+    print(
+        f"{record['key']} is {record['phase']}"
+        + (
+            f": {record['conditions']['Placed']['reason']}"
+            if record["phase"] == "Queued" and "Placed" in record["conditions"]
+            else ""
+        )
+    )
     if history:
         print("\nEvery decision about it:")
         for decision in decisions_of(config.kafka, topics, job):
@@ -188,8 +225,9 @@ def explain(job: Job,
     print("\nThe latest decision:")
     _print_decision(latest)
     _print_alternatives(latest["alternatives"])
-    offsets = ", ".join(f"{o['topic']}[{o['partition']}]@{o['offset']}"
-                        for o in latest["view_offsets"])
+    offsets = ", ".join(
+        f"{o['topic']}[{o['partition']}]@{o['offset']}" for o in latest["view_offsets"]
+    )
     print(f"\n  decided on the resource view at {offsets or '(empty view)'}")
 
 
@@ -208,14 +246,19 @@ def quota_set(
     tenant: Annotated[str, typer.Argument()],
     gpus: Annotated[int | None, typer.Option(help="GPUs held at once, fleet-wide")] = None,
     cluster_gpus: Annotated[list[str] | None, typer.Option(metavar="CLUSTER=GPUS")] = None,
-    gpu_hours: Annotated[float | None, typer.Option(
-        help="budget; a training job reserves GPUs x its max runtime")] = None,
-    storage: Annotated[str | None, typer.Option(
-        help="dataset bytes x replicas, e.g. 500TB")] = None,
-    bandwidth_gbps: Annotated[float | None, typer.Option(
-        help="cross-cluster dataset moves at once")] = None,
-    reserve: Annotated[list[str] | None, typer.Option(
-        metavar="CLUSTER=GPUS", help="GPUs held back for this tenant in a cluster")] = None,
+    gpu_hours: Annotated[
+        float | None, typer.Option(help="budget; a training job reserves GPUs x its max runtime")
+    ] = None,
+    storage: Annotated[
+        str | None, typer.Option(help="dataset bytes x replicas, e.g. 500TB")
+    ] = None,
+    bandwidth_gbps: Annotated[
+        float | None, typer.Option(help="cross-cluster dataset moves at once")
+    ] = None,
+    reserve: Annotated[
+        list[str] | None,
+        typer.Option(metavar="CLUSTER=GPUS", help="GPUs held back for this tenant in a cluster"),
+    ] = None,
     share: Annotated[float, typer.Option(help="fair-share weight")] = 1.0,
     actor: Actor = "cli",
     topic_prefix: TopicPrefix = "fleetline",
@@ -225,21 +268,37 @@ def quota_set(
     from fleetline.processors.scheduling.runtime import submit
     from fleetline.processors.scheduling.tenancy import TenantPolicy
 
-    policy = {"tenant": tenant, "share": share, "reserved": _counts(reserve, "--reserve"),
-              "quota": {"gpus": gpus, "cluster_gpus": _counts(cluster_gpus, "--cluster-gpus"),
-                        "gpu_hours": gpu_hours, "storage_bytes": storage,
-                        "bandwidth_gbps": bandwidth_gbps}}
+    policy = {
+        "tenant": tenant,
+        "share": share,
+        "reserved": _counts(reserve, "--reserve"),
+        "quota": {
+            "gpus": gpus,
+            "cluster_gpus": _counts(cluster_gpus, "--cluster-gpus"),
+            "gpu_hours": gpu_hours,
+            "storage_bytes": storage,
+            "bandwidth_gbps": bandwidth_gbps,
+        },
+    }
     try:
         TenantPolicy.from_data(policy)  # refuse here what the scheduler would dead-letter
     except FleetlineError as exc:
         raise ConfigError(str(exc)) from None
     config = settings()
     topics = Topics(topic_prefix)
-    request = new_request("TENANT_POLICY", tenant, tenant, now_ms(), uuid.uuid4().hex,
-                          actor=actor, spec_json=canonical_json(policy))
+    request = new_request(
+        "TENANT_POLICY",
+        tenant,
+        tenant,
+        now_ms(),
+        uuid.uuid4().hex,
+        actor=actor,
+        spec_json=canonical_json(policy),
+    )
     (offset,) = submit(config.kafka, topics, [request])
-    audit_requests(config, topics, actor, "tenant.policy", [tenant], [request["request_id"]],
-                   tenant=tenant)
+    audit_requests(
+        config, topics, actor, "tenant.policy", [tenant], [request["request_id"]], tenant=tenant
+    )
     print(f"tenant {tenant}: policy set (request {offset}): {canonical_json(policy)}")
 
 

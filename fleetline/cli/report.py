@@ -11,43 +11,88 @@ from rich.table import Table
 from fleetline.cli.common import table
 from fleetline.demo.play import SliceResult
 
-_CAPACITY = ("cluster", "region", "health", "GPUs", "idle", "alloc", "degr", "failed",
-             "unavail", "nodes", "down", "unreach")
+_CAPACITY = (
+    "cluster",
+    "region",
+    "health",
+    "GPUs",
+    "idle",
+    "alloc",
+    "degr",
+    "failed",
+    "unavail",
+    "nodes",
+    "down",
+    "unreach",
+)
 
 
 def capacity(clusters: Sequence[dict[str, Any]]) -> Table:
     out = table(*_CAPACITY, numeric=_CAPACITY[3:])
     for c in clusters:
-        out.add_row(c["cluster_id"], c["region"], c["health"], *(str(c[k]) for k in (
-            "gpus", "idle", "allocated", "degraded", "failed", "unavailable", "nodes",
-            "nodes_down", "nodes_unreachable")))
+        out.add_row(
+            c["cluster_id"],
+            c["region"],
+            c["health"],
+            *(
+                str(c[k])
+                for k in (
+                    "gpus",
+                    "idle",
+                    "allocated",
+                    "degraded",
+                    "failed",
+                    "unavailable",
+                    "nodes",
+                    "nodes_down",
+                    "nodes_unreachable",
+                )
+            ),
+        )
     return out
 
 
-def print_result(console: Console, result: SliceResult, clickhouse_url: str,
-                 prefix: str) -> None:
+def print_result(console: Console, result: SliceResult, clickhouse_url: str, prefix: str) -> None:
     say = console.print
-    say(f"\nagents sent {result.telemetry_sent} NodeTelemetry and {result.states_sent} "
-        f"NodeState records, plus {result.malformed_sent} malformed message(s)")
-    say(f"dead-lettered: {result.processor_dead_letters} by the resource view, "
-        f"{result.sink_dead_letters} by the sink (topic {prefix}.deadletter)")
+    say(
+        f"\nagents sent {result.telemetry_sent} NodeTelemetry and {result.states_sent} "
+        f"NodeState records, plus {result.malformed_sent} malformed message(s)"
+    )
+    say(
+        f"dead-lettered: {result.processor_dead_letters} by the resource view, "
+        f"{result.sink_dead_letters} by the sink (topic {prefix}.deadletter)"
+    )
     say("\nresource view (Kafka -> fold of telemetry, node state and cluster facts):")
     say(capacity(result.clusters))
     say(f"\nunhealthy GPUs ({len(result.unhealthy_gpus)}):")
     gpus = table("GPU", "health", "cause", "since")
     for gpu in result.unhealthy_gpus[:20]:
-        gpus.add_row(f"{gpu['node_id']}/{gpu['gpu_index']}", gpu["health"], gpu["cause"] or "",
-                     str(gpu["health_since_ms"]))
+        gpus.add_row(
+            f"{gpu['node_id']}/{gpu['gpu_index']}",
+            gpu["health"],
+            gpu["cause"] or "",
+            str(gpu["health_since_ms"]),
+        )
     say(gpus)
     replay = result.half_way_replay
-    say(f"\nreplay: the view as it stood half-way (at {replay['at_ms']} ms, version "
+    say(
+        f"\nreplay: the view as it stood half-way (at {replay['at_ms']} ms, version "
         f"{replay['view_version']}), rebuilt from snapshots {replay['from_snapshots'] or 'none'}"
-        f" + {replay['folded']} events of log:")
+        f" + {replay['folded']} events of log:"
+    )
     say(capacity(result.half_way_clusters))
-    say(f"\nClickHouse hot table ({clickhouse_url}): {result.sink_rows} GPU sample rows "
-        "inserted; per cluster since the run started:")
-    samples = table("cluster", "samples", "nodes", "avg util %", "max power W",
-                    numeric=("samples", "nodes", "avg util %", "max power W"))
+    say(
+        f"\nClickHouse hot table ({clickhouse_url}): {result.sink_rows} GPU sample rows "
+        "inserted; per cluster since the run started:"
+    )
+    samples = table(
+        "cluster",
+        "samples",
+        "nodes",
+        "avg util %",
+        "max power W",
+        numeric=("samples", "nodes", "avg util %", "max power W"),
+    )
     for row in result.query_rows:
         samples.add_row(*(str(v) for v in row))
     say(samples)
@@ -58,17 +103,21 @@ def print_result(console: Console, result: SliceResult, clickhouse_url: str,
     for path, status in result.api_calls:
         say(f"  GET {path:<34} -> {status}")
     audit = result.audit
-    say(f"\naudit log: {audit['links']} links ({audit['digests']} signed digests, key "
+    say(
+        f"\naudit log: {audit['links']} links ({audit['digests']} signed digests, key "
         f"{audit['key_id']}) in ClickHouse, chain "
-        f"{'verified' if audit['ok'] else 'BROKEN: ' + str(audit['first_broken'])}")
+        f"{'verified' if audit['ok'] else 'BROKEN: ' + str(audit['first_broken'])}"
+    )
     print_scheduling(console, result.scheduling)
     say("timings: " + ", ".join(f"{k} {v:.1f}s" for k, v in result.timings.items()))
 
 
 def print_scheduling(console: Console, scheduling: dict[str, Any]) -> None:
     say = console.print
-    say(f"\nscheduler decisions ({len(scheduling['decisions'])}, every one an event on the "
-        "decision log with its reasons and the view offsets it read):")
+    say(
+        f"\nscheduler decisions ({len(scheduling['decisions'])}, every one an event on the "
+        "decision log with its reasons and the view offsets it read):"
+    )
     decisions = table("id", "job", "outcome", "where", "reason", numeric=("id",))
     for decision_id, job, outcome, where, reason in scheduling["decisions"]:
         decisions.add_row(decision_id, job, outcome, where, reason[:70])
@@ -92,7 +141,9 @@ def print_scheduling(console: Console, scheduling: dict[str, Any]) -> None:
             query.add_row(*(str(v) for v in row))
         say(query)
     replay = scheduling["replay"]
-    say(f"\ndecision replay: {replay['requests']} requests ({replay['ticks']} ticks) refolded "
+    say(
+        f"\ndecision replay: {replay['requests']} requests ({replay['ticks']} ticks) refolded "
         f"in {replay['seconds']}s; {replay['matched']} of {replay['decisions']} decisions "
-        "identical byte for byte" + ("" if replay["ok"] else
-                                    f" - DIFFERENT: {replay['first_difference']}"))
+        "identical byte for byte"
+        + ("" if replay["ok"] else f" - DIFFERENT: {replay['first_difference']}")
+    )

@@ -13,27 +13,45 @@ from fleetline.streams.topics import Topics
 
 
 def run(
-    scenario: Annotated[str, typer.Option(
-        help="a scenario in fleetline/demo/scenarios (default, ...) or a YAML file")] = "default",
-    clusters: Annotated[int | None, typer.Option(
-        min=1, help="use only the scenario's first N clusters")] = None,
-    nodes: Annotated[int | None, typer.Option(
-        min=1, help="nodes per cluster (8 GPUs each); default: the scenario's")] = None,
-    ticks: Annotated[int | None, typer.Option(
-        min=2, help="sampling intervals to simulate; default: the scenario's")] = None,
-    interval_ms: Annotated[int | None, typer.Option(
-        min=1, help="sampling interval; default: the scenario's")] = None,
+    scenario: Annotated[
+        str,
+        typer.Option(help="a scenario in fleetline/demo/scenarios (default, ...) or a YAML file"),
+    ] = "default",
+    clusters: Annotated[
+        int | None, typer.Option(min=1, help="use only the scenario's first N clusters")
+    ] = None,
+    nodes: Annotated[
+        int | None,
+        typer.Option(min=1, help="nodes per cluster (8 GPUs each); default: the scenario's"),
+    ] = None,
+    ticks: Annotated[
+        int | None,
+        typer.Option(min=2, help="sampling intervals to simulate; default: the scenario's"),
+    ] = None,
+    interval_ms: Annotated[
+        int | None, typer.Option(min=1, help="sampling interval; default: the scenario's")
+    ] = None,
     seed: Annotated[int | None, typer.Option(help="simulator seed")] = None,
-    realtime: Annotated[bool, typer.Option(
-        "--realtime/--no-realtime",
-        help="pace the agents at the sampling interval (--no-realtime: at once)")] = True,
-    topic_prefix: Annotated[str | None, typer.Option(
-        help="topic prefix (default: a fresh one per run)")] = None,
-    keep_services: Annotated[bool, typer.Option(
-        "--keep-services", help="leave Kafka and the S3 server running afterwards")] = False,
-    external_services: Annotated[bool, typer.Option(
-        "--external-services",
-        help="use the Kafka and S3 named in the settings; start nothing")] = False,
+    realtime: Annotated[
+        bool,
+        typer.Option(
+            "--realtime/--no-realtime",
+            help="pace the agents at the sampling interval (--no-realtime: at once)",
+        ),
+    ] = True,
+    topic_prefix: Annotated[
+        str | None, typer.Option(help="topic prefix (default: a fresh one per run)")
+    ] = None,
+    keep_services: Annotated[
+        bool,
+        typer.Option("--keep-services", help="leave Kafka and the S3 server running afterwards"),
+    ] = False,
+    external_services: Annotated[
+        bool,
+        typer.Option(
+            "--external-services", help="use the Kafka and S3 named in the settings; start nothing"
+        ),
+    ] = False,
 ) -> None:
     """Run a simulated fleet end to end from a scenario and print what it saw."""
     from dataclasses import replace
@@ -44,23 +62,35 @@ def run(
 
     config = settings()
     story = scenarios.load(scenario).sized(nodes=nodes, clusters=clusters, ticks=ticks)
-    story = replace(story, interval_ms=interval_ms or story.interval_ms,
-                    seed=story.seed if seed is None else seed)
+    story = replace(
+        story,
+        interval_ms=interval_ms or story.interval_ms,
+        seed=story.seed if seed is None else seed,
+    )
     services = LocalServices.from_settings(config)
     already_up = all(services.status().values())
     if not external_services:
-        console.print("starting Kafka and the S3 server (the first run downloads and builds "
-                      "them)...")
+        console.print(
+            "starting Kafka and the S3 server (the first run downloads and builds them)..."
+        )
         for step, seconds in services.start().items():
             console.print(f"  {step}: {seconds:.1f}s")
     prefix = topic_prefix or f"fleetline.run{int(time.time())}"
     start_ms = (int(time.time() * 1000) // story.interval_ms) * story.interval_ms
-    console.print(f"scenario {story.name}: {len(story.clusters)} clusters x "
-                  f"{story.clusters[0].spec.nodes} nodes x 8 GPUs for {story.ticks} intervals "
-                  f"of {story.interval_ms} ms (topics {prefix}.*)")
+    console.print(
+        f"scenario {story.name}: {len(story.clusters)} clusters x "
+        f"{story.clusters[0].spec.nodes} nodes x 8 GPUs for {story.ticks} intervals "
+        f"of {story.interval_ms} ms (topics {prefix}.*)"
+    )
     try:
-        result = play(config, story, start_ms=start_ms, realtime=realtime,
-                      topics=Topics(prefix), progress=lambda line: console.print("  " + line))
+        result = play(
+            config,
+            story,
+            start_ms=start_ms,
+            realtime=realtime,
+            topics=Topics(prefix),
+            progress=lambda line: console.print("  " + line),
+        )
     finally:
         if not external_services and not keep_services and not already_up:
             services.stop()

@@ -14,11 +14,13 @@ from fleetline.errors import ConfigError
 from fleetline.processors.view.runtime import APPLICATION_ID as VIEW_APP
 from fleetline.streams.topics import Topics
 
-HELP = ("Folds the fleet's topics into the resource view, snapshots it to object storage, runs "
-        "the scheduler over it, sinks telemetry, node states, decisions, allocations and the "
-        "audit log to ClickHouse, tiers them, and serves it all over HTTP (OpenAPI at "
-        "/openapi.json). Start several with the same --group and different --instance-id to "
-        "share the view (and --no-scheduler on all but one).")
+HELP = (
+    "Folds the fleet's topics into the resource view, snapshots it to object storage, runs "
+    "the scheduler over it, sinks telemetry, node states, decisions, allocations and the "
+    "audit log to ClickHouse, tiers them, and serves it all over HTTP (OpenAPI at "
+    "/openapi.json). Start several with the same --group and different --instance-id to "
+    "share the view (and --no-scheduler on all but one)."
+)
 
 
 def serve(
@@ -29,26 +31,46 @@ def serve(
     port: Annotated[int, typer.Option()] = 8080,
     snapshot_interval: Annotated[float, typer.Option(metavar="SECONDS")] = 30.0,
     no_api: Annotated[bool, typer.Option("--no-api", help="no HTTP API")] = False,
-    no_audit: Annotated[bool, typer.Option(
-        "--no-audit", help="no audit chainer or audit sinks in this process")] = False,
-    tier_every: Annotated[float, typer.Option(
-        metavar="SECONDS", help="run the tiering pass this often (0: never); the embedded "
-        "store can only be tiered by the process that owns it")] = 300.0,
+    no_audit: Annotated[
+        bool, typer.Option("--no-audit", help="no audit chainer or audit sinks in this process")
+    ] = False,
+    tier_every: Annotated[
+        float,
+        typer.Option(
+            metavar="SECONDS",
+            help="run the tiering pass this often (0: never); the embedded "
+            "store can only be tiered by the process that owns it",
+        ),
+    ] = 300.0,
     hot_hours: TierPolicy.HotHours = 24,
     warm_days: TierPolicy.WarmDays = 7,
     cold_days: TierPolicy.ColdDays = None,
     tenant_cold_days: TierPolicy.TenantColdDays = None,
-    no_scheduler: Annotated[bool, typer.Option(
-        "--no-scheduler", help="no scheduler in this process (run it in the one instance "
-        "that holds every shard of the view)")] = False,
-    scheduler_policy: Annotated[Path | None, typer.Option(
-        metavar="FILE", help="the scheduling pipeline (filters, weights, cluster preference; "
-        "YAML or JSON); appended to the request log when it differs")] = None,
-    tick_interval: Annotated[float, typer.Option(
-        metavar="SECONDS", help="how often the scheduler observes the view and "
-        "reconciles")] = 1.0,
-    tls_cert: Annotated[Path | None, typer.Option(
-        help="serve HTTPS with this certificate (PEM)")] = None,
+    no_scheduler: Annotated[
+        bool,
+        typer.Option(
+            "--no-scheduler",
+            help="no scheduler in this process (run it in the one instance "
+            "that holds every shard of the view)",
+        ),
+    ] = False,
+    scheduler_policy: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="FILE",
+            help="the scheduling pipeline (filters, weights, cluster preference; "
+            "YAML or JSON); appended to the request log when it differs",
+        ),
+    ] = None,
+    tick_interval: Annotated[
+        float,
+        typer.Option(
+            metavar="SECONDS", help="how often the scheduler observes the view and reconciles"
+        ),
+    ] = 1.0,
+    tls_cert: Annotated[
+        Path | None, typer.Option(help="serve HTTPS with this certificate (PEM)")
+    ] = None,
     tls_key: Annotated[Path | None, typer.Option(help="... and this private key (PEM)")] = None,
 ) -> None:
     """Run the resource-view processor, the scheduler, the sinks and the HTTP API."""
@@ -57,16 +79,24 @@ def serve(
 
     config = settings()
     if not no_api and config.auth_config is None:
-        raise ConfigError("the API needs FLEETLINE_AUTH_CONFIG (tokens and/or JWT settings; "
-                          "see `fleetline auth token`), or run with --no-api")
+        raise ConfigError(
+            "the API needs FLEETLINE_AUTH_CONFIG (tokens and/or JWT settings; "
+            "see `fleetline auth token`), or run with --no-api"
+        )
     if bool(tls_cert) != bool(tls_key):
         raise ConfigError("--tls-cert and --tls-key go together")
     options = Options(
-        topics=Topics(topic_prefix), group=group, instance_id=instance_id,
-        snapshot_interval_s=snapshot_interval, scheduler=not no_scheduler,
+        topics=Topics(topic_prefix),
+        group=group,
+        instance_id=instance_id,
+        snapshot_interval_s=snapshot_interval,
+        scheduler=not no_scheduler,
         scheduler_policy=load_policy(str(scheduler_policy) if scheduler_policy else None),
-        tick_interval_s=tick_interval, audit=not no_audit, tier_every_s=tier_every,
-        tier_policy=tier_policy(hot_hours, warm_days, cold_days, tenant_cold_days))
+        tick_interval_s=tick_interval,
+        audit=not no_audit,
+        tier_every_s=tier_every,
+        tier_policy=tier_policy(hot_hours, warm_days, cold_days, tenant_cold_days),
+    )
     fleet = build(config, options)
     signal.signal(signal.SIGTERM, lambda *_: fleet.stop.set())
     fleet.start(ready_timeout_s=None)  # the API answers while the loops join their groups
@@ -83,10 +113,16 @@ def serve(
             assert config.auth_config is not None
             emitter = KafkaAuditEmitter(config.kafka, options.topics)
             app = fleet.api(Authenticator(AuthConfig.from_file(config.auth_config)), emitter)
-            server = uvicorn.Server(uvicorn.Config(
-                app, host=host, port=port, log_level="warning",
-                ssl_certfile=str(tls_cert) if tls_cert else None,
-                ssl_keyfile=str(tls_key) if tls_key else None))
+            server = uvicorn.Server(
+                uvicorn.Config(
+                    app,
+                    host=host,
+                    port=port,
+                    log_level="warning",
+                    ssl_certfile=str(tls_cert) if tls_cert else None,
+                    ssl_keyfile=str(tls_key) if tls_key else None,
+                )
+            )
             server.run()
             emitter.flush()
     except KeyboardInterrupt:
@@ -96,5 +132,8 @@ def serve(
 
 
 def register(app: typer.Typer) -> None:
-    app.command(name="serve", help=HELP, short_help="run the view, the scheduler, the sinks and "
-                "the HTTP API")(serve)
+    app.command(
+        name="serve",
+        help=HELP,
+        short_help="run the view, the scheduler, the sinks and the HTTP API",
+    )(serve)

@@ -33,17 +33,33 @@ def documents(path: str) -> tuple[list[Any], list[dict[str, Any]]]:
     return specs, [d for d in yaml.safe_load_all(text) if d is not None]
 
 
-def audit_requests(config: Settings, topics: Topics, actor: str, operation: str,
-                   targets: list[str], request_ids: list[str], tenant: str | None = None) -> None:
+def audit_requests(
+    config: Settings,
+    topics: Topics,
+    actor: str,
+    operation: str,
+    targets: list[str],
+    request_ids: list[str],
+    tenant: str | None = None,
+) -> None:
     """One AuditEvent per request the CLI appended, as the API does for its calls."""
     from fleetline.processors.audit.runtime import KafkaAuditEmitter, new_event
 
     emitter = KafkaAuditEmitter(config.kafka, topics)
     for target, request_id in zip(targets, request_ids, strict=True):
-        emitter.emit(new_event(ts=now_ms(), actor=actor, actor_role="operator",
-                               operation=operation, target=target, outcome="SUCCEEDED",
-                               request_id=request_id, source="cli",
-                               tenant=tenant or target.split("/")[0].removeprefix("dataset:")))
+        emitter.emit(
+            new_event(
+                ts=now_ms(),
+                actor=actor,
+                actor_role="operator",
+                operation=operation,
+                target=target,
+                outcome="SUCCEEDED",
+                request_id=request_id,
+                source="cli",
+                tenant=tenant or target.split("/")[0].removeprefix("dataset:"),
+            )
+        )
     if emitter.flush(30):
         raise FleetlineError("the requests were sent but their audit events were not delivered")
 
@@ -56,8 +72,9 @@ def validate(file: SpecFile) -> None:
         print(f"{spec.kind} {spec.metadata.tenant}/{spec.metadata.name}: valid")
 
 
-def _wait_for_decisions(config: Settings, topics: Topics, keys: list[str], offsets: list[int],
-                        timeout_s: float) -> dict[str, dict[str, Any]]:
+def _wait_for_decisions(
+    config: Settings, topics: Topics, keys: list[str], offsets: list[int], timeout_s: float
+) -> dict[str, dict[str, Any]]:
     """The latest decision about each key made at or after its request's log offset, once each
     is settled (placed, accepted or rejected) or the time is up (then it may be QUEUED)."""
     from fleetline.processors.scheduling.runtime import DecisionFollower
@@ -81,10 +98,15 @@ def _wait_for_decisions(config: Settings, topics: Topics, keys: list[str], offse
 
 def apply(
     file: SpecFile,
-    wait: Annotated[float | None, typer.Option(
-        metavar="SECONDS", help="wait up to this long for each spec to be placed, accepted or "
-        "rejected, then print the latest decision about it (a job still queued shows why); "
-        "exit 3 if one has no decision at all")] = None,
+    wait: Annotated[
+        float | None,
+        typer.Option(
+            metavar="SECONDS",
+            help="wait up to this long for each spec to be placed, accepted or "
+            "rejected, then print the latest decision about it (a job still queued shows why); "
+            "exit 3 if one has no decision at all",
+        ),
+    ] = None,
     actor: Actor = "cli",
     topic_prefix: TopicPrefix = "fleetline",
 ) -> None:
@@ -97,11 +119,19 @@ def apply(
     specs, docs = documents(file)
     config = settings()
     topics = Topics(topic_prefix)
-    requests = [submit_request(spec, doc, now_ms(), uuid.uuid4().hex, actor)
-                for spec, doc in datasets_first(specs, docs)]
+    requests = [
+        submit_request(spec, doc, now_ms(), uuid.uuid4().hex, actor)
+        for spec, doc in datasets_first(specs, docs)
+    ]
     offsets = submit(config.kafka, topics, requests)
-    audit_requests(config, topics, actor, "job.apply", [r["key"] for r in requests],
-                   [r["request_id"] for r in requests])
+    audit_requests(
+        config,
+        topics,
+        actor,
+        "job.apply",
+        [r["key"] for r in requests],
+        [r["request_id"] for r in requests],
+    )
     for request, offset in zip(requests, offsets, strict=True):
         print(f"{request['key']}: submitted (request {offset})")
     if not wait:
@@ -111,8 +141,10 @@ def apply(
     for request in requests:
         decision = decided.get(request["key"])
         if decision is None:
-            print(f"{request['key']}: no decision within {wait:g}s (is the scheduler running? "
-                  "`fleetline serve` runs it)")
+            print(
+                f"{request['key']}: no decision within {wait:g}s (is the scheduler running? "
+                "`fleetline serve` runs it)"
+            )
             missing += 1
         else:
             print(f"{request['key']}: {decision['outcome']} - {decision['reason']}")
@@ -120,10 +152,13 @@ def apply(
 
 
 def delete(
-    jobs: Annotated[list[str] | None, typer.Argument(
-        help="jobs as TENANT/NAME, datasets as dataset:TENANT/NAME")] = None,
-    file: Annotated[str | None, typer.Option(
-        "-f", "--file", help="delete what a spec file declares")] = None,
+    jobs: Annotated[
+        list[str] | None,
+        typer.Argument(help="jobs as TENANT/NAME, datasets as dataset:TENANT/NAME"),
+    ] = None,
+    file: Annotated[
+        str | None, typer.Option("-f", "--file", help="delete what a spec file declares")
+    ] = None,
     actor: Actor = "cli",
     topic_prefix: TopicPrefix = "fleetline",
 ) -> None:
@@ -136,24 +171,36 @@ def delete(
         specs, _ = documents(file)
         for spec in specs:
             tenant, name = spec.metadata.tenant, spec.metadata.name
-            keys.append((f"dataset:{name}", tenant) if spec.kind == "Dataset"
-                        else (f"{tenant}/{name}", tenant))
+            keys.append(
+                (f"dataset:{name}", tenant)
+                if spec.kind == "Dataset"
+                else (f"{tenant}/{name}", tenant)
+            )
     for item in jobs or []:
         dataset = item.startswith("dataset:")
         tenant, sep, name = item.removeprefix("dataset:").partition("/")
         if not sep or not tenant or not name:
-            raise ConfigError(f"{item!r}: name jobs as TENANT/NAME and datasets as "
-                              "dataset:TENANT/NAME")
+            raise ConfigError(
+                f"{item!r}: name jobs as TENANT/NAME and datasets as dataset:TENANT/NAME"
+            )
         keys.append((f"dataset:{name}", tenant) if dataset else (f"{tenant}/{name}", tenant))
     if not keys:
         raise ConfigError("delete needs TENANT/NAME arguments or -f FILE")
     config = settings()
     topics = Topics(topic_prefix)
-    requests = [new_request("DELETE", key, tenant, now_ms(), uuid.uuid4().hex, actor=actor)
-                for key, tenant in keys]
+    requests = [
+        new_request("DELETE", key, tenant, now_ms(), uuid.uuid4().hex, actor=actor)
+        for key, tenant in keys
+    ]
     offsets = submit(config.kafka, topics, requests)
-    audit_requests(config, topics, actor, "job.delete", [k for k, _ in keys],
-                   [r["request_id"] for r in requests])
+    audit_requests(
+        config,
+        topics,
+        actor,
+        "job.delete",
+        [k for k, _ in keys],
+        [r["request_id"] for r in requests],
+    )
     for (key, _), offset in zip(keys, offsets, strict=True):
         print(f"{key}: delete requested (request {offset})")
 

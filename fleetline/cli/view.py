@@ -33,8 +33,10 @@ from fleetline.processors.view.runtime import APPLICATION_ID as VIEW_APP
 from fleetline.streams.records import Offsets
 from fleetline.streams.topics import Topics
 
-view = typer.Typer(help="show the resource view (rebuilt from the newest snapshots + the log)",
-                   no_args_is_help=True)
+view = typer.Typer(
+    help="show the resource view (rebuilt from the newest snapshots + the log)",
+    no_args_is_help=True,
+)
 
 
 class Status(StrEnum):
@@ -72,8 +74,9 @@ def _target(config: Settings, topics: Topics, at: str | None, offsets: str | Non
     return log_bounds(config.kafka, topics)[1]
 
 
-def _rebuild(topic_prefix: str, group: str, at: str | None, offsets: str | None,
-             no_snapshots: bool) -> Any:
+def _rebuild(
+    topic_prefix: str, group: str, at: str | None, offsets: str | None, no_snapshots: bool
+) -> Any:
     from fleetline.app import view_snapshots
     from fleetline.processors.replay import rebuild
     from fleetline.processors.view.runtime import tune_gc_for_large_state
@@ -85,8 +88,13 @@ def _rebuild(topic_prefix: str, group: str, at: str | None, offsets: str | None,
     return rebuild(config.kafka, topics, _target(config, topics, at, offsets), snapshots)
 
 
-def _show(items: list[dict[str, Any]], json_: bool, columns: tuple[str, ...],
-          row: Any, numeric: tuple[str, ...] = ()) -> None:
+def _show(
+    items: list[dict[str, Any]],
+    json_: bool,
+    columns: tuple[str, ...],
+    row: Any,
+    numeric: tuple[str, ...] = (),
+) -> None:
     if json_:
         print(json.dumps(items, indent=2))
         return
@@ -97,44 +105,76 @@ def _show(items: list[dict[str, Any]], json_: bool, columns: tuple[str, ...],
 
 
 @view.command()
-def clusters(region: Annotated[str | None, typer.Option()] = None,
-             topic_prefix: TopicPrefix = "fleetline", group: ViewGroup = VIEW_APP,
-             at: At = None, offsets: AtOffsets = None, no_snapshots: NoSnapshots = False,
-             json_: Json = False) -> None:
+def clusters(
+    region: Annotated[str | None, typer.Option()] = None,
+    topic_prefix: TopicPrefix = "fleetline",
+    group: ViewGroup = VIEW_APP,
+    at: At = None,
+    offsets: AtOffsets = None,
+    no_snapshots: NoSnapshots = False,
+    json_: Json = False,
+) -> None:
     """Per cluster: GPUs idle, allocated, degraded, failed, unavailable."""
     from fleetline.processors.view import read as view_read
 
     items = view_read.cluster_capacity(
-        _rebuild(topic_prefix, group, at, offsets, no_snapshots).view, region)
+        _rebuild(topic_prefix, group, at, offsets, no_snapshots).view, region
+    )
     counts = ("gpus", "idle", "allocated", "degraded", "failed", "unavailable")
-    _show(items, json_, ("cluster", "region", "health", *counts),
-          lambda c: (c["cluster_id"], c["region"], c["health"], *(c[k] for k in counts)),
-          counts)
+    _show(
+        items,
+        json_,
+        ("cluster", "region", "health", *counts),
+        lambda c: (c["cluster_id"], c["region"], c["health"], *(c[k] for k in counts)),
+        counts,
+    )
 
 
 @view.command()
-def nodes(cluster: Annotated[str | None, typer.Option()] = None,
-          status: Annotated[Status | None, typer.Option()] = None,
-          label: Annotated[list[str] | None, typer.Option(metavar="KEY=VALUE")] = None,
-          topic_prefix: TopicPrefix = "fleetline", group: ViewGroup = VIEW_APP,
-          at: At = None, offsets: AtOffsets = None, no_snapshots: NoSnapshots = False,
-          json_: Json = False) -> None:
+def nodes(
+    cluster: Annotated[str | None, typer.Option()] = None,
+    status: Annotated[Status | None, typer.Option()] = None,
+    label: Annotated[list[str] | None, typer.Option(metavar="KEY=VALUE")] = None,
+    topic_prefix: TopicPrefix = "fleetline",
+    group: ViewGroup = VIEW_APP,
+    at: At = None,
+    offsets: AtOffsets = None,
+    no_snapshots: NoSnapshots = False,
+    json_: Json = False,
+) -> None:
     """Nodes, filtered by cluster, status and labels."""
     from fleetline.processors.view import read as view_read
 
     state = _rebuild(topic_prefix, group, at, offsets, no_snapshots).view
-    items = [view_read.node_data(state, n, with_gpus=False) for n in view_read.select_nodes(
-        state, cluster, str(status) if status else None, pairs(label, "--label"))]
-    _show(items, json_, ("node", "cluster", "status", "healthy GPUs"),
-          lambda n: (n["node_id"], n["cluster_id"], n["status"],
-                     f"{n['gpus_healthy']}/{n['gpu_count']}"))
+    items = [
+        view_read.node_data(state, n, with_gpus=False)
+        for n in view_read.select_nodes(
+            state, cluster, str(status) if status else None, pairs(label, "--label")
+        )
+    ]
+    _show(
+        items,
+        json_,
+        ("node", "cluster", "status", "healthy GPUs"),
+        lambda n: (
+            n["node_id"],
+            n["cluster_id"],
+            n["status"],
+            f"{n['gpus_healthy']}/{n['gpu_count']}",
+        ),
+    )
 
 
 @view.command()
-def node(node_id: Annotated[str, typer.Argument(help="the node")],
-         topic_prefix: TopicPrefix = "fleetline", group: ViewGroup = VIEW_APP,
-         at: At = None, offsets: AtOffsets = None, no_snapshots: NoSnapshots = False,
-         json_: Json = False) -> None:
+def node(
+    node_id: Annotated[str, typer.Argument(help="the node")],
+    topic_prefix: TopicPrefix = "fleetline",
+    group: ViewGroup = VIEW_APP,
+    at: At = None,
+    offsets: AtOffsets = None,
+    no_snapshots: NoSnapshots = False,
+    json_: Json = False,
+) -> None:
     """One node with its GPUs (JSON)."""
     from fleetline.processors.view import read as view_read
 
@@ -145,28 +185,51 @@ def node(node_id: Annotated[str, typer.Argument(help="the node")],
 
 
 @view.command()
-def gpus(cluster: Annotated[str | None, typer.Option()] = None,
-         health: Annotated[HealthChoice | None, typer.Option()] = None,
-         capacity: Annotated[CapacityChoice | None, typer.Option()] = None,
-         topic_prefix: TopicPrefix = "fleetline", group: ViewGroup = VIEW_APP,
-         at: At = None, offsets: AtOffsets = None, no_snapshots: NoSnapshots = False,
-         json_: Json = False) -> None:
+def gpus(
+    cluster: Annotated[str | None, typer.Option()] = None,
+    health: Annotated[HealthChoice | None, typer.Option()] = None,
+    capacity: Annotated[CapacityChoice | None, typer.Option()] = None,
+    topic_prefix: TopicPrefix = "fleetline",
+    group: ViewGroup = VIEW_APP,
+    at: At = None,
+    offsets: AtOffsets = None,
+    no_snapshots: NoSnapshots = False,
+    json_: Json = False,
+) -> None:
     """GPUs, filtered by cluster, health and capacity state."""
     from fleetline.processors.view import read as view_read
 
-    items = view_read.select_gpus(_rebuild(topic_prefix, group, at, offsets, no_snapshots).view,
-                                  cluster, str(health) if health else None,
-                                  str(capacity) if capacity else None)
-    _show(items, json_, ("GPU", "health", "cause", "capacity", "util %"),
-          lambda g: (f"{g['node_id']}/{g['gpu_index']}", g["health"], g["cause"] or "",
-                     g["capacity"], g["gpu_util_pct"]), ("util %",))
+    items = view_read.select_gpus(
+        _rebuild(topic_prefix, group, at, offsets, no_snapshots).view,
+        cluster,
+        str(health) if health else None,
+        str(capacity) if capacity else None,
+    )
+    _show(
+        items,
+        json_,
+        ("GPU", "health", "cause", "capacity", "util %"),
+        lambda g: (
+            f"{g['node_id']}/{g['gpu_index']}",
+            g["health"],
+            g["cause"] or "",
+            g["capacity"],
+            g["gpu_util_pct"],
+        ),
+        ("util %",),
+    )
 
 
 @view.command()
-def topology(cluster_id: Annotated[str, typer.Argument(help="the cluster")],
-             topic_prefix: TopicPrefix = "fleetline", group: ViewGroup = VIEW_APP,
-             at: At = None, offsets: AtOffsets = None, no_snapshots: NoSnapshots = False,
-             json_: Json = False) -> None:
+def topology(
+    cluster_id: Annotated[str, typer.Argument(help="the cluster")],
+    topic_prefix: TopicPrefix = "fleetline",
+    group: ViewGroup = VIEW_APP,
+    at: At = None,
+    offsets: AtOffsets = None,
+    no_snapshots: NoSnapshots = False,
+    json_: Json = False,
+) -> None:
     """The cluster as a tree: spines, leaves, nodes, NVLink islands (JSON)."""
     from fleetline.processors.view import read as view_read
 
@@ -175,15 +238,24 @@ def topology(cluster_id: Annotated[str, typer.Argument(help="the cluster")],
 
 
 def replay(
-    since: Since = None, until: Until = None,
-    out: Annotated[Path | None, typer.Option(
-        help="write the whole view as JSON to this file")] = None,
-    decisions: Annotated[bool, typer.Option(
-        help="refold the scheduler's request log, observing the view at every TICK's "
-        "offsets, and check each decision against the log byte for byte (exit 2 at the first "
-        "difference)")] = False,
-    topic_prefix: TopicPrefix = "fleetline", group: ViewGroup = VIEW_APP,
-    at: At = None, offsets: AtOffsets = None, no_snapshots: NoSnapshots = False,
+    since: Since = None,
+    until: Until = None,
+    out: Annotated[
+        Path | None, typer.Option(help="write the whole view as JSON to this file")
+    ] = None,
+    decisions: Annotated[
+        bool,
+        typer.Option(
+            help="refold the scheduler's request log, observing the view at every TICK's "
+            "offsets, and check each decision against the log byte for byte (exit 2 at the first "
+            "difference)"
+        ),
+    ] = False,
+    topic_prefix: TopicPrefix = "fleetline",
+    group: ViewGroup = VIEW_APP,
+    at: At = None,
+    offsets: AtOffsets = None,
+    no_snapshots: NoSnapshots = False,
     json_: Json = False,
 ) -> None:
     """Rebuild the view as it was, or list what changed between two times.
@@ -206,18 +278,32 @@ def replay(
         if not (since and until):
             raise ConfigError("--from and --to go together")
         snapshots = None if no_snapshots else view_snapshots(config, topic_prefix, group)
-        result, changes = walk(config.kafka, topics,
-                               offsets_at(config.kafka, topics, parse_time_ms(since)),
-                               offsets_at(config.kafka, topics, parse_time_ms(until)),
-                               snapshots)
+        result, changes = walk(
+            config.kafka,
+            topics,
+            offsets_at(config.kafka, topics, parse_time_ms(since)),
+            offsets_at(config.kafka, topics, parse_time_ms(until)),
+            snapshots,
+        )
         for change in changes:
-            line = {"ts": change.ts, "entity": change.entity, "id": change.entity_id,
-                    "from": change.before, "to": change.after, "cause": change.cause}
-            print(json.dumps(line) if json_ else
-                  f"{change.ts}  {change.entity:<4} {change.entity_id:<24} "
-                  f"{change.before:>11} -> {change.after:<11} {change.cause or ''}")
-        print(f"{len(changes)} changes; {result.folded} events folded in {result.seconds:.2f}s",
-              file=sys.stderr)
+            line = {
+                "ts": change.ts,
+                "entity": change.entity,
+                "id": change.entity_id,
+                "from": change.before,
+                "to": change.after,
+                "cause": change.cause,
+            }
+            print(
+                json.dumps(line)
+                if json_
+                else f"{change.ts}  {change.entity:<4} {change.entity_id:<24} "
+                f"{change.before:>11} -> {change.after:<11} {change.cause or ''}"
+            )
+        print(
+            f"{len(changes)} changes; {result.folded} events folded in {result.seconds:.2f}s",
+            file=sys.stderr,
+        )
         return
     result = _rebuild(topic_prefix, group, at, offsets, no_snapshots)
     for gap in result.gaps:
@@ -225,9 +311,18 @@ def replay(
     if out:
         out.write_text(json.dumps(view_codec.to_data(result.view), sort_keys=True))
     meta = view_read.view_meta(result.view)
-    print(json.dumps({"folded": result.folded, "dead_letters": result.dead_letters,
-                      "seconds": round(result.seconds, 3),
-                      "from_snapshots": result.snapshot_positions, **meta}, indent=2))
+    print(
+        json.dumps(
+            {
+                "folded": result.folded,
+                "dead_letters": result.dead_letters,
+                "seconds": round(result.seconds, 3),
+                "from_snapshots": result.snapshot_positions,
+                **meta,
+            },
+            indent=2,
+        )
+    )
     if not out:
         for cluster in view_read.cluster_capacity(result.view):
             cluster.pop("info")
@@ -246,11 +341,22 @@ def _replay_decisions(config: Settings, topics: Topics, group: str, no_snapshots
         result = replay_decisions(config.kafka, topics, follower.at)
     finally:
         follower.close()
-    print(json.dumps({"ok": result.ok, "requests": result.requests, "ticks": result.ticks,
-                      "decisions": result.decisions, "matched": result.matched,
-                      "first_difference": result.first_difference,
-                      "view_rebuilds": follower.rebuilds, "view_events_folded": follower.folded,
-                      "seconds": round(result.seconds, 3)}, indent=2))
+    print(
+        json.dumps(
+            {
+                "ok": result.ok,
+                "requests": result.requests,
+                "ticks": result.ticks,
+                "decisions": result.decisions,
+                "matched": result.matched,
+                "first_difference": result.first_difference,
+                "view_rebuilds": follower.rebuilds,
+                "view_events_folded": follower.folded,
+                "seconds": round(result.seconds, 3),
+            },
+            indent=2,
+        )
+    )
     return 0 if result.ok else 2
 
 

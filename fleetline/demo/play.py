@@ -74,28 +74,58 @@ class SliceResult:
 def demo_options(topics: Topics) -> Options:
     """`serve`'s services, tuned for a run of seconds: frequent snapshots and ticks, a digest
     every 10 audit links, and a simulated data mover answering prewarms."""
-    return Options(topics=topics, snapshot_interval_s=5.0, tick_interval_s=0.5,
-                   audit_digest_every=10, data_mover=True)
+    return Options(
+        topics=topics,
+        snapshot_interval_s=5.0,
+        tick_interval_s=0.5,
+        audit_digest_every=10,
+        data_mover=True,
+    )
 
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def submit_specs(settings: Settings, topics: Topics, documents: Sequence[Mapping[str, Any]],
-                 actor: str = "fleetline-run") -> list[int]:
+def submit_specs(
+    settings: Settings,
+    topics: Topics,
+    documents: Sequence[Mapping[str, Any]],
+    actor: str = "fleetline-run",
+) -> list[int]:
     specs = [parse_spec(d) for d in documents]
-    return submit(settings.kafka, topics, [
-        submit_request(spec, dict(doc), _now_ms(), uuid.uuid4().hex, actor)
-        for spec, doc in datasets_first(specs, list(documents))])
+    return submit(
+        settings.kafka,
+        topics,
+        [
+            submit_request(spec, dict(doc), _now_ms(), uuid.uuid4().hex, actor)
+            for spec, doc in datasets_first(specs, list(documents))
+        ],
+    )
 
 
-def set_policies(settings: Settings, topics: Topics, policies: Sequence[Mapping[str, Any]],
-                 actor: str = "fleetline-run") -> list[int]:
-    return submit(settings.kafka, topics, [
-        new_request("TENANT_POLICY", str(p["tenant"]), str(p["tenant"]), _now_ms(),
-                    uuid.uuid4().hex, actor=actor, spec_json=canonical_json(dict(p)))
-        for p in policies])
+def set_policies(
+    settings: Settings,
+    topics: Topics,
+    policies: Sequence[Mapping[str, Any]],
+    actor: str = "fleetline-run",
+) -> list[int]:
+    return submit(
+        settings.kafka,
+        topics,
+        [
+            new_request(
+                "TENANT_POLICY",
+                str(p["tenant"]),
+                str(p["tenant"]),
+                _now_ms(),
+                uuid.uuid4().hex,
+                actor=actor,
+                spec_json=canonical_json(dict(p)),
+            )
+            for p in policies
+        ],
+    )
 
 
 def settle(fleet: Fleetline, keys: set[str], timeout_s: float = 60.0) -> None:
@@ -119,12 +149,14 @@ def settle(fleet: Fleetline, keys: set[str], timeout_s: float = 60.0) -> None:
 
 
 def _gpus(job: Mapping[str, Any]) -> int:
-    return sum(bin(mask).count("1") for nodes in job["allocation"].values()
-               for mask in nodes.values())
+    return sum(
+        bin(mask).count("1") for nodes in job["allocation"].values() for mask in nodes.values()
+    )
 
 
-def wait_drained(fleet: Fleetline, processed: int, telemetry: int,
-                 timeout_s: float = 120.0) -> None:
+def wait_drained(
+    fleet: Fleetline, processed: int, telemetry: int, timeout_s: float = 120.0
+) -> None:
     """Until the view has handled `processed` messages and the sample sink `telemetry`."""
     deadline = time.monotonic() + timeout_s
     view, sink = fleet.view.loop.stats, fleet.samples.stats
@@ -133,23 +165,37 @@ def wait_drained(fleet: Fleetline, processed: int, telemetry: int,
         if view.messages >= processed and sink.messages >= telemetry:
             return
         time.sleep(0.1)
-    raise StreamError(f"timed out: the view handled {view.messages}/{processed}, the sample "
-                      f"sink {sink.messages}/{telemetry} messages")
+    raise StreamError(
+        f"timed out: the view handled {view.messages}/{processed}, the sample "
+        f"sink {sink.messages}/{telemetry} messages"
+    )
 
 
 def call_api(fleet: Fleetline) -> list[tuple[str, int]]:
     """Serve the HTTP API on a loopback port for a moment and call it as a tenant's viewer
     would, plus two calls that must be refused; every call lands in the audit log."""
     token = "fl_" + secrets.token_urlsafe(24)
-    auth = Authenticator(AuthConfig.from_data({"tokens": [
-        {"name": "viewer@acme", "sha256": token_digest(token), "role": "viewer",
-         "tenant": "acme"}]}))
+    auth = Authenticator(
+        AuthConfig.from_data(
+            {
+                "tokens": [
+                    {
+                        "name": "viewer@acme",
+                        "sha256": token_digest(token),
+                        "role": "viewer",
+                        "tenant": "acme",
+                    }
+                ]
+            }
+        )
+    )
     emitter = KafkaAuditEmitter(fleet.settings.kafka, fleet.topics)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(fleet.api(auth, emitter), host="127.0.0.1",
-                                           port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(fleet.api(auth, emitter), host="127.0.0.1", port=port, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     calls = []
@@ -157,10 +203,14 @@ def call_api(fleet: Fleetline) -> list[tuple[str, int]]:
         deadline = time.monotonic() + 20
         while not server.started and time.monotonic() < deadline:
             time.sleep(0.05)
-        for path, bearer in (("/v1/clusters", token), ("/v1/allocations?tenant=globex", token),
-                             ("/v1/clusters", "fl_guess")):
-            request = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
-                                             headers={"Authorization": f"Bearer {bearer}"})
+        for path, bearer in (
+            ("/v1/clusters", token),
+            ("/v1/allocations?tenant=globex", token),
+            ("/v1/clusters", "fl_guess"),
+        ):
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}{path}", headers={"Authorization": f"Bearer {bearer}"}
+            )
             try:
                 with urllib.request.urlopen(request, timeout=10) as response:
                     json.loads(response.read())
@@ -186,9 +236,14 @@ def verify_audit(fleet: Fleetline, events: int, timeout_s: float = 60.0) -> dict
             break
         time.sleep(0.2)
     report = verify([export_entry(r, reveal_sensitive=True) for r in records], keys)
-    return {"links": report.checked, "digests": report.digests, "ok": report.ok,
-            "first_broken": report.first_broken, "unsigned_tail": report.unsigned_tail,
-            "key_id": fleet.signer.key_id}
+    return {
+        "links": report.checked,
+        "digests": report.digests,
+        "ok": report.ok,
+        "first_broken": report.first_broken,
+        "unsigned_tail": report.unsigned_tail,
+        "key_id": fleet.signer.key_id,
+    }
 
 
 UTILISATION_QUERY = """
@@ -215,16 +270,29 @@ def scheduling_summary(fleet: Fleetline) -> dict[str, Any]:
     finally:
         follower.close()
     return {
-        "decisions": [(d["decision_id"], d["job"], d["outcome"],
-                       ",".join(p["cluster_id"] for p in d["placements"]) or "-", d["reason"])
-                      for d in decisions],
-        "jobs": [(j["key"], j["phase"], ",".join(sorted(j["allocation"])) or "-", _gpus(j))
-                 for j in jobs],
+        "decisions": [
+            (
+                d["decision_id"],
+                d["job"],
+                d["outcome"],
+                ",".join(p["cluster_id"] for p in d["placements"]) or "-",
+                d["reason"],
+            )
+            for d in decisions
+        ],
+        "jobs": [
+            (j["key"], j["phase"], ",".join(sorted(j["allocation"])) or "-", _gpus(j)) for j in jobs
+        ],
         "waiting": None if waiting is None else waiting.get("explanation"),
-        "replay": {"ok": replayed.ok, "requests": replayed.requests, "ticks": replayed.ticks,
-                   "matched": replayed.matched, "decisions": replayed.decisions,
-                   "first_difference": replayed.first_difference,
-                   "seconds": round(replayed.seconds, 2)},
+        "replay": {
+            "ok": replayed.ok,
+            "requests": replayed.requests,
+            "ticks": replayed.ticks,
+            "matched": replayed.matched,
+            "decisions": replayed.decisions,
+            "first_difference": replayed.first_difference,
+            "seconds": round(replayed.seconds, 2),
+        },
     }
 
 
@@ -240,8 +308,12 @@ def ready_queries(fleet: Fleetline, decisions: int, since_ms: int) -> dict[str, 
     while step.stats.records < decisions and time.monotonic() < deadline:
         time.sleep(0.1)
     settings = fleet.settings
-    store = TieredStore(fleet.clickhouse, settings.clickhouse_database,
-                        ObjectStore.from_settings(settings.s3), settings.s3)
+    store = TieredStore(
+        fleet.clickhouse,
+        settings.clickhouse_database,
+        ObjectStore.from_settings(settings.s3),
+        settings.s3,
+    )
     out = {}
     for name in ("job-wait-times", "utilisation-by-tenant"):
         result = fleet.clickhouse.query(store.tiered_sql(ready_sql(name, str(since_ms), None)))
@@ -250,18 +322,25 @@ def ready_queries(fleet: Fleetline, decisions: int, since_ms: int) -> dict[str, 
 
 
 def _fault_note(kind: str, target: str, value: float) -> str:
-    return {"node_down": f"{target} went DOWN",
-            "rdma_loss": f"leaf switch {target} drops {value:.0%} of RDMA packets",
-            "xid": f"GPU {target} raised XID {value:g}",
-            "ecc_dbe": f"GPU {target} had a double-bit ECC error",
-            "nvlink_errors": f"GPU {target}'s NVLink errors rise by {value:g} an interval",
-            "cluster_link_loss": f"cluster {target} lost its link to the control plane",
-            }[kind]
+    return {
+        "node_down": f"{target} went DOWN",
+        "rdma_loss": f"leaf switch {target} drops {value:.0%} of RDMA packets",
+        "xid": f"GPU {target} raised XID {value:g}",
+        "ecc_dbe": f"GPU {target} had a double-bit ECC error",
+        "nvlink_errors": f"GPU {target}'s NVLink errors rise by {value:g} an interval",
+        "cluster_link_loss": f"cluster {target} lost its link to the control plane",
+    }[kind]
 
 
-def play(settings: Settings, scenario: Scenario, *, start_ms: int, realtime: bool,
-         topics: Topics | None = None,
-         progress: Callable[[str], None] = lambda line: None) -> SliceResult:
+def play(
+    settings: Settings,
+    scenario: Scenario,
+    *,
+    start_ms: int,
+    realtime: bool,
+    topics: Topics | None = None,
+    progress: Callable[[str], None] = lambda line: None,
+) -> SliceResult:
     """Run the scenario for its intervals of event time and return what every stage saw."""
     topics = topics or Topics()
     interval = scenario.interval_ms
@@ -269,8 +348,9 @@ def play(settings: Settings, scenario: Scenario, *, start_ms: int, realtime: boo
     began = time.monotonic()
     fleet = build(settings, demo_options(topics)).start()
     timings["pipeline_start_s"] = time.monotonic() - began
-    simulator = FleetSimulator([p.spec for p in scenario.clusters], seed=scenario.seed,
-                               interval_ms=interval)
+    simulator = FleetSimulator(
+        [p.spec for p in scenario.clusters], seed=scenario.seed, interval_ms=interval
+    )
     for fault in scenario.faults_in(simulator, start_ms):
         simulator.add_fault(fault)
     state_dir = Path(tempfile.mkdtemp(prefix="fleetline-agents-"))
@@ -282,8 +362,11 @@ def play(settings: Settings, scenario: Scenario, *, start_ms: int, realtime: boo
     try:
         began = time.monotonic()
         for record in scenario.cluster_facts(1, start_ms):
-            injector.produce(topics.clusters, key=record["cluster_id"].encode(),
-                             value=codec.encode("ClusterInfo", record))
+            injector.produce(
+                topics.clusters,
+                key=record["cluster_id"].encode(),
+                value=codec.encode("ClusterInfo", record),
+            )
         states = agent.start(start_ms)
         telemetry = malformed = 0
         submitted: set[str] = set()
@@ -295,14 +378,19 @@ def play(settings: Settings, scenario: Scenario, *, start_ms: int, realtime: boo
             telemetry += sent["telemetry"]
             for fault in simulator.faults:
                 if fault.start_ms == ts:
-                    progress(f"t+{tick * interval / 1000:.0f}s: "
-                             + _fault_note(fault.kind, fault.target, fault.value))
+                    progress(
+                        f"t+{tick * interval / 1000:.0f}s: "
+                        + _fault_note(fault.kind, fault.target, fault.value)
+                    )
             event = events.get(tick)
             if event is not None:
                 for bad in event.malformed:
                     topic = getattr(topics, str(bad.get("topic", "telemetry")))
-                    injector.produce(topic, key=str(bad.get("key", "")).encode(),
-                                     value=str(bad.get("value", "")).encode("latin-1"))
+                    injector.produce(
+                        topic,
+                        key=str(bad.get("key", "")).encode(),
+                        value=str(bad.get("value", "")).encode("latin-1"),
+                    )
                     malformed += 1
                 injector.flush(30)
                 if event.tenant_policies:
@@ -324,33 +412,43 @@ def play(settings: Settings, scenario: Scenario, *, start_ms: int, realtime: boo
         injector.flush(30)
         timings["produce_s"] = time.monotonic() - began
         began = time.monotonic()
-        telemetry_malformed = sum(1 for e in scenario.events for bad in e.malformed
-                                  if bad.get("topic", "telemetry") == "telemetry")
-        wait_drained(fleet, processed=states + telemetry + malformed + len(scenario.clusters),
-                     telemetry=telemetry + telemetry_malformed)
+        telemetry_malformed = sum(
+            1
+            for e in scenario.events
+            for bad in e.malformed
+            if bad.get("topic", "telemetry") == "telemetry"
+        )
+        wait_drained(
+            fleet,
+            processed=states + telemetry + malformed + len(scenario.clusters),
+            telemetry=telemetry + telemetry_malformed,
+        )
         settle(fleet, submitted)
         timings["drain_s"] = time.monotonic() - began
         now = fleet.view.read(view_read.cluster_capacity)
         unhealthy = fleet.view.read(
-            lambda v: [g for g in view_read.select_gpus(v) if g["health"] != "healthy"])
-        rows = fleet.clickhouse.query(UTILISATION_QUERY, parameters={
-            "db": settings.clickhouse_database, "start_ms": start_ms}).result_rows
+            lambda v: [g for g in view_read.select_gpus(v) if g["health"] != "healthy"]
+        )
+        rows = fleet.clickhouse.query(
+            UTILISATION_QUERY, parameters={"db": settings.clickhouse_database, "start_ms": start_ms}
+        ).result_rows
         fleet.view.snapshot()
         snapshots = fleet.snapshots
-        keys = [info.blob_key for part in sorted(fleet.view.parts)
-                for info in snapshots.list(part)[-1:]]
+        keys = [
+            info.blob_key for part in sorted(fleet.view.parts) for info in snapshots.list(part)[-1:]
+        ]
         # Time travel: the view as it stood half-way, from the newest snapshots before that
         # moment plus the log after them.
         began = time.monotonic()
-        replayed = rebuild(settings.kafka, topics, offsets_at(settings.kafka, topics,
-                                                              half_way_ms), snapshots)
+        replayed = rebuild(
+            settings.kafka, topics, offsets_at(settings.kafka, topics, half_way_ms), snapshots
+        )
         timings["replay_s"] = time.monotonic() - began
         api_calls = call_api(fleet)
         audit = verify_audit(fleet, len(api_calls))
         began = time.monotonic()
         scheduling = scheduling_summary(fleet)
-        scheduling["ready_queries"] = ready_queries(fleet, len(scheduling["decisions"]),
-                                                    start_ms)
+        scheduling["ready_queries"] = ready_queries(fleet, len(scheduling["decisions"]), start_ms)
         timings["decision_replay_s"] = time.monotonic() - began
     finally:
         agent.close()
@@ -363,13 +461,16 @@ def play(settings: Settings, scenario: Scenario, *, start_ms: int, realtime: boo
         clusters=now,
         unhealthy_gpus=unhealthy,
         half_way_clusters=view_read.cluster_capacity(replayed.view),
-        half_way_replay={"at_ms": half_way_ms, "folded": replayed.folded,
-                         "from_snapshots": replayed.snapshot_positions,
-                         "view_version": replayed.view.version},
+        half_way_replay={
+            "at_ms": half_way_ms,
+            "folded": replayed.folded,
+            "from_snapshots": replayed.snapshot_positions,
+            "view_version": replayed.view.version,
+        },
         processor_dead_letters=fleet.view.loop.stats.dead_letters,
         sink_rows=fleet.sample_sink.stats.rows,
         sink_dead_letters=fleet.sample_sink.stats.dead_letters,
-        query_rows=rows,
+        query_rows=[tuple(row) for row in rows],
         snapshots=[f"s3://{snapshots.blobs.store.bucket}/{key}" for key in keys],
         api_calls=api_calls,
         audit=audit,
@@ -381,5 +482,6 @@ def play(settings: Settings, scenario: Scenario, *, start_ms: int, realtime: boo
 def _view_line(clusters: list[dict[str, Any]]) -> str:
     return "  ".join(
         f"{c['cluster_id']}: {c['gpus']} GPUs, {c['idle']} idle, {c['degraded']} degraded, "
-        f"{c['nodes_down']} nodes down" for c in clusters
+        f"{c['nodes_down']} nodes down"
+        for c in clusters
     )

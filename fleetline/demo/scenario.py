@@ -75,17 +75,23 @@ class Scenario:
     events: tuple[Event, ...] = ()
     source: Path | None = field(default=None, compare=False)
 
-    def sized(self, *, nodes: int | None = None, clusters: int | None = None,
-              ticks: int | None = None) -> Scenario:
+    def sized(
+        self, *, nodes: int | None = None, clusters: int | None = None, ticks: int | None = None
+    ) -> Scenario:
         """The scenario with another fleet size or length (`fleetline run`'s flags); faults
         on clusters left out are left out."""
         plans = self.clusters[:clusters] if clusters else self.clusters
         if nodes is not None:
             plans = tuple(replace(p, spec=replace(p.spec, nodes=nodes)) for p in plans)
         kept = {p.spec.cluster_id for p in plans}
-        return replace(self, clusters=plans, ticks=ticks or self.ticks,
-                       faults=tuple(f for f in self.faults if _cluster_of(f) in kept
-                                    or _cluster_of(f) is None))
+        return replace(
+            self,
+            clusters=plans,
+            ticks=ticks or self.ticks,
+            faults=tuple(
+                f for f in self.faults if _cluster_of(f) in kept or _cluster_of(f) is None
+            ),
+        )
 
     def tick_of(self, expression: str) -> int:
         """The interval an `at` expression names, for this scenario's length."""
@@ -94,18 +100,31 @@ class Scenario:
     def latency(self, region: str, other: str) -> float:
         if region == other:
             return 0.5
-        return self.region_latency_ms.get((region, other),
-                                          self.region_latency_ms.get((other, region), 150.0))
+        return self.region_latency_ms.get(
+            (region, other), self.region_latency_ms.get((other, region), 150.0)
+        )
 
     def cluster_facts(self, seq: int, ts_ms: int) -> list[dict[str, Any]]:
         """A ClusterInfo record per cluster: what its operator declares."""
-        regions = sorted({r for pair in self.region_latency_ms for r in pair}
-                         | {p.spec.region for p in self.clusters})
-        return [{"cluster_id": p.spec.cluster_id, "region": p.spec.region, "seq": seq,
-                 "ts": ts_ms, "kind": p.kind, "price_per_gpu_hour": p.price_per_gpu_hour,
-                 "energy_price_per_kwh": p.energy_price_per_kwh, "pue": p.pue,
-                 "link_latency_ms": {r: self.latency(p.spec.region, r) for r in regions},
-                 "retired": False} for p in self.clusters]
+        regions = sorted(
+            {r for pair in self.region_latency_ms for r in pair}
+            | {p.spec.region for p in self.clusters}
+        )
+        return [
+            {
+                "cluster_id": p.spec.cluster_id,
+                "region": p.spec.region,
+                "seq": seq,
+                "ts": ts_ms,
+                "kind": p.kind,
+                "price_per_gpu_hour": p.price_per_gpu_hour,
+                "energy_price_per_kwh": p.energy_price_per_kwh,
+                "pue": p.pue,
+                "link_latency_ms": {r: self.latency(p.spec.region, r) for r in regions},
+                "retired": False,
+            }
+            for p in self.clusters
+        ]
 
     def faults_in(self, simulator: FleetSimulator, start_ms: int) -> list[Fault]:
         """The scenario's faults with their targets found in the simulated fleet."""
@@ -140,8 +159,7 @@ def _nth(simulator: FleetSimulator, where: Mapping[str, Any], key: str, what: st
     nodes = [n for n in simulator.nodes if n.cluster_id == cluster]
     index = where.get(key, 0)
     if not nodes or not isinstance(index, int) or not -len(nodes) <= index < len(nodes):
-        raise ConfigError(f"{what}: no node {index!r} in cluster {cluster!r} "
-                          f"({len(nodes)} nodes)")
+        raise ConfigError(f"{what}: no node {index!r} in cluster {cluster!r} ({len(nodes)} nodes)")
     return nodes[index].node_id
 
 
@@ -180,15 +198,31 @@ def _list(value: Any, where: str) -> Sequence[Any]:
 def _cluster(item: Any, number: int) -> ClusterPlan:
     where = f"clusters[{number}]"
     data = _mapping(item, where)
-    _known(data, {"id", "region", "nodes", "model", "nodes_per_leaf", "kind",
-                  "price_per_gpu_hour", "energy_price_per_kwh", "pue"}, where)
+    _known(
+        data,
+        {
+            "id",
+            "region",
+            "nodes",
+            "model",
+            "nodes_per_leaf",
+            "kind",
+            "price_per_gpu_hour",
+            "energy_price_per_kwh",
+            "pue",
+        },
+        where,
+    )
     try:
-        spec = ClusterSpec(str(data["id"]), str(data["region"]), int(data.get("nodes", 4)),
-                           **({"model": str(data["model"])} if "model" in data else {}),
-                           **({"nodes_per_leaf": int(data["nodes_per_leaf"])}
-                              if "nodes_per_leaf" in data else {}))
-        numbers = {name: None if data.get(name) is None else float(data[name])
-                   for name in ("price_per_gpu_hour", "energy_price_per_kwh", "pue")}
+        spec = ClusterSpec(str(data["id"]), str(data["region"]), int(data.get("nodes", 4)))
+        if "model" in data:
+            spec = replace(spec, model=str(data["model"]))
+        if "nodes_per_leaf" in data:
+            spec = replace(spec, nodes_per_leaf=int(data["nodes_per_leaf"]))
+        numbers = {
+            name: None if data.get(name) is None else float(data[name])
+            for name in ("price_per_gpu_hour", "energy_price_per_kwh", "pue")
+        }
     except KeyError as exc:
         raise ConfigError(f"{where}: {exc.args[0]} is required") from None
     except (TypeError, ValueError) as exc:
@@ -204,8 +238,9 @@ def _fault(item: Any, number: int) -> FaultPlan:
     data = _mapping(item, where)
     _known(data, {"kind", "at", "for", "value", *_SELECTORS}, where)
     if data.get("kind") not in FAULT_KINDS:
-        raise ConfigError(f"{where}: kind must be one of {', '.join(FAULT_KINDS)}, "
-                          f"got {data.get('kind')!r}")
+        raise ConfigError(
+            f"{where}: kind must be one of {', '.join(FAULT_KINDS)}, got {data.get('kind')!r}"
+        )
     chosen = [s for s in _SELECTORS if s in data]
     if len(chosen) != 1:
         raise ConfigError(f"{where}: name the target once, as one of {', '.join(_SELECTORS)}")
@@ -218,8 +253,9 @@ def _fault(item: Any, number: int) -> FaultPlan:
         value = float(data.get("value", 0.0))
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    return FaultPlan(str(data["kind"]), data[selector], selector, str(data.get("at", 0)), lasts,
-                     value)
+    return FaultPlan(
+        str(data["kind"]), data[selector], selector, str(data.get("at", 0)), lasts, value
+    )
 
 
 def _event(item: Any, number: int) -> Event:
@@ -234,19 +270,34 @@ def _event(item: Any, number: int) -> Event:
             _mapping(entry, f"{where}.{name}[{index}]")
     for index, bad in enumerate(_list(data.get("malformed"), f"{where}.malformed")):
         _known(bad, {"topic", "key", "value"}, f"{where}.malformed[{index}]")
-    return Event(str(data["at"]), data.get("note"),
-                 tuple(_list(data.get("tenant_policies"), where)),
-                 tuple(_list(data.get("apply"), where)),
-                 tuple(_list(data.get("malformed"), where)))
+    return Event(
+        str(data["at"]),
+        data.get("note"),
+        tuple(_list(data.get("tenant_policies"), where)),
+        tuple(_list(data.get("apply"), where)),
+        tuple(_list(data.get("malformed"), where)),
+    )
 
 
 def parse(data: Any, name: str = "scenario", source: Path | None = None) -> Scenario:
     """A scenario from parsed YAML; ConfigError names what is wrong and where."""
     top = _mapping(data, name)
-    _known(top, {"name", "description", "seed", "ticks", "interval_ms", "clusters",
-                 "region_latency_ms", "faults", "timeline"}, name)
-    clusters = tuple(_cluster(c, i) for i, c in enumerate(_list(top.get("clusters"),
-                                                                "clusters")))
+    _known(
+        top,
+        {
+            "name",
+            "description",
+            "seed",
+            "ticks",
+            "interval_ms",
+            "clusters",
+            "region_latency_ms",
+            "faults",
+            "timeline",
+        },
+        name,
+    )
+    clusters = tuple(_cluster(c, i) for i, c in enumerate(_list(top.get("clusters"), "clusters")))
     if not clusters:
         raise ConfigError(f"{name}: a scenario needs at least one cluster")
     latency: dict[tuple[str, str], float] = {}
@@ -261,13 +312,17 @@ def parse(data: Any, name: str = "scenario", source: Path | None = None) -> Scen
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{name}: {exc}") from None
     return Scenario(
-        name=str(top.get("name", name)), description=str(top.get("description", "")),
-        seed=seed, ticks=ticks, interval_ms=interval_ms, clusters=clusters,
+        name=str(top.get("name", name)),
+        description=str(top.get("description", "")),
+        seed=seed,
+        ticks=ticks,
+        interval_ms=interval_ms,
+        clusters=clusters,
         region_latency_ms=latency,
         faults=tuple(_fault(f, i) for i, f in enumerate(_list(top.get("faults"), "faults"))),
-        events=tuple(_event(e, i) for i, e in enumerate(_list(top.get("timeline"),
-                                                              "timeline"))),
-        source=source)
+        events=tuple(_event(e, i) for i, e in enumerate(_list(top.get("timeline"), "timeline"))),
+        source=source,
+    )
 
 
 def available() -> list[str]:
@@ -280,8 +335,10 @@ def load(name_or_path: str) -> Scenario:
     if not path.suffix:
         path = SCENARIO_DIR / f"{name_or_path}.yaml"
     if not path.exists():
-        raise ConfigError(f"no scenario {name_or_path!r}; known: {', '.join(available())} "
-                          "(or give a YAML file's path)")
+        raise ConfigError(
+            f"no scenario {name_or_path!r}; known: {', '.join(available())} "
+            "(or give a YAML file's path)"
+        )
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:

@@ -62,11 +62,16 @@ class KafkaBroker:
         shutil.rmtree(self.libs_dir, ignore_errors=True)
         run_checked(
             [
-                "mvn", "-q", "-B", "-f", str(POM),
+                "mvn",
+                "-q",
+                "-B",
+                "-f",
+                str(POM),
                 f"-Dmaven.repo.local={self.cache_dir / 'm2'}",
                 f"-Dkafka.version={KAFKA_VERSION}",
                 "dependency:copy-dependencies",
-                f"-DoutputDirectory={self.libs_dir}", "-DincludeScope=runtime",
+                f"-DoutputDirectory={self.libs_dir}",
+                "-DincludeScope=runtime",
             ],
             what="fetching the Kafka broker jars",
             log=self.cache_dir / "logs" / "kafka-fetch.log",
@@ -104,8 +109,16 @@ class KafkaBroker:
         return "".join(f"{key}={value}\n" for key, value in lines.items())
 
     def _java(self, main: str, *args: str) -> list[str]:
-        return ["java", f"-Xms{self.heap}", f"-Xmx{self.heap}",
-                f"-Dlog4j2.configurationFile={LOG4J}", "-cp", f"{self.libs_dir}/*", main, *args]
+        return [
+            "java",
+            f"-Xms{self.heap}",
+            f"-Xmx{self.heap}",
+            f"-Dlog4j2.configurationFile={LOG4J}",
+            "-cp",
+            f"{self.libs_dir}/*",
+            main,
+            *args,
+        ]
 
     def format(self) -> bool:
         """Format KRaft storage once; True if it was formatted now."""
@@ -117,8 +130,12 @@ class KafkaBroker:
         cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
         run_checked(
             # The = form: a base64 id may start with "-", which argparse would take for an option.
-            self._java("kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}",
-                       f"--config={config}"),
+            self._java(
+                "kafka.tools.StorageTool",
+                "format",
+                f"--cluster-id={cluster_id}",
+                f"--config={config}",
+            ),
             what="formatting Kafka KRaft storage",
         )
         return True

@@ -48,8 +48,9 @@ class ServiceProcess:
     def answers(self) -> bool:
         return port_open(self.host, self.port)
 
-    def start(self, argv: Sequence[str], *, env: dict[str, str] | None = None,
-              timeout_s: float = 90.0) -> float:
+    def start(
+        self, argv: Sequence[str], *, env: dict[str, str] | None = None, timeout_s: float = 90.0
+    ) -> float:
         """Start the service unless it already runs; return the seconds until its port answered."""
         if self.pid() is not None and self.answers():
             return 0.0
@@ -63,8 +64,12 @@ class ServiceProcess:
             # A new session so the service outlives the command that started it (the README's
             # `fleetline infra start`) and a Ctrl-C in that terminal does not reach it.
             proc = subprocess.Popen(
-                list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, **(env or {})}, start_new_session=True,
+                list(argv),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,
             )
         self.pid_file.write_text(str(proc.pid))
         deadline = began + timeout_s
@@ -120,11 +125,21 @@ def port_open(host: str, port: int, timeout_s: float = 0.5) -> bool:
         return False
 
 
-def run_checked(argv: Sequence[str], *, what: str, cwd: Path | None = None,
-                env: dict[str, str] | None = None, log: Path | None = None) -> None:
+def run_checked(
+    argv: Sequence[str],
+    *,
+    what: str,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    log: Path | None = None,
+) -> None:
     """Run a setup command to completion; on failure raise with its exact command and output."""
     result = subprocess.run(
-        list(argv), cwd=cwd, env={**os.environ, **(env or {})}, capture_output=True, text=True,
+        list(argv),
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
         check=False,
     )
     if log is not None:

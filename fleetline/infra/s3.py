@@ -65,8 +65,16 @@ class ObjectStoreServer:
         self.build()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         return self.process.start(
-            [str(self.binary), "--port", f"{self.host}:{self.port}", "--region", self.region,
-             "--quiet", "posix", str(self.data_dir)],
+            [
+                str(self.binary),
+                "--port",
+                f"{self.host}:{self.port}",
+                "--region",
+                self.region,
+                "--quiet",
+                "posix",
+                str(self.data_dir),
+            ],
             # Credentials through the environment keep them out of `ps` output.
             env={"ROOT_ACCESS_KEY_ID": self.access_key, "ROOT_SECRET_ACCESS_KEY": self.secret_key},
             timeout_s=timeout_s,

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import KafkaError, TopicPartition
+from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from fleetline.config import KafkaSettings
 from fleetline.errors import InvalidEventError, StreamError
@@ -31,18 +31,17 @@ from fleetline.processors.view.folder import PartFolder
 from fleetline.processors.view.snapshots import ViewSnapshots
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.events import SCHEDULER_REQUEST
-from fleetline.streams.records import Offsets
+from fleetline.streams.records import Offsets, where
 from fleetline.streams.serde import AvroCodec, default_codec
 from fleetline.streams.topics import Topics
 
 log = logging.getLogger(__name__)
 
 
-
 def view_partitions(kafka: KafkaSettings, topics: Topics) -> list[TopicPartition]:
     admin = kafka_clients.admin_client(kafka)
     metadata = admin.list_topics(timeout=30)
-    out = []
+    out: list[TopicPartition] = []
     for topic in (*topics.node_topics, *topics.fleet_topics):
         meta = metadata.topics.get(topic)
         if meta is None or meta.error is not None:
@@ -51,7 +50,7 @@ def view_partitions(kafka: KafkaSettings, topics: Topics) -> list[TopicPartition
     return out
 
 
-def _consumer(kafka: KafkaSettings):
+def _consumer(kafka: KafkaSettings) -> Consumer:
     return kafka_clients.consumer(kafka, f"fleetline-replay-{uuid.uuid4().hex[:12]}")
 
 
@@ -109,11 +108,15 @@ def _part_partitions(folder: PartFolder, target: Offsets) -> dict[str, Offsets]:
     return out
 
 
-def rebuild(kafka: KafkaSettings, topics: Topics, target: Offsets,
-            snapshots: ViewSnapshots | None = None,
-            policy: HealthPolicy | None = None,
-            on_batch: Callable[[dict[str, ResourceView]], None] | None = None,
-            start: dict[str, ResourceView] | None = None) -> Replay:
+def rebuild(
+    kafka: KafkaSettings,
+    topics: Topics,
+    target: Offsets,
+    snapshots: ViewSnapshots | None = None,
+    policy: HealthPolicy | None = None,
+    on_batch: Callable[[dict[str, ResourceView]], None] | None = None,
+    start: dict[str, ResourceView] | None = None,
+) -> Replay:
     """Fold the log up to `target` (exclusive offsets): from `start` parts if given, else from
     each part's newest snapshot within the target (when `snapshots` is given), else from the
     beginning of the log."""
@@ -138,14 +141,16 @@ def rebuild(kafka: KafkaSettings, topics: Topics, target: Offsets,
     remaining: dict[tuple[str, int], int] = {}
     for topic, ps in target.items():
         for partition, end in ps.items():
-            part = parts[folder.part_of(topic, partition)]
-            begin = part.offsets.get(topic, {}).get(partition)
+            folded = parts[folder.part_of(topic, partition)]
+            begin = folded.offsets.get(topic, {}).get(partition)
             first = low.get(topic, {}).get(partition, 0)
             if begin is None:
                 begin = first
                 if first > 0:
-                    result.gaps.append(f"{topic}[{partition}] starts at offset {first}: earlier "
-                                       "events were removed by retention or compaction")
+                    result.gaps.append(
+                        f"{topic}[{partition}] starts at offset {first}: earlier "
+                        "events were removed by retention or compaction"
+                    )
             if begin < end:
                 assignment.append(TopicPartition(topic, partition, begin))
                 remaining[(topic, partition)] = end
@@ -182,9 +187,14 @@ def rebuild(kafka: KafkaSettings, topics: Topics, target: Offsets,
     return result
 
 
-def walk(kafka: KafkaSettings, topics: Topics, begin: Offsets, end: Offsets,
-         snapshots: ViewSnapshots | None = None,
-         policy: HealthPolicy | None = None) -> tuple[Replay, list[Change]]:
+def walk(
+    kafka: KafkaSettings,
+    topics: Topics,
+    begin: Offsets,
+    end: Offsets,
+    snapshots: ViewSnapshots | None = None,
+    policy: HealthPolicy | None = None,
+) -> tuple[Replay, list[Change]]:
     """The view at `begin`, then every change between `begin` and `end`: GPU health and node
     state transitions from the fold, and nodes becoming unreachable (or reachable again) as
     event time moves on."""
@@ -203,9 +213,16 @@ def walk(kafka: KafkaSettings, topics: Topics, begin: Offsets, end: Offsets,
         for node_id, status in now.items():
             before = statuses.get(node_id)
             if before is not None and before != status and "UNREACHABLE" in (before, status):
-                changes.append(Change(view.watermark_ms, "node", node_id, before, status,
-                                      "heartbeats stopped" if status == "UNREACHABLE"
-                                      else "heard from again"))
+                changes.append(
+                    Change(
+                        view.watermark_ms,
+                        "node",
+                        node_id,
+                        before,
+                        status,
+                        "heartbeats stopped" if status == "UNREACHABLE" else "heard from again",
+                    )
+                )
         statuses = now
 
     second = rebuild(kafka, topics, end, None, policy, on_batch=on_batch, start=first.parts)
@@ -218,9 +235,9 @@ def _statuses(view: ResourceView) -> dict[str, str]:
     return {node_id: node_status(view, node) for node_id, node in view.nodes.items()}
 
 
-
-def _below_targets(consumer: Any, messages: list[Any], remaining: dict[tuple[str, int], int],
-                   pause: bool) -> list[Any]:
+def _below_targets(
+    consumer: Any, messages: list[Any], remaining: dict[tuple[str, int], int], pause: bool
+) -> list[Any]:
     """The messages before their partition's target; a partition whose target is reached
     leaves `remaining` (and is paused, if asked)."""
     keep = []
@@ -259,9 +276,13 @@ class ViewFollower:
     between the two positions are folded.
     """
 
-    def __init__(self, kafka: KafkaSettings, topics: Topics,
-                 snapshots: ViewSnapshots | None = None,
-                 policy: HealthPolicy | None = None) -> None:
+    def __init__(
+        self,
+        kafka: KafkaSettings,
+        topics: Topics,
+        snapshots: ViewSnapshots | None = None,
+        policy: HealthPolicy | None = None,
+    ) -> None:
         self.kafka = kafka
         self.topics = topics
         self.snapshots = snapshots
@@ -276,26 +297,34 @@ class ViewFollower:
         self._consumer.close()
 
     def at(self, target: Offsets) -> ResourceView:
-        behind = any(offset < self.position.get(t, {}).get(p, 0)
-                     for t, ps in target.items() for p, offset in ps.items())
+        behind = any(
+            offset < self.position.get(t, {}).get(p, 0)
+            for t, ps in target.items()
+            for p, offset in ps.items()
+        )
         if self.parts is None or behind:
-            result = rebuild(self.kafka, self.topics, target, self.snapshots,
-                             self.folder.policy)
+            result = rebuild(self.kafka, self.topics, target, self.snapshots, self.folder.policy)
             self.parts = result.parts
             self.rebuilds += 1
             self.folded += result.folded
             self.position = {t: dict(ps) for t, ps in target.items()}
             return result.view
-        remaining = {(t, p): end for t, ps in target.items() for p, end in ps.items()
-                     if end > self.position.get(t, {}).get(p, 0)}
+        remaining = {
+            (t, p): end
+            for t, ps in target.items()
+            for p, end in ps.items()
+            if end > self.position.get(t, {}).get(p, 0)
+        }
         if remaining:
-            self._consumer.assign([TopicPartition(t, p, self.position.get(t, {}).get(p, 0))
-                                   for t, p in remaining])
+            self._consumer.assign(
+                [TopicPartition(t, p, self.position.get(t, {}).get(p, 0)) for t, p in remaining]
+            )
             idle_since = time.monotonic()
             while remaining:
                 # Past a target a message is left: it is fetched again from there next time.
-                keep = _below_targets(self._consumer, self._consumer.consume(5000, 0.05),
-                                      remaining, pause=False)
+                keep = _below_targets(
+                    self._consumer, self._consumer.consume(5000, 0.05), remaining, pause=False
+                )
                 if keep:
                     idle_since = time.monotonic()
                     self.folder.fold(self.parts, keep)
@@ -333,10 +362,13 @@ class DecisionReplay:
         return self.first_difference is None
 
 
-def replay_decisions(kafka: KafkaSettings, topics: Topics,
-                     view_at: Callable[[Offsets], ResourceView],
-                     policy: SchedulingPolicy | None = None,
-                     codec: AvroCodec | None = None) -> DecisionReplay:
+def replay_decisions(
+    kafka: KafkaSettings,
+    topics: Topics,
+    view_at: Callable[[Offsets], ResourceView],
+    policy: SchedulingPolicy | None = None,
+    codec: AvroCodec | None = None,
+) -> DecisionReplay:
     """Fold the whole request log again, observing the view at every TICK's offsets, and
     compare each decision with the one the log holds, byte for byte."""
     began = time.perf_counter()
@@ -353,7 +385,7 @@ def replay_decisions(kafka: KafkaSettings, topics: Topics,
             if request["kind"] == "TICK":
                 result.ticks += 1
                 facts = last = observe(view_at(offsets_of(request)), last)
-            effects = scheduler.step(request, msg.offset(), facts)
+            effects = scheduler.step(request, where(msg)[2], facts)
         except InvalidEventError:
             continue  # dead-lettered live, skipped here alike
         for effect in effects:
@@ -364,15 +396,17 @@ def replay_decisions(kafka: KafkaSettings, topics: Topics,
             result.decisions += 1
             live = next(recorded, None)
             if live is None:
-                result.first_difference = (f"decision {effect.decision_id} for {effect.job} is "
-                                           "not in the log")
+                result.first_difference = (
+                    f"decision {effect.decision_id} for {effect.job} is not in the log"
+                )
                 break
             if live.value() != again or live.key() != key.encode():
                 was = codec.decode(live.value()).record
                 result.first_difference = (
                     f"decision {effect.decision_id} for {effect.job}: replayed "
                     f"{record['outcome']} ({record['reason'][:120]}), the log has "
-                    f"{was['decision_id']} {was['outcome']} ({was['reason'][:120]})")
+                    f"{was['decision_id']} {was['outcome']} ({was['reason'][:120]})"
+                )
                 break
             result.matched += 1
         if result.first_difference:
@@ -381,8 +415,9 @@ def replay_decisions(kafka: KafkaSettings, topics: Topics,
         extra = next(recorded, None)
         if extra is not None:
             was = codec.decode(extra.value()).record
-            result.first_difference = (f"the log has decision {was['decision_id']} that the "
-                                       "replay did not make")
+            result.first_difference = (
+                f"the log has decision {was['decision_id']} that the replay did not make"
+            )
     result.scheduler = scheduler
     result.seconds = time.perf_counter() - began
     return result

@@ -26,8 +26,10 @@ _COLUMNS = ("partition", "seq", "kind", "prev_hash", "content_digest", "hash", "
 
 
 def _keys_data(keys: Mapping[str, Ed25519PublicKey]) -> dict[str, str]:
-    return {kid: key.public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
-            for kid, key in sorted(keys.items())}
+    return {
+        kid: key.public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
+        for kid, key in sorted(keys.items())
+    }
 
 
 def _kind(entry: Mapping[str, Any]) -> str:
@@ -36,15 +38,26 @@ def _kind(entry: Mapping[str, Any]) -> str:
 
 def _flat(entry: Mapping[str, Any]) -> dict[str, Any]:
     body = {k: v for k, v in entry.items() if k not in _COLUMNS[:6] and k != "stub"}
-    return {"partition": entry["partition"], "seq": entry["seq"], "kind": _kind(entry),
-            "prev_hash": entry["prev_hash"], "content_digest": entry["content_digest"],
-            "hash": entry["hash"], "body": json.dumps(body, sort_keys=True)}
+    return {
+        "partition": entry["partition"],
+        "seq": entry["seq"],
+        "kind": _kind(entry),
+        "prev_hash": entry["prev_hash"],
+        "content_digest": entry["content_digest"],
+        "hash": entry["hash"],
+        "body": json.dumps(body, sort_keys=True),
+    }
 
 
 def _unflat(row: Mapping[str, Any]) -> dict[str, Any]:
-    entry = {"partition": int(row["partition"]), "seq": int(row["seq"]),
-             "prev_hash": row["prev_hash"], "content_digest": row["content_digest"],
-             "hash": row["hash"], **json.loads(row["body"])}
+    entry = {
+        "partition": int(row["partition"]),
+        "seq": int(row["seq"]),
+        "prev_hash": row["prev_hash"],
+        "content_digest": row["content_digest"],
+        "hash": row["hash"],
+        **json.loads(row["body"]),
+    }
     if row["kind"] == "stub":
         entry["stub"] = True
     return entry
@@ -53,16 +66,25 @@ def _unflat(row: Mapping[str, Any]) -> dict[str, Any]:
 Anchors = dict[int, tuple[int, bytes]]  # partition -> (first seq, its prev_hash)
 
 
-def write(path: Path, fmt: str, entries: Iterable[Mapping[str, Any]],
-          keys: Mapping[str, Ed25519PublicKey], anchors: Anchors | None = None) -> int:
+def write(
+    path: Path,
+    fmt: str,
+    entries: Iterable[Mapping[str, Any]],
+    keys: Mapping[str, Ed25519PublicKey],
+    anchors: Anchors | None = None,
+) -> int:
     """Write an export; `anchors` says where each partition's range starts when it does not
     start at the chain's beginning (a signed digest later in the range vouches for it)."""
     if fmt not in FORMATS:
         raise ConfigError(f"export format {fmt!r}: choose one of {', '.join(FORMATS)}")
     rows = list(entries)
-    header = {"fleetline_audit_export": 1, "public_keys": _keys_data(keys),
-              "anchors": {str(p): [seq, prev.hex()] for p, (seq, prev) in
-                          sorted((anchors or {}).items())}}
+    header = {
+        "fleetline_audit_export": 1,
+        "public_keys": _keys_data(keys),
+        "anchors": {
+            str(p): [seq, prev.hex()] for p, (seq, prev) in sorted((anchors or {}).items())
+        },
+    }
     if fmt == "jsonl":
         with path.open("w") as out:
             out.write(json.dumps(header) + "\n")
@@ -99,8 +121,12 @@ def read(path: Path) -> tuple[list[dict[str, Any]], dict[str, Ed25519PublicKey],
                 entries = [json.loads(line) for line in src if line.strip()]
     except (OSError, ValueError, KeyError) as exc:
         raise IntegrityError(f"{path}: not a readable audit export: {exc}") from None
-    keys = {kid: Ed25519PublicKey.from_public_bytes(bytes.fromhex(raw))
-            for kid, raw in header.get("public_keys", {}).items()}
-    anchors = {int(p): (int(seq), bytes.fromhex(prev))
-               for p, (seq, prev) in header.get("anchors", {}).items()}
+    keys = {
+        kid: Ed25519PublicKey.from_public_bytes(bytes.fromhex(raw))
+        for kid, raw in header.get("public_keys", {}).items()
+    }
+    anchors = {
+        int(p): (int(seq), bytes.fromhex(prev))
+        for p, (seq, prev) in header.get("anchors", {}).items()
+    }
     return entries, keys, anchors

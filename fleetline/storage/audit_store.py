@@ -20,47 +20,121 @@ from fleetline.storage.crypto import SealedObjectStore
 from fleetline.storage.sinks import Destination, Sourced, table_resume_offsets
 
 TABLE = "audit_log"
-_COLUMNS = ("partition", "seq", "source_offset", "chained_at_ms", "kind", "prev_hash",
-            "content_digest", "hash", "event_id", "ts_ms", "actor", "actor_role", "tenant",
-            "operation", "target", "outcome", "status", "request_id", "trace_id", "source",
-            "details", "salt", "digest", "source_topic")
+_COLUMNS = (
+    "partition",
+    "seq",
+    "source_offset",
+    "chained_at_ms",
+    "kind",
+    "prev_hash",
+    "content_digest",
+    "hash",
+    "event_id",
+    "ts_ms",
+    "actor",
+    "actor_role",
+    "tenant",
+    "operation",
+    "target",
+    "outcome",
+    "status",
+    "request_id",
+    "trace_id",
+    "source",
+    "details",
+    "salt",
+    "digest",
+    "source_topic",
+)
 # The AuditEvent fields kept in columns of their own (`ts` as ts_ms), and the digest's binary
 # fields (hex in the digest column's JSON).
-_EVENT_COLUMNS = ("event_id", "actor", "actor_role", "tenant", "operation", "target",
-                  "outcome", "status", "request_id", "trace_id", "source")
+_EVENT_COLUMNS = (
+    "event_id",
+    "actor",
+    "actor_role",
+    "tenant",
+    "operation",
+    "target",
+    "outcome",
+    "status",
+    "request_id",
+    "trace_id",
+    "source",
+)
 _DIGEST_BYTES = ("covers_hash", "signature")
-_EMPTY_EVENT = {"event_id": "", "ts": 0, "actor": "", "actor_role": "", "tenant": None,
-                "operation": "", "target": "", "outcome": "", "status": 0, "request_id": "",
-                "trace_id": None, "source": "", "details": {}, "salt": b""}
+_EMPTY_EVENT: dict[str, Any] = {
+    "event_id": "",
+    "ts": 0,
+    "actor": "",
+    "actor_role": "",
+    "tenant": None,
+    "operation": "",
+    "target": "",
+    "outcome": "",
+    "status": 0,
+    "request_id": "",
+    "trace_id": None,
+    "source": "",
+    "details": {},
+    "salt": b"",
+}
 
 
 def _row(item: Sourced) -> list[Any]:
     r = item.record
     event = r["event"] or _EMPTY_EVENT
-    digest = "" if r["digest"] is None else json.dumps(
-        {k: v.hex() if k in _DIGEST_BYTES else v for k, v in r["digest"].items()},
-        sort_keys=True)
-    return [r["partition"], r["seq"], item.offset, r["chained_at"],
-            "event" if r["event"] is not None else "digest", r["prev_hash"].hex(),
-            r["content_digest"].hex(), r["hash"].hex(), event["event_id"], event["ts"],
-            event["actor"], event["actor_role"], event["tenant"], event["operation"],
-            event["target"], event["outcome"], event["status"], event["request_id"],
-            event["trace_id"], event["source"], dict(event["details"]), event["salt"].hex(),
-            digest, item.topic]
+    signed: dict[str, Any] | None = r["digest"]
+    digest = (
+        ""
+        if signed is None
+        else json.dumps(
+            {k: v.hex() if k in _DIGEST_BYTES else v for k, v in signed.items()}, sort_keys=True
+        )
+    )
+    return [
+        r["partition"],
+        r["seq"],
+        item.offset,
+        r["chained_at"],
+        "event" if r["event"] is not None else "digest",
+        r["prev_hash"].hex(),
+        r["content_digest"].hex(),
+        r["hash"].hex(),
+        event["event_id"],
+        event["ts"],
+        event["actor"],
+        event["actor_role"],
+        event["tenant"],
+        event["operation"],
+        event["target"],
+        event["outcome"],
+        event["status"],
+        event["request_id"],
+        event["trace_id"],
+        event["source"],
+        dict(event["details"]),
+        event["salt"].hex(),
+        digest,
+        item.topic,
+    ]
 
 
 def record_from_row(row: Sequence[Any]) -> dict[str, Any]:
     """An AuditRecord as the chainer wrote it, from a table row."""
     d = dict(zip(_COLUMNS, row, strict=True))
     record: dict[str, Any] = {
-        "partition": d["partition"], "seq": d["seq"], "prev_hash": bytes.fromhex(d["prev_hash"]),
-        "content_digest": bytes.fromhex(d["content_digest"]), "hash": bytes.fromhex(d["hash"]),
-        "chained_at": d["chained_at_ms"], "event": None, "digest": None,
+        "partition": d["partition"],
+        "seq": d["seq"],
+        "prev_hash": bytes.fromhex(d["prev_hash"]),
+        "content_digest": bytes.fromhex(d["content_digest"]),
+        "hash": bytes.fromhex(d["hash"]),
+        "chained_at": d["chained_at_ms"],
+        "event": None,
+        "digest": None,
     }
     if d["kind"] == "digest":
         g = json.loads(d["digest"])
-        record["digest"] = {k: bytes.fromhex(v) if k in _DIGEST_BYTES else v
-                            for k, v in g.items()}
+        record["digest"] = {k: bytes.fromhex(v) if k in _DIGEST_BYTES else v for k, v in g.items()}
     else:
         event = {name: d[name] for name in _EVENT_COLUMNS}
         event["ts"] = d["ts_ms"]
@@ -92,13 +166,17 @@ class AuditTable(Destination):
 
     def store(self, batch: Sequence[Sourced]) -> None:
         try:
-            self.client.insert(f"{self.database}.{TABLE}", [_row(item) for item in batch],
-                               column_names=list(_COLUMNS))
+            self.client.insert(
+                f"{self.database}.{TABLE}",
+                [_row(item) for item in batch],
+                column_names=list(_COLUMNS),
+            )
         except CLICKHOUSE_ERRORS as exc:
             raise StorageError(f"inserting {len(batch)} audit records: {exc}") from None
 
-    def records(self, partition: int | None = None, from_seq: int = 0,
-                to_seq: int | None = None) -> Iterator[dict[str, Any]]:
+    def records(
+        self, partition: int | None = None, from_seq: int = 0, to_seq: int | None = None
+    ) -> Iterator[dict[str, Any]]:
         """The chain(s) in order: partition by partition, seq by seq."""
         where = ["seq >= {from_seq:UInt64}"]
         params: dict[str, Any] = {"from_seq": from_seq}
@@ -108,8 +186,10 @@ class AuditTable(Destination):
         if to_seq is not None:
             where.append("seq <= {to_seq:UInt64}")
             params["to_seq"] = to_seq
-        sql = (f"SELECT {', '.join(_COLUMNS)} FROM {self.database}.{TABLE} "
-               f"WHERE {' AND '.join(where)} ORDER BY partition, seq")
+        sql = (
+            f"SELECT {', '.join(_COLUMNS)} FROM {self.database}.{TABLE} "
+            f"WHERE {' AND '.join(where)} ORDER BY partition, seq"
+        )
         try:
             rows = self.client.query(sql, parameters=params).result_rows
         except CLICKHOUSE_ERRORS as exc:
@@ -121,8 +201,10 @@ class AuditTable(Destination):
         """Events (not digests) matching the query, newest first, as AuditRecords."""
         where, params = _conditions(query)
         params["limit"] = query.limit
-        sql = (f"SELECT {', '.join(_COLUMNS)} FROM {self.database}.{TABLE} "
-               f"WHERE {where} ORDER BY ts_ms DESC, partition, seq LIMIT {{limit:UInt32}}")
+        sql = (
+            f"SELECT {', '.join(_COLUMNS)} FROM {self.database}.{TABLE} "
+            f"WHERE {where} ORDER BY ts_ms DESC, partition, seq LIMIT {{limit:UInt32}}"
+        )
         try:
             rows = self.client.query(sql, parameters=params).result_rows
         except CLICKHOUSE_ERRORS as exc:
@@ -132,8 +214,10 @@ class AuditTable(Destination):
     def activity(self, tenant: str | None, since_ms: int, until_ms: int) -> list[dict[str, Any]]:
         """A ready, tenant-scoped query: calls per operation and outcome in a time range."""
         where, params = _conditions(AuditQuery(tenant, since_ms, until_ms))
-        sql = (f"SELECT operation, outcome, count() AS calls FROM {self.database}.{TABLE} "
-               f"WHERE {where} GROUP BY operation, outcome ORDER BY operation, outcome")
+        sql = (
+            f"SELECT operation, outcome, count() AS calls FROM {self.database}.{TABLE} "
+            f"WHERE {where} GROUP BY operation, outcome ORDER BY operation, outcome"
+        )
         try:
             rows = self.client.query(sql, parameters=params).result_rows
         except CLICKHOUSE_ERRORS as exc:
@@ -145,11 +229,13 @@ def _conditions(query: AuditQuery) -> tuple[str, dict[str, Any]]:
     """The WHERE clause selecting the query's events, with its bound parameters."""
     clauses = ["kind = 'event'"]
     params: dict[str, Any] = {}
-    for value, clause, name in ((query.tenant, "tenant = {tenant:String}", "tenant"),
-                                (query.since_ms, "ts_ms >= {since:Int64}", "since"),
-                                (query.until_ms, "ts_ms <= {until:Int64}", "until"),
-                                (query.operation, "operation = {op:String}", "op"),
-                                (query.actor, "actor = {actor:String}", "actor")):
+    for value, clause, name in (
+        (query.tenant, "tenant = {tenant:String}", "tenant"),
+        (query.since_ms, "ts_ms >= {since:Int64}", "since"),
+        (query.until_ms, "ts_ms <= {until:Int64}", "until"),
+        (query.operation, "operation = {op:String}", "op"),
+        (query.actor, "actor = {actor:String}", "actor"),
+    ):
         if value is not None:
             clauses.append(clause)
             params[name] = value
@@ -175,8 +261,7 @@ class AuditArchive(Destination):
         for key in self.objects.keys(f"{self.root}/"):
             match = _SEGMENT.search(key)
             if match:
-                out.append((int(match["partition"]), int(match["first"]), int(match["last"]),
-                            key))
+                out.append((int(match["partition"]), int(match["first"]), int(match["last"]), key))
         return sorted(out)
 
     def resume_offsets(self, topic: str) -> dict[int, int]:
@@ -191,10 +276,11 @@ class AuditArchive(Destination):
         for item in batch:
             by_partition.setdefault(item.partition, []).append(item)
         for partition, items in by_partition.items():
-            lines = [json.dumps({"offset": i.offset, **i.record}, sort_keys=True)
-                     for i in items]
-            key = (f"{self.root}/p{partition:03d}/{items[0].offset:020d}-"
-                   f"{items[-1].offset:020d}.jsonl.gz")
+            lines = [json.dumps({"offset": i.offset, **i.record}, sort_keys=True) for i in items]
+            key = (
+                f"{self.root}/p{partition:03d}/{items[0].offset:020d}-"
+                f"{items[-1].offset:020d}.jsonl.gz"
+            )
             self.objects.put(key, gzip.compress("\n".join(lines).encode() + b"\n", mtime=0))
 
     def entries(self) -> Iterator[dict[str, Any]]:

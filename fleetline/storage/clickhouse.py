@@ -34,11 +34,13 @@ def connect(url: str) -> Client:
             return clickhouse_connect.get_client(dsn=f"chdb://{parts.path}")
         if parts.scheme in {"http", "https"}:
             return clickhouse_connect.get_client(dsn=url)
-    except ConfigError:
-        raise
-    except Exception as exc:
-        hint = (" (chdb admits one process per data folder: is another fleetline process "
-                "holding it without serving queries?)" if parts.scheme == "chdb" else "")
+    except (*CLICKHOUSE_ERRORS, OSError) as exc:  # type: ignore[misc]
+        hint = (
+            " (chdb admits one process per data folder: is another fleetline process "
+            "holding it without serving queries?)"
+            if parts.scheme == "chdb"
+            else ""
+        )
         raise StorageError(f"cannot open ClickHouse at {url!r}: {exc}{hint}") from None
     raise ConfigError(f"{url!r}: ClickHouse URLs start with chdb://, http:// or https://")
 
@@ -52,8 +54,11 @@ class Migration:
 
 # Append only: a released migration never changes, a new version follows it.
 MIGRATIONS: tuple[Migration, ...] = (
-    Migration(1, "gpu samples hot table", (
-        """
+    Migration(
+        1,
+        "gpu samples hot table",
+        (
+            """
         CREATE TABLE IF NOT EXISTS {db}.gpu_samples (
             ts DateTime64(3, 'UTC') CODEC(DoubleDelta, ZSTD(1)),
             cluster_id LowCardinality(String),
@@ -84,9 +89,13 @@ MIGRATIONS: tuple[Migration, ...] = (
         PARTITION BY toStartOfHour(ts)
         ORDER BY (cluster_id, node_id, gpu_index, ts)
         """,
-    )),
-    Migration(2, "gpu samples: GpuSample v2 fields", (
-        """
+        ),
+    ),
+    Migration(
+        2,
+        "gpu samples: GpuSample v2 fields",
+        (
+            """
         ALTER TABLE {db}.gpu_samples
             ADD COLUMN IF NOT EXISTS pcie_tx_bytes_per_s Nullable(Float64) CODEC(Gorilla, ZSTD(1)),
             ADD COLUMN IF NOT EXISTS pcie_rx_bytes_per_s Nullable(Float64) CODEC(Gorilla, ZSTD(1)),
@@ -95,9 +104,13 @@ MIGRATIONS: tuple[Migration, ...] = (
             ADD COLUMN IF NOT EXISTS power_limit_w Nullable(Float32) CODEC(Gorilla, ZSTD(1)),
             ADD COLUMN IF NOT EXISTS nvlink_links_active Nullable(UInt8)
         """,
-    )),
-    Migration(3, "audit log", (
-        """
+        ),
+    ),
+    Migration(
+        3,
+        "audit log",
+        (
+            """
         CREATE TABLE IF NOT EXISTS {db}.audit_log (
             partition UInt16,
             seq UInt64,
@@ -127,9 +140,13 @@ MIGRATIONS: tuple[Migration, ...] = (
         ENGINE = MergeTree
         ORDER BY (partition, seq)
         """,
-    )),
-    Migration(4, "node state history", (
-        """
+        ),
+    ),
+    Migration(
+        4,
+        "node state history",
+        (
+            """
         CREATE TABLE IF NOT EXISTS {db}.node_states (
             ts_ms Int64,
             ts DateTime64(3, 'UTC') MATERIALIZED fromUnixTimestamp64Milli(ts_ms, 'UTC'),
@@ -153,9 +170,13 @@ MIGRATIONS: tuple[Migration, ...] = (
         PARTITION BY toYYYYMM(fromUnixTimestamp64Milli(ts_ms, 'UTC'))
         ORDER BY (cluster_id, node_id, ts_ms)
         """,
-    )),
-    Migration(5, "scheduling decisions and GPU allocations", (
-        """
+        ),
+    ),
+    Migration(
+        5,
+        "scheduling decisions and GPU allocations",
+        (
+            """
         CREATE TABLE IF NOT EXISTS {db}.scheduling_decisions (
             ts_ms Int64,
             ts DateTime64(3, 'UTC') MATERIALIZED fromUnixTimestamp64Milli(ts_ms, 'UTC'),
@@ -182,7 +203,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         PARTITION BY toYYYYMM(fromUnixTimestamp64Milli(ts_ms, 'UTC'))
         ORDER BY (tenant, job, ts_ms)
         """,
-        """
+            """
         CREATE TABLE IF NOT EXISTS {db}.gpu_allocations (
             ts_ms Int64,
             ts DateTime64(3, 'UTC') MATERIALIZED fromUnixTimestamp64Milli(ts_ms, 'UTC'),
@@ -201,33 +222,45 @@ MIGRATIONS: tuple[Migration, ...] = (
         PARTITION BY toYYYYMM(fromUnixTimestamp64Milli(ts_ms, 'UTC'))
         ORDER BY (node_id, gpu_index, ts_ms)
         """,
-    )),
-    Migration(6, "sunk tables name the topic each row came from", (
-        "ALTER TABLE {db}.node_states ADD COLUMN IF NOT EXISTS source_topic "
-        "LowCardinality(String) DEFAULT ''",
-        "ALTER TABLE {db}.audit_log ADD COLUMN IF NOT EXISTS source_topic "
-        "LowCardinality(String) DEFAULT ''",
-        "ALTER TABLE {db}.scheduling_decisions ADD COLUMN IF NOT EXISTS source_topic "
-        "LowCardinality(String) DEFAULT ''",
-        "ALTER TABLE {db}.gpu_allocations ADD COLUMN IF NOT EXISTS source_topic "
-        "LowCardinality(String) DEFAULT ''",
-    )),
+        ),
+    ),
+    Migration(
+        6,
+        "sunk tables name the topic each row came from",
+        (
+            "ALTER TABLE {db}.node_states ADD COLUMN IF NOT EXISTS source_topic "
+            "LowCardinality(String) DEFAULT ''",
+            "ALTER TABLE {db}.audit_log ADD COLUMN IF NOT EXISTS source_topic "
+            "LowCardinality(String) DEFAULT ''",
+            "ALTER TABLE {db}.scheduling_decisions ADD COLUMN IF NOT EXISTS source_topic "
+            "LowCardinality(String) DEFAULT ''",
+            "ALTER TABLE {db}.gpu_allocations ADD COLUMN IF NOT EXISTS source_topic "
+            "LowCardinality(String) DEFAULT ''",
+        ),
+    ),
     # Rows stored before name no topic and count for any (as in migration 6).
-    Migration(7, "sample rows name the topic they came from", (
-        "ALTER TABLE {db}.gpu_samples ADD COLUMN IF NOT EXISTS source_topic "
-        "LowCardinality(String) DEFAULT ''",
-    )),
+    Migration(
+        7,
+        "sample rows name the topic they came from",
+        (
+            "ALTER TABLE {db}.gpu_samples ADD COLUMN IF NOT EXISTS source_topic "
+            "LowCardinality(String) DEFAULT ''",
+        ),
+    ),
     # A sink batch (up to 400,000 rows, ~60-80 MB) is written as one Compact part (one data
     # file instead of two per column: ~15 % less CPU an insert); merged parts past 128 MiB are
     # Wide, which queries reading a few columns prefer.
-    Migration(8, "sample inserts write compact parts", (
-        "ALTER TABLE {db}.gpu_samples MODIFY SETTING min_bytes_for_wide_part = 134217728",
-    )),
+    Migration(
+        8,
+        "sample inserts write compact parts",
+        ("ALTER TABLE {db}.gpu_samples MODIFY SETTING min_bytes_for_wide_part = 134217728",),
+    ),
 )
 
 
-def migrate(client: Client, database: str,
-            migrations: tuple[Migration, ...] = MIGRATIONS) -> list[int]:
+def migrate(
+    client: Client, database: str, migrations: tuple[Migration, ...] = MIGRATIONS
+) -> list[int]:
     """Apply the migrations not applied yet, in order; return the versions applied now."""
     if not database.replace("_", "").isalnum():
         raise ConfigError(f"database name {database!r} must be letters, digits and _")
@@ -237,19 +270,22 @@ def migrate(client: Client, database: str,
             f"CREATE TABLE IF NOT EXISTS {database}.schema_migrations "
             "(version UInt32, name String) ENGINE = MergeTree ORDER BY version"
         )
-        done = {row[0] for row in
-                client.query(f"SELECT version FROM {database}.schema_migrations").result_rows}
+        done = {
+            row[0]
+            for row in client.query(f"SELECT version FROM {database}.schema_migrations").result_rows
+        }
         applied = []
         for migration in sorted(migrations, key=lambda m: m.version):
             if migration.version in done:
                 continue
             for statement in migration.statements:
                 client.command(statement.format(db=database))
-            client.insert(f"{database}.schema_migrations", [[migration.version, migration.name]],
-                          column_names=["version", "name"])
+            client.insert(
+                f"{database}.schema_migrations",
+                [[migration.version, migration.name]],
+                column_names=["version", "name"],
+            )
             applied.append(migration.version)
         return applied
-    except Exception as exc:
-        if isinstance(exc, ConfigError):
-            raise
+    except CLICKHOUSE_ERRORS as exc:
         raise StorageError(f"migrating ClickHouse database {database}: {exc}") from None

@@ -40,12 +40,13 @@ class ObjectCipher:
     def open(self, object_key: str, blob: bytes) -> bytes:
         if not blob.startswith(MAGIC) or len(blob) < len(MAGIC) + 12 + 16:
             raise IntegrityError(f"{object_key}: not an encrypted fleetline object")
-        nonce = blob[len(MAGIC):len(MAGIC) + 12]
+        nonce = blob[len(MAGIC) : len(MAGIC) + 12]
         try:
-            return self._aead.decrypt(nonce, blob[len(MAGIC) + 12:], object_key.encode())
+            return self._aead.decrypt(nonce, blob[len(MAGIC) + 12 :], object_key.encode())
         except InvalidTag:
-            raise IntegrityError(f"{object_key}: decryption failed (wrong key or altered "
-                                 "object)") from None
+            raise IntegrityError(
+                f"{object_key}: decryption failed (wrong key or altered object)"
+            ) from None
 
 
 class SealedObjectStore:

@@ -34,24 +34,46 @@ from fleetline.streams.serde import AvroCodec
 
 TABLE = "gpu_samples"
 _GPU_FIELDS = (
-    ("gpu_index", pa.uint8()), ("gpu_uuid", pa.string()), ("vendor", pa.string()),
-    ("model", pa.string()), ("gpu_util_pct", pa.float32()), ("mem_copy_util_pct", pa.float32()),
-    ("fb_used_mib", pa.uint32()), ("fb_total_mib", pa.uint32()),
-    ("nvlink_tx_bytes_per_s", pa.float64()), ("nvlink_rx_bytes_per_s", pa.float64()),
-    ("nvlink_errors_total", pa.uint64()), ("rdma_packet_loss_ratio", pa.float64()),
-    ("temperature_c", pa.float32()), ("power_w", pa.float32()),
-    ("ecc_sbe_total", pa.uint64()), ("ecc_dbe_total", pa.uint64()),
+    ("gpu_index", pa.uint8()),
+    ("gpu_uuid", pa.string()),
+    ("vendor", pa.string()),
+    ("model", pa.string()),
+    ("gpu_util_pct", pa.float32()),
+    ("mem_copy_util_pct", pa.float32()),
+    ("fb_used_mib", pa.uint32()),
+    ("fb_total_mib", pa.uint32()),
+    ("nvlink_tx_bytes_per_s", pa.float64()),
+    ("nvlink_rx_bytes_per_s", pa.float64()),
+    ("nvlink_errors_total", pa.uint64()),
+    ("rdma_packet_loss_ratio", pa.float64()),
+    ("temperature_c", pa.float32()),
+    ("power_w", pa.float32()),
+    ("ecc_sbe_total", pa.uint64()),
+    ("ecc_dbe_total", pa.uint64()),
     ("xid_codes", pa.list_(pa.uint16())),
-    ("pcie_tx_bytes_per_s", pa.float64()), ("pcie_rx_bytes_per_s", pa.float64()),
-    ("sm_clock_mhz", pa.uint16()), ("mem_clock_mhz", pa.uint16()),
-    ("power_limit_w", pa.float32()), ("nvlink_links_active", pa.uint8()),
+    ("pcie_tx_bytes_per_s", pa.float64()),
+    ("pcie_rx_bytes_per_s", pa.float64()),
+    ("sm_clock_mhz", pa.uint16()),
+    ("mem_clock_mhz", pa.uint16()),
+    ("power_limit_w", pa.float32()),
+    ("nvlink_links_active", pa.uint8()),
 )
-_NODE_FIELDS = (("cluster_id", pa.string()), ("region", pa.string()), ("node_id", pa.string()),
-                ("seq", pa.uint64()))
+_NODE_FIELDS = (
+    ("cluster_id", pa.string()),
+    ("region", pa.string()),
+    ("node_id", pa.string()),
+    ("seq", pa.uint64()),
+)
 _GPU_NAMES = tuple(name for name, _ in _GPU_FIELDS)
 _SAMPLE_FIELDS = [("ts", pa.timestamp("ms", tz="UTC")), *_NODE_FIELDS, *_GPU_FIELDS]
-SAMPLE_SCHEMA = pa.schema([*_SAMPLE_FIELDS, ("source_partition", pa.uint16()),
-                           ("source_offset", pa.uint64()), ("source_topic", pa.string())])
+SAMPLE_SCHEMA = pa.schema(
+    [
+        *_SAMPLE_FIELDS,
+        ("source_partition", pa.uint16()),
+        ("source_offset", pa.uint64()),
+        ("source_topic", pa.string()),
+    ]
+)
 # What the batch decoder gives, in the table's types: `_record` says which message a row is of.
 _DECODED_SCHEMA = pa.schema([("_record", pa.uint32()), *_SAMPLE_FIELDS])
 
@@ -79,8 +101,13 @@ def to_columns(batch: Sequence[SourcedTelemetry]) -> pa.Table:
             columns["source_partition"].append(item.partition)
             columns["source_offset"].append(item.offset)
             columns["source_topic"].append(item.topic)
-    return pa.table({name: pa.array(values, type=SAMPLE_SCHEMA.field(name).type)
-                     for name, values in columns.items()}, schema=SAMPLE_SCHEMA)
+    return pa.table(
+        {
+            name: pa.array(values, type=SAMPLE_SCHEMA.field(name).type)
+            for name, values in columns.items()
+        },
+        schema=SAMPLE_SCHEMA,
+    )
 
 
 @dataclass
@@ -102,7 +129,8 @@ class HotSampleStore:
             rows = self.client.query(
                 f"SELECT node_id, max(seq) FROM {self.database}.{TABLE} "
                 "WHERE source_topic IN ({topic:String}, '') GROUP BY node_id",
-                parameters={"topic": topic}).result_rows
+                parameters={"topic": topic},
+            ).result_rows
         except CLICKHOUSE_ERRORS as exc:
             raise StorageError(f"reading node watermarks from {TABLE}: {exc}") from None
         return {str(node): int(seq) for node, seq in rows}
@@ -112,23 +140,29 @@ class HotSampleStore:
             return
         try:
             if isinstance(self.client, ChdbClient) and not self.client.path.startswith(":"):
-                self._store_in_place(table)
+                self._store_in_place(self.client.path, table)
             else:
                 # A batch an agent replays after a long outage can span many hourly partitions.
-                self.client.insert_arrow(f"{self.database}.{TABLE}", table,
-                                         settings={"max_partitions_per_insert_block": 1000})
+                self.client.insert_arrow(
+                    f"{self.database}.{TABLE}",
+                    table,
+                    settings={"max_partitions_per_insert_block": 1000},
+                )
         except CLICKHOUSE_ERRORS as exc:
             raise StorageError(f"inserting {table.num_rows} rows into {TABLE}: {exc}") from None
 
-    def _store_in_place(self, table: pa.Table) -> None:
+    def _store_in_place(self, path: str, table: pa.Table) -> None:
         """The embedded engine reads the Arrow batch where it lies (chdb's Python() table
         function) instead of from a temporary IPC file: about a third less CPU per row."""
         names = ", ".join(table.column_names)
-        engine = chdb.connect(os.path.realpath(self.client.path))  # shares the open engine
+        # Shares the engine the client has open (chdb admits one per process and folder).
+        engine = chdb.connect(os.path.realpath(path))  # type: ignore[no-untyped-call]
         try:
             batch = table  # noqa: F841 -- Python(batch) finds it by name in this frame
-            engine.query(f"INSERT INTO {self.database}.{TABLE} ({names}) SELECT {names} "
-                         "FROM Python(batch) SETTINGS max_partitions_per_insert_block = 1000")
+            engine.query(
+                f"INSERT INTO {self.database}.{TABLE} ({names}) SELECT {names} "
+                "FROM Python(batch) SETTINGS max_partitions_per_insert_block = 1000"
+            )
         finally:
             engine.close()
 
@@ -178,14 +212,16 @@ class HotSampleSink(Step[Prepared]):
         self.stats.messages += messages
         self.stats.rows += table.num_rows
 
-    def _rows(self, messages: list[Message],
-              dead: list[tuple[Message, FleetlineError]]) -> pa.Table:
+    def _rows(
+        self, messages: list[Message], dead: list[tuple[Message, FleetlineError]]
+    ) -> pa.Table:
         """The batch's new GPU sample rows. The batch is decoded in native code; a message that
         path cannot read or vouch for (malformed, a value out of range, a schema it does not
         run) is decoded record by record instead, which names it (in `dead`) if it is bad.
         Repeats are dropped by seq in the batch's order, whichever path read the message."""
-        batch = self._decoder.samples([m.key() for m in messages],
-                                      [m.value() for m in messages], _GPU_NAMES)
+        batch = self._decoder.samples(
+            [m.key() for m in messages], [m.value() for m in messages], _GPU_NAMES
+        )
         singles = set(batch.failed)
         samples = batch.samples
         if samples.num_rows:
@@ -197,9 +233,10 @@ class HotSampleSink(Step[Prepared]):
         node_ids: list[str | None] = [None] * len(messages)
         seqs: list[int] = [0] * len(messages)
         if batch.records.num_rows:
-            for at, node_id, seq in zip(*(batch.records[name].to_pylist()
-                                          for name in ("_record", "node_id", "seq")),
-                                        strict=True):
+            for at, node_id, seq in zip(
+                *(batch.records[name].to_pylist() for name in ("_record", "node_id", "seq")),
+                strict=True,
+            ):
                 node_ids[at], seqs[at] = node_id, seq
         kept = np.zeros(len(messages), dtype=bool)
         good: list[SourcedTelemetry] = []
@@ -236,16 +273,24 @@ class HotSampleSink(Step[Prepared]):
         at = samples["_record"].to_numpy()
         if not kept[at].all():
             samples, at = samples.filter(kept[at]), at[kept[at]]
-        sources = pa.table({
-            "source_partition": pa.array([m.partition() for m in messages], pa.uint16()),
-            "source_offset": pa.array([m.offset() for m in messages], pa.uint64()),
-            "source_topic": pa.array([m.topic() for m in messages], pa.string()),
-        }).take(at)
-        return pa.table([samples[name] if name in samples.column_names else sources[name]
-                         for name in SAMPLE_SCHEMA.names], schema=SAMPLE_SCHEMA)
+        sources = pa.table(
+            {
+                "source_partition": pa.array([m.partition() for m in messages], pa.uint16()),
+                "source_offset": pa.array([m.offset() for m in messages], pa.uint64()),
+                "source_topic": pa.array([m.topic() for m in messages], pa.string()),
+            }
+        ).take(at)
+        return pa.table(
+            [
+                samples[name] if name in samples.column_names else sources[name]
+                for name in SAMPLE_SCHEMA.names
+            ],
+            schema=SAMPLE_SCHEMA,
+        )
 
-    def _decode_one(self, msg: Message,
-                    dead: list[tuple[Message, FleetlineError]]) -> dict[str, Any] | None:
+    def _decode_one(
+        self, msg: Message, dead: list[tuple[Message, FleetlineError]]
+    ) -> dict[str, Any] | None:
         """One message the batch path left out: its record if it is good (another writer
         version, say), else None, with the reason in `dead`."""
         try:
@@ -262,12 +307,14 @@ def _out_of_range(samples: pa.Table) -> pa.ChunkedArray | None:
     """Rows that break a rule Avro cannot express (check_telemetry's) or that do not fit their
     column (check_ranges'), or None when there are none."""
     util = samples["gpu_util_pct"]
-    bad = pc.or_(pc.or_(pc.less(util, 0.0), pc.greater(util, 100.0)),
-                 pc.greater(samples["fb_used_mib"], samples["fb_total_mib"]))
+    bad = pc.or_(
+        pc.or_(pc.less(util, 0.0), pc.greater(util, 100.0)),
+        pc.greater(samples["fb_used_mib"], samples["fb_total_mib"]),
+    )
     for name, (low, high) in _INTEGER_RANGES.items():
         column = samples[name]
         wrong = pc.less(column, low)
-        if high < 2 ** 63 - 1:  # Avro's long can't exceed the wider ones
+        if high < 2**63 - 1:  # Avro's long can't exceed the wider ones
             wrong = pc.or_(wrong, pc.greater(column, high))
         bad = pc.or_(bad, pc.fill_null(wrong, False))
     bad = pc.fill_null(bad, False).combine_chunks()
@@ -283,11 +330,14 @@ def _out_of_range(samples: pa.Table) -> pa.ChunkedArray | None:
 
 # The integer fields whose table column is narrower or unsigned than Avro's, and what fits.
 _INTEGER_RANGES = {
-    "seq": (0, 2 ** 63 - 1),
-    **{name: (0, 2 ** type_.bit_width - 1) for name, type_ in _GPU_FIELDS
-       if pa.types.is_unsigned_integer(type_)},
+    "seq": (0, 2**63 - 1),
+    **{
+        name: (0, 2**type_.bit_width - 1)
+        for name, type_ in _GPU_FIELDS
+        if pa.types.is_unsigned_integer(type_)
+    },
 }
-_XID_MAX = 2 ** 16 - 1
+_XID_MAX = 2**16 - 1
 
 
 def check_ranges(record: dict[str, Any]) -> None:
@@ -296,11 +346,15 @@ def check_ranges(record: dict[str, Any]) -> None:
     if record["seq"] < 0:
         raise InvalidEventError(f"{record['node_id']} seq {record['seq']} is negative")
     for gpu in record["gpus"]:
-        values = [(name, gpu.get(name), low, high) for name, (low, high) in
-                  _INTEGER_RANGES.items() if name != "seq"]
+        values = [
+            (name, gpu.get(name), low, high)
+            for name, (low, high) in _INTEGER_RANGES.items()
+            if name != "seq"
+        ]
         values += [("xid_codes", code, 0, _XID_MAX) for code in gpu.get("xid_codes") or ()]
         for name, value, low, high in values:
             if value is not None and not low <= value <= high:
                 raise InvalidEventError(
                     f"{record['node_id']} seq {record['seq']} gpu {gpu.get('gpu_index')}: "
-                    f"{name} {value} does not fit {low}-{high}")
+                    f"{name} {value} does not fit {low}-{high}"
+                )

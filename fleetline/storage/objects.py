@@ -27,8 +27,13 @@ class ObjectStore:
 
     @classmethod
     def from_settings(cls, s3: S3Settings, bucket: str | None = None) -> ObjectStore:
-        client = Minio(s3.endpoint, access_key=s3.access_key, secret_key=s3.secret_key,
-                       secure=s3.secure, region=s3.region)
+        client = Minio(
+            s3.endpoint,
+            access_key=s3.access_key,
+            secret_key=s3.secret_key,
+            secure=s3.secure,
+            region=s3.region,
+        )
         return cls(client, bucket or s3.bucket)
 
     def ensure_bucket(self) -> None:
@@ -41,11 +46,12 @@ class ObjectStore:
     def put(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> str:
         """Store `data` under `key`; return the object's ETag."""
         try:
-            result = self.client.put_object(self.bucket, key, io.BytesIO(data), len(data),
-                                            content_type=content_type)
+            result = self.client.put_object(
+                self.bucket, key, io.BytesIO(data), len(data), content_type=content_type
+            )
         except (S3Error, HTTPError, OSError) as exc:
             raise _translate(f"writing s3://{self.bucket}/{key}", exc) from None
-        return result.etag
+        return result.etag or ""
 
     def put_file(self, key: str, path: str) -> str:
         """Store the file at `path` under `key` (streamed, in parts when large)."""
@@ -53,7 +59,7 @@ class ObjectStore:
             result = self.client.fput_object(self.bucket, key, path)
         except (S3Error, HTTPError, OSError) as exc:
             raise _translate(f"writing s3://{self.bucket}/{key}", exc) from None
-        return result.etag
+        return result.etag or ""
 
     def get(self, key: str) -> bytes:
         try:
@@ -68,10 +74,19 @@ class ObjectStore:
 
     def keys(self, prefix: str = "") -> list[str]:
         try:
-            return sorted(obj.object_name for obj in
-                          self.client.list_objects(self.bucket, prefix=prefix, recursive=True))
+            return sorted(
+                obj.object_name
+                for obj in self.client.list_objects(self.bucket, prefix=prefix, recursive=True)
+            )
         except (S3Error, HTTPError, OSError) as exc:
             raise _translate(f"listing s3://{self.bucket}/{prefix}", exc) from None
+
+    def size(self, key: str) -> int:
+        """The object's size in bytes."""
+        try:
+            return self.client.stat_object(self.bucket, key).size or 0
+        except (S3Error, HTTPError, OSError) as exc:
+            raise _translate(f"stat s3://{self.bucket}/{key}", exc) from None
 
     def delete(self, key: str) -> None:
         try:

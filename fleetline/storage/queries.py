@@ -15,11 +15,13 @@ def with_allocation(samples: str, allocations: str, ts: str = "ts") -> str:
     """`samples` (as s) ASOF-joined with the allocation record in force on each sample's GPU
     (as a; a.kind is '' where none was): the latest at or before the sample by event time,
     then log position (a sample sorts after every record of its millisecond)."""
-    return (f"(SELECT *, toUInt128(toUnixTimestamp64Milli({ts})) * 1099511627776 + "
-            f"1099511627775 AS _at FROM {samples}) AS s ASOF LEFT JOIN (SELECT node_id, "
-            "gpu_index, toUInt128(ts_ms) * 1099511627776 + source_offset AS _at, tenant, kind "
-            f"FROM {allocations}) AS a ON s.node_id = a.node_id AND s.gpu_index = a.gpu_index "
-            "AND s._at >= a._at")
+    return (
+        f"(SELECT *, toUInt128(toUnixTimestamp64Milli({ts})) * 1099511627776 + "
+        f"1099511627775 AS _at FROM {samples}) AS s ASOF LEFT JOIN (SELECT node_id, "
+        "gpu_index, toUInt128(ts_ms) * 1099511627776 + source_offset AS _at, tenant, kind "
+        f"FROM {allocations}) AS a ON s.node_id = a.node_id AND s.gpu_index = a.gpu_index "
+        "AND s._at >= a._at"
+    )
 
 
 READY: dict[str, tuple[str, str]] = {
@@ -27,11 +29,13 @@ READY: dict[str, tuple[str, str]] = {
         "GPU utilisation per cluster per hour",
         "SELECT cluster_id, toStartOfHour(ts) AS hour, round(avg(gpu_util_pct), 2) AS "
         "avg_util_pct, uniqExact(gpu_uuid) AS gpus, count() AS samples FROM $samples "
-        "GROUP BY cluster_id, hour ORDER BY cluster_id, hour"),
+        "GROUP BY cluster_id, hour ORDER BY cluster_id, hour",
+    ),
     "utilisation-by-cluster": (
         "GPU utilisation per cluster over the range",
         "SELECT cluster_id, round(avg(gpu_util_pct), 2) AS avg_util_pct, count() AS samples "
-        "FROM $samples GROUP BY cluster_id ORDER BY cluster_id"),
+        "FROM $samples GROUP BY cluster_id ORDER BY cluster_id",
+    ),
     "degraded-gpu-history": (
         "GPUs per hour with RDMA loss >= 0.1%, NVLink errors rising, or XID events",
         "SELECT toStartOfHour(ts) AS hour, cluster_id, node_id, gpu_index, "
@@ -40,14 +44,16 @@ READY: dict[str, tuple[str, str]] = {
         "arrayDistinct(arrayFlatten(groupArray(xid_codes))) AS xids FROM $samples "
         "GROUP BY hour, cluster_id, node_id, gpu_index "
         "HAVING max_rdma_loss >= 0.001 OR nvlink_errors > 0 OR length(xids) > 0 "
-        "ORDER BY hour, cluster_id, node_id, gpu_index"),
+        "ORDER BY hour, cluster_id, node_id, gpu_index",
+    ),
     "utilisation-by-tenant": (
         "GPU utilisation of the GPUs each tenant held, per tenant (samples on unallocated GPUs "
         "count as idle capacity)",
         "SELECT if(a.kind = 'ALLOCATED', a.tenant, '(unallocated)') AS tenant, "
         "round(avg(s.gpu_util_pct), 2) AS avg_util_pct, uniqExact(s.node_id, s.gpu_index) AS "
         "gpus, count() AS samples, round(count() * 1.0 / 3600, 3) AS gpu_hours_at_1hz "
-        f"FROM {with_allocation('$samples', '$allocations')} GROUP BY tenant ORDER BY tenant"),
+        f"FROM {with_allocation('$samples', '$allocations')} GROUP BY tenant ORDER BY tenant",
+    ),
     "job-wait-times": (
         "Submission to placement per tenant and priority: jobs placed, waiting now, wait "
         "percentiles (s)",
@@ -59,25 +65,30 @@ READY: dict[str, tuple[str, str]] = {
         "SELECT tenant, job, max(priority) AS priority, min(ts_ms) AS first_ms, "
         "minIf(ts_ms, outcome = 'PLACED') AS placed_ms FROM $decisions "
         "WHERE kind != 'Dataset' GROUP BY tenant, job) "
-        "GROUP BY tenant, priority ORDER BY tenant, priority DESC"),
+        "GROUP BY tenant, priority ORDER BY tenant, priority DESC",
+    ),
     "preemptions": (
-        "Jobs preempted per tenant and cause (a higher priority, or a fault), with the work "
-        "lost",
+        "Jobs preempted per tenant and cause (a higher priority, or a fault), with the work lost",
         "SELECT tenant, if(startsWith(reason, 'fault:'), 'fault', 'priority') AS cause, "
         "count() AS preemptions, round(sum(lost_gpu_s) / 3600, 3) AS lost_gpu_hours "
         "FROM $decisions WHERE outcome = 'PREEMPTED' GROUP BY tenant, cause "
-        "ORDER BY tenant, cause"),
+        "ORDER BY tenant, cause",
+    ),
     "top-energy-consumers": (
         "Nodes by energy drawn in the range (kWh, from mean power x time covered)",
         "SELECT cluster_id, node_id, round(avg(power_w) * uniqExact(gpu_index) * "
         "(dateDiff('second', min(ts), max(ts)) + 1) / 3.6e6, 3) AS kwh, "
         "round(avg(power_w), 1) AS avg_gpu_power_w FROM $samples "
-        "GROUP BY cluster_id, node_id ORDER BY kwh DESC LIMIT 20"),
+        "GROUP BY cluster_id, node_id ORDER BY kwh DESC LIMIT 20",
+    ),
 }
 
 
 def ready_sql(name: str, since: str, until: str | None) -> str:
     """The ready query `name` over [since, until) (times as `fleetline query` takes them)."""
     span = f"({since}, {until or ''})"
-    return READY[name][1].replace("$samples", f"$samples{span}").replace(
-        "$decisions", f"$decisions{span}")
+    return (
+        READY[name][1]
+        .replace("$samples", f"$samples{span}")
+        .replace("$decisions", f"$decisions{span}")
+    )

@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 from clickhouse_connect.driver.client import Client
 
 from fleetline.errors import FleetlineError, QueryError, StorageError
-from fleetline.storage.clickhouse import connect
+from fleetline.storage.clickhouse import CLICKHOUSE_ERRORS, connect
 
 DISCOVERY_FILE = "fleetline-query-service.json"
 READ_ONLY = {"readonly": 1}
@@ -45,7 +45,7 @@ def query_client(client: Client, sql: str, expand: Expand | None = None) -> Quer
         sql = expand(client, sql)
     try:
         result = client.query(sql, settings=READ_ONLY)
-    except Exception as exc:
+    except CLICKHOUSE_ERRORS as exc:
         raise QueryError(str(exc).strip().splitlines()[0]) from None
     return QueryResult(list(result.column_names), [list(row) for row in result.result_rows])
 
@@ -58,8 +58,14 @@ def _chdb_path(url: str) -> Path | None:
 class QueryService:
     """Serves POST /query (body: SQL) on loopback for the process that owns a chdb store."""
 
-    def __init__(self, client: Client, url: str, host: str = "127.0.0.1", port: int = 0,
-                 expand: Expand | None = None) -> None:
+    def __init__(
+        self,
+        client: Client,
+        url: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        expand: Expand | None = None,
+    ) -> None:
         self.client = client
         self.discovery = (_chdb_path(url) or Path(".")) / DISCOVERY_FILE
         service = self
@@ -96,7 +102,7 @@ class QueryService:
     @property
     def address(self) -> str:
         host, port = self.server.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host!s}:{port}"
 
     def start(self) -> QueryService:
         self.thread.start()
@@ -123,8 +129,9 @@ def _owner(url: str) -> str | None:
     return str(info["url"])
 
 
-def run_query(url: str, sql: str, timeout_s: float = 60.0,
-              expand: Expand | None = None) -> QueryResult:
+def run_query(
+    url: str, sql: str, timeout_s: float = 60.0, expand: Expand | None = None
+) -> QueryResult:
     """Run a read-only query on the store at `url`, through its owner if another process has it."""
     owner = _owner(url)
     if owner is None:

@@ -15,30 +15,89 @@ from fleetline.storage.sinks import Destination, Sourced, table_resume_offsets
 
 DECISIONS = "scheduling_decisions"
 ALLOCATIONS = "gpu_allocations"
-_DECISION_COLUMNS = ("ts_ms", "decision_id", "job", "tenant", "kind", "outcome", "priority",
-                     "reason", "clusters", "gpus", "preempted_by", "victims", "lost_gpu_s",
-                     "resume_from_checkpoint_ms", "input_offset", "view_version",
-                     "policy_digest", "source_partition", "source_offset", "source_topic")
-_ALLOCATION_COLUMNS = ("ts_ms", "job_id", "tenant", "cluster_id", "node_id", "gpu_index",
-                       "kind", "priority", "seq", "source_partition", "source_offset",
-                       "source_topic")
+_DECISION_COLUMNS = (
+    "ts_ms",
+    "decision_id",
+    "job",
+    "tenant",
+    "kind",
+    "outcome",
+    "priority",
+    "reason",
+    "clusters",
+    "gpus",
+    "preempted_by",
+    "victims",
+    "lost_gpu_s",
+    "resume_from_checkpoint_ms",
+    "input_offset",
+    "view_version",
+    "policy_digest",
+    "source_partition",
+    "source_offset",
+    "source_topic",
+)
+_ALLOCATION_COLUMNS = (
+    "ts_ms",
+    "job_id",
+    "tenant",
+    "cluster_id",
+    "node_id",
+    "gpu_index",
+    "kind",
+    "priority",
+    "seq",
+    "source_partition",
+    "source_offset",
+    "source_topic",
+)
 
 
 def decision_row(item: Sourced) -> list[Any]:
     d = item.record
-    return [d["ts"], d["decision_id"], d["job"], d["tenant"], d["kind"], d["outcome"],
-            d["priority"], d["reason"], [p["cluster_id"] for p in d["placements"]],
-            sum(len(w["gpus"]) for p in d["placements"] for w in p["workers"]),
-            d["preempted_by"], list(d["victims"]), d["lost_gpu_s"],
-            d["resume_from_checkpoint_ms"], d["input_offset"], d["view_version"],
-            d["policy_digest"], item.partition, item.offset, item.topic]
+    return [
+        d["ts"],
+        d["decision_id"],
+        d["job"],
+        d["tenant"],
+        d["kind"],
+        d["outcome"],
+        d["priority"],
+        d["reason"],
+        [p["cluster_id"] for p in d["placements"]],
+        sum(len(w["gpus"]) for p in d["placements"] for w in p["workers"]),
+        d["preempted_by"],
+        list(d["victims"]),
+        d["lost_gpu_s"],
+        d["resume_from_checkpoint_ms"],
+        d["input_offset"],
+        d["view_version"],
+        d["policy_digest"],
+        item.partition,
+        item.offset,
+        item.topic,
+    ]
 
 
 def allocation_rows(item: Sourced) -> list[list[Any]]:
     a = item.record
-    return [[a["ts"], a["job_id"], a["tenant"], a["cluster_id"], g["node_id"], g["gpu_index"],
-             a["kind"], a["priority"], a["seq"], item.partition, item.offset, item.topic]
-            for g in a["gpus"]]
+    return [
+        [
+            a["ts"],
+            a["job_id"],
+            a["tenant"],
+            a["cluster_id"],
+            g["node_id"],
+            g["gpu_index"],
+            a["kind"],
+            a["priority"],
+            a["seq"],
+            item.partition,
+            item.offset,
+            item.topic,
+        ]
+        for g in a["gpus"]
+    ]
 
 
 class _Table(Destination):
@@ -60,9 +119,12 @@ class _Table(Destination):
         if not rows:
             return
         try:
-            self.client.insert(f"{self.database}.{self.table}", rows,
-                               column_names=list(self.columns),
-                               settings={"max_partitions_per_insert_block": 1000})
+            self.client.insert(
+                f"{self.database}.{self.table}",
+                rows,
+                column_names=list(self.columns),
+                settings={"max_partitions_per_insert_block": 1000},
+            )
         except CLICKHOUSE_ERRORS as exc:
             raise StorageError(f"inserting {len(rows)} rows into {self.table}: {exc}") from None
 

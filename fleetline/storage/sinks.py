@@ -24,27 +24,32 @@ from fleetline.streams.records import where
 from fleetline.streams.serde import AvroCodec
 
 
-def table_resume_offsets(client: Client, table: str, topic: str | None,
-                         partition_column: str = "source_partition") -> dict[int, int]:
+def table_resume_offsets(
+    client: Client, table: str, topic: str | None, partition_column: str = "source_partition"
+) -> dict[int, int]:
     """partition -> one past the highest `source_offset` a ClickHouse table holds from `topic`
     (rows written before tables named their topic count for any topic; None: the table does
     not name topics)."""
     where_topic = "WHERE source_topic IN ({topic:String}, '') " if topic is not None else ""
     try:
-        rows = client.query(f"SELECT {partition_column}, max(source_offset) + 1 FROM {table} "
-                            f"{where_topic}GROUP BY {partition_column}",
-                            parameters={"topic": topic} if topic is not None else None
-                            ).result_rows
+        rows = client.query(
+            f"SELECT {partition_column}, max(source_offset) + 1 FROM {table} "
+            f"{where_topic}GROUP BY {partition_column}",
+            parameters={"topic": topic} if topic is not None else None,
+        ).result_rows
     except CLICKHOUSE_ERRORS as exc:
         raise StorageError(f"reading resume offsets from {table}: {exc}") from None
     return {int(p): int(o) for p, o in rows}
 
 
-def resume_positions(partitions: list[TopicPartition],
-                     stored: dict[int, int]) -> list[TopicPartition]:
+def resume_positions(
+    partitions: list[TopicPartition], stored: dict[int, int]
+) -> list[TopicPartition]:
     """Each partition from one past what the destination holds (the beginning: nothing)."""
-    return [TopicPartition(tp.topic, tp.partition, stored.get(tp.partition, OFFSET_BEGINNING))
-            for tp in partitions]
+    return [
+        TopicPartition(tp.topic, tp.partition, stored.get(tp.partition, OFFSET_BEGINNING))
+        for tp in partitions
+    ]
 
 
 @dataclass(frozen=True)

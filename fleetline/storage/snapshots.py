@@ -32,20 +32,24 @@ class SnapshotInfo:
 
 def _stem(key: str) -> str:
     """`<root>/<part>/<position>-<sha>` of a snapshot object's key (roots may contain dots)."""
-    return key[:key.index(".", key.rindex("/"))]
+    return key[: key.index(".", key.rindex("/"))]
 
 
 def covers(limit: Mapping[str, Mapping[int, int]], offsets: Offsets) -> bool:
     """True when `offsets` does not go past `limit` in any partition (missing in limit = 0)."""
-    return all(offset <= limit.get(topic, {}).get(partition, 0)
-               for topic, parts in offsets.items() for partition, offset in parts.items())
+    return all(
+        offset <= limit.get(topic, {}).get(partition, 0)
+        for topic, parts in offsets.items()
+        for partition, offset in parts.items()
+    )
 
 
 class SnapshotStore:
     """Snapshots of the parts of one fold, under `root` in a bucket."""
 
-    def __init__(self, store: ObjectStore, root: str, keep: int = 100,
-                 suffix: str = ".view.json.gz") -> None:
+    def __init__(
+        self, store: ObjectStore, root: str, keep: int = 100, suffix: str = ".view.json.gz"
+    ) -> None:
         self.store = store
         self.root = root.strip("/")
         self.keep = keep
@@ -54,20 +58,30 @@ class SnapshotStore:
     def _prefix(self, part: str) -> str:
         return f"{self.root}/{part}/"
 
-    def save(self, part: str, blob: bytes, sha256: str, offsets: Offsets, version: int,
-             watermark_ms: int) -> SnapshotInfo:
+    def save(
+        self, part: str, blob: bytes, sha256: str, offsets: Offsets, version: int, watermark_ms: int
+    ) -> SnapshotInfo:
         offsets = copy_offsets(offsets)
         at = position(offsets)
         stem = f"{self._prefix(part)}{at:020d}-{sha256[:12]}"
-        info = SnapshotInfo(part, at, offsets, sha256, f"{stem}{self.suffix}", version,
-                            watermark_ms)
+        info = SnapshotInfo(
+            part, at, offsets, sha256, f"{stem}{self.suffix}", version, watermark_ms
+        )
         self.store.put(info.blob_key, blob, "application/gzip")
-        manifest = {"part": part, "position": at, "sha256": sha256, "blob_key": info.blob_key,
-                    "version": version, "watermark_ms": watermark_ms,
-                    "offsets": {t: {str(p): o for p, o in ps.items()}
-                                for t, ps in offsets.items()}}
-        self.store.put(f"{stem}.manifest.json", json.dumps(manifest, sort_keys=True).encode(),
-                       "application/json")
+        manifest = {
+            "part": part,
+            "position": at,
+            "sha256": sha256,
+            "blob_key": info.blob_key,
+            "version": version,
+            "watermark_ms": watermark_ms,
+            "offsets": {t: {str(p): o for p, o in ps.items()} for t, ps in offsets.items()},
+        }
+        self.store.put(
+            f"{stem}.manifest.json",
+            json.dumps(manifest, sort_keys=True).encode(),
+            "application/json",
+        )
         self._prune(part)
         return info
 
@@ -78,18 +92,26 @@ class SnapshotStore:
                 continue
             try:
                 m = json.loads(self.store.get(key))
-                out.append(SnapshotInfo(
-                    part=m["part"], position=m["position"], sha256=m["sha256"],
-                    blob_key=m["blob_key"], version=m["version"],
-                    watermark_ms=m["watermark_ms"],
-                    offsets={t: {int(p): o for p, o in ps.items()}
-                             for t, ps in m["offsets"].items()}))
+                out.append(
+                    SnapshotInfo(
+                        part=m["part"],
+                        position=m["position"],
+                        sha256=m["sha256"],
+                        blob_key=m["blob_key"],
+                        version=m["version"],
+                        watermark_ms=m["watermark_ms"],
+                        offsets={
+                            t: {int(p): o for p, o in ps.items()} for t, ps in m["offsets"].items()
+                        },
+                    )
+                )
             except (ValueError, KeyError, TypeError) as exc:
                 raise IntegrityError(f"snapshot manifest {key} is malformed: {exc}") from None
         return sorted(out, key=lambda info: (info.position, info.blob_key))
 
-    def latest(self, part: str, within: Mapping[str, Mapping[int, int]] | None = None
-               ) -> SnapshotInfo | None:
+    def latest(
+        self, part: str, within: Mapping[str, Mapping[int, int]] | None = None
+    ) -> SnapshotInfo | None:
         """The newest snapshot of `part`, or the newest whose offsets are all within `within`."""
         for info in reversed(self.list(part)):
             if within is None or covers(within, info.offsets):
@@ -102,13 +124,12 @@ class SnapshotStore:
     def _prune(self, part: str) -> None:
         keys = self.store.keys(self._prefix(part))
         stems = sorted({_stem(k) for k in keys if k.endswith(".manifest.json")})
-        doomed = set(stems[:-self.keep]) if len(stems) > self.keep else set()
+        doomed = set(stems[: -self.keep]) if len(stems) > self.keep else set()
         for key in keys:
             stem = _stem(key)
             # Orphan blobs (no manifest: a crash between the two writes) older than the newest
             # manifest are dead too.
-            orphan = key.endswith(self.suffix) and stem not in stems and stems \
-                and stem < stems[-1]
+            orphan = key.endswith(self.suffix) and stem not in stems and stems and stem < stems[-1]
             if stem in doomed or orphan:
                 # Pruning is housekeeping; the next save tries again.
                 with contextlib.suppress(StorageError):

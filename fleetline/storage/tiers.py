@@ -21,6 +21,7 @@ twice: the union view reads a partition from exactly one tier, chosen by the man
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import json
 import logging
@@ -35,6 +36,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from clickhouse_connect.driver.binding import format_query_value
 from clickhouse_connect.driver.client import Client
 
 from fleetline.config import S3Settings, Settings
@@ -45,6 +47,7 @@ from fleetline.errors import (
     QueryError,
     StorageError,
 )
+from fleetline.storage.clickhouse import CLICKHOUSE_ERRORS
 from fleetline.storage.objects import ObjectStore
 from fleetline.storage.queries import with_allocation
 
@@ -79,13 +82,21 @@ def _trial_size(column: pa.ChunkedArray | pa.Array, encoding: str) -> int:
     out = pa.BufferOutputStream()
     # A fast zstd level ranks the encodings as the archive's level would, in a fraction of the
     # time.
-    pq.write_table(pa.table({"x": column}), out, compression="zstd", compression_level=3,
-                   write_statistics=False, **options)
-    return out.getvalue().size
+    pq.write_table(
+        pa.table({"x": column}),
+        out,
+        compression="zstd",
+        compression_level=3,
+        write_statistics=False,
+        **options,
+    )
+    size: int = out.getvalue().size
+    return size
 
 
-def archive_layout(table: pa.Table, integral: Iterable[str] = ()
-                   ) -> tuple[pa.Schema, dict[str, Any]]:
+def archive_layout(
+    table: pa.Table, integral: Iterable[str] = ()
+) -> tuple[pa.Schema, dict[str, Any]]:
     """The schema and Parquet writer options of a cold archive of rows like `table`'s (its
     first hour, say). Float columns named in `integral` (every value of the archive a whole
     number, no -0.0) are stored as int64: readers that give the table's structure, as every
@@ -94,9 +105,14 @@ def archive_layout(table: pa.Table, integral: Iterable[str] = ()
     encoding that makes a sample of it smallest, of dictionary, plain, byte-stream-split,
     delta-packed and delta strings."""
     whole = set(integral)
-    schema = pa.schema([pa.field(f.name, pa.int64(), f.nullable)
-                        if f.name in whole and pa.types.is_floating(f.type) else f
-                        for f in table.schema])
+    schema = pa.schema(
+        [
+            pa.field(f.name, pa.int64(), f.nullable)
+            if f.name in whole and pa.types.is_floating(f.type)
+            else f
+            for f in table.schema
+        ]
+    )
     sample = table.slice(0, ARCHIVE_SAMPLE_ROWS).cast(schema)
     encodings: dict[str, str] = {}
     for column in schema:
@@ -107,16 +123,20 @@ def archive_layout(table: pa.Table, integral: Iterable[str] = ()
         else:
             encodings[column.name] = tries[0]
     chosen = {name: e for name, e in encodings.items() if e not in ("DICT", "PLAIN")}
-    return schema, {"use_dictionary": [n for n, e in encodings.items() if e == "DICT"],
-                    "column_encoding": chosen or None}
+    return schema, {
+        "use_dictionary": [n for n, e in encodings.items() if e == "DICT"],
+        "column_encoding": chosen or None,
+    }
 
 
 def _whole_numbers(column: str) -> str:
     """ClickHouse: true when the float `column` holds a whole number that int64 keeps exactly
     and that is not -0.0 (or is null)."""
-    return (f"({column} IS NULL OR (isFinite({column}) AND {column} = trunc({column}) AND "
-            f"abs({column}) < 9007199254740992 AND NOT ({column} = 0 AND "
-            f"reinterpretAsUInt64(toFloat64({column})) != 0)))")
+    return (
+        f"({column} IS NULL OR (isFinite({column}) AND {column} = trunc({column}) AND "
+        f"abs({column}) < 9007199254740992 AND NOT ({column} = 0 AND "
+        f"reinterpretAsUInt64(toFloat64({column})) != 0)))"
+    )
 
 
 @dataclass(frozen=True)
@@ -136,8 +156,7 @@ class DataClass:
     tenant_column: str | None = None
     # What tells one row from another (late rows for a moved hour are the hot rows not among
     # the warm copies): a sample is one GPU of one Kafka message.
-    identity: tuple[str, ...] = ("source_topic", "source_partition", "source_offset",
-                                 "gpu_index")
+    identity: tuple[str, ...] = ("source_topic", "source_partition", "source_offset", "gpu_index")
 
 
 GPU_SAMPLES = DataClass("gpu_samples")
@@ -178,11 +197,11 @@ class Manifest:
     sources: tuple[str, ...] = ()  # cold: the warm keys (and earlier archives) it replaced
     purged: tuple[str, ...] = ()  # cold: tenants whose rows retention has removed
 
-    def as_json(self) -> bytes:
+    def as_json(self) -> builtins.bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
 
     @classmethod
-    def from_json(cls, data: bytes) -> Manifest:
+    def from_json(cls, data: builtins.bytes) -> Manifest:
         raw = json.loads(data)
         raw["sources"] = tuple(raw.get("sources", ()))
         raw["purged"] = tuple(raw.get("purged", ()))
@@ -208,17 +227,12 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def _lit(text: str) -> str:
-    """A ClickHouse string literal."""
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+# A bound string: `{b_<sha256 prefix>:String}` stands for the value `_bind` registered.
+_PLACEHOLDER = re.compile(r"\{(b_[0-9a-f]{16}):String\}")
 
 
 def _hour(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y%m%d%H")
-
-
-def _day(ms: int) -> str:
-    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y%m%d")
 
 
 def _parse(partition: str) -> int:
@@ -241,6 +255,8 @@ class TieredStore:
     stats: TierStats = field(default_factory=TierStats)
     _manifests: dict[str, dict[str, Manifest]] | None = field(default=None, repr=False)
     _types: list[tuple[str, str]] | None = field(default=None, repr=False)
+    # Values the SQL this store composes refers to by placeholder (`_bind`).
+    _bound: dict[str, str] = field(default_factory=dict, repr=False)
 
     # --- names and keys ------------------------------------------------------------------
 
@@ -277,8 +293,24 @@ class TieredStore:
             prefix = keys[0].rsplit("/", 1)[0]
             names = ",".join(k.rsplit("/", 1)[1].removesuffix(".parquet") for k in keys)
             url = self._url(f"{prefix}/{{{names}}}.parquet")
-        return (f"s3({_lit(url)}, {_lit(self.s3.access_key)}, {_lit(self.s3.secret_key)}, "
-                f"'Parquet', {_lit(self._structure())})")
+        return (
+            f"s3({self._bind(url)}, {self._bind(self.s3.access_key)}, "
+            f"{self._bind(self.s3.secret_key)}, 'Parquet', {self._bind(self._structure())})"
+        )
+
+    def _bind(self, value: str) -> str:
+        """A placeholder for `value` in SQL this store composes: the queries it runs bind it as
+        a parameter; SQL that cannot take parameters (a view's definition, SQL handed to
+        another caller) gets it quoted by the driver (`_inline`)."""
+        name = "b_" + hashlib.sha256(value.encode()).hexdigest()[:16]
+        self._bound[name] = value
+        return "{" + name + ":String}"
+
+    def _parameters(self, sql: str) -> dict[str, str]:
+        return {name: self._bound[name] for name in _PLACEHOLDER.findall(sql)}
+
+    def _inline(self, sql: str) -> str:
+        return _PLACEHOLDER.sub(lambda m: str(format_query_value(self._bound[m[1]])), sql)
 
     def _column_types(self) -> list[tuple[str, str]]:
         if self._types is None:
@@ -286,10 +318,15 @@ class TieredStore:
         return self._types
 
     def _read_column_types(self) -> list[tuple[str, str]]:
-        return [(str(n), str(t)) for n, t in self._query(
-            "SELECT name, type FROM system.columns WHERE database = {db:String} AND "
-            "table = {t:String} AND default_kind NOT IN ('MATERIALIZED', 'ALIAS') "
-            "ORDER BY position", {"db": self.database, "t": self.data.table})]
+        return [
+            (str(n), str(t))
+            for n, t in self._query(
+                "SELECT name, type FROM system.columns WHERE database = {db:String} AND "
+                "table = {t:String} AND default_kind NOT IN ('MATERIALIZED', 'ALIAS') "
+                "ORDER BY position",
+                {"db": self.database, "t": self.data.table},
+            )
+        ]
 
     def _structure(self) -> str:
         return ", ".join(f"{name} {kind}" for name, kind in self._column_types())
@@ -299,33 +336,41 @@ class TieredStore:
 
     # --- plumbing --------------------------------------------------------------------------
 
-    def _query(self, sql: str, parameters: dict[str, Any] | None = None) -> list[tuple]:
+    def _query(self, sql: str, parameters: dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
         try:
-            return self.client.query(sql, parameters=parameters).result_rows
-        except Exception as exc:
+            return [
+                tuple(row)
+                for row in self.client.query(
+                    sql, parameters={**self._parameters(sql), **(parameters or {})}
+                ).result_rows
+            ]
+        except CLICKHOUSE_ERRORS as exc:
             raise QueryError(f"{sql.split()[0]} on {self.data.table}: {exc}") from None
 
     def _command(self, sql: str) -> None:
         try:
-            self.client.command(sql)
-        except Exception as exc:
+            self.client.command(sql, parameters=self._parameters(sql) or None)
+        except CLICKHOUSE_ERRORS as exc:
             raise StorageError(f"{sql.split()[0]} on {self.data.table}: {exc}") from None
 
     def _fingerprint(self, source: str, where: str = "1") -> tuple[int, str, int, int]:
         return self._archive_source(source, where, whole_floats=False)[0]
 
-    def _archive_source(self, source: str, where: str = "1", whole_floats: bool = True
-                        ) -> tuple[tuple[int, str, int, int], list[str]]:
+    def _archive_source(
+        self, source: str, where: str = "1", whole_floats: bool = True
+    ) -> tuple[tuple[int, str, int, int], list[str]]:
         """The rows' fingerprint (count, checksum, min and max time) and, in the same read,
         the float columns whose every value is a whole number (see `archive_layout`)."""
         ts = self.data.ts_column
-        floats = ([name for name, kind in self._column_types() if "Float" in kind]
-                  if whole_floats else [])
+        floats = (
+            [name for name, kind in self._column_types() if "Float" in kind] if whole_floats else []
+        )
         counts = "".join(f", countIf(NOT {_whole_numbers(name)})" for name in floats)
-        (rows, checksum, low, high, *not_whole), = self._query(
+        ((rows, checksum, low, high, *not_whole),) = self._query(
             f"SELECT count(), toString(sum(cityHash64(tuple({self._columns()})))), "
             f"toUnixTimestamp64Milli(min({ts})), toUnixTimestamp64Milli(max({ts})){counts} "
-            f"FROM {source} WHERE {where}")
+            f"FROM {source} WHERE {where}"
+        )
         whole = [name for name, count in zip(floats, not_whole, strict=True) if count == 0]
         return (int(rows), str(checksum), int(low), int(high)), whole
 
@@ -347,8 +392,11 @@ class TieredStore:
         return self._manifests[tier].get(partition)  # type: ignore[index]
 
     def _commit(self, manifest: Manifest) -> None:
-        self.objects.put(self._manifest_key(manifest.tier, manifest.partition),
-                         manifest.as_json(), "application/json")
+        self.objects.put(
+            self._manifest_key(manifest.tier, manifest.partition),
+            manifest.as_json(),
+            "application/json",
+        )
         self.manifests(manifest.tier)
         self._manifests[manifest.tier][manifest.partition] = manifest  # type: ignore[index]
 
@@ -360,10 +408,7 @@ class TieredStore:
         self._manifests[tier].pop(partition, None)  # type: ignore[index]
 
     def _size(self, key: str) -> int:
-        try:
-            return self.objects.client.stat_object(self.objects.bucket, key).size or 0
-        except Exception as exc:
-            raise StorageError(f"stat {key}: {exc}") from None
+        return self.objects.size(key)
 
     # --- the union view --------------------------------------------------------------------
 
@@ -378,21 +423,31 @@ class TieredStore:
         cols = self._columns()
         warm = self.manifests(WARM)
         cold = self.manifests(COLD)
-        moved = sorted({m.partition[:10] for m in warm} | {
-            _hour(h) for m in cold for h in range(_parse(m.partition), _parse(m.partition)
-                                                  + DAY_MS, HOUR_MS)})
+        moved = sorted(
+            {m.partition[:10] for m in warm}
+            | {
+                _hour(h)
+                for m in cold
+                for h in range(_parse(m.partition), _parse(m.partition) + DAY_MS, HOUR_MS)
+            }
+        )
 
         def overlaps(m: Manifest) -> bool:
             return (since_ms is None or m.max_ts_ms >= since_ms) and (
-                until_ms is None or m.min_ts_ms <= until_ms)
+                until_ms is None or m.min_ts_ms <= until_ms
+            )
 
-        time_filter = " AND ".join(
-            [f"{ts} >= fromUnixTimestamp64Milli({since_ms}, 'UTC')"] * (since_ms is not None)
-            + [f"{ts} <= fromUnixTimestamp64Milli({until_ms}, 'UTC')"] * (until_ms is not None)
-        ) or "1"
+        time_filter = (
+            " AND ".join(
+                [f"{ts} >= fromUnixTimestamp64Milli({since_ms}, 'UTC')"] * (since_ms is not None)
+                + [f"{ts} <= fromUnixTimestamp64Milli({until_ms}, 'UTC')"] * (until_ms is not None)
+            )
+            or "1"
+        )
         hour_expr = f"formatDateTime({ts}, '%Y%m%d%H', 'UTC')"
-        exclude = (f" AND {hour_expr} NOT IN ({', '.join(repr(p) for p in moved)})"
-                   if moved else "")
+        exclude = (
+            f" AND {hour_expr} NOT IN ({', '.join(self._bind(p) for p in moved)})" if moved else ""
+        )
         branches = [f"SELECT {cols} FROM {self.hot} WHERE {time_filter}{exclude}"]
         # Warm keys a cold archive has replaced are gone or going. Cold archives themselves
         # are not queried in place: `restore` rehydrates a range into the _restored table.
@@ -404,16 +459,25 @@ class TieredStore:
         return " UNION ALL ".join(branches)
 
     def rebuild_view(self) -> None:
-        self._command(f"CREATE OR REPLACE VIEW {self.union_view} AS {self._source_sql()}")
+        # A view's definition keeps no parameters: its values are quoted by the driver.
+        self._command(
+            f"CREATE OR REPLACE VIEW {self.union_view} AS {self._inline(self._source_sql())}"
+        )
 
-    def tiered_sql(self, sql: str, since_ms: int | None = None,
-                   until_ms: int | None = None, now_ms: int | None = None) -> str:
+    def tiered_sql(
+        self,
+        sql: str,
+        since_ms: int | None = None,
+        until_ms: int | None = None,
+        now_ms: int | None = None,
+    ) -> str:
         """`sql` with each `$samples` replaced by the tiers overlapping [since, until] only, so
         a query over the last hour reads the hot table and nothing from S3. A macro may carry
         its own range: `$samples(-1h)`, `$samples(-7d, -1d)`, `$samples(<ISO or ms>, ...)`."""
         if "$samples" not in sql and not _TABLE_MACRO.search(sql):
-            raise ConfigError("a tiered query names its source as $samples (or $decisions, "
-                              "$allocations)")
+            raise ConfigError(
+                "a tiered query names its source as $samples (or $decisions, $allocations)"
+            )
         self._command(f"CREATE TABLE IF NOT EXISTS {self.restored} AS {self.hot}")
         now = wall_clock_ms() if now_ms is None else now_ms
 
@@ -429,17 +493,26 @@ class TieredStore:
 
         def table(match: re.Match[str]) -> str:
             name = {"decisions": "scheduling_decisions", "allocations": "gpu_allocations"}[
-                match["name"]]
+                match["name"]
+            ]
             if match["args"] is None:
                 return f"{self.database}.{name}"
             parts = [p.strip() for p in match["args"].split(",")]
             low = parse_moment(parts[0], now) if parts and parts[0] else None
             high = parse_moment(parts[1], now) if len(parts) == 2 and parts[1] else None
-            where = " AND ".join([*([f"ts_ms >= {low}"] if low is not None else []),
-                                  *([f"ts_ms < {high}"] if high is not None else [])]) or "1"
+            where = (
+                " AND ".join(
+                    [
+                        *([f"ts_ms >= {low}"] if low is not None else []),
+                        *([f"ts_ms < {high}"] if high is not None else []),
+                    ]
+                )
+                or "1"
+            )
             return f"(SELECT * FROM {self.database}.{name} WHERE {where})"
 
-        return _TABLE_MACRO.sub(table, _MACRO.sub(expand, sql))
+        # The caller runs this SQL as it is: the values are quoted by the driver.
+        return self._inline(_TABLE_MACRO.sub(table, _MACRO.sub(expand, sql)))
 
     # --- moves -----------------------------------------------------------------------------
 
@@ -449,7 +522,8 @@ class TieredStore:
         rows = self._query(
             f"SELECT formatDateTime({ts}, '%Y%m%d%H', 'UTC') AS hour, "
             f"toUnixTimestamp64Milli(min({ts})), toUnixTimestamp64Milli(max({ts})) "
-            f"FROM {self.hot} GROUP BY hour ORDER BY hour")
+            f"FROM {self.hot} GROUP BY hour ORDER BY hour"
+        )
         return [(str(h), int(lo), int(hi)) for h, lo, hi in rows]
 
     def run_once(self, now_ms: int) -> TierStats:
@@ -483,8 +557,11 @@ class TieredStore:
             if due and self._committed(COLD, day) is None:
                 replaced.extend(self._copy_to_cold(day))
         for cold in self.manifests(COLD):  # committed in an earlier, interrupted pass
-            replaced.extend(k for k in cold.sources if self._committed(
-                WARM, k.rsplit("/", 1)[1].removesuffix(".parquet")) is not None)
+            replaced.extend(
+                k
+                for k in cold.sources
+                if self._committed(WARM, k.rsplit("/", 1)[1].removesuffix(".parquet")) is not None
+            )
         if replaced:
             self.rebuild_view()
             self.on_step("switched", replaced[-1].rsplit("/", 1)[1][:8])
@@ -496,14 +573,20 @@ class TieredStore:
         # A range on ts, not a formatted hour, so ClickHouse prunes partitions and granules.
         low = _parse(partition)
         ts = self.data.ts_column
-        return (f"{ts} >= fromUnixTimestamp64Milli({low}, 'UTC') AND "
-                f"{ts} < fromUnixTimestamp64Milli({low + HOUR_MS}, 'UTC')")
+        return (
+            f"{ts} >= fromUnixTimestamp64Milli({low}, 'UTC') AND "
+            f"{ts} < fromUnixTimestamp64Milli({low + HOUR_MS}, 'UTC')"
+        )
 
     def _drop_hot(self, partition: str) -> None:
-        ids = self._query(f"SELECT DISTINCT _partition_id FROM {self.hot} "
-                          f"WHERE {self._hot_where(partition)}")
+        ids = self._query(
+            f"SELECT DISTINCT _partition_id FROM {self.hot} WHERE {self._hot_where(partition)}"
+        )
         for (partition_id,) in ids:
-            self._command(f"ALTER TABLE {self.hot} DROP PARTITION ID '{partition_id}'")
+            # PARTITION ID takes a literal, not a parameter: quoted by the driver.
+            self._command(
+                f"ALTER TABLE {self.hot} DROP PARTITION ID {format_query_value(str(partition_id))}"
+            )
 
     def _warm_of(self, hour: str) -> list[Manifest]:
         return [m for m in self.manifests(WARM) if m.partition[:10] == hour]
@@ -515,7 +598,7 @@ class TieredStore:
         if not keys:
             return where
         identity = ", ".join(self.data.identity)
-        return (f"{where} AND ({identity}) NOT IN (SELECT {identity} FROM {self._s3(keys)})")
+        return f"{where} AND ({identity}) NOT IN (SELECT {identity} FROM {self._s3(keys)})"
 
     def _unmoved(self, hour: str) -> tuple[int, str, int, int]:
         return self._fingerprint(self.hot, self._unmoved_where(hour))
@@ -540,15 +623,19 @@ class TieredStore:
             "output_format_parquet_compression_method = 'zstd', "
             # Bloom filters cost ~8 bytes a sample over high-cardinality metric columns; time
             # and key ranges are pruned by the page index, which stays.
-            "output_format_parquet_write_bloom_filter = 0")
+            "output_format_parquet_write_bloom_filter = 0"
+        )
         self.on_step("copied", partition)
         copy = self._fingerprint(self._s3([key]))
         if copy[:2] != (rows, checksum):
-            raise IntegrityError(f"warm copy {key} holds {copy[0]} rows / {copy[1]}, the hot "
-                                 f"partition {rows} / {checksum}; not moving it")
+            raise IntegrityError(
+                f"warm copy {key} holds {copy[0]} rows / {copy[1]}, the hot "
+                f"partition {rows} / {checksum}; not moving it"
+            )
         self.on_step("verified", partition)
-        self._commit(Manifest(self.data.table, WARM, name, key, rows, checksum, low, high,
-                              self._size(key)))
+        self._commit(
+            Manifest(self.data.table, WARM, name, key, rows, checksum, low, high, self._size(key))
+        )
         self.on_step("committed", partition)
         self.stats.to_warm += 1
         self.stats.rows_moved += rows
@@ -561,19 +648,40 @@ class TieredStore:
         expected_rows = sum(m.rows for m in sources)
         (rows, checksum, low, high), whole = self._archive_source(self._s3(keys))
         if rows != expected_rows:
-            raise IntegrityError(f"warm objects of {day} hold {rows} rows, their manifests "
-                                 f"say {expected_rows}")
+            raise IntegrityError(
+                f"warm objects of {day} hold {rows} rows, their manifests say {expected_rows}"
+            )
         order = ", ".join(self.data.order_by)
-        self._write_archive(key, [f"SELECT {self._columns()} FROM {self._s3([source])} "
-                                  f"ORDER BY {order}" for source in keys], whole)
+        self._write_archive(
+            key,
+            [
+                f"SELECT {self._columns()} FROM {self._s3([source])} ORDER BY {order}"
+                for source in keys
+            ],
+            whole,
+        )
         self.on_step("copied", day)
         copy = self._fingerprint(self._s3([key]))
         if copy[:2] != (rows, checksum):
-            raise IntegrityError(f"cold archive {key} holds {copy[0]} rows / {copy[1]}, the "
-                                 f"warm objects {rows} / {checksum}; not moving them")
+            raise IntegrityError(
+                f"cold archive {key} holds {copy[0]} rows / {copy[1]}, the "
+                f"warm objects {rows} / {checksum}; not moving them"
+            )
         self.on_step("verified", day)
-        self._commit(Manifest(self.data.table, COLD, day, key, rows, checksum, low, high,
-                              self._size(key), tuple(keys)))
+        self._commit(
+            Manifest(
+                self.data.table,
+                COLD,
+                day,
+                key,
+                rows,
+                checksum,
+                low,
+                high,
+                self._size(key),
+                tuple(keys),
+            )
+        )
         self.on_step("committed", day)
         self.stats.to_cold += 1
         self.stats.rows_moved += rows
@@ -597,16 +705,23 @@ class TieredStore:
                 if writer is None:
                     schema, options = archive_layout(table, whole)
                     writer = pq.ParquetWriter(
-                        spool.name, schema, compression="zstd", compression_level=19,
-                        write_page_index=False, **options)
+                        spool.name,
+                        schema,
+                        compression="zstd",
+                        compression_level=19,
+                        write_page_index=False,
+                        **options,
+                    )
                 # A safe cast: a float that is not whole would fail here, never be rounded.
                 writer.write_table(table.cast(writer.schema), row_group_size=ARCHIVE_GROUP_ROWS)
 
             try:
                 for select in selects:
                     try:
-                        pending.append(self.client.query_arrow(select))
-                    except Exception as exc:
+                        pending.append(
+                            self.client.query_arrow(select, parameters=self._parameters(select))
+                        )
+                    except CLICKHOUSE_ERRORS as exc:
                         raise QueryError(f"reading rows for {key}: {exc}") from None
                     # Small hours are gathered into row groups of a useful size.
                     if sum(t.num_rows for t in pending) >= ARCHIVE_GROUP_ROWS:
@@ -645,8 +760,7 @@ class TieredStore:
             return f"(SELECT {cols}, {self.data.tenant_column} AS _tenant FROM {source})"
         # The allocation in force, as the utilisation-by-tenant query finds it.
         picked = ", ".join(f"s.{name} AS {name}" for name, _ in self._column_types())
-        joined = with_allocation(source, f"{self.database}.gpu_allocations",
-                                 self.data.ts_column)
+        joined = with_allocation(source, f"{self.database}.gpu_allocations", self.data.ts_column)
         return f"(SELECT {picked}, if(a.kind = 'ALLOCATED', a.tenant, '') AS _tenant FROM {joined})"
 
     def _purge(self, m: Manifest, purged: tuple[str, ...]) -> None:
@@ -656,9 +770,9 @@ class TieredStore:
         overrides = [tenant for tenant, _ in self.data.tenant_cold_ms]
         if EVERYONE_ELSE in purged:
             kept = [t for t in overrides if t not in purged]
-            keep = f"_tenant IN ({', '.join(_lit(t) for t in kept)})" if kept else "0"
+            keep = f"_tenant IN ({', '.join(self._bind(t) for t in kept)})" if kept else "0"
         else:
-            keep = f"_tenant NOT IN ({', '.join(_lit(t) for t in purged)})"
+            keep = f"_tenant NOT IN ({', '.join(self._bind(t) for t in purged)})"
         source = self._tenanted(self._s3([m.key]))
         (rows, checksum, low, high), whole = self._archive_source(source, keep)
         if rows == 0:
@@ -668,19 +782,39 @@ class TieredStore:
         ts = self.data.ts_column
         order = ", ".join(self.data.order_by)
         day = _parse(m.partition)
-        self._write_archive(key, [
-            f"SELECT {self._columns()} FROM {source} WHERE {keep} AND {ts} >= "
-            f"fromUnixTimestamp64Milli({hour}, 'UTC') AND {ts} < fromUnixTimestamp64Milli("
-            f"{hour + HOUR_MS}, 'UTC') ORDER BY {order}"
-            for hour in range(day, day + DAY_MS, HOUR_MS)], whole)
+        self._write_archive(
+            key,
+            [
+                f"SELECT {self._columns()} FROM {source} WHERE {keep} AND {ts} >= "
+                f"fromUnixTimestamp64Milli({hour}, 'UTC') AND {ts} < fromUnixTimestamp64Milli("
+                f"{hour + HOUR_MS}, 'UTC') ORDER BY {order}"
+                for hour in range(day, day + DAY_MS, HOUR_MS)
+            ],
+            whole,
+        )
         self.on_step("copied", m.partition)
         copy = self._fingerprint(self._s3([key]))
         if copy[:2] != (rows, checksum):
-            raise IntegrityError(f"purged archive {key} holds {copy[0]} rows / {copy[1]}, "
-                                 f"expected {rows} / {checksum}; keeping {m.key}")
+            raise IntegrityError(
+                f"purged archive {key} holds {copy[0]} rows / {copy[1]}, "
+                f"expected {rows} / {checksum}; keeping {m.key}"
+            )
         self.on_step("verified", m.partition)
-        self._commit(Manifest(self.data.table, COLD, m.partition, key, rows, checksum, low,
-                              high, self._size(key), (*m.sources, m.key), purged))
+        self._commit(
+            Manifest(
+                self.data.table,
+                COLD,
+                m.partition,
+                key,
+                rows,
+                checksum,
+                low,
+                high,
+                self._size(key),
+                (*m.sources, m.key),
+                purged,
+            )
+        )
         self.on_step("committed", m.partition)
         self.rebuild_view()
         self._forget_restored(m, replace=True)
@@ -694,16 +828,19 @@ class TieredStore:
         with `replace`, restored again from the current archive."""
         day = _parse(m.partition)
         ts = self.data.ts_column
-        where = (f"{ts} >= fromUnixTimestamp64Milli({day}, 'UTC') AND "
-                 f"{ts} < fromUnixTimestamp64Milli({day + DAY_MS}, 'UTC')")
-        (held,), = self._query(f"SELECT count() FROM {self.restored} WHERE {where}")
+        where = (
+            f"{ts} >= fromUnixTimestamp64Milli({day}, 'UTC') AND "
+            f"{ts} < fromUnixTimestamp64Milli({day + DAY_MS}, 'UTC')"
+        )
+        ((held,),) = self._query(f"SELECT count() FROM {self.restored} WHERE {where}")
         if not held:
             return
         if replace:
             self.restore(day, day + DAY_MS - 1)
         else:
-            self._command(f"ALTER TABLE {self.restored} DELETE WHERE {where} "
-                          "SETTINGS mutations_sync = 1")
+            self._command(
+                f"ALTER TABLE {self.restored} DELETE WHERE {where} SETTINGS mutations_sync = 1"
+            )
 
     def _expire(self, manifest: Manifest) -> None:
         self._uncommit(COLD, manifest.partition)
@@ -717,19 +854,25 @@ class TieredStore:
         """Rehydrate cold rows in [since, until] into the `_restored` table (replacing what an
         earlier restore put there for the range); return the rows restored."""
         self.ensure_tables()
-        cold = [m for m in self.manifests(COLD)
-                if m.max_ts_ms >= since_ms and m.min_ts_ms <= until_ms]
+        cold = [
+            m for m in self.manifests(COLD) if m.max_ts_ms >= since_ms and m.min_ts_ms <= until_ms
+        ]
         ts = self.data.ts_column
-        where = (f"{ts} >= fromUnixTimestamp64Milli({since_ms}, 'UTC') AND "
-                 f"{ts} <= fromUnixTimestamp64Milli({until_ms}, 'UTC')")
-        self._command(f"ALTER TABLE {self.restored} DELETE WHERE {where} "
-                      "SETTINGS mutations_sync = 1")
+        where = (
+            f"{ts} >= fromUnixTimestamp64Milli({since_ms}, 'UTC') AND "
+            f"{ts} <= fromUnixTimestamp64Milli({until_ms}, 'UTC')"
+        )
+        self._command(
+            f"ALTER TABLE {self.restored} DELETE WHERE {where} SETTINGS mutations_sync = 1"
+        )
         if not cold:
             return 0
-        self._command(f"INSERT INTO {self.restored} SELECT {self._columns()} FROM "
-                      f"{self._s3(sorted(m.key for m in cold))} WHERE {where} "
-                      "SETTINGS max_partitions_per_insert_block = 10000")
-        (rows,), = self._query(f"SELECT count() FROM {self.restored} WHERE {where}")
+        self._command(
+            f"INSERT INTO {self.restored} SELECT {self._columns()} FROM "
+            f"{self._s3(sorted(m.key for m in cold))} WHERE {where} "
+            "SETTINGS max_partitions_per_insert_block = 10000"
+        )
+        ((rows,),) = self._query(f"SELECT count() FROM {self.restored} WHERE {where}")
         return int(rows)
 
 
@@ -774,8 +917,9 @@ def parse_moment(text: str, now_ms: int) -> int:
     try:
         moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
-        raise ConfigError(f"{text!r} is neither epoch milliseconds nor an ISO 8601 time "
-                          "(nor -<n>s|m|h|d)") from None
+        raise ConfigError(
+            f"{text!r} is neither epoch milliseconds nor an ISO 8601 time (nor -<n>s|m|h|d)"
+        ) from None
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
     return int(moment.timestamp() * 1000)
@@ -786,6 +930,8 @@ def expander(settings: Settings) -> Callable[[Client, str], str]:
     objects = ObjectStore.from_settings(settings.s3)
 
     def expand(client: Client, sql: str) -> str:
-        return TieredStore(client, settings.clickhouse_database, objects,
-                           settings.s3).tiered_sql(sql)
+        return TieredStore(client, settings.clickhouse_database, objects, settings.s3).tiered_sql(
+            sql
+        )
+
     return expand

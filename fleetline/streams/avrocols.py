@@ -24,10 +24,24 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from fleetline.streams import _avrocols
+from fleetline.streams import _avrocols  # built by the install (`_avrocols.pyi`)
 
-(OP_INT, OP_LONG, OP_FLOAT, OP_DOUBLE, OP_BOOL, OP_STRING, OP_NULL, OP_UNION, OP_ARRAY,
- OP_SKIP_INT, OP_SKIP_FLOAT, OP_SKIP_DOUBLE, OP_SKIP_BOOL, OP_SKIP_STRING) = range(1, 15)
+(
+    OP_INT,
+    OP_LONG,
+    OP_FLOAT,
+    OP_DOUBLE,
+    OP_BOOL,
+    OP_STRING,
+    OP_NULL,
+    OP_UNION,
+    OP_ARRAY,
+    OP_SKIP_INT,
+    OP_SKIP_FLOAT,
+    OP_SKIP_DOUBLE,
+    OP_SKIP_BOOL,
+    OP_SKIP_STRING,
+) = range(1, 15)
 
 _SCALARS: dict[str, tuple[int, int, int, pa.DataType]] = {
     # avro type: (read op, skip op, value width, Arrow type)
@@ -103,8 +117,12 @@ class Decoded:
 class Program:
     """A writer schema compiled for the native decoder, keeping the fields `wanted` says."""
 
-    def __init__(self, schema: dict[str, Any], header: bytes,
-                 wanted: Callable[[str], bool] = lambda path: True) -> None:
+    def __init__(
+        self,
+        schema: dict[str, Any],
+        header: bytes,
+        wanted: Callable[[str], bool] = lambda path: True,
+    ) -> None:
         self.header = header
         self._wanted = wanted
         self._named: dict[str, Any] = {}
@@ -119,11 +137,22 @@ class Program:
 
     def types(self, level: str) -> dict[str, pa.DataType]:
         """The Arrow type of each field of `level` that is decoded."""
-        return {c.name: c.type for c in self._columns
-                if c.level == level and c.kind in ("scalar", "list")}
+        return {
+            c.name: c.type
+            for c in self._columns
+            if c.level == level and c.kind in ("scalar", "list")
+        }
 
-    def _add(self, name: str, level: str, type_: pa.DataType, width: int,
-             kind: str = "scalar", ref: int = -1, child: str = "") -> int:
+    def _add(
+        self,
+        name: str,
+        level: str,
+        type_: pa.DataType,
+        width: int,
+        kind: str = "scalar",
+        ref: int = -1,
+        child: str = "",
+    ) -> int:
         self._columns.append(_Column(name, level, type_, width, kind, ref, child))
         return len(self._columns) - 1
 
@@ -160,25 +189,27 @@ class Program:
             raise Unsupported(f"{path}: {kind!r}")
 
     def _name(self, path: str, level: str) -> str:
-        return path[len(level) + 1:] if level else path
+        return path[len(level) + 1 :] if level else path
 
     def _scalar(self, kind: str, path: str, level: str) -> None:
         read, skip, width, type_ = _SCALARS[kind]
         if self._wanted(path):
-            self._code.append((read, self._add(self._name(path, level), level, type_, width),
-                               0, 0))
+            self._code.append((read, self._add(self._name(path, level), level, type_, width), 0, 0))
         else:
             self._code.append((skip, -1, 0, 0))
 
     def _union(self, branches: list[Any], path: str, level: str) -> None:
         branches = [self._resolve(b) for b in branches]
         values = [b for b in branches if b != "null"]
-        if len(values) != 1 or len(branches) != 2 or not isinstance(values[0], str) \
-                or values[0] not in _SCALARS:
+        if (
+            len(values) != 1
+            or len(branches) != 2
+            or not isinstance(values[0], str)
+            or values[0] not in _SCALARS
+        ):
             raise Unsupported(f"{path}: union {branches!r} is not null or one scalar")
         read, skip, width, type_ = _SCALARS[values[0]]
-        col = (self._add(self._name(path, level), level, type_, width)
-               if self._wanted(path) else -1)
+        col = self._add(self._name(path, level), level, type_, width) if self._wanted(path) else -1
         self._code.append((OP_UNION, -1, 2, 0))
         for branch in branches:
             if branch == "null":
@@ -218,22 +249,31 @@ class Program:
             return n
         return 1
 
-    def decode(self, values: Sequence[bytes | None], keys: Sequence[bytes | None] | None = None,
-               key_field: str | None = None) -> Decoded:
+    def decode(
+        self,
+        values: Sequence[bytes | None],
+        keys: Sequence[bytes | None] | None = None,
+        key_field: str | None = None,
+    ) -> Decoded:
         """Every message that decodes, and which did not and why. With `key_field`, that
         top-level string field must equal each message's key."""
         key_column = -1
         if key_field is not None:
-            key_column = next(i for i, c in enumerate(self._columns)
-                              if c.level == "" and c.name == key_field)
+            key_column = next(
+                i for i, c in enumerate(self._columns) if c.level == "" and c.name == key_field
+            )
         # Each column's buffers are sized from the previous batch's, per message.
-        hints = [(c.width, int(size * 1.1 * len(values)) + 64, int(count * 1.1 * len(values)) + 8)
-                 for c, (size, count) in zip(self._columns, self._per_message, strict=True)]
-        columns, failures = _avrocols.decode(self._packed, hints, self.header, values, keys,
-                                             key_column)
+        hints = [
+            (c.width, int(size * 1.1 * len(values)) + 64, int(count * 1.1 * len(values)) + 8)
+            for c, (size, count) in zip(self._columns, self._per_message, strict=True)
+        ]
+        columns, failures = _avrocols.decode(
+            self._packed, hints, self.header, values, keys, key_column
+        )
         if len(values) > len(failures):
-            self._per_message = [(len(data) / len(values), count / len(values))
-                                 for data, _, _, count, _ in columns]
+            self._per_message = [
+                (len(data) / len(values), count / len(values)) for data, _, _, count, _ in columns
+            ]
         arrays: dict[int, pa.Array] = {}
         ends: dict[str, np.ndarray] = {}  # by level, for the arrays of records
         list_ends: dict[int, np.ndarray] = {}  # by column, for the arrays of scalars
@@ -246,15 +286,19 @@ class Program:
                 list_ends[index] = np.frombuffer(data, np.int32)
             elif column.width == 0:
                 arrays[index] = pa.Array.from_buffers(
-                    column.type, count, [validity, pa.py_buffer(offsets), pa.py_buffer(data)],
-                    null_count=nulls)
+                    column.type,
+                    count,
+                    [validity, pa.py_buffer(offsets), pa.py_buffer(data)],
+                    null_count=nulls,
+                )
             elif pa.types.is_boolean(column.type):  # a byte per value; Arrow's are bits
                 arrays[index] = pa.Array.from_buffers(
                     pa.uint8(), count, [validity, pa.py_buffer(data)], null_count=nulls
                 ).cast(pa.bool_())
             else:
                 arrays[index] = pa.Array.from_buffers(
-                    column.type, count, [validity, pa.py_buffer(data)], null_count=nulls)
+                    column.type, count, [validity, pa.py_buffer(data)], null_count=nulls
+                )
         tables: dict[str, dict[str, pa.Array]] = {level: {} for level in self._levels}
         for index, column in enumerate(self._columns):
             if column.kind == "scalar":
@@ -262,6 +306,11 @@ class Program:
             elif column.kind == "list":
                 offsets = pa.array(np.concatenate(([0], list_ends[index])), pa.int32())
                 tables[column.level][column.name] = pa.ListArray.from_arrays(
-                    offsets, arrays[column.ref])
-        return Decoded({level: pa.table(cols) for level, cols in tables.items()}, ends,
-                       dict(failures), len(values))
+                    offsets, arrays[column.ref]
+                )
+        return Decoded(
+            {level: pa.table(cols) for level, cols in tables.items()},
+            ends,
+            dict(failures),
+            len(values),
+        )

@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from fleetline.errors import UnknownSchemaError
 from fleetline.streams.avrocols import OTHER_WRITER, Decoded, Program, Unsupported
 from fleetline.streams.events import NODE_TELEMETRY
 from fleetline.streams.serde import HEADER_LEN, MAGIC, AvroCodec
@@ -29,7 +30,7 @@ _RECORD_FIELDS = ("cluster_id", "region", "node_id", "seq", "ts")
 
 # One decoded NodeTelemetry, reduced to what the view folds:
 # (cluster_id, region, node_id, seq, ts, [one tuple of the requested GPU fields per GPU]).
-TelemetryRow = tuple[str, str, str, int, int, list[tuple]]
+TelemetryRow = tuple[str, str, str, int, int, list[tuple[Any, ...]]]
 
 
 def _sparse_lists(column: pa.ChunkedArray | pa.Array) -> list[Any]:
@@ -63,8 +64,9 @@ class TelemetryBatchDecoder:
         self.gpu_fields = tuple(gpu_fields)
         newest = codec.registry.latest(NODE_TELEMETRY)
         gpu_schema = next(f for f in newest.source["fields"] if f["name"] == "gpus")
-        self._defaults = {f["name"]: f.get("default")
-                          for f in gpu_schema["type"]["items"]["fields"]}
+        self._defaults = {
+            f["name"]: f.get("default") for f in gpu_schema["type"]["items"]["fields"]
+        }
         self._programs: dict[bytes, Program | None] = {}
         # An older writer's missing GPU fields get the newest schema's default, in its type.
         newest_program = self._program(newest.fingerprint)
@@ -75,21 +77,25 @@ class TelemetryBatchDecoder:
         if fingerprint not in self._programs:
             try:
                 writer = self.codec.registry.by_fingerprint(fingerprint)
-            except Exception:
+            except UnknownSchemaError:
                 writer = None
             program = None
             if writer is not None and writer.full_name == NODE_TELEMETRY:
                 wanted = {*_RECORD_FIELDS, *(f"gpus.{name}" for name in self.gpu_fields)}
                 try:
-                    program = Program(json.loads(writer.canonical), MAGIC + fingerprint,
-                                      lambda path: path in wanted)
+                    program = Program(
+                        json.loads(writer.canonical),
+                        MAGIC + fingerprint,
+                        lambda path: path in wanted,
+                    )
                 except Unsupported:
                     program = None
             self._programs[fingerprint] = program
         return self._programs[fingerprint]
 
-    def _parts(self, keys: Sequence[bytes | None], values: Sequence[bytes | None]
-               ) -> tuple[list[tuple[np.ndarray, Decoded]], dict[int, str]]:
+    def _parts(
+        self, keys: Sequence[bytes | None], values: Sequence[bytes | None]
+    ) -> tuple[list[tuple[np.ndarray, Decoded]], dict[int, str]]:
         """The batch decoded by writer schema: each part with the batch index of each of its
         top-level rows; and the messages not decoded, with the reason."""
         parts: list[tuple[np.ndarray, Decoded]] = []
@@ -108,12 +114,16 @@ class TelemetryBatchDecoder:
                     pending.append(at[1:])
                 continue
             whole = len(at) == len(values)
-            decoded = program.decode(values if whole else [values[i] for i in at],
-                                     keys if whole else [keys[i] for i in at], "node_id")
+            decoded = program.decode(
+                values if whole else [values[int(i)] for i in at],
+                keys if whole else [keys[int(i)] for i in at],
+                "node_id",
+            )
             parts.append((at[decoded.indices()], decoded))
             others = [i for i, why in decoded.failed.items() if why == OTHER_WRITER]
-            failed.update((int(at[i]), why) for i, why in decoded.failed.items()
-                          if why != OTHER_WRITER)
+            failed.update(
+                (int(at[i]), why) for i, why in decoded.failed.items() if why != OTHER_WRITER
+            )
             if others:
                 pending.append(at[others])
         return parts, failed
@@ -128,12 +138,16 @@ class TelemetryBatchDecoder:
                 columns[name] = gpus[name]
             else:
                 default = self._defaults[name]
-                columns[name] = (pa.nulls(gpus.num_rows, self._types[name]) if default is None
-                                 else pa.array([default] * gpus.num_rows, self._types[name]))
+                columns[name] = (
+                    pa.nulls(gpus.num_rows, self._types[name])
+                    if default is None
+                    else pa.array([default] * gpus.num_rows, self._types[name])
+                )
         return columns
 
-    def decode(self, keys: Sequence[bytes | None],
-               values: Sequence[bytes | None]) -> list[TelemetryRow | None]:
+    def decode(
+        self, keys: Sequence[bytes | None], values: Sequence[bytes | None]
+    ) -> list[TelemetryRow | None]:
         """A row for each message, in order; None for a message the batch path could not read
         (malformed, another record, a schema it does not run), which the caller reads record
         by record, naming it if it is bad."""
@@ -148,18 +162,30 @@ class TelemetryBatchDecoder:
                     columns.append(column.to_pylist())
             flat = list(zip(*columns, strict=True))
             top = decoded.tables[""]
-            clusters, regions, node_ids, seqs, stamps = (top[name].to_pylist()
-                                                         for name in _RECORD_FIELDS)
+            clusters, regions, node_ids, seqs, stamps = (
+                top[name].to_pylist() for name in _RECORD_FIELDS
+            )
             at = 0
-            for i, (index, end) in enumerate(zip(indices.tolist(),
-                                                 decoded.ends["gpus"].tolist(), strict=True)):
-                out[index] = (clusters[i], regions[i], node_ids[i], seqs[i], stamps[i],
-                              flat[at:end])
+            for i, (index, end) in enumerate(
+                zip(indices.tolist(), decoded.ends["gpus"].tolist(), strict=True)
+            ):
+                out[index] = (
+                    clusters[i],
+                    regions[i],
+                    node_ids[i],
+                    seqs[i],
+                    stamps[i],
+                    flat[at:end],
+                )
                 at = end
         return out
 
-    def samples(self, keys: Sequence[bytes | None], values: Sequence[bytes | None],
-                gpu_fields: Sequence[str]) -> SampleBatch:
+    def samples(
+        self,
+        keys: Sequence[bytes | None],
+        values: Sequence[bytes | None],
+        gpu_fields: Sequence[str],
+    ) -> SampleBatch:
         """The batch as records and GPU samples (see SampleBatch)."""
         records, samples = [], []
         parts, failed = self._parts(keys, values) if values else ([], {})
@@ -168,9 +194,15 @@ class TelemetryBatchDecoder:
             records.append(top.add_column(0, "_record", pa.array(indices)))
             parents = decoded.parents("gpus")
             per_gpu = top.take(parents)
-            samples.append(pa.table({"_record": pa.array(indices[parents]),
-                                     **{name: per_gpu[name] for name in _RECORD_FIELDS},
-                                     **self._gpu_columns(decoded, gpu_fields)}))
+            samples.append(
+                pa.table(
+                    {
+                        "_record": pa.array(indices[parents]),
+                        **{name: per_gpu[name] for name in _RECORD_FIELDS},
+                        **self._gpu_columns(decoded, gpu_fields),
+                    }
+                )
+            )
         if not parts:
             return SampleBatch(pa.table({}), pa.table({}), failed)
         return SampleBatch(pa.concat_tables(records), pa.concat_tables(samples), failed)

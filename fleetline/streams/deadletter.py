@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
-from confluent_kafka import Message, Producer
+from confluent_kafka import Message
+
+from fleetline.streams.records import Record
 
 H_REASON = "fleetline.dlq.reason"
 H_ERROR = "fleetline.dlq.error"
@@ -35,8 +36,8 @@ class DeadLetter:
 
 
 def dead_letter_headers(
-    msg: Message, application: str, error: Exception
-) -> list[tuple[str, bytes]]:
+    msg: Record, application: str, error: Exception
+) -> list[tuple[str, str | bytes | None]]:
     return [
         (H_REASON, str(error).encode()),
         (H_ERROR, type(error).__name__.encode()),
@@ -47,19 +48,12 @@ def dead_letter_headers(
     ]
 
 
-def send_dead_letter(producer: Producer, topic: str, application: str, msg: Message,
-                     error: Exception) -> None:
-    """Log and produce one dead letter: the message whole, with why and where from. The caller
-    flushes before it commits past the message."""
-    logging.getLogger(f"fleetline.{application}").warning(
-        "%s: dead-lettering %s[%d]@%d: %s", application, msg.topic(), msg.partition(),
-        msg.offset(), error)
-    producer.produce(topic, key=msg.key(), value=msg.value(),
-                     headers=dead_letter_headers(msg, application, error))
-
-
 def read_dead_letter(msg: Message) -> DeadLetter:
-    headers = {key: (value or b"").decode() for key, value in (msg.headers() or [])}
+    raw = msg.headers() or []
+    pairs = raw.items() if isinstance(raw, dict) else raw
+    headers = {
+        key: value.decode() if isinstance(value, bytes) else (value or "") for key, value in pairs
+    }
     return DeadLetter(
         key=msg.key(),
         value=msg.value(),

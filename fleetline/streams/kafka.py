@@ -14,10 +14,11 @@ from confluent_kafka import (
     Producer,
     TopicPartition,
 )
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from fleetline.config import KafkaSettings
 from fleetline.errors import StreamError
+from fleetline.streams.records import where
 from fleetline.streams.topics import TopicSpec
 
 # The Java clients' default partitioner, so every client maps a key to the same partition.
@@ -25,7 +26,7 @@ PARTITIONER = "murmur2_random"
 
 
 def admin_client(kafka: KafkaSettings) -> AdminClient:
-    return AdminClient(kafka.client_config())
+    return AdminClient(dict(kafka.client_config()))  # type: ignore[arg-type]  # a Logger too
 
 
 def ensure_topics(
@@ -55,8 +56,13 @@ def ensure_topics(
     deadline = time.monotonic() + timeout_s
     while True:
         listed = admin.list_topics(timeout=timeout_s).topics
-        missing = [spec.name for spec in specs if spec.name not in listed
-                   or listed[spec.name].error is not None or not listed[spec.name].partitions]
+        missing = [
+            spec.name
+            for spec in specs
+            if spec.name not in listed
+            or listed[spec.name].error is not None
+            or not listed[spec.name].partitions
+        ]
         if not missing:
             return
         if time.monotonic() > deadline:
@@ -65,9 +71,13 @@ def ensure_topics(
 
 
 def producer(
-    kafka: KafkaSettings, *, transactional_id: str | None = None, **extra: object
+    kafka: KafkaSettings,
+    config: Mapping[str, object] | None = None,
+    *,
+    transactional_id: str | None = None,
 ) -> Producer:
-    """An idempotent producer (transactional when an id is given), batching with lz4."""
+    """An idempotent producer (transactional when an id is given), batching with lz4;
+    `config` adds or overrides librdkafka settings."""
     conf = kafka.client_config(
         **{
             "enable.idempotence": True,
@@ -75,7 +85,7 @@ def producer(
             "compression.type": "lz4",
             "linger.ms": 20,
             "partitioner": PARTITIONER,
-            **extra,
+            **(config or {}),
         }
     )
     if transactional_id is not None:
@@ -83,8 +93,10 @@ def producer(
     return Producer(conf)
 
 
-def consumer(kafka: KafkaSettings, group_id: str, **extra: object) -> Consumer:
-    """A read_committed consumer that never commits by itself."""
+def consumer(
+    kafka: KafkaSettings, group_id: str, config: Mapping[str, object] | None = None
+) -> Consumer:
+    """A read_committed consumer that never commits by itself (unless `config` says so)."""
     return Consumer(
         kafka.client_config(
             **{
@@ -93,7 +105,7 @@ def consumer(kafka: KafkaSettings, group_id: str, **extra: object) -> Consumer:
                 "enable.auto.commit": False,
                 "enable.auto.offset.store": False,
                 "auto.offset.reset": "earliest",
-                **extra,
+                **(config or {}),
             }
         )
     )
@@ -108,8 +120,9 @@ def next_offsets(messages: Iterable[Message]) -> dict[tuple[str, int], int]:
 
 
 def topic_partitions(offsets: Mapping[tuple[str, int], int]) -> list[TopicPartition]:
-    return [TopicPartition(topic, partition, offset)
-            for (topic, partition), offset in offsets.items()]
+    return [
+        TopicPartition(topic, partition, offset) for (topic, partition), offset in offsets.items()
+    ]
 
 
 def partitions_of(kafka: KafkaSettings, topic: str, timeout_s: float = 30.0) -> list[int]:
@@ -120,8 +133,13 @@ def partitions_of(kafka: KafkaSettings, topic: str, timeout_s: float = 30.0) -> 
     return sorted(metadata.partitions)
 
 
-def read_to_end(kafka: KafkaSettings, topic: str, partitions: Iterable[int], group_id: str,
-                timeout_s: float = 60.0) -> Iterator[Message]:
+def read_to_end(
+    kafka: KafkaSettings,
+    topic: str,
+    partitions: Iterable[int],
+    group_id: str,
+    timeout_s: float = 60.0,
+) -> Iterator[Message]:
     """The committed messages of `partitions` of `topic`, from the start up to each one's end
     as it was when the read began (its position past the last transaction marker). Waiting for
     end-of-partition instead would never finish while a live writer keeps appending."""
@@ -129,8 +147,9 @@ def read_to_end(kafka: KafkaSettings, topic: str, partitions: Iterable[int], gro
     try:
         ends: dict[int, int] = {}
         for p in sorted(set(partitions)):
-            low, high = reader.get_watermark_offsets(TopicPartition(topic, p),
-                                                     timeout=timeout_s, cached=False)
+            low, high = reader.get_watermark_offsets(
+                TopicPartition(topic, p), timeout=timeout_s, cached=False
+            )
             if high > low:
                 ends[p] = high
         if not ends:
@@ -140,23 +159,27 @@ def read_to_end(kafka: KafkaSettings, topic: str, partitions: Iterable[int], gro
         deadline = time.monotonic() + timeout_s
         while remaining:
             if time.monotonic() > deadline:
-                raise StreamError(f"reading {topic} took over {timeout_s:.0f}s; partitions "
-                                  f"not at their end: {sorted(remaining)}")
+                raise StreamError(
+                    f"reading {topic} took over {timeout_s:.0f}s; partitions "
+                    f"not at their end: {sorted(remaining)}"
+                )
             msg = reader.poll(0.2)
             if msg is None:
                 for tp in reader.position([TopicPartition(topic, p) for p in remaining]):
                     if tp.offset >= ends[tp.partition]:
                         remaining.discard(tp.partition)
                 continue
-            if msg.error():
-                if msg.error().code() == KafkaError._PARTITION_EOF:
+            error = msg.error()
+            if error is not None:
+                if error.code() == KafkaError._PARTITION_EOF:
                     continue
-                raise StreamError(f"reading {topic}: {msg.error().str()}")
-            if msg.offset() >= ends[msg.partition()]:
-                remaining.discard(msg.partition())
+                raise StreamError(f"reading {topic}: {error.str()}")
+            _, partition, offset = where(msg)
+            if offset >= ends[partition]:
+                remaining.discard(partition)
                 continue  # appended after the read began
             yield msg
-            if msg.offset() + 1 >= ends[msg.partition()]:
-                remaining.discard(msg.partition())
+            if offset + 1 >= ends[partition]:
+                remaining.discard(partition)
     finally:
         reader.close()

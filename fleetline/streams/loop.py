@@ -136,7 +136,8 @@ class _Writer(Generic[P]):
     store: Callable[[P], None]
     overlap: bool
     _queue: queue.Queue[tuple[P | None, dict[Partition, int]] | None] = field(
-        default_factory=lambda: queue.Queue(maxsize=1))
+        default_factory=lambda: queue.Queue(maxsize=1)
+    )
     _stored: dict[Partition, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _failure: BaseException | None = None
@@ -232,7 +233,7 @@ class StreamLoop:
 
     def run(self, stop: threading.Event) -> None:
         producer = self._producer()
-        consumer = kafka_clients.consumer(self.kafka, self.name, **self.consumer_config)
+        consumer = kafka_clients.consumer(self.kafka, self.name, self.consumer_config)
         writer: _Writer[Any] = _Writer(self.step.store, self.overlap and not self.exactly_once)
         global_consumer = self._global_consumer()
 
@@ -287,10 +288,12 @@ class StreamLoop:
 
     def _producer(self) -> Producer:
         if not self.exactly_once:
-            return kafka_clients.producer(self.kafka, **self.producer_config)
+            return kafka_clients.producer(self.kafka, self.producer_config)
         producer = kafka_clients.producer(
-            self.kafka, transactional_id=f"{self.name}-{self.instance_id}",
-            **{"transaction.timeout.ms": 60000, **self.producer_config})
+            self.kafka,
+            {"transaction.timeout.ms": 60000, **self.producer_config},
+            transactional_id=f"{self.name}-{self.instance_id}",
+        )
         # Fence any zombie with our transactional id first, so its open transaction is aborted
         # before the stores are restored from their changelogs.
         producer.init_transactions(60)
@@ -300,18 +303,27 @@ class StreamLoop:
         if not self.global_inputs:
             return None
         consumer = kafka_clients.consumer(self.kafka, f"{self.name}.global.{self.instance_id}")
-        partitions = [TopicPartition(topic, p) for topic in self.global_inputs
-                      for p in kafka_clients.partitions_of(self.kafka, topic)]
+        partitions = [
+            TopicPartition(topic, p)
+            for topic in self.global_inputs
+            for p in kafka_clients.partitions_of(self.kafka, topic)
+        ]
         positions = self.step.assigned(partitions)
         for tp in positions:
             self._expected[(tp.topic, tp.partition)] = tp.offset if tp.offset >= 0 else _ANY
-        consumer.assign([TopicPartition(tp.topic, tp.partition,
-                                        tp.offset if tp.offset >= 0 else OFFSET_BEGINNING)
-                         for tp in positions])
+        consumer.assign(
+            [
+                TopicPartition(
+                    tp.topic, tp.partition, tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
+                )
+                for tp in positions
+            ]
+        )
         return consumer
 
-    def _receive(self, consumer: Consumer, global_consumer: Consumer | None,
-                 stop: threading.Event) -> list[Message]:
+    def _receive(
+        self, consumer: Consumer, global_consumer: Consumer | None, stop: threading.Event
+    ) -> list[Message]:
         """Up to `max_messages` gathered for up to `max_wait_s`, each handed at most once and
         only while its partition is this loop's."""
         batch: list[Message] = []
@@ -348,8 +360,9 @@ class StreamLoop:
             produce(producer, self._dead_letter(msg, exc))
         # Dead letters are durable before the batch's offsets can be passed.
         if result.dead_letters and producer.flush(30):
-            raise StreamError(f"{self.name}: dead letters were not delivered within 30 s; "
-                              "not storing past them")
+            raise StreamError(
+                f"{self.name}: dead letters were not delivered within 30 s; not storing past them"
+            )
         for out in result.outputs:
             produce(producer, out)
         if result.outputs and producer.flush(30):
@@ -357,15 +370,21 @@ class StreamLoop:
         writer.submit(result.payload, kafka_clients.next_offsets(messages))
         self._count(messages, result)
 
-    def _commit(self, consumer: Consumer, stored: dict[Partition, int],
-                asynchronous: bool = True) -> None:
-        offsets = [TopicPartition(topic, partition, offset)
-                   for (topic, partition), offset in stored.items()
-                   if topic not in self.global_inputs and (topic, partition) in self._expected]
+    def _commit(
+        self, consumer: Consumer, stored: dict[Partition, int], asynchronous: bool = True
+    ) -> None:
+        offsets = [
+            TopicPartition(topic, partition, offset)
+            for (topic, partition), offset in stored.items()
+            if topic not in self.global_inputs and (topic, partition) in self._expected
+        ]
         if not offsets:
             return
         try:
-            consumer.commit(offsets=offsets, asynchronous=asynchronous)
+            if asynchronous:
+                consumer.commit(offsets=offsets, asynchronous=True)
+            else:
+                consumer.commit(offsets=offsets, asynchronous=False)
         except KafkaException as exc:
             # For lag monitoring only: the step's own durable state says where it resumes.
             log.warning("%s: committing offsets: %s", self.name, exc.args[0].str())
@@ -386,7 +405,9 @@ class StreamLoop:
                     produce(producer, Output(store.changelog_topic, key, value, partition))
             producer.send_offsets_to_transaction(
                 kafka_clients.topic_partitions(kafka_clients.next_offsets(messages)),
-                consumer.consumer_group_metadata(), 30)
+                consumer.consumer_group_metadata(),
+                30,
+            )
             _commit_transaction(producer)
         except KafkaException as exc:
             error: KafkaError = exc.args[0]
@@ -410,9 +431,12 @@ class StreamLoop:
         assignment = consumer.assignment()
         if not assignment:
             return
-        positions = [TopicPartition(tp.topic, tp.partition,
-                                    tp.offset if tp.offset >= 0 else OFFSET_BEGINNING)
-                     for tp in consumer.committed(assignment, timeout=30)]
+        positions = [
+            TopicPartition(
+                tp.topic, tp.partition, tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
+            )
+            for tp in consumer.committed(assignment, timeout=30)
+        ]
         for tp in positions:
             self._expected[(tp.topic, tp.partition)] = tp.offset if tp.offset >= 0 else _ANY
         try:
@@ -425,12 +449,22 @@ class StreamLoop:
     # -- shared -------------------------------------------------------------------------------
 
     def _dead_letter(self, msg: Message, exc: FleetlineError) -> Output:
-        return Output(self.dead_letter_topic, msg.key(), msg.value(),
-                      headers=dead_letter_headers(msg, self.name, exc))
+        return Output(
+            self.dead_letter_topic,
+            msg.key(),
+            msg.value(),
+            headers=dead_letter_headers(msg, self.name, exc),
+        )
 
     def _log_dead_letter(self, msg: Message, exc: FleetlineError) -> None:
-        log.warning("%s: dead-lettering %s[%s]@%s: %s", self.name, msg.topic(), msg.partition(),
-                    msg.offset(), exc)
+        log.warning(
+            "%s: dead-lettering %s[%s]@%s: %s",
+            self.name,
+            msg.topic(),
+            msg.partition(),
+            msg.offset(),
+            exc,
+        )
 
     def _count(self, messages: list[Message], result: StepResult[Any]) -> None:
         self.stats.batches += 1
@@ -438,8 +472,11 @@ class StreamLoop:
         self.stats.dead_letters += len(result.dead_letters)
 
 
-def produce(producer: Producer, out: Output,
-            on_delivery: Callable[[KafkaError | None, Message], None] | None = None) -> None:
+def produce(
+    producer: Producer,
+    out: Output,
+    on_delivery: Callable[[KafkaError | None, Message], None] | None = None,
+) -> None:
     """Produce one output, waiting for room when librdkafka's local queue is full."""
     kwargs: dict[str, Any] = {"key": out.key, "value": out.value}
     if out.partition is not None:
@@ -468,5 +505,13 @@ def _commit_transaction(producer: Producer, attempts: int = 5) -> None:
                 raise
 
 
-__all__ = ["OFFSET_INVALID", "LoopStats", "MessageStep", "Output", "Step", "StepResult",
-           "StreamLoop", "produce"]
+__all__ = [
+    "OFFSET_INVALID",
+    "LoopStats",
+    "MessageStep",
+    "Output",
+    "Step",
+    "StepResult",
+    "StreamLoop",
+    "produce",
+]

@@ -43,7 +43,7 @@ class Output:
     key: bytes | None
     value: bytes | None
     partition: int | None = None
-    headers: list[tuple[str, bytes]] | None = None
+    headers: list[tuple[str, str | bytes | None]] | None = None
 
 
 def copy_offsets(offsets: Offsets) -> Offsets:

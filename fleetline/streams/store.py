@@ -14,6 +14,7 @@ from typing import Generic, TypeVar
 
 from fleetline.config import KafkaSettings
 from fleetline.streams.kafka import read_to_end
+from fleetline.streams.records import where
 
 V = TypeVar("V")
 _ABSENT = object()
@@ -80,22 +81,26 @@ class ChangelogStore(Generic[V]):
                 self._committed.pop(partition, None)
                 self._pending.pop(partition, None)
 
-    def restore(self, kafka: KafkaSettings, partitions: Iterable[int],
-                timeout_s: float = 60.0) -> int:
+    def restore(
+        self, kafka: KafkaSettings, partitions: Iterable[int], timeout_s: float = 60.0
+    ) -> int:
         """Rebuild the given partitions from the changelog's committed records, up to its end
         when the restore began; count them."""
         partitions = sorted(set(partitions))
         self.drop(partitions)
         restored: dict[int, dict[bytes, V]] = {p: {} for p in partitions}
         count = 0
-        for msg in read_to_end(kafka, self.changelog_topic, partitions,
-                               f"{self.changelog_topic}.restore", timeout_s):
-            target = restored[msg.partition()]
-            value = msg.value()
+        for msg in read_to_end(
+            kafka, self.changelog_topic, partitions, f"{self.changelog_topic}.restore", timeout_s
+        ):
+            target = restored[where(msg)[1]]
+            key, value = msg.key(), msg.value()
+            if key is None:
+                continue  # a changelog record always has its key
             if value is None:
-                target.pop(msg.key(), None)
+                target.pop(key, None)
             else:
-                target[msg.key()] = self.decode(value)
+                target[key] = self.decode(value)
             count += 1
         with self._lock:
             self._committed.update(restored)

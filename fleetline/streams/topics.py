@@ -98,53 +98,102 @@ class Topics:
 
     def specs(self) -> list[TopicSpec]:
         return [
-            TopicSpec(self.telemetry, self.node_partitions,
-                      {"cleanup.policy": "delete", "retention.ms": str(7 * DAY_MS),
-                       "compression.type": "producer", **LOG_APPEND_TIME},
-                      "NodeTelemetry, one record per node per interval, keyed by node id"),
-            TopicSpec(self.node_state, self.node_partitions,
-                      {"cleanup.policy": "compact", "min.compaction.lag.ms": str(3600 * 1000),
-                       **LOG_APPEND_TIME},
-                      "NodeState, keyed by node id; compacted to the latest state of each node"),
-            TopicSpec(self.commands, self.node_partitions,
-                      {"cleanup.policy": "delete", "retention.ms": str(7 * DAY_MS)},
-                      "NodeCommand, keyed by node id; each agent reads its nodes' partitions"),
-            TopicSpec(self.command_results, self.node_partitions,
-                      {"cleanup.policy": "delete", "retention.ms": str(30 * DAY_MS)},
-                      "CommandResult, the agents' acknowledgements, keyed by node id"),
-            TopicSpec(self.clusters, 1,
-                      {"cleanup.policy": "compact", **LOG_APPEND_TIME},
-                      "ClusterInfo, keyed by cluster id; compacted to each cluster's latest facts"),
-            TopicSpec(self.datasets, 1,
-                      {"cleanup.policy": "compact", **LOG_APPEND_TIME},
-                      "DatasetState, keyed by dataset id; compacted to each dataset's replicas"),
-            TopicSpec(self.allocations, 1,
-                      {"cleanup.policy": "delete", "retention.ms": "-1", **LOG_APPEND_TIME},
-                      "Allocation, keyed by job id; kept forever so replay sees every binding"),
-            TopicSpec(self.scheduler_requests, 1,
-                      {"cleanup.policy": "delete", "retention.ms": "-1"},
-                      "SchedulerRequest: desired state, reports and ticks, in one total order; "
-                      "kept forever, it is what a replay of the decisions folds"),
-            TopicSpec(self.decisions, 1,
-                      {"cleanup.policy": "delete", "retention.ms": "-1"},
-                      "SchedulingDecision, keyed by job: every decision with its reasons"),
-            TopicSpec(self.prewarms, 1,
-                      {"cleanup.policy": "delete", "retention.ms": str(30 * DAY_MS)},
-                      "DatasetPrewarm orders for the data movers, keyed by dataset@cluster"),
-            TopicSpec(self.audit_requests, self.audit_partitions,
-                      {"cleanup.policy": "delete", "retention.ms": str(30 * DAY_MS)},
-                      "AuditEvent as emitted by the API, CLI and processors, keyed by tenant"),
-            TopicSpec(self.audit_log, self.audit_partitions,
-                      {"cleanup.policy": "delete", "retention.ms": "-1", "retention.bytes": "-1"},
-                      "AuditRecord: one hash chain per partition; never compacted or expired"),
-            TopicSpec(self.dead_letter, 1,
-                      {"cleanup.policy": "delete", "retention.ms": str(30 * DAY_MS)},
-                      "messages no processor could handle: original bytes, reason in headers"),
+            TopicSpec(
+                self.telemetry,
+                self.node_partitions,
+                {
+                    "cleanup.policy": "delete",
+                    "retention.ms": str(7 * DAY_MS),
+                    "compression.type": "producer",
+                    **LOG_APPEND_TIME,
+                },
+                "NodeTelemetry, one record per node per interval, keyed by node id",
+            ),
+            TopicSpec(
+                self.node_state,
+                self.node_partitions,
+                {
+                    "cleanup.policy": "compact",
+                    "min.compaction.lag.ms": str(3600 * 1000),
+                    **LOG_APPEND_TIME,
+                },
+                "NodeState, keyed by node id; compacted to the latest state of each node",
+            ),
+            TopicSpec(
+                self.commands,
+                self.node_partitions,
+                {"cleanup.policy": "delete", "retention.ms": str(7 * DAY_MS)},
+                "NodeCommand, keyed by node id; each agent reads its nodes' partitions",
+            ),
+            TopicSpec(
+                self.command_results,
+                self.node_partitions,
+                {"cleanup.policy": "delete", "retention.ms": str(30 * DAY_MS)},
+                "CommandResult, the agents' acknowledgements, keyed by node id",
+            ),
+            TopicSpec(
+                self.clusters,
+                1,
+                {"cleanup.policy": "compact", **LOG_APPEND_TIME},
+                "ClusterInfo, keyed by cluster id; compacted to each cluster's latest facts",
+            ),
+            TopicSpec(
+                self.datasets,
+                1,
+                {"cleanup.policy": "compact", **LOG_APPEND_TIME},
+                "DatasetState, keyed by dataset id; compacted to each dataset's replicas",
+            ),
+            TopicSpec(
+                self.allocations,
+                1,
+                {"cleanup.policy": "delete", "retention.ms": "-1", **LOG_APPEND_TIME},
+                "Allocation, keyed by job id; kept forever so replay sees every binding",
+            ),
+            TopicSpec(
+                self.scheduler_requests,
+                1,
+                {"cleanup.policy": "delete", "retention.ms": "-1"},
+                "SchedulerRequest: desired state, reports and ticks, in one total order; "
+                "kept forever, it is what a replay of the decisions folds",
+            ),
+            TopicSpec(
+                self.decisions,
+                1,
+                {"cleanup.policy": "delete", "retention.ms": "-1"},
+                "SchedulingDecision, keyed by job: every decision with its reasons",
+            ),
+            TopicSpec(
+                self.prewarms,
+                1,
+                {"cleanup.policy": "delete", "retention.ms": str(30 * DAY_MS)},
+                "DatasetPrewarm orders for the data movers, keyed by dataset@cluster",
+            ),
+            TopicSpec(
+                self.audit_requests,
+                self.audit_partitions,
+                {"cleanup.policy": "delete", "retention.ms": str(30 * DAY_MS)},
+                "AuditEvent as emitted by the API, CLI and processors, keyed by tenant",
+            ),
+            TopicSpec(
+                self.audit_log,
+                self.audit_partitions,
+                {"cleanup.policy": "delete", "retention.ms": "-1", "retention.bytes": "-1"},
+                "AuditRecord: one hash chain per partition; never compacted or expired",
+            ),
+            TopicSpec(
+                self.dead_letter,
+                1,
+                {"cleanup.policy": "delete", "retention.ms": str(30 * DAY_MS)},
+                "messages no processor could handle: original bytes, reason in headers",
+            ),
         ]
 
-    def changelog_spec(self, application_id: str, store: str,
-                       partitions: int | None = None) -> TopicSpec:
-        return TopicSpec(self.changelog(application_id, store),
-                         self.node_partitions if partitions is None else partitions,
-                         {"cleanup.policy": "compact"},
-                         f"changelog of {application_id}'s {store} store")
+    def changelog_spec(
+        self, application_id: str, store: str, partitions: int | None = None
+    ) -> TopicSpec:
+        return TopicSpec(
+            self.changelog(application_id, store),
+            self.node_partitions if partitions is None else partitions,
+            {"cleanup.policy": "compact"},
+            f"changelog of {application_id}'s {store} store",
+        )

@@ -113,9 +113,21 @@ def _audit_records() -> list[dict[str, Any]]:
     heads: dict[int, Any] = {}
     out = []
     for i in range(6):
-        heads[i % 2], records = chain_event(heads.get(i % 2), i % 2, new_event(
-            ts=BASE_MS + i, actor="alice", actor_role="user", operation="api.GET /v1/nodes",
-            target="/v1/nodes", outcome="SUCCEEDED", tenant="acme"), signer, digest_every=100)
+        heads[i % 2], records = chain_event(
+            heads.get(i % 2),
+            i % 2,
+            new_event(
+                ts=BASE_MS + i,
+                actor="alice",
+                actor_role="user",
+                operation="api.GET /v1/nodes",
+                target="/v1/nodes",
+                outcome="SUCCEEDED",
+                tenant="acme",
+            ),
+            signer,
+            digest_every=100,
+        )
         out += records
     return out
 
@@ -128,8 +140,9 @@ DESTINATIONS = ["node-states", "decisions", "allocations", "audit-table", "audit
 
 
 @pytest.fixture(params=DESTINATIONS)
-def destination(request: pytest.FixtureRequest, settings: Settings
-                ) -> Iterator[tuple[Destination, list[dict[str, Any]], bool]]:
+def destination(
+    request: pytest.FixtureRequest, settings: Settings
+) -> Iterator[tuple[Destination, list[dict[str, Any]], bool]]:
     """(a destination on its real backend, records it keeps, whether it tells topics apart)."""
     client = connect(settings.clickhouse_url)
     migrate(client, settings.clickhouse_database)
@@ -149,8 +162,11 @@ def destination(request: pytest.FixtureRequest, settings: Settings
             store.ensure_bucket()
             sealed = SealedObjectStore(store, ObjectCipher(os.urandom(32)))
             # The archive keeps export entries, one folder (root) per topic prefix.
-            yield (AuditArchive(sealed, f"contract/{uuid.uuid4().hex[:8]}"),
-                   [export_entry(r, reveal_sensitive=True) for r in _audit_records()], False)
+            yield (
+                AuditArchive(sealed, f"contract/{uuid.uuid4().hex[:8]}"),
+                [export_entry(r, reveal_sensitive=True) for r in _audit_records()],
+                False,
+            )
 
 
 def test_a_destination_resumes_after_what_it_stored(destination) -> None:
@@ -160,8 +176,9 @@ def test_a_destination_resumes_after_what_it_stored(destination) -> None:
     # Records of two partitions, offsets as the log gave them (not from zero).
     batch = [Sourced(i % 2, 40 + i, record, topic) for i, record in enumerate(records)]
     store.store(batch[:3])
-    assert store.resume_offsets(topic) == {p: max(s.offset for s in batch[:3]
-                                                  if s.partition == p) + 1 for p in (0, 1)}
+    assert store.resume_offsets(topic) == {
+        p: max(s.offset for s in batch[:3] if s.partition == p) + 1 for p in (0, 1)
+    }
     store.store(batch[3:])
     expected = {p: max(s.offset for s in batch if s.partition == p) + 1 for p in (0, 1)}
     assert store.resume_offsets(topic) == expected
@@ -179,8 +196,9 @@ def test_a_destination_resumes_after_what_it_stored(destination) -> None:
 
 def test_a_changelog_store_restores_what_was_committed_and_only_that(settings) -> None:
     topic = f"contract.{uuid.uuid4().hex[:8]}.changelog"
-    kafka_clients.ensure_topics(settings.kafka, [TopicSpec(topic, 2, {"cleanup.policy":
-                                                                      "compact"})])
+    kafka_clients.ensure_topics(
+        settings.kafka, [TopicSpec(topic, 2, {"cleanup.policy": "compact"})]
+    )
     store: ChangelogStore[str] = ChangelogStore("s", topic, str.encode, bytes.decode)
     producer = kafka_clients.producer(settings.kafka)
     store.put(0, b"a", "one")

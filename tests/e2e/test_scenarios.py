@@ -34,8 +34,11 @@ def test_the_default_scenario_flows_end_to_end(settings) -> None:
     assert now["us-east-a"]["idle"] + now["us-east-a"]["allocated"] == 15
     assert (now["ap-south-a"]["nodes_down"], now["ap-south-a"]["unavailable"]) == (1, 8)
     assert now["eu-west-a"]["info"]["price_per_gpu_hour"] == 2.40
-    assert sorted((g["node_id"], g["gpu_index"], g["cause"]) for g in result.unhealthy_gpus
-                  if g["health"] == "failed") == [("us-east-a-n0000", 3, "xid 79")]
+    assert sorted(
+        (g["node_id"], g["gpu_index"], g["cause"])
+        for g in result.unhealthy_gpus
+        if g["health"] == "failed"
+    ) == [("us-east-a-n0000", 3, "xid 79")]
     # Half-way, before the node went down, replayed from snapshots and the log.
     then = {c["cluster_id"]: c for c in result.half_way_clusters}
     assert then["ap-south-a"]["nodes_down"] == 0
@@ -50,8 +53,9 @@ def test_the_default_scenario_flows_end_to_end(settings) -> None:
     parts = []
     for url in result.snapshots:
         bucket, key = url.removeprefix("s3://").split("/", 1)
-        parts.append(view_codec.decode(ObjectStore.from_settings(settings.s3, bucket=bucket)
-                                       .get(key)))
+        parts.append(
+            view_codec.decode(ObjectStore.from_settings(settings.s3, bucket=bucket).get(key))
+        )
     assert sum(p.node_events for p in parts) == result.states_sent + result.telemetry_sent
     # One ClusterInfo per cluster, the scheduler's dataset record and its allocation records.
     assert sum(p.fleet_events for p in parts) >= 3 + 1 + 1
@@ -60,10 +64,14 @@ def test_the_default_scenario_flows_end_to_end(settings) -> None:
     assert {"acme/pretrain", "acme/chat", "ops/urgent", "dataset:web-corpus"} <= decided
     replay = result.scheduling["replay"]
     assert replay["ok"] and replay["matched"] == replay["decisions"] == len(
-        result.scheduling["decisions"])
+        result.scheduling["decisions"]
+    )
     # The API, called as a tenant's viewer, and every call in a verified audit chain.
-    assert result.api_calls == [("/v1/clusters", 200), ("/v1/allocations?tenant=globex", 403),
-                                ("/v1/clusters", 401)]
+    assert result.api_calls == [
+        ("/v1/clusters", 200),
+        ("/v1/allocations?tenant=globex", 403),
+        ("/v1/clusters", 401),
+    ]
     assert result.audit["ok"] and result.audit["links"] >= 3
 
 

@@ -21,8 +21,9 @@ codec = default_codec()
 
 
 def fleet() -> FleetSimulator:
-    return FleetSimulator([ClusterSpec("c1", "eu-west", 2), ClusterSpec("c2", "us-east", 2)],
-                          seed=21)
+    return FleetSimulator(
+        [ClusterSpec("c1", "eu-west", 2), ClusterSpec("c2", "us-east", 2)], seed=21
+    )
 
 
 def test_our_partitioner_matches_the_clients(settings) -> None:
@@ -55,8 +56,9 @@ def first_occurrences(messages) -> dict[str, list[int]]:
 def test_spool_replays_in_order_after_a_broker_outage(settings, tmp_path: Path) -> None:
     topics = fresh_topics()
     kafka_clients.ensure_topics(settings.kafka, topics.specs())
-    agent = FleetAgent.create(settings, codec, topics, fleet(), tmp_path, commands=False,
-                              message_timeout_ms=3000)
+    agent = FleetAgent.create(
+        settings, codec, topics, fleet(), tmp_path, commands=False, message_timeout_ms=3000
+    )
     agent.start(BASE_MS)
     for tick in range(1, 4):
         agent.tick(BASE_MS + tick * 1000)
@@ -80,8 +82,9 @@ def test_spool_replays_in_order_after_a_broker_outage(settings, tmp_path: Path) 
     by_node = first_occurrences(read_all(settings, topics.telemetry, 11 * 4, timeout_s=60))
     state_messages = read_all(settings, topics.node_state, 2 * 4)
     states = first_occurrences(state_messages)
-    heartbeats = [r for r in (codec.decode(m.value()).record for m in state_messages)
-                  if r["ts"] > BASE_MS]  # not the start states, sent before anything was spooled
+    heartbeats = [
+        r for r in (codec.decode(m.value()).record for m in state_messages) if r["ts"] > BASE_MS
+    ]  # not the start states, sent before anything was spooled
     assert len({h["node_id"] for h in heartbeats}) == 4
     # The heartbeat after the outage reports the spool: it held records, and dropped none.
     assert all(h["agent_spool_dropped"] == 0 and h["agent_spool_bytes"] > 0 for h in heartbeats)
@@ -100,13 +103,16 @@ def test_a_cluster_link_loss_holds_that_cluster_in_its_spool(settings, tmp_path:
 
     topics = fresh_topics()
     kafka_clients.ensure_topics(settings.kafka, topics.specs())
-    sim = FleetSimulator([ClusterSpec("c1", "eu-west", 2), ClusterSpec("c2", "us-east", 2)],
-                         seed=3, faults=[Fault("cluster_link_loss", "c2", BASE_MS + 1000,
-                                               BASE_MS + 4000)])
+    sim = FleetSimulator(
+        [ClusterSpec("c1", "eu-west", 2), ClusterSpec("c2", "us-east", 2)],
+        seed=3,
+        faults=[Fault("cluster_link_loss", "c2", BASE_MS + 1000, BASE_MS + 4000)],
+    )
     agent = FleetAgent.create(settings, codec, topics, sim, tmp_path, commands=False)
     agent.start(BASE_MS)
     for tick in range(1, 4):
         agent.tick(BASE_MS + tick * 1000)
+
     def held(cluster: str) -> int:
         return sum(e.topic == topics.telemetry for e in agent.publishers[cluster].spool.unacked())
 
@@ -123,32 +129,45 @@ def test_a_cluster_link_loss_holds_that_cluster_in_its_spool(settings, tmp_path:
 def send_commands(settings, topics, commands) -> None:
     producer = kafka_clients.producer(settings.kafka)
     for command in commands:
-        value = (command if isinstance(command, bytes)
-                 else codec.encode("NodeCommand", command))
+        value = command if isinstance(command, bytes) else codec.encode("NodeCommand", command)
         key = b"c1-n0000" if isinstance(command, bytes) else command["node_id"].encode()
         producer.produce(topics.commands, key=key, value=value)
     producer.flush(30)
 
 
 def command(command_id: str, node: str, kind: str, **fields) -> dict:
-    return {"command_id": command_id, "cluster_id": node.rsplit("-", 1)[0], "node_id": node,
-            "ts": BASE_MS, "issued_by": "test", "kind": kind, "power_cap_w": None,
-            "config_version": None, "config": {}, **fields}
+    return {
+        "command_id": command_id,
+        "cluster_id": node.rsplit("-", 1)[0],
+        "node_id": node,
+        "ts": BASE_MS,
+        "issued_by": "test",
+        "kind": kind,
+        "power_cap_w": None,
+        "config_version": None,
+        "config": {},
+        **fields,
+    }
 
 
 def test_commands_round_trip_with_results(settings, tmp_path: Path) -> None:
     topics = fresh_topics()
     kafka_clients.ensure_topics(settings.kafka, topics.specs())
-    send_commands(settings, topics, [
-        command("cmd-1", "c1-n0000", "CORDON"),
-        command("cmd-2", "c2-n0001", "SET_POWER_CAP", power_cap_w=300.0),
-        command("cmd-3", "c1-n0000", "SET_POWER_CAP", power_cap_w=5000.0),
-        command("cmd-4", "c1-n0001", "APPLY_CONFIG", config_version="v7",
-                config={"colour": "blue"}),
-        command("cmd-1", "c1-n0000", "CORDON"),
-        b"not a command",
-        command("cmd-5", "c1-n0001", "DRAIN"),
-    ])
+    send_commands(
+        settings,
+        topics,
+        [
+            command("cmd-1", "c1-n0000", "CORDON"),
+            command("cmd-2", "c2-n0001", "SET_POWER_CAP", power_cap_w=300.0),
+            command("cmd-3", "c1-n0000", "SET_POWER_CAP", power_cap_w=5000.0),
+            command(
+                "cmd-4", "c1-n0001", "APPLY_CONFIG", config_version="v7", config={"colour": "blue"}
+            ),
+            command("cmd-1", "c1-n0000", "CORDON"),
+            b"not a command",
+            command("cmd-5", "c1-n0001", "DRAIN"),
+        ],
+    )
     agent = FleetAgent.create(settings, codec, topics, fleet(), tmp_path)
     agent.start(BASE_MS)
     deadline = time.monotonic() + 60
@@ -161,12 +180,20 @@ def test_commands_round_trip_with_results(settings, tmp_path: Path) -> None:
     agent.flush()
     agent.close()
 
-    results = [codec.decode(m.value()).record for m in
-               read_all(settings, topics.command_results, 6)]
+    results = [
+        codec.decode(m.value()).record for m in read_all(settings, topics.command_results, 6)
+    ]
     outcomes = [(r["command_id"], r["outcome"]) for r in results]
-    assert sorted(outcomes) == sorted([("cmd-1", "APPLIED"), ("cmd-2", "APPLIED"),
-                                       ("cmd-3", "REJECTED"), ("cmd-4", "REJECTED"),
-                                       ("cmd-1", "DUPLICATE"), ("cmd-5", "APPLIED")])
+    assert sorted(outcomes) == sorted(
+        [
+            ("cmd-1", "APPLIED"),
+            ("cmd-2", "APPLIED"),
+            ("cmd-3", "REJECTED"),
+            ("cmd-4", "REJECTED"),
+            ("cmd-1", "DUPLICATE"),
+            ("cmd-5", "APPLIED"),
+        ]
+    )
     by_id = {(r["command_id"], r["outcome"]): r for r in results}
     assert "colour" in by_id[("cmd-4", "REJECTED")]["message"]
     assert by_id[("cmd-5", "APPLIED")]["node_state"] == "DRAINING"
@@ -177,8 +204,11 @@ def test_commands_round_trip_with_results(settings, tmp_path: Path) -> None:
 
     telemetry = [codec.decode(m.value()).record for m in read_all(settings, topics.telemetry, 4)]
     capped = [r for r in telemetry if r["node_id"] == "c2-n0001" and r["ts"] > BASE_MS + 1000]
-    assert capped and all(g["power_limit_w"] == 300.0 and g["power_w"] <= 300.0
-                          for r in capped[-1:] for g in r["gpus"])
+    assert capped and all(
+        g["power_limit_w"] == 300.0 and g["power_w"] <= 300.0
+        for r in capped[-1:]
+        for g in r["gpus"]
+    )
     states = [codec.decode(m.value()).record for m in read_all(settings, topics.node_state, 4)]
     drained = [s for s in states if s["node_id"] == "c1-n0001"][-1]
     assert drained["state"] == "DRAINING"

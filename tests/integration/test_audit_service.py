@@ -58,11 +58,20 @@ def running(*workers):
 
 
 def events(n: int, start: int = 0) -> list[dict]:
-    return [new_event(ts=BASE_MS + i * 1000, actor=f"user{i % 3}", actor_role="user",
-                      tenant=TENANTS[i % 2], operation="api.GET /v1/allocations",
-                      target="/v1/allocations", outcome="SUCCEEDED", status=200,
-                      details={"query": f"page={i}", "api_token": f"tok-{i}-secret"})
-            for i in range(start, start + n)]
+    return [
+        new_event(
+            ts=BASE_MS + i * 1000,
+            actor=f"user{i % 3}",
+            actor_role="user",
+            tenant=TENANTS[i % 2],
+            operation="api.GET /v1/allocations",
+            target="/v1/allocations",
+            outcome="SUCCEEDED",
+            status=200,
+            details={"query": f"page={i}", "api_token": f"tok-{i}-secret"},
+        )
+        for i in range(start, start + n)
+    ]
 
 
 def wait_rows(table: AuditTable, count: int, timeout_s: float = 60) -> None:
@@ -78,48 +87,65 @@ def wait_rows(table: AuditTable, count: int, timeout_s: float = 60) -> None:
 @pytest.fixture
 def audit_env(settings, clickhouse, tmp_path, monkeypatch):
     topics = fresh_topics()
-    kafka_clients.ensure_topics(settings.kafka,
-                                [*topics.specs(), topics.changelog_spec(APPLICATION_ID, "chain")])
+    kafka_clients.ensure_topics(
+        settings.kafka, [*topics.specs(), topics.changelog_spec(APPLICATION_ID, "chain")]
+    )
     migrate(clickhouse, settings.clickhouse_database)
     key_path = tmp_path / "signing-key.pem"
     from fleetline.processors.audit.runtime import load_signer
 
     signer = load_signer(key_path, create=True)
     secret = base64.b64encode(os.urandom(32)).decode()
-    for name, value in {"FLEETLINE_KAFKA_BOOTSTRAP": settings.kafka.bootstrap_servers,
-                        "FLEETLINE_S3_ENDPOINT": settings.s3.endpoint,
-                        "FLEETLINE_S3_BUCKET": settings.s3.bucket,
-                        "FLEETLINE_CLICKHOUSE_URL": settings.clickhouse_url,
-                        "FLEETLINE_CLICKHOUSE_DATABASE": settings.clickhouse_database,
-                        "FLEETLINE_AUDIT_SIGNING_KEY": str(key_path),
-                        "FLEETLINE_OBJECT_ENCRYPTION_KEY": secret}.items():
+    for name, value in {
+        "FLEETLINE_KAFKA_BOOTSTRAP": settings.kafka.bootstrap_servers,
+        "FLEETLINE_S3_ENDPOINT": settings.s3.endpoint,
+        "FLEETLINE_S3_BUCKET": settings.s3.bucket,
+        "FLEETLINE_CLICKHOUSE_URL": settings.clickhouse_url,
+        "FLEETLINE_CLICKHOUSE_DATABASE": settings.clickhouse_database,
+        "FLEETLINE_AUDIT_SIGNING_KEY": str(key_path),
+        "FLEETLINE_OBJECT_ENCRYPTION_KEY": secret,
+    }.items():
         monkeypatch.setenv(name, value)
     store = ObjectStore.from_settings(settings.s3)
     store.ensure_bucket()
-    archive = AuditArchive(SealedObjectStore(store, ObjectCipher.from_base64(secret)),
-                           f"audit/{topics.prefix}")
+    archive = AuditArchive(
+        SealedObjectStore(store, ObjectCipher.from_base64(secret)), f"audit/{topics.prefix}"
+    )
     table = AuditTable(clickhouse, settings.clickhouse_database)
     return topics, signer, table, archive
 
 
 def sinks(settings, topics, table, archive):
-    return [record_sink(settings, f"{topics.prefix}.audit-{d.name}", topics.audit_log,
-                        AUDIT_RECORD, d, topics.dead_letter, convert)
-            for d, convert in ((table, None),
-                               (archive, lambda r: export_entry(r, reveal_sensitive=True)))]
+    return [
+        record_sink(
+            settings,
+            f"{topics.prefix}.audit-{d.name}",
+            topics.audit_log,
+            AUDIT_RECORD,
+            d,
+            topics.dead_letter,
+            convert,
+        )
+        for d, convert in (
+            (table, None),
+            (archive, lambda r: export_entry(r, reveal_sensitive=True)),
+        )
+    ]
 
 
-def chain_and_sink(settings, audit_env, count: int, digest_every: int = 4,
-                   signer: Signer | None = None) -> None:
+def chain_and_sink(
+    settings, audit_env, count: int, digest_every: int = 4, signer: Signer | None = None
+) -> None:
     """Emit `count` events, chain them and sink them until all are in the table."""
     topics, real_signer, table, archive = audit_env
     emitter = KafkaAuditEmitter(settings.kafka, topics)
     for event in events(count):
         emitter.emit(event)
     assert emitter.flush() == 0
-    with running(audit_chainer(settings.kafka, topics, signer or real_signer,
-                               digest_every=digest_every),
-                 *sinks(settings, topics, table, archive)):
+    with running(
+        audit_chainer(settings.kafka, topics, signer or real_signer, digest_every=digest_every),
+        *sinks(settings, topics, table, archive),
+    ):
         wait_rows(table, count)
         time.sleep(0.5)
 
@@ -131,15 +157,19 @@ def test_chained_exactly_once_across_a_restart_and_sunk_everywhere(settings, aud
     for event in events(30):
         emitter.emit(event)
     assert emitter.flush() == 0
-    with running(audit_chainer(settings.kafka, topics, signer, digest_every=5),
-                 *sinks(settings, topics, table, archive)):
+    with running(
+        audit_chainer(settings.kafka, topics, signer, digest_every=5),
+        *sinks(settings, topics, table, archive),
+    ):
         wait_rows(table, 30)
     # The chainer restarts (a new instance, its head restored from the changelog) and goes on.
     for event in events(20, start=30):
         emitter.emit(event)
     assert emitter.flush() == 0
-    with running(audit_chainer(settings.kafka, topics, signer, digest_every=5),
-                 *sinks(settings, topics, table, archive)):
+    with running(
+        audit_chainer(settings.kafka, topics, signer, digest_every=5),
+        *sinks(settings, topics, table, archive),
+    ):
         wait_rows(table, 50)
         time.sleep(1.0)
     chain = read_chain(settings.kafka, topics)
@@ -158,9 +188,9 @@ def test_chained_exactly_once_across_a_restart_and_sunk_everywhere(settings, aud
 
 
 @pytest.mark.parametrize("tamper", ["edit", "delete", "insert", "reorder"])
-def test_tampering_with_the_clickhouse_copy_is_caught_by_audit_verify(settings, audit_env,
-                                                                      clickhouse, capsys,
-                                                                      tamper):
+def test_tampering_with_the_clickhouse_copy_is_caught_by_audit_verify(
+    settings, audit_env, clickhouse, capsys, tamper
+):
     table = audit_env[2]
     chain_and_sink(settings, audit_env, 12)
     assert main(["audit", "verify", "--source", "clickhouse"]) == 0
@@ -170,32 +200,38 @@ def test_tampering_with_the_clickhouse_copy_is_caught_by_audit_verify(settings, 
     p = victim["partition"]
     sync = "SETTINGS mutations_sync = 1"
     if tamper == "edit":
-        clickhouse.command(f"ALTER TABLE {db} UPDATE actor = 'mallory' "
-                           f"WHERE partition = {p} AND seq = 2 {sync}")
+        clickhouse.command(
+            f"ALTER TABLE {db} UPDATE actor = 'mallory' WHERE partition = {p} AND seq = 2 {sync}"
+        )
     elif tamper == "delete":
         clickhouse.command(f"ALTER TABLE {db} DELETE WHERE partition = {p} AND seq = 2 {sync}")
     elif tamper == "insert":
-        clickhouse.command(f"INSERT INTO {db} SELECT * FROM {db} "
-                           f"WHERE partition = {p} AND seq = 2")
+        clickhouse.command(f"INSERT INTO {db} SELECT * FROM {db} WHERE partition = {p} AND seq = 2")
     else:  # seq is a sorting key column and cannot be updated in place: move the rows
         tmp = f"{settings.clickhouse_database}.swapped"
         clickhouse.command(f"CREATE TABLE {tmp} AS {db}")
-        clickhouse.command(f"INSERT INTO {tmp} SELECT * REPLACE (if(seq = 1, 2, 1) AS seq) "
-                           f"FROM {db} WHERE partition = {p} AND seq IN (1, 2)")
-        clickhouse.command(f"ALTER TABLE {db} DELETE WHERE partition = {p} AND seq IN (1, 2) "
-                           f"{sync}")
+        clickhouse.command(
+            f"INSERT INTO {tmp} SELECT * REPLACE (if(seq = 1, 2, 1) AS seq) "
+            f"FROM {db} WHERE partition = {p} AND seq IN (1, 2)"
+        )
+        clickhouse.command(
+            f"ALTER TABLE {db} DELETE WHERE partition = {p} AND seq IN (1, 2) {sync}"
+        )
         clickhouse.command(f"INSERT INTO {db} SELECT * FROM {tmp}")
     assert main(["audit", "verify", "--source", "clickhouse"]) == 2
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] is False
     assert report["first_broken"].startswith(f"partition {p} seq ")
-    expected = {"edit": "edited", "delete": "missing (deleted)",
-                "insert": "inserted or reordered", "reorder": "prev_hash"}[tamper]
+    expected = {
+        "edit": "edited",
+        "delete": "missing (deleted)",
+        "insert": "inserted or reordered",
+        "reorder": "prev_hash",
+    }[tamper]
     assert expected in report["first_broken"]
 
 
-def test_search_and_exports_are_tenant_scoped_and_masked(settings, audit_env, tmp_path,
-                                                         capsys):
+def test_search_and_exports_are_tenant_scoped_and_masked(settings, audit_env, tmp_path, capsys):
     topics, table = audit_env[0], audit_env[2]
     chain_and_sink(settings, audit_env, 16)
     assert main(["audit", "search", "--tenant", "acme", "--source", "clickhouse"]) == 0
@@ -204,8 +240,25 @@ def test_search_and_exports_are_tenant_scoped_and_masked(settings, audit_env, tm
     assert all(f["details"]["api_token"] == "***" for f in found)
     for fmt in ("jsonl", "csv", "parquet"):
         out = tmp_path / f"acme.{fmt}"
-        assert main(["audit", "export", "--tenant", "acme", "--format", fmt, "--out", str(out),
-                     "--source", "clickhouse", "--to-s3", f"exports/{topics.prefix}/a.{fmt}"]) == 0
+        assert (
+            main(
+                [
+                    "audit",
+                    "export",
+                    "--tenant",
+                    "acme",
+                    "--format",
+                    fmt,
+                    "--out",
+                    str(out),
+                    "--source",
+                    "clickhouse",
+                    "--to-s3",
+                    f"exports/{topics.prefix}/a.{fmt}",
+                ]
+            )
+            == 0
+        )
         capsys.readouterr()
         body = out.read_bytes()
         assert b"secret" not in body and b"globex" not in body
@@ -214,16 +267,22 @@ def test_search_and_exports_are_tenant_scoped_and_masked(settings, audit_env, tm
     uploaded = ObjectStore.from_settings(settings.s3).get(f"exports/{topics.prefix}/a.parquet")
     assert uploaded.startswith(b"FLC1")  # client-side AES-GCM
     # The API's search holds each tenant to its own records.
-    tokens = [{"name": "u", "sha256": token_digest("fl_u"), "role": "user", "tenant": "acme"},
-              {"name": "ta", "sha256": token_digest("fl_ta"), "role": "tenant-admin",
-               "tenant": "acme"},
-              {"name": "aud", "sha256": token_digest("fl_aud"), "role": "auditor"}]
-    app = create_app(StaticView(fold([])), Authenticator(AuthConfig.from_data({"tokens": tokens})),
-                     KafkaAuditEmitter(settings.kafka, topics), table)
+    tokens = [
+        {"name": "u", "sha256": token_digest("fl_u"), "role": "user", "tenant": "acme"},
+        {"name": "ta", "sha256": token_digest("fl_ta"), "role": "tenant-admin", "tenant": "acme"},
+        {"name": "aud", "sha256": token_digest("fl_aud"), "role": "auditor"},
+    ]
+    app = create_app(
+        StaticView(fold([])),
+        Authenticator(AuthConfig.from_data({"tokens": tokens})),
+        KafkaAuditEmitter(settings.kafka, topics),
+        table,
+    )
 
     def get(token: str, **params):
         return TestClient(app, headers={"Authorization": f"Bearer {token}"}).get(
-            "/v1/audit", params=params)
+            "/v1/audit", params=params
+        )
 
     assert get("fl_u").status_code == 403  # users do not read audit records
     mine = get("fl_ta").json()["items"]
@@ -234,12 +293,13 @@ def test_search_and_exports_are_tenant_scoped_and_masked(settings, audit_env, tm
     assert "tok-" not in json.dumps(everyone)
 
 
-def test_a_forged_chain_without_the_key_fails_against_the_pinned_key(settings, audit_env,
-                                                                     monkeypatch, tmp_path,
-                                                                     capsys):
+def test_a_forged_chain_without_the_key_fails_against_the_pinned_key(
+    settings, audit_env, monkeypatch, tmp_path, capsys
+):
     topics = audit_env[0]
-    chain_and_sink(settings, audit_env, 6, digest_every=3,
-                   signer=Signer(Ed25519PrivateKey.generate()))
+    chain_and_sink(
+        settings, audit_env, 6, digest_every=3, signer=Signer(Ed25519PrivateKey.generate())
+    )
     # Signed by a key this verifier does not trust (the pinned one is the real signer's).
     assert main(["audit", "verify", "--topic-prefix", topics.prefix]) == 2
     assert "unknown key" in json.loads(capsys.readouterr().out)["first_broken"]

@@ -27,8 +27,11 @@ from tests.support import BASE_MS, fresh_topics
 
 pytestmark = pytest.mark.services
 SPECS = Path(__file__).parent.parent / "specs" / "llm-pretrain.yaml"
-CLUSTERS = [ClusterSpec("us-east-a", "us-east", 4), ClusterSpec("eu-west-a", "eu-west", 4),
-            ClusterSpec("ap-south-a", "ap-south", 4)]
+CLUSTERS = [
+    ClusterSpec("us-east-a", "us-east", 4),
+    ClusterSpec("eu-west-a", "eu-west", 4),
+    ClusterSpec("ap-south-a", "ap-south", 4),
+]
 
 
 def wait_decided(settings, topics, keys: set[str], timeout_s: float = 90) -> list[dict]:
@@ -42,32 +45,53 @@ def wait_decided(settings, topics, keys: set[str], timeout_s: float = 90) -> lis
         time.sleep(0.3)
 
 
-def test_serve_schedules_what_the_cli_applies_through_a_sigkill(settings, tmp_path, monkeypatch,
-                                                                 capsys):
+def test_serve_schedules_what_the_cli_applies_through_a_sigkill(
+    settings, tmp_path, monkeypatch, capsys
+):
     topics = fresh_topics()
     kafka_clients.ensure_topics(settings.kafka, scheduler_topics(topics))
     produce(settings, topics, [("ClusterInfo", cluster_info(c, 1, BASE_MS)) for c in CLUSTERS])
     produce(settings, topics, scenario_events(seconds=4))
-    env = {"FLEETLINE_KAFKA_BOOTSTRAP": settings.kafka.bootstrap_servers,
-           "FLEETLINE_S3_ENDPOINT": settings.s3.endpoint, "FLEETLINE_S3_BUCKET": settings.s3.bucket,
-           "FLEETLINE_S3_ACCESS_KEY": settings.s3.access_key,
-           "FLEETLINE_S3_SECRET_KEY": settings.s3.secret_key,
-           "FLEETLINE_CLICKHOUSE_URL": f"chdb://{tmp_path / 'chdb'}"}
+    env = {
+        "FLEETLINE_KAFKA_BOOTSTRAP": settings.kafka.bootstrap_servers,
+        "FLEETLINE_S3_ENDPOINT": settings.s3.endpoint,
+        "FLEETLINE_S3_BUCKET": settings.s3.bucket,
+        "FLEETLINE_S3_ACCESS_KEY": settings.s3.access_key,
+        "FLEETLINE_S3_SECRET_KEY": settings.s3.secret_key,
+        "FLEETLINE_CLICKHOUSE_URL": f"chdb://{tmp_path / 'chdb'}",
+    }
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     group = f"v-{uuid.uuid4().hex[:8]}"
     common = ["--topic-prefix", topics.prefix]
     policy = tmp_path / "policy.yaml"
     policy.write_text("cluster_preference: [eu-west-a]\nweights: {preference: 0.2}\n")
-    command = [sys.executable, "-m", "fleetline.cli", "serve", "--no-api", "--no-audit",
-               "--tier-every", "0", "--tick-interval", "0.3", "--snapshot-interval", "0.5",
-               "--group", group, "--scheduler-policy", str(policy), *common]
+    command = [
+        sys.executable,
+        "-m",
+        "fleetline.cli",
+        "serve",
+        "--no-api",
+        "--no-audit",
+        "--tier-every",
+        "0",
+        "--tick-interval",
+        "0.3",
+        "--snapshot-interval",
+        "0.5",
+        "--group",
+        group,
+        "--scheduler-policy",
+        str(policy),
+        *common,
+    ]
     log_path = tmp_path / "serve.log"
     log = log_path.open("w")
     serve = subprocess.Popen(command, env={**os.environ, **env}, stdout=log, stderr=log)
     try:
-        assert main(["apply", "-f", str(SPECS), "--wait", "90", "--actor", "alice",
-                     *common]) == 0, log_path.read_text()
+        assert (
+            main(["apply", "-f", str(SPECS), "--wait", "90", "--actor", "alice", *common]) == 0
+        ), log_path.read_text()
         out = capsys.readouterr().out
         assert "dataset:web-corpus: ACCEPTED" in out
         # 8 workers of 8 GPUs do not fit on a 4-node cluster: elastic, 4 of them.
@@ -77,38 +101,48 @@ def test_serve_schedules_what_the_cli_applies_through_a_sigkill(settings, tmp_pa
         # A stream of jobs; the server is killed while they arrive.
         keys = set()
         for i in range(30):
-            doc = training(f"batch{i}", per_worker=2, tensor=2, tenant="globex",
-                           priority="low" if i % 2 else "normal")
+            doc = training(
+                f"batch{i}",
+                per_worker=2,
+                tensor=2,
+                tenant="globex",
+                priority="low" if i % 2 else "normal",
+            )
             submit(settings.kafka, topics, submits(doc))
             keys.add(f"globex/batch{i}")
             if i == 12:
                 time.sleep(0.5)
                 serve.send_signal(signal.SIGKILL)
                 serve.wait(30)
-                serve = subprocess.Popen(command, env={**os.environ, **env}, stdout=log,
-                                         stderr=log)
+                serve = subprocess.Popen(command, env={**os.environ, **env}, stdout=log, stderr=log)
         decisions = wait_decided(settings, topics, keys)
         ids = [d["decision_id"] for d in decisions]
         assert len(ids) == len(set(ids)), "a decision was written twice"
         placed = {d["job"] for d in decisions if d["outcome"] == "PLACED"}
         assert len(placed & keys) == 8  # the globex quota: 16 GPUs, 2 a job
         assert {d["policy_digest"] for d in decisions if d["job"] in keys} and all(
-            d["policy_digest"] == decisions[-1]["policy_digest"] for d in decisions[-5:])
+            d["policy_digest"] == decisions[-1]["policy_digest"] for d in decisions[-5:]
+        )
 
         capsys.readouterr()
-        assert main(["get", "jobs", "--tenant", "globex", "--json", *common]) == 0, \
+        assert main(["get", "jobs", "--tenant", "globex", "--json", *common]) == 0, (
             capsys.readouterr().err
+        )
         jobs = json.loads(capsys.readouterr().out)
         assert sum(j["phase"] == "Running" for j in jobs) == 8, [
-            (j["key"], j["phase"]) for j in jobs]
+            (j["key"], j["phase"]) for j in jobs
+        ]
         # eu-west-a holds the data but a degraded GPU leaves it 3 clean nodes: the job went
         # elsewhere and waits for its prewarm; the data mover's report starts it.
         assert main(["describe", "acme/llm-pretrain", *common]) == 0
         described = capsys.readouterr().out
         assert "Phase:      Placed" in described and "DataReady  False" in described
         ticket = described.split("Waiting for: ")[1].split()[0]
-        submit(settings.kafka, topics, [new_request("DATASET_READY", ticket, "acme",
-                                                    int(time.time() * 1000), "mover-1")])
+        submit(
+            settings.kafka,
+            topics,
+            [new_request("DATASET_READY", ticket, "acme", int(time.time() * 1000), "mover-1")],
+        )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             assert main(["describe", "acme/llm-pretrain", *common]) == 0
@@ -131,8 +165,9 @@ def test_serve_schedules_what_the_cli_applies_through_a_sigkill(settings, tmp_pa
         wait_decided(settings, topics, keys)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            released = [d for d in decisions_of(settings.kafka, topics)
-                        if d["outcome"] == "RELEASED"]
+            released = [
+                d for d in decisions_of(settings.kafka, topics) if d["outcome"] == "RELEASED"
+            ]
             if len(released) >= 2:
                 break
             time.sleep(0.3)
@@ -144,8 +179,7 @@ def test_serve_schedules_what_the_cli_applies_through_a_sigkill(settings, tmp_pa
         serve.send_signal(signal.SIGTERM)
         serve.wait(60)
     capsys.readouterr()
-    assert main(["replay", "--decisions", "--group", group, *common]) == 0, \
-        capsys.readouterr().out
+    assert main(["replay", "--decisions", "--group", group, *common]) == 0, capsys.readouterr().out
     summary = json.loads(capsys.readouterr().out)
     assert summary["ok"] and summary["matched"] == summary["decisions"] >= 35
     bad = tmp_path / "bad.yaml"

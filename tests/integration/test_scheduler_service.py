@@ -34,20 +34,25 @@ from tests.services import caught_up, produce, running, snapshot_store, submits
 from tests.support import BASE_MS, fresh_topics, wait_until
 
 pytestmark = pytest.mark.services
-CLUSTERS = [ClusterSpec("us-east-a", "us-east", 4), ClusterSpec("eu-west-a", "eu-west", 4),
-            ClusterSpec("ap-south-a", "ap-south", 4)]
+CLUSTERS = [
+    ClusterSpec("us-east-a", "us-east", 4),
+    ClusterSpec("eu-west-a", "eu-west", 4),
+    ClusterSpec("ap-south-a", "ap-south", 4),
+]
 
 
-def wait_for(settings: Settings, topics: Topics, what: Callable[[list[dict]], bool],
-             timeout_s: float = 60) -> list[dict]:
+def wait_for(
+    settings: Settings, topics: Topics, what: Callable[[list[dict]], bool], timeout_s: float = 60
+) -> list[dict]:
     deadline = time.monotonic() + timeout_s
     while True:
         decisions = decisions_of(settings.kafka, topics)
         if what(decisions):
             return decisions
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out; decisions so far: "
-                                 f"{[(d['job'], d['outcome']) for d in decisions]}")
+            raise AssertionError(
+                f"timed out; decisions so far: {[(d['job'], d['outcome']) for d in decisions]}"
+            )
         time.sleep(0.3)
 
 
@@ -56,12 +61,16 @@ def outcomes(decisions: list[dict], job: str) -> list[str]:
 
 
 @contextmanager
-def scheduling(settings: Settings, topics: Topics, processor: ViewProcessor,
-               snapshots) -> Iterator[SchedulerService]:
+def scheduling(
+    settings: Settings, topics: Topics, processor: ViewProcessor, snapshots
+) -> Iterator[SchedulerService]:
     service_ = SchedulerService(
-        settings.kafka, topics, processor,
+        settings.kafka,
+        topics,
+        processor,
         lambda offsets: observe(rebuild(settings.kafka, topics, offsets, snapshots).view),
-        tick_interval_s=0.3)
+        tick_interval_s=0.3,
+    )
     with running(service_):
         yield service_
 
@@ -70,25 +79,47 @@ def test_decisions_over_kafka_survive_a_restart_and_replay_byte_for_byte(setting
     topics = fresh_topics()
     kafka_clients.ensure_topics(settings.kafka, scheduler_topics(topics))
     snapshots = snapshot_store(settings)
-    processor = ViewProcessor(settings.kafka, topics, snapshots,
-                              group_id=f"v-{uuid.uuid4().hex}", snapshot_interval_s=0.5)
+    processor = ViewProcessor(
+        settings.kafka, topics, snapshots, group_id=f"v-{uuid.uuid4().hex}", snapshot_interval_s=0.5
+    )
     produce(settings, topics, [("ClusterInfo", cluster_info(c, 1, BASE_MS)) for c in CLUSTERS])
     produce(settings, topics, scenario_events(seconds=6))
     with running(processor):
         caught_up(settings, topics, [processor])
         with scheduling(settings, topics, processor, snapshots):
-            submit(settings.kafka, topics, [new_request(
-                "TENANT_POLICY", "acme", "acme", int(time.time() * 1000), "p1",
-                spec_json=canonical_json({"tenant": "acme", "quota": {"gpus": 40}}))])
-            submit(settings.kafka, topics, submits(
-                dataset("corpus", "20TB", ["eu-west-a"]),
-                training("pretrain", workers=2, dataset="corpus", priority="low"),
-                training("tp4", workers=2, per_worker=4, tensor=4, priority="low"),
-                service("chat", replicas=2, per_replica=2, regions=("eu-west", "us-east")),
-                training("toomuch", workers=2)))
-            decisions = wait_for(settings, topics, lambda ds: {
-                "acme/pretrain", "acme/tp4", "acme/chat", "acme/toomuch"} <= {
-                    d["job"] for d in ds})
+            submit(
+                settings.kafka,
+                topics,
+                [
+                    new_request(
+                        "TENANT_POLICY",
+                        "acme",
+                        "acme",
+                        int(time.time() * 1000),
+                        "p1",
+                        spec_json=canonical_json({"tenant": "acme", "quota": {"gpus": 40}}),
+                    )
+                ],
+            )
+            submit(
+                settings.kafka,
+                topics,
+                submits(
+                    dataset("corpus", "20TB", ["eu-west-a"]),
+                    training("pretrain", workers=2, dataset="corpus", priority="low"),
+                    training("tp4", workers=2, per_worker=4, tensor=4, priority="low"),
+                    service("chat", replicas=2, per_replica=2, regions=("eu-west", "us-east")),
+                    training("toomuch", workers=2),
+                ),
+            )
+            decisions = wait_for(
+                settings,
+                topics,
+                lambda ds: (
+                    {"acme/pretrain", "acme/tp4", "acme/chat", "acme/toomuch"}
+                    <= {d["job"] for d in ds}
+                ),
+            )
             assert outcomes(decisions, "dataset:corpus") == ["ACCEPTED"]
             assert outcomes(decisions, "acme/pretrain") == ["PLACED"]
             pretrain = next(d for d in decisions if d["job"] == "acme/pretrain")
@@ -102,21 +133,33 @@ def test_decisions_over_kafka_survive_a_restart_and_replay_byte_for_byte(setting
         def bound() -> dict[str, int]:
             return {a["job_id"]: len(a["gpus"]) for a in processor.read(view_read.allocations)}
 
-        wait_until(lambda: bound() == {"acme/pretrain": 16, "acme/tp4": 8, "acme/chat": 4},
-                   what=f"the view's allocations, now {bound()}")
+        wait_until(
+            lambda: bound() == {"acme/pretrain": 16, "acme/tp4": 8, "acme/chat": 4},
+            what=f"the view's allocations, now {bound()}",
+        )
 
         # A second scheduler process picks up the committed state and goes on.
         state = job_records(read_state(settings.kafka, topics))
         assert {j["key"]: j["phase"] for j in state} == {
-            "acme/pretrain": "Running", "acme/tp4": "Running", "acme/chat": "Running",
-            "acme/toomuch": "Queued"}
+            "acme/pretrain": "Running",
+            "acme/tp4": "Running",
+            "acme/chat": "Running",
+            "acme/toomuch": "Queued",
+        }
         with scheduling(settings, topics, processor, snapshots) as scheduler:
-            submit(settings.kafka, topics, submits(
-                training("urgent", workers=3, priority="critical", tenant="ops")))
-            decisions = wait_for(settings, topics, lambda ds: "ops/urgent" in {
-                d["job"] for d in ds if d["outcome"] == "PLACED"})
+            submit(
+                settings.kafka,
+                topics,
+                submits(training("urgent", workers=3, priority="critical", tenant="ops")),
+            )
+            decisions = wait_for(
+                settings,
+                topics,
+                lambda ds: "ops/urgent" in {d["job"] for d in ds if d["outcome"] == "PLACED"},
+            )
             assert "PREEMPTED" in outcomes(decisions, "acme/pretrain") + outcomes(
-                decisions, "acme/tp4")
+                decisions, "acme/tp4"
+            )
             # A node of the urgent job goes down: it migrates from its checkpoint.
             (urgent,) = [j for j in scheduler.jobs("ops") if j["key"] == "ops/urgent"]
             node = sorted(n for nodes in urgent["allocation"].values() for n in nodes)[0]
@@ -124,9 +167,14 @@ def test_decisions_over_kafka_survive_a_restart_and_replay_byte_for_byte(setting
             down = sim.node_state(sim.node(node), BASE_MS + 7_000, "DOWN", "power supply")
             down["seq"] = 1_000
             produce(settings, topics, [("NodeState", down)])
-            decisions = wait_for(settings, topics, lambda ds: any(
-                d["job"] == "ops/urgent" and d["reason"].startswith(f"fault: {node} is DOWN")
-                for d in ds))
+            decisions = wait_for(
+                settings,
+                topics,
+                lambda ds: any(
+                    d["job"] == "ops/urgent" and d["reason"].startswith(f"fault: {node} is DOWN")
+                    for d in ds
+                ),
+            )
     ids = [d["decision_id"] for d in decisions]
     assert len(ids) == len(set(ids))  # each decision once, across the restart
 

@@ -30,8 +30,9 @@ pytestmark = pytest.mark.services
 CODEC = default_codec()
 
 
-def test_decisions_and_allocations_answer_wait_times_and_utilisation_by_tenant(settings,
-                                                                              clickhouse):
+def test_decisions_and_allocations_answer_wait_times_and_utilisation_by_tenant(
+    settings, clickhouse
+):
     db = settings.clickhouse_database
     migrate(clickhouse, db)
     topics = fresh_topics()
@@ -54,15 +55,32 @@ def test_decisions_and_allocations_answer_wait_times_and_utilisation_by_tenant(s
     assert producer.flush(30) == 0
     decisions = d.decisions()
     changes = [e for e in d.effects if isinstance(e, AllocationChange)]
-    sinks = [RecordSink(CODEC, topic, record, table) for topic, record, table in (
-        (topics.decisions, SCHEDULING_DECISION, DecisionTable(clickhouse, db)),
-        (topics.allocations, ALLOCATION, AllocationTable(clickhouse, db)))]
-    runners = [Background(StreamLoop(settings.kafka, f"{topics.prefix}.{sink.destination.name}",
-                                     [sink.topic], sink, topics.dead_letter).run)
-               for sink in sinks]
+    sinks = [
+        RecordSink(CODEC, topic, record, table)
+        for topic, record, table in (
+            (topics.decisions, SCHEDULING_DECISION, DecisionTable(clickhouse, db)),
+            (topics.allocations, ALLOCATION, AllocationTable(clickhouse, db)),
+        )
+    ]
+    runners = [
+        Background(
+            StreamLoop(
+                settings.kafka,
+                f"{topics.prefix}.{sink.destination.name}",
+                [sink.topic],
+                sink,
+                topics.dead_letter,
+            ).run
+        )
+        for sink in sinks
+    ]
     try:
-        wait_until(lambda: sinks[0].stats.records == len(decisions)
-                   and sinks[1].stats.records == len(changes), what="the sinks")
+        wait_until(
+            lambda: (
+                sinks[0].stats.records == len(decisions) and sinks[1].stats.records == len(changes)
+            ),
+            what="the sinks",
+        )
     finally:
         for runner in runners:
             runner.stop()
@@ -72,15 +90,17 @@ def test_decisions_and_allocations_answer_wait_times_and_utilisation_by_tenant(s
     # GPU samples every 5 minutes from before the first placement to after the last change.
     sim = FleetSimulator(clusters, seed=5, interval_ms=300_000)
     records = [r for t in range(0, 16) for r in sim.telemetry(BASE_MS + 5_500 + t * 300_000)]
-    HotSampleStore(clickhouse, db).store(to_columns(
-        [SourcedTelemetry(0, i, r) for i, r in enumerate(records)]))
+    HotSampleStore(clickhouse, db).store(
+        to_columns([SourcedTelemetry(0, i, r) for i, r in enumerate(records)])
+    )
     objects = ObjectStore.from_settings(settings.s3)
     objects.ensure_bucket()
     store = TieredStore(clickhouse, db, objects, settings.s3)
 
     def ready(name: str) -> list[tuple]:
-        sql = store.tiered_sql(ready_sql(name, str(BASE_MS), str(BASE_MS + 10**8)),
-                               now_ms=BASE_MS + 10**8)
+        sql = store.tiered_sql(
+            ready_sql(name, str(BASE_MS), str(BASE_MS + 10**8)), now_ms=BASE_MS + 10**8
+        )
         return [tuple(r) for r in clickhouse.query(sql).result_rows]
 
     # Reference: each sample belongs to the tenant whose allocation was in force on its GPU.
@@ -91,16 +111,20 @@ def test_decisions_and_allocations_answer_wait_times_and_utilisation_by_tenant(s
     by_tenant: dict[str, list[float]] = {}
     for record in records:
         for gpu in record["gpus"]:
-            events = [e for e in timeline.get((record["node_id"], gpu["gpu_index"]), [])
-                      if e[0] <= record["ts"]]
-            owner = events[-1][2] if events and events[-1][1] == "ALLOCATED" else \
-                "(unallocated)"
+            events = [
+                e
+                for e in timeline.get((record["node_id"], gpu["gpu_index"]), [])
+                if e[0] <= record["ts"]
+            ]
+            owner = events[-1][2] if events and events[-1][1] == "ALLOCATED" else "(unallocated)"
             by_tenant.setdefault(owner, []).append(gpu["gpu_util_pct"])
     got = {row[0]: (row[1], row[3]) for row in ready("utilisation-by-tenant")}
     assert set(got) == set(by_tenant) == {"alpha", "beta", "ops", "(unallocated)"}
     for tenant, utils in by_tenant.items():
-        assert got[tenant] == (pytest.approx(round(sum(utils) / len(utils), 2), abs=0.011),
-                               len(utils))
+        assert got[tenant] == (
+            pytest.approx(round(sum(utils) / len(utils), 2), abs=0.011),
+            len(utils),
+        )
 
     waits = {(row[0], row[1]): row for row in ready("job-wait-times")}
     # beta: b placed at once, c after 600 s; alpha's a at once; ops' urgent preempted its way.
@@ -108,9 +132,11 @@ def test_decisions_and_allocations_answer_wait_times_and_utilisation_by_tenant(s
     assert waits[("beta", 2)][6] == pytest.approx(600.0)
     assert waits[("alpha", 2)][2] == 1 and waits[("ops", 4)][2] == 1
     preempted = {row[0]: row[2] for row in ready("preemptions")}
-    assert preempted == {p.tenant: sum(1 for q in decisions if q.outcome == "PREEMPTED"
-                                       and q.tenant == p.tenant)
-                         for p in decisions if p.outcome == "PREEMPTED"}
+    assert preempted == {
+        p.tenant: sum(1 for q in decisions if q.outcome == "PREEMPTED" and q.tenant == p.tenant)
+        for p in decisions
+        if p.outcome == "PREEMPTED"
+    }
     assert preempted  # the critical job took someone's GPUs
     # A decision range that holds none of them finds nothing.
     none = store.tiered_sql(ready_sql("job-wait-times", "0", "1000"), now_ms=int(time.time()))

@@ -55,7 +55,8 @@ def test_migrations_are_idempotent_and_recorded(settings, clickhouse) -> None:
     assert migrate(clickhouse, db) == [m.version for m in MIGRATIONS]
     assert migrate(clickhouse, db) == []
     rows = clickhouse.query(
-        f"SELECT version, name FROM {db}.schema_migrations ORDER BY version").result_rows
+        f"SELECT version, name FROM {db}.schema_migrations ORDER BY version"
+    ).result_rows
     assert [r[0] for r in rows] == [m.version for m in MIGRATIONS]
     with pytest.raises(ConfigError):
         migrate(clickhouse, "bad-name; DROP")
@@ -105,8 +106,9 @@ def test_sink_writes_every_sample_once_across_restarts(settings, clickhouse) -> 
     letters = [read_dead_letter(m) for m in read_all(settings, topics.dead_letter, 1)]
     assert letters[0].value == b"junk" and "not Avro" in letters[0].reason
     # The bad message was dead-lettered again after the restart; its source id tells them apart.
-    assert {letter.source_id for letter in letters} == {(topics.telemetry, letters[0].partition,
-                                                         letters[0].offset)}
+    assert {letter.source_id for letter in letters} == {
+        (topics.telemetry, letters[0].partition, letters[0].offset)
+    }
 
 
 def test_a_second_topic_prefix_in_the_same_database_loses_nothing(settings, clickhouse) -> None:
@@ -125,8 +127,10 @@ def test_a_second_topic_prefix_in_the_same_database_loses_nothing(settings, clic
         loop = Background(sink.run)
         wait_until(lambda s=sink: stats(s).messages >= 12, what="the sink")
         loop.stop()
-        rows = clickhouse.query(f"SELECT count() FROM {db}.gpu_samples WHERE source_topic = "
-                                "{t:String}", parameters={"t": topics.telemetry}).result_rows
+        rows = clickhouse.query(
+            f"SELECT count() FROM {db}.gpu_samples WHERE source_topic = {{t:String}}",
+            parameters={"t": topics.telemetry},
+        ).result_rows
         assert rows == [(96,)] and stats(sink).repeats == 0
 
 
@@ -143,7 +147,8 @@ class FailingOnce(HotSampleStore):
 
 
 def test_a_failed_insert_stops_the_overlapped_sink_and_a_restart_loses_nothing(
-        settings, clickhouse) -> None:
+    settings, clickhouse
+) -> None:
     # The sink decodes the next batch while the previous one is inserted; a failed insert must
     # stop it before anything received later is stored, and a restart resumes from the table.
     topics = fresh_topics(partitions=1)
@@ -174,7 +179,8 @@ def test_a_failed_insert_stops_the_overlapped_sink_and_a_restart_loses_nothing(
 
 
 def test_a_partition_that_moves_to_another_sink_resumes_after_the_rows_stored(
-        settings, clickhouse) -> None:
+    settings, clickhouse
+) -> None:
     # A second instance joins the group while telemetry keeps flowing: partitions move, and
     # each new owner starts where the table says, not where it stood when it started.
     topics = fresh_topics(partitions=2)
@@ -197,8 +203,7 @@ def test_a_partition_that_moves_to_another_sink_resumes_after_the_rows_stored(
         assert tick < 600, "no partition moved to the second sink"
         time.sleep(0.1)
     count = f"SELECT count(), uniqExact(node_id, seq, gpu_index) FROM {db}.gpu_samples"
-    wait_until(lambda: clickhouse.query(count).result_rows[0][0] >= tick * 96,
-               what="every sample")
+    wait_until(lambda: clickhouse.query(count).result_rows[0][0] >= tick * 96, what="every sample")
     for loop in loops:
         loop.stop()
     assert clickhouse.query(count).result_rows == [(tick * 96, tick * 96)]
@@ -218,7 +223,8 @@ def test_sample_values_survive_the_trip_into_clickhouse(settings, clickhouse) ->
     rows = clickhouse.query(
         f"SELECT toUnixTimestamp64Milli(ts), gpu_index, fb_used_mib, gpu_util_pct, xid_codes, "
         f"nvlink_errors_total FROM {settings.clickhouse_database}.gpu_samples "
-        f"WHERE node_id = '{record['node_id']}' ORDER BY gpu_index").result_rows
+        f"WHERE node_id = '{record['node_id']}' ORDER BY gpu_index"
+    ).result_rows
     assert [r[1] for r in rows] == list(range(8))
     for row, gpu in zip(rows, record["gpus"], strict=True):
         assert row[0] == BASE_MS
@@ -243,8 +249,11 @@ def test_records_an_agent_sends_twice_are_stored_once(settings, clickhouse) -> N
     producer = kafka_clients.producer(settings.kafka)
     # What a rewinding agent does: the tail is sent again after the first copies landed.
     for record in records + records[2:]:
-        producer.produce(topics.telemetry, key=record["node_id"].encode(),
-                         value=codec.encode("NodeTelemetry", record))
+        producer.produce(
+            topics.telemetry,
+            key=record["node_id"].encode(),
+            value=codec.encode("NodeTelemetry", record),
+        )
     producer.flush(30)
     sink = make_sink(settings, clickhouse, topics)
     loop = Background(sink.run)
@@ -254,8 +263,11 @@ def test_records_an_agent_sends_twice_are_stored_once(settings, clickhouse) -> N
     assert clickhouse.query(f"SELECT count() FROM {db}.gpu_samples").result_rows == [(48,)]
     assert stats(sink).repeats == 4
     # A restarted sink knows the stored seqs too.
-    producer.produce(topics.telemetry, key=records[0]["node_id"].encode(),
-                     value=codec.encode("NodeTelemetry", records[0]))
+    producer.produce(
+        topics.telemetry,
+        key=records[0]["node_id"].encode(),
+        value=codec.encode("NodeTelemetry", records[0]),
+    )
     producer.flush(30)
     again = make_sink(settings, clickhouse, topics, f"{topics.prefix}.hot-sink-again")
     loop = Background(again.run)

@@ -65,8 +65,9 @@ class SummaryStep(MessageStep):
         event = codec.decode(message.value())
         key = message.key()
         if key is None or key.decode() != event.record["node_id"]:
-            raise InvalidEventError(f"message key {key!r} is not the node id "
-                                    f"{event.record['node_id']!r}")
+            raise InvalidEventError(
+                f"message key {key!r} is not the node id {event.record['node_id']!r}"
+            )
         before = self.nodes.get(message.partition() or 0, key)
         after = apply(before, event)
         if after != before:
@@ -78,26 +79,36 @@ class SummaryStep(MessageStep):
 
 
 def make_loop(settings, topics: Topics) -> StreamLoop:
-    store = ChangelogStore(APP, topics.changelog(APP, "nodes"),
-                           lambda node: json.dumps(asdict(node)).encode(),
-                           lambda data: NodeSummary(**json.loads(data)))
-    return StreamLoop(settings.kafka, f"{topics.prefix}.{APP}",
-                      [topics.telemetry, topics.node_state], SummaryStep(store),
-                      topics.dead_letter, exactly_once=True)
+    store = ChangelogStore(
+        APP,
+        topics.changelog(APP, "nodes"),
+        lambda node: json.dumps(asdict(node)).encode(),
+        lambda data: NodeSummary(**json.loads(data)),
+    )
+    return StreamLoop(
+        settings.kafka,
+        f"{topics.prefix}.{APP}",
+        [topics.telemetry, topics.node_state],
+        SummaryStep(store),
+        topics.dead_letter,
+        exactly_once=True,
+    )
 
 
 def setup_topics(settings) -> Topics:
     topics = fresh_topics()
-    kafka_clients.ensure_topics(settings.kafka, [*topics.specs(),
-                                                 topics.changelog_spec(APP, "nodes")])
+    kafka_clients.ensure_topics(
+        settings.kafka, [*topics.specs(), topics.changelog_spec(APP, "nodes")]
+    )
     return topics
 
 
 def reference(events) -> dict[str, NodeSummary]:
     nodes: dict[str, NodeSummary] = {}
     for name, record in events:
-        nodes[record["node_id"]] = apply(nodes.get(record["node_id"]),
-                                         codec.decode(codec.encode(name, record)))
+        nodes[record["node_id"]] = apply(
+            nodes.get(record["node_id"]), codec.decode(codec.encode(name, record))
+        )
     return nodes
 
 
@@ -148,10 +159,14 @@ def test_bad_messages_go_to_the_dead_letter_topic_and_processing_goes_on(setting
     invalid["gpus"][0]["gpu_util_pct"] = 250.0
     mismatched = fleet.telemetry(BASE_MS + 1000)[1]
     producer.produce(topics.telemetry, key=b"n-garbage", value=b"\x01\x02 not avro")
-    producer.produce(topics.telemetry, key=invalid["node_id"].encode(),
-                     value=codec.encode("NodeTelemetry", invalid))
-    producer.produce(topics.telemetry, key=b"someone-else",
-                     value=codec.encode("NodeTelemetry", mismatched))
+    producer.produce(
+        topics.telemetry,
+        key=invalid["node_id"].encode(),
+        value=codec.encode("NodeTelemetry", invalid),
+    )
+    producer.produce(
+        topics.telemetry, key=b"someone-else", value=codec.encode("NodeTelemetry", mismatched)
+    )
     producer.flush(30)
     good = publish_run(settings, topics, fleet, ticks=2, start_tick=5)
 

@@ -37,16 +37,26 @@ POLICY = DataClass(GPU_SAMPLES.table, warm_ms=2 * DAY_MS)
 
 def load(clickhouse, database: str) -> int:
     migrate(clickhouse, database)
-    sim = FleetSimulator([ClusterSpec("c1", "eu-west", 2), ClusterSpec("c2", "us-east", 1)],
-                         seed=5, interval_ms=INTERVAL_MS)
+    sim = FleetSimulator(
+        [ClusterSpec("c1", "eu-west", 2), ClusterSpec("c2", "us-east", 1)],
+        seed=5,
+        interval_ms=INTERVAL_MS,
+    )
     start = NOW - DAYS * DAY_MS
-    batch = [SourcedTelemetry(0, i, record) for i, record in enumerate(
-        r for t in range(DAYS * DAY_MS // INTERVAL_MS) for r in sim.telemetry(
-            start + t * INTERVAL_MS))]
+    batch = [
+        SourcedTelemetry(0, i, record)
+        for i, record in enumerate(
+            r
+            for t in range(DAYS * DAY_MS // INTERVAL_MS)
+            for r in sim.telemetry(start + t * INTERVAL_MS)
+        )
+    ]
     HotSampleStore(clickhouse, database).store(to_columns(batch))
     clickhouse.command(f"CREATE TABLE {database}.reference AS {database}.gpu_samples")
-    clickhouse.command(f"INSERT INTO {database}.reference SELECT * FROM {database}.gpu_samples "
-                       "SETTINGS max_partitions_per_insert_block = 1000")
+    clickhouse.command(
+        f"INSERT INTO {database}.reference SELECT * FROM {database}.gpu_samples "
+        "SETTINGS max_partitions_per_insert_block = 1000"
+    )
     return len(batch) * 8
 
 
@@ -54,16 +64,19 @@ def tiers(settings, clickhouse, database: str, **kwargs) -> TieredStore:
     objects = ObjectStore.from_settings(settings.s3)
     objects.ensure_bucket()
     kwargs.setdefault("data", POLICY)
-    return TieredStore(clickhouse, database, objects, settings.s3, root=f"tiers-{database}",
-                       **kwargs)
+    return TieredStore(
+        clickhouse, database, objects, settings.s3, root=f"tiers-{database}", **kwargs
+    )
 
 
 def fingerprint(store: TieredStore, source: str, where: str = "1") -> tuple[int, str]:
     return store._fingerprint(source, where)[:2]
 
 
-UTILISATION = ("SELECT cluster_id, toStartOfHour(ts) AS hour, round(avg(gpu_util_pct), 4), "
-               "count() FROM {src} GROUP BY cluster_id, hour ORDER BY cluster_id, hour")
+UTILISATION = (
+    "SELECT cluster_id, toStartOfHour(ts) AS hour, round(avg(gpu_util_pct), 4), "
+    "count() FROM {src} GROUP BY cluster_id, hour ORDER BY cluster_id, hour"
+)
 
 
 def test_cold_archives_store_whole_floats_as_integers_and_pick_encodings_by_trial():
@@ -71,23 +84,36 @@ def test_cold_archives_store_whole_floats_as_integers_and_pick_encodings_by_tria
 
     rng = random.Random(3)
     n = 100_000
-    table = pa.table({
-        "rate": pa.array([rng.randrange(10**6, 10**8) * 1024.0 for _ in range(n)]),  # KiB
-        "util": pa.array([float(rng.randrange(101)) for _ in range(n)], pa.float32()),
-        "power": pa.array([rng.randrange(9000) / 10 for _ in range(n)], pa.float32()),
-        "offset": pa.array(range(n), pa.uint64()),
-        "gpu_index": pa.array([i % 8 for i in range(n)], pa.uint8()),
-        "node_id": pa.array([f"n{i % 50}" for i in range(n)]),
-    })
+    table = pa.table(
+        {
+            "rate": pa.array([rng.randrange(10**6, 10**8) * 1024.0 for _ in range(n)]),  # KiB
+            "util": pa.array([float(rng.randrange(101)) for _ in range(n)], pa.float32()),
+            "power": pa.array([rng.randrange(9000) / 10 for _ in range(n)], pa.float32()),
+            "offset": pa.array(range(n), pa.uint64()),
+            "gpu_index": pa.array([i % 8 for i in range(n)], pa.uint8()),
+            "node_id": pa.array([f"n{i % 50}" for i in range(n)]),
+        }
+    )
     schema, options = archive_layout(table, integral=["rate", "util"])
-    assert [f.type for f in schema] == [pa.int64(), pa.int64(), pa.float32(), pa.uint64(),
-                                        pa.uint8(), pa.string()]
+    assert [f.type for f in schema] == [
+        pa.int64(),
+        pa.int64(),
+        pa.float32(),
+        pa.uint64(),
+        pa.uint8(),
+        pa.string(),
+    ]
     assert options["column_encoding"]["offset"] == "DELTA_BINARY_PACKED"
 
     def size(**writer) -> int:
         out = pa.BufferOutputStream()
-        pq.write_table(table.cast(writer.pop("schema", table.schema)), out,
-                       compression="zstd", compression_level=19, **writer)
+        pq.write_table(
+            table.cast(writer.pop("schema", table.schema)),
+            out,
+            compression="zstd",
+            compression_level=19,
+            **writer,
+        )
         return out.getvalue().size
 
     chosen = size(schema=schema, **options)
@@ -114,15 +140,19 @@ def test_days_of_telemetry_flow_hot_warm_cold_and_cross_tier_queries_match(setti
     # The oldest day starts at midday (the data does), so its archive replaces 12 hours.
     assert sorted(len(m.sources) for m in cold) == [12, 24]
     assert {m.partition[:8] for m in warm}.isdisjoint({m.partition for m in cold})
-    assert sum(m.rows for m in warm) + sum(m.rows for m in cold) + fingerprint(
-        store, store.hot)[0] == rows
+    assert (
+        sum(m.rows for m in warm) + sum(m.rows for m in cold) + fingerprint(store, store.hot)[0]
+        == rows
+    )
     # Everything not in cold answers through the union view exactly as the reference does.
     cold_until = max(m.max_ts_ms for m in cold)
     recent = f"ts > fromUnixTimestamp64Milli({cold_until}, 'UTC')"
     assert fingerprint(store, store.union_view) == fingerprint(store, f"{db}.reference", recent)
     query = UTILISATION.format(src=f"(SELECT * FROM {{t}} WHERE {recent})")
-    assert clickhouse.query(query.format(t=store.union_view)).result_rows == \
-        clickhouse.query(query.format(t=f"{db}.reference")).result_rows
+    assert (
+        clickhouse.query(query.format(t=store.union_view)).result_rows
+        == clickhouse.query(query.format(t=f"{db}.reference")).result_rows
+    )
     # A query over the last hour reads only the hot table.
     last_hour = store.tiered_sql("SELECT count() FROM $samples", NOW - HOUR_MS, NOW)
     assert "s3(" not in last_hour and f"{db}.gpu_samples" in last_hour
@@ -130,12 +160,18 @@ def test_days_of_telemetry_flow_hot_warm_cold_and_cross_tier_queries_match(setti
     assert "s3(" in over_week
     # Restoring the cold range makes the union whole again.
     restored = store.restore(NOW - DAYS * DAY_MS, cold_until)
-    assert restored == fingerprint(store, f"{db}.reference",
-                                   f"ts <= fromUnixTimestamp64Milli({cold_until}, 'UTC')")[0]
+    assert (
+        restored
+        == fingerprint(
+            store, f"{db}.reference", f"ts <= fromUnixTimestamp64Milli({cold_until}, 'UTC')"
+        )[0]
+    )
     store.restore(NOW - DAYS * DAY_MS, cold_until)  # again: replaces, does not add
     assert fingerprint(store, store.union_view) == fingerprint(store, f"{db}.reference")
-    assert clickhouse.query(UTILISATION.format(src=store.union_view)).result_rows == \
-        clickhouse.query(UTILISATION.format(src=f"{db}.reference")).result_rows
+    assert (
+        clickhouse.query(UTILISATION.format(src=store.union_view)).result_rows
+        == clickhouse.query(UTILISATION.format(src=f"{db}.reference")).result_rows
+    )
     # The ready queries run across the tiers; one is checked against the reference.
     from fleetline.storage.queries import READY
 
@@ -143,10 +179,14 @@ def test_days_of_telemetry_flow_hot_warm_cold_and_cross_tier_queries_match(setti
     for _, sql in READY.values():
         clickhouse.query(store.tiered_sql(sql.replace("$samples", span)))
     by_cluster = READY["utilisation-by-cluster"][1]
-    window = (f"(SELECT * FROM {db}.reference WHERE ts >= fromUnixTimestamp64Milli("
-              f"{NOW - 3 * DAY_MS}, 'UTC') AND ts <= fromUnixTimestamp64Milli({NOW}, 'UTC'))")
-    assert clickhouse.query(store.tiered_sql(by_cluster.replace("$samples", span))).result_rows \
+    window = (
+        f"(SELECT * FROM {db}.reference WHERE ts >= fromUnixTimestamp64Milli("
+        f"{NOW - 3 * DAY_MS}, 'UTC') AND ts <= fromUnixTimestamp64Milli({NOW}, 'UTC'))"
+    )
+    assert (
+        clickhouse.query(store.tiered_sql(by_cluster.replace("$samples", span))).result_rows
         == clickhouse.query(by_cluster.replace("$samples", window)).result_rows
+    )
     # A second pass has nothing to do.
     before = (len(store.manifests(WARM)), len(store.manifests(COLD)))
     store.run_once(NOW)
@@ -202,8 +242,9 @@ def test_cold_retention_deletes_only_what_policy_allows(settings, clickhouse):
 
 def test_a_retention_plan_names_what_policy_lets_go():
     day = NOW - 10 * DAY_MS
-    policy = DataClass("t", cold_ms=5 * DAY_MS, tenant_cold_ms=(("acme", 2 * DAY_MS),
-                                                                ("keep", None)))
+    policy = DataClass(
+        "t", cold_ms=5 * DAY_MS, tenant_cold_ms=(("acme", 2 * DAY_MS), ("keep", None))
+    )
     assert retention_plan(policy, day, day + 3 * DAY_MS) == ("acme",)
     assert retention_plan(policy, day, day + 3 * DAY_MS - 1) == ()
     assert retention_plan(policy, day, day + 6 * DAY_MS) == ("*", "acme")  # "keep" stays
@@ -213,82 +254,111 @@ def test_a_retention_plan_names_what_policy_lets_go():
 
 def allocate(clickhouse, db: str, rows: list[tuple[int, str, str, int, str]]) -> None:
     """Allocation records as the scheduler sink stores them: (ts, tenant, node, gpu, kind)."""
-    clickhouse.insert(f"{db}.gpu_allocations", [
-        [ts, f"job-{tenant}", tenant, "c1", node, gpu, kind, 0, i, 0, i, "allocations"]
-        for i, (ts, tenant, node, gpu, kind) in enumerate(rows)],
-        column_names=["ts_ms", "job_id", "tenant", "cluster_id", "node_id", "gpu_index",
-                      "kind", "priority", "seq", "source_partition", "source_offset",
-                      "source_topic"])
+    clickhouse.insert(
+        f"{db}.gpu_allocations",
+        [
+            [ts, f"job-{tenant}", tenant, "c1", node, gpu, kind, 0, i, 0, i, "allocations"]
+            for i, (ts, tenant, node, gpu, kind) in enumerate(rows)
+        ],
+        column_names=[
+            "ts_ms",
+            "job_id",
+            "tenant",
+            "cluster_id",
+            "node_id",
+            "gpu_index",
+            "kind",
+            "priority",
+            "seq",
+            "source_partition",
+            "source_offset",
+            "source_topic",
+        ],
+    )
 
 
 def tenant_fixture(clickhouse, db: str) -> dict[str, str]:
     """acme holds four GPUs of one node from before the data on; beta a whole node for four
     hours of the oldest day. Returns SQL conditions that pick each tenant's samples."""
     load(clickhouse, db)
-    nodes = [n for (n,) in clickhouse.query(
-        f"SELECT DISTINCT node_id FROM {db}.reference ORDER BY node_id").result_rows]
+    nodes = [
+        n
+        for (n,) in clickhouse.query(
+            f"SELECT DISTINCT node_id FROM {db}.reference ORDER BY node_id"
+        ).result_rows
+    ]
     start = NOW - DAYS * DAY_MS
     beta_from, beta_to = start + 2 * HOUR_MS, start + 6 * HOUR_MS
-    allocate(clickhouse, db, [(start - HOUR_MS, "acme", nodes[0], g, "ALLOCATED")
-                              for g in range(4)]
-             + [(beta_from, "beta", nodes[1], g, "ALLOCATED") for g in range(8)]
-             + [(beta_to, "beta", nodes[1], g, "RELEASED") for g in range(8)])
+    allocate(
+        clickhouse,
+        db,
+        [(start - HOUR_MS, "acme", nodes[0], g, "ALLOCATED") for g in range(4)]
+        + [(beta_from, "beta", nodes[1], g, "ALLOCATED") for g in range(8)]
+        + [(beta_to, "beta", nodes[1], g, "RELEASED") for g in range(8)],
+    )
     oldest_day_end = start + 12 * HOUR_MS  # the data starts at midday
     return {
         "acme": f"node_id = '{nodes[0]}' AND gpu_index < 4",
-        "beta": (f"node_id = '{nodes[1]}' AND ts >= fromUnixTimestamp64Milli({beta_from}, "
-                 f"'UTC') AND ts < fromUnixTimestamp64Milli({beta_to}, 'UTC')"),
+        "beta": (
+            f"node_id = '{nodes[1]}' AND ts >= fromUnixTimestamp64Milli({beta_from}, "
+            f"'UTC') AND ts < fromUnixTimestamp64Milli({beta_to}, 'UTC')"
+        ),
         "oldest": f"ts < fromUnixTimestamp64Milli({oldest_day_end}, 'UTC')",
     }
 
 
 def no_orphans(store: TieredStore, db: str) -> None:
     keys = store.objects.keys(f"{store.root}/{db}/gpu_samples/")
-    assert {k for k in keys if k.endswith(".parquet")} == \
-        {m.key for m in store.manifests(WARM)} | {m.key for m in store.manifests(COLD)}
+    assert {k for k in keys if k.endswith(".parquet")} == {m.key for m in store.manifests(WARM)} | {
+        m.key for m in store.manifests(COLD)
+    }
 
 
 def test_tenant_retention_rewrites_cold_archives_without_the_rows_whose_time_is_up(
-        settings, clickhouse):
+    settings, clickhouse
+):
     db = settings.clickhouse_database
     pick = tenant_fixture(clickhouse, db)
     # acme's samples are kept three days in cold, everyone else's for ever: only the oldest
     # day (ended 3.5 days ago) loses acme's rows.
-    policy = DataClass(GPU_SAMPLES.table, warm_ms=2 * DAY_MS,
-                       tenant_cold_ms=(("acme", 3 * DAY_MS),))
+    policy = DataClass(
+        GPU_SAMPLES.table, warm_ms=2 * DAY_MS, tenant_cold_ms=(("acme", 3 * DAY_MS),)
+    )
     store = tiers(settings, clickhouse, db, data=policy)
     store.run_once(NOW)
     oldest, second = store.manifests(COLD)
     assert (oldest.purged, second.purged, store.stats.purged) == (("acme",), (), 1)
     store.restore(NOW - DAYS * DAY_MS, NOW)
     expected = f"NOT ({pick['oldest']} AND {pick['acme']})"
-    assert fingerprint(store, store.union_view) == fingerprint(store, f"{db}.reference",
-                                                               expected)
+    assert fingerprint(store, store.union_view) == fingerprint(store, f"{db}.reference", expected)
     no_orphans(store, db)
     store.run_once(NOW)  # nothing more is due
     assert store.stats.purged == 1 and store.manifests(COLD)[0] == oldest
 
     # Then everyone's samples go after three days but beta's are kept for ever: the oldest
     # day keeps beta's four hours only, and what was restored of it goes too.
-    policy = DataClass(GPU_SAMPLES.table, warm_ms=2 * DAY_MS, cold_ms=3 * DAY_MS,
-                       tenant_cold_ms=(("acme", 3 * DAY_MS), ("beta", None)))
+    policy = DataClass(
+        GPU_SAMPLES.table,
+        warm_ms=2 * DAY_MS,
+        cold_ms=3 * DAY_MS,
+        tenant_cold_ms=(("acme", 3 * DAY_MS), ("beta", None)),
+    )
     store = tiers(settings, clickhouse, db, data=policy)
     store.run_once(NOW)
     assert store.manifests(COLD)[0].purged == ("*", "acme")
     expected = f"NOT ({pick['oldest']} AND NOT ({pick['beta']}))"
-    assert fingerprint(store, store.union_view) == fingerprint(store, f"{db}.reference",
-                                                               expected)
+    assert fingerprint(store, store.union_view) == fingerprint(store, f"{db}.reference", expected)
     no_orphans(store, db)
 
 
 @pytest.mark.parametrize("step", ["copied", "committed", "switched"])
-def test_a_crash_in_a_retention_rewrite_loses_and_keeps_nothing_wrongly(settings, clickhouse,
-                                                                         step):
+def test_a_crash_in_a_retention_rewrite_loses_and_keeps_nothing_wrongly(settings, clickhouse, step):
     db = settings.clickhouse_database
     pick = tenant_fixture(clickhouse, db)
     tiers(settings, clickhouse, db).run_once(NOW)  # the moves, before any tenant policy
-    policy = DataClass(GPU_SAMPLES.table, warm_ms=2 * DAY_MS,
-                       tenant_cold_ms=(("acme", 3 * DAY_MS),))
+    policy = DataClass(
+        GPU_SAMPLES.table, warm_ms=2 * DAY_MS, tenant_cold_ms=(("acme", 3 * DAY_MS),)
+    )
 
     def crash(at: str, partition: str) -> None:
         if at == step:
@@ -301,22 +371,22 @@ def test_a_crash_in_a_retention_rewrite_loses_and_keeps_nothing_wrongly(settings
     assert store.manifests(COLD)[0].purged == ("acme",)
     store.restore(NOW - DAYS * DAY_MS, NOW)
     expected = f"NOT ({pick['oldest']} AND {pick['acme']})"
-    assert fingerprint(store, store.union_view) == fingerprint(store, f"{db}.reference",
-                                                               expected)
+    assert fingerprint(store, store.union_view) == fingerprint(store, f"{db}.reference", expected)
     no_orphans(store, db)
 
 
-def test_rows_arriving_for_an_hour_already_in_warm_follow_it_as_a_late_object(settings,
-                                                                              clickhouse):
+def test_rows_arriving_for_an_hour_already_in_warm_follow_it_as_a_late_object(settings, clickhouse):
     db = settings.clickhouse_database
     load(clickhouse, db)
     store = tiers(settings, clickhouse, db)
     store.run_once(NOW)
     hour = store.manifests(WARM)[-1].partition  # in the newest warm day: not due for cold
     # An agent back from an outage delivers samples of that hour (new Kafka offsets).
-    late = (f"SELECT * REPLACE (source_offset + 10000000 AS source_offset) FROM {db}.reference "
-            f"WHERE formatDateTime(ts, '%Y%m%d%H', 'UTC') = '{hour}' ORDER BY "
-            "source_offset, gpu_index LIMIT 16")
+    late = (
+        f"SELECT * REPLACE (source_offset + 10000000 AS source_offset) FROM {db}.reference "
+        f"WHERE formatDateTime(ts, '%Y%m%d%H', 'UTC') = '{hour}' ORDER BY "
+        "source_offset, gpu_index LIMIT 16"
+    )
     rows = clickhouse.query(late).result_rows
     columns = [c for c, _ in store._column_types()]
     for table in ("gpu_samples", "reference"):
@@ -338,8 +408,7 @@ def test_rows_arriving_for_an_hour_already_in_warm_follow_it_as_a_late_object(se
 
 
 @pytest.mark.parametrize(("step", "tier"), [("copied", WARM), ("committed", COLD)])
-def test_a_sigkilled_tiering_process_loses_and_duplicates_nothing(settings, tmp_path, step,
-                                                                  tier):
+def test_a_sigkilled_tiering_process_loses_and_duplicates_nothing(settings, tmp_path, step, tier):
     import json
     import os
     import subprocess
@@ -347,13 +416,22 @@ def test_a_sigkilled_tiering_process_loses_and_duplicates_nothing(settings, tmp_
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent.parent
-    env = {**os.environ, "FLEETLINE_S3_ENDPOINT": settings.s3.endpoint,
-           "FLEETLINE_S3_BUCKET": settings.s3.bucket}
+    env = {
+        **os.environ,
+        "FLEETLINE_S3_ENDPOINT": settings.s3.endpoint,
+        "FLEETLINE_S3_BUCKET": settings.s3.bucket,
+    }
     path, db = str(tmp_path / "chdb"), settings.clickhouse_database
 
     def child(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "tests.integration.tier_child", *args], cwd=root,
-                              env=env, capture_output=True, text=True, timeout=300)
+        return subprocess.run(
+            [sys.executable, "-m", "tests.integration.tier_child", *args],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
     killed = child("crash", path, db, step, tier)
     assert killed.returncode == -9, killed.stdout + killed.stderr  # died by SIGKILL
@@ -386,8 +464,14 @@ def test_the_tier_policy_flags_of_tier_run_and_serve(monkeypatch, capsys):
 
     monkeypatch.setattr(data, "_store", store)
     monkeypatch.setattr(composition, "build", build)
-    flags = ["--cold-days", "30", "--tenant-cold-days", "acme=2.5", "--tenant-cold-days",
-             "keep=forever"]
+    flags = [
+        "--cold-days",
+        "30",
+        "--tenant-cold-days",
+        "acme=2.5",
+        "--tenant-cold-days",
+        "keep=forever",
+    ]
     for command in (["tier", "run"], ["serve", "--no-api"]):
         with pytest.raises(_Stop):
             main([*command, *flags])

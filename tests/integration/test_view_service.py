@@ -34,8 +34,9 @@ def test_live_view_equals_replay_and_replay_at_a_past_time_matches_the_live_view
     events = scenario_events(seconds=30)
     half = len(events) // 2
     snapshots = snapshot_store(settings)
-    processor = ViewProcessor(settings.kafka, topics, snapshots, group_id=f"v-{uuid.uuid4().hex}",
-                              snapshot_interval_s=0.5)
+    processor = ViewProcessor(
+        settings.kafka, topics, snapshots, group_id=f"v-{uuid.uuid4().hex}", snapshot_interval_s=0.5
+    )
     with running(processor):
         produce(settings, topics, events[:half])
         produce(settings, topics, [allocation("job-a", "ALLOCATED", [("us-east-a-n0002", 0)], 1)])
@@ -67,7 +68,8 @@ def test_live_view_equals_replay_and_replay_at_a_past_time_matches_the_live_view
     # Between the moment and the end, the node the scenario took down came back.
     _, changes = walk(settings.kafka, topics, offsets_at(settings.kafka, topics, moment), end)
     assert [(c.entity_id, c.before, c.after) for c in changes if c.entity == "node"] == [
-        ("ap-south-a-n0003", "DOWN", "UP")]
+        ("ap-south-a-n0003", "DOWN", "UP")
+    ]
     (dead,) = read_all(settings, topics.dead_letter, 1)
     letter = read_dead_letter(dead)
     assert letter.topic == topics.telemetry and "fingerprint" in letter.reason
@@ -79,15 +81,24 @@ def test_two_instances_share_the_shards_and_compose_the_global_view(settings):
     events = scenario_events(seconds=12)
     root = f"views/test-{uuid.uuid4().hex[:8]}"
     group = f"v-{uuid.uuid4().hex}"
-    processors = [ViewProcessor(settings.kafka, topics, snapshot_store(settings, root),
-                                group_id=group, instance_id=str(i), snapshot_interval_s=0.5)
-                  for i in range(2)]
+    processors = [
+        ViewProcessor(
+            settings.kafka,
+            topics,
+            snapshot_store(settings, root),
+            group_id=group,
+            instance_id=str(i),
+            snapshot_interval_s=0.5,
+        )
+        for i in range(2)
+    ]
     with running(processors[0]), running(processors[1]):
         produce(settings, topics, events)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            held = [set(p.read(lambda v: list(v.offsets.get(topics.telemetry, {}))))
-                    for p in processors]
+            held = [
+                set(p.read(lambda v: list(v.offsets.get(topics.telemetry, {})))) for p in processors
+            ]
             if held[0] and held[1] and not held[0] & held[1] and len(held[0] | held[1]) == 4:
                 break
             time.sleep(0.2)
@@ -107,14 +118,31 @@ def test_sigkill_mid_stream_then_restart_equals_a_clean_replay(settings, tmp_pat
     group = f"v-{uuid.uuid4().hex[:10]}"
     root = f"views/{topics.prefix}/{group}"
     snapshots = snapshot_store(settings, root)
-    env = {**os.environ, "FLEETLINE_KAFKA_BOOTSTRAP": settings.kafka.bootstrap_servers,
-           "FLEETLINE_S3_ENDPOINT": settings.s3.endpoint, "FLEETLINE_S3_BUCKET": settings.s3.bucket,
-           "FLEETLINE_S3_ACCESS_KEY": settings.s3.access_key,
-           "FLEETLINE_S3_SECRET_KEY": settings.s3.secret_key,
-           "FLEETLINE_CLICKHOUSE_URL": f"chdb://{tmp_path / 'chdb'}"}
-    command = [sys.executable, "-m", "fleetline.cli", "serve", "--no-api", "--no-audit",
-               "--tier-every", "0", "--topic-prefix", topics.prefix, "--group", group,
-               "--snapshot-interval", "0.3"]
+    env = {
+        **os.environ,
+        "FLEETLINE_KAFKA_BOOTSTRAP": settings.kafka.bootstrap_servers,
+        "FLEETLINE_S3_ENDPOINT": settings.s3.endpoint,
+        "FLEETLINE_S3_BUCKET": settings.s3.bucket,
+        "FLEETLINE_S3_ACCESS_KEY": settings.s3.access_key,
+        "FLEETLINE_S3_SECRET_KEY": settings.s3.secret_key,
+        "FLEETLINE_CLICKHOUSE_URL": f"chdb://{tmp_path / 'chdb'}",
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "fleetline.cli",
+        "serve",
+        "--no-api",
+        "--no-audit",
+        "--tier-every",
+        "0",
+        "--topic-prefix",
+        topics.prefix,
+        "--group",
+        group,
+        "--snapshot-interval",
+        "0.3",
+    ]
     events = scenario_events(seconds=40)
     produce(settings, topics, events[: len(events) // 3])
     log = (tmp_path / "serve.log").open("w")
@@ -124,21 +152,23 @@ def test_sigkill_mid_stream_then_restart_equals_a_clean_replay(settings, tmp_pat
         while time.monotonic() < deadline and not snapshots.list(shard_part(0)):
             time.sleep(0.1)
         assert snapshots.list(shard_part(0)), (tmp_path / "serve.log").read_text()
-        produce(settings, topics, events[len(events) // 3: 2 * len(events) // 3])
+        produce(settings, topics, events[len(events) // 3 : 2 * len(events) // 3])
         time.sleep(0.5)
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(30)
-    produce(settings, topics, events[2 * len(events) // 3:])
+    produce(settings, topics, events[2 * len(events) // 3 :])
     _, end = log_bounds(settings.kafka, topics)
     second = subprocess.Popen(command, env=env, stdout=log, stderr=log)
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             latest = [snapshots.latest(shard_part(p)) for p in range(3)]
-            if all(info is not None and all(info.offsets.get(t, {}).get(p, 0) == end[t][p]
-                                            for t in topics.node_topics)
-                   for p, info in enumerate(latest)):
+            if all(
+                info is not None
+                and all(info.offsets.get(t, {}).get(p, 0) == end[t][p] for t in topics.node_topics)
+                for p, info in enumerate(latest)
+            ):
                 break
             time.sleep(0.2)
         else:
@@ -166,16 +196,19 @@ def test_view_and_replay_commands(settings, monkeypatch, capsys, tmp_path):
     time.sleep(0.05)
     moment = int(time.time() * 1000)
     time.sleep(0.05)
-    produce(settings, topics, events[len(events) // 2:])
-    for name, value in {"FLEETLINE_KAFKA_BOOTSTRAP": settings.kafka.bootstrap_servers,
-                        "FLEETLINE_S3_ENDPOINT": settings.s3.endpoint,
-                        "FLEETLINE_S3_BUCKET": settings.s3.bucket}.items():
+    produce(settings, topics, events[len(events) // 2 :])
+    for name, value in {
+        "FLEETLINE_KAFKA_BOOTSTRAP": settings.kafka.bootstrap_servers,
+        "FLEETLINE_S3_ENDPOINT": settings.s3.endpoint,
+        "FLEETLINE_S3_BUCKET": settings.s3.bucket,
+    }.items():
         monkeypatch.setenv(name, value)
     common = ["--topic-prefix", topics.prefix, "--group", f"g-{uuid.uuid4().hex[:6]}"]
     assert main(["view", "gpus", "--health", "failed", "--json", *common]) == 0
     failed = json.loads(capsys.readouterr().out)
     assert [(g["node_id"], g["gpu_index"], g["cause"]) for g in failed] == [
-        ("eu-west-a-n0002", 5, "xid 79")]
+        ("eu-west-a-n0002", 5, "xid 79")
+    ]
     assert main(["view", "nodes", "--status", "DOWN", *common]) == 0
     header, _, *rows = capsys.readouterr().out.splitlines()
     assert header.split()[:3] == ["node", "cluster", "status"]
@@ -185,8 +218,20 @@ def test_view_and_replay_commands(settings, monkeypatch, capsys, tmp_path):
     summary = json.loads(capsys.readouterr().out)
     assert summary["folded"] < len(events)
     assert set(json.loads(out.read_text())["nodes"]) <= {r["node_id"] for _, r in events}
-    assert main(["replay", "--from", str(moment), "--to", str(int(time.time() * 1000)),
-                 "--json", *common]) == 0
+    assert (
+        main(
+            [
+                "replay",
+                "--from",
+                str(moment),
+                "--to",
+                str(int(time.time() * 1000)),
+                "--json",
+                *common,
+            ]
+        )
+        == 0
+    )
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert all(line["ts"] >= BASE_MS for line in lines)
     assert main(["replay", "--at", "yesterday-ish", *common]) == 1

@@ -21,8 +21,9 @@ from tests.integration.test_tiers import DAYS, NOW, fingerprint, load, tiers
 
 class _Settings:
     def __init__(self) -> None:
-        self.s3 = S3Settings(endpoint=os.environ["FLEETLINE_S3_ENDPOINT"],
-                             bucket=os.environ["FLEETLINE_S3_BUCKET"])
+        self.s3 = S3Settings(
+            endpoint=os.environ["FLEETLINE_S3_ENDPOINT"], bucket=os.environ["FLEETLINE_S3_BUCKET"]
+        )
 
 
 def main(argv: list[str]) -> None:
@@ -45,17 +46,24 @@ def main(argv: list[str]) -> None:
     cold = store.manifests(COLD)
     cold_until = max((m.max_ts_ms for m in cold), default=0)
     recent = f"ts > fromUnixTimestamp64Milli({cold_until}, 'UTC')"
-    before = [fingerprint(store, store.union_view),
-              fingerprint(store, f"{db}.reference", recent)]
+    before = [fingerprint(store, store.union_view), fingerprint(store, f"{db}.reference", recent)]
     store.run_once(NOW)
     store.restore(NOW - DAYS * DAY_MS, NOW)
     after = [fingerprint(store, store.union_view), fingerprint(store, f"{db}.reference")]
     keys = store.objects.keys(f"{store.root}/{db}/gpu_samples/")
     data = {k for k in keys if k.endswith(".parquet")}
     named = {m.key for m in store.manifests(WARM)} | {m.key for m in store.manifests(COLD)}
-    print(json.dumps({"before": before, "after": after, "orphans": sorted(data - named),
-                      "refused": store.stats.refused,
-                      "completed_after_crash": store.stats.completed_after_crash}))
+    print(
+        json.dumps(
+            {
+                "before": before,
+                "after": after,
+                "orphans": sorted(data - named),
+                "refused": store.stats.refused,
+                "completed_after_crash": store.stats.completed_after_crash,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -35,8 +35,16 @@ def jwks() -> dict:
 
 def sso_token(key=SSO_KEY, **claims) -> str:
     now = int(time.time())
-    body = {"iss": ISSUER, "aud": AUDIENCE, "sub": "alice", "exp": now + 300, "iat": now,
-            "fleetline_role": "user", "tenant": "acme", **claims}
+    body = {
+        "iss": ISSUER,
+        "aud": AUDIENCE,
+        "sub": "alice",
+        "exp": now + 300,
+        "iat": now,
+        "fleetline_role": "user",
+        "tenant": "acme",
+        **claims,
+    }
     return jwt.encode(body, key, algorithm="RS256", headers={"kid": "sso-1"})
 
 
@@ -44,20 +52,39 @@ def sso_token(key=SSO_KEY, **claims) -> str:
 def setup(tmp_path_factory):
     keys = tmp_path_factory.mktemp("auth") / "jwks.json"
     keys.write_text(json.dumps(jwks()))
-    tokens = [{"name": f"{role}@{tenant}", "sha256": token_digest(token_for(role, tenant)),
-               "role": role, "tenant": tenant}
-              for role in ROLES for tenant in ("acme", "globex", None)]
-    config = AuthConfig.from_data({
-        "tokens": tokens, "require_mfa": ["tenant-admin"],
-        "jwt": {"jwks_file": keys.name, "issuer": ISSUER, "audience": AUDIENCE},
-    }, base=keys.parent)
+    tokens = [
+        {
+            "name": f"{role}@{tenant}",
+            "sha256": token_digest(token_for(role, tenant)),
+            "role": role,
+            "tenant": tenant,
+        }
+        for role in ROLES
+        for tenant in ("acme", "globex", None)
+    ]
+    config = AuthConfig.from_data(
+        {
+            "tokens": tokens,
+            "require_mfa": ["tenant-admin"],
+            "jwt": {"jwks_file": keys.name, "issuer": ISSUER, "audience": AUDIENCE},
+        },
+        base=keys.parent,
+    )
     node = "us-east-a-n0003"
-    view = fold([*scenario_events(seconds=12),
-                 allocation("job-a", "ALLOCATED", [(node, 0), (node, 1)], 1, "acme"),
-                 allocation("job-g", "ALLOCATED", [(node, 2)], 1, "globex")])
+    view = fold(
+        [
+            *scenario_events(seconds=12),
+            allocation("job-a", "ALLOCATED", [(node, 0), (node, 1)], 1, "acme"),
+            allocation("job-g", "ALLOCATED", [(node, 2)], 1, "globex"),
+        ]
+    )
     recorder = Recorder()
-    app = create_app(StaticView(view), Authenticator(config), recorder,
-                     sql=lambda q: {"columns": ["x"], "rows": [[42]]})
+    app = create_app(
+        StaticView(view),
+        Authenticator(config),
+        recorder,
+        sql=lambda q: {"columns": ["x"], "rows": [[42]]},
+    )
     return app, recorder
 
 
@@ -69,11 +96,24 @@ def api(setup, role: str = "platform-admin", tenant: str | None = "acme") -> Tes
 def test_openapi_lists_every_route(setup):
     spec = api(setup).get("/openapi.json").json()
     assert set(spec["paths"]) == {
-        "/v1/view", "/v1/clusters", "/v1/clusters/{cluster_id}",
-        "/v1/clusters/{cluster_id}/topology", "/v1/nodes", "/v1/nodes/{node_id}", "/v1/gpus",
-        "/v1/allocations", "/v1/datasets", "/v1/tenants", "/v1/audit", "/v1/audit/activity",
-        "/v1/sql", "/v1/queries/{name}", "/v1/jobs", "/v1/jobs/{tenant}/{name}",
-        "/v1/jobs/{tenant}/{name}/explain", "/v1/tenants/{tenant}/policy",
+        "/v1/view",
+        "/v1/clusters",
+        "/v1/clusters/{cluster_id}",
+        "/v1/clusters/{cluster_id}/topology",
+        "/v1/nodes",
+        "/v1/nodes/{node_id}",
+        "/v1/gpus",
+        "/v1/allocations",
+        "/v1/datasets",
+        "/v1/tenants",
+        "/v1/audit",
+        "/v1/audit/activity",
+        "/v1/sql",
+        "/v1/queries/{name}",
+        "/v1/jobs",
+        "/v1/jobs/{tenant}/{name}",
+        "/v1/jobs/{tenant}/{name}/explain",
+        "/v1/tenants/{tenant}/policy",
     }
 
 
@@ -87,8 +127,10 @@ def test_cluster_capacity_counts_idle_allocated_degraded_failed(setup):
     assert us["idle"] == 32 - 3 - 16
     eu = client.get("/v1/clusters/eu-west-a").json()
     assert (eu["failed"], eu["degraded"]) == (1, 1)
-    assert client.get("/v1/clusters", params={"region": "eu-west"}).json()["items"][0][
-        "cluster_id"] == "eu-west-a"
+    assert (
+        client.get("/v1/clusters", params={"region": "eu-west"}).json()["items"][0]["cluster_id"]
+        == "eu-west-a"
+    )
     assert client.get("/v1/clusters/nowhere").status_code == 404
     assert body["view_version"] == client.get("/v1/view").json()["version"]
 
@@ -99,8 +141,9 @@ def test_nodes_and_gpus_filter_and_detail(setup):
     assert [n["node_id"] for n in down] == ["ap-south-a-n0003"]
     leaf = client.get("/v1/nodes", params={"leaf_switch": "us-east-a-leaf000"}).json()["items"]
     assert [n["node_id"] for n in leaf] == ["us-east-a-n0000", "us-east-a-n0001"]
-    labelled = client.get("/v1/nodes", params=[("label", "pool=training"),
-                                               ("cluster", "eu-west-a")]).json()["items"]
+    labelled = client.get(
+        "/v1/nodes", params=[("label", "pool=training"), ("cluster", "eu-west-a")]
+    ).json()["items"]
     assert len(labelled) == 4
     assert client.get("/v1/nodes", params={"label": "nokey"}).status_code == 422
     assert client.get("/v1/nodes", params={"status": "sideways"}).status_code == 422
@@ -115,8 +158,10 @@ def test_topology(setup):
     client = api(setup, "viewer")
     topo = client.get("/v1/clusters/us-east-a/topology").json()
     (spine,) = topo["spines"]
-    assert [leaf["leaf_switch"] for leaf in spine["leaves"]] == ["us-east-a-leaf000",
-                                                                 "us-east-a-leaf001"]
+    assert [leaf["leaf_switch"] for leaf in spine["leaves"]] == [
+        "us-east-a-leaf000",
+        "us-east-a-leaf001",
+    ]
     first = spine["leaves"][0]["nodes"][0]
     assert first["nvlink_islands"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert first["degraded_gpus"] == list(range(8))
@@ -124,8 +169,12 @@ def test_topology(setup):
 
 
 def _request(client: TestClient, method: str, path: str, tenant: str | None = None):
-    url = (path.replace("{cluster_id}", "us-east-a").replace("{node_id}", "us-east-a-n0003")
-           .replace("{name}", "utilisation-by-cluster").replace("{tenant}", tenant or "acme"))
+    url = (
+        path.replace("{cluster_id}", "us-east-a")
+        .replace("{node_id}", "us-east-a-n0003")
+        .replace("{name}", "utilisation-by-cluster")
+        .replace("{tenant}", tenant or "acme")
+    )
     params = {"from": "0", "to": str(2**62)} if path == "/v1/audit/activity" else {}
     if tenant is not None and "{tenant}" not in path:
         params["tenant"] = tenant
@@ -181,41 +230,48 @@ def test_tenants_see_only_their_own_jobs_and_usage(setup):
     assert [a["job_id"] for a in acme.get("/v1/allocations").json()["items"]] == ["job-a"]
     assert [u["tenant"] for u in acme.get("/v1/tenants").json()["items"]] == ["acme"]
     gpus = acme.get("/v1/gpus", params={"capacity": "allocated"}).json()["items"]
-    assert sorted((g["gpu_index"], g["job_id"]) for g in gpus) == [(0, "job-a"), (1, "job-a"),
-                                                                   (2, None)]
+    assert sorted((g["gpu_index"], g["job_id"]) for g in gpus) == [
+        (0, "job-a"),
+        (1, "job-a"),
+        (2, None),
+    ]
     node = acme.get("/v1/nodes/us-east-a-n0003").json()
     assert "job-g" not in json.dumps(node)
     admin = api(setup, "platform-admin", None)
-    assert {a["job_id"] for a in admin.get("/v1/allocations").json()["items"]} == {"job-a",
-                                                                                  "job-g"}
-    assert [a["job_id"] for a in admin.get("/v1/allocations",
-                                           params={"tenant": "globex"}).json()["items"]] == [
-        "job-g"]
+    assert {a["job_id"] for a in admin.get("/v1/allocations").json()["items"]} == {"job-a", "job-g"}
+    assert [
+        a["job_id"]
+        for a in admin.get("/v1/allocations", params={"tenant": "globex"}).json()["items"]
+    ] == ["job-g"]
     assert api(setup, "user", None).get("/v1/allocations").status_code == 403  # no tenant
 
 
 def test_raw_sql_is_for_platform_admins_only(setup):
     assert api(setup, "platform-admin").post("/v1/sql", json={"query": "SELECT 42"}).json() == {
-        "columns": ["x"], "rows": [[42]]}
+        "columns": ["x"],
+        "rows": [[42]],
+    }
     for role in ("tenant-admin", "user", "viewer", "auditor"):
         assert api(setup, role).post("/v1/sql", json={"query": "SELECT 1"}).status_code == 403
 
 
-@pytest.mark.parametrize("token, reason", [
-    (lambda: sso_token(exp=int(time.time()) - 120), "token expired"),
-    (lambda: sso_token(aud="someone-else"), "another audience"),
-    (lambda: sso_token(iss="https://evil.example"), "another issuer"),
-    (lambda: sso_token(key=OTHER_KEY), "signature does not verify"),
-    (lambda: sso_token(fleetline_role="tenant-admin"), "requires a second factor"),
-    (lambda: sso_token(fleetline_role="emperor"), "names no known role"),
-    (lambda: "fl_not_a_token", "unknown API token"),
-    (lambda: "a.b.c", "no signing key"),
-])
+@pytest.mark.parametrize(
+    "token, reason",
+    [
+        (lambda: sso_token(exp=int(time.time()) - 120), "token expired"),
+        (lambda: sso_token(aud="someone-else"), "another audience"),
+        (lambda: sso_token(iss="https://evil.example"), "another issuer"),
+        (lambda: sso_token(key=OTHER_KEY), "signature does not verify"),
+        (lambda: sso_token(fleetline_role="tenant-admin"), "requires a second factor"),
+        (lambda: sso_token(fleetline_role="emperor"), "names no known role"),
+        (lambda: "fl_not_a_token", "unknown API token"),
+        (lambda: "a.b.c", "no signing key"),
+    ],
+)
 def test_bad_tokens_are_refused_with_401_and_audited(setup, token, reason):
     app, recorder = setup
     before = len(recorder.events)
-    response = TestClient(app).get("/v1/clusters",
-                                   headers={"Authorization": f"Bearer {token()}"})
+    response = TestClient(app).get("/v1/clusters", headers={"Authorization": f"Bearer {token()}"})
     assert response.status_code == 401 and reason in response.json()["detail"]
     (event,) = recorder.events[before:]
     assert event["outcome"] == "UNAUTHENTICATED" and reason in event["details"]["reason"]
@@ -224,31 +280,58 @@ def test_bad_tokens_are_refused_with_401_and_audited(setup, token, reason):
 
 def test_valid_jwts_and_the_mfa_claim(setup):
     app, recorder = setup
-    ok = TestClient(app).get("/v1/allocations",
-                             headers={"Authorization": f"Bearer {sso_token()}",
-                                      "X-Request-ID": "req-1",
-                                      "traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"})
+    ok = TestClient(app).get(
+        "/v1/allocations",
+        headers={
+            "Authorization": f"Bearer {sso_token()}",
+            "X-Request-ID": "req-1",
+            "traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01",
+        },
+    )
     assert ok.status_code == 200 and ok.headers["X-Request-ID"] == "req-1"
     event = recorder.events[-1]
     assert (event["actor"], event["tenant"], event["request_id"], event["trace_id"]) == (
-        "alice", "acme", "req-1", "ab" * 16)
+        "alice",
+        "acme",
+        "req-1",
+        "ab" * 16,
+    )
     admin = sso_token(fleetline_role="tenant-admin", amr=["pwd", "mfa"])
-    assert TestClient(app).get("/v1/tenants", headers={
-        "Authorization": f"Bearer {admin}"}).status_code == 200
+    assert (
+        TestClient(app).get("/v1/tenants", headers={"Authorization": f"Bearer {admin}"}).status_code
+        == 200
+    )
 
 
 def test_sensitive_labels_are_masked_for_roles_that_may_not_see_them():
     view = fold(scenario_events(seconds=2))
     view.nodes["us-east-a-n0000"].labels["owner_email"] = "ops@corp.example"
-    client_app = create_app(StaticView(view), Authenticator(AuthConfig.from_data({"tokens": [
-        {"name": "u", "sha256": token_digest("fl_u"), "role": "user", "tenant": "acme"},
-        {"name": "a", "sha256": token_digest("fl_a"), "role": "platform-admin"}]})), Recorder())
+    client_app = create_app(
+        StaticView(view),
+        Authenticator(
+            AuthConfig.from_data(
+                {
+                    "tokens": [
+                        {
+                            "name": "u",
+                            "sha256": token_digest("fl_u"),
+                            "role": "user",
+                            "tenant": "acme",
+                        },
+                        {"name": "a", "sha256": token_digest("fl_a"), "role": "platform-admin"},
+                    ]
+                }
+            )
+        ),
+        Recorder(),
+    )
     user = TestClient(client_app, headers={"Authorization": "Bearer fl_u"})
     admin = TestClient(client_app, headers={"Authorization": "Bearer fl_a"})
     assert user.get("/v1/nodes/us-east-a-n0000").json()["labels"]["owner_email"] == "***"
     assert "ops@corp.example" not in user.get("/v1/nodes").text
-    assert admin.get("/v1/nodes/us-east-a-n0000").json()["labels"]["owner_email"] == \
-        "ops@corp.example"
+    assert (
+        admin.get("/v1/nodes/us-east-a-n0000").json()["labels"]["owner_email"] == "ops@corp.example"
+    )
 
 
 def test_a_bad_query_is_the_callers_error_not_a_server_error():
@@ -257,11 +340,23 @@ def test_a_bad_query_is_the_callers_error_not_a_server_error():
     def sql(query: str) -> dict:
         raise QueryError("Unknown table expression identifier 'nowhere'")
 
-    app = create_app(StaticView(fold([])), Authenticator(AuthConfig.from_data({"tokens": [
-        {"name": "a", "sha256": token_digest("fl_a"), "role": "platform-admin"}]})), Recorder(),
-        sql=sql)
+    app = create_app(
+        StaticView(fold([])),
+        Authenticator(
+            AuthConfig.from_data(
+                {
+                    "tokens": [
+                        {"name": "a", "sha256": token_digest("fl_a"), "role": "platform-admin"}
+                    ]
+                }
+            )
+        ),
+        Recorder(),
+        sql=sql,
+    )
     response = TestClient(app, headers={"Authorization": "Bearer fl_a"}).post(
-        "/v1/sql", json={"query": "SELECT * FROM nowhere"})
+        "/v1/sql", json={"query": "SELECT * FROM nowhere"}
+    )
     assert response.status_code == 400 and "nowhere" in response.json()["detail"]
 
 
@@ -288,8 +383,11 @@ class SchedulerPort:
         return {k: json.loads(json.dumps(v)) for k, v in self.driver.scheduler.records()}
 
     def jobs(self, tenant=None) -> list[dict]:
-        return [v for k, v in sorted(self._records().items())
-                if k.startswith("job:") and v and (tenant is None or v["tenant"] == tenant)]
+        return [
+            v
+            for k, v in sorted(self._records().items())
+            if k.startswith("job:") and v and (tenant is None or v["tenant"] == tenant)
+        ]
 
     def job(self, key: str):
         return self._records().get(f"job:{key}")
@@ -300,10 +398,22 @@ class SchedulerPort:
 
 def test_jobs_are_submitted_listed_explained_and_deleted_within_the_tenant():
     port = SchedulerPort()
-    auth = Authenticator(AuthConfig.from_data({"tokens": [
-        {"name": "u", "sha256": token_digest("fl_u"), "role": "user", "tenant": "acme"},
-        {"name": "v", "sha256": token_digest("fl_v"), "role": "viewer", "tenant": "acme"},
-        {"name": "a", "sha256": token_digest("fl_a"), "role": "platform-admin"}]}))
+    auth = Authenticator(
+        AuthConfig.from_data(
+            {
+                "tokens": [
+                    {"name": "u", "sha256": token_digest("fl_u"), "role": "user", "tenant": "acme"},
+                    {
+                        "name": "v",
+                        "sha256": token_digest("fl_v"),
+                        "role": "viewer",
+                        "tenant": "acme",
+                    },
+                    {"name": "a", "sha256": token_digest("fl_a"), "role": "platform-admin"},
+                ]
+            }
+        )
+    )
     app = create_app(StaticView(fold([])), auth, Recorder(), jobs=port)
     user = TestClient(app, headers={"Authorization": "Bearer fl_u"})
     specs = """
@@ -316,23 +426,34 @@ metadata: {name: chat, tenant: acme}
 spec: {model: m, accelerator: H100, gpus_per_replica: 2, replicas: {min: 2},
        latency_target_ms: 100, regions: [eu-west]}
 """
-    accepted = user.post("/v1/jobs", content=specs,
-                         headers={"Content-Type": "application/yaml"})
+    accepted = user.post("/v1/jobs", content=specs, headers={"Content-Type": "application/yaml"})
     assert accepted.status_code == 202, accepted.text
     assert [a["key"] for a in accepted.json()["accepted"]] == ["acme/train", "acme/chat"]
     assert {r["actor"] for r in port.requests} == {"u"}
     listed = user.get("/v1/jobs").json()["items"]
-    assert {j["key"]: j["phase"] for j in listed} == {"acme/train": "Running",
-                                                       "acme/chat": "Running"}
+    assert {j["key"]: j["phase"] for j in listed} == {
+        "acme/train": "Running",
+        "acme/chat": "Running",
+    }
     explained = user.get("/v1/jobs/acme/train/explain").json()
     assert explained["decision"]["outcome"] == "PLACED"
     assert {a["cluster_id"] for a in explained["decision"]["alternatives"]} == {
-        "us-east-a", "eu-west-a", "ap-south-a"}
-    assert user.get("/v1/jobs/acme/train/explain",
-                    params={"history": "true"}).json()["history"][0]["outcome"] == "PLACED"
+        "us-east-a",
+        "eu-west-a",
+        "ap-south-a",
+    }
+    assert (
+        user.get("/v1/jobs/acme/train/explain", params={"history": "true"}).json()["history"][0][
+            "outcome"
+        ]
+        == "PLACED"
+    )
     # Field errors come back whole; another tenant's spec is refused; viewers cannot submit.
-    bad = user.post("/v1/jobs", content="kind: TrainingJob\nmetadata: {name: x, tenant: acme}\n"
-                    "spec: {gpus_per_worker: 0, workers: 1, acelerator: H100}")
+    bad = user.post(
+        "/v1/jobs",
+        content="kind: TrainingJob\nmetadata: {name: x, tenant: acme}\n"
+        "spec: {gpus_per_worker: 0, workers: 1, acelerator: H100}",
+    )
     assert bad.status_code == 422
     paths = {e["path"] for e in bad.json()["detail"]}
     assert {"spec.gpus_per_worker", "spec.acelerator"} <= paths
@@ -352,4 +473,7 @@ spec: {model: m, accelerator: H100, gpus_per_replica: 2, replicas: {min: 2},
     assert port.driver.scheduler.tenants["acme"].quota.gpus == 4
     refused = admin.put("/v1/tenants/acme/policy", json={"quota": {"gpus": -1}})
     assert refused.status_code == 422 and refused.json()["detail"][0]["loc"] == [
-        "body", "quota", "gpus"]
+        "body",
+        "quota",
+        "gpus",
+    ]

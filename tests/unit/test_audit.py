@@ -27,9 +27,18 @@ KEYS = {SIGNER.key_id: SIGNER.private_key.public_key()}
 
 
 def event(i: int, tenant: str = "acme", **details: str) -> dict:
-    return new_event(ts=BASE_MS + i, actor=f"user{i % 3}", actor_role="user", tenant=tenant,
-                     operation="api.GET /v1/nodes", target="/v1/nodes", outcome="SUCCEEDED",
-                     status=200, request_id=f"r{i}", details=details)
+    return new_event(
+        ts=BASE_MS + i,
+        actor=f"user{i % 3}",
+        actor_role="user",
+        tenant=tenant,
+        operation="api.GET /v1/nodes",
+        target="/v1/nodes",
+        outcome="SUCCEEDED",
+        status=200,
+        request_id=f"r{i}",
+        details=details,
+    )
 
 
 def chain(events, partition: int = 0, digest_every: int = 4) -> list[dict]:
@@ -65,21 +74,27 @@ def rehash(rows: list[dict]) -> None:
     prev = bytes.fromhex(rows[0]["prev_hash"])
     for row in rows:
         row["prev_hash"] = prev.hex()
-        content = (content_digest_of(digest=row["digest"]) if "digest" in row
-                   else bytes.fromhex(row["content_digest"]))
+        content = (
+            content_digest_of(digest=row["digest"])
+            if "digest" in row
+            else bytes.fromhex(row["content_digest"])
+        )
         row["content_digest"] = content.hex()
         prev = link_hash(prev, content)
         row["hash"] = prev.hex()
 
 
-@pytest.mark.parametrize("tamper, expected", [
-    ("edit", "field actor does not match its commitment (edited)"),
-    ("edit-and-rehash", "digest signature does not verify"),
-    ("delete", "link(s) missing (deleted)"),
-    ("insert", "a link was inserted or reordered"),
-    ("reorder", "expected seq 2"),
-    ("forge-digest", "digest signature does not verify"),
-])
+@pytest.mark.parametrize(
+    "tamper, expected",
+    [
+        ("edit", "field actor does not match its commitment (edited)"),
+        ("edit-and-rehash", "digest signature does not verify"),
+        ("delete", "link(s) missing (deleted)"),
+        ("insert", "a link was inserted or reordered"),
+        ("reorder", "expected seq 2"),
+        ("forge-digest", "digest signature does not verify"),
+    ],
+)
 def test_tampering_is_detected_and_the_first_broken_link_named(tamper, expected):
     records = chain([event(i) for i in range(10)])
     rows = entries(records)
@@ -117,8 +132,12 @@ def test_tampering_is_detected_and_the_first_broken_link_named(tamper, expected)
 
 
 def test_a_masked_export_hides_sensitive_values_and_still_verifies():
-    records = chain([event(i, api_token=f"tok-{i}", user_email=f"u{i}@corp.example",
-                           reason="quota") for i in range(6)])
+    records = chain(
+        [
+            event(i, api_token=f"tok-{i}", user_email=f"u{i}@corp.example", reason="quota")
+            for i in range(6)
+        ]
+    )
     masked = entries(records, reveal=False)
     text = json.dumps(masked)
     assert "tok-" not in text and "@corp.example" not in text
@@ -131,9 +150,12 @@ def test_a_masked_export_hides_sensitive_values_and_still_verifies():
 
 def test_other_tenants_links_are_stubs_and_the_chain_still_verifies():
     records = chain([event(i, tenant="acme" if i % 2 else "globex") for i in range(8)])
-    mine = [export_entry(r, reveal_sensitive=False)
-            if r["event"] is None or r["event"]["tenant"] == "acme" else stub_entry(r)
-            for r in records]
+    mine = [
+        export_entry(r, reveal_sensitive=False)
+        if r["event"] is None or r["event"]["tenant"] == "acme"
+        else stub_entry(r)
+        for r in records
+    ]
     assert "globex" not in json.dumps(mine)
     assert verify(mine, KEYS).ok
 

@@ -19,9 +19,16 @@ def messages(version: int) -> list[Message]:
     sim = FleetSimulator([ClusterSpec("c0", "r0", 6)], seed=1)
     records = [r for t in range(3) for r in sim.telemetry(BASE_MS + t * 1000)]
     records[4]["gpus"][3]["xid_codes"] = [79, 48]
-    return [Message(topic="t", partition=i % 3, offset=i, key=r["node_id"].encode(),
-                    value=CODEC.encode("NodeTelemetry", r, version=version))
-            for i, r in enumerate(records)]
+    return [
+        Message(
+            topic="t",
+            partition=i % 3,
+            offset=i,
+            key=r["node_id"].encode(),
+            value=CODEC.encode("NodeTelemetry", r, version=version),
+        )
+        for i, r in enumerate(records)
+    ]
 
 
 def sink() -> HotSampleSink:
@@ -29,8 +36,9 @@ def sink() -> HotSampleSink:
     return HotSampleSink(CODEC, None, "t")  # type: ignore[arg-type]
 
 
-def rows_of(step: HotSampleSink, msgs: list[Message]
-            ) -> tuple[pa.Table, list[tuple[Message, FleetlineError]]]:
+def rows_of(
+    step: HotSampleSink, msgs: list[Message]
+) -> tuple[pa.Table, list[tuple[Message, FleetlineError]]]:
     """The rows the step would store, and the messages it dead-letters (with why)."""
     result = step.process(msgs)
     assert result.payload is not None and result.payload[1] == len(msgs)
@@ -38,14 +46,20 @@ def rows_of(step: HotSampleSink, msgs: list[Message]
 
 
 def per_record(msgs: list[Message]) -> pa.Table:
-    return to_columns([SourcedTelemetry(m.partition(), m.offset(),
-                                        CODEC.decode(m.value()).record, m.topic())
-                       for m in msgs])
+    return to_columns(
+        [
+            SourcedTelemetry(m.partition(), m.offset(), CODEC.decode(m.value()).record, m.topic())
+            for m in msgs
+        ]
+    )
 
 
 def same_rows(a: pa.Table, b: pa.Table) -> bool:
-    order = [("source_partition", "ascending"), ("source_offset", "ascending"),
-             ("gpu_index", "ascending")]
+    order = [
+        ("source_partition", "ascending"),
+        ("source_offset", "ascending"),
+        ("gpu_index", "ascending"),
+    ]
     return a.sort_by(order).equals(b.sort_by(order))
 
 
@@ -65,32 +79,46 @@ def test_a_batch_of_both_writer_versions_is_read_whole():
 def bad_value(msgs: list[Message], at: int, **changes) -> list[Message]:
     record = CODEC.decode(msgs[at].value()).record
     record["gpus"][0].update(changes)
-    bad = Message(topic="t", partition=msgs[at].partition(), offset=msgs[at].offset(),
-                  key=msgs[at].key(), value=CODEC.encode("NodeTelemetry", record))
-    return [*msgs[:at], bad, *msgs[at + 1:]]
+    bad = Message(
+        topic="t",
+        partition=msgs[at].partition(),
+        offset=msgs[at].offset(),
+        key=msgs[at].key(),
+        value=CODEC.encode("NodeTelemetry", record),
+    )
+    return [*msgs[:at], bad, *msgs[at + 1 :]]
 
 
-@pytest.mark.parametrize(("changes", "reason"), [
-    ({"gpu_util_pct": 130.0}, "outside 0-100"),
-    ({"gpu_index": 300}, "gpu_index 300 does not fit 0-255"),
-    ({"ecc_sbe_total": -1}, "ecc_sbe_total -1 does not fit"),
-    ({"xid_codes": [79, 70000]}, "xid_codes 70000 does not fit 0-65535"),
-    ({"seq": -4}, "seq -4 is negative"),
-    (None, "not Avro"),
-    ("truncated", "decod"),
-])
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"gpu_util_pct": 130.0}, "outside 0-100"),
+        ({"gpu_index": 300}, "gpu_index 300 does not fit 0-255"),
+        ({"ecc_sbe_total": -1}, "ecc_sbe_total -1 does not fit"),
+        ({"xid_codes": [79, 70000]}, "xid_codes 70000 does not fit 0-65535"),
+        ({"seq": -4}, "seq -4 is negative"),
+        (None, "not Avro"),
+        ("truncated", "decod"),
+    ],
+)
 def test_a_bad_message_is_dead_lettered_and_the_rest_of_its_batch_stored(changes, reason):
     msgs = messages(2)
     if changes is None:
         msgs[5] = Message(topic="t", partition=2, offset=5, key=msgs[5].key(), value=b"junk")
     elif changes == "truncated":
-        msgs[5] = Message(topic="t", partition=2, offset=5, key=msgs[5].key(),
-                          value=msgs[5].value()[:-5])
+        msgs[5] = Message(
+            topic="t", partition=2, offset=5, key=msgs[5].key(), value=msgs[5].value()[:-5]
+        )
     elif "seq" in changes:
         record = CODEC.decode(msgs[5].value()).record
         record.update(changes, gpus=[])  # no GPU rows: only the record's seq can tell
-        msgs[5] = Message(topic="t", partition=2, offset=5, key=msgs[5].key(),
-                          value=CODEC.encode("NodeTelemetry", record))
+        msgs[5] = Message(
+            topic="t",
+            partition=2,
+            offset=5,
+            key=msgs[5].key(),
+            value=CODEC.encode("NodeTelemetry", record),
+        )
     else:
         msgs = bad_value(msgs, 5, **changes)
     rows, dead = rows_of(sink(), msgs)

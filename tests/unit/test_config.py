@@ -17,12 +17,14 @@ def test_defaults_point_at_the_local_services() -> None:
 
 
 def test_environment_overrides_and_kafka_passthrough() -> None:
-    settings = Settings.from_env({
-        "FLEETLINE_KAFKA_BOOTSTRAP": "broker:9093",
-        "FLEETLINE_KAFKA_CONF_SECURITY_PROTOCOL": "SASL_SSL",
-        "FLEETLINE_S3_SECURE": "yes",
-        "FLEETLINE_CLICKHOUSE_URL": "https://ch.example:8443",
-    })
+    settings = Settings.from_env(
+        {
+            "FLEETLINE_KAFKA_BOOTSTRAP": "broker:9093",
+            "FLEETLINE_KAFKA_CONF_SECURITY_PROTOCOL": "SASL_SSL",
+            "FLEETLINE_S3_SECURE": "yes",
+            "FLEETLINE_CLICKHOUSE_URL": "https://ch.example:8443",
+        }
+    )
     conf = settings.kafka.client_config(**{"group.id": "g"})
     assert conf["bootstrap.servers"] == "broker:9093"
     assert conf["security.protocol"] == "SASL_SSL"
@@ -39,16 +41,20 @@ def test_bad_values_are_named() -> None:
 
 
 def test_security_settings_come_from_the_environment(tmp_path) -> None:
-    settings = Settings.from_env({
-        "FLEETLINE_AUTH_CONFIG": str(tmp_path / "auth.yaml"),
-        "FLEETLINE_AUDIT_SIGNING_KEY": str(tmp_path / "k.pem"),
-        "FLEETLINE_AUDIT_VERIFY_KEYS": f"{tmp_path / 'a.pem'},{tmp_path / 'b.pem'}",
-        "FLEETLINE_OBJECT_ENCRYPTION_KEY": "c2VjcmV0",
-        "FLEETLINE_CACHE_DIR": str(tmp_path),
-    })
+    settings = Settings.from_env(
+        {
+            "FLEETLINE_AUTH_CONFIG": str(tmp_path / "auth.yaml"),
+            "FLEETLINE_AUDIT_SIGNING_KEY": str(tmp_path / "k.pem"),
+            "FLEETLINE_AUDIT_VERIFY_KEYS": f"{tmp_path / 'a.pem'},{tmp_path / 'b.pem'}",
+            "FLEETLINE_OBJECT_ENCRYPTION_KEY": "c2VjcmV0",
+            "FLEETLINE_CACHE_DIR": str(tmp_path),
+        }
+    )
     assert settings.auth_config == tmp_path / "auth.yaml"
     assert settings.signing_key_path() == tmp_path / "k.pem"
     assert settings.audit_verify_keys == (tmp_path / "a.pem", tmp_path / "b.pem")
     assert settings.object_encryption_key == "c2VjcmV0"
-    assert Settings.from_env({"FLEETLINE_CACHE_DIR": str(tmp_path)}).signing_key_path() == \
-        tmp_path / "audit" / "signing-key.pem"
+    assert (
+        Settings.from_env({"FLEETLINE_CACHE_DIR": str(tmp_path)}).signing_key_path()
+        == tmp_path / "audit" / "signing-key.pem"
+    )

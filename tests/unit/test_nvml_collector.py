@@ -49,13 +49,22 @@ def test_nvlink_rates_come_from_differencing_cumulative_counters() -> None:
 
 
 def test_missing_capabilities_are_absent_never_zero() -> None:
-    pcie_only = hgx_gpu(0, links=None, nvlink_kib=None, pcie_kbps=None, clocks=None,
-                        limit_mw=None, util=None)
+    pcie_only = hgx_gpu(
+        0, links=None, nvlink_kib=None, pcie_kbps=None, clocks=None, limit_mw=None, util=None
+    )
     nvml, _ = collector([pcie_only])
     sample = nvml.sample()[0]
-    for name in ("nvlink_tx_bytes_per_s", "nvlink_rx_bytes_per_s", "nvlink_errors_total",
-                 "nvlink_links_active", "rdma_packet_loss_ratio", "pcie_tx_bytes_per_s",
-                 "sm_clock_mhz", "power_limit_w", "mem_copy_util_pct"):
+    for name in (
+        "nvlink_tx_bytes_per_s",
+        "nvlink_rx_bytes_per_s",
+        "nvlink_errors_total",
+        "nvlink_links_active",
+        "rdma_packet_loss_ratio",
+        "pcie_tx_bytes_per_s",
+        "sm_clock_mhz",
+        "power_limit_w",
+        "mem_copy_util_pct",
+    ):
         assert sample[name] is None, name
     topology = nvml.topology()
     assert topology["nvlink_islands"] == [[0]] and topology["nvlink_peers"] == {"0": []}
@@ -97,9 +106,17 @@ def test_rdma_loss_from_infiniband_counters(tmp_path: Path) -> None:
 def test_samples_fit_the_schema() -> None:
     nvml, _ = collector([hgx_gpu(i) for i in range(8)])
     nvml.sample()
-    record = {"cluster_id": "c", "region": "r", "node_id": "n", "seq": 1, "ts": 0,
-              "interval_ms": 1000, "gpus": nvml.sample(), "agent_version": "t",
-              "collector": "nvml"}
+    record = {
+        "cluster_id": "c",
+        "region": "r",
+        "node_id": "n",
+        "seq": 1,
+        "ts": 0,
+        "interval_ms": 1000,
+        "gpus": nvml.sample(),
+        "agent_version": "t",
+        "collector": "nvml",
+    }
     assert codec.decode(codec.encode("NodeTelemetry", record)).record["gpus"][7]["gpu_index"] == 7
 
 

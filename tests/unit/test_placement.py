@@ -12,8 +12,14 @@ from tests.fleet_events import allocation, decoded, fold, scenario_events
 from tests.support import BASE_MS
 
 
-def job(workers: int, per_worker: int, tensor: int, communication: str = "heavy",
-        name: str = "j", accelerator: str = "H100"):
+def job(
+    workers: int,
+    per_worker: int,
+    tensor: int,
+    communication: str = "heavy",
+    name: str = "j",
+    accelerator: str = "H100",
+):
     (spec,) = parse_specs(f"""
 kind: TrainingJob
 metadata: {{name: {name}, tenant: acme}}
@@ -53,8 +59,7 @@ def test_tensor_parallel_groups_sit_inside_one_nvlink_island():
 
 def test_partly_used_nodes_are_filled_first():
     view = fold(scenario_events(seconds=2))
-    fold([allocation("other", "ALLOCATED", [("eu-west-a-n0003", i) for i in range(4)], 1)],
-         view)
+    fold([allocation("other", "ALLOCATED", [("eu-west-a-n0003", i) for i in range(4)], 1)], view)
     placed = place_training(view, "eu-west-a", job(1, 4, 4))
     assert isinstance(placed, Placement)
     assert placed.gpus == tuple(("eu-west-a-n0003", i) for i in range(4, 8))
@@ -70,14 +75,19 @@ def test_wrong_accelerator_and_unknown_cluster_are_refused_with_the_reason():
 def test_random_job_streams_never_double_book_a_gpu():
     rng = random.Random(7)
     sim = FleetSimulator([ClusterSpec("c1", "r1", 12)], seed=3)
-    view = fold([("NodeState", r) for r in sim.initial_states(BASE_MS)] +
-                [("NodeTelemetry", r) for r in sim.telemetry(BASE_MS + 1000)])
+    view = fold(
+        [("NodeState", r) for r in sim.initial_states(BASE_MS)]
+        + [("NodeTelemetry", r) for r in sim.telemetry(BASE_MS + 1000)]
+    )
     placed_jobs = 0
     for i in range(60):
         per_worker = rng.choice([1, 2, 4, 8])
         tensor = rng.choice([t for t in (1, 2, 4, 8) if t <= per_worker])
-        result = place_training(view, "c1", job(rng.randint(1, 3), per_worker, tensor,
-                                                rng.choice(["heavy", "light"]), f"j{i}"))
+        result = place_training(
+            view,
+            "c1",
+            job(rng.randint(1, 3), per_worker, tensor, rng.choice(["heavy", "light"]), f"j{i}"),
+        )
         if isinstance(result, Unplaceable):
             continue
         refs = result.gpus

@@ -18,8 +18,9 @@ from tests.support import BASE_MS
 
 
 def one_cluster(nodes: int = 4, faults=(), nodes_per_leaf: int = 2, seconds: int = 2):
-    return fleet_view([ClusterSpec("us-east-a", "us-east", nodes,
-                                   nodes_per_leaf=nodes_per_leaf)], seconds, faults)
+    return fleet_view(
+        [ClusterSpec("us-east-a", "us-east", nodes, nodes_per_leaf=nodes_per_leaf)], seconds, faults
+    )
 
 
 def test_a_communication_heavy_job_avoids_the_sixteen_gpus_of_a_lossy_leaf():
@@ -158,8 +159,7 @@ def test_preemption_frees_whole_nodes_under_one_leaf_for_a_gang():
     assert placed.victims == ("acme/low4", "acme/low5", "acme/low6", "acme/low7")
     assert placed.placement.leaves == ("us-east-a-leaf001",)
     lost = {p.job: p.lost_gpu_s for p in d.decisions(outcome="PREEMPTED")}
-    assert lost == {"acme/low4": 960.0, "acme/low5": 720.0, "acme/low6": 480.0,
-                    "acme/low7": 240.0}
+    assert lost == {"acme/low4": 960.0, "acme/low5": 720.0, "acme/low6": 480.0, "acme/low7": 240.0}
 
 
 def test_a_prewarm_goes_ahead_of_a_job_placed_away_from_its_data():
@@ -175,8 +175,11 @@ def test_a_prewarm_goes_ahead_of_a_job_placed_away_from_its_data():
     decision = d.last("acme/train")
     assert decision.outcome == "PLACED" and decision.cluster_id != "eu-west-a"
     assert decision.prewarm is not None
-    assert (decision.prewarm.dataset_id, decision.prewarm.from_cluster,
-            decision.prewarm.to_cluster) == ("corpus", "eu-west-a", decision.cluster_id)
+    assert (
+        decision.prewarm.dataset_id,
+        decision.prewarm.from_cluster,
+        decision.prewarm.to_cluster,
+    ) == ("corpus", "eu-west-a", decision.cluster_id)
     assert decision.prewarm.estimated_s == 100 * 10**12 * 8 / 10e9
     orders = [e for e in d.effects if isinstance(e, PrewarmOrder)]
     assert orders and orders[-1].prewarm == decision.prewarm
@@ -205,8 +208,12 @@ def test_without_data_the_cheapest_wins_unless_the_operator_prefers_another():
     cheap = Driver(view)
     cheap.submit(training("j"))
     assert cheap.last("acme/j").cluster_id == "ap-south-a"
-    preferred = Driver(view, SchedulingPolicy(
-        weights={**DEFAULT_WEIGHTS, "preference": 2.0}, cluster_preference=("us-east-a",)))
+    preferred = Driver(
+        view,
+        SchedulingPolicy(
+            weights={**DEFAULT_WEIGHTS, "preference": 2.0}, cluster_preference=("us-east-a",)
+        ),
+    )
     preferred.submit(training("j"))
     assert preferred.last("acme/j").cluster_id == "us-east-a"
 
@@ -220,8 +227,7 @@ def test_a_job_on_a_node_that_goes_down_migrates_from_its_checkpoint():
     advance(view, sim, 3, 22)
     effects = d.tick(seconds=12, view=view)
     preempted = [e for e in effects if getattr(e, "outcome", None) == "PREEMPTED"]
-    assert len(preempted) == 1 and preempted[0].reason.startswith(
-        "fault: us-east-a-n0000 is DOWN")
+    assert len(preempted) == 1 and preempted[0].reason.startswith("fault: us-east-a-n0000 is DOWN")
     assert preempted[0].resume_from_checkpoint_ms == BASE_MS + 20_000
     placed = d.last("acme/j")
     assert placed.outcome == "PLACED" and "resumes from its checkpoint" in placed.reason
@@ -250,8 +256,7 @@ def test_reserved_capacity_is_held_for_its_tenant():
     d.submit(training("a", workers=2, tenant="other"))
     d.submit(training("b", workers=1, tenant="other"))
     blocked = d.last("other/b")
-    assert blocked.outcome == "QUEUED" and "16 of them reserved for other tenants" in \
-        blocked.reason
+    assert blocked.outcome == "QUEUED" and "16 of them reserved for other tenants" in blocked.reason
     d.submit(training("mine", workers=2, tenant="vip"))
     assert d.last("vip/mine").outcome == "PLACED"
 
@@ -261,8 +266,7 @@ def test_a_job_that_allows_it_is_split_across_clusters_by_pipeline_replicas():
     d = Driver(view)
     d.submit(training("big", workers=8, tensor=8, pipeline=2))
     assert d.last("acme/big").outcome == "QUEUED"
-    d.submit(training("split", workers=8, tensor=8, pipeline=2,
-                      allow_split_across_clusters=True))
+    d.submit(training("split", workers=8, tensor=8, pipeline=2, allow_split_across_clusters=True))
     decision = d.last("acme/split")
     assert decision.outcome == "PLACED" and len(decision.placements) >= 2
     assert sum(len(p.workers) for p in decision.placements) == 8
@@ -292,8 +296,9 @@ def test_inference_replicas_spread_over_the_allowed_regions():
 
 
 def test_a_single_gpu_replica_may_use_a_degraded_gpu():
-    view, _ = one_cluster(nodes=2, faults=[
-        Fault("rdma_loss", "us-east-a-leaf000", BASE_MS, None, 0.02)])
+    view, _ = one_cluster(
+        nodes=2, faults=[Fault("rdma_loss", "us-east-a-leaf000", BASE_MS, None, 0.02)]
+    )
     d = Driver(view)
     d.submit(service("small", replicas=1, per_replica=1, regions=("us-east",)))
     assert d.last("acme/small").outcome == "PLACED"
@@ -309,8 +314,12 @@ def test_bad_specs_and_mismatched_keys_are_rejected_with_the_reason():
     d.submit(bad)
     assert d.last("acme/x").outcome == "REJECTED"
     assert "tensor x pipeline x data is 40" in d.last("acme/x").reason
-    request = d._request("SUBMIT", "evil/x", "evil",
-                         spec_json='{"apiVersion": "fleetline/v1", "kind": "TrainingJob"}')
+    request = d._request(
+        "SUBMIT",
+        "evil/x",
+        "evil",
+        spec_json='{"apiVersion": "fleetline/v1", "kind": "TrainingJob"}',
+    )
     d.feed(request)
     assert d.last("evil/x").outcome == "REJECTED"
 
@@ -323,7 +332,7 @@ def test_applying_the_same_spec_again_changes_nothing_and_a_priority_change_keep
     assert d.submit(training("j")) == []
     d.submit(training("j", priority="high"))
     assert d.job("acme/j").priority == 3 and d.job("acme/j").holds
-    assert d.effects[len(before):] == []
+    assert d.effects[len(before) :] == []
     d.submit(training("j", workers=2))
     outcomes = [e.outcome for e in d.decisions("acme/j")]
     assert outcomes[-2:] == ["RELEASED", "PLACED"] and len(d.nodes_of("acme/j")) == 2

@@ -23,9 +23,12 @@ TENANTS = ("alpha", "beta", "gamma")
 
 def random_fleet(rng: random.Random):
     regions = ["eu-west", "us-east", "ap-south"]
-    clusters = [ClusterSpec(f"c{i}", regions[i % 3], rng.randint(2, 8),
-                            nodes_per_leaf=rng.choice([1, 2, 4]))
-                for i in range(rng.randint(1, 3))]
+    clusters = [
+        ClusterSpec(
+            f"c{i}", regions[i % 3], rng.randint(2, 8), nodes_per_leaf=rng.choice([1, 2, 4])
+        )
+        for i in range(rng.randint(1, 3))
+    ]
     faults = []
     for _ in range(rng.randint(0, 4)):
         c = rng.choice(clusters)
@@ -46,9 +49,14 @@ def random_fleet(rng: random.Random):
 def random_job(rng: random.Random, n: int) -> dict:
     tenant = rng.choice(TENANTS)
     if rng.random() < 0.2:
-        return service(f"s{n}", rng.randint(1, 3), rng.choice([1, 2, 4]),
-                       regions=tuple(rng.sample(["eu-west", "us-east", "ap-south"], 2)),
-                       tenant=tenant, priority=rng.choice(["high", "normal"]))
+        return service(
+            f"s{n}",
+            rng.randint(1, 3),
+            rng.choice([1, 2, 4]),
+            regions=tuple(rng.sample(["eu-west", "us-east", "ap-south"], 2)),
+            tenant=tenant,
+            priority=rng.choice(["high", "normal"]),
+        )
     per_worker = rng.choice([1, 2, 4, 8])
     tensor = rng.choice([t for t in (1, 2, 4, 8) if t <= per_worker])
     workers = rng.randint(1, 4)
@@ -61,9 +69,16 @@ def random_job(rng: random.Random, n: int) -> dict:
         extra["elastic"] = {"min_workers": 1, "max_workers": workers}
     if rng.random() < 0.3:
         extra["dataset"] = f"d-{tenant}"
-    return training(f"j{n}", workers, per_worker, tensor, tenant=tenant,
-                    priority=rng.choice(["critical", "high", "normal", "low", "best-effort"]),
-                    communication=rng.choice(["heavy", "moderate", "light"]), **extra)
+    return training(
+        f"j{n}",
+        workers,
+        per_worker,
+        tensor,
+        tenant=tenant,
+        priority=rng.choice(["critical", "high", "normal", "low", "best-effort"]),
+        communication=rng.choice(["heavy", "moderate", "light"]),
+        **extra,
+    )
 
 
 def check(s: Scheduler) -> None:
@@ -79,13 +94,15 @@ def check(s: Scheduler) -> None:
                     owner[(node, i)] = key
                 taken[node] = taken.get(node, 0) | mask
                 gpus[job.tenant] = gpus.get(job.tenant, 0) + mask.bit_count()
-                per_cluster[(job.tenant, cluster)] = (per_cluster.get((job.tenant, cluster), 0)
-                                                      + mask.bit_count())
+                per_cluster[(job.tenant, cluster)] = (
+                    per_cluster.get((job.tenant, cluster), 0) + mask.bit_count()
+                )
     assert s.index.taken == taken
     for tenant, usage in s.usage.items():
         assert usage.gpus == gpus.get(tenant, 0)
         assert {c: n for c, n in usage.cluster_gpus.items() if n} == {
-            c: n for (t, c), n in per_cluster.items() if t == tenant and n}
+            c: n for (t, c), n in per_cluster.items() if t == tenant and n
+        }
         policy = s.tenants.get(tenant)
         if policy is None:
             continue
@@ -107,19 +124,35 @@ def run_stream(seed: int, steps: int = 120) -> Driver:
     d = Driver(view)
     for tenant in TENANTS:
         cluster = rng.choice(clusters).cluster_id
-        d.tenant({"tenant": tenant, "share": rng.choice([1, 2]),
-                  "quota": {"gpus": rng.choice([8, 16, 32, 64]),
-                            "cluster_gpus": {cluster: rng.choice([8, 16])},
-                            "gpu_hours": rng.choice([5, 50, 500]),
-                            "storage_bytes": "400TB"},
-                  "reserved": {cluster: rng.choice([0, 8])}})
-        d.submit(dataset(f"d-{tenant}", f"{rng.randint(1, 100)}TB",
-                         [rng.choice(clusters).cluster_id], tenant=tenant))
+        d.tenant(
+            {
+                "tenant": tenant,
+                "share": rng.choice([1, 2]),
+                "quota": {
+                    "gpus": rng.choice([8, 16, 32, 64]),
+                    "cluster_gpus": {cluster: rng.choice([8, 16])},
+                    "gpu_hours": rng.choice([5, 50, 500]),
+                    "storage_bytes": "400TB",
+                },
+                "reserved": {cluster: rng.choice([0, 8])},
+            }
+        )
+        d.submit(
+            dataset(
+                f"d-{tenant}",
+                f"{rng.randint(1, 100)}TB",
+                [rng.choice(clusters).cluster_id],
+                tenant=tenant,
+            )
+        )
     second = 2
     for n in range(steps):
         roll = rng.random()
-        live = sorted(k for k, j in d.scheduler.jobs.items() if j.phase not in
-                      ("Succeeded", "Failed", "TimedOut", "Deleted", "Rejected"))
+        live = sorted(
+            k
+            for k, j in d.scheduler.jobs.items()
+            if j.phase not in ("Succeeded", "Failed", "TimedOut", "Deleted", "Rejected")
+        )
         if roll < 0.5 or not live:
             d.submit(random_job(rng, n))
         elif roll < 0.6:
@@ -140,12 +173,17 @@ def run_stream(seed: int, steps: int = 120) -> Driver:
             # The incremental observation and index equal ones built from scratch.
             scratch = observe(view)
             assert (scratch.nodes, scratch.lost, scratch.clusters) == (
-                d.last_facts.nodes, d.last_facts.lost, d.last_facts.clusters)
+                d.last_facts.nodes,
+                d.last_facts.lost,
+                d.last_facts.clusters,
+            )
             fresh = CapacityIndex(scratch, dict(d.scheduler.index.taken))
             assert {c: b for c, b in fresh.buckets.items() if b} == {
-                c: b for c, b in d.scheduler.index.buckets.items() if b}
+                c: b for c, b in d.scheduler.index.buckets.items() if b
+            }
             assert {c: n for c, n in fresh.counts.items() if n} == {
-                c: n for c, n in d.scheduler.index.counts.items() if n}
+                c: n for c, n in d.scheduler.index.counts.items() if n
+            }
         check(d.scheduler)
     return d
 

@@ -18,12 +18,16 @@ from fleetline.processors.scheduling.placement import training_shape
 from fleetline.processors.scheduling.specs import TrainingJobSpec, parse_spec
 from tests.scheduling_support import fleet_view, training
 
-CLUSTERS = [ClusterSpec("us-east-a", "us-east", 4), ClusterSpec("eu-west-a", "eu-west", 4),
-            ClusterSpec("ap-south-a", "ap-south", 4, model="NVIDIA H200")]
+CLUSTERS = [
+    ClusterSpec("us-east-a", "us-east", 4),
+    ClusterSpec("eu-west-a", "eu-west", 4),
+    ClusterSpec("ap-south-a", "ap-south", 4, model="NVIDIA H200"),
+]
 
 
-def ranked(policy: SchedulingPolicy, workers: int = 1, accelerator: str = "H100",
-           region: str | None = None):
+def ranked(
+    policy: SchedulingPolicy, workers: int = 1, accelerator: str = "H100", region: str | None = None
+):
     view, _ = fleet_view(CLUSTERS)
     spec = parse_spec(training("j", workers, accelerator=accelerator)).spec
     assert isinstance(spec, TrainingJobSpec)
@@ -40,12 +44,28 @@ def test_every_cluster_is_scored_or_rejected_with_its_reason():
 
 
 def test_the_policy_chooses_the_filters_and_the_weights():
-    latency_only = SchedulingPolicy(weights={"latency": 1.0, "cost": 0.0, "locality": 0.0,
-                                             "fit": 0.0, "preference": 0.0, "spread": 0.0})
+    latency_only = SchedulingPolicy(
+        weights={
+            "latency": 1.0,
+            "cost": 0.0,
+            "locality": 0.0,
+            "fit": 0.0,
+            "preference": 0.0,
+            "spread": 0.0,
+        }
+    )
     best = ranked(latency_only, region="eu-west")[0]
     assert best.cluster_id == "eu-west-a" and set(best.parts) == {"latency"}
-    cost_only = SchedulingPolicy(weights={"cost": 1.0, "latency": 0.0, "locality": 0.0,
-                                          "fit": 0.0, "preference": 0.0, "spread": 0.0})
+    cost_only = SchedulingPolicy(
+        weights={
+            "cost": 1.0,
+            "latency": 0.0,
+            "locality": 0.0,
+            "fit": 0.0,
+            "preference": 0.0,
+            "spread": 0.0,
+        }
+    )
     assert ranked(cost_only, region="eu-west")[0].cluster_id == "us-east-a"
     # Without the accelerator filter the H200 cluster is a candidate until capacity says no.
     loose = SchedulingPolicy(filters=("reachable", "capacity"))
@@ -54,8 +74,11 @@ def test_the_policy_chooses_the_filters_and_the_weights():
 
 
 def test_policies_come_from_configuration_and_name_their_digest():
-    data = {"weights": {"locality": 3}, "cluster_preference": ["eu-west-a"],
-            "default_tenant": {"quota": {"gpus": 64}}}
+    data = {
+        "weights": {"locality": 3},
+        "cluster_preference": ["eu-west-a"],
+        "default_tenant": {"quota": {"gpus": 64}},
+    }
     policy = SchedulingPolicy.from_data(data)
     assert policy.weights["locality"] == 3.0 and policy.weights["cost"] == 1.0
     assert policy.default_tenant is not None and policy.default_tenant.quota.gpus == 64

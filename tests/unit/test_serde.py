@@ -69,14 +69,16 @@ def test_simulated_telemetry_round_trips_exactly() -> None:
             assert len(decoded["gpus"]) == 8
             assert decoded["gpus"][3]["fb_used_mib"] == record["gpus"][3]["fb_used_mib"]
             assert decoded["gpus"][3]["gpu_util_pct"] == pytest.approx(
-                record["gpus"][3]["gpu_util_pct"], abs=1e-4)
+                record["gpus"][3]["gpu_util_pct"], abs=1e-4
+            )
 
 
 def test_fingerprint_bytes_are_little_endian_as_the_spec_requires() -> None:
     # CRC-64-AVRO of the schema "int" is 0x7275d51a3f395c8f; the header carries it little-endian,
     # which is how the registry turns fastavro's hex into header bytes.
     assert bytes.fromhex(fingerprint('"int"', "CRC-64-AVRO")) == (0x7275D51A3F395C8F).to_bytes(
-        8, "little")
+        8, "little"
+    )
     schema = codec.registry.latest("NodeState")
     assert schema.fingerprint == bytes.fromhex(fingerprint(schema.canonical, "CRC-64-AVRO"))
 
@@ -85,8 +87,11 @@ def test_fingerprint_bytes_are_little_endian_as_the_spec_requires() -> None:
 def test_node_telemetry_embeds_the_gpu_sample_of_its_version(version: int) -> None:
     standalone = dict(codec.registry.version("GpuSample", version).source)
     standalone.pop("fleetline.version")
-    embedded = next(f for f in codec.registry.version("NodeTelemetry", version).source["fields"]
-                    if f["name"] == "gpus")["type"]["items"]
+    embedded = next(
+        f
+        for f in codec.registry.version("NodeTelemetry", version).source["fields"]
+        if f["name"] == "gpus"
+    )["type"]["items"]
     assert embedded == standalone
 
 
@@ -95,7 +100,7 @@ def test_node_telemetry_embeds_the_gpu_sample_of_its_version(version: int) -> No
     [
         (None, "no value"),
         (b"", "not Avro single-object encoded"),
-        (b"{\"node_id\": \"n1\"}", "not Avro single-object encoded"),
+        (b'{"node_id": "n1"}', "not Avro single-object encoded"),
         (MAGIC + b"\x00" * 8 + b"\x02", "unknown writer schema fingerprint"),
     ],
 )
@@ -155,8 +160,7 @@ def test_every_older_version_is_readable_by_the_newest(name: str) -> None:
     for old in codec.registry.versions(name)[:-1]:
         for record in generate_many(old.writer, 25):
             decoded = codec.decode(codec.encode(name, record, version=old.version))
-            assert (decoded.schema.version, decoded.writer_version) == (newest.version,
-                                                                        old.version)
+            assert (decoded.schema.version, decoded.writer_version) == (newest.version, old.version)
             for field in newest.source["fields"]:
                 assert field["name"] in decoded.record
 
@@ -204,16 +208,25 @@ def test_a_new_version_must_change_the_schema(tmp_path: Path) -> None:
 
 
 def test_invalid_schema_is_a_schema_error(tmp_path: Path) -> None:
-    (tmp_path / "Broken.v1.avsc").write_text(json.dumps(
-        {"type": "record", "name": "Broken", "fleetline.version": 1,
-         "fields": [{"name": "x", "type": "no-such-type"}]}))
+    (tmp_path / "Broken.v1.avsc").write_text(
+        json.dumps(
+            {
+                "type": "record",
+                "name": "Broken",
+                "fleetline.version": 1,
+                "fields": [{"name": "x", "type": "no-such-type"}],
+            }
+        )
+    )
     with pytest.raises(SchemaError, match="Broken v1"):
         SchemaRegistry.from_directory(tmp_path)
 
 
 def test_audit_record_embeds_the_audit_event_schema() -> None:
     standalone = dict(codec.registry.latest("AuditEvent").source)
-    embedded = next(f for f in codec.registry.latest("AuditRecord").source["fields"]
-                    if f["name"] == "event")["type"][1]
+    embedded = next(
+        f for f in codec.registry.latest("AuditRecord").source["fields"] if f["name"] == "event"
+    )["type"][1]
     assert [(f["name"], json.dumps(f["type"], sort_keys=True)) for f in embedded["fields"]] == [
-        (f["name"], json.dumps(f["type"], sort_keys=True)) for f in standalone["fields"]]
+        (f["name"], json.dumps(f["type"], sort_keys=True)) for f in standalone["fields"]
+    ]

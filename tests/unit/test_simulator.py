@@ -92,8 +92,12 @@ def test_nvlink_fault_degrades_one_gpu_for_its_window() -> None:
 
 def test_leaf_switch_rdma_loss_degrades_its_16_gpus() -> None:
     seen = ticks(scripted(), 3)
-    lossy = [(node_id, g["gpu_index"]) for node_id, r in seen[3].items() for g in r["gpus"]
-             if g["rdma_packet_loss_ratio"] == 0.02]
+    lossy = [
+        (node_id, g["gpu_index"])
+        for node_id, r in seen[3].items()
+        for g in r["gpus"]
+        if g["rdma_packet_loss_ratio"] == 0.02
+    ]
     assert len(lossy) == 16
     assert {node_id for node_id, _ in lossy} == {"us-east-a-n0000", "us-east-a-n0001"}
 
@@ -133,13 +137,16 @@ def test_power_cap_limits_power_and_clocks() -> None:
     assert gpus[0]["sm_clock_mhz"] < 1980
 
 
-@pytest.mark.parametrize(("script", "reason"), [
-    ("- {kind: meteor, target: x}", "kind must be one of"),
-    ("- {kind: node_down}", "target is required"),
-    ("- {kind: node_down, target: x, at_s: soon}", "could not convert"),
-    ("- {kind: node_down, target: x, colour: red}", "unknown fields"),
-    ("- just a string", "expected a mapping"),
-])
+@pytest.mark.parametrize(
+    ("script", "reason"),
+    [
+        ("- {kind: meteor, target: x}", "kind must be one of"),
+        ("- {kind: node_down}", "target is required"),
+        ("- {kind: node_down, target: x, at_s: soon}", "could not convert"),
+        ("- {kind: node_down, target: x, colour: red}", "unknown fields"),
+        ("- just a string", "expected a mapping"),
+    ],
+)
 def test_bad_fault_scripts_are_named(script: str, reason: str) -> None:
     with pytest.raises(ConfigError, match=reason):
         load_faults(script, BASE_MS)
@@ -147,8 +154,9 @@ def test_bad_fault_scripts_are_named(script: str, reason: str) -> None:
 
 def test_fault_targets_must_exist() -> None:
     with pytest.raises(ConfigError, match="no such target"):
-        FleetSimulator(default_clusters(1), seed=1,
-                       faults=[Fault("rdma_loss", "nowhere-leaf", BASE_MS)])
+        FleetSimulator(
+            default_clusters(1), seed=1, faults=[Fault("rdma_loss", "nowhere-leaf", BASE_MS)]
+        )
 
 
 def test_the_shipped_scenario_fits_the_default_fleet() -> None:
@@ -166,10 +174,16 @@ def test_training_is_steady_and_inference_follows_the_day() -> None:
     sim = FleetSimulator(default_clusters(8), seed=4)
     hour = 3600 * 1000
     day_start = (BASE_MS // (24 * hour)) * 24 * hour
-    night = {(r["node_id"], g["gpu_index"]): g["gpu_util_pct"]
-             for r in sim.telemetry(day_start + 3 * hour) for g in r["gpus"]}
-    afternoon = {(r["node_id"], g["gpu_index"]): g["gpu_util_pct"]
-                 for r in sim.telemetry(day_start + 15 * hour) for g in r["gpus"]}
+    night = {
+        (r["node_id"], g["gpu_index"]): g["gpu_util_pct"]
+        for r in sim.telemetry(day_start + 3 * hour)
+        for g in r["gpus"]
+    }
+    afternoon = {
+        (r["node_id"], g["gpu_index"]): g["gpu_util_pct"]
+        for r in sim.telemetry(day_start + 15 * hour)
+        for g in r["gpus"]
+    }
     training = [(n.node_id, i) for n in sim.nodes for i, b in enumerate(n.load_bias) if b >= 0.6]
     inference = [(n.node_id, i) for n in sim.nodes for i, b in enumerate(n.load_bias) if b < 0.6]
     mean = lambda keys, d: sum(d[k] for k in keys) / len(keys)  # noqa: E731

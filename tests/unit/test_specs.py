@@ -25,25 +25,32 @@ def test_the_example_parses_into_typed_specs():
     assert isinstance(job, TrainingJob) and job.spec.gpus == 64
     parallelism = job.spec.parallelism
     assert (parallelism.tensor, parallelism.pipeline, parallelism.data) == (8, 4, 2)
-    assert (job.spec.min_workers, job.spec.max_workers, job.spec.communication) == (
-        4, 8, "heavy")
+    assert (job.spec.min_workers, job.spec.max_workers, job.spec.communication) == (4, 8, "heavy")
     assert job.metadata.labels == {"team": "research"}
     assert isinstance(dataset, Dataset) and dataset.spec.size_bytes == 2 * 2**40
     assert isinstance(service, InferenceService)
     assert (service.spec.min_replicas, service.spec.max_replicas, service.spec.regions) == (
-        2, 8, ("eu-west", "us-east"))
+        2,
+        8,
+        ("eu-west", "us-east"),
+    )
 
 
 def test_data_parallelism_defaults_to_what_tensor_and_pipeline_leave():
-    (job,) = parse_specs("kind: TrainingJob\nmetadata: {name: j, tenant: t}\nspec: "
-                         "{accelerator: H100, gpus_per_worker: 8, workers: 4, "
-                         "parallelism: {tensor: 8}}")
+    (job,) = parse_specs(
+        "kind: TrainingJob\nmetadata: {name: j, tenant: t}\nspec: "
+        "{accelerator: H100, gpus_per_worker: 8, workers: 4, "
+        "parallelism: {tensor: 8}}"
+    )
     assert isinstance(job, TrainingJob) and job.spec.parallelism.data == 4
 
 
 def test_json_is_accepted_too():
-    doc = {"kind": "Dataset", "metadata": {"name": "d1", "tenant": "acme"},
-           "spec": {"size": "500GB", "replicas": []}}
+    doc = {
+        "kind": "Dataset",
+        "metadata": {"name": "d1", "tenant": "acme"},
+        "spec": {"size": "500GB", "replicas": []},
+    }
     (spec,) = parse_specs(json.dumps(doc))
     assert isinstance(spec, Dataset)
     assert spec.spec.size_bytes == 500 * 10**9 and spec.spec.replicas == ()
@@ -74,25 +81,40 @@ spec:
     assert "spec.elastic" in paths
 
 
-@pytest.mark.parametrize("text, path, message", [
-    ("kind: Pod", "kind", "must be one of"),
-    ("[1, 2]", "(document)", "must be a mapping"),
-    ("kind: Dataset\nmetadata: {name: d}\nspec: {size: lots}", "spec.size", "like 500GB"),
-    ("kind: Dataset\nmetadata: {name: d}\nspec: {size: 1}", "metadata.tenant", "is required"),
-    ("kind: InferenceService\nmetadata: {name: s, tenant: t}\nspec: {model: m, accelerator: a,"
-     " replicas: {min: 3, max: 2}, latency_target_ms: 100, regions: [eu]}",
-     "spec.replicas", "min 3 is above max 2"),
-    ("kind: InferenceService\nmetadata: {name: s, tenant: t}\nspec: {model: m, accelerator: a,"
-     " latency_target_ms: -5, regions: []}", "spec.latency_target_ms", "positive number"),
-    ("apiVersion: v9\nkind: Dataset\nmetadata: {name: d, tenant: t}\nspec: {size: 1}",
-     "apiVersion", "fleetline/v1"),
-    ("key: [unclosed", "(text)", "not YAML or JSON"),
-])
+@pytest.mark.parametrize(
+    "text, path, message",
+    [
+        ("kind: Pod", "kind", "must be one of"),
+        ("[1, 2]", "(document)", "must be a mapping"),
+        ("kind: Dataset\nmetadata: {name: d}\nspec: {size: lots}", "spec.size", "like 500GB"),
+        ("kind: Dataset\nmetadata: {name: d}\nspec: {size: 1}", "metadata.tenant", "is required"),
+        (
+            "kind: InferenceService\nmetadata: {name: s, tenant: t}\n"
+            "spec: {model: m, accelerator: a, replicas: {min: 3, max: 2},"
+            " latency_target_ms: 100, regions: [eu]}",
+            "spec.replicas",
+            "min 3 is above max 2",
+        ),
+        (
+            "kind: InferenceService\nmetadata: {name: s, tenant: t}\n"
+            "spec: {model: m, accelerator: a, latency_target_ms: -5, regions: []}",
+            "spec.latency_target_ms",
+            "positive number",
+        ),
+        (
+            "apiVersion: v9\nkind: Dataset\nmetadata: {name: d, tenant: t}\nspec: {size: 1}",
+            "apiVersion",
+            "fleetline/v1",
+        ),
+        ("key: [unclosed", "(text)", "not YAML or JSON"),
+    ],
+)
 def test_specific_errors(text, path, message):
     with pytest.raises(SpecError) as caught:
         parse_specs(text)
-    assert any(e.path == path and message in e.message for e in caught.value.errors), \
+    assert any(e.path == path and message in e.message for e in caught.value.errors), (
         caught.value.errors
+    )
 
 
 def test_errors_in_a_multi_document_file_name_their_document():
@@ -112,8 +134,10 @@ def test_the_validate_command(capsys, tmp_path):
 
     assert main(["validate", "-f", str(SPECS)]) == 0
     assert capsys.readouterr().out.splitlines() == [
-        "TrainingJob acme/llm-pretrain: valid", "Dataset acme/web-corpus: valid",
-        "InferenceService acme/chat: valid"]
+        "TrainingJob acme/llm-pretrain: valid",
+        "Dataset acme/web-corpus: valid",
+        "InferenceService acme/chat: valid",
+    ]
     bad = tmp_path / "bad.yaml"
     bad.write_text("kind: Dataset\nmetadata: {name: d, tenant: t}\nspec: {size: huge}\n")
     assert main(["validate", "-f", str(bad)]) == 1

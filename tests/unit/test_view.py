@@ -44,8 +44,9 @@ def test_rdma_loss_degrades_the_sixteen_gpus_behind_the_leaf_and_they_recover():
     assert {g.split("/")[0] for g in rdma} == {"us-east-a-n0000", "us-east-a-n0001"}
     # The fault lasts 30 s from t=5; 30 clean samples later the GPUs are healthy again.
     view = fold(scenario_events(seconds=70))
-    assert not [g for g in view_read.select_gpus(view, health=DEGRADED)
-                if g["cause"] == "rdma_loss"]
+    assert not [
+        g for g in view_read.select_gpus(view, health=DEGRADED) if g["cause"] == "rdma_loss"
+    ]
     recovered = [c for c in view.changes if c.after == HEALTHY and c.before == DEGRADED]
     assert len(recovered) >= 16
 
@@ -88,10 +89,15 @@ def test_node_down_and_unreachable_by_event_time():
     assert {node_status(view, n) for n in quiet} == {"UP", "DOWN"}  # 5 s < the 10 s timeout
     policy_view = ResourceView(policy=view.policy.__class__(unreachable_after_ms=3000))
     view = fold(scenario_events(seconds=17), policy_view)
-    statuses = {n.node_id: node_status(view, n) for n in view.nodes.values()
-                if n.cluster_id == "ap-south-a"}
-    assert statuses == {"ap-south-a-n0000": "UNREACHABLE", "ap-south-a-n0001": "UNREACHABLE",
-                        "ap-south-a-n0002": "UNREACHABLE", "ap-south-a-n0003": "DOWN"}
+    statuses = {
+        n.node_id: node_status(view, n) for n in view.nodes.values() if n.cluster_id == "ap-south-a"
+    }
+    assert statuses == {
+        "ap-south-a-n0000": "UNREACHABLE",
+        "ap-south-a-n0001": "UNREACHABLE",
+        "ap-south-a-n0002": "UNREACHABLE",
+        "ap-south-a-n0003": "DOWN",
+    }
     capacity = {c["cluster_id"]: c for c in view_read.cluster_capacity(view)}
     assert capacity["ap-south-a"]["nodes_unreachable"] == 3
     assert capacity["ap-south-a"]["health"] == "degraded"  # one node said it is DOWN
@@ -122,7 +128,7 @@ def test_the_fold_does_not_depend_on_how_the_topics_were_interleaved():
 def test_repeated_events_are_no_ops():
     events = scenario_events(seconds=5)
     once = view_codec.to_data(fold(events))
-    twice = view_codec.to_data(fold(events + events[len(events) // 2:]))
+    twice = view_codec.to_data(fold(events + events[len(events) // 2 :]))
     assert once == twice
 
 
@@ -166,15 +172,31 @@ def test_allocations_never_double_book_a_gpu_and_show_as_tenant_usage():
 
 
 def test_cluster_facts_and_datasets_fold_and_are_validated():
-    cluster = {"cluster_id": "us-east-a", "region": "us-east", "seq": 1, "ts": BASE_MS,
-               "kind": "ON_PREMISES", "price_per_gpu_hour": 2.1, "energy_price_per_kwh": 0.12,
-               "pue": 1.2, "link_latency_ms": {"eu-west": 80.0}, "retired": False}
+    cluster = {
+        "cluster_id": "us-east-a",
+        "region": "us-east",
+        "seq": 1,
+        "ts": BASE_MS,
+        "kind": "ON_PREMISES",
+        "price_per_gpu_hour": 2.1,
+        "energy_price_per_kwh": 0.12,
+        "pue": 1.2,
+        "link_latency_ms": {"eu-west": 80.0},
+        "retired": False,
+    }
     view = fold([("ClusterInfo", cluster)])
     assert view.clusters["us-east-a"].pue == 1.2
     with pytest.raises(InvalidEventError, match=r"pue 0\.9 is below 1"):
         apply(view, decoded("ClusterInfo", {**cluster, "seq": 2, "pue": 0.9}))
-    dataset = {"dataset_id": "ds1", "tenant": "t1", "seq": 1, "ts": BASE_MS,
-               "size_bytes": 10**12, "replicas": ["us-east-a", "us-east-a"], "deleted": False}
+    dataset = {
+        "dataset_id": "ds1",
+        "tenant": "t1",
+        "seq": 1,
+        "ts": BASE_MS,
+        "size_bytes": 10**12,
+        "replicas": ["us-east-a", "us-east-a"],
+        "deleted": False,
+    }
     fold([("DatasetState", dataset)], view)
     assert view.datasets["ds1"].replicas == ["us-east-a"]
     fold([("DatasetState", {**dataset, "seq": 2, "deleted": True})], view)
@@ -190,7 +212,7 @@ def test_snapshot_codec_round_trips_exactly():
     assert view_codec.to_data(again) == view_codec.to_data(view)
     assert again.gpu_owner == view.gpu_owner
     # ... and folds on identically.
-    more = scenario_events(seconds=20)[len(events):]
+    more = scenario_events(seconds=20)[len(events) :]
     assert view_codec.to_data(fold(more, again)) == view_codec.to_data(fold(more, view))
 
 
@@ -201,14 +223,19 @@ def test_columnar_and_per_record_paths_fold_the_same_view():
     assert folder.fold(fast, msgs) == []
     slow: dict[str, ResourceView] = {}
     for msg in msgs:  # one at a time: the batch decoder is used for runs of one
-        folder.fold_one(slow.setdefault(folder.part_of(msg.topic(), msg.partition()),
-                                         folder.new_part()), msg, [])
+        folder.fold_one(
+            slow.setdefault(folder.part_of(msg.topic(), msg.partition()), folder.new_part()),
+            msg,
+            [],
+        )
     assert set(fast) == {shard_part(p) for p in range(3)}
     for name in fast:
         assert view_codec.to_data(fast[name]) == view_codec.to_data(slow[name])
     whole = compose(fast.values())
-    assert view_codec.to_data(whole)["nodes"] == view_codec.to_data(fold(
-        scenario_events(seconds=20)))["nodes"]
+    assert (
+        view_codec.to_data(whole)["nodes"]
+        == view_codec.to_data(fold(scenario_events(seconds=20)))["nodes"]
+    )
 
 
 class OneByOne(PartFolder):
@@ -227,16 +254,24 @@ def test_a_run_mixing_writer_versions_folds_as_record_by_record_does():
     for i, m in enumerate(msgs):
         if i % 2:  # every other one as an older agent writes it
             record = CODEC.decode(m.value()).record
-            m = Message(topic=m.topic(), partition=m.partition(), offset=m.offset(), key=m.key(),
-                        value=CODEC.encode("NodeTelemetry", record, version=1))
+            m = Message(
+                topic=m.topic(),
+                partition=m.partition(),
+                offset=m.offset(),
+                key=m.key(),
+                value=CODEC.encode("NodeTelemetry", record, version=1),
+            )
         mixed.append(m)
     folder = OneByOne(TOPICS)
     fast: dict[str, ResourceView] = {}
     assert folder.fold(fast, mixed) == [] and folder.one_by_one == 0
     slow: dict[str, ResourceView] = {}
     for msg in mixed:
-        PartFolder(TOPICS).fold_one(slow.setdefault(folder.part_of(msg.topic(), msg.partition()),
-                                                     folder.new_part()), msg, [])
+        PartFolder(TOPICS).fold_one(
+            slow.setdefault(folder.part_of(msg.topic(), msg.partition()), folder.new_part()),
+            msg,
+            [],
+        )
     for name in fast:
         assert view_codec.to_data(fast[name]) == view_codec.to_data(slow[name])
 
@@ -245,10 +280,20 @@ def test_bad_messages_in_a_telemetry_run_are_named_and_the_rest_folded():
     msgs = messages(scenario_events(seconds=3))
     tele = [m for m in msgs if m.topic() == TOPICS.telemetry and m.partition() == 0]
     victim = tele[len(tele) // 2]
-    corrupt = Message(topic=victim.topic(), partition=0, offset=victim.offset(),
-                      key=victim.key(), value=victim.value() + b"\x00")
-    wrong_key = Message(topic=victim.topic(), partition=0, offset=tele[1].offset(),
-                        key=b"someone-else", value=tele[1].value())
+    corrupt = Message(
+        topic=victim.topic(),
+        partition=0,
+        offset=victim.offset(),
+        key=victim.key(),
+        value=victim.value() + b"\x00",
+    )
+    wrong_key = Message(
+        topic=victim.topic(),
+        partition=0,
+        offset=tele[1].offset(),
+        key=b"someone-else",
+        value=tele[1].value(),
+    )
     batch = [corrupt if m is victim else wrong_key if m is tele[1] else m for m in tele]
     parts: dict[str, ResourceView] = {}
     folder = OneByOne(TOPICS)
@@ -263,12 +308,28 @@ def test_bad_messages_in_a_telemetry_run_are_named_and_the_rest_folded():
 
 
 def test_fleet_topics_fold_into_the_fleet_part_and_tombstones_remove():
-    cluster = {"cluster_id": "c9", "region": "r", "seq": 1, "ts": BASE_MS, "kind": "CLOUD",
-               "price_per_gpu_hour": None, "energy_price_per_kwh": None, "pue": None,
-               "link_latency_ms": {}, "retired": False}
-    msgs = [Message(topic=TOPICS.clusters, partition=0, offset=0, key=b"c9",
-                    value=CODEC.encode("ClusterInfo", cluster)),
-            Message(topic=TOPICS.clusters, partition=0, offset=1, key=b"c9", value=None)]
+    cluster = {
+        "cluster_id": "c9",
+        "region": "r",
+        "seq": 1,
+        "ts": BASE_MS,
+        "kind": "CLOUD",
+        "price_per_gpu_hour": None,
+        "energy_price_per_kwh": None,
+        "pue": None,
+        "link_latency_ms": {},
+        "retired": False,
+    }
+    msgs = [
+        Message(
+            topic=TOPICS.clusters,
+            partition=0,
+            offset=0,
+            key=b"c9",
+            value=CODEC.encode("ClusterInfo", cluster),
+        ),
+        Message(topic=TOPICS.clusters, partition=0, offset=1, key=b"c9", value=None),
+    ]
     parts: dict[str, ResourceView] = {}
     assert PartFolder(TOPICS).fold(parts, msgs[:1]) == []
     assert "c9" in parts[FLEET_PART].clusters

@@ -29,37 +29,60 @@ def _public(job: dict[str, Any]) -> dict[str, Any]:
 def register(route: Routes, ports: Ports) -> None:
     clock = ports.clock
 
-    @route("POST", "/v1/jobs", Rule("jobs", "write"), status_code=202,
-           response_model=models.AcceptedPage,
-           summary="Submit TrainingJob / InferenceService / Dataset specs (YAML or JSON body)")
+    @route(
+        "POST",
+        "/v1/jobs",
+        Rule("jobs", "write"),
+        status_code=202,
+        response_model=models.AcceptedPage,
+        summary="Submit TrainingJob / InferenceService / Dataset specs (YAML or JSON body)",
+    )
     async def apply_specs(request: Request, tenant: str | None = None) -> dict[str, Any]:
         text = (await request.body()).decode(errors="replace")
         try:
             specs = parse_specs(text)
         except SpecError as exc:
-            raise HTTPException(422, [{"path": e.path, "message": e.message}
-                                      for e in exc.errors]) from None
+            raise HTTPException(
+                422, [{"path": e.path, "message": e.message} for e in exc.errors]
+            ) from None
         scope = request.state.scope
         outside = sorted({s.metadata.tenant for s in specs} - ({scope} if scope else set()))
         if scope is not None and outside:
-            raise HTTPException(403, f"{request.state.principal.subject} may only submit for "
-                                f"tenant {scope}, the specs name {', '.join(outside)}")
+            raise HTTPException(
+                403,
+                f"{request.state.principal.subject} may only submit for "
+                f"tenant {scope}, the specs name {', '.join(outside)}",
+            )
         documents = [d for d in yaml.safe_load_all(text) if d is not None]
         principal: Principal = request.state.principal
         ordered = datasets_first(specs, documents)
-        requests = [submit_request(spec, doc, clock(), uuid.uuid4().hex, principal.subject)
-                    for spec, doc in ordered]
+        requests = [
+            submit_request(spec, doc, clock(), uuid.uuid4().hex, principal.subject)
+            for spec, doc in ordered
+        ]
         offsets = ports.scheduler().submit(requests)
-        return {"accepted": [{"key": r["key"], "kind": spec.kind, "request_offset": o}
-                             for r, (spec, _), o in zip(requests, ordered, offsets,
-                                                        strict=True)]}
+        return {
+            "accepted": [
+                {"key": r["key"], "kind": spec.kind, "request_offset": o}
+                for r, (spec, _), o in zip(requests, ordered, offsets, strict=True)
+            ]
+        }
 
-    @route("GET", "/v1/jobs", Rule("jobs", "read"), response_model=models.JobPage,
-           summary="The scheduler's jobs of the caller's tenant: phase, conditions, GPUs")
-    def list_jobs(request: Request, tenant: str | None = None,
-                  phase: str | None = None) -> dict[str, Any]:
-        items = [j for j in ports.scheduler().jobs(request.state.scope)
-                 if phase is None or j["phase"] == phase]
+    @route(
+        "GET",
+        "/v1/jobs",
+        Rule("jobs", "read"),
+        response_model=models.JobPage,
+        summary="The scheduler's jobs of the caller's tenant: phase, conditions, GPUs",
+    )
+    def list_jobs(
+        request: Request, tenant: str | None = None, phase: str | None = None
+    ) -> dict[str, Any]:
+        items = [
+            j
+            for j in ports.scheduler().jobs(request.state.scope)
+            if phase is None or j["phase"] == phase
+        ]
         return {"items": [_public(j) for j in items]}
 
     def one_job(tenant: str, name: str) -> dict[str, Any]:
@@ -68,42 +91,82 @@ def register(route: Routes, ports: Ports) -> None:
             raise HTTPException(404, f"no job {tenant}/{name}")
         return job
 
-    @route("GET", "/v1/jobs/{tenant}/{name}", Rule("jobs", "read"), response_model=models.Job,
-           summary="One job's desired state, phase, conditions and GPUs")
+    @route(
+        "GET",
+        "/v1/jobs/{tenant}/{name}",
+        Rule("jobs", "read"),
+        response_model=models.Job,
+        summary="One job's desired state, phase, conditions and GPUs",
+    )
     def get_job(tenant: str, name: str) -> dict[str, Any]:
         return _public(one_job(tenant, name))
 
-    @route("GET", "/v1/jobs/{tenant}/{name}/explain", Rule("jobs", "read"),
-           response_model=models.Explanation,
-           summary="Why the job is where it is, or why it waits: the latest decision with "
-                   "every cluster's score or reason (history=true: every decision)")
+    @route(
+        "GET",
+        "/v1/jobs/{tenant}/{name}/explain",
+        Rule("jobs", "read"),
+        response_model=models.Explanation,
+        summary="Why the job is where it is, or why it waits: the latest decision with "
+        "every cluster's score or reason (history=true: every decision)",
+    )
     def explain_job(tenant: str, name: str, history: bool = False) -> dict[str, Any]:
         job = one_job(tenant, name)
-        out = {"job": job["key"], "phase": job["phase"], "conditions": job["conditions"],
-               "decision": job.get("explanation")}
+        out = {
+            "job": job["key"],
+            "phase": job["phase"],
+            "conditions": job["conditions"],
+            "decision": job.get("explanation"),
+        }
         if history:
             out["history"] = ports.scheduler().decisions(job["key"])
         return out
 
-    @route("DELETE", "/v1/jobs/{tenant}/{name}", Rule("jobs", "write"), status_code=202,
-           response_model=models.Deleted,
-           summary="Delete a job: its GPUs are released and the queue moves on")
+    @route(
+        "DELETE",
+        "/v1/jobs/{tenant}/{name}",
+        Rule("jobs", "write"),
+        status_code=202,
+        response_model=models.Deleted,
+        summary="Delete a job: its GPUs are released and the queue moves on",
+    )
     def delete_job(request: Request, tenant: str, name: str) -> dict[str, Any]:
         one_job(tenant, name)
         principal: Principal = request.state.principal
-        (offset,) = ports.scheduler().submit([new_request(
-            "DELETE", f"{tenant}/{name}", tenant, clock(), uuid.uuid4().hex,
-            actor=principal.subject)])
+        (offset,) = ports.scheduler().submit(
+            [
+                new_request(
+                    "DELETE",
+                    f"{tenant}/{name}",
+                    tenant,
+                    clock(),
+                    uuid.uuid4().hex,
+                    actor=principal.subject,
+                )
+            ]
+        )
         return {"deleted": f"{tenant}/{name}", "request_offset": offset}
 
-    @route("PUT", "/v1/tenants/{tenant}/policy", Rule("quotas", "write", tenant_scoped=False),
-           response_model=models.TenantPolicySet,
-           summary="Set a tenant's quotas, reservations and fair-share weight (platform admins)")
-    def set_tenant_policy(request: Request, tenant: str,
-                          body: TenantTerms) -> dict[str, Any]:
+    @route(
+        "PUT",
+        "/v1/tenants/{tenant}/policy",
+        Rule("quotas", "write", tenant_scoped=False),
+        response_model=models.TenantPolicySet,
+        summary="Set a tenant's quotas, reservations and fair-share weight (platform admins)",
+    )
+    def set_tenant_policy(request: Request, tenant: str, body: TenantTerms) -> dict[str, Any]:
         policy = TenantPolicy(tenant=tenant, **dict(body))
         principal: Principal = request.state.principal
-        (offset,) = ports.scheduler().submit([new_request(
-            "TENANT_POLICY", tenant, tenant, clock(), uuid.uuid4().hex,
-            actor=principal.subject, spec_json=canonical_json(policy.as_data()))])
+        (offset,) = ports.scheduler().submit(
+            [
+                new_request(
+                    "TENANT_POLICY",
+                    tenant,
+                    tenant,
+                    clock(),
+                    uuid.uuid4().hex,
+                    actor=principal.subject,
+                    spec_json=canonical_json(policy.as_data()),
+                )
+            ]
+        )
         return {"tenant": tenant, "policy": policy.as_data(), "request_offset": offset}

@@ -14,19 +14,30 @@ from fleetline.storage.queries import READY
 
 
 def register(route: Routes, ports: Ports) -> None:
-    @route("POST", "/v1/sql", Rule("sql", "run", tenant_scoped=False),
-           response_model=models.SqlResult,
-           summary="Raw read-only ClickHouse SQL: platform admins only")
+    @route(
+        "POST",
+        "/v1/sql",
+        Rule("sql", "run", tenant_scoped=False),
+        response_model=models.SqlResult,
+        summary="Raw read-only ClickHouse SQL: platform admins only",
+    )
     def run_sql(body: models.SqlRequest) -> dict[str, Any]:
         if ports.sql is None:
             raise HTTPException(503, "no ClickHouse store is configured on this server")
         return ports.sql(body.query)
 
-    @route("GET", "/v1/queries/{name}", Rule("fleet", "read", tenant_scoped=False),
-           response_model=models.SqlResult,
-           summary="A ready query over all storage tiers (see `fleetline query list`)")
-    def run_ready_query(name: str, since: Annotated[str, Query(alias="from")] = "-1h",
-                        until: Annotated[str | None, Query(alias="to")] = None) -> dict[str, Any]:
+    @route(
+        "GET",
+        "/v1/queries/{name}",
+        Rule("fleet", "read", tenant_scoped=False),
+        response_model=models.SqlResult,
+        summary="A ready query over all storage tiers (see `fleetline query list`)",
+    )
+    def run_ready_query(
+        name: str,
+        since: Annotated[str, Query(alias="from")] = "-1h",
+        until: Annotated[str | None, Query(alias="to")] = None,
+    ) -> dict[str, Any]:
         if name not in READY:
             raise HTTPException(404, f"no ready query {name!r}; known: {sorted(READY)}")
         if ports.ready_query is None:

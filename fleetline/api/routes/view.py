@@ -44,8 +44,9 @@ def _redact_gpu(view: ResourceView, gpu: dict[str, Any], scope: str | None) -> d
     return gpu
 
 
-def _redact_node(view: ResourceView, node: dict[str, Any], principal: Principal,
-                 scope: str | None) -> dict[str, Any]:
+def _redact_node(
+    view: ResourceView, node: dict[str, Any], principal: Principal, scope: str | None
+) -> dict[str, Any]:
     node = dict(node)
     if not principal.sees_sensitive:
         node["labels"] = {k: ("***" if is_sensitive(k) else v) for k, v in node["labels"].items()}
@@ -58,54 +59,91 @@ def register(route: Routes, ports: Ports) -> None:
     source = ports.view
     fleet = Rule("fleet", "read", tenant_scoped=False)
 
-    @route("GET", "/v1/view", fleet, response_model=models.ViewMeta,
-           summary="Where the view stands: version, offsets, sizes")
+    @route(
+        "GET",
+        "/v1/view",
+        fleet,
+        response_model=models.ViewMeta,
+        summary="Where the view stands: version, offsets, sizes",
+    )
     def get_view() -> dict[str, Any]:
         return source.read(view_read.view_meta)
 
-    @route("GET", "/v1/clusters", fleet, response_model=models.Page[models.ClusterCapacity],
-           summary="Per-cluster capacity: idle, allocated, degraded GPUs")
+    @route(
+        "GET",
+        "/v1/clusters",
+        fleet,
+        response_model=models.Page[models.ClusterCapacity],
+        summary="Per-cluster capacity: idle, allocated, degraded GPUs",
+    )
     def list_clusters(region: str | None = None) -> dict[str, Any]:
         return source.read(lambda v: _page(v, view_read.cluster_capacity(v, region)))
 
-    @route("GET", "/v1/clusters/{cluster_id}", fleet, response_model=models.OneCluster,
-           summary="One cluster's capacity and facts")
+    @route(
+        "GET",
+        "/v1/clusters/{cluster_id}",
+        fleet,
+        response_model=models.OneCluster,
+        summary="One cluster's capacity and facts",
+    )
     def get_cluster(cluster_id: str) -> dict[str, Any]:
         def one(view: ResourceView) -> dict[str, Any]:
             for cluster in view_read.cluster_capacity(view):
                 if cluster["cluster_id"] == cluster_id:
                     return {"view_version": view.version, **cluster}
             raise HTTPException(404, f"no cluster {cluster_id!r} in the view")
+
         return source.read(one)
 
-    @route("GET", "/v1/clusters/{cluster_id}/topology", fleet, response_model=models.Topology,
-           summary="Spine and leaf switches, nodes and NVLink islands")
+    @route(
+        "GET",
+        "/v1/clusters/{cluster_id}/topology",
+        fleet,
+        response_model=models.Topology,
+        summary="Spine and leaf switches, nodes and NVLink islands",
+    )
     def get_topology(cluster_id: str) -> dict[str, Any]:
         def one(view: ResourceView) -> dict[str, Any]:
             if cluster_id not in view_read.cluster_ids(view):
                 raise HTTPException(404, f"no cluster {cluster_id!r} in the view")
             return {"view_version": view.version, **view_read.topology(view, cluster_id)}
+
         return source.read(one)
 
-    @route("GET", "/v1/nodes", Rule("fleet", "read"), response_model=models.Page[models.Node],
-           summary="Nodes, filtered by cluster, status, leaf switch, labels")
+    @route(
+        "GET",
+        "/v1/nodes",
+        Rule("fleet", "read"),
+        response_model=models.Page[models.Node],
+        summary="Nodes, filtered by cluster, status, leaf switch, labels",
+    )
     def list_nodes(
         request: Request,
         cluster: str | None = None,
-        status: Annotated[str | None,
-                          Query(pattern="(?i)^(up|draining|down|unreachable)$")] = None,
+        status: Annotated[str | None, Query(pattern="(?i)^(up|draining|down|unreachable)$")] = None,
         leaf_switch: str | None = None,
         label: Annotated[list[str] | None, Query(description="key=value, repeatable")] = None,
         gpus: bool = False,
     ) -> dict[str, Any]:
         labels = _labels(label)
         principal, scope = request.state.principal, request.state.scope
-        return source.read(lambda v: _page(v, [
-            _redact_node(v, view_read.node_data(v, n, with_gpus=gpus), principal, scope)
-            for n in view_read.select_nodes(v, cluster, status, labels, leaf_switch)]))
+        return source.read(
+            lambda v: _page(
+                v,
+                [
+                    _redact_node(v, view_read.node_data(v, n, with_gpus=gpus), principal, scope)
+                    for n in view_read.select_nodes(v, cluster, status, labels, leaf_switch)
+                ],
+            )
+        )
 
-    @route("GET", "/v1/nodes/{node_id}", Rule("fleet", "read"), response_model=models.OneNode,
-           summary="One node with its GPUs")
+    @route(
+        "GET",
+        "/v1/nodes/{node_id}",
+        Rule("fleet", "read"),
+        response_model=models.OneNode,
+        summary="One node with its GPUs",
+    )
     def get_node(request: Request, node_id: str) -> dict[str, Any]:
         principal, scope = request.state.principal, request.state.scope
 
@@ -113,45 +151,74 @@ def register(route: Routes, ports: Ports) -> None:
             node = view.nodes.get(node_id)
             if node is None:
                 raise HTTPException(404, f"no node {node_id!r} in the view")
-            return {"view_version": view.version,
-                    **_redact_node(view, view_read.node_data(view, node), principal, scope)}
+            return {
+                "view_version": view.version,
+                **_redact_node(view, view_read.node_data(view, node), principal, scope),
+            }
+
         return source.read(one)
 
-    @route("GET", "/v1/gpus", Rule("fleet", "read"), response_model=models.Page[models.Gpu],
-           summary="GPUs, filtered by cluster, health and capacity state")
+    @route(
+        "GET",
+        "/v1/gpus",
+        Rule("fleet", "read"),
+        response_model=models.Page[models.Gpu],
+        summary="GPUs, filtered by cluster, health and capacity state",
+    )
     def list_gpus(
         request: Request,
         cluster: str | None = None,
         health: Annotated[str | None, Query(pattern="^(healthy|degraded|failed)$")] = None,
-        capacity: Annotated[str | None, Query(
-            pattern="^(idle|allocated|degraded|failed|unavailable)$")] = None,
+        capacity: Annotated[
+            str | None, Query(pattern="^(idle|allocated|degraded|failed|unavailable)$")
+        ] = None,
     ) -> dict[str, Any]:
         scope = request.state.scope
-        return source.read(lambda v: _page(v, [
-            _redact_gpu(v, g, scope) for g in view_read.select_gpus(v, cluster, health,
-                                                                     capacity)]))
+        return source.read(
+            lambda v: _page(
+                v,
+                [
+                    _redact_gpu(v, g, scope)
+                    for g in view_read.select_gpus(v, cluster, health, capacity)
+                ],
+            )
+        )
 
-    def in_scope(request: Request, rows: Callable[[ResourceView], list[dict[str, Any]]]
-                 ) -> dict[str, Any]:
+    def in_scope(
+        request: Request, rows: Callable[[ResourceView], list[dict[str, Any]]]
+    ) -> dict[str, Any]:
         """The rows of the caller's tenant scope (all for a role that spans tenants)."""
         scope = request.state.scope
-        return source.read(lambda v: _page(v, [
-            row for row in rows(v) if _in_scope(row["tenant"], scope)]))
+        return source.read(
+            lambda v: _page(v, [row for row in rows(v) if _in_scope(row["tenant"], scope)])
+        )
 
-    @route("GET", "/v1/allocations", Rule("jobs", "read"),
-           response_model=models.Page[models.AllocationBody],
-           summary="Jobs of the caller's tenant and the GPUs bound to them")
+    @route(
+        "GET",
+        "/v1/allocations",
+        Rule("jobs", "read"),
+        response_model=models.Page[models.AllocationBody],
+        summary="Jobs of the caller's tenant and the GPUs bound to them",
+    )
     def list_allocations(request: Request, tenant: str | None = None) -> dict[str, Any]:
         return in_scope(request, view_read.allocations)
 
-    @route("GET", "/v1/datasets", Rule("datasets", "read"),
-           response_model=models.Page[models.DatasetBody],
-           summary="The caller's tenant's datasets and the clusters holding replicas")
+    @route(
+        "GET",
+        "/v1/datasets",
+        Rule("datasets", "read"),
+        response_model=models.Page[models.DatasetBody],
+        summary="The caller's tenant's datasets and the clusters holding replicas",
+    )
     def list_datasets(request: Request, tenant: str | None = None) -> dict[str, Any]:
         return in_scope(request, view_read.datasets)
 
-    @route("GET", "/v1/tenants", Rule("usage", "read"),
-           response_model=models.Page[models.TenantUsageBody],
-           summary="GPUs and dataset bytes in use by the caller's tenant (all, for admins)")
+    @route(
+        "GET",
+        "/v1/tenants",
+        Rule("usage", "read"),
+        response_model=models.Page[models.TenantUsageBody],
+        summary="GPUs and dataset bytes in use by the caller's tenant (all, for admins)",
+    )
     def list_tenants(request: Request, tenant: str | None = None) -> dict[str, Any]:
         return in_scope(request, view_read.tenant_usage)

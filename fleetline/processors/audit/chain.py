@@ -27,12 +27,35 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-EVENT_FIELDS = ("event_id", "ts", "actor", "actor_role", "tenant", "operation", "target",
-                "outcome", "status", "request_id", "trace_id", "source")
+EVENT_FIELDS = (
+    "event_id",
+    "ts",
+    "actor",
+    "actor_role",
+    "tenant",
+    "operation",
+    "target",
+    "outcome",
+    "status",
+    "request_id",
+    "trace_id",
+    "source",
+)
 DIGEST_FIELDS = ("covers_seq", "covers_hash", "key_id", "algorithm", "signature")
 # Keys in `details` whose values only privileged roles may see (exports, responses, logs).
-SENSITIVE_MARKERS = ("token", "secret", "password", "credential", "authorization", "api_key",
-                     "apikey", "private", "email", "phone", "ssn")
+SENSITIVE_MARKERS = (
+    "token",
+    "secret",
+    "password",
+    "credential",
+    "authorization",
+    "api_key",
+    "apikey",
+    "private",
+    "email",
+    "phone",
+    "ssn",
+)
 
 
 def is_sensitive(name: str) -> bool:
@@ -71,13 +94,18 @@ def event_commitments(event: Mapping[str, Any]) -> dict[str, str]:
 
 
 def digest_content(digest: Mapping[str, Any]) -> dict[str, Any]:
-    return {"covers_seq": digest["covers_seq"], "covers_hash": digest["covers_hash"].hex(),
-            "key_id": digest["key_id"], "algorithm": digest["algorithm"],
-            "signature": digest["signature"].hex()}
+    return {
+        "covers_seq": digest["covers_seq"],
+        "covers_hash": digest["covers_hash"].hex(),
+        "key_id": digest["key_id"],
+        "algorithm": digest["algorithm"],
+        "signature": digest["signature"].hex(),
+    }
 
 
-def content_digest_of(commitments: Mapping[str, str] | None = None,
-                      digest: Mapping[str, Any] | None = None) -> bytes:
+def content_digest_of(
+    commitments: Mapping[str, str] | None = None, digest: Mapping[str, Any] | None = None
+) -> bytes:
     payload = {"event": commitments} if commitments is not None else {"digest": digest}
     return hashlib.sha256(_canonical(payload)).digest()
 
@@ -117,36 +145,67 @@ class ChainHead:
     chained_at: int = 0
 
     def as_data(self) -> dict[str, Any]:
-        return {"next_seq": self.next_seq, "last_hash": self.last_hash.hex(),
-                "since_digest": self.since_digest, "chained_at": self.chained_at}
+        return {
+            "next_seq": self.next_seq,
+            "last_hash": self.last_hash.hex(),
+            "since_digest": self.since_digest,
+            "chained_at": self.chained_at,
+        }
 
     @classmethod
     def from_data(cls, data: Mapping[str, Any]) -> ChainHead:
-        return cls(data["next_seq"], bytes.fromhex(data["last_hash"]), data["since_digest"],
-                   data["chained_at"])
+        return cls(
+            data["next_seq"],
+            bytes.fromhex(data["last_hash"]),
+            data["since_digest"],
+            data["chained_at"],
+        )
 
 
-def chain_event(head: ChainHead | None, partition: int, event: Mapping[str, Any],
-                signer: Signer, digest_every: int) -> tuple[ChainHead, list[dict[str, Any]]]:
+def chain_event(
+    head: ChainHead | None,
+    partition: int,
+    event: Mapping[str, Any],
+    signer: Signer,
+    digest_every: int,
+) -> tuple[ChainHead, list[dict[str, Any]]]:
     """Link one event into the partition's chain: the new head and the AuditRecords to append
     (the event's link and, every `digest_every` links, a signed digest after it)."""
     head = head or ChainHead(0, genesis(partition))
     chained_at = max(head.chained_at, event["ts"])
     content = content_digest_of(event_commitments(event))
-    record = {"partition": partition, "seq": head.next_seq, "prev_hash": head.last_hash,
-              "content_digest": content, "hash": link_hash(head.last_hash, content),
-              "chained_at": chained_at, "event": dict(event), "digest": None}
+    record = {
+        "partition": partition,
+        "seq": head.next_seq,
+        "prev_hash": head.last_hash,
+        "content_digest": content,
+        "hash": link_hash(head.last_hash, content),
+        "chained_at": chained_at,
+        "event": dict(event),
+        "digest": None,
+    }
     head = ChainHead(head.next_seq + 1, record["hash"], head.since_digest + 1, chained_at)
     records = [record]
     if head.since_digest >= digest_every:
         covers = head.next_seq - 1
-        digest = {"covers_seq": covers, "covers_hash": head.last_hash, "key_id": signer.key_id,
-                  "algorithm": "Ed25519",
-                  "signature": signer.sign(partition, covers, head.last_hash)}
+        digest = {
+            "covers_seq": covers,
+            "covers_hash": head.last_hash,
+            "key_id": signer.key_id,
+            "algorithm": "Ed25519",
+            "signature": signer.sign(partition, covers, head.last_hash),
+        }
         content = content_digest_of(digest=digest_content(digest))
-        link = {"partition": partition, "seq": head.next_seq, "prev_hash": head.last_hash,
-                "content_digest": content, "hash": link_hash(head.last_hash, content),
-                "chained_at": chained_at, "event": None, "digest": digest}
+        link = {
+            "partition": partition,
+            "seq": head.next_seq,
+            "prev_hash": head.last_hash,
+            "content_digest": content,
+            "hash": link_hash(head.last_hash, content),
+            "chained_at": chained_at,
+            "event": None,
+            "digest": digest,
+        }
         records.append(link)
         head = ChainHead(head.next_seq + 1, link["hash"], 0, chained_at)
     return head, records
@@ -154,13 +213,17 @@ def chain_event(head: ChainHead | None, partition: int, event: Mapping[str, Any]
 
 # --- exports -------------------------------------------------------------------------------
 
+
 def export_entry(record: Mapping[str, Any], reveal_sensitive: bool) -> dict[str, Any]:
     """A record as plain JSON data with what a verifier needs: every field's commitment, and
     the value and field salt of each field the reader may see."""
     entry: dict[str, Any] = {
-        "partition": record["partition"], "seq": record["seq"],
-        "prev_hash": record["prev_hash"].hex(), "content_digest": record["content_digest"].hex(),
-        "hash": record["hash"].hex(), "chained_at": record["chained_at"],
+        "partition": record["partition"],
+        "seq": record["seq"],
+        "prev_hash": record["prev_hash"].hex(),
+        "content_digest": record["content_digest"].hex(),
+        "hash": record["hash"].hex(),
+        "chained_at": record["chained_at"],
     }
     if record["digest"] is not None:
         entry["digest"] = digest_content(record["digest"])
@@ -176,29 +239,40 @@ def export_entry(record: Mapping[str, Any], reveal_sensitive: bool) -> dict[str,
             continue
         values[name] = value
         salts[name] = field_salt(event["salt"], name).hex()
-    entry["event"] = {"values": values, "field_salts": salts, "commitments": commitments,
-                      "masked": sorted(set(fields) - set(values))}
+    entry["event"] = {
+        "values": values,
+        "field_salts": salts,
+        "commitments": commitments,
+        "masked": sorted(set(fields) - set(values)),
+    }
     return entry
 
 
 def stub_entry(record: Mapping[str, Any]) -> dict[str, Any]:
     """A link the reader may not see (another tenant's event): enough to keep the chain
     checkable, nothing of its content."""
-    return {"partition": record["partition"], "seq": record["seq"],
-            "prev_hash": record["prev_hash"].hex(),
-            "content_digest": record["content_digest"].hex(), "hash": record["hash"].hex(),
-            "stub": True}
+    return {
+        "partition": record["partition"],
+        "seq": record["seq"],
+        "prev_hash": record["prev_hash"].hex(),
+        "content_digest": record["content_digest"].hex(),
+        "hash": record["hash"].hex(),
+        "stub": True,
+    }
 
 
 def masked_event(event: Mapping[str, Any], reveal_sensitive: bool) -> dict[str, Any]:
     """An event for display (search results, API): sensitive details shown as ***."""
     out = {name: event[name] for name in EVENT_FIELDS}
-    out["details"] = {k: (v if reveal_sensitive or not is_sensitive(k) else "***")
-                      for k, v in event["details"].items()}
+    out["details"] = {
+        k: (v if reveal_sensitive or not is_sensitive(k) else "***")
+        for k, v in event["details"].items()
+    }
     return out
 
 
 # --- verification --------------------------------------------------------------------------
+
 
 @dataclass
 class VerifyReport:
@@ -234,8 +308,11 @@ def _entry_content_digest(entry: Mapping[str, Any]) -> bytes:
     return content_digest_of(commitments)
 
 
-def verify(entries: Iterable[Mapping[str, Any]], public_keys: Mapping[str, Ed25519PublicKey],
-           anchors: Mapping[int, tuple[int, bytes]] | None = None) -> VerifyReport:
+def verify(
+    entries: Iterable[Mapping[str, Any]],
+    public_keys: Mapping[str, Ed25519PublicKey],
+    anchors: Mapping[int, tuple[int, bytes]] | None = None,
+) -> VerifyReport:
     """Check export entries (`export_entry` form) in log order per partition.
 
     Each partition starts at its genesis, or at `anchors[p] = (seq, prev_hash)` for a range
@@ -252,12 +329,14 @@ def verify(entries: Iterable[Mapping[str, Any]], public_keys: Mapping[str, Ed255
             next_seq, prev = expect.get(p, (0, genesis(p)))
             if seq != next_seq:
                 if seq > next_seq:
-                    raise _Broken(f"expected seq {next_seq}: {seq - next_seq} link(s) missing "
-                                  "(deleted)")
+                    raise _Broken(
+                        f"expected seq {next_seq}: {seq - next_seq} link(s) missing (deleted)"
+                    )
                 raise _Broken(f"expected seq {next_seq}: a link was inserted or reordered")
             if bytes.fromhex(entry["prev_hash"]) != prev:
-                raise _Broken("prev_hash is not the previous link's hash (inserted, deleted or "
-                              "reordered)")
+                raise _Broken(
+                    "prev_hash is not the previous link's hash (inserted, deleted or reordered)"
+                )
             content = _entry_content_digest(entry)
             if content.hex() != entry["content_digest"]:
                 raise _Broken("content does not match content_digest (edited)")
@@ -272,11 +351,13 @@ def verify(entries: Iterable[Mapping[str, Any]], public_keys: Mapping[str, Ed255
                 if d["covers_seq"] != seq - 1 or d["covers_hash"] != prev.hex():
                     raise _Broken("digest does not cover the link before it")
                 try:
-                    key.verify(bytes.fromhex(d["signature"]),
-                               signed_message(p, d["covers_seq"], prev))
+                    key.verify(
+                        bytes.fromhex(d["signature"]), signed_message(p, d["covers_seq"], prev)
+                    )
                 except InvalidSignature:
-                    raise _Broken("digest signature does not verify (forged or altered "
-                                  "chain)") from None
+                    raise _Broken(
+                        "digest signature does not verify (forged or altered chain)"
+                    ) from None
                 report.digests += 1
                 signed_up_to[p] = seq
         except _Broken as exc:
@@ -292,9 +373,13 @@ def verify(entries: Iterable[Mapping[str, Any]], public_keys: Mapping[str, Ed255
     return report
 
 
-def export_window(records: list[dict[str, Any]], tenant: str | None, since_ms: int | None,
-                  until_ms: int | None, reveal_sensitive: bool
-                  ) -> tuple[list[dict[str, Any]], dict[int, tuple[int, bytes]]]:
+def export_window(
+    records: list[dict[str, Any]],
+    tenant: str | None,
+    since_ms: int | None,
+    until_ms: int | None,
+    reveal_sensitive: bool,
+) -> tuple[list[dict[str, Any]], dict[int, tuple[int, bytes]]]:
     """The export entries for a tenant (None: all) and time range, and the anchors where a
     partition's window starts mid-chain. Within each partition's window, from the first
     matching event to the last, links the reader may not see are stubs and digests are kept,
@@ -307,9 +392,12 @@ def export_window(records: list[dict[str, Any]], tenant: str | None, since_ms: i
 
     def matches(record: dict[str, Any]) -> bool:
         event = record["event"]
-        return event is not None and (tenant is None or event["tenant"] == tenant) and (
-            since_ms is None or event["ts"] >= since_ms) and (
-            until_ms is None or event["ts"] <= until_ms)
+        return (
+            event is not None
+            and (tenant is None or event["tenant"] == tenant)
+            and (since_ms is None or event["ts"] >= since_ms)
+            and (until_ms is None or event["ts"] <= until_ms)
+        )
 
     for partition in sorted(by_partition):
         chain = by_partition[partition]
@@ -322,9 +410,11 @@ def export_window(records: list[dict[str, Any]], tenant: str | None, since_ms: i
             last += 1
         if chain[first]["seq"] != 0:
             anchors[partition] = (chain[first]["seq"], chain[first]["prev_hash"])
-        for record in chain[first:last + 1]:
+        for record in chain[first : last + 1]:
             visible = record["event"] is None or (
-                tenant is None or record["event"]["tenant"] == tenant)
-            entries.append(export_entry(record, reveal_sensitive) if visible
-                           else stub_entry(record))
+                tenant is None or record["event"]["tenant"] == tenant
+            )
+            entries.append(
+                export_entry(record, reveal_sensitive) if visible else stub_entry(record)
+            )
     return entries, anchors

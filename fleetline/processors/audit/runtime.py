@@ -37,7 +37,7 @@ from fleetline.processors.audit.chain import (
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.events import AUDIT_EVENT
 from fleetline.streams.loop import MessageStep, StreamLoop
-from fleetline.streams.records import Output
+from fleetline.streams.records import Output, where
 from fleetline.streams.serde import AvroCodec, default_codec
 from fleetline.streams.store import ChangelogStore
 from fleetline.streams.topics import Topics
@@ -48,17 +48,26 @@ FLEET_KEY = "_fleet"
 
 
 def head_store(changelog_topic: str) -> ChangelogStore[ChainHead]:
-    return ChangelogStore("chain", changelog_topic,
-                          lambda head: json.dumps(head.as_data()).encode(),
-                          lambda data: ChainHead.from_data(json.loads(data)))
+    return ChangelogStore(
+        "chain",
+        changelog_topic,
+        lambda head: json.dumps(head.as_data()).encode(),
+        lambda data: ChainHead.from_data(json.loads(data)),
+    )
 
 
 class AuditChainStep(MessageStep):
     """Links each event into its partition's chain; the chain head is a changelog-backed store
     written in the same transaction as the records."""
 
-    def __init__(self, codec: AvroCodec, store: ChangelogStore[ChainHead], output_topic: str,
-                 signer: Signer, digest_every: int = 100) -> None:
+    def __init__(
+        self,
+        codec: AvroCodec,
+        store: ChangelogStore[ChainHead],
+        output_topic: str,
+        signer: Signer,
+        digest_every: int = 100,
+    ) -> None:
         self.codec = codec
         self.heads = store  # each partition's chain head
         self.stores = [store]
@@ -72,21 +81,41 @@ class AuditChainStep(MessageStep):
         for name in ("event_id", "actor", "operation", "request_id"):
             if not event[name]:
                 raise InvalidEventError(f"audit event {event['event_id']!r}: {name} is empty")
-        partition = msg.partition()
-        head, records = chain_event(self.heads.get(partition, HEAD_KEY), partition, event,
-                                    self.signer, self.digest_every)
+        _, partition, _ = where(msg)
+        head, records = chain_event(
+            self.heads.get(partition, HEAD_KEY), partition, event, self.signer, self.digest_every
+        )
         self.heads.put(partition, HEAD_KEY, head)
-        return [Output(self.output_topic, msg.key(), self.codec.encode("AuditRecord", record),
-                       partition=partition) for record in records]
+        return [
+            Output(
+                self.output_topic,
+                msg.key(),
+                self.codec.encode("AuditRecord", record),
+                partition=partition,
+            )
+            for record in records
+        ]
 
 
-def audit_chainer(kafka: KafkaSettings, topics: Topics, signer: Signer,
-                  digest_every: int = 100, instance_id: str = "0") -> StreamLoop:
+def audit_chainer(
+    kafka: KafkaSettings,
+    topics: Topics,
+    signer: Signer,
+    digest_every: int = 100,
+    instance_id: str = "0",
+) -> StreamLoop:
     """The chainer, exactly once; `ensure_topics` must include its changelog."""
     store = head_store(topics.changelog(APPLICATION_ID, "chain"))
     step = AuditChainStep(default_codec(), store, topics.audit_log, signer, digest_every)
-    return StreamLoop(kafka, f"{topics.prefix}.{APPLICATION_ID}", [topics.audit_requests], step,
-                      topics.dead_letter, exactly_once=True, instance_id=instance_id)
+    return StreamLoop(
+        kafka,
+        f"{topics.prefix}.{APPLICATION_ID}",
+        [topics.audit_requests],
+        step,
+        topics.dead_letter,
+        exactly_once=True,
+        instance_id=instance_id,
+    )
 
 
 def load_signer(path: Path, create: bool = False) -> Signer:
@@ -101,12 +130,12 @@ def load_signer(path: Path, create: bool = False) -> Signer:
         with os.fdopen(fd, "wb") as out:
             out.write(pem)
     try:
-        key = load_pem_private_key(path.read_bytes(), password=None)
+        loaded = load_pem_private_key(path.read_bytes(), password=None)
     except ValueError as exc:
         raise ConfigError(f"audit signing key {path}: {exc}") from None
-    if not isinstance(key, Ed25519PrivateKey):
+    if not isinstance(loaded, Ed25519PrivateKey):
         raise ConfigError(f"audit signing key {path} is not an Ed25519 key")
-    return Signer(key)
+    return Signer(loaded)
 
 
 def load_public_keys(paths: Sequence[Path]) -> dict[str, Ed25519PublicKey]:
@@ -115,8 +144,11 @@ def load_public_keys(paths: Sequence[Path]) -> dict[str, Ed25519PublicKey]:
     for path in paths:
         data = path.read_bytes()
         try:
-            key = (load_pem_private_key(data, password=None).public_key()
-                   if b"PRIVATE KEY" in data else load_pem_public_key(data))
+            key = (
+                load_pem_private_key(data, password=None).public_key()
+                if b"PRIVATE KEY" in data
+                else load_pem_public_key(data)
+            )
         except ValueError as exc:
             raise ConfigError(f"audit verify key {path}: {exc}") from None
         if not isinstance(key, Ed25519PublicKey):
@@ -125,17 +157,39 @@ def load_public_keys(paths: Sequence[Path]) -> dict[str, Ed25519PublicKey]:
     return keys
 
 
-def new_event(*, ts: int, actor: str, actor_role: str, operation: str, target: str,
-              outcome: str, request_id: str | None = None, tenant: str | None = None,
-              status: int = 0, trace_id: str | None = None, source: str = "api",
-              details: Mapping[str, str] | None = None) -> dict[str, Any]:
+def new_event(
+    *,
+    ts: int,
+    actor: str,
+    actor_role: str,
+    operation: str,
+    target: str,
+    outcome: str,
+    request_id: str | None = None,
+    tenant: str | None = None,
+    status: int = 0,
+    trace_id: str | None = None,
+    source: str = "api",
+    details: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
     """An AuditEvent record. The shell supplies time and ids; the salt is fresh randomness,
     which is what makes a masked field's commitment unguessable."""
-    return {"event_id": uuid.uuid4().hex, "ts": ts, "actor": actor, "actor_role": actor_role,
-            "tenant": tenant, "operation": operation, "target": target, "outcome": outcome,
-            "status": status, "request_id": request_id or uuid.uuid4().hex,
-            "trace_id": trace_id, "source": source, "details": dict(details or {}),
-            "salt": os.urandom(16)}
+    return {
+        "event_id": uuid.uuid4().hex,
+        "ts": ts,
+        "actor": actor,
+        "actor_role": actor_role,
+        "tenant": tenant,
+        "operation": operation,
+        "target": target,
+        "outcome": outcome,
+        "status": status,
+        "request_id": request_id or uuid.uuid4().hex,
+        "trace_id": trace_id,
+        "source": source,
+        "details": dict(details or {}),
+        "salt": os.urandom(16),
+    }
 
 
 class AuditEmitter(Protocol):
@@ -157,8 +211,9 @@ class KafkaAuditEmitter:
         key = (event.get("tenant") or FLEET_KEY).encode()
         while True:
             try:
-                self.producer.produce(self.topic, key=key,
-                                      value=self.codec.encode("AuditEvent", event))
+                self.producer.produce(
+                    self.topic, key=key, value=self.codec.encode("AuditEvent", event)
+                )
                 break
             except BufferError:
                 self.producer.poll(0.1)
@@ -168,14 +223,19 @@ class KafkaAuditEmitter:
         return self.producer.flush(timeout_s)
 
 
-def read_chain(kafka: KafkaSettings, topics: Topics,
-               timeout_s: float = 60.0) -> list[dict[str, Any]]:
+def read_chain(
+    kafka: KafkaSettings, topics: Topics, timeout_s: float = 60.0
+) -> list[dict[str, Any]]:
     """Every AuditRecord on the audit topic, partition by partition in log order."""
     codec = default_codec()
     partitions = kafka_clients.partitions_of(kafka, topics.audit_log)
     by_partition: dict[int, list[dict[str, Any]]] = {p: [] for p in partitions}
-    for msg in kafka_clients.read_to_end(kafka, topics.audit_log, partitions,
-                                         f"fleetline-audit-read-{uuid.uuid4().hex[:12]}",
-                                         timeout_s):
+    for msg in kafka_clients.read_to_end(
+        kafka,
+        topics.audit_log,
+        partitions,
+        f"fleetline-audit-read-{uuid.uuid4().hex[:12]}",
+        timeout_s,
+    ):
         by_partition[msg.partition() or 0].append(codec.decode(msg.value()).record)
     return [r for p in sorted(by_partition) for r in by_partition[p]]

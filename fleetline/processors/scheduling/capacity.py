@@ -22,7 +22,15 @@ from functools import lru_cache
 from typing import Any
 
 from fleetline.errors import InvalidEventError
-from fleetline.processors.view.fold import DEGRADED, FAILED, HEALTHY, ResourceView, node_status
+from fleetline.processors.view.fold import (
+    DEGRADED,
+    FAILED,
+    HEALTHY,
+    NodeStatus,
+    NodeView,
+    ResourceView,
+    node_status,
+)
 
 GpuRef = tuple[str, int]
 Offsets = dict[str, dict[int, int]]
@@ -58,8 +66,9 @@ def pick(islands: tuple[int, ...], free: int, need: int, tensor: int) -> int:
         everything = 0
         for island in islands:
             everything |= island
-        return everything if need == everything.bit_count() and free & everything == everything \
-            else 0
+        return (
+            everything if need == everything.bit_count() and free & everything == everything else 0
+        )
     groups = need // tensor
     chosen = 0
     spare = sorted((free & island for island in islands), key=lambda m: (m.bit_count(), m))
@@ -108,6 +117,10 @@ class DatasetFacts:
     replicas: tuple[str, ...]
 
 
+# (the view's node object, its epoch, status, facts, GPUs lost, why, GPUs present, GPUs bad)
+NodeEntry = tuple[NodeView, int, NodeStatus, NodeFacts, int, str, int, int]
+
+
 @dataclass
 class FleetFacts:
     """The part of a view the scheduler decides on, and the view position it came from."""
@@ -122,9 +135,8 @@ class FleetFacts:
     _lost_reasons: dict[str, str] = field(default_factory=dict)
     # Values derived from these facts alone, computed once (cheapest GPU-hour, cluster ids).
     memo: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
-    # node -> (the view's node object, its epoch, status, facts, lost, reason, present, bad):
-    # what the next observation of the same view may reuse.
-    node_cache: dict[str, tuple] = field(default_factory=dict, repr=False, compare=False)
+    # What the next observation of the same view may reuse, per node.
+    node_cache: dict[str, NodeEntry] = field(default_factory=dict, repr=False, compare=False)
 
     def lost_reason(self, node_id: str) -> str:
         return self._lost_reasons.get(node_id, f"{node_id} is gone from the view")
@@ -143,7 +155,7 @@ def observe(view: ResourceView, previous: FleetFacts | None = None) -> FleetFact
     counts: dict[str, list[int]] = {}  # cluster -> [nodes, unreachable, gpus, bad gpus]
     regions: dict[str, str] = {}
     cache = previous.node_cache if previous is not None else {}
-    fresh: dict[str, tuple] = {}
+    fresh: dict[str, NodeEntry] = {}
     for node_id in sorted(view.nodes):
         node = view.nodes[node_id]
         status = node_status(view, node)
@@ -178,19 +190,33 @@ def observe(view: ResourceView, previous: FleetFacts | None = None) -> FleetFact
             health = "healthy"
         region = info.region if info else regions.get(cluster_id, "")
         clusters[cluster_id] = ClusterFacts(
-            cluster_id=cluster_id, region=region, kind=info.kind if info else "UNKNOWN",
+            cluster_id=cluster_id,
+            region=region,
+            kind=info.kind if info else "UNKNOWN",
             price_per_gpu_hour=(info.price_per_gpu_hour or 0.0) if info else 0.0,
             energy_price_per_kwh=(info.energy_price_per_kwh or 0.0) if info else 0.0,
             pue=(info.pue or 1.0) if info else 1.0,
-            link_latency_ms=dict(info.link_latency_ms) if info else {}, health=health)
-    datasets = {d: DatasetFacts(d, info.tenant, info.size_bytes, tuple(info.replicas))
-                for d, info in sorted(view.datasets.items())}
-    return FleetFacts(nodes, lost, clusters, datasets, view.version,
-                      {t: dict(sorted(ps.items())) for t, ps in sorted(view.offsets.items())},
-                      view.watermark_ms, reasons, node_cache=fresh)
+            link_latency_ms=dict(info.link_latency_ms) if info else {},
+            health=health,
+        )
+    datasets = {
+        d: DatasetFacts(d, info.tenant, info.size_bytes, tuple(info.replicas))
+        for d, info in sorted(view.datasets.items())
+    }
+    return FleetFacts(
+        nodes,
+        lost,
+        clusters,
+        datasets,
+        view.version,
+        {t: dict(sorted(ps.items())) for t, ps in sorted(view.offsets.items())},
+        view.watermark_ms,
+        reasons,
+        node_cache=fresh,
+    )
 
 
-def _node_facts(node: Any, status: str) -> tuple[NodeFacts, int, str, int, int]:
+def _node_facts(node: NodeView, status: NodeStatus) -> tuple[NodeFacts, int, str, int, int]:
     """(facts, GPUs jobs must leave, why, GPUs present, GPUs not usable) of one node."""
     healthy = degraded = present = failed = 0
     for index, gpu in node.gpus.items():
@@ -206,20 +232,28 @@ def _node_facts(node: Any, status: str) -> tuple[NodeFacts, int, str, int, int]:
     lost_mask, reason = 0, ""
     if status in ("DOWN", "UNREACHABLE"):
         lost_mask = present
-        reason = (f"{node.node_id} is {status}"
-                  + (f" ({node.reason})" if status == "DOWN" and node.reason else ""))
+        reason = f"{node.node_id} is {status}" + (
+            f" ({node.reason})" if status == "DOWN" and node.reason else ""
+        )
     elif failed:
         lost_mask = failed
         causes = sorted({node.gpus[i].failure or FAILED for i in indices_of(failed)})
-        reason = (f"{node.node_id} GPU(s) {list(indices_of(failed))} failed "
-                  f"({', '.join(causes)})")
+        reason = f"{node.node_id} GPU(s) {list(indices_of(failed))} failed ({', '.join(causes)})"
     if status != "UP":
         healthy = degraded = 0
     islands = tuple(mask_of(i) for i in node.islands) or (present,)
     facts = NodeFacts(
-        node_id=node.node_id, cluster_id=node.cluster_id, leaf=node.leaf_switch or "unknown",
-        spine=node.spine_switch or "unknown", model=node.labels.get("accelerator", "").lower(),
-        islands=islands, present=present, healthy=healthy, degraded=degraded, status=status)
+        node_id=node.node_id,
+        cluster_id=node.cluster_id,
+        leaf=node.leaf_switch or "unknown",
+        spine=node.spine_switch or "unknown",
+        model=node.labels.get("accelerator", "").lower(),
+        islands=islands,
+        present=present,
+        healthy=healthy,
+        degraded=degraded,
+        status=status,
+    )
     return facts, lost_mask, reason, present.bit_count(), bad
 
 
@@ -318,29 +352,30 @@ class CapacityIndex:
         """Take GPUs for a job; InvalidEventError if any is taken already (no double booking)."""
         held = self.taken.get(node_id, 0)
         if held & mask:
-            raise InvalidEventError(f"{node_id} GPU(s) {list(indices_of(held & mask))} are "
-                                    "already allocated")
+            raise InvalidEventError(
+                f"{node_id} GPU(s) {list(indices_of(held & mask))} are already allocated"
+            )
         node = self.facts.nodes.get(node_id)
-        schedulable = node is not None and node.status == "UP"
-        if schedulable:
-            self._remove(node)
+        schedulable = node if node is not None and node.status == "UP" else None
+        if schedulable is not None:
+            self._remove(schedulable)
         self.taken[node_id] = held | mask
-        if schedulable:
-            self._add(node)
+        if schedulable is not None:
+            self._add(schedulable)
 
     def release(self, node_id: str, mask: int) -> None:
         held = self.taken.get(node_id, 0)
         node = self.facts.nodes.get(node_id)
-        schedulable = node is not None and node.status == "UP"
-        if schedulable:
-            self._remove(node)
+        schedulable = node if node is not None and node.status == "UP" else None
+        if schedulable is not None:
+            self._remove(schedulable)
         rest = held & ~mask
         if rest:
             self.taken[node_id] = rest
         else:
             self.taken.pop(node_id, None)
-        if schedulable:
-            self._add(node)
+        if schedulable is not None:
+            self._add(schedulable)
 
     def refresh(self, facts: FleetFacts) -> None:
         """Move to a newer observation, re-bucketing only the nodes whose facts changed (the
@@ -421,16 +456,18 @@ class CapacityIndex:
         need = shape.workers
         if available < need:
             kind = "" if shape.allow_degraded else "healthy "
-            return (f"needs {need} nodes with {shape.per_worker} free {kind}"
-                    f"{shape.accelerator or 'any'} GPUs in NVLink groups of "
-                    f"{min(shape.tensor, shape.per_worker)}; {available} have them")
+            return (
+                f"needs {need} nodes with {shape.per_worker} free {kind}"
+                f"{shape.accelerator or 'any'} GPUs in NVLink groups of "
+                f"{min(shape.tensor, shape.per_worker)}; {available} have them"
+            )
         if need == 1:
             # The tightest nodes, in the leaf with the fewest of them: filling leaves that are
             # mostly used keeps whole leaves free for gangs.
             _, key, chosen = fitting[0]
-            leaves = buckets[key]
-            leaf = min(leaves, key=lambda lf: (len(leaves[lf]), lf))
-            return Gang(cluster_id, ((min(leaves[leaf]), chosen),), (leaf,), 0)
+            members = buckets[key]
+            leaf = min(members, key=lambda lf: (len(members[lf]), lf))
+            return Gang(cluster_id, ((min(members[leaf]), chosen),), (leaf,), 0)
         # Per leaf, the keys it has nodes of, tightest first: (free, key, mask, count).
         by_leaf: dict[str, list[tuple[int, BucketKey, int, int]]] = {}
         for free_count, key, chosen in fitting:
@@ -467,8 +504,9 @@ class CapacityIndex:
             return Gang(cluster_id, tuple(take(best, need)), (best,), 0)
         # Whole pipeline replicas under one leaf each, the leaves that hold the most first.
         per_replica = shape.replica_workers if need % shape.replica_workers == 0 else need
-        order = sorted(totals, key=lambda leaf: (-(totals[leaf] // per_replica), -totals[leaf],
-                                                 leaf))
+        order = sorted(
+            totals, key=lambda leaf: (-(totals[leaf] // per_replica), -totals[leaf], leaf)
+        )
         picked: list[tuple[str, int]] = []
         leaves: list[str] = []
         used: dict[str, int] = {}
@@ -501,8 +539,9 @@ class CapacityIndex:
                 for node_id in nodes:
                     yield leaf, node_id
 
-    def free_gpus(self, cluster_id: str, allow_degraded: bool = False,
-                  accelerator: str = "") -> int:
+    def free_gpus(
+        self, cluster_id: str, allow_degraded: bool = False, accelerator: str = ""
+    ) -> int:
         total = 0
         for (model, _, free_h, free_d), count in self.counts.get(cluster_id, {}).items():
             if accelerator and accelerator.lower() not in model:
@@ -530,5 +569,9 @@ class CapacityIndex:
                     whole_nodes += n
                 else:
                     stranded += count
-        return {"free_gpus": free, "stranded_gpus": stranded, "whole_free_nodes": whole_nodes,
-                "fragmentation": round(stranded / free, 6) if free else 0.0}
+        return {
+            "free_gpus": free,
+            "stranded_gpus": stranded,
+            "whole_free_nodes": whole_nodes,
+            "fragmentation": round(stranded / free, 6) if free else 0.0,
+        }

@@ -26,36 +26,64 @@ from fleetline.streams.events import (
 Offsets = Mapping[str, Mapping[int, int]]
 
 
-def new_request(kind: str, key: str, tenant: str, ts: int, request_id: str, *,
-                actor: str = "", spec_json: str | None = None, phase: str | None = None,
-                checkpoint_ms: int | None = None,
-                view_offsets: Offsets | None = None) -> dict[str, Any]:
+def new_request(
+    kind: str,
+    key: str,
+    tenant: str,
+    ts: int,
+    request_id: str,
+    *,
+    actor: str = "",
+    spec_json: str | None = None,
+    phase: str | None = None,
+    checkpoint_ms: int | None = None,
+    view_offsets: Offsets | None = None,
+) -> dict[str, Any]:
     """A SchedulerRequest record."""
     if kind not in tuple(RequestKind):
         raise ValueError(f"unknown request kind {kind!r}")
-    return {"request_id": request_id, "kind": kind, "key": key, "tenant": tenant, "ts": ts,
-            "actor": actor, "spec_json": spec_json, "phase": phase,
-            "checkpoint_ms": checkpoint_ms,
-            "view_offsets": [{"topic": t, "partition": p, "offset": o}
-                             for t, ps in sorted((view_offsets or {}).items())
-                             for p, o in sorted(ps.items())]}
+    return {
+        "request_id": request_id,
+        "kind": kind,
+        "key": key,
+        "tenant": tenant,
+        "ts": ts,
+        "actor": actor,
+        "spec_json": spec_json,
+        "phase": phase,
+        "checkpoint_ms": checkpoint_ms,
+        "view_offsets": [
+            {"topic": t, "partition": p, "offset": o}
+            for t, ps in sorted((view_offsets or {}).items())
+            for p, o in sorted(ps.items())
+        ],
+    }
 
 
 def canonical_json(document: Any) -> str:
     return json.dumps(document, sort_keys=True, separators=(",", ":"))
 
 
-def submit_request(spec: Spec, document: Mapping[str, Any], ts: int, request_id: str,
-                   actor: str = "") -> dict[str, Any]:
-    return new_request("SUBMIT", spec_key(spec), spec.metadata.tenant, ts, request_id,
-                       actor=actor, spec_json=canonical_json(document))
+def submit_request(
+    spec: Spec, document: Mapping[str, Any], ts: int, request_id: str, actor: str = ""
+) -> dict[str, Any]:
+    return new_request(
+        "SUBMIT",
+        spec_key(spec),
+        spec.metadata.tenant,
+        ts,
+        request_id,
+        actor=actor,
+        spec_json=canonical_json(document),
+    )
 
 
 def datasets_first(specs: Sequence[Spec], documents: Sequence[Any]) -> list[tuple[Spec, Any]]:
     """Specs in the order to submit them: datasets before the jobs that may read them."""
     pairs = list(zip(specs, documents, strict=True))
-    return [p for p in pairs if p[0].kind == "Dataset"] + [p for p in pairs
-                                                            if p[0].kind != "Dataset"]
+    return [p for p in pairs if p[0].kind == "Dataset"] + [
+        p for p in pairs if p[0].kind != "Dataset"
+    ]
 
 
 def offsets_of(request: Mapping[str, Any]) -> dict[str, dict[int, int]]:
@@ -71,23 +99,52 @@ def effect_record(effect: Effect) -> tuple[str, str, dict[str, Any]]:
         case Decision():
             return SCHEDULING_DECISION, effect.job, effect.as_record()
         case AllocationChange():
-            return ALLOCATION, effect.job, {
-                "job_id": effect.job, "tenant": effect.tenant, "seq": effect.seq,
-                "ts": effect.ts, "kind": effect.kind, "cluster_id": effect.cluster_id,
-                "gpus": [{"node_id": n, "gpu_index": i} for n, i in effect.gpus],
-                "priority": effect.priority, "reason": effect.reason}
+            return (
+                ALLOCATION,
+                effect.job,
+                {
+                    "job_id": effect.job,
+                    "tenant": effect.tenant,
+                    "seq": effect.seq,
+                    "ts": effect.ts,
+                    "kind": effect.kind,
+                    "cluster_id": effect.cluster_id,
+                    "gpus": [{"node_id": n, "gpu_index": i} for n, i in effect.gpus],
+                    "priority": effect.priority,
+                    "reason": effect.reason,
+                },
+            )
         case PrewarmOrder():
             p = effect.prewarm
-            return DATASET_PREWARM, f"{p.dataset_id}@{p.to_cluster}", {
-                "dataset_id": p.dataset_id, "tenant": effect.tenant, "job": effect.job,
-                "decision_id": effect.decision_id, "ts": effect.ts,
-                "from_cluster": p.from_cluster, "to_cluster": p.to_cluster,
-                "size_bytes": p.size_bytes, "estimated_s": p.estimated_s,
-                "rate_gbps": p.rate_gbps}
+            return (
+                DATASET_PREWARM,
+                f"{p.dataset_id}@{p.to_cluster}",
+                {
+                    "dataset_id": p.dataset_id,
+                    "tenant": effect.tenant,
+                    "job": effect.job,
+                    "decision_id": effect.decision_id,
+                    "ts": effect.ts,
+                    "from_cluster": p.from_cluster,
+                    "to_cluster": p.to_cluster,
+                    "size_bytes": p.size_bytes,
+                    "estimated_s": p.estimated_s,
+                    "rate_gbps": p.rate_gbps,
+                },
+            )
         case DatasetRecord():
-            return DATASET_STATE, effect.dataset_id, {
-                "dataset_id": effect.dataset_id, "tenant": effect.tenant, "seq": effect.seq,
-                "ts": effect.ts, "size_bytes": effect.size_bytes,
-                "replicas": list(effect.replicas), "deleted": effect.deleted}
+            return (
+                DATASET_STATE,
+                effect.dataset_id,
+                {
+                    "dataset_id": effect.dataset_id,
+                    "tenant": effect.tenant,
+                    "seq": effect.seq,
+                    "ts": effect.ts,
+                    "size_bytes": effect.size_bytes,
+                    "replicas": list(effect.replicas),
+                    "deleted": effect.deleted,
+                },
+            )
         case _:
             raise TypeError(f"not a scheduler effect: {effect!r}")

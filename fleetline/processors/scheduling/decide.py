@@ -60,9 +60,15 @@ def request_for(s: SchedulerState, job: Job, workers: int | None = None) -> JobR
     spec = job.spec
     if isinstance(spec, TrainingJobSpec):
         shape = training_shape(spec, workers)
-        return JobRequest(job.key, job.tenant, shape, job.priority,
-                          s.dataset(spec.dataset) if spec.dataset else None,
-                          user_region=spec.region, gpu_ms=shape.gpus * s.runtime_ms(spec))
+        return JobRequest(
+            job.key,
+            job.tenant,
+            shape,
+            job.priority,
+            s.dataset(spec.dataset) if spec.dataset else None,
+            user_region=spec.region,
+            gpu_ms=shape.gpus * s.runtime_ms(spec),
+        )
     shape = inference_shape(spec, spec.min_replicas)
     return JobRequest(job.key, job.tenant, shape, job.priority, regions=spec.regions)
 
@@ -76,15 +82,15 @@ def try_place(s: SchedulerState, job: Job) -> Attempt:
     spec = job.spec
     request = request_for(s, job)
     ctx = context(s, request)
-    block = quota_block(ctx.tenant_policy, ctx.usage_of(),
-                        Request(request.shape.gpus, {}, request.gpu_ms))
+    block = quota_block(
+        ctx.tenant_policy, ctx.usage_of(), Request(request.shape.gpus, {}, request.gpu_ms)
+    )
     if isinstance(spec, InferenceServiceSpec):
         if block is not None:
             return Attempt((), block, tuple(rank_clusters(ctx)))
         return place_replicas(ctx, spec.min_replicas)
     if spec.dataset and request.dataset is None:
-        return Attempt((), f"dataset {spec.dataset} is not registered (apply its Dataset "
-                       "spec)", ())
+        return Attempt((), f"dataset {spec.dataset} is not registered (apply its Dataset spec)", ())
     attempt = place_gang(ctx) if block is None else Attempt((), block, ())
     if not attempt.placed and block is None and spec.allow_split_across_clusters:
         split = place_split(ctx)
@@ -96,12 +102,20 @@ def try_place(s: SchedulerState, job: Job) -> Attempt:
         while fewer >= spec.min_workers:
             smaller = request_for(s, job, fewer)
             sctx = context(s, smaller)
-            if quota_block(sctx.tenant_policy, sctx.usage_of(),
-                           Request(smaller.shape.gpus, {}, smaller.gpu_ms)) is None:
+            if (
+                quota_block(
+                    sctx.tenant_policy,
+                    sctx.usage_of(),
+                    Request(smaller.shape.gpus, {}, smaller.gpu_ms),
+                )
+                is None
+            ):
                 elastic = place_gang(sctx)
                 if elastic.placed:
-                    return replace(elastic, reason=f"elastic: {fewer} of {spec.workers} "
-                                   f"workers; " + elastic.reason)
+                    return replace(
+                        elastic,
+                        reason=f"elastic: {fewer} of {spec.workers} workers; " + elastic.reason,
+                    )
             fewer -= unit
     if not attempt.alternatives and block is not None:
         attempt = Attempt((), block, tuple(rank_clusters(ctx)))
@@ -113,17 +127,32 @@ def shape_keys(job: Job) -> tuple[ShapeKey, ShapeKey]:
     with equal keys fail alike."""
     spec = job.spec
     if isinstance(spec, TrainingJobSpec):
-        fleet: ShapeKey = ("T", job.priority, spec.accelerator, spec.workers, spec.min_workers,
-                           spec.gpus_per_worker, spec.parallelism, spec.communication,
-                           spec.allow_split_across_clusters)
+        fleet: ShapeKey = (
+            "T",
+            job.priority,
+            spec.accelerator,
+            spec.workers,
+            spec.min_workers,
+            spec.gpus_per_worker,
+            spec.parallelism,
+            spec.communication,
+            spec.allow_split_across_clusters,
+        )
         return fleet, (*fleet, job.tenant, spec.dataset, spec.max_runtime_s)
-    fleet = ("I", job.priority, spec.accelerator, spec.gpus_per_replica, spec.min_replicas,
-             spec.regions)
+    fleet = (
+        "I",
+        job.priority,
+        spec.accelerator,
+        spec.gpus_per_replica,
+        spec.min_replicas,
+        spec.regions,
+    )
     return fleet, (*fleet, job.tenant)
 
 
-def attempt(s: SchedulerState, out: EffectLog, job: Job,
-            failed_shapes: dict[ShapeKey, str] | None) -> bool:
+def attempt(
+    s: SchedulerState, out: EffectLog, job: Job, failed_shapes: dict[ShapeKey, str] | None
+) -> bool:
     """Try to place a queued job (preempting if its priority allows); decide when it is placed
     or when its blocking reason changed. True when placed.
 
@@ -146,22 +175,23 @@ def attempt(s: SchedulerState, out: EffectLog, job: Job,
     if not placed.placed:
         if failed_shapes is not None:
             fleet_only = bool(placed.alternatives) and all(
-                score.by in FLEET_FILTERS for score in placed.alternatives if score.rejected)
+                score.by in FLEET_FILTERS for score in placed.alternatives if score.rejected
+            )
             failed_shapes[keys[0] if fleet_only else keys[1]] = placed.reason
         job.phase = Phase.QUEUED
         job.condition(Condition.PLACED, False, placed.reason, s.now_ms)
         if placed.reason != job.queued_reason:
             job.queued_reason = placed.reason
-            decide(s, out, job, Outcome.QUEUED, placed.reason,
-                   alternatives=placed.alternatives)
+            decide(s, out, job, Outcome.QUEUED, placed.reason, alternatives=placed.alternatives)
         s.dirty.add(f"job:{job.key}")
         return False
     bind(s, out, job, placed, tuple(v.job for v in victims))
     return True
 
 
-def bind(s: SchedulerState, out: EffectLog, job: Job, placed: Attempt,
-         victims: tuple[str, ...]) -> None:
+def bind(
+    s: SchedulerState, out: EffectLog, job: Job, placed: Attempt, victims: tuple[str, ...]
+) -> None:
     """Give the job the GPUs it was placed on: allocation records, quota usage, its time
     limit and prewarms, and the decision that says so."""
     spec = job.spec
@@ -180,11 +210,22 @@ def bind(s: SchedulerState, out: EffectLog, job: Job, placed: Attempt,
         count = len(placement.gpus)
         usage.gpus += count
         usage.cluster_gpus[placement.cluster_id] = (
-            usage.cluster_gpus.get(placement.cluster_id, 0) + count)
+            usage.cluster_gpus.get(placement.cluster_id, 0) + count
+        )
         seq += 1
-        out.add(AllocationChange(job.key, job.tenant, AllocationKind.ALLOCATED,
-                                 placement.cluster_id, placement.gpus, job.priority, seq,
-                                 s.now_ms, f"placed by decision {out.next_id()}"))
+        out.add(
+            AllocationChange(
+                job.key,
+                job.tenant,
+                AllocationKind.ALLOCATED,
+                placement.cluster_id,
+                placement.gpus,
+                job.priority,
+                seq,
+                s.now_ms,
+                f"placed by decision {out.next_id()}",
+            )
+        )
     job.alloc_seq = seq
     job.workers = placed.workers
     job.placed_ms = s.now_ms
@@ -200,8 +241,7 @@ def bind(s: SchedulerState, out: EffectLog, job: Job, placed: Attempt,
         ticket = f"{prewarm.dataset_id}@{prewarm.to_cluster}"
         job.waiting_for.append(ticket)
         if ticket not in usage.prewarms:
-            usage.prewarms[ticket] = (prewarm.rate_gbps,
-                                      s.now_ms + int(prewarm.estimated_s * 1000))
+            usage.prewarms[ticket] = (prewarm.rate_gbps, s.now_ms + int(prewarm.estimated_s * 1000))
             usage.storage_bytes += prewarm.size_bytes
     s.dirty.add(f"tenant:{job.tenant}")
     s.dirty.add(f"job:{job.key}")
@@ -210,17 +250,27 @@ def bind(s: SchedulerState, out: EffectLog, job: Job, placed: Attempt,
         reason = f"after preempting {', '.join(victims)}: " + reason
     if resume is not None:
         reason += f"; resumes from its checkpoint at {resume}"
-    decision = decide(s, out, job, Outcome.PLACED, reason, placements=placed.placements,
-                      alternatives=placed.alternatives, prewarms=placed.prewarms,
-                      victims=victims, resume=resume)
+    decision = decide(
+        s,
+        out,
+        job,
+        Outcome.PLACED,
+        reason,
+        placements=placed.placements,
+        alternatives=placed.alternatives,
+        prewarms=placed.prewarms,
+        victims=victims,
+        resume=resume,
+    )
     for prewarm in placed.prewarms:
         out.add(PrewarmOrder(job.key, job.tenant, decision.decision_id, s.now_ms, prewarm))
     job.condition(Condition.PLACED, True, reason, s.now_ms)
     job.condition(Condition.PREEMPTED, False, "", s.now_ms)
     if job.waiting_for:
         job.phase = Phase.PLACED
-        job.condition(Condition.DATA_READY, False, "waiting for " + ", ".join(job.waiting_for),
-                      s.now_ms)
+        job.condition(
+            Condition.DATA_READY, False, "waiting for " + ", ".join(job.waiting_for), s.now_ms
+        )
     else:
         start(s, job)
 
@@ -229,14 +279,24 @@ def start(s: SchedulerState, job: Job) -> None:
     job.phase = Phase.RUNNING
     job.started_ms = s.now_ms
     job.condition(Condition.DATA_READY, True, "the dataset is in the cluster", s.now_ms)
-    job.condition(Condition.RUNNING, True, "started" + (
-        f" from its checkpoint at {job.resume_from_ms}" if job.resume_from_ms else ""),
-        s.now_ms)
+    job.condition(
+        Condition.RUNNING,
+        True,
+        "started" + (f" from its checkpoint at {job.resume_from_ms}" if job.resume_from_ms else ""),
+        s.now_ms,
+    )
     s.dirty.add(f"job:{job.key}")
 
 
-def release(s: SchedulerState, out: EffectLog, job: Job, outcome: Outcome, reason: str, *,
-            preempted_by: str | None = None) -> Decision:
+def release(
+    s: SchedulerState,
+    out: EffectLog,
+    job: Job,
+    outcome: Outcome,
+    reason: str,
+    *,
+    preempted_by: str | None = None,
+) -> Decision:
     """Free a job's GPUs (one RELEASED allocation record), charge its GPU-hours, and say so
     with a decision (PREEMPTED puts it back in the queue, to resume from its checkpoint)."""
     s.pass_wanted = True
@@ -269,15 +329,28 @@ def release(s: SchedulerState, out: EffectLog, job: Job, outcome: Outcome, reaso
         usage.committed_gpu_ms -= job.committed_gpu_ms
         job.committed_gpu_ms = 0
     lost = lost_work_s(job, s.now_ms) if job.phase == Phase.RUNNING else 0.0
-    checkpoint = (checkpoint_before(job, s.now_ms)
-                  if isinstance(job.spec, TrainingJobSpec) and job.started_ms is not None
-                  else job.resume_from_ms)
+    checkpoint = (
+        checkpoint_before(job, s.now_ms)
+        if isinstance(job.spec, TrainingJobSpec) and job.started_ms is not None
+        else job.resume_from_ms
+    )
     seq = job.alloc_seq + 1
     job.alloc_seq = seq
     first_cluster = min(job.allocation) if job.allocation else ""
     # The GPUs are named (the view frees them either way; sinks keep one row per GPU).
-    out.add(AllocationChange(job.key, job.tenant, AllocationKind.RELEASED, first_cluster,
-                             tuple(refs), job.priority, seq, s.now_ms, reason))
+    out.add(
+        AllocationChange(
+            job.key,
+            job.tenant,
+            AllocationKind.RELEASED,
+            first_cluster,
+            tuple(refs),
+            job.priority,
+            seq,
+            s.now_ms,
+            reason,
+        )
+    )
     for ticket in job.waiting_for:
         usage.prewarms.pop(ticket, None)
     job.allocation = {}
@@ -294,8 +367,16 @@ def release(s: SchedulerState, out: EffectLog, job: Job, outcome: Outcome, reaso
         job.queued_reason = None
         job.condition(Condition.RUNNING, False, reason, s.now_ms)
         job.condition(Condition.PREEMPTED, True, reason, s.now_ms)
-        return decide(s, out, job, Outcome.PREEMPTED, reason, preempted_by=preempted_by,
-                      resume=checkpoint, lost=round(lost, 3))
+        return decide(
+            s,
+            out,
+            job,
+            Outcome.PREEMPTED,
+            reason,
+            preempted_by=preempted_by,
+            resume=checkpoint,
+            lost=round(lost, 3),
+        )
     job.condition(Condition.RUNNING, False, reason, s.now_ms)
     return decide(s, out, job, Outcome.RELEASED, reason, lost=round(lost, 3) if lost else None)
 
@@ -323,14 +404,16 @@ def victims_in(s: SchedulerState, cluster_id: str, below: int) -> list[Victim]:
     return out
 
 
-def preempt_for(s: SchedulerState, out: EffectLog,
-                job: Job) -> tuple[list[Decision], Attempt] | None:
+def preempt_for(
+    s: SchedulerState, out: EffectLog, job: Job
+) -> tuple[list[Decision], Attempt] | None:
     """Evict the lower-priority jobs that lose the least work so the job fits; None when no
     eviction makes room (nothing is evicted then)."""
     request = request_for(s, job)
     filters = tuple(f for f in s.policy.filters if f not in ("capacity", "reservation"))
-    ranked = rank_clusters(Context(s.index, replace(s.policy, filters=filters), s.tenants,
-                                   s.usage, request))
+    ranked = rank_clusters(
+        Context(s.index, replace(s.policy, filters=filters), s.tenants, s.usage, request)
+    )
     best = None
     found = 0
     shape = request.shape
@@ -342,26 +425,34 @@ def preempt_for(s: SchedulerState, out: EffectLog,
         free = s.index.free_gpus(score.cluster_id, shape.allow_degraded, shape.accelerator)
         if below + free < shape.gpus:
             continue  # even evicting every lower priority would not make room
-        plan = plan_eviction(s.index, score.cluster_id, shape,
-                             victims_in(s, score.cluster_id, job.priority))
+        plan = plan_eviction(
+            s.index, score.cluster_id, shape, victims_in(s, score.cluster_id, job.priority)
+        )
         if plan is None:
             continue
         found += 1
-        if best is None or (plan.lost_gpu_s, -score.total) < (best[1].lost_gpu_s,
-                                                               -best[0].total):
+        if best is None or (plan.lost_gpu_s, -score.total) < (best[1].lost_gpu_s, -best[0].total):
             best = (score, plan)
     if best is None:
         return None
     score, plan = best
     decisions = []
     for victim in plan.victims:
-        decisions.append(release(
-            s, out, s.jobs[victim], Outcome.PREEMPTED,
-            f"preempted by {job.key} (priority {job.priority} over "
-            f"{s.jobs[victim].priority}) in {score.cluster_id}, freeing "
-            f"{', '.join(plan.leaves)}", preempted_by=job.key))
-    single = Context(s.index, replace(s.policy, filters=(*filters, "capacity")), s.tenants,
-                     s.usage, request)
+        decisions.append(
+            release(
+                s,
+                out,
+                s.jobs[victim],
+                Outcome.PREEMPTED,
+                f"preempted by {job.key} (priority {job.priority} over "
+                f"{s.jobs[victim].priority}) in {score.cluster_id}, freeing "
+                f"{', '.join(plan.leaves)}",
+                preempted_by=job.key,
+            )
+        )
+    single = Context(
+        s.index, replace(s.policy, filters=(*filters, "capacity")), s.tenants, s.usage, request
+    )
     if isinstance(job.spec, InferenceServiceSpec):
         placed = place_replicas(single, job.spec.min_replicas)
     else:
@@ -371,37 +462,85 @@ def preempt_for(s: SchedulerState, out: EffectLog,
     return decisions, placed
 
 
-def decide(s: SchedulerState, out: EffectLog, job: Job, outcome: Outcome, reason: str, *,
-           placements: tuple[Placement, ...] = (), alternatives: tuple[ClusterScore, ...] = (),
-           prewarms: tuple[DatasetPrewarm, ...] = (), preempted_by: str | None = None,
-           victims: tuple[str, ...] = (), resume: int | None = None,
-           lost: float | None = None) -> Decision:
+def decide(
+    s: SchedulerState,
+    out: EffectLog,
+    job: Job,
+    outcome: Outcome,
+    reason: str,
+    *,
+    placements: tuple[Placement, ...] = (),
+    alternatives: tuple[ClusterScore, ...] = (),
+    prewarms: tuple[DatasetPrewarm, ...] = (),
+    preempted_by: str | None = None,
+    victims: tuple[str, ...] = (),
+    resume: int | None = None,
+    lost: float | None = None,
+) -> Decision:
     """A decision about a job, which becomes its explanation."""
-    decision = decide_about(s, out, job.key, job.tenant, job.kind, outcome, reason,
-                            job.priority, placements=placements, alternatives=alternatives,
-                            prewarms=prewarms, preempted_by=preempted_by, victims=victims,
-                            resume=resume, lost=lost)
+    decision = decide_about(
+        s,
+        out,
+        job.key,
+        job.tenant,
+        job.kind,
+        outcome,
+        reason,
+        job.priority,
+        placements=placements,
+        alternatives=alternatives,
+        prewarms=prewarms,
+        preempted_by=preempted_by,
+        victims=victims,
+        resume=resume,
+        lost=lost,
+    )
     job.last_decision = decision.decision_id
     job.explanation = decision
     s.dirty.add(f"job:{job.key}")
     return decision
 
 
-def decide_about(s: SchedulerState, out: EffectLog, key: str, tenant: str, kind: str,
-                 outcome: Outcome, reason: str, priority: int, *,
-                 placements: tuple[Placement, ...] = (),
-                 alternatives: tuple[ClusterScore, ...] = (),
-                 prewarms: tuple[DatasetPrewarm, ...] = (), preempted_by: str | None = None,
-                 victims: tuple[str, ...] = (), resume: int | None = None,
-                 lost: float | None = None) -> Decision:
+def decide_about(
+    s: SchedulerState,
+    out: EffectLog,
+    key: str,
+    tenant: str,
+    kind: str,
+    outcome: Outcome,
+    reason: str,
+    priority: int,
+    *,
+    placements: tuple[Placement, ...] = (),
+    alternatives: tuple[ClusterScore, ...] = (),
+    prewarms: tuple[DatasetPrewarm, ...] = (),
+    preempted_by: str | None = None,
+    victims: tuple[str, ...] = (),
+    resume: int | None = None,
+    lost: float | None = None,
+) -> Decision:
     """A decision with the inputs it was made on: the request, the view version and offsets,
     the policy digest."""
     decision = Decision(
-        decision_id=out.next_id(), job=key, tenant=tenant, kind=kind, outcome=outcome,
-        ts=s.now_ms, input_offset=s.position, view_version=s.facts.view_version,
-        view_offsets=s.facts.offsets, policy_digest=s.digest, priority=priority, reason=reason,
-        placements=placements, alternatives=alternatives, prewarms=prewarms,
-        preempted_by=preempted_by, victims=victims, resume_from_checkpoint_ms=resume,
-        lost_gpu_s=lost)
+        decision_id=out.next_id(),
+        job=key,
+        tenant=tenant,
+        kind=kind,
+        outcome=outcome,
+        ts=s.now_ms,
+        input_offset=s.position,
+        view_version=s.facts.view_version,
+        view_offsets=s.facts.offsets,
+        policy_digest=s.digest,
+        priority=priority,
+        reason=reason,
+        placements=placements,
+        alternatives=alternatives,
+        prewarms=prewarms,
+        preempted_by=preempted_by,
+        victims=victims,
+        resume_from_checkpoint_ms=resume,
+        lost_gpu_s=lost,
+    )
     out.add(decision)
     return decision

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from fleetline.processors.scheduling.capacity import GpuRef
 from fleetline.processors.scheduling.pipeline import ClusterScore, DatasetPrewarm
-from fleetline.processors.scheduling.placement import GpuRef, Placement
+from fleetline.processors.scheduling.placement import Placement
 from fleetline.streams.records import Offsets
 
 
@@ -71,26 +72,56 @@ class Decision:
         """The SchedulingDecision record."""
         d = self
         return {
-            "decision_id": d.decision_id, "job": d.job, "tenant": d.tenant, "kind": d.kind,
-            "outcome": d.outcome, "ts": d.ts, "input_offset": d.input_offset,
+            "decision_id": d.decision_id,
+            "job": d.job,
+            "tenant": d.tenant,
+            "kind": d.kind,
+            "outcome": d.outcome,
+            "ts": d.ts,
+            "input_offset": d.input_offset,
             "view_version": d.view_version,
-            "view_offsets": [{"topic": t, "partition": p, "offset": o}
-                             for t, ps in sorted(d.view_offsets.items())
-                             for p, o in sorted(ps.items())],
-            "policy_digest": d.policy_digest, "priority": d.priority, "reason": d.reason,
-            "placements": [{"cluster_id": p.cluster_id, "leaves": list(p.leaves),
-                            "workers": [{"node_id": w[0][0], "gpus": [i for _, i in w]}
-                                        for w in p.workers if w]}
-                           for p in d.placements],
-            "alternatives": [{"cluster_id": a.cluster_id, "total": a.total,
-                              "parts": dict(a.parts), "rejected": a.rejected}
-                             for a in d.alternatives],
-            "prewarms": [{"dataset_id": p.dataset_id, "from_cluster": p.from_cluster,
-                          "to_cluster": p.to_cluster, "size_bytes": p.size_bytes,
-                          "estimated_s": p.estimated_s, "rate_gbps": p.rate_gbps}
-                         for p in d.prewarms],
-            "preempted_by": d.preempted_by, "victims": list(d.victims),
-            "resume_from_checkpoint_ms": d.resume_from_checkpoint_ms, "lost_gpu_s": d.lost_gpu_s,
+            "view_offsets": [
+                {"topic": t, "partition": p, "offset": o}
+                for t, ps in sorted(d.view_offsets.items())
+                for p, o in sorted(ps.items())
+            ],
+            "policy_digest": d.policy_digest,
+            "priority": d.priority,
+            "reason": d.reason,
+            "placements": [
+                {
+                    "cluster_id": p.cluster_id,
+                    "leaves": list(p.leaves),
+                    "workers": [
+                        {"node_id": w[0][0], "gpus": [i for _, i in w]} for w in p.workers if w
+                    ],
+                }
+                for p in d.placements
+            ],
+            "alternatives": [
+                {
+                    "cluster_id": a.cluster_id,
+                    "total": a.total,
+                    "parts": dict(a.parts),
+                    "rejected": a.rejected,
+                }
+                for a in d.alternatives
+            ],
+            "prewarms": [
+                {
+                    "dataset_id": p.dataset_id,
+                    "from_cluster": p.from_cluster,
+                    "to_cluster": p.to_cluster,
+                    "size_bytes": p.size_bytes,
+                    "estimated_s": p.estimated_s,
+                    "rate_gbps": p.rate_gbps,
+                }
+                for p in d.prewarms
+            ],
+            "preempted_by": d.preempted_by,
+            "victims": list(d.victims),
+            "resume_from_checkpoint_ms": d.resume_from_checkpoint_ms,
+            "lost_gpu_s": d.lost_gpu_s,
         }
 
 

@@ -40,10 +40,23 @@ GPU_POWER_KW = 0.7  # an H100 SXM at full load, for the energy part of a GPU-hou
 # Filters whose verdict does not depend on the tenant: a gang they rule out everywhere is ruled
 # out for every tenant until capacity changes.
 FLEET_FILTERS = frozenset({"reachable", "accelerator", "region", "capacity"})
-DEFAULT_FILTERS = ("reachable", "accelerator", "region", "quota", "reservation", "capacity",
-                   "bandwidth")
-DEFAULT_WEIGHTS: Mapping[str, float] = {"locality": 1.0, "latency": 0.5, "cost": 1.0,
-                                        "fit": 0.5, "preference": 0.5, "spread": 1.0}
+DEFAULT_FILTERS = (
+    "reachable",
+    "accelerator",
+    "region",
+    "quota",
+    "reservation",
+    "capacity",
+    "bandwidth",
+)
+DEFAULT_WEIGHTS: Mapping[str, float] = {
+    "locality": 1.0,
+    "latency": 0.5,
+    "cost": 1.0,
+    "fit": 0.5,
+    "preference": 0.5,
+    "spread": 1.0,
+}
 
 
 @dataclass(frozen=True)
@@ -70,30 +83,45 @@ class SchedulingPolicy:
     def __post_init__(self) -> None:
         unknown = [f for f in self.filters if f not in FILTERS]
         if unknown:
-            raise ConfigError(f"scheduling policy: unknown filters {unknown}; known: "
-                              f"{sorted(FILTERS)}")
+            raise ConfigError(
+                f"scheduling policy: unknown filters {unknown}; known: {sorted(FILTERS)}"
+            )
         unknown = [s for s in self.weights if s not in SCORERS]
         if unknown:
-            raise ConfigError(f"scheduling policy: unknown scorers {unknown}; known: "
-                              f"{sorted(SCORERS)}")
+            raise ConfigError(
+                f"scheduling policy: unknown scorers {unknown}; known: {sorted(SCORERS)}"
+            )
 
     def as_data(self) -> dict[str, Any]:
-        return {"filters": list(self.filters), "weights": dict(sorted(self.weights.items())),
-                "cluster_preference": list(self.cluster_preference),
-                "interconnect_gbps": self.interconnect_gbps,
-                "default_max_runtime_s": self.default_max_runtime_s,
-                "alternatives": self.alternatives, "preemption": self.preemption,
-                "preemption_clusters": self.preemption_clusters,
-                "pass_attempts": self.pass_attempts,
-                "pass_preemptions": self.pass_preemptions,
-                "default_tenant": (self.default_tenant.as_data()
-                                   if self.default_tenant else None)}
+        return {
+            "filters": list(self.filters),
+            "weights": dict(sorted(self.weights.items())),
+            "cluster_preference": list(self.cluster_preference),
+            "interconnect_gbps": self.interconnect_gbps,
+            "default_max_runtime_s": self.default_max_runtime_s,
+            "alternatives": self.alternatives,
+            "preemption": self.preemption,
+            "preemption_clusters": self.preemption_clusters,
+            "pass_attempts": self.pass_attempts,
+            "pass_preemptions": self.pass_preemptions,
+            "default_tenant": (self.default_tenant.as_data() if self.default_tenant else None),
+        }
 
     @classmethod
     def from_data(cls, data: Mapping[str, Any]) -> SchedulingPolicy:
-        known = {"filters", "weights", "cluster_preference", "interconnect_gbps",
-                 "default_max_runtime_s", "alternatives", "preemption", "preemption_clusters",
-                 "pass_attempts", "pass_preemptions", "default_tenant"}
+        known = {
+            "filters",
+            "weights",
+            "cluster_preference",
+            "interconnect_gbps",
+            "default_max_runtime_s",
+            "alternatives",
+            "preemption",
+            "preemption_clusters",
+            "pass_attempts",
+            "pass_preemptions",
+            "default_tenant",
+        }
         unknown = set(data) - known
         if unknown:
             raise ConfigError(f"scheduling policy: unknown fields {sorted(unknown)}")
@@ -103,20 +131,26 @@ class SchedulingPolicy:
             return cls(
                 filters=tuple(data.get("filters", base.filters)),
                 # Named weights replace the defaults one by one; a weight of 0 turns a scorer off.
-                weights={**DEFAULT_WEIGHTS,
-                         **{str(k): float(v) for k, v in (data.get("weights") or {}).items()}},
+                weights={
+                    **DEFAULT_WEIGHTS,
+                    **{str(k): float(v) for k, v in (data.get("weights") or {}).items()},
+                },
                 cluster_preference=tuple(data.get("cluster_preference", ())),
                 interconnect_gbps=float(data.get("interconnect_gbps", base.interconnect_gbps)),
-                default_max_runtime_s=int(data.get("default_max_runtime_s",
-                                                   base.default_max_runtime_s)),
+                default_max_runtime_s=int(
+                    data.get("default_max_runtime_s", base.default_max_runtime_s)
+                ),
                 alternatives=int(data.get("alternatives", base.alternatives)),
                 preemption=bool(data.get("preemption", base.preemption)),
-                preemption_clusters=int(data.get("preemption_clusters",
-                                                 base.preemption_clusters)),
+                preemption_clusters=int(data.get("preemption_clusters", base.preemption_clusters)),
                 pass_attempts=int(data.get("pass_attempts", base.pass_attempts)),
                 pass_preemptions=int(data.get("pass_preemptions", base.pass_preemptions)),
-                default_tenant=(TenantPolicy.from_data({"tenant": "*", **default_tenant})
-                                if default_tenant else None))
+                default_tenant=(
+                    TenantPolicy.from_data({"tenant": "*", **default_tenant})
+                    if default_tenant
+                    else None
+                ),
+            )
         except (TypeError, ValueError, FleetlineError) as exc:
             raise ConfigError(f"scheduling policy: {exc}") from None
 
@@ -185,8 +219,7 @@ class Context:
 
 
 def cost_per_gpu_hour(cluster: ClusterFacts) -> float:
-    return (cluster.price_per_gpu_hour
-            + cluster.energy_price_per_kwh * cluster.pue * GPU_POWER_KW)
+    return cluster.price_per_gpu_hour + cluster.energy_price_per_kwh * cluster.pue * GPU_POWER_KW
 
 
 def transfer_s(size_bytes: int, gbps: float) -> float:
@@ -223,8 +256,11 @@ def _region(ctx: Context, cluster_id: str) -> str | None:
 
 def _quota(ctx: Context, cluster_id: str) -> str | None:
     r = ctx.request
-    return quota_block(ctx.tenant_policy, ctx.usage_of(),
-                       Request(r.shape.gpus, {cluster_id: r.shape.gpus}, r.gpu_ms))
+    return quota_block(
+        ctx.tenant_policy,
+        ctx.usage_of(),
+        Request(r.shape.gpus, {cluster_id: r.shape.gpus}, r.gpu_ms),
+    )
 
 
 def _reservation(ctx: Context, cluster_id: str) -> str | None:
@@ -234,8 +270,7 @@ def _reservation(ctx: Context, cluster_id: str) -> str | None:
     shape = ctx.request.shape
     free = ctx.index.free_gpus(cluster_id, shape.allow_degraded, shape.accelerator)
     if free - held < shape.gpus:
-        return (f"{free} free GPUs, {held} of them reserved for other tenants; needs "
-                f"{shape.gpus}")
+        return f"{free} free GPUs, {held} of them reserved for other tenants; needs {shape.gpus}"
     return None
 
 
@@ -256,8 +291,9 @@ def _bandwidth(ctx: Context, cluster_id: str) -> str | None:
     rate = _prewarm_rate(ctx)
     if rate <= 0:
         return "needs the dataset moved and the tenant has no bandwidth quota left"
-    return quota_block(policy, ctx.usage_of(), Request(storage_bytes=d.size_bytes,
-                                                       bandwidth_gbps=rate))
+    return quota_block(
+        policy, ctx.usage_of(), Request(storage_bytes=d.size_bytes, bandwidth_gbps=rate)
+    )
 
 
 def _prewarm_rate(ctx: Context) -> float:
@@ -269,8 +305,13 @@ def _prewarm_rate(ctx: Context) -> float:
 
 
 FILTERS: dict[str, Filter] = {
-    "reachable": _reachable, "accelerator": _accelerator, "region": _region, "quota": _quota,
-    "reservation": _reservation, "capacity": _capacity, "bandwidth": _bandwidth,
+    "reachable": _reachable,
+    "accelerator": _accelerator,
+    "region": _region,
+    "quota": _quota,
+    "reservation": _reservation,
+    "capacity": _capacity,
+    "bandwidth": _bandwidth,
 }
 
 
@@ -288,8 +329,7 @@ def _latency(ctx: Context, cluster_id: str) -> float:
     c = ctx.cluster(cluster_id)
     if c is None:
         return 0.0
-    targets = ctx.request.regions or ((ctx.request.user_region,) if ctx.request.user_region
-                                      else ())
+    targets = ctx.request.regions or ((ctx.request.user_region,) if ctx.request.user_region else ())
     known = [c.link_latency_ms[r] for r in targets if r in c.link_latency_ms]
     if not known:
         return 1.0 if not targets or c.region in targets else 0.5
@@ -319,8 +359,12 @@ def _spread(ctx: Context, cluster_id: str) -> float:
 
 
 SCORERS: dict[str, Scorer] = {
-    "locality": _locality, "latency": _latency, "cost": _cost, "fit": _fit,
-    "preference": _preference, "spread": _spread,
+    "locality": _locality,
+    "latency": _latency,
+    "cost": _cost,
+    "fit": _fit,
+    "preference": _preference,
+    "spread": _spread,
 }
 
 
@@ -356,15 +400,17 @@ def _cheapest(facts: FleetFacts) -> float:
     if cached is None:
         cached = facts.memo["cheapest"] = min(
             (c for c in (cost_per_gpu_hour(f) for f in facts.clusters.values()) if c > 0),
-            default=0.0)
+            default=0.0,
+        )
     return cached
 
 
 def _cluster_ids(index: CapacityIndex) -> list[str]:
     cached = index.facts.memo.get("cluster_ids")
     if cached is None:
-        cached = index.facts.memo["cluster_ids"] = sorted(set(index.facts.clusters)
-                                                          | set(index.buckets))
+        cached = index.facts.memo["cluster_ids"] = sorted(
+            set(index.facts.clusters) | set(index.buckets)
+        )
     return cached
 
 
@@ -384,13 +430,18 @@ class Attempt:
 
 
 def _explain(score: ClusterScore) -> str:
-    return f"{score.cluster_id} scores {score.total} (" + ", ".join(
-        f"{k} {v}" for k, v in score.parts.items()) + ")"
+    return (
+        f"{score.cluster_id} scores {score.total} ("
+        + ", ".join(f"{k} {v}" for k, v in score.parts.items())
+        + ")"
+    )
 
 
 def _queued_reason(scores: list[ClusterScore]) -> str:
-    return "; ".join(f"{s.cluster_id}: {s.rejected}" for s in scores if s.rejected) \
+    return (
+        "; ".join(f"{s.cluster_id}: {s.rejected}" for s in scores if s.rejected)
         or "no clusters in the view"
+    )
 
 
 def _prewarm(ctx: Context, cluster_id: str) -> DatasetPrewarm | None:
@@ -398,12 +449,23 @@ def _prewarm(ctx: Context, cluster_id: str) -> DatasetPrewarm | None:
     if d is None or cluster_id in d.replicas:
         return None
     target = ctx.cluster(cluster_id)
-    sources = sorted(d.replicas, key=lambda r: (
-        target.link_latency_ms.get(ctx.cluster(r).region, 1e9)
-        if target is not None and ctx.cluster(r) is not None else 1e9, r))
+
+    def distance(replica: str) -> tuple[float, str]:
+        source = ctx.cluster(replica)
+        if target is None or source is None:
+            return 1e9, replica
+        return target.link_latency_ms.get(source.region, 1e9), replica
+
+    sources = sorted(d.replicas, key=distance)
     rate = _prewarm_rate(ctx) or ctx.policy.interconnect_gbps
-    return DatasetPrewarm(d.dataset_id, cluster_id, sources[0] if sources else None,
-                          d.size_bytes, round(transfer_s(d.size_bytes, rate), 3), rate)
+    return DatasetPrewarm(
+        d.dataset_id,
+        cluster_id,
+        sources[0] if sources else None,
+        d.size_bytes,
+        round(transfer_s(d.size_bytes, rate), 3),
+        rate,
+    )
 
 
 def _reserve(index: CapacityIndex, gang: Gang) -> None:
@@ -425,7 +487,7 @@ def unreserve(index: CapacityIndex, placements: tuple[Placement, ...] | list[Pla
 def place_gang(ctx: Context) -> Attempt:
     """The whole gang in the best cluster that holds it."""
     scores = rank_clusters(ctx)
-    top = tuple(s for s in scores if s.rejected is None)[:ctx.policy.alternatives]
+    top = tuple(s for s in scores if s.rejected is None)[: ctx.policy.alternatives]
     shown = top + tuple(s for s in scores if s.rejected is not None)
     for score in scores:
         if score.rejected is not None:
@@ -436,8 +498,13 @@ def place_gang(ctx: Context) -> Attempt:
         _reserve(ctx.index, gang)
         placement = to_placement(gang, ctx.request.shape, ctx.index)
         prewarm = _prewarm(ctx, score.cluster_id)
-        return Attempt((placement,), _explain(score) + "; " + "; ".join(placement.reasons),
-                       shown, (prewarm,) if prewarm else (), ctx.request.shape.workers)
+        return Attempt(
+            (placement,),
+            _explain(score) + "; " + "; ".join(placement.reasons),
+            shown,
+            (prewarm,) if prewarm else (),
+            ctx.request.shape.workers,
+        )
     return Attempt((), _queued_reason(scores), shown)
 
 
@@ -470,13 +537,21 @@ def place_split(ctx: Context) -> Attempt:
     shown = _shown(ctx, scores)
     if left:
         unreserve(ctx.index, placements)
-        return Attempt((), f"no single cluster holds the job, and split by pipeline replicas "
-                       f"{replicas - left} of {replicas} replicas fit: " + _queued_reason(scores),
-                       shown)
+        return Attempt(
+            (),
+            f"no single cluster holds the job, and split by pipeline replicas "
+            f"{replicas - left} of {replicas} replicas fit: " + _queued_reason(scores),
+            shown,
+        )
     prewarms = tuple(p for p in (_prewarm(ctx, pl.cluster_id) for pl in placements) if p)
     where = ", ".join(f"{pl.cluster_id} ({len(pl.workers)} workers)" for pl in placements)
-    return Attempt(tuple(placements), f"split across clusters by whole pipeline replicas: "
-                   f"{where}", shown, prewarms, shape.workers)
+    return Attempt(
+        tuple(placements),
+        f"split across clusters by whole pipeline replicas: {where}",
+        shown,
+        prewarms,
+        shape.workers,
+    )
 
 
 def place_replicas(ctx: Context, replicas: int) -> Attempt:
@@ -489,8 +564,7 @@ def place_replicas(ctx: Context, replicas: int) -> Attempt:
     one = replace(base.shape, workers=1)
     held: dict[str, int] = {}
     for _ in range(replicas):
-        scores = rank_clusters(_holding(replace_request(ctx, shape=one, spread=dict(spread)),
-                                        held))
+        scores = rank_clusters(_holding(replace_request(ctx, shape=one, spread=dict(spread)), held))
         if first_scores is None:
             first_scores = scores
         chosen = None
@@ -504,8 +578,11 @@ def place_replicas(ctx: Context, replicas: int) -> Attempt:
         if chosen is None:
             for gang in gangs:
                 _unreserve_gang(ctx.index, gang)
-            return Attempt((), f"{len(gangs)} of {replicas} replicas fit: "
-                           + _queued_reason(scores), _shown(ctx, scores))
+            return Attempt(
+                (),
+                f"{len(gangs)} of {replicas} replicas fit: " + _queued_reason(scores),
+                _shown(ctx, scores),
+            )
         _reserve(ctx.index, chosen)
         gangs.append(chosen)
         spread[chosen.cluster_id] = spread.get(chosen.cluster_id, 0) + 1
@@ -514,18 +591,32 @@ def place_replicas(ctx: Context, replicas: int) -> Attempt:
     for gang in gangs:
         by_cluster.setdefault(gang.cluster_id, []).append(gang)
     placements = tuple(
-        to_placement(Gang(cluster, tuple(w for g in group for w in g.workers),
-                          tuple(sorted({leaf for g in group for leaf in g.leaves})), 0),
-                     replace(one, workers=len(group)), ctx.index)
-        for cluster, group in sorted(by_cluster.items()))
+        to_placement(
+            Gang(
+                cluster,
+                tuple(w for g in group for w in g.workers),
+                tuple(sorted({leaf for g in group for leaf in g.leaves})),
+                0,
+            ),
+            replace(one, workers=len(group)),
+            ctx.index,
+        )
+        for cluster, group in sorted(by_cluster.items())
+    )
     where = ", ".join(f"{p.cluster_id} x{len(p.workers)}" for p in placements)
-    return Attempt(placements, f"{replicas} replicas over {len(placements)} cluster(s): {where}",
-                   _shown(ctx, first_scores or []), (), replicas)
+    return Attempt(
+        placements,
+        f"{replicas} replicas over {len(placements)} cluster(s): {where}",
+        _shown(ctx, first_scores or []),
+        (),
+        replicas,
+    )
 
 
 def _shown(ctx: Context, scores: list[ClusterScore]) -> tuple[ClusterScore, ...]:
-    return tuple(s for s in scores if s.rejected is None)[:ctx.policy.alternatives] + tuple(
-        s for s in scores if s.rejected is not None)
+    return tuple(s for s in scores if s.rejected is None)[: ctx.policy.alternatives] + tuple(
+        s for s in scores if s.rejected is not None
+    )
 
 
 def _holding(ctx: Context, held: Mapping[str, int]) -> Context:
@@ -538,10 +629,17 @@ def _holding(ctx: Context, held: Mapping[str, int]) -> Context:
     for cluster, n in held.items():
         clusters[cluster] = clusters.get(cluster, 0) + n
     scoped = replace(usage, gpus=usage.gpus + sum(held.values()), cluster_gpus=clusters)
-    return Context(ctx.index, ctx.policy, ctx.tenants,
-                   {**ctx.usage, ctx.request.tenant: scoped}, ctx.request, ctx.cheapest)
+    return Context(
+        ctx.index,
+        ctx.policy,
+        ctx.tenants,
+        {**ctx.usage, ctx.request.tenant: scoped},
+        ctx.request,
+        ctx.cheapest,
+    )
 
 
 def replace_request(ctx: Context, **changes: Any) -> Context:
-    return Context(ctx.index, ctx.policy, ctx.tenants, ctx.usage,
-                   replace(ctx.request, **changes), ctx.cheapest)
+    return Context(
+        ctx.index, ctx.policy, ctx.tenants, ctx.usage, replace(ctx.request, **changes), ctx.cheapest
+    )

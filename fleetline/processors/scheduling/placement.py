@@ -46,38 +46,57 @@ class Unplaceable:
 def training_shape(job: TrainingJobSpec, workers: int | None = None) -> GangShape:
     per_replica_gpus = job.parallelism.tensor * job.parallelism.pipeline
     return GangShape(
-        accelerator=job.accelerator, workers=workers or job.workers,
-        per_worker=job.gpus_per_worker, tensor=min(job.parallelism.tensor, job.gpus_per_worker),
+        accelerator=job.accelerator,
+        workers=workers or job.workers,
+        per_worker=job.gpus_per_worker,
+        tensor=min(job.parallelism.tensor, job.gpus_per_worker),
         replica_workers=max(1, per_replica_gpus // job.gpus_per_worker),
-        allow_degraded=job.communication == "light")
+        allow_degraded=job.communication == "light",
+    )
 
 
 def inference_shape(service: InferenceServiceSpec, replicas: int) -> GangShape:
     # A replica serves from one node; a single-GPU replica may use a degraded GPU (its
     # collective traffic is nil), a sharded one may not.
-    return GangShape(accelerator=service.accelerator, workers=replicas,
-                     per_worker=service.gpus_per_replica, tensor=service.gpus_per_replica,
-                     replica_workers=1, allow_degraded=service.gpus_per_replica == 1)
+    return GangShape(
+        accelerator=service.accelerator,
+        workers=replicas,
+        per_worker=service.gpus_per_replica,
+        tensor=service.gpus_per_replica,
+        replica_workers=1,
+        allow_degraded=service.gpus_per_replica == 1,
+    )
 
 
 def to_placement(gang: Gang, shape: GangShape, index: CapacityIndex) -> Placement:
     workers = tuple(tuple((node, i) for i in indices_of(mask)) for node, mask in gang.workers)
-    reasons = [f"{shape.workers} workers x {shape.per_worker} GPUs under {len(gang.leaves)} "
-               "leaf switch(es)"]
+    reasons = [
+        f"{shape.workers} workers x {shape.per_worker} GPUs under {len(gang.leaves)} "
+        "leaf switch(es)"
+    ]
     tensor = min(shape.tensor, shape.per_worker)
     if tensor > 1:
-        reasons.append(f"tensor-parallel groups of {tensor} inside one NVLink island"
-                       if all(tensor <= max(i.bit_count() for i in index.facts.nodes[n].islands)
-                              for n, _ in gang.workers)
-                       else f"tensor-parallel groups of {tensor} take whole nodes")
+        reasons.append(
+            f"tensor-parallel groups of {tensor} inside one NVLink island"
+            if all(
+                tensor <= max(i.bit_count() for i in index.facts.nodes[n].islands)
+                for n, _ in gang.workers
+            )
+            else f"tensor-parallel groups of {tensor} take whole nodes"
+        )
     if shape.replica_workers > 1:
-        reasons.append(f"pipeline replicas of {shape.replica_workers} workers under one leaf"
-                       if not gang.replicas_split else
-                       f"{gang.replicas_split} pipeline replica(s) span leaf switches "
-                       "(no leaf had room for them whole)")
+        reasons.append(
+            f"pipeline replicas of {shape.replica_workers} workers under one leaf"
+            if not gang.replicas_split
+            else f"{gang.replicas_split} pipeline replica(s) span leaf switches "
+            "(no leaf had room for them whole)"
+        )
     if not shape.allow_degraded:
-        reasons.append("no degraded GPUs (communication-heavy)" if shape.tensor > 1
-                       or shape.workers > 1 else "no degraded GPUs")
+        reasons.append(
+            "no degraded GPUs (communication-heavy)"
+            if shape.tensor > 1 or shape.workers > 1
+            else "no degraded GPUs"
+        )
     return Placement(gang.cluster_id, workers, gang.leaves, tuple(reasons))
 
 
@@ -99,8 +118,9 @@ def index_of_view(view: ResourceView) -> CapacityIndex:
     return CapacityIndex(observe(view), taken)
 
 
-def place_training(view: ResourceView, cluster_id: str,
-                   job: TrainingJobSpec) -> Placement | Unplaceable:
+def place_training(
+    view: ResourceView, cluster_id: str, job: TrainingJobSpec
+) -> Placement | Unplaceable:
     return place(index_of_view(view), cluster_id, training_shape(job))
 
 

@@ -28,15 +28,22 @@ class Eviction:
     leaves: tuple[str, ...]
 
 
-def _node_options(free: int, islands: tuple[int, ...], usable: int, need: int, tensor: int,
-                  jobs: list[tuple[str, int, float]]) -> tuple[float, tuple[str, ...]] | None:
+def _node_options(
+    free: int,
+    islands: tuple[int, ...],
+    usable: int,
+    need: int,
+    tensor: int,
+    jobs: list[tuple[str, int, float]],
+) -> tuple[float, tuple[str, ...]] | None:
     """The cheapest set of `jobs` (name, mask, cost) on one node whose eviction lets a worker
     fit, as (cost, names); None when none does."""
     if pick(islands, free, need, tensor):
         return 0.0, ()
     best: tuple[float, int, tuple[str, ...]] | None = None
-    sizes: Iterable[int] = (range(1, len(jobs) + 1) if len(jobs) <= EXHAUSTIVE_UP_TO
-                            else (1, len(jobs)))
+    sizes: Iterable[int] = (
+        range(1, len(jobs) + 1) if len(jobs) <= EXHAUSTIVE_UP_TO else (1, len(jobs))
+    )
     for size in sizes:
         for group in combinations(jobs, size):
             freed = free
@@ -54,8 +61,9 @@ def _node_options(free: int, islands: tuple[int, ...], usable: int, need: int, t
 Victim = tuple[float, str, Mapping[str, int]]  # (work lost, job, node -> GPU mask)
 
 
-def plan_eviction(index: CapacityIndex, cluster_id: str, shape: GangShape,
-                  victims: Sequence[Victim]) -> Eviction | None:
+def plan_eviction(
+    index: CapacityIndex, cluster_id: str, shape: GangShape, victims: Sequence[Victim]
+) -> Eviction | None:
     """The victims whose eviction lets the gang fit in the cluster, losing the least work; None
     when no such set exists. `victims`: the jobs in the cluster the gang may evict, sorted by
     the work each loses (GPU-seconds since its last checkpoint), with their GPUs per node.
@@ -88,8 +96,7 @@ def plan_eviction(index: CapacityIndex, cluster_id: str, shape: GangShape,
         if usable.bit_count() < need:
             return None
         free = usable & ~taken.get(node_id, 0)
-        return _node_options(free, node.islands, usable, need, tensor,
-                             sorted(on_node[node_id]))
+        return _node_options(free, node.islands, usable, need, tensor, sorted(on_node[node_id]))
 
     def total(chosen: list[tuple[float, tuple[str, ...], str]]) -> tuple[float, tuple[str, ...]]:
         names = tuple(sorted({v for _, vs, _ in chosen for v in vs}))

@@ -24,8 +24,11 @@ def tick(s: SchedulerState, out: EffectLog, facts: FleetFacts) -> None:
     migrate_off_faults(s, out)
     stop_at_limits(s, out)
     expire_prewarms(s)
-    if not s.pass_wanted and s.bound_floor is not None and any(
-            j.priority > s.bound_floor for j in s.jobs.values() if j.phase == Phase.QUEUED):
+    if (
+        not s.pass_wanted
+        and s.bound_floor is not None
+        and any(j.priority > s.bound_floor for j in s.jobs.values() if j.phase == Phase.QUEUED)
+    ):
         s.pass_wanted = True  # lower-priority jobs started beside waiting ones
     if s.pass_wanted:
         schedule_queue(s, out)
@@ -45,8 +48,13 @@ def migrate_off_faults(s: SchedulerState, out: EffectLog) -> None:
             if any(m & lost for m in masks):
                 hit.setdefault(key, s.facts.lost_reason(node_id))
     for key in sorted(hit):
-        release(s, out, s.jobs[key], Outcome.PREEMPTED,
-                f"fault: {hit[key]}; migrating from its last checkpoint")
+        release(
+            s,
+            out,
+            s.jobs[key],
+            Outcome.PREEMPTED,
+            f"fault: {hit[key]}; migrating from its last checkpoint",
+        )
 
 
 def stop_at_limits(s: SchedulerState, out: EffectLog) -> None:
@@ -116,8 +124,9 @@ def _room(facts: FleetFacts) -> dict[str, int]:
     if cached is None:
         cached = {}
         for node in facts.nodes.values():
-            cached[node.cluster_id] = (cached.get(node.cluster_id, 0)
-                                       + (node.healthy | node.degraded).bit_count())
+            cached[node.cluster_id] = (
+                cached.get(node.cluster_id, 0) + (node.healthy | node.degraded).bit_count()
+            )
         for cluster_id, cluster in facts.clusters.items():
             if cluster.health not in ("healthy", "degraded"):
                 cached[cluster_id] = 0

@@ -71,15 +71,31 @@ def submit(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> Non
         document = json.loads(request["spec_json"] or "null")
         spec = parse_spec(document)
     except (ValueError, SpecError) as exc:
-        decide_about(s, out, request["key"], request["tenant"], "Unknown", Outcome.REJECTED,
-                     f"the spec does not validate: {exc}", 0)
+        decide_about(
+            s,
+            out,
+            request["key"],
+            request["tenant"],
+            "Unknown",
+            Outcome.REJECTED,
+            f"the spec does not validate: {exc}",
+            0,
+        )
         return
     tenant, name = spec.metadata.tenant, spec.metadata.name
     key = spec_key(spec)
     if key != request["key"] or tenant != request["tenant"]:
-        decide_about(s, out, request["key"], request["tenant"], spec.kind, Outcome.REJECTED,
-                     f"the request is keyed {request['key']!r} (tenant "
-                     f"{request['tenant']!r}) but the spec names {key!r}", 0)
+        decide_about(
+            s,
+            out,
+            request["key"],
+            request["tenant"],
+            spec.kind,
+            Outcome.REJECTED,
+            f"the request is keyed {request['key']!r} (tenant "
+            f"{request['tenant']!r}) but the spec names {key!r}",
+            0,
+        )
         return
     if isinstance(spec, Dataset):
         register_dataset(s, out, spec)
@@ -88,8 +104,13 @@ def submit(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> Non
     job = s.jobs.get(key)
     if job is not None and job.phase not in TERMINAL:
         if job.kind != spec.kind:
-            decide(s, out, job, Outcome.REJECTED, f"{key} is a {job.kind}; delete it before "
-                   f"applying a {spec.kind} of that name")
+            decide(
+                s,
+                out,
+                job,
+                Outcome.REJECTED,
+                f"{key} is a {job.kind}; delete it before applying a {spec.kind} of that name",
+            )
             return
         if job.document == document:
             return  # applied again unchanged: nothing to do
@@ -108,8 +129,18 @@ def submit(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> Non
         s.dirty.add(f"job:{key}")
     else:
         before = s.jobs.get(key)
-        job = Job(key, tenant, name, spec.kind, document, priority, s.position, s.now_ms,
-                  alloc_seq=before.alloc_seq if before else 0, _spec=spec.spec)
+        job = Job(
+            key,
+            tenant,
+            name,
+            spec.kind,
+            document,
+            priority,
+            s.position,
+            s.now_ms,
+            alloc_seq=before.alloc_seq if before else 0,
+            _spec=spec.spec,
+        )
         s.jobs[key] = job
         s.dirty.add(f"job:{key}")
         never = never_fits(s, job)
@@ -180,8 +211,7 @@ def progress(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> N
 def tenant_policy(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> None:
     policy = TenantPolicy.from_data(_payload(request, "tenant policy"))
     if policy.tenant != request["tenant"]:
-        raise InvalidEventError(f"tenant policy for {policy.tenant} sent as "
-                                f"{request['tenant']}")
+        raise InvalidEventError(f"tenant policy for {policy.tenant} sent as {request['tenant']}")
     s.tenants[policy.tenant] = policy
     s.dirty.add(f"tenant:{policy.tenant}")
     schedule_queue(s, out)
@@ -203,16 +233,24 @@ def dataset_ready(s: SchedulerState, out: EffectLog, request: Mapping[str, Any])
     dataset_id, _, cluster = request["key"].partition("@")
     current = s.dataset(dataset_id)
     if current is None or not cluster:
-        raise InvalidEventError(f"DATASET_READY for unknown dataset or cluster "
-                                f"{request['key']!r}")
+        raise InvalidEventError(f"DATASET_READY for unknown dataset or cluster {request['key']!r}")
     usage = s.usage_of(current.tenant)
     usage.prewarms.pop(request["key"], None)
     s.dirty.add(f"tenant:{current.tenant}")
     s.pass_wanted = True
     if cluster not in current.replicas:
-        record_dataset(s, out, DatasetRecord(
-            current.dataset_id, current.tenant, 0, 0, current.size_bytes,
-            tuple(sorted({*current.replicas, cluster}))))
+        record_dataset(
+            s,
+            out,
+            DatasetRecord(
+                current.dataset_id,
+                current.tenant,
+                0,
+                0,
+                current.size_bytes,
+                tuple(sorted({*current.replicas, cluster})),
+            ),
+        )
     for key in sorted(s.jobs):
         job = s.jobs[key]
         if request["key"] in job.waiting_for:
@@ -233,25 +271,45 @@ def register_dataset(s: SchedulerState, out: EffectLog, spec: Dataset) -> None:
     tenant, name = spec.metadata.tenant, spec.metadata.name
     current = s.dataset(name)
     if current is not None and current.tenant != tenant:
-        decide_about(s, out, f"dataset:{name}", tenant, "Dataset", Outcome.REJECTED,
-                     f"dataset {name} belongs to another tenant", 0)
+        decide_about(
+            s,
+            out,
+            f"dataset:{name}",
+            tenant,
+            "Dataset",
+            Outcome.REJECTED,
+            f"dataset {name} belongs to another tenant",
+            0,
+        )
         return
     usage = s.usage_of(tenant)
     before = current.size_bytes * len(current.replicas) if current else 0
     after = spec.spec.size_bytes * len(spec.spec.replicas)
-    block = quota_block(s.tenant_policy_of(tenant), usage,
-                        Request(storage_bytes=max(0, after - before)))
+    block = quota_block(
+        s.tenant_policy_of(tenant), usage, Request(storage_bytes=max(0, after - before))
+    )
     if block is not None:
         decide_about(s, out, f"dataset:{name}", tenant, "Dataset", Outcome.REJECTED, block, 0)
         return
     usage.storage_bytes += after - before
     s.dirty.add(f"tenant:{tenant}")
     s.pass_wanted = True
-    record_dataset(s, out, DatasetRecord(name, tenant, 0, 0, spec.spec.size_bytes,
-                                         tuple(sorted(spec.spec.replicas))))
-    decide_about(s, out, f"dataset:{name}", tenant, "Dataset", Outcome.ACCEPTED,
-                 f"{spec.spec.size_bytes} bytes in {len(spec.spec.replicas)} replica(s); "
-                 f"tenant {tenant} stores {usage.storage_bytes} bytes", 0)
+    record_dataset(
+        s,
+        out,
+        DatasetRecord(name, tenant, 0, 0, spec.spec.size_bytes, tuple(sorted(spec.spec.replicas))),
+    )
+    decide_about(
+        s,
+        out,
+        f"dataset:{name}",
+        tenant,
+        "Dataset",
+        Outcome.ACCEPTED,
+        f"{spec.spec.size_bytes} bytes in {len(spec.spec.replicas)} replica(s); "
+        f"tenant {tenant} stores {usage.storage_bytes} bytes",
+        0,
+    )
 
 
 def delete_dataset(s: SchedulerState, out: EffectLog, name: str, tenant: str) -> None:

@@ -51,7 +51,7 @@ from fleetline.streams.events import (
     SCHEDULING_DECISION,
 )
 from fleetline.streams.loop import MessageStep, StreamLoop, produce
-from fleetline.streams.records import Offsets, Output
+from fleetline.streams.records import Offsets, Output, where
 from fleetline.streams.serde import AvroCodec, default_codec
 from fleetline.streams.store import ChangelogStore
 from fleetline.streams.topics import Topics, TopicSpec
@@ -63,9 +63,12 @@ STORE = "state"
 
 
 def state_store(topics: Topics) -> ChangelogStore[Any]:
-    return ChangelogStore(STORE, topics.changelog(APPLICATION_ID, STORE),
-                          lambda value: json.dumps(value, sort_keys=True).encode(),
-                          lambda data: json.loads(data))
+    return ChangelogStore(
+        STORE,
+        topics.changelog(APPLICATION_ID, STORE),
+        lambda value: json.dumps(value, sort_keys=True).encode(),
+        lambda data: json.loads(data),
+    )
 
 
 def scheduler_topics(topics: Topics) -> list[TopicSpec]:
@@ -74,8 +77,9 @@ def scheduler_topics(topics: Topics) -> list[TopicSpec]:
 
 
 def _offsets_key(offsets: Mapping[str, Mapping[int, int]]) -> str:
-    return canonical_json({t: {str(p): o for p, o in sorted(ps.items())}
-                           for t, ps in sorted(offsets.items())})
+    return canonical_json(
+        {t: {str(p): o for p, o in sorted(ps.items())} for t, ps in sorted(offsets.items())}
+    )
 
 
 @dataclass
@@ -101,9 +105,14 @@ class SchedulerStep(MessageStep):
     """Folds one request into the scheduler; its effects become the transaction's outputs and
     its changed state the store's changelog records, in the same transaction."""
 
-    def __init__(self, topics: Topics, store: ChangelogStore[Any],
-                 facts_at: Callable[[Offsets], FleetFacts], observations: Observations,
-                 codec: AvroCodec | None = None) -> None:
+    def __init__(
+        self,
+        topics: Topics,
+        store: ChangelogStore[Any],
+        facts_at: Callable[[Offsets], FleetFacts],
+        observations: Observations,
+        codec: AvroCodec | None = None,
+    ) -> None:
         self.topics = topics
         self.state = store  # the scheduler's state as changelog records
         self.stores = [store]
@@ -121,15 +130,20 @@ class SchedulerStep(MessageStep):
             # request in the log, so a replay, which folds the same log, uses it from there too.
             scheduler = Scheduler()
             if offset > 0:
-                log.warning("scheduler: no state in the store but the log resumes at %d; "
-                            "starting empty", offset)
+                log.warning(
+                    "scheduler: no state in the store but the log resumes at %d; starting empty",
+                    offset,
+                )
             scheduler.position = offset - 1
             return scheduler
         facts = self._facts(Scheduler.view_offsets_of(records))
         scheduler = Scheduler.from_records(records, facts)
         if scheduler.position != offset - 1:
-            log.warning("scheduler: state stands at request %d, the log resumes at %d",
-                        scheduler.position, offset)
+            log.warning(
+                "scheduler: state stands at request %d, the log resumes at %d",
+                scheduler.position,
+                offset,
+            )
         return scheduler
 
     def _facts(self, offsets: Offsets) -> FleetFacts:
@@ -139,27 +153,30 @@ class SchedulerStep(MessageStep):
         return self.facts_at(offsets) if offsets else observe(ResourceView())
 
     def handle(self, message: Message) -> Sequence[Output]:
-        msg = message
+        _, _, offset = where(message)
         with self.lock:
-            if self.scheduler is None or msg.offset() != self.scheduler.position + 1:
+            if self.scheduler is None or offset != self.scheduler.position + 1:
                 # A fresh start, a rebalance or an aborted batch: the committed store is the
                 # truth, and the in-memory state is rebuilt from it.
-                self.scheduler = self._restore(msg.offset())
-            request = self.codec.decode(msg.value(), expect=SCHEDULER_REQUEST).record
+                self.scheduler = self._restore(offset)
+            request = self.codec.decode(message.value(), expect=SCHEDULER_REQUEST).record
             facts = None
             if request["kind"] == "TICK":
                 facts = self._facts(offsets_of(request))
             try:
-                effects = self.scheduler.step(request, msg.offset(), facts)
+                effects = self.scheduler.step(request, offset, facts)
             finally:
                 for key, value in self.scheduler.drain_dirty():
                     self.state.put(0, key.encode(), value)
             return self._outputs(effects)
 
     def _outputs(self, effects: Sequence[Effect]) -> list[Output]:
-        topics = {SCHEDULING_DECISION: self.topics.decisions,
-                  ALLOCATION: self.topics.allocations, DATASET_PREWARM: self.topics.prewarms,
-                  DATASET_STATE: self.topics.datasets}
+        topics = {
+            SCHEDULING_DECISION: self.topics.decisions,
+            ALLOCATION: self.topics.allocations,
+            DATASET_PREWARM: self.topics.prewarms,
+            DATASET_STATE: self.topics.datasets,
+        }
         out = []
         for effect in effects:
             name, key, record = effect_record(effect)
@@ -200,17 +217,25 @@ class SchedulerService:
         self.step = SchedulerStep(self.topics, self.store, self.facts_at, self.observations)
         self.name = f"{self.topics.prefix}.{APPLICATION_ID}"
         self.loop = StreamLoop(
-            self.kafka, self.name, [self.topics.scheduler_requests], self.step,
-            self.topics.dead_letter, exactly_once=True, instance_id=self.instance_id,
-            max_messages=self.batch_size, max_wait_s=self.poll_timeout_s,
-            producer_config={"linger.ms": 1})
+            self.kafka,
+            self.name,
+            [self.topics.scheduler_requests],
+            self.step,
+            self.topics.dead_letter,
+            exactly_once=True,
+            instance_id=self.instance_id,
+            max_messages=self.batch_size,
+            max_wait_s=self.poll_timeout_s,
+            producer_config={"linger.ms": 1},
+        )
         self.ready = self.loop.ready
         self.ticks = 0
         self._last_facts: FleetFacts | None = None
 
     def run(self, stop: threading.Event) -> None:
-        ticker = threading.Thread(target=self._tick_loop, args=(stop,), name="scheduler-tick",
-                                  daemon=True)
+        ticker = threading.Thread(
+            target=self._tick_loop, args=(stop,), name="scheduler-tick", daemon=True
+        )
         ticker.start()
         try:
             self.loop.run(stop)
@@ -219,7 +244,7 @@ class SchedulerService:
             ticker.join(30)
 
     def _tick_loop(self, stop: threading.Event) -> None:
-        producer = kafka_clients.producer(self.kafka, **{"linger.ms": 0})
+        producer = kafka_clients.producer(self.kafka, {"linger.ms": 0})
         try:
             if not self.loop.ready.wait(120):
                 log.warning("scheduler: no partition assigned in 120 s; ticking anyway")
@@ -247,17 +272,30 @@ class SchedulerService:
         current = self.step.scheduler
         if current is not None and current.digest == self.policy.digest():
             return
-        send(producer, self.topics, new_request(
-            "POLICY", "", "", self.clock(), uuid.uuid4().hex, actor="scheduler",
-            spec_json=canonical_json(self.policy.as_data())))
+        send(
+            producer,
+            self.topics,
+            new_request(
+                "POLICY",
+                "",
+                "",
+                self.clock(),
+                uuid.uuid4().hex,
+                actor="scheduler",
+                spec_json=canonical_json(self.policy.as_data()),
+            ),
+        )
 
     def tick(self, producer: Any) -> None:
         last = self._last_facts
         facts = self.view.read(lambda view: observe(view, last))
         self._last_facts = facts
         self.observations.put(facts)
-        send(producer, self.topics, new_request("TICK", "", "", self.clock(), uuid.uuid4().hex,
-                                                view_offsets=facts.offsets))
+        send(
+            producer,
+            self.topics,
+            new_request("TICK", "", "", self.clock(), uuid.uuid4().hex, view_offsets=facts.offsets),
+        )
         producer.flush(10)
         self.ticks += 1
 
@@ -266,20 +304,35 @@ class SchedulerService:
         return job_records(self.store, tenant)
 
 
-def send(producer: Any, topics: Topics, request: Mapping[str, Any],
-         codec: AvroCodec | None = None,
-         on_delivery: Callable[[Any, Any], None] | None = None) -> None:
+def send(
+    producer: Any,
+    topics: Topics,
+    request: Mapping[str, Any],
+    codec: AvroCodec | None = None,
+    on_delivery: Callable[[Any, Any], None] | None = None,
+) -> None:
     """Append one request to the scheduler's log (keyed by its key, one partition)."""
     codec = codec or default_codec()
-    produce(producer, Output(topics.scheduler_requests, request["key"].encode() or b"-",
-                             codec.encode("SchedulerRequest", request)), on_delivery)
+    produce(
+        producer,
+        Output(
+            topics.scheduler_requests,
+            request["key"].encode() or b"-",
+            codec.encode("SchedulerRequest", request),
+        ),
+        on_delivery,
+    )
 
 
-def submit(kafka: KafkaSettings, topics: Topics,
-           requests: Sequence[Mapping[str, Any]], timeout_s: float = 30.0,
-           producer: Any = None) -> list[int]:
+def submit(
+    kafka: KafkaSettings,
+    topics: Topics,
+    requests: Sequence[Mapping[str, Any]],
+    timeout_s: float = 30.0,
+    producer: Any = None,
+) -> list[int]:
     """Append requests and wait until the broker has them; their log offsets, in order."""
-    producer = producer or kafka_clients.producer(kafka, **{"linger.ms": 0})
+    producer = producer or kafka_clients.producer(kafka, {"linger.ms": 0})
     offsets: list[int | None] = [None] * len(requests)
     errors: list[str] = []
 
@@ -289,14 +342,17 @@ def submit(kafka: KafkaSettings, topics: Topics,
                 errors.append(str(err))
             else:
                 offsets[index] = msg.offset()
+
         return done
 
     for i, request in enumerate(requests):
         send(producer, topics, request, on_delivery=delivered(i))
     left = producer.flush(timeout_s)
     if left or errors:
-        raise StreamError(f"the scheduler's request log did not take "
-                          f"{left or len(errors)} request(s): {errors[:3]}")
+        raise StreamError(
+            f"the scheduler's request log did not take "
+            f"{left or len(errors)} request(s): {errors[:3]}"
+        )
     return [o for o in offsets if o is not None]
 
 
@@ -304,8 +360,11 @@ def job_records(store: ChangelogStore[Any], tenant: str | None = None) -> list[d
     out = []
     for key, value in store.items([0]):
         name = key.decode()
-        if name.startswith("job:") and value is not None and (
-                tenant is None or value["tenant"] == tenant):
+        if (
+            name.startswith("job:")
+            and value is not None
+            and (tenant is None or value["tenant"] == tenant)
+        ):
             out.append(value)
     out.sort(key=lambda j: j["key"])
     return out
@@ -318,15 +377,16 @@ def read_state(kafka: KafkaSettings, topics: Topics) -> ChangelogStore[Any]:
     return store
 
 
-def read_topic(kafka: KafkaSettings, topic: str, timeout_s: float = 30.0
-               ) -> Iterator[Message]:
+def read_topic(kafka: KafkaSettings, topic: str, timeout_s: float = 30.0) -> Iterator[Message]:
     """Every committed message of a single-partition topic, from the start to its end now."""
-    return kafka_clients.read_to_end(kafka, topic, [0],
-                                     f"fleetline-read-{uuid.uuid4().hex[:12]}", timeout_s)
+    return kafka_clients.read_to_end(
+        kafka, topic, [0], f"fleetline-read-{uuid.uuid4().hex[:12]}", timeout_s
+    )
 
 
-def decisions_of(kafka: KafkaSettings, topics: Topics, job: str | None = None,
-                 codec: AvroCodec | None = None) -> list[dict[str, Any]]:
+def decisions_of(
+    kafka: KafkaSettings, topics: Topics, job: str | None = None, codec: AvroCodec | None = None
+) -> list[dict[str, Any]]:
     codec = codec or default_codec()
     out = []
     for msg in read_topic(kafka, topics.decisions):
@@ -340,8 +400,9 @@ class DecisionFollower:
     """The decision log read from its start and then as it grows, with one consumer (callers
     that wait for decisions poll this instead of reading the log again each time)."""
 
-    def __init__(self, kafka: KafkaSettings, topics: Topics,
-                 codec: AvroCodec | None = None) -> None:
+    def __init__(
+        self, kafka: KafkaSettings, topics: Topics, codec: AvroCodec | None = None
+    ) -> None:
         self.codec = codec or default_codec()
         self._consumer = kafka_clients.consumer(kafka, f"fleetline-follow-{uuid.uuid4().hex}")
         self._consumer.assign([TopicPartition(topics.decisions, 0, OFFSET_BEGINNING)])
@@ -350,10 +411,11 @@ class DecisionFollower:
         """The decisions appended (and committed) since the last poll."""
         out = []
         for msg in self._consumer.consume(1000, timeout_s):
-            if msg.error():
-                if msg.error().code() == KafkaError._PARTITION_EOF:
+            error = msg.error()
+            if error is not None:
+                if error.code() == KafkaError._PARTITION_EOF:
                     continue
-                raise StreamError(f"reading the decision log: {msg.error().str()}")
+                raise StreamError(f"reading the decision log: {error.str()}")
             out.append(self.codec.decode(msg.value(), expect=SCHEDULING_DECISION).record)
         return out
 
@@ -381,12 +443,13 @@ class KafkaJobs:
     """What the API needs of the scheduler: append requests to its log, read its committed
     state (from the running service's store, or restored from the changelog), read decisions."""
 
-    def __init__(self, kafka: KafkaSettings, topics: Topics,
-                 service: SchedulerService | None = None) -> None:
+    def __init__(
+        self, kafka: KafkaSettings, topics: Topics, service: SchedulerService | None = None
+    ) -> None:
         self.kafka = kafka
         self.topics = topics
         self.service = service
-        self._producer = kafka_clients.producer(kafka, **{"linger.ms": 0})
+        self._producer = kafka_clients.producer(kafka, {"linger.ms": 0})
         self._lock = threading.Lock()
 
     def submit(self, requests: Sequence[Mapping[str, Any]]) -> list[int]:
@@ -394,8 +457,9 @@ class KafkaJobs:
             return submit(self.kafka, self.topics, requests, producer=self._producer)
 
     def _store(self) -> ChangelogStore[Any]:
-        return self.service.store if self.service is not None else read_state(self.kafka,
-                                                                              self.topics)
+        return (
+            self.service.store if self.service is not None else read_state(self.kafka, self.topics)
+        )
 
     def jobs(self, tenant: str | None = None) -> list[dict[str, Any]]:
         return job_records(self._store(), tenant)

@@ -30,8 +30,9 @@ from fleetline.processors.scheduling.state import SchedulerState, view_offsets_o
 class Scheduler(SchedulerState):
     """The scheduler's state and the step that folds one request into it."""
 
-    def step(self, request: Mapping[str, Any], position: int,
-             facts: FleetFacts | None = None) -> list[Effect]:
+    def step(
+        self, request: Mapping[str, Any], position: int, facts: FleetFacts | None = None
+    ) -> list[Effect]:
         """Fold one request at log `position`; `facts` is the view observed at the offsets a
         TICK names (required for TICKs, ignored otherwise)."""
         out = EffectLog(position)

@@ -15,7 +15,7 @@ import difflib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -32,15 +32,27 @@ from pydantic_core import PydanticCustomError
 
 from fleetline.errors import FleetlineError
 
-API_VERSION = "fleetline/v1"
+API_VERSION: Final = "fleetline/v1"
 PriorityClass = Literal["critical", "high", "normal", "low", "best-effort"]
 Communication = Literal["heavy", "moderate", "light"]
-PRIORITY_CLASSES: tuple[str, ...] = PriorityClass.__args__
-COMMUNICATION: tuple[str, ...] = Communication.__args__
+PRIORITY_CLASSES: tuple[str, ...] = get_args(PriorityClass)
+COMMUNICATION: tuple[str, ...] = get_args(Communication)
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 _SIZE = re.compile(r"^\s*(?P<n>\d+(\.\d+)?)\s*(?P<unit>[KMGTP]i?B|B)?\s*$")
-_UNITS = {None: 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "PB": 10**15,
-          "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "PiB": 2**50}
+_UNITS = {
+    None: 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "PB": 10**15,
+    "KiB": 2**10,
+    "MiB": 2**20,
+    "GiB": 2**30,
+    "TiB": 2**40,
+    "PiB": 2**50,
+}
 _DURATION = re.compile(r"^\s*(?P<n>\d+(\.\d+)?)\s*(?P<unit>s|m|h|d)?\s*$")
 _SECONDS = {None: 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -90,8 +102,9 @@ def parse_duration(text: Any) -> int | None:
 def _size(value: Any) -> int:
     size = parse_size(value)
     if size is None:
-        raise PydanticCustomError("size", "must be bytes or a size like 500GB or 2TiB, got "
-                                  "{value!r}", {"value": value})
+        raise PydanticCustomError(
+            "size", "must be bytes or a size like 500GB or 2TiB, got {value!r}", {"value": value}
+        )
     return size
 
 
@@ -100,8 +113,11 @@ def _duration(value: Any) -> int | None:
         return None
     seconds = parse_duration(value)
     if seconds is None:
-        raise PydanticCustomError("duration", "must be seconds or a duration like 90m, 24h, 2d, "
-                                  "got {value!r}", {"value": value})
+        raise PydanticCustomError(
+            "duration",
+            "must be seconds or a duration like 90m, 24h, 2d, got {value!r}",
+            {"value": value},
+        )
     return seconds
 
 
@@ -110,6 +126,7 @@ def _dns_label(what: str) -> Any:
         if isinstance(value, str) and value.strip() and not _NAME.match(value):
             raise PydanticCustomError("label", what + "; got {value!r}", {"value": value})
         return value
+
     return BeforeValidator(check)
 
 
@@ -126,9 +143,13 @@ class Model(BaseModel):
 
 
 class Metadata(Model):
-    name: Annotated[Text, _dns_label(
-        "must be lower-case letters, digits and '-', at most 63, starting and ending with a "
-        "letter or digit")]
+    name: Annotated[
+        Text,
+        _dns_label(
+            "must be lower-case letters, digits and '-', at most 63, starting and ending with a "
+            "letter or digit"
+        ),
+    ]
     tenant: Annotated[Text, _dns_label("must be a DNS-style label")]
     labels: dict[Annotated[str, Field(strict=True)], Annotated[str, Field(strict=True)]] = {}
 
@@ -156,16 +177,18 @@ class TrainingJobSpec(Model):
     elastic: Elastic = Elastic()
     allow_split_across_clusters: StrictBool = False
     max_runtime: Seconds = Field(default=None, description="default: the scheduling policy's")
-    region: Text | None = Field(default=None, description="where its users or upstream data "
-                                "sit, for the latency score")
+    region: Text | None = Field(
+        default=None, description="where its users or upstream data sit, for the latency score"
+    )
 
     @model_validator(mode="after")
     def _data_parallelism(self) -> TrainingJobSpec:
         if self.parallelism.data is not None:
             return self
         data = max(1, self.gpus // (self.parallelism.tensor * self.parallelism.pipeline))
-        return self.model_copy(update={"parallelism": self.parallelism.model_copy(
-            update={"data": data})})
+        return self.model_copy(
+            update={"parallelism": self.parallelism.model_copy(update={"data": data})}
+        )
 
     @property
     def gpus(self) -> int:
@@ -240,8 +263,11 @@ class Dataset(Model):
 
 Spec = TrainingJob | InferenceService | Dataset
 JobSpec = TrainingJobSpec | InferenceServiceSpec
-KINDS: dict[str, type[Spec]] = {"TrainingJob": TrainingJob, "InferenceService": InferenceService,
-                                "Dataset": Dataset}
+KINDS: dict[str, type[Spec]] = {
+    "TrainingJob": TrainingJob,
+    "InferenceService": InferenceService,
+    "Dataset": Dataset,
+}
 
 
 def _known_fields(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:
@@ -252,8 +278,11 @@ def _known_fields(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[st
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             model = annotation
         else:
-            candidates = [a for a in getattr(annotation, "__args__", ())
-                          if isinstance(a, type) and issubclass(a, BaseModel)]
+            candidates = [
+                a
+                for a in getattr(annotation, "__args__", ())
+                if isinstance(a, type) and issubclass(a, BaseModel)
+            ]
             if not candidates:
                 return []
             model = candidates[0]
@@ -265,8 +294,9 @@ def _message(model: type[BaseModel], error: Any) -> str:
     if kind == "missing":
         return "is required"
     if kind == "extra_forbidden":
-        near = difflib.get_close_matches(str(error["loc"][-1]),
-                                         _known_fields(model, error["loc"]), n=1)
+        near = difflib.get_close_matches(
+            str(error["loc"][-1]), _known_fields(model, error["loc"]), n=1
+        )
         return "unknown field" + (f" (did you mean {near[0]}?)" if near else "")
     if kind in ("int_type", "int_parsing", "int_from_float"):
         return f"must be an integer, got {value!r}"
@@ -308,18 +338,32 @@ def _cross_field(kind: str, document: Mapping[str, Any]) -> list[FieldError]:
         tensor, pipeline = _int(p, "tensor", 1), _int(p, "pipeline", 1)
         data = _int(p, "data", max(1, per * workers // (tensor * pipeline)))
         if tensor * pipeline * data != per * workers:
-            errors.append(FieldError("spec.parallelism", f"tensor x pipeline x data is "
-                                     f"{tensor * pipeline * data}, the job has {per * workers}"
-                                     f" GPUs ({workers} workers x {per})"))
+            errors.append(
+                FieldError(
+                    "spec.parallelism",
+                    f"tensor x pipeline x data is "
+                    f"{tensor * pipeline * data}, the job has {per * workers}"
+                    f" GPUs ({workers} workers x {per})",
+                )
+            )
         if per % tensor and tensor % per:
-            errors.append(FieldError("spec.parallelism.tensor", f"{tensor} does not divide or "
-                                     f"fill whole workers of {per} GPUs; a tensor-parallel "
-                                     "group must sit inside NVLink reach"))
+            errors.append(
+                FieldError(
+                    "spec.parallelism.tensor",
+                    f"{tensor} does not divide or "
+                    f"fill whole workers of {per} GPUs; a tensor-parallel "
+                    "group must sit inside NVLink reach",
+                )
+            )
         e = spec.get("elastic") if isinstance(spec, Mapping) else None
         low, high = _int(e, "min_workers", workers), _int(e, "max_workers", workers)
         if not low <= workers <= high:
-            errors.append(FieldError("spec.elastic", f"min_workers {low} <= workers {workers} <= "
-                                     f"max_workers {high} does not hold"))
+            errors.append(
+                FieldError(
+                    "spec.elastic",
+                    f"min_workers {low} <= workers {workers} <= max_workers {high} does not hold",
+                )
+            )
     elif kind == "InferenceService":
         r = spec.get("replicas") if isinstance(spec, Mapping) else None
         low = _int(r, "min", 1)
@@ -339,13 +383,13 @@ def _cross_field(kind: str, document: Mapping[str, Any]) -> list[FieldError]:
 def parse_spec(document: Any) -> Spec:
     """One parsed document (a mapping) to a spec, or SpecError with every bad field."""
     if not isinstance(document, Mapping):
-        raise SpecError([FieldError("(document)",
-                                    f"must be a mapping, got {type(document).__name__}")])
+        raise SpecError(
+            [FieldError("(document)", f"must be a mapping, got {type(document).__name__}")]
+        )
     kind = document.get("kind")
-    model = KINDS.get(str(kind)) if isinstance(kind, str) else None
-    if model is None:
-        raise SpecError([FieldError("kind", f"must be one of {', '.join(KINDS)}, got "
-                                    f"{kind!r}")])
+    model = KINDS.get(kind) if isinstance(kind, str) else None
+    if model is None or not isinstance(kind, str):
+        raise SpecError([FieldError("kind", f"must be one of {', '.join(KINDS)}, got {kind!r}")])
     errors: list[FieldError] = []
     spec: Spec | None = None
     try:

@@ -105,8 +105,9 @@ class Job:
     def gpus(self) -> int:
         """GPUs held, cached until the allocation changes (`allocation_changed`)."""
         if self._held is None:
-            self._held = sum(m.bit_count() for nodes in self.allocation.values()
-                             for m in nodes.values())
+            self._held = sum(
+                m.bit_count() for nodes in self.allocation.values() for m in nodes.values()
+            )
         return self._held
 
     @property
@@ -114,8 +115,9 @@ class Job:
         """The checkpoint interval (0 for services, which keep no training state)."""
         if self._interval is None:
             spec = self.spec
-            self._interval = (spec.checkpoint_interval_s * 1000
-                              if isinstance(spec, TrainingJobSpec) else 0)
+            self._interval = (
+                spec.checkpoint_interval_s * 1000 if isinstance(spec, TrainingJobSpec) else 0
+            )
         return self._interval
 
     def allocation_changed(self) -> None:
@@ -135,27 +137,43 @@ class Job:
 
     def as_data(self) -> dict[str, Any]:
         return {
-            "key": self.key, "tenant": self.tenant, "name": self.name, "kind": self.kind,
-            "document": self.document, "priority": self.priority, "order": self.order,
-            "submitted_ms": self.submitted_ms, "phase": self.phase,
+            "key": self.key,
+            "tenant": self.tenant,
+            "name": self.name,
+            "kind": self.kind,
+            "document": self.document,
+            "priority": self.priority,
+            "order": self.order,
+            "submitted_ms": self.submitted_ms,
+            "phase": self.phase,
             "conditions": self.conditions,
             "allocation": {c: dict(sorted(n.items())) for c, n in sorted(self.allocation.items())},
-            "workers": self.workers, "started_ms": self.started_ms,
-            "limit_end_ms": self.limit_end_ms, "committed_gpu_ms": self.committed_gpu_ms,
-            "checkpoint_ms": self.checkpoint_ms, "resume_from_ms": self.resume_from_ms,
-            "waiting_for": self.waiting_for, "queued_reason": self.queued_reason,
-            "last_decision": self.last_decision, "preemptions": self.preemptions,
-            "placed_ms": self.placed_ms, "alloc_seq": self.alloc_seq,
-            "explanation": (self.explanation.as_record()
-                            if isinstance(self.explanation, Decision) else self.explanation),
+            "workers": self.workers,
+            "started_ms": self.started_ms,
+            "limit_end_ms": self.limit_end_ms,
+            "committed_gpu_ms": self.committed_gpu_ms,
+            "checkpoint_ms": self.checkpoint_ms,
+            "resume_from_ms": self.resume_from_ms,
+            "waiting_for": self.waiting_for,
+            "queued_reason": self.queued_reason,
+            "last_decision": self.last_decision,
+            "preemptions": self.preemptions,
+            "placed_ms": self.placed_ms,
+            "alloc_seq": self.alloc_seq,
+            "explanation": (
+                self.explanation.as_record()
+                if isinstance(self.explanation, Decision)
+                else self.explanation
+            ),
         }
 
     @classmethod
     def from_data(cls, data: Mapping[str, Any]) -> Job:
         fields = dict(data)
         fields["phase"] = Phase(data["phase"])
-        fields["allocation"] = {c: {n: int(m) for n, m in nodes.items()}
-                                for c, nodes in data["allocation"].items()}
+        fields["allocation"] = {
+            c: {n: int(m) for n, m in nodes.items()} for c, nodes in data["allocation"].items()
+        }
         return cls(**fields)
 
 
@@ -192,8 +210,9 @@ def lost_work_s(job: Job, now: int) -> float:
 class SchedulerState:
     """The fold's state (see the module's docstring)."""
 
-    def __init__(self, policy: SchedulingPolicy | None = None,
-                 facts: FleetFacts | None = None) -> None:
+    def __init__(
+        self, policy: SchedulingPolicy | None = None, facts: FleetFacts | None = None
+    ) -> None:
         self.policy = policy or SchedulingPolicy()
         self.digest = self.policy.digest()
         self.facts = facts or FleetFacts({}, {}, {}, {})
@@ -229,8 +248,11 @@ class SchedulerState:
         """A dataset as the scheduler knows it: registered here, else as the view saw it."""
         own = self.datasets.get(dataset_id)
         if own is not None:
-            return None if own.deleted else DatasetFacts(own.dataset_id, own.tenant,
-                                                         own.size_bytes, own.replicas)
+            return (
+                None
+                if own.deleted
+                else DatasetFacts(own.dataset_id, own.tenant, own.size_bytes, own.replicas)
+            )
         return self.facts.datasets.get(dataset_id)
 
     def usage_of(self, tenant: str) -> TenantUsage:
@@ -242,8 +264,10 @@ class SchedulerState:
 
     def queue(self) -> list[Job]:
         """Queued jobs by priority, then submission order (fair share reorders tenants)."""
-        return sorted((j for j in self.jobs.values() if j.phase == Phase.QUEUED),
-                      key=lambda j: (-j.priority, j.order, j.key))
+        return sorted(
+            (j for j in self.jobs.values() if j.phase == Phase.QUEUED),
+            key=lambda j: (-j.priority, j.order, j.key),
+        )
 
     def rebuild_index(self) -> None:
         taken: dict[str, int] = {}
@@ -255,8 +279,9 @@ class SchedulerState:
             job = self.jobs[key]
             for cluster_id, nodes in job.allocation.items():
                 self.cluster_jobs.setdefault(cluster_id, set()).add(key)
-                self.count_priority(cluster_id, job.priority,
-                                    sum(m.bit_count() for m in nodes.values()))
+                self.count_priority(
+                    cluster_id, job.priority, sum(m.bit_count() for m in nodes.values())
+                )
                 for node, mask in nodes.items():
                     taken[node] = taken.get(node, 0) | mask
                     self.node_jobs.setdefault(node, set()).add(key)
@@ -268,10 +293,16 @@ class SchedulerState:
 
     def records(self, keys: set[str] | None = None) -> Iterator[tuple[str, Any]]:
         """(store key, JSON-able value or None) for the given keys (all by default)."""
-        wanted = keys if keys is not None else (
-            {f"job:{k}" for k in self.jobs} | {f"tenant:{t}" for t in
-                                                set(self.tenants) | set(self.usage)}
-            | {f"dataset:{d}" for d in self.datasets} | {"meta"})
+        wanted = (
+            keys
+            if keys is not None
+            else (
+                {f"job:{k}" for k in self.jobs}
+                | {f"tenant:{t}" for t in set(self.tenants) | set(self.usage)}
+                | {f"dataset:{d}" for d in self.datasets}
+                | {"meta"}
+            )
+        )
         for key in sorted(wanted):
             kind, _, name = key.partition(":")
             if kind == "job":
@@ -279,20 +310,44 @@ class SchedulerState:
                 yield key, job.as_data() if job else None
             elif kind == "tenant":
                 policy, usage = self.tenants.get(name), self.usage.get(name)
-                yield key, None if policy is None and usage is None else {
-                    "policy": policy.as_data() if policy else None,
-                    "usage": usage.as_data() if usage else None}
+                yield (
+                    key,
+                    None
+                    if policy is None and usage is None
+                    else {
+                        "policy": policy.as_data() if policy else None,
+                        "usage": usage.as_data() if usage else None,
+                    },
+                )
             elif kind == "dataset":
                 d = self.datasets.get(name)
-                yield key, None if d is None else {
-                    "dataset_id": d.dataset_id, "tenant": d.tenant, "seq": d.seq, "ts": d.ts,
-                    "size_bytes": d.size_bytes, "replicas": list(d.replicas),
-                    "deleted": d.deleted}
+                yield (
+                    key,
+                    None
+                    if d is None
+                    else {
+                        "dataset_id": d.dataset_id,
+                        "tenant": d.tenant,
+                        "seq": d.seq,
+                        "ts": d.ts,
+                        "size_bytes": d.size_bytes,
+                        "replicas": list(d.replicas),
+                        "deleted": d.deleted,
+                    },
+                )
             else:
-                yield key, {"policy": self.policy.as_data(), "now_ms": self.now_ms,
-                            "position": self.position,
-                            "view_offsets": {t: {str(p): o for p, o in ps.items()}
-                                             for t, ps in self.facts.offsets.items()}}
+                yield (
+                    key,
+                    {
+                        "policy": self.policy.as_data(),
+                        "now_ms": self.now_ms,
+                        "position": self.position,
+                        "view_offsets": {
+                            t: {str(p): o for p, o in ps.items()}
+                            for t, ps in self.facts.offsets.items()
+                        },
+                    },
+                )
 
     def drain_dirty(self) -> list[tuple[str, Any]]:
         keys, self.dirty = self.dirty, set()
@@ -320,13 +375,20 @@ class SchedulerState:
                     self.usage[name] = TenantUsage.from_data(value["usage"])
             elif kind == "dataset":
                 self.datasets[name] = DatasetRecord(
-                    value["dataset_id"], value["tenant"], value["seq"], value["ts"],
-                    value["size_bytes"], tuple(value["replicas"]), value["deleted"])
+                    value["dataset_id"],
+                    value["tenant"],
+                    value["seq"],
+                    value["ts"],
+                    value["size_bytes"],
+                    tuple(value["replicas"]),
+                    value["deleted"],
+                )
         self.rebuild_index()
 
 
 def view_offsets_of(records: Mapping[str, Any]) -> Offsets:
     """The view offsets the recorded state last observed."""
     meta = records.get("meta") or {}
-    return {t: {int(p): int(o) for p, o in ps.items()}
-            for t, ps in meta.get("view_offsets", {}).items()}
+    return {
+        t: {int(p): int(o) for p, o in ps.items()} for t, ps in meta.get("view_offsets", {}).items()
+    }

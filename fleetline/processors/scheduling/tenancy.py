@@ -45,8 +45,9 @@ def _storage(value: Any) -> int | None:
         return None
     size = parse_size(value)
     if size is None:
-        raise PydanticCustomError("size", "is not a size (bytes, or like 500TB), got {value!r}",
-                                  {"value": value})
+        raise PydanticCustomError(
+            "size", "is not a size (bytes, or like 500TB), got {value!r}", {"value": value}
+        )
     return size
 
 
@@ -54,14 +55,18 @@ class Quota(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     gpus: Whole | None = Field(default=None, description="GPUs held at once, fleet-wide")
-    cluster_gpus: Mapping[str, Whole] = Field(default_factory=dict,
-                                              description="GPUs held at once, per cluster")
-    gpu_hours: Amount | None = Field(default=None, description="a budget: consumed plus what "
-                                     "running jobs may still consume")
+    cluster_gpus: Mapping[str, Whole] = Field(
+        default_factory=dict, description="GPUs held at once, per cluster"
+    )
+    gpu_hours: Amount | None = Field(
+        default=None, description="a budget: consumed plus what running jobs may still consume"
+    )
     storage_bytes: Annotated[int | None, BeforeValidator(_storage)] = Field(
-        default=None, description="dataset bytes x replicas, prewarms included")
-    bandwidth_gbps: Amount | None = Field(default=None,
-                                          description="cross-cluster dataset moves at once")
+        default=None, description="dataset bytes x replicas, prewarms included"
+    )
+    bandwidth_gbps: Amount | None = Field(
+        default=None, description="cross-cluster dataset moves at once"
+    )
 
 
 class TenantTerms(BaseModel):
@@ -82,11 +87,18 @@ class TenantPolicy(TenantTerms):
 
     def as_data(self) -> dict[str, Any]:
         q = self.quota
-        return {"tenant": self.tenant, "share": self.share,
-                "reserved": dict(sorted(self.reserved.items())),
-                "quota": {"gpus": q.gpus, "cluster_gpus": dict(sorted(q.cluster_gpus.items())),
-                          "gpu_hours": q.gpu_hours, "storage_bytes": q.storage_bytes,
-                          "bandwidth_gbps": q.bandwidth_gbps}}
+        return {
+            "tenant": self.tenant,
+            "share": self.share,
+            "reserved": dict(sorted(self.reserved.items())),
+            "quota": {
+                "gpus": q.gpus,
+                "cluster_gpus": dict(sorted(q.cluster_gpus.items())),
+                "gpu_hours": q.gpu_hours,
+                "storage_bytes": q.storage_bytes,
+                "bandwidth_gbps": q.bandwidth_gbps,
+            },
+        }
 
     @classmethod
     def from_data(cls, data: Any) -> TenantPolicy:
@@ -101,7 +113,8 @@ class TenantPolicy(TenantTerms):
             problems = "; ".join(
                 f"{'.'.join(str(p) for p in e['loc'])}: "
                 f"{'unknown field' if e['type'] == 'extra_forbidden' else e['msg']}"
-                for e in exc.errors())
+                for e in exc.errors()
+            )
             raise InvalidEventError(f"tenant policy {tenant}: {problems}") from None
 
 
@@ -120,17 +133,25 @@ class TenantUsage:
         return sum(self.prewarms[k][0] for k in sorted(self.prewarms))
 
     def as_data(self) -> dict[str, Any]:
-        return {"gpus": self.gpus, "cluster_gpus": dict(sorted(self.cluster_gpus.items())),
-                "consumed_gpu_ms": self.consumed_gpu_ms,
-                "committed_gpu_ms": self.committed_gpu_ms,
-                "storage_bytes": self.storage_bytes,
-                "prewarms": {k: list(v) for k, v in sorted(self.prewarms.items())}}
+        return {
+            "gpus": self.gpus,
+            "cluster_gpus": dict(sorted(self.cluster_gpus.items())),
+            "consumed_gpu_ms": self.consumed_gpu_ms,
+            "committed_gpu_ms": self.committed_gpu_ms,
+            "storage_bytes": self.storage_bytes,
+            "prewarms": {k: list(v) for k, v in sorted(self.prewarms.items())},
+        }
 
     @classmethod
     def from_data(cls, data: Mapping[str, Any]) -> TenantUsage:
-        return cls(data["gpus"], dict(data["cluster_gpus"]), data["consumed_gpu_ms"],
-                   data["committed_gpu_ms"], data["storage_bytes"],
-                   {k: (float(v[0]), int(v[1])) for k, v in data["prewarms"].items()})
+        return cls(
+            data["gpus"],
+            dict(data["cluster_gpus"]),
+            data["consumed_gpu_ms"],
+            data["committed_gpu_ms"],
+            data["storage_bytes"],
+            {k: (float(v[0]), int(v[1])) for k, v in data["prewarms"].items()},
+        )
 
 
 @dataclass(frozen=True)
@@ -152,34 +173,54 @@ def quota_block(policy: TenantPolicy | None, usage: TenantUsage, request: Reques
     tenant = policy.tenant
     asked = request.gpus
     if q.gpus is not None and usage.gpus + asked > q.gpus:
-        return (f"quota: tenant {tenant} holds {usage.gpus} of its {q.gpus} GPUs, this needs "
-                f"{asked} more")
+        return (
+            f"quota: tenant {tenant} holds {usage.gpus} of its {q.gpus} GPUs, this needs "
+            f"{asked} more"
+        )
     for cluster, n in sorted(request.gpus_by_cluster.items()):
         limit = q.cluster_gpus.get(cluster)
         held = usage.cluster_gpus.get(cluster, 0)
         if limit is not None and held + n > limit:
-            return (f"quota: tenant {tenant} holds {held} of its {limit} GPUs in {cluster}, "
-                    f"this needs {n} more")
+            return (
+                f"quota: tenant {tenant} holds {held} of its {limit} GPUs in {cluster}, "
+                f"this needs {n} more"
+            )
     if q.gpu_hours is not None and request.gpu_ms:
         budget = q.gpu_hours * HOUR_MS
         spoken = usage.consumed_gpu_ms + usage.committed_gpu_ms
         if spoken + request.gpu_ms > budget:
-            return (f"quota: tenant {tenant} has used or committed "
-                    f"{spoken / HOUR_MS:.1f} of its {q.gpu_hours:g} GPU-hours, this job "
-                    f"reserves {request.gpu_ms / HOUR_MS:.1f} (GPUs x max runtime)")
-    if q.storage_bytes is not None and request.storage_bytes and \
-            usage.storage_bytes + request.storage_bytes > q.storage_bytes:
-        return (f"quota: tenant {tenant} stores {usage.storage_bytes} of its {q.storage_bytes} "
-                f"bytes, this needs {request.storage_bytes} more")
-    if q.bandwidth_gbps is not None and request.bandwidth_gbps and \
-            usage.bandwidth_gbps() + request.bandwidth_gbps > q.bandwidth_gbps + 1e-9:
-        return (f"quota: tenant {tenant} moves data at {usage.bandwidth_gbps():g} of its "
-                f"{q.bandwidth_gbps:g} Gbit/s")
+            return (
+                f"quota: tenant {tenant} has used or committed "
+                f"{spoken / HOUR_MS:.1f} of its {q.gpu_hours:g} GPU-hours, this job "
+                f"reserves {request.gpu_ms / HOUR_MS:.1f} (GPUs x max runtime)"
+            )
+    if (
+        q.storage_bytes is not None
+        and request.storage_bytes
+        and usage.storage_bytes + request.storage_bytes > q.storage_bytes
+    ):
+        return (
+            f"quota: tenant {tenant} stores {usage.storage_bytes} of its {q.storage_bytes} "
+            f"bytes, this needs {request.storage_bytes} more"
+        )
+    if (
+        q.bandwidth_gbps is not None
+        and request.bandwidth_gbps
+        and usage.bandwidth_gbps() + request.bandwidth_gbps > q.bandwidth_gbps + 1e-9
+    ):
+        return (
+            f"quota: tenant {tenant} moves data at {usage.bandwidth_gbps():g} of its "
+            f"{q.bandwidth_gbps:g} Gbit/s"
+        )
     return None
 
 
-def reserved_for_others(policies: Mapping[str, TenantPolicy],
-                        usage: Mapping[str, TenantUsage], tenant: str, cluster: str) -> int:
+def reserved_for_others(
+    policies: Mapping[str, TenantPolicy],
+    usage: Mapping[str, TenantUsage],
+    tenant: str,
+    cluster: str,
+) -> int:
     """GPUs of `cluster` held back for other tenants' unused reservations."""
     held = 0
     for other, policy in policies.items():
@@ -192,8 +233,9 @@ def reserved_for_others(policies: Mapping[str, TenantPolicy],
     return held
 
 
-def fair_share_key(policies: Mapping[str, TenantPolicy], usage: Mapping[str, TenantUsage],
-                   tenant: str) -> float:
+def fair_share_key(
+    policies: Mapping[str, TenantPolicy], usage: Mapping[str, TenantUsage], tenant: str
+) -> float:
     """Lower goes first among equal priorities: GPUs held per unit of share."""
     share = policies[tenant].share if tenant in policies else 1.0
     held = usage[tenant].gpus if tenant in usage else 0

@@ -34,23 +34,25 @@ def to_data(view: ResourceView) -> dict[str, Any]:
     return {
         "format": FORMAT,
         "policy": view.policy.as_dict(),
-        "offsets": {topic: {str(p): o for p, o in sorted(parts.items())}
-                    for topic, parts in sorted(view.offsets.items())},
+        "offsets": {
+            topic: {str(p): o for p, o in sorted(parts.items())}
+            for topic, parts in sorted(view.offsets.items())
+        },
         "node_events": view.node_events,
         "fleet_events": view.fleet_events,
         "watermark_ms": view.watermark_ms,
         "nodes": {node_id: _node_data(view.nodes[node_id]) for node_id in sorted(view.nodes)},
         "clusters": {k: vars(view.clusters[k]) for k in sorted(view.clusters)},
         "datasets": {k: vars(view.datasets[k]) for k in sorted(view.datasets)},
-        "allocations": {k: _allocation_data(view.allocations[k])
-                        for k in sorted(view.allocations)},
+        "allocations": {k: _allocation_data(view.allocations[k]) for k in sorted(view.allocations)},
     }
 
 
 def _node_data(node: NodeView) -> dict[str, Any]:
     data = {slot: getattr(node, slot) for slot in _NODE_SLOTS}
-    data["gpus"] = [[getattr(node.gpus[i], slot) for slot in _GPU_SLOTS]
-                    for i in sorted(node.gpus)]  # `sample` first: a list in the JSON
+    data["gpus"] = [
+        [getattr(node.gpus[i], slot) for slot in _GPU_SLOTS] for i in sorted(node.gpus)
+    ]  # `sample` first: a list in the JSON
     return data
 
 
@@ -64,8 +66,9 @@ def from_data(data: dict[str, Any]) -> ResourceView:
     if data.get("format") != FORMAT:
         raise IntegrityError(f"not a view snapshot of format {FORMAT}: {data.get('format')!r}")
     view = ResourceView(policy=HealthPolicy.from_dict(data["policy"]))
-    view.offsets = {topic: {int(p): o for p, o in parts.items()}
-                    for topic, parts in data["offsets"].items()}
+    view.offsets = {
+        topic: {int(p): o for p, o in parts.items()} for topic, parts in data["offsets"].items()
+    }
     view.node_events = data["node_events"]
     view.fleet_events = data["fleet_events"]
     view.watermark_ms = data["watermark_ms"]

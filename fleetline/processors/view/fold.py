@@ -54,12 +54,27 @@ HEALTHY, DEGRADED, FAILED = Health.HEALTHY, Health.DEGRADED, Health.FAILED
 # The per-GPU fields the fold reads, in this order, from a decoded GpuSample or from the
 # columnar decoder (streams/columnar.py); one tuple per GPU sample.
 GPU_FIELDS = (
-    "gpu_index", "gpu_uuid", "model", "gpu_util_pct", "mem_copy_util_pct", "fb_used_mib",
-    "fb_total_mib", "nvlink_tx_bytes_per_s", "nvlink_rx_bytes_per_s", "nvlink_errors_total",
-    "rdma_packet_loss_ratio", "temperature_c", "power_w", "power_limit_w", "ecc_sbe_total",
-    "ecc_dbe_total", "xid_codes",
+    "gpu_index",
+    "gpu_uuid",
+    "model",
+    "gpu_util_pct",
+    "mem_copy_util_pct",
+    "fb_used_mib",
+    "fb_total_mib",
+    "nvlink_tx_bytes_per_s",
+    "nvlink_rx_bytes_per_s",
+    "nvlink_errors_total",
+    "rdma_packet_loss_ratio",
+    "temperature_c",
+    "power_w",
+    "power_limit_w",
+    "ecc_sbe_total",
+    "ecc_dbe_total",
+    "xid_codes",
 )
 _gpu_tuple = itemgetter(*GPU_FIELDS)
+# One GPU's readings in GPU_FIELDS order, as the fold keeps them.
+Sample = tuple[Any, ...]
 
 
 @dataclass(frozen=True)
@@ -116,7 +131,7 @@ class GpuState:
         "sample",
     )
 
-    def __init__(self, sample: tuple) -> None:
+    def __init__(self, sample: Sample) -> None:
         self.sample = sample
         # HEALTHY or DEGRADED, from the telemetry stream's thresholds, with hysteresis.
         self.health: Health = HEALTHY
@@ -131,11 +146,13 @@ class GpuState:
 
     @property
     def index(self) -> int:
-        return self.sample[0]
+        index: int = self.sample[0]
+        return index
 
     @property
     def uuid(self) -> str:
-        return self.sample[1]
+        uuid: str = self.sample[1]
+        return uuid
 
     def readings(self) -> dict[str, Any]:
         return dict(zip(GPU_FIELDS, self.sample, strict=True))
@@ -298,8 +315,15 @@ def apply(view: ResourceView, event: Decoded) -> ResourceView:
     record = event.record
     match event.schema.full_name:
         case name if name == NODE_TELEMETRY:
-            fold_telemetry(view, record["cluster_id"], record["region"], record["node_id"],
-                           record["seq"], record["ts"], [_gpu_tuple(g) for g in record["gpus"]])
+            fold_telemetry(
+                view,
+                record["cluster_id"],
+                record["region"],
+                record["node_id"],
+                record["seq"],
+                record["ts"],
+                [_gpu_tuple(g) for g in record["gpus"]],
+            )
         case name if name == NODE_STATE:
             _fold_node_state(view, record)
         case name if name == CLUSTER_INFO:
@@ -342,13 +366,14 @@ def _node(view: ResourceView, node_id: str, cluster_id: str, region: str) -> Nod
     return node
 
 
-def _check_gpus(node_id: str, seq: int, gpus: Sequence[tuple]) -> None:
+def _check_gpus(node_id: str, seq: int, gpus: Sequence[Sample]) -> None:
     for sample in gpus:
         if not 0.0 <= sample[3] <= 100.0 or sample[5] > sample[6]:
             index, util, used, total = sample[0], sample[3], sample[5], sample[6]
             if not 0.0 <= util <= 100.0:
                 raise InvalidEventError(
-                    f"{node_id} seq {seq} gpu {index}: gpu_util_pct {util} is outside 0-100")
+                    f"{node_id} seq {seq} gpu {index}: gpu_util_pct {util} is outside 0-100"
+                )
             raise InvalidEventError(
                 f"{node_id} seq {seq} gpu {index}: fb_used_mib {used} exceeds fb_total_mib {total}"
             )
@@ -356,8 +381,15 @@ def _check_gpus(node_id: str, seq: int, gpus: Sequence[tuple]) -> None:
         raise InvalidEventError(f"{node_id} seq {seq}: a gpu_index appears twice")
 
 
-def fold_telemetry(view: ResourceView, cluster_id: str, region: str, node_id: str, seq: int,
-                   ts: int, gpus: Sequence[tuple]) -> None:
+def fold_telemetry(
+    view: ResourceView,
+    cluster_id: str,
+    region: str,
+    node_id: str,
+    seq: int,
+    ts: int,
+    gpus: Sequence[Sample],
+) -> None:
     """Fold one NodeTelemetry record given as scalars and one GPU_FIELDS tuple per GPU (the
     shape both the per-record and the columnar decoder produce)."""
     node = view.nodes.get(node_id)
@@ -404,8 +436,9 @@ def fold_telemetry(view: ResourceView, cluster_id: str, region: str, node_id: st
             fault = "rdma_loss"
 
         if failure is not None:
-            view.changes.append(Change(ts, "gpu", f"{node_id}/{index}", gpu.health, FAILED,
-                                       failure))
+            view.changes.append(
+                Change(ts, "gpu", f"{node_id}/{index}", gpu.health, FAILED, failure)
+            )
             gpu.failure = failure
             node.epoch += 1
             gpu.failed_at_ms = ts
@@ -430,18 +463,19 @@ def node_status(view: ResourceView, node: NodeView) -> NodeStatus:
     """UP, DRAINING or DOWN as the node declared it, or UNREACHABLE when an UP or DRAINING node
     has not been heard from for the policy's timeout, measured against the view's event time."""
     if node.state != NodeStatus.DOWN and (
-            view.watermark_ms - node.last_heard_ms > view.policy.unreachable_after_ms):
+        view.watermark_ms - node.last_heard_ms > view.policy.unreachable_after_ms
+    ):
         return NodeStatus.UNREACHABLE
     return node.state
 
 
-def _set_health(view: ResourceView, node_id: str, gpu: GpuState, health: Health,
-                cause: str | None, ts: int) -> int:
+def _set_health(
+    view: ResourceView, node_id: str, gpu: GpuState, health: Health, cause: str | None, ts: int
+) -> int:
     """Move the GPU to `health`; 1 if that changed anything, else 0."""
     if health == gpu.health and cause == gpu.cause:
         return 0
-    view.changes.append(Change(ts, "gpu", f"{node_id}/{gpu.sample[0]}", gpu.health, health,
-                               cause))
+    view.changes.append(Change(ts, "gpu", f"{node_id}/{gpu.sample[0]}", gpu.health, health, cause))
     gpu.health = health
     gpu.cause = cause
     gpu.health_since_ms = ts
@@ -458,8 +492,15 @@ def _fold_node_state(view: ResourceView, record: Mapping[str, Any]) -> None:
     node = _node(view, record["node_id"], record["cluster_id"], record["region"])
     ts = record["ts"]
     before = node.state
-    scheduled_before = (node.state, node.reason, node.up_since_ms, node.labels.get("accelerator"),
-                        node.islands, node.leaf_switch, node.spine_switch)
+    scheduled_before = (
+        node.state,
+        node.reason,
+        node.up_since_ms,
+        node.labels.get("accelerator"),
+        node.islands,
+        node.leaf_switch,
+        node.spine_switch,
+    )
     state = NodeStatus(record["state"])
     if state == NodeStatus.UP and before == NodeStatus.DOWN:
         node.up_since_ms = ts
@@ -477,9 +518,15 @@ def _fold_node_state(view: ResourceView, record: Mapping[str, Any]) -> None:
     node.agent_version = record.get("agent_version")
     node.spool_bytes = record.get("agent_spool_bytes")
     node.spool_dropped = record.get("agent_spool_dropped")
-    if scheduled_before != (node.state, node.reason, node.up_since_ms,
-                            node.labels.get("accelerator"), node.islands, node.leaf_switch,
-                            node.spine_switch):
+    if scheduled_before != (
+        node.state,
+        node.reason,
+        node.up_since_ms,
+        node.labels.get("accelerator"),
+        node.islands,
+        node.leaf_switch,
+        node.spine_switch,
+    ):
         node.epoch += 1
     node.state_seq = record["seq"]
     if ts > node.state_ts:
@@ -500,11 +547,16 @@ def _fold_cluster(view: ResourceView, record: Mapping[str, Any]) -> None:
         if record[name] is not None and record[name] < 0:
             raise InvalidEventError(f"cluster {record['cluster_id']}: {name} is negative")
     view.clusters[record["cluster_id"]] = ClusterInfo(
-        cluster_id=record["cluster_id"], region=record["region"], kind=record["kind"],
+        cluster_id=record["cluster_id"],
+        region=record["region"],
+        kind=record["kind"],
         price_per_gpu_hour=record["price_per_gpu_hour"],
-        energy_price_per_kwh=record["energy_price_per_kwh"], pue=pue,
-        link_latency_ms=dict(record["link_latency_ms"]), retired=record["retired"],
-        seq=record["seq"], ts=record["ts"],
+        energy_price_per_kwh=record["energy_price_per_kwh"],
+        pue=pue,
+        link_latency_ms=dict(record["link_latency_ms"]),
+        retired=record["retired"],
+        seq=record["seq"],
+        ts=record["ts"],
     )
     view.fleet_events += 1
 
@@ -519,9 +571,12 @@ def _fold_dataset(view: ResourceView, record: Mapping[str, Any]) -> None:
         view.datasets.pop(record["dataset_id"], None)
     else:
         view.datasets[record["dataset_id"]] = DatasetInfo(
-            dataset_id=record["dataset_id"], tenant=record["tenant"],
-            size_bytes=record["size_bytes"], replicas=sorted(set(record["replicas"])),
-            seq=record["seq"], ts=record["ts"],
+            dataset_id=record["dataset_id"],
+            tenant=record["tenant"],
+            size_bytes=record["size_bytes"],
+            replicas=sorted(set(record["replicas"])),
+            seq=record["seq"],
+            ts=record["ts"],
         )
     view.fleet_events += 1
 
@@ -534,8 +589,7 @@ def _fold_allocation(view: ResourceView, record: Mapping[str, Any]) -> None:
     refs = {(ref["node_id"], ref["gpu_index"]) for ref in record["gpus"]}
     match record["kind"]:
         case "ALLOCATED":
-            taken = sorted(ref for ref in refs
-                           if view.gpu_owner.get(ref, job_id) != job_id)
+            taken = sorted(ref for ref in refs if view.gpu_owner.get(ref, job_id) != job_id)
             if taken:
                 node_id, index = taken[0]
                 raise InvalidEventError(
@@ -544,8 +598,14 @@ def _fold_allocation(view: ResourceView, record: Mapping[str, Any]) -> None:
                 )
             if current is None:
                 current = view.allocations[job_id] = JobAllocation(
-                    job_id, record["tenant"], record["cluster_id"], record["priority"], set(),
-                    record["seq"], record["ts"])
+                    job_id,
+                    record["tenant"],
+                    record["cluster_id"],
+                    record["priority"],
+                    set(),
+                    record["seq"],
+                    record["ts"],
+                )
             current.gpus |= refs
             for ref in refs:
                 view.gpu_owner[ref] = job_id
@@ -593,8 +653,9 @@ def compose(views: Iterable[ResourceView]) -> ResourceView:
                 merged[partition] = max(offset, merged.get(partition, 0))
         out.watermark_ms = max(out.watermark_ms, part.watermark_ms)
         out.node_events += part.node_events
-        if part.fleet_events and (fleet_source is None
-                                  or part.fleet_events > fleet_source.fleet_events):
+        if part.fleet_events and (
+            fleet_source is None or part.fleet_events > fleet_source.fleet_events
+        ):
             fleet_source = part
     if fleet_source is not None:
         out.clusters = fleet_source.clusters

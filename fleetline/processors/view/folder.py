@@ -79,8 +79,9 @@ class PartFolder:
     def new_part(self) -> ResourceView:
         return ResourceView(policy=self.policy)
 
-    def fold(self, parts: dict[str, ResourceView],
-             records: Iterable[R]) -> list[tuple[R, FleetlineError]]:
+    def fold(
+        self, parts: dict[str, ResourceView], records: Iterable[R]
+    ) -> list[tuple[R, FleetlineError]]:
         """Fold the records into their parts (made as needed); the ones that could not be
         folded, with why."""
         runs: dict[tuple[str, int], list[R]] = {}
@@ -100,8 +101,14 @@ class PartFolder:
                     self.fold_one(view, record, failed)
         return failed
 
-    def _fold_telemetry_run(self, view: ResourceView, topic: str, partition: int,
-                            run: Sequence[R], failed: list[tuple[R, FleetlineError]]) -> None:
+    def _fold_telemetry_run(
+        self,
+        view: ResourceView,
+        topic: str,
+        partition: int,
+        run: Sequence[R],
+        failed: list[tuple[R, FleetlineError]],
+    ) -> None:
         rows = self.decoder.decode([m.key() for m in run], [m.value() for m in run])
         for record, row in zip(run, rows, strict=True):
             if row is None:  # the batch path could not read it: record by record, in order
@@ -113,8 +120,9 @@ class PartFolder:
                 failed.append((record, exc))
             view.advance(topic, partition, where(record)[2])
 
-    def fold_one(self, view: ResourceView, record: R,
-                 failed: list[tuple[R, FleetlineError]]) -> None:
+    def fold_one(
+        self, view: ResourceView, record: R, failed: list[tuple[R, FleetlineError]]
+    ) -> None:
         """Fold one record by the per-record path (decode, check the key, apply)."""
         topic, partition, offset = where(record)
         role = self.roles.get(topic)
@@ -130,7 +138,8 @@ class PartFolder:
                 entity = event.record[role.key_field]
                 if key is None or key.decode(errors="replace") != entity:
                     raise InvalidEventError(
-                        f"message key {key!r} is not the record's {role.key_field} {entity!r}")
+                        f"message key {key!r} is not the record's {role.key_field} {entity!r}"
+                    )
                 apply(view, event)
         except FleetlineError as exc:
             failed.append((record, exc))

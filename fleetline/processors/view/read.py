@@ -59,12 +59,16 @@ class ClusterHealth(StrEnum):
     EMPTY = "empty"  # no node reports from it
 
 
-IDLE, ALLOCATED, UNAVAILABLE = (CapacityState.IDLE, CapacityState.ALLOCATED,
-                                CapacityState.UNAVAILABLE)
+IDLE, ALLOCATED, UNAVAILABLE = (
+    CapacityState.IDLE,
+    CapacityState.ALLOCATED,
+    CapacityState.UNAVAILABLE,
+)
 
 
-def gpu_capacity_state(view: ResourceView, node: NodeView, status: NodeStatus,
-                       gpu: GpuState) -> CapacityState:
+def gpu_capacity_state(
+    view: ResourceView, node: NodeView, status: NodeStatus, gpu: GpuState
+) -> CapacityState:
     health, _ = gpu_health(node, gpu)
     if health == FAILED:
         return CapacityState.FAILED
@@ -81,8 +85,9 @@ def view_meta(view: ResourceView) -> dict[str, Any]:
         "node_events": view.node_events,
         "fleet_events": view.fleet_events,
         "watermark_ms": view.watermark_ms,
-        "offsets": {t: {str(p): o for p, o in sorted(ps.items())}
-                    for t, ps in sorted(view.offsets.items())},
+        "offsets": {
+            t: {str(p): o for p, o in sorted(ps.items())} for t, ps in sorted(view.offsets.items())
+        },
         "clusters": len(cluster_ids(view)),
         "nodes": len(view.nodes),
         "gpus": sum(len(n.gpus) for n in view.nodes.values()),
@@ -95,9 +100,19 @@ def cluster_ids(view: ResourceView) -> list[str]:
 
 
 def _empty_counts() -> dict[str, int]:
-    return {"gpus": 0, IDLE: 0, ALLOCATED: 0, DEGRADED: 0, FAILED: 0, UNAVAILABLE: 0,
-            "nodes": 0, "nodes_up": 0, "nodes_draining": 0, "nodes_down": 0,
-            "nodes_unreachable": 0}
+    return {
+        "gpus": 0,
+        IDLE: 0,
+        ALLOCATED: 0,
+        DEGRADED: 0,
+        FAILED: 0,
+        UNAVAILABLE: 0,
+        "nodes": 0,
+        "nodes_up": 0,
+        "nodes_draining": 0,
+        "nodes_down": 0,
+        "nodes_unreachable": 0,
+    }
 
 
 def cluster_capacity(view: ResourceView, region: str | None = None) -> list[dict[str, Any]]:
@@ -121,13 +136,15 @@ def cluster_capacity(view: ResourceView, region: str | None = None) -> list[dict
         cluster_region = info.region if info else regions.get(cluster_id, "")
         if region is not None and cluster_region != region:
             continue
-        out.append({
-            "cluster_id": cluster_id,
-            "region": cluster_region,
-            "health": _cluster_health(c, info.retired if info else False),
-            **c,
-            "info": asdict(info) if info else None,
-        })
+        out.append(
+            {
+                "cluster_id": cluster_id,
+                "region": cluster_region,
+                "health": _cluster_health(c, info.retired if info else False),
+                **c,
+                "info": asdict(info) if info else None,
+            }
+        )
     return out
 
 
@@ -144,8 +161,9 @@ def _cluster_health(c: Mapping[str, int], retired: bool) -> ClusterHealth:
     return ClusterHealth.HEALTHY
 
 
-def gpu_data(view: ResourceView, node: NodeView, status: NodeStatus,
-             gpu: GpuState) -> dict[str, Any]:
+def gpu_data(
+    view: ResourceView, node: NodeView, status: NodeStatus, gpu: GpuState
+) -> dict[str, Any]:
     health, cause = gpu_health(node, gpu)
     return {
         "node_id": node.node_id,
@@ -163,13 +181,22 @@ def gpu_data(view: ResourceView, node: NodeView, status: NodeStatus,
 def node_data(view: ResourceView, node: NodeView, with_gpus: bool = True) -> dict[str, Any]:
     status = node_status(view, node)
     data: dict[str, Any] = {
-        "node_id": node.node_id, "cluster_id": node.cluster_id, "region": node.region,
-        "status": status, "declared_state": node.state, "reason": node.reason,
-        "labels": dict(node.labels), "gpu_count": node.gpu_count or len(node.gpus),
-        "leaf_switch": node.leaf_switch, "spine_switch": node.spine_switch,
-        "nvlink_islands": node.islands, "gpu_numa_nodes": node.numa_nodes,
-        "agent_version": node.agent_version, "agent_spool_bytes": node.spool_bytes,
-        "agent_spool_dropped": node.spool_dropped, "last_heard_ms": node.last_heard_ms,
+        "node_id": node.node_id,
+        "cluster_id": node.cluster_id,
+        "region": node.region,
+        "status": status,
+        "declared_state": node.state,
+        "reason": node.reason,
+        "labels": dict(node.labels),
+        "gpu_count": node.gpu_count or len(node.gpus),
+        "leaf_switch": node.leaf_switch,
+        "spine_switch": node.spine_switch,
+        "nvlink_islands": node.islands,
+        "gpu_numa_nodes": node.numa_nodes,
+        "agent_version": node.agent_version,
+        "agent_spool_bytes": node.spool_bytes,
+        "agent_spool_dropped": node.spool_dropped,
+        "last_heard_ms": node.last_heard_ms,
         "gpus_healthy": sum(1 for g in node.gpus.values() if gpu_health(node, g)[0] == HEALTHY),
     }
     if with_gpus:
@@ -177,9 +204,13 @@ def node_data(view: ResourceView, node: NodeView, with_gpus: bool = True) -> dic
     return data
 
 
-def select_nodes(view: ResourceView, cluster: str | None = None, status: str | None = None,
-                 labels: Mapping[str, str] | None = None,
-                 leaf_switch: str | None = None) -> Iterator[NodeView]:
+def select_nodes(
+    view: ResourceView,
+    cluster: str | None = None,
+    status: str | None = None,
+    labels: Mapping[str, str] | None = None,
+    leaf_switch: str | None = None,
+) -> Iterator[NodeView]:
     for node_id in sorted(view.nodes):
         node = view.nodes[node_id]
         if cluster is not None and node.cluster_id != cluster:
@@ -193,8 +224,12 @@ def select_nodes(view: ResourceView, cluster: str | None = None, status: str | N
         yield node
 
 
-def select_gpus(view: ResourceView, cluster: str | None = None, health: str | None = None,
-                capacity: str | None = None) -> list[dict[str, Any]]:
+def select_gpus(
+    view: ResourceView,
+    cluster: str | None = None,
+    health: str | None = None,
+    capacity: str | None = None,
+) -> list[dict[str, Any]]:
     out = []
     for node in select_nodes(view, cluster=cluster):
         status = node_status(view, node)
@@ -214,42 +249,61 @@ def topology(view: ResourceView, cluster_id: str) -> dict[str, Any]:
     spines: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for node in select_nodes(view, cluster=cluster_id):
         leaves = spines.setdefault(node.spine_switch or "unknown", {})
-        leaves.setdefault(node.leaf_switch or "unknown", []).append({
-            "node_id": node.node_id, "status": node_status(view, node),
-            "nvlink_islands": node.islands,
-            "degraded_gpus": sorted(i for i, g in node.gpus.items()
-                                    if gpu_health(node, g)[0] != HEALTHY),
-        })
+        leaves.setdefault(node.leaf_switch or "unknown", []).append(
+            {
+                "node_id": node.node_id,
+                "status": node_status(view, node),
+                "nvlink_islands": node.islands,
+                "degraded_gpus": sorted(
+                    i for i, g in node.gpus.items() if gpu_health(node, g)[0] != HEALTHY
+                ),
+            }
+        )
     return {
         "cluster_id": cluster_id,
-        "spines": [{"spine_switch": spine,
-                    "leaves": [{"leaf_switch": leaf, "nodes": nodes}
-                               for leaf, nodes in sorted(leaves.items())]}
-                   for spine, leaves in sorted(spines.items())],
+        "spines": [
+            {
+                "spine_switch": spine,
+                "leaves": [
+                    {"leaf_switch": leaf, "nodes": nodes} for leaf, nodes in sorted(leaves.items())
+                ],
+            }
+            for spine, leaves in sorted(spines.items())
+        ],
     }
 
 
 def tenant_usage(view: ResourceView) -> list[dict[str, Any]]:
     usage: dict[str, dict[str, Any]] = {}
     for allocation in view.allocations.values():
-        u = usage.setdefault(allocation.tenant, {"tenant": allocation.tenant, "jobs": 0,
-                                                 "gpus": 0, "by_cluster": {}})
+        u = usage.setdefault(
+            allocation.tenant, {"tenant": allocation.tenant, "jobs": 0, "gpus": 0, "by_cluster": {}}
+        )
         u["jobs"] += 1
         u["gpus"] += len(allocation.gpus)
-        u["by_cluster"][allocation.cluster_id] = (u["by_cluster"].get(allocation.cluster_id, 0)
-                                                  + len(allocation.gpus))
+        u["by_cluster"][allocation.cluster_id] = u["by_cluster"].get(
+            allocation.cluster_id, 0
+        ) + len(allocation.gpus)
     for dataset in view.datasets.values():
-        u = usage.setdefault(dataset.tenant, {"tenant": dataset.tenant, "jobs": 0, "gpus": 0,
-                                              "by_cluster": {}})
+        u = usage.setdefault(
+            dataset.tenant, {"tenant": dataset.tenant, "jobs": 0, "gpus": 0, "by_cluster": {}}
+        )
         u["dataset_bytes"] = u.get("dataset_bytes", 0) + dataset.size_bytes
     return [usage[t] for t in sorted(usage)]
 
 
 def allocations(view: ResourceView) -> list[dict[str, Any]]:
-    return [{"job_id": a.job_id, "tenant": a.tenant, "cluster_id": a.cluster_id,
-             "priority": a.priority, "since_ms": a.since_ms,
-             "gpus": [f"{n}/{i}" for n, i in sorted(a.gpus)]}
-            for a in (view.allocations[k] for k in sorted(view.allocations))]
+    return [
+        {
+            "job_id": a.job_id,
+            "tenant": a.tenant,
+            "cluster_id": a.cluster_id,
+            "priority": a.priority,
+            "since_ms": a.since_ms,
+            "gpus": [f"{n}/{i}" for n, i in sorted(a.gpus)],
+        }
+        for a in (view.allocations[k] for k in sorted(view.allocations))
+    ]
 
 
 def datasets(view: ResourceView) -> list[dict[str, Any]]:

@@ -51,8 +51,14 @@ class ViewStep(Step[None]):
     """The view as the stream loop drives it: parts restored from snapshots on assignment,
     batches folded, parts snapshotted when due."""
 
-    def __init__(self, topics: Topics, snapshots: ViewSnapshots, policy: HealthPolicy,
-                 snapshot_interval_s: float, stats: ViewStats) -> None:
+    def __init__(
+        self,
+        topics: Topics,
+        snapshots: ViewSnapshots,
+        policy: HealthPolicy,
+        snapshot_interval_s: float,
+        stats: ViewStats,
+    ) -> None:
         self.folder = PartFolder(topics, policy)
         self.snapshots = snapshots
         self.policy = policy
@@ -84,8 +90,9 @@ class ViewStep(Step[None]):
                 if view is None:
                     view = self.parts[part] = self._restore(part)
             nxt = view.offsets.get(tp.topic, {}).get(tp.partition)
-            out.append(TopicPartition(tp.topic, tp.partition,
-                                      OFFSET_BEGINNING if nxt is None else nxt))
+            out.append(
+                TopicPartition(tp.topic, tp.partition, OFFSET_BEGINNING if nxt is None else nxt)
+            )
         return out
 
     def revoked(self, partitions: list[TopicPartition]) -> None:
@@ -147,14 +154,21 @@ class ViewProcessor:
     stats: ViewStats = field(default_factory=ViewStats)
 
     def __post_init__(self) -> None:
-        self.step = ViewStep(self.topics, self.snapshots, self.policy,
-                             self.snapshot_interval_s, self.stats)
+        self.step = ViewStep(
+            self.topics, self.snapshots, self.policy, self.snapshot_interval_s, self.stats
+        )
         self.loop = StreamLoop(
-            self.kafka, self.group_id, list(self.topics.node_topics), self.step,
-            self.topics.dead_letter, global_inputs=list(self.topics.fleet_topics),
-            instance_id=self.instance_id, max_messages=self.batch_size,
+            self.kafka,
+            self.group_id,
+            list(self.topics.node_topics),
+            self.step,
+            self.topics.dead_letter,
+            global_inputs=list(self.topics.fleet_topics),
+            instance_id=self.instance_id,
+            max_messages=self.batch_size,
             max_wait_s=self.poll_timeout_s,
-            consumer_config={"partition.assignment.strategy": "range"})
+            consumer_config={"partition.assignment.strategy": "range"},
+        )
         self.name = self.group_id
         self.ready = self.loop.ready
         self.caught_up = self.loop.caught_up

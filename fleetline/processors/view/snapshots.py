@@ -21,14 +21,14 @@ class ViewSnapshots:
 
     def save(self, part: str, view: ResourceView) -> SnapshotInfo:
         blob, sha256 = view_codec.encode(view)
-        return self.blobs.save(part, blob, sha256, view.offsets, view.version,
-                               view.watermark_ms)
+        return self.blobs.save(part, blob, sha256, view.offsets, view.version, view.watermark_ms)
 
     def list(self, part: str) -> list[SnapshotInfo]:
         return self.blobs.list(part)
 
-    def latest(self, part: str, within: Mapping[str, Mapping[int, int]] | None = None
-               ) -> SnapshotInfo | None:
+    def latest(
+        self, part: str, within: Mapping[str, Mapping[int, int]] | None = None
+    ) -> SnapshotInfo | None:
         return self.blobs.latest(part, within)
 
     def load(self, info: SnapshotInfo) -> ResourceView:
