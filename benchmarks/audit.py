@@ -14,6 +14,7 @@ import uuid
 from _common import local_services, report
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from fleetline.app import record_sink
 from fleetline.config import Settings
 from fleetline.processors.audit.chain import Signer, chain_event, export_entry, verify
 from fleetline.processors.audit.runtime import (
@@ -24,10 +25,9 @@ from fleetline.processors.audit.runtime import (
 )
 from fleetline.storage.audit_store import AuditTable
 from fleetline.storage.clickhouse import connect, migrate
-from fleetline.storage.offset_sink import OffsetSink
+from fleetline.storage.sinks import RecordSink
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.events import AUDIT_RECORD
-from fleetline.streams.serde import default_codec
 from fleetline.streams.topics import Topics
 
 BASE_MS = 1_796_000_000_000
@@ -86,7 +86,7 @@ def main() -> None:
         figures["emit_events_per_s"] = args.events / (time.perf_counter() - began)
 
         chainer = audit_chainer(settings.kafka, topics, signer, args.digest_every)
-        chainer.batch_size = 2000
+        chainer.max_messages = 2000
         stop = threading.Event()
         thread = threading.Thread(target=chainer.run, args=(stop,), daemon=True)
         began = time.perf_counter()
@@ -100,31 +100,32 @@ def main() -> None:
         client = connect(f"chdb://{tempfile.mkdtemp(prefix='bench-audit-')}")
         migrate(client, "bench")
         table = AuditTable(client, "bench")
-        sink = OffsetSink(
-            settings.kafka,
-            default_codec(),
+        sink = record_sink(
+            settings,
+            f"{topics.prefix}.bench-sink",
             topics.audit_log,
             AUDIT_RECORD,
             table,
             topics.dead_letter,
-            f"{topics.prefix}.bench-sink",
         )
+        step = sink.step
+        assert isinstance(step, RecordSink)
         stop = threading.Event()
         thread = threading.Thread(target=sink.run, args=(stop,), daemon=True)
         began = time.perf_counter()
         thread.start()
         last, last_change = -1, time.perf_counter()
-        while sink.stats.records < args.events or time.perf_counter() - last_change < 1.5:
-            if sink.stats.records != last:
-                last, last_change = sink.stats.records, time.perf_counter()
+        while step.stats.records < args.events or time.perf_counter() - last_change < 1.5:
+            if step.stats.records != last:
+                last, last_change = step.stats.records, time.perf_counter()
             time.sleep(0.05)
-        figures["sink_to_chdb_records_per_s"] = sink.stats.records / (last_change - began)
+        figures["sink_to_chdb_records_per_s"] = step.stats.records / (last_change - began)
         stop.set()
         thread.join(60)
         began = time.perf_counter()
         stored = [export_entry(r, reveal_sensitive=True) for r in table.records()]
         result = verify(stored, keys)
-        assert result.ok and result.checked == sink.stats.records
+        assert result.ok and result.checked == step.stats.records
         figures["verify_from_chdb_records_per_s"] = len(stored) / (time.perf_counter() - began)
     report("audit", figures)
 

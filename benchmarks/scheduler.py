@@ -346,9 +346,9 @@ def _serve_scheduler(nodes: int, prefix: str, started, stop) -> None:
     """The scheduler in a process of its own, as `fleetline serve` runs it, over the fleet."""
     import threading
 
-    from fleetline.api.http import StaticView
     from fleetline.config import Settings
     from fleetline.processors.scheduling.runtime import SchedulerService
+    from fleetline.processors.view.read import StaticView
     from fleetline.streams.topics import Topics
 
     tune_gc_for_large_state()

@@ -25,6 +25,7 @@ from fleetline.config import Settings
 from fleetline.storage.clickhouse import connect, migrate
 from fleetline.storage.hot_sink import HotSampleSink, HotSampleStore, SourcedTelemetry, to_columns
 from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.loop import StreamLoop
 from fleetline.streams.serde import default_codec
 from fleetline.streams.topics import Topics
 
@@ -91,26 +92,28 @@ def bench(nodes: int, ticks: int) -> dict[str, float]:
         figures["chdb_insert_arrow_rows_per_s"] = table.num_rows / (time.perf_counter() - began)
         client.command("TRUNCATE TABLE bench.gpu_samples")
 
-        sink = HotSampleSink(
+        step = HotSampleSink(codec, store, topics.telemetry)
+        sink = StreamLoop(
             settings.kafka,
-            codec,
-            store,
-            topics.telemetry,
+            f"{topics.prefix}.sink",
+            [topics.telemetry],
+            step,
             topics.dead_letter,
-            group_id=f"{topics.prefix}.sink",
-            max_batch_messages=5000,
+            max_messages=5000,
+            max_wait_s=1.0,
+            overlap=True,
         )
         stop = threading.Event()
         thread = threading.Thread(target=sink.run, args=(stop,), daemon=True)
         thread.start()
         sink.ready.wait(60)  # the consumer group join is start-up, not throughput
         began = time.perf_counter()
-        while sink.stats.messages < len(records):
+        while step.stats.messages < len(records):
             time.sleep(0.05)
         elapsed = time.perf_counter() - began
         stop.set()
         thread.join(30)
-        figures["sink_kafka_to_chdb_rows_per_s"] = sink.stats.rows / elapsed
+        figures["sink_kafka_to_chdb_rows_per_s"] = step.stats.rows / elapsed
         rows = client.query("SELECT count() FROM bench.gpu_samples").result_rows[0][0]
         assert rows == 8 * len(records), (rows, len(records))
     figures["max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

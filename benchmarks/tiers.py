@@ -26,6 +26,7 @@ from fleetline.storage.hot_sink import HotSampleSink, HotSampleStore, SourcedTel
 from fleetline.storage.objects import ObjectStore
 from fleetline.storage.tiers import COLD, DAY_MS, WARM, TieredStore
 from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.loop import StreamLoop
 from fleetline.streams.serde import default_codec
 from fleetline.streams.topics import Topics
 
@@ -48,13 +49,16 @@ def sink_rate(settings: Settings, client, db: str, records: int) -> dict[str, fl
             producer.poll(0)
             sent += 1
     producer.flush(60)
-    sink = HotSampleSink(
+    step = HotSampleSink(codec, HotSampleStore(client, db), topics.telemetry)
+    sink = StreamLoop(
         settings.kafka,
-        codec,
-        HotSampleStore(client, db),
-        topics.telemetry,
+        f"{topics.prefix}.sink",
+        [topics.telemetry],
+        step,
         topics.dead_letter,
-        group_id=f"{topics.prefix}.sink",
+        max_messages=50_000,
+        max_wait_s=1.0,
+        overlap=True,
     )
     stop = threading.Event()
     thread = threading.Thread(target=sink.run, args=(stop,), daemon=True)
@@ -64,16 +68,16 @@ def sink_rate(settings: Settings, client, db: str, records: int) -> dict[str, fl
     if not sink.ready.wait(60):
         raise SystemExit("the sink was never assigned its partitions")
     began, cpu_began = time.perf_counter(), time.process_time()
-    while sink.stats.messages < sent:
+    while step.stats.messages < sent:
         time.sleep(0.01)
     seconds = time.perf_counter() - began
     cpu_s = time.process_time() - cpu_began  # every thread of this process, chdb's included
     stop.set()
     thread.join(30)
     return {
-        "sink_rows_per_s": sink.stats.rows / seconds,
-        "sink_process_cpu_us_per_row": cpu_s / sink.stats.rows * 1e6,
-        "sink_rows": sink.stats.rows,
+        "sink_rows_per_s": step.stats.rows / seconds,
+        "sink_process_cpu_us_per_row": cpu_s / step.stats.rows * 1e6,
+        "sink_rows": step.stats.rows,
     }
 
 

@@ -24,8 +24,9 @@ from fleetline.config import Settings
 from fleetline.processors.replay import log_bounds, rebuild
 from fleetline.processors.view.read import cluster_capacity
 from fleetline.processors.view.runtime import tune_gc_for_large_state
+from fleetline.processors.view.snapshots import ViewSnapshots
 from fleetline.storage.objects import ObjectStore
-from fleetline.storage.snapshots import S3ViewSnapshots
+from fleetline.storage.snapshots import SnapshotStore
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.avrocols import avro_long as _zigzag
 from fleetline.streams.serde import HEADER_LEN, default_codec
@@ -133,7 +134,7 @@ def main() -> None:
         # A snapshot at 90% of the log, then the rebuild that starts from it.
         store = ObjectStore.from_settings(settings.s3)
         store.ensure_bucket()
-        snapshots = S3ViewSnapshots(store, f"views/{topics.prefix}/bench")
+        snapshots = ViewSnapshots(SnapshotStore(store, f"views/{topics.prefix}/bench"))
         at_90 = {t: {p: (o * 9) // 10 for p, o in ps.items()} for t, ps in end.items()}
         partial = rebuild(settings.kafka, topics, at_90)
         began = time.perf_counter()

@@ -111,13 +111,26 @@ class Background:
             raise self.error
 
 
-def wait_until(condition, timeout_s: float = 60.0, what: str = "condition") -> None:
+def wait_until(
+    condition, timeout_s: float = 60.0, what: str = "condition", every_s: float = 0.1
+) -> None:
+    """Until `condition()` is true, asking every `every_s` (the one place tests wait)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if condition():
             return
-        time.sleep(0.1)
+        time.sleep(every_s)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def after_now_ms() -> int:
+    """A moment strictly after every broker timestamp so far and before every later one (the
+    broker stamps in whole milliseconds: the clock must move past it on both sides)."""
+    before = int(time.time() * 1000)
+    wait_until(lambda: int(time.time() * 1000) > before, 1, "the clock", every_s=0.001)
+    moment = int(time.time() * 1000)
+    wait_until(lambda: int(time.time() * 1000) > moment, 1, "the clock", every_s=0.001)
+    return moment
 
 
 class Recorder:

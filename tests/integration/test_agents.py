@@ -3,7 +3,6 @@ and the command round trip."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from confluent_kafka import KafkaError
@@ -15,7 +14,7 @@ from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.deadletter import read_dead_letter
 from fleetline.streams.partitioner import partition_for
 from fleetline.streams.serde import default_codec
-from tests.support import BASE_MS, fresh_topics, read_all
+from tests.support import BASE_MS, fresh_topics, read_all, wait_until
 
 codec = default_codec()
 
@@ -69,7 +68,13 @@ def test_spool_replays_in_order_after_a_broker_outage(settings, tmp_path: Path) 
     try:
         for tick in range(4, 10):  # the broker is gone: collection goes on into the spool
             agent.tick(BASE_MS + tick * 1000)
-            time.sleep(0.6)
+
+        def timed_out() -> bool:  # the sends outlast message.timeout.ms and fail
+            for publisher in agent.publishers.values():
+                publisher.pump(0.05)
+            return all(p.metrics.failed_deliveries for p in agent.publishers.values())
+
+        wait_until(timed_out, 30, what="the sends to time out")
         metrics = agent.spool_metrics()
         assert sum(m["records"] for m in metrics.values()) >= 6 * 4
     finally:
@@ -170,12 +175,16 @@ def test_commands_round_trip_with_results(settings, tmp_path: Path) -> None:
     )
     agent = FleetAgent.create(settings, codec, topics, fleet(), tmp_path)
     agent.start(BASE_MS)
-    deadline = time.monotonic() + 60
-    tick = 0
-    while agent.commands.handled < 6 and time.monotonic() < deadline:
-        tick += 1
-        agent.tick(BASE_MS + tick * 1000)
-        time.sleep(0.2)
+    ticks = [0]
+
+    def handled() -> bool:
+        ticks[0] += 1
+        agent.tick(BASE_MS + ticks[0] * 1000)
+        assert agent.commands is not None
+        return agent.commands.handled >= 6
+
+    wait_until(handled, 60, what="the agent to handle its commands", every_s=0.2)
+    tick = ticks[0]
     agent.tick(BASE_MS + (tick + 1) * 1000)
     agent.flush()
     agent.close()
@@ -215,12 +224,20 @@ def test_commands_round_trip_with_results(settings, tmp_path: Path) -> None:
     cordoned = [s for s in states if s["node_id"] == "c1-n0000"][-1]
     assert cordoned["labels"]["cordoned"] == "true"
 
-    # A restarted agent resumes after the committed commands and keeps their effects.
+    # A restarted agent resumes after the committed commands and keeps their effects: the
+    # first command it handles is the one sent after the restart.
     again = FleetAgent.create(settings, codec, topics, fleet(), tmp_path)
-    for tick in range(50, 53):
-        again.tick(BASE_MS + tick * 1000)
-        time.sleep(0.3)
-    assert again.commands.handled == 0
+    send_commands(settings, topics, [command("cmd-6", "c2-n0000", "CORDON")])
+    ticks = iter(range(50, 10_000))
+
+    def handled_one() -> bool:
+        again.tick(BASE_MS + next(ticks) * 1000)
+        assert again.commands is not None
+        return again.commands.handled >= 1
+
+    wait_until(handled_one, 60, what="the restarted agent's first command", every_s=0.2)
+    assert again.commands is not None and again.commands.handled == 1
+    assert again.controls.get("c2-n0000").cordoned
     assert again.controls.get("c1-n0000").cordoned
     assert again.simulator.power_limit("c2-n0001") == 300.0
     again.close()

@@ -8,7 +8,6 @@ import base64
 import json
 import os
 import threading
-import time
 from contextlib import contextmanager
 
 import pytest
@@ -35,7 +34,7 @@ from fleetline.storage.objects import ObjectStore
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.events import AUDIT_RECORD
 from tests.fleet_events import fold
-from tests.support import BASE_MS, fresh_topics
+from tests.support import BASE_MS, fresh_topics, wait_until
 
 pytestmark = pytest.mark.services
 TENANTS = ("acme", "globex")
@@ -74,14 +73,23 @@ def events(n: int, start: int = 0) -> list[dict]:
     ]
 
 
-def wait_rows(table: AuditTable, count: int, timeout_s: float = 60) -> None:
-    """Until `count` event links are stored (a digest lands with the event that triggers it)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if sum(1 for r in table.records() if r["event"]) >= count:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"fewer than {count} audit rows arrived")
+def wait_rows(
+    table: AuditTable, count: int, archive: AuditArchive | None = None, timeout_s: float = 60
+) -> None:
+    """Until `count` event links are stored in the table (and the archive, if given): a
+    digest lands with the event that triggers it."""
+
+    def events_in(entries) -> int:
+        return sum(1 for e in entries if e.get("event"))
+
+    wait_until(
+        lambda: (
+            sum(1 for r in table.records() if r["event"]) >= count
+            and (archive is None or events_in(archive.entries()) >= count)
+        ),
+        timeout_s,
+        what=f"{count} audit events in every store",
+    )
 
 
 @pytest.fixture
@@ -146,8 +154,7 @@ def chain_and_sink(
         audit_chainer(settings.kafka, topics, signer or real_signer, digest_every=digest_every),
         *sinks(settings, topics, table, archive),
     ):
-        wait_rows(table, count)
-        time.sleep(0.5)
+        wait_rows(table, count, archive)
 
 
 def test_chained_exactly_once_across_a_restart_and_sunk_everywhere(settings, audit_env):
@@ -170,8 +177,7 @@ def test_chained_exactly_once_across_a_restart_and_sunk_everywhere(settings, aud
         audit_chainer(settings.kafka, topics, signer, digest_every=5),
         *sinks(settings, topics, table, archive),
     ):
-        wait_rows(table, 50)
-        time.sleep(1.0)
+        wait_rows(table, 50, archive)
     chain = read_chain(settings.kafka, topics)
     assert sum(1 for r in chain if r["event"]) == 50
     assert len(list(table.records())) == len(chain)

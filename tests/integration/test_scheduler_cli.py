@@ -23,7 +23,7 @@ from fleetline.streams import kafka as kafka_clients
 from tests.fleet_events import scenario_events
 from tests.scheduling_support import training
 from tests.services import produce, submits
-from tests.support import BASE_MS, fresh_topics
+from tests.support import BASE_MS, fresh_topics, wait_until
 
 pytestmark = pytest.mark.services
 SPECS = Path(__file__).parent.parent / "specs" / "llm-pretrain.yaml"
@@ -35,14 +35,14 @@ CLUSTERS = [
 
 
 def wait_decided(settings, topics, keys: set[str], timeout_s: float = 90) -> list[dict]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        decisions = decisions_of(settings.kafka, topics)
-        if keys <= {d["job"] for d in decisions}:
-            return decisions
-        if time.monotonic() > deadline:
-            raise AssertionError(f"undecided: {sorted(keys - {d['job'] for d in decisions})}")
-        time.sleep(0.3)
+    decisions: list[dict] = []
+
+    def decided() -> bool:
+        decisions[:] = decisions_of(settings.kafka, topics)
+        return keys <= {d["job"] for d in decisions}
+
+    wait_until(decided, timeout_s, what=f"decisions about {sorted(keys)}", every_s=0.3)
+    return decisions
 
 
 def test_serve_schedules_what_the_cli_applies_through_a_sigkill(
@@ -111,7 +111,16 @@ def test_serve_schedules_what_the_cli_applies_through_a_sigkill(
             submit(settings.kafka, topics, submits(doc))
             keys.add(f"globex/batch{i}")
             if i == 12:
-                time.sleep(0.5)
+                # Killed mid-stream: once it has decided some of the batch, not all of it.
+                wait_until(
+                    lambda: any(
+                        d["job"].startswith("globex/batch")
+                        for d in decisions_of(settings.kafka, topics)
+                    ),
+                    60,
+                    what="the first batch decisions",
+                    every_s=0.2,
+                )
                 serve.send_signal(signal.SIGKILL)
                 serve.wait(30)
                 serve = subprocess.Popen(command, env={**os.environ, **env}, stdout=log, stderr=log)
@@ -143,14 +152,16 @@ def test_serve_schedules_what_the_cli_applies_through_a_sigkill(
             topics,
             [new_request("DATASET_READY", ticket, "acme", int(time.time() * 1000), "mover-1")],
         )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+        described = ""
+
+        def running() -> bool:
+            nonlocal described
             assert main(["describe", "acme/llm-pretrain", *common]) == 0
             described = capsys.readouterr().out
-            if "Phase:      Running" in described:
-                break
-            time.sleep(0.3)
-        assert "Phase:      Running" in described and "DataReady  True" in described
+            return "Phase:      Running" in described
+
+        wait_until(running, 30, what="acme/llm-pretrain to run", every_s=0.3)
+        assert "DataReady  True" in described
         queued = sorted(keys - placed)[0]
         assert main(["explain", queued, *common]) == 0
         explained = capsys.readouterr().out
@@ -163,14 +174,15 @@ def test_serve_schedules_what_the_cli_applies_through_a_sigkill(
         assert main(["delete", "globex/batch0", "globex/batch2", *common]) == 0
         capsys.readouterr()
         wait_decided(settings, topics, keys)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            released = [
+        released: list[dict] = []
+
+        def both_released() -> bool:
+            released[:] = [
                 d for d in decisions_of(settings.kafka, topics) if d["outcome"] == "RELEASED"
             ]
-            if len(released) >= 2:
-                break
-            time.sleep(0.3)
+            return len(released) >= 2
+
+        wait_until(both_released, 60, what="the deleted jobs' release", every_s=0.3)
         assert {d["job"] for d in released} == {"globex/batch0", "globex/batch2"}
         assert main(["get", "jobs", "--tenant", "nobody", *common]) == 0
         assert main(["describe", "acme/ghost", *common]) == 1

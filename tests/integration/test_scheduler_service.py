@@ -44,16 +44,14 @@ CLUSTERS = [
 def wait_for(
     settings: Settings, topics: Topics, what: Callable[[list[dict]], bool], timeout_s: float = 60
 ) -> list[dict]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        decisions = decisions_of(settings.kafka, topics)
-        if what(decisions):
-            return decisions
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"timed out; decisions so far: {[(d['job'], d['outcome']) for d in decisions]}"
-            )
-        time.sleep(0.3)
+    decisions: list[dict] = []
+
+    def seen() -> bool:
+        decisions[:] = decisions_of(settings.kafka, topics)
+        return what(decisions)
+
+    wait_until(seen, timeout_s, what="the decisions", every_s=0.3)
+    return decisions
 
 
 def outcomes(decisions: list[dict], job: str) -> list[str]:

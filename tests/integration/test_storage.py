@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from fleetline.app import sample_sink
@@ -192,16 +190,21 @@ def test_a_partition_that_moves_to_another_sink_resumes_after_the_rows_stored(
     loops = [Background(first.run)]
     wait_until(first.ready.is_set, what="the first sink")
     second = make_sink(settings, clickhouse, topics)
-    tick, after_join = 0, 0
-    while after_join < 10:
-        publisher.publish_telemetry(fleet.telemetry(BASE_MS + tick * 1000))
+    ticks = {"sent": 0, "after_join": 0}
+
+    def one_interval() -> bool:
+        """Telemetry keeps flowing, an interval a poll, until the second sink has stored for
+        ten of them."""
+        publisher.publish_telemetry(fleet.telemetry(BASE_MS + ticks["sent"] * 1000))
         publisher.flush()
-        tick += 1
-        if tick == 3:  # takes its resume point now, joins the group seconds later
+        ticks["sent"] += 1
+        if ticks["sent"] == 3:  # takes its resume point now, joins the group seconds later
             loops.append(Background(second.run))
-        after_join += stats(second).messages > 0
-        assert tick < 600, "no partition moved to the second sink"
-        time.sleep(0.1)
+        ticks["after_join"] += stats(second).messages > 0
+        return ticks["after_join"] >= 10
+
+    wait_until(one_interval, 60, what="a partition to move to the second sink")
+    tick = ticks["sent"]
     count = f"SELECT count(), uniqExact(node_id, seq, gpu_index) FROM {db}.gpu_samples"
     wait_until(lambda: clickhouse.query(count).result_rows[0][0] >= tick * 96, what="every sample")
     for loop in loops:

@@ -7,7 +7,6 @@ import json
 import socket
 import ssl
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -22,7 +21,7 @@ from fleetline.api.app import create_app
 from fleetline.api.auth import AuthConfig, Authenticator, token_digest
 from fleetline.processors.view.read import StaticView
 from tests.fleet_events import fold, scenario_events
-from tests.support import Recorder
+from tests.support import Recorder, wait_until
 
 
 def self_signed(tmp_path):
@@ -94,10 +93,7 @@ def test_the_api_serves_https_and_refuses_plain_http(tmp_path):
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 20
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert server.started
+        wait_until(lambda: server.started, 20, what="the TLS server")
         context = ssl.create_default_context(cafile=str(cert))
         request = urllib.request.Request(
             f"https://127.0.0.1:{port}/v1/clusters", headers={"Authorization": "Bearer fl_v"}

@@ -22,7 +22,7 @@ from fleetline.streams.deadletter import read_dead_letter
 from fleetline.streams.serde import default_codec
 from tests.fleet_events import allocation, scenario_events
 from tests.services import caught_up, produce, running, snapshot_store
-from tests.support import BASE_MS, fresh_topics, read_all
+from tests.support import BASE_MS, after_now_ms, fresh_topics, read_all, wait_until
 
 pytestmark = pytest.mark.services
 CODEC = default_codec()
@@ -42,9 +42,7 @@ def test_live_view_equals_replay_and_replay_at_a_past_time_matches_the_live_view
         produce(settings, topics, [allocation("job-a", "ALLOCATED", [("us-east-a-n0002", 0)], 1)])
         caught_up(settings, topics, [processor])
         live_then = processor.read(view_codec.to_data)
-        time.sleep(0.05)
-        moment = int(time.time() * 1000)
-        time.sleep(0.05)
+        moment = after_now_ms()
         produce(settings, topics, events[half:])
         # A malformed message on the telemetry topic: dead-lettered, the fold goes on.
         producer = kafka_clients.producer(settings.kafka)
@@ -94,14 +92,16 @@ def test_two_instances_share_the_shards_and_compose_the_global_view(settings):
     ]
     with running(processors[0]), running(processors[1]):
         produce(settings, topics, events)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+
+        def shared() -> bool:
             held = [
                 set(p.read(lambda v: list(v.offsets.get(topics.telemetry, {})))) for p in processors
             ]
-            if held[0] and held[1] and not held[0] & held[1] and len(held[0] | held[1]) == 4:
-                break
-            time.sleep(0.2)
+            return bool(
+                held[0] and held[1] and not held[0] & held[1] and len(held[0] | held[1]) == 4
+            )
+
+        wait_until(shared, 60, what="the two instances to share the shards")
         caught_up(settings, topics, processors)
         shards = [set(p.parts) - {FLEET_PART} for p in processors]
         assert shards[0] and shards[1] and not shards[0] & shards[1]
@@ -148,12 +148,16 @@ def test_sigkill_mid_stream_then_restart_equals_a_clean_replay(settings, tmp_pat
     log = (tmp_path / "serve.log").open("w")
     first = subprocess.Popen(command, env=env, stdout=log, stderr=log)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not snapshots.list(shard_part(0)):
-            time.sleep(0.1)
-        assert snapshots.list(shard_part(0)), (tmp_path / "serve.log").read_text()
-        produce(settings, topics, events[len(events) // 3 : 2 * len(events) // 3])
-        time.sleep(0.5)
+        wait_until(lambda: snapshots.list(shard_part(0)), 60, what="the first snapshot")
+        middle = events[len(events) // 3 : 2 * len(events) // 3]
+        produce(settings, topics, middle)
+        # Killed mid-stream: once it has folded some of the middle third, not all of it.
+        first_snapshots = {p: snapshots.latest(shard_part(p)) for p in range(3)}
+        wait_until(
+            lambda: any(snapshots.latest(shard_part(p)) != first_snapshots[p] for p in range(3)),
+            60,
+            what="a snapshot of the middle third",
+        )
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(30)
@@ -161,18 +165,16 @@ def test_sigkill_mid_stream_then_restart_equals_a_clean_replay(settings, tmp_pat
     _, end = log_bounds(settings.kafka, topics)
     second = subprocess.Popen(command, env=env, stdout=log, stderr=log)
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
+
+        def at_the_end() -> bool:
             latest = [snapshots.latest(shard_part(p)) for p in range(3)]
-            if all(
+            return all(
                 info is not None
                 and all(info.offsets.get(t, {}).get(p, 0) == end[t][p] for t in topics.node_topics)
                 for p, info in enumerate(latest)
-            ):
-                break
-            time.sleep(0.2)
-        else:
-            raise AssertionError((tmp_path / "serve.log").read_text())
+            )
+
+        wait_until(at_the_end, 90, what="the restarted instance's snapshots at the log's end")
     finally:
         second.send_signal(signal.SIGTERM)
         second.wait(60)
@@ -193,9 +195,7 @@ def test_view_and_replay_commands(settings, monkeypatch, capsys, tmp_path):
     kafka_clients.ensure_topics(settings.kafka, topics.specs())
     events = scenario_events(seconds=12)
     produce(settings, topics, events[: len(events) // 2])
-    time.sleep(0.05)
-    moment = int(time.time() * 1000)
-    time.sleep(0.05)
+    moment = after_now_ms()
     produce(settings, topics, events[len(events) // 2 :])
     for name, value in {
         "FLEETLINE_KAFKA_BOOTSTRAP": settings.kafka.bootstrap_servers,

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import random
 from pathlib import Path
 
+import fastavro
 import pytest
 from fastavro.schema import fingerprint
 from fastavro.utils import generate_many
@@ -14,6 +16,7 @@ from fastavro.utils import generate_many
 from fleetline.errors import DecodeError, EncodeError, SchemaError, UnknownSchemaError
 from fleetline.schemas import SCHEMA_DIR
 from fleetline.streams.serde import (
+    HEADER_LEN,
     MAGIC,
     AvroCodec,
     SchemaRegistry,
@@ -154,15 +157,60 @@ def _v1_registry(tmp_path: Path) -> SchemaRegistry:
     return SchemaRegistry.from_directory(tmp_path)
 
 
-@pytest.mark.parametrize("name", default_codec().registry.names())
-def test_every_older_version_is_readable_by_the_newest(name: str) -> None:
+# Every (record, older version) pair: each case decodes something (a schema with one version has
+# nothing older to read, and is not a case at all).
+OLDER = [
+    (name, old.version)
+    for name in default_codec().registry.names()
+    for old in default_codec().registry.versions(name)[:-1]
+]
+
+
+def test_there_are_older_versions_to_read() -> None:
+    assert {name.rpartition(".")[2] for name, _ in OLDER} >= {
+        "GpuSample",
+        "NodeTelemetry",
+        "NodeState",
+    }
+
+
+@pytest.mark.parametrize(("name", "version"), OLDER)
+def test_every_older_version_is_readable_by_the_newest(name: str, version: int) -> None:
     newest = codec.registry.latest(name)
-    for old in codec.registry.versions(name)[:-1]:
-        for record in generate_many(old.writer, 25):
-            decoded = codec.decode(codec.encode(name, record, version=old.version))
-            assert (decoded.schema.version, decoded.writer_version) == (newest.version, old.version)
-            for field in newest.source["fields"]:
-                assert field["name"] in decoded.record
+    old = codec.registry.version(name, version)
+    added = {
+        f["name"]: f["default"]
+        for f in newest.source["fields"]
+        if f["name"] not in {g["name"] for g in old.source["fields"]}
+    }
+    assert added, f"{name} v{newest.version} adds no top-level field to v{version}"
+    records = list(generate_many(old.writer, 25))
+    assert records
+    for record in records:
+        data = codec.encode(name, record, version=old.version)
+        # What the old version itself reads back (floats rounded to their width, say).
+        as_written = fastavro.schemaless_reader(io.BytesIO(data[HEADER_LEN:]), old.reader)
+        decoded = codec.decode(data)
+        assert (decoded.schema.version, decoded.writer_version) == (newest.version, old.version)
+        # The fields the old writer had keep their values; the new ones take their default.
+        assert _keeps(decoded.record, as_written)
+        for field, default in added.items():
+            assert decoded.record[field] == default, field
+
+
+def _keeps(newer: object, older: object) -> bool:
+    """True when `newer` holds every value `older` does (records may have gained fields)."""
+    if isinstance(older, dict):
+        return isinstance(newer, dict) and all(
+            k in newer and _keeps(newer[k], v) for k, v in older.items()
+        )
+    if isinstance(older, list):
+        return (
+            isinstance(newer, list)
+            and len(newer) == len(older)
+            and all(_keeps(n, o) for n, o in zip(newer, older, strict=True))
+        )
+    return newer == older
 
 
 def test_old_writer_new_reader(tmp_path: Path) -> None:
