@@ -31,7 +31,8 @@ from fleetline.processors.scheduling.codec import canonical_json, new_request, s
 from fleetline.processors.scheduling.effects import Decision
 from fleetline.processors.scheduling.scheduler import Scheduler
 from fleetline.processors.scheduling.specs import parse_spec
-from fleetline.processors.view.fold import GPU_FIELDS, ResourceView, apply, fold_telemetry
+from fleetline.processors.view.fold import apply, fold_telemetry
+from fleetline.processors.view.model import GPU_FIELDS, ResourceView
 from fleetline.processors.view.runtime import tune_gc_for_large_state
 from fleetline.streams.serde import default_codec
 

@@ -32,7 +32,7 @@ from fleetline.processors.audit.runtime import (
 )
 from fleetline.processors.replay import rebuild
 from fleetline.processors.scheduling.capacity import FleetFacts, observe
-from fleetline.processors.scheduling.pipeline import SchedulingPolicy
+from fleetline.processors.scheduling.policy import SchedulingPolicy
 from fleetline.processors.scheduling.runtime import KafkaJobs, SchedulerService, scheduler_topics
 from fleetline.processors.view.runtime import APPLICATION_ID as VIEW_APP
 from fleetline.processors.view.runtime import ViewProcessor

@@ -8,7 +8,8 @@ from pathlib import Path
 from confluent_kafka import Message
 
 from fleetline.agents.simulator import ClusterSpec, FleetSimulator, load_faults
-from fleetline.processors.view.fold import ResourceView, apply
+from fleetline.processors.view.fold import apply
+from fleetline.processors.view.model import ResourceView
 from fleetline.streams.partitioner import partition_for
 from fleetline.streams.serde import Decoded, default_codec
 from fleetline.streams.topics import Topics

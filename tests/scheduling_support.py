@@ -13,9 +13,10 @@ from fleetline.agents.simulator import ClusterSpec, Fault, FleetSimulator, clust
 from fleetline.processors.scheduling.capacity import observe
 from fleetline.processors.scheduling.codec import canonical_json, new_request
 from fleetline.processors.scheduling.effects import Decision, Effect
-from fleetline.processors.scheduling.pipeline import SchedulingPolicy
+from fleetline.processors.scheduling.policy import SchedulingPolicy
 from fleetline.processors.scheduling.scheduler import Scheduler
-from fleetline.processors.view.fold import ResourceView, fold_telemetry
+from fleetline.processors.view.fold import fold_telemetry
+from fleetline.processors.view.model import ResourceView
 from tests.fleet_events import fold
 from tests.support import BASE_MS
 
@@ -42,7 +43,7 @@ def fleet_view(
 
 
 def advance(view: ResourceView, sim: FleetSimulator, first: int, last: int) -> ResourceView:
-    from fleetline.processors.view.fold import GPU_FIELDS
+    from fleetline.processors.view.model import GPU_FIELDS
 
     for t in range(first, last + 1):
         ts = BASE_MS + t * 1000

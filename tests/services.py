@@ -13,7 +13,8 @@ from fleetline.config import Settings
 from fleetline.processors.replay import log_bounds
 from fleetline.processors.scheduling.codec import submit_request
 from fleetline.processors.scheduling.specs import parse_spec
-from fleetline.processors.view.fold import ResourceView, compose
+from fleetline.processors.view.fold import compose
+from fleetline.processors.view.model import ResourceView
 from fleetline.processors.view.runtime import ViewProcessor
 from fleetline.processors.view.snapshots import ViewSnapshots
 from fleetline.storage.objects import ObjectStore

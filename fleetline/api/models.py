@@ -10,7 +10,7 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fleetline.processors.view.fold import Health, NodeStatus
+from fleetline.processors.view.model import Health, NodeStatus
 from fleetline.processors.view.read import CapacityState, ClusterHealth
 
 T = TypeVar("T")

@@ -23,11 +23,12 @@ from fleetline.errors import InvalidEventError, StreamError
 from fleetline.processors.scheduling.capacity import FleetFacts, observe
 from fleetline.processors.scheduling.codec import effect_record, offsets_of
 from fleetline.processors.scheduling.effects import Decision
-from fleetline.processors.scheduling.pipeline import SchedulingPolicy
+from fleetline.processors.scheduling.policy import SchedulingPolicy
 from fleetline.processors.scheduling.runtime import read_topic
 from fleetline.processors.scheduling.scheduler import Scheduler
-from fleetline.processors.view.fold import Change, HealthPolicy, ResourceView, compose, node_status
+from fleetline.processors.view.fold import compose, node_status
 from fleetline.processors.view.folder import PartFolder
+from fleetline.processors.view.model import Change, HealthPolicy, ResourceView
 from fleetline.processors.view.snapshots import ViewSnapshots
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.events import SCHEDULER_REQUEST

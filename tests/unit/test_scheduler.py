@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fleetline.agents.simulator import ClusterSpec, Fault
 from fleetline.processors.scheduling.effects import AllocationChange, DatasetRecord, PrewarmOrder
-from fleetline.processors.scheduling.pipeline import DEFAULT_WEIGHTS, SchedulingPolicy
+from fleetline.processors.scheduling.policy import DEFAULT_WEIGHTS, SchedulingPolicy
 from tests.scheduling_support import (
     THREE,
     Driver,

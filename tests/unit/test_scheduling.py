@@ -9,12 +9,14 @@ from fleetline.agents.simulator import ClusterSpec
 from fleetline.errors import ConfigError
 from fleetline.processors.scheduling.capacity import CapacityIndex, observe
 from fleetline.processors.scheduling.pipeline import (
+    FILTERS,
+    SCORERS,
     Context,
     JobRequest,
-    SchedulingPolicy,
     rank_clusters,
 )
 from fleetline.processors.scheduling.placement import training_shape
+from fleetline.processors.scheduling.policy import FILTER_NAMES, SCORER_NAMES, SchedulingPolicy
 from fleetline.processors.scheduling.specs import TrainingJobSpec, parse_spec
 from tests.scheduling_support import fleet_view, training
 
@@ -23,6 +25,12 @@ CLUSTERS = [
     ClusterSpec("eu-west-a", "eu-west", 4),
     ClusterSpec("ap-south-a", "ap-south", 4, model="NVIDIA H200"),
 ]
+
+
+def test_a_policy_accepts_exactly_the_filters_and_scorers_the_pipeline_has():
+    # The policy validates files by name without importing the pipeline's functions.
+    assert set(FILTERS) == FILTER_NAMES
+    assert set(SCORERS) == SCORER_NAMES
 
 
 def ranked(

@@ -11,17 +11,9 @@ from confluent_kafka import Message
 from fleetline.errors import InvalidEventError
 from fleetline.processors.view import codec as view_codec
 from fleetline.processors.view import read as view_read
-from fleetline.processors.view.fold import (
-    DEGRADED,
-    FAILED,
-    HEALTHY,
-    ResourceView,
-    apply,
-    compose,
-    gpu_health,
-    node_status,
-)
+from fleetline.processors.view.fold import apply, compose, gpu_health, node_status
 from fleetline.processors.view.folder import FLEET_PART, PartFolder, shard_part
+from fleetline.processors.view.model import DEGRADED, FAILED, HEALTHY, ResourceView
 from tests.fleet_events import (
     CODEC,
     TOPICS,

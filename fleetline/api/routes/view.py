@@ -13,7 +13,7 @@ from fleetline.api.rbac import Principal, Rule
 from fleetline.api.routing import Routes
 from fleetline.processors.audit.chain import is_sensitive
 from fleetline.processors.view import read as view_read
-from fleetline.processors.view.fold import ResourceView
+from fleetline.processors.view.model import ResourceView
 
 
 def _labels(selector: list[str] | None) -> dict[str, str]:

@@ -22,14 +22,14 @@ from functools import lru_cache
 from typing import Any
 
 from fleetline.errors import InvalidEventError
-from fleetline.processors.view.fold import (
+from fleetline.processors.view.fold import node_status
+from fleetline.processors.view.model import (
     DEGRADED,
     FAILED,
     HEALTHY,
     NodeStatus,
     NodeView,
     ResourceView,
-    node_status,
 )
 
 GpuRef = tuple[str, int]

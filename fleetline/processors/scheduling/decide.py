@@ -22,7 +22,6 @@ from fleetline.processors.scheduling.effects import (
     PrewarmOrder,
 )
 from fleetline.processors.scheduling.pipeline import (
-    FLEET_FILTERS,
     Attempt,
     ClusterScore,
     Context,
@@ -40,6 +39,7 @@ from fleetline.processors.scheduling.placement import (
     refs_by_node,
     training_shape,
 )
+from fleetline.processors.scheduling.policy import FLEET_FILTERS
 from fleetline.processors.scheduling.preemption import Victim, plan_eviction
 from fleetline.processors.scheduling.specs import InferenceServiceSpec, TrainingJobSpec
 from fleetline.processors.scheduling.state import (

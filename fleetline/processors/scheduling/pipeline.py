@@ -11,13 +11,10 @@ dataset prewarms it needs. Nothing here reads a clock: time is the `now` the cal
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fleetline.errors import ConfigError, FleetlineError
 from fleetline.processors.scheduling.capacity import (
     CapacityIndex,
     ClusterFacts,
@@ -27,6 +24,7 @@ from fleetline.processors.scheduling.capacity import (
     GangShape,
 )
 from fleetline.processors.scheduling.placement import Placement, refs_by_node, to_placement
+from fleetline.processors.scheduling.policy import SchedulingPolicy
 from fleetline.processors.scheduling.tenancy import (
     Request,
     TenantPolicy,
@@ -36,127 +34,6 @@ from fleetline.processors.scheduling.tenancy import (
 )
 
 GPU_POWER_KW = 0.7  # an H100 SXM at full load, for the energy part of a GPU-hour's cost
-
-# Filters whose verdict does not depend on the tenant: a gang they rule out everywhere is ruled
-# out for every tenant until capacity changes.
-FLEET_FILTERS = frozenset({"reachable", "accelerator", "region", "capacity"})
-DEFAULT_FILTERS = (
-    "reachable",
-    "accelerator",
-    "region",
-    "quota",
-    "reservation",
-    "capacity",
-    "bandwidth",
-)
-DEFAULT_WEIGHTS: Mapping[str, float] = {
-    "locality": 1.0,
-    "latency": 0.5,
-    "cost": 1.0,
-    "fit": 0.5,
-    "preference": 0.5,
-    "spread": 1.0,
-}
-
-
-@dataclass(frozen=True)
-class SchedulingPolicy:
-    filters: tuple[str, ...] = DEFAULT_FILTERS
-    weights: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
-    # Operator order, most preferred first (e.g. on-premises clusters, then cloud).
-    cluster_preference: tuple[str, ...] = ()
-    # Bandwidth between clusters for moving datasets, Gbit/s.
-    interconnect_gbps: float = 10.0
-    default_max_runtime_s: int = 24 * 3600
-    alternatives: int = 5
-    preemption: bool = True
-    # Preemption compares the victims of this many of the best-scored clusters where eviction
-    # makes room (each costs a walk over the cluster's jobs); 1: the best such cluster.
-    preemption_clusters: int = 1
-    # Placement attempts (preemption included) one queue pass may make; the rest of the queue
-    # waits for the next pass. Bounds how long a pass holds the request log up.
-    pass_attempts: int = 64
-    # ... of which at most this many may look for victims to preempt (each walks a cluster).
-    pass_preemptions: int = 8
-    default_tenant: TenantPolicy | None = None
-
-    def __post_init__(self) -> None:
-        unknown = [f for f in self.filters if f not in FILTERS]
-        if unknown:
-            raise ConfigError(
-                f"scheduling policy: unknown filters {unknown}; known: {sorted(FILTERS)}"
-            )
-        unknown = [s for s in self.weights if s not in SCORERS]
-        if unknown:
-            raise ConfigError(
-                f"scheduling policy: unknown scorers {unknown}; known: {sorted(SCORERS)}"
-            )
-
-    def as_data(self) -> dict[str, Any]:
-        return {
-            "filters": list(self.filters),
-            "weights": dict(sorted(self.weights.items())),
-            "cluster_preference": list(self.cluster_preference),
-            "interconnect_gbps": self.interconnect_gbps,
-            "default_max_runtime_s": self.default_max_runtime_s,
-            "alternatives": self.alternatives,
-            "preemption": self.preemption,
-            "preemption_clusters": self.preemption_clusters,
-            "pass_attempts": self.pass_attempts,
-            "pass_preemptions": self.pass_preemptions,
-            "default_tenant": (self.default_tenant.as_data() if self.default_tenant else None),
-        }
-
-    @classmethod
-    def from_data(cls, data: Mapping[str, Any]) -> SchedulingPolicy:
-        known = {
-            "filters",
-            "weights",
-            "cluster_preference",
-            "interconnect_gbps",
-            "default_max_runtime_s",
-            "alternatives",
-            "preemption",
-            "preemption_clusters",
-            "pass_attempts",
-            "pass_preemptions",
-            "default_tenant",
-        }
-        unknown = set(data) - known
-        if unknown:
-            raise ConfigError(f"scheduling policy: unknown fields {sorted(unknown)}")
-        base = cls()
-        default_tenant = data.get("default_tenant")
-        try:
-            return cls(
-                filters=tuple(data.get("filters", base.filters)),
-                # Named weights replace the defaults one by one; a weight of 0 turns a scorer off.
-                weights={
-                    **DEFAULT_WEIGHTS,
-                    **{str(k): float(v) for k, v in (data.get("weights") or {}).items()},
-                },
-                cluster_preference=tuple(data.get("cluster_preference", ())),
-                interconnect_gbps=float(data.get("interconnect_gbps", base.interconnect_gbps)),
-                default_max_runtime_s=int(
-                    data.get("default_max_runtime_s", base.default_max_runtime_s)
-                ),
-                alternatives=int(data.get("alternatives", base.alternatives)),
-                preemption=bool(data.get("preemption", base.preemption)),
-                preemption_clusters=int(data.get("preemption_clusters", base.preemption_clusters)),
-                pass_attempts=int(data.get("pass_attempts", base.pass_attempts)),
-                pass_preemptions=int(data.get("pass_preemptions", base.pass_preemptions)),
-                default_tenant=(
-                    TenantPolicy.from_data({"tenant": "*", **default_tenant})
-                    if default_tenant
-                    else None
-                ),
-            )
-        except (TypeError, ValueError, FleetlineError) as exc:
-            raise ConfigError(f"scheduling policy: {exc}") from None
-
-    def digest(self) -> str:
-        text = json.dumps(self.as_data(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)

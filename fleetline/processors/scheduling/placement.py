@@ -22,7 +22,7 @@ from fleetline.processors.scheduling.capacity import (
     observe,
 )
 from fleetline.processors.scheduling.specs import InferenceServiceSpec, TrainingJobSpec
-from fleetline.processors.view.fold import ResourceView
+from fleetline.processors.view.model import ResourceView
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from fleetline.processors.scheduling.decide import (
     start,
 )
 from fleetline.processors.scheduling.effects import DatasetRecord, EffectLog, Outcome
-from fleetline.processors.scheduling.pipeline import SchedulingPolicy
+from fleetline.processors.scheduling.policy import SchedulingPolicy
 from fleetline.processors.scheduling.reconcile import schedule_queue
 from fleetline.processors.scheduling.specs import (
     Dataset,

@@ -38,9 +38,9 @@ from fleetline.processors.scheduling.codec import (
     offsets_of,
 )
 from fleetline.processors.scheduling.effects import Decision, Effect
-from fleetline.processors.scheduling.pipeline import SchedulingPolicy
+from fleetline.processors.scheduling.policy import SchedulingPolicy
 from fleetline.processors.scheduling.scheduler import Scheduler
-from fleetline.processors.view.fold import ResourceView
+from fleetline.processors.view.model import ResourceView
 from fleetline.processors.view.read import ViewSource
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.events import (

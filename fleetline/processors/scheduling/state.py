@@ -18,7 +18,7 @@ from typing import Any
 
 from fleetline.processors.scheduling.capacity import CapacityIndex, DatasetFacts, FleetFacts
 from fleetline.processors.scheduling.effects import DatasetRecord, Decision
-from fleetline.processors.scheduling.pipeline import SchedulingPolicy
+from fleetline.processors.scheduling.policy import SchedulingPolicy
 from fleetline.processors.scheduling.preemption import Victim
 from fleetline.processors.scheduling.specs import (
     Dataset,

@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from fleetline.errors import IntegrityError
-from fleetline.processors.view.fold import (
+from fleetline.processors.view.model import (
     ClusterInfo,
     DatasetInfo,
     GpuState,

@@ -15,14 +15,8 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from fleetline.errors import FleetlineError, InvalidEventError
-from fleetline.processors.view.fold import (
-    GPU_FIELDS,
-    HealthPolicy,
-    ResourceView,
-    apply,
-    fold_telemetry,
-    forget,
-)
+from fleetline.processors.view.fold import apply, fold_telemetry, forget
+from fleetline.processors.view.model import GPU_FIELDS, HealthPolicy, ResourceView
 from fleetline.streams.columnar import TelemetryBatchDecoder
 from fleetline.streams.events import (
     ALLOCATION,

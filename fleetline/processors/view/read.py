@@ -9,7 +9,8 @@ from dataclasses import asdict
 from enum import StrEnum
 from typing import Any, Protocol, TypeVar
 
-from fleetline.processors.view.fold import (
+from fleetline.processors.view.fold import gpu_health, node_status
+from fleetline.processors.view.model import (
     DEGRADED,
     FAILED,
     HEALTHY,
@@ -17,8 +18,6 @@ from fleetline.processors.view.fold import (
     NodeStatus,
     NodeView,
     ResourceView,
-    gpu_health,
-    node_status,
 )
 
 T = TypeVar("T")

@@ -21,8 +21,9 @@ from typing import TypeVar
 from confluent_kafka import OFFSET_BEGINNING, Message, TopicPartition
 
 from fleetline.config import KafkaSettings
-from fleetline.processors.view.fold import HealthPolicy, ResourceView, compose
+from fleetline.processors.view.fold import compose
 from fleetline.processors.view.folder import PartFolder
+from fleetline.processors.view.model import HealthPolicy, ResourceView
 from fleetline.processors.view.snapshots import ViewSnapshots
 from fleetline.streams.loop import Step, StepResult, StreamLoop
 from fleetline.streams.records import position

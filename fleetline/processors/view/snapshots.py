@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 from fleetline.errors import IntegrityError
 from fleetline.processors.view import codec as view_codec
-from fleetline.processors.view.fold import ResourceView
+from fleetline.processors.view.model import ResourceView
 from fleetline.storage.snapshots import SnapshotInfo, SnapshotStore
 
 

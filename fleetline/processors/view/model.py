@@ -1,0 +1,291 @@
+"""The resource view's data: GPUs, nodes, clusters, datasets, allocations and their health.
+
+`fold.apply` changes these; `read` derives capacity and topology from them. Nothing here reads a
+clock or does I/O.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from operator import itemgetter
+from typing import Any
+
+
+class Health(StrEnum):
+    """What a GPU's telemetry says of it (joined with its node's reboots by `gpu_health`)."""
+
+    HEALTHY = "healthy"
+    DEGRADED = "degraded"  # usable, but not by communication-heavy work
+    FAILED = "failed"  # out until its node comes back up
+
+
+class NodeStatus(StrEnum):
+    """What a node declared (UP, DRAINING, DOWN), or UNREACHABLE when it went silent."""
+
+    UP = "UP"
+    DRAINING = "DRAINING"
+    DOWN = "DOWN"
+    UNREACHABLE = "UNREACHABLE"
+
+
+HEALTHY, DEGRADED, FAILED = Health.HEALTHY, Health.DEGRADED, Health.FAILED
+
+# The per-GPU fields the fold reads, in this order, from a decoded GpuSample or from the
+# columnar decoder (streams/columnar.py); one tuple per GPU sample.
+GPU_FIELDS = (
+    "gpu_index",
+    "gpu_uuid",
+    "model",
+    "gpu_util_pct",
+    "mem_copy_util_pct",
+    "fb_used_mib",
+    "fb_total_mib",
+    "nvlink_tx_bytes_per_s",
+    "nvlink_rx_bytes_per_s",
+    "nvlink_errors_total",
+    "rdma_packet_loss_ratio",
+    "temperature_c",
+    "power_w",
+    "power_limit_w",
+    "ecc_sbe_total",
+    "ecc_dbe_total",
+    "xid_codes",
+)
+gpu_tuple = itemgetter(*GPU_FIELDS)
+# One GPU's readings in GPU_FIELDS order, as the fold keeps them.
+Sample = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class HealthPolicy:
+    """When a GPU counts as degraded or failed, and a node as unreachable (all in event time).
+
+    XID codes follow NVIDIA's XID catalogue: 48 (double-bit ECC), 61/62 (internal
+    micro-controller), 79 (fallen off the bus), 95 (uncontained ECC), 119/120 (GSP) take a GPU
+    out; 63/64 (row remapping), 74 (NVLink), 92 (high single-bit ECC rate), 94 (contained ECC)
+    leave it usable but suspect.
+    """
+
+    nvlink_errors_per_interval: int = 3
+    rdma_loss_ratio: float = 1e-3
+    degrade_xids: frozenset[int] = frozenset({63, 64, 74, 92, 94})
+    fail_xids: frozenset[int] = frozenset({48, 61, 62, 79, 95, 119, 120})
+    recover_after_samples: int = 30
+    unreachable_after_ms: int = 10_000
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "nvlink_errors_per_interval": self.nvlink_errors_per_interval,
+            "rdma_loss_ratio": self.rdma_loss_ratio,
+            "degrade_xids": sorted(self.degrade_xids),
+            "fail_xids": sorted(self.fail_xids),
+            "recover_after_samples": self.recover_after_samples,
+            "unreachable_after_ms": self.unreachable_after_ms,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> HealthPolicy:
+        return cls(
+            nvlink_errors_per_interval=int(data["nvlink_errors_per_interval"]),
+            rdma_loss_ratio=float(data["rdma_loss_ratio"]),
+            degrade_xids=frozenset(data["degrade_xids"]),
+            fail_xids=frozenset(data["fail_xids"]),
+            recover_after_samples=int(data["recover_after_samples"]),
+            unreachable_after_ms=int(data["unreachable_after_ms"]),
+        )
+
+
+class GpuState:
+    """One GPU: its latest sample (a GPU_FIELDS tuple, kept whole: unpacking 17 fields per sample
+    would cost more than the rest of the fold) and the health its telemetry stream says it has."""
+
+    __slots__ = (
+        "cause",
+        "clean_samples",
+        "failed_at_ms",
+        "failure",
+        "health",
+        "health_since_ms",
+        "last_ts",
+        "sample",
+    )
+
+    def __init__(self, sample: Sample) -> None:
+        self.sample = sample
+        # HEALTHY or DEGRADED, from the telemetry stream's thresholds, with hysteresis.
+        self.health: Health = HEALTHY
+        self.cause: str | None = None
+        self.health_since_ms = 0
+        self.clean_samples = 0
+        # A failure (XID, double-bit ECC) stands until the node comes back UP after it, which
+        # the node-state stream tells; `gpu_health` joins the two when the view is read.
+        self.failure: str | None = None
+        self.failed_at_ms: int | None = None
+        self.last_ts = 0
+
+    @property
+    def index(self) -> int:
+        index: int = self.sample[0]
+        return index
+
+    @property
+    def uuid(self) -> str:
+        uuid: str = self.sample[1]
+        return uuid
+
+    def readings(self) -> dict[str, Any]:
+        return dict(zip(GPU_FIELDS, self.sample, strict=True))
+
+
+class NodeView:
+    """One node: what its state stream declares and what its telemetry stream last said."""
+
+    __slots__ = (
+        "agent_version",
+        "cluster_id",
+        "epoch",
+        "gpu_count",
+        "gpus",
+        "islands",
+        "labels",
+        "leaf_switch",
+        "node_id",
+        "numa_nodes",
+        "nvlink_peers",
+        "reason",
+        "region",
+        "spine_switch",
+        "spool_bytes",
+        "spool_dropped",
+        "state",
+        "state_seq",
+        "state_ts",
+        "telemetry_seq",
+        "telemetry_ts",
+        "up_since_ms",
+    )
+
+    def __init__(self, node_id: str, cluster_id: str, region: str) -> None:
+        self.node_id = node_id
+        self.cluster_id = cluster_id
+        self.region = region
+        self.state = NodeStatus.UP
+        self.reason: str | None = None
+        self.labels: dict[str, str] = {}
+        self.gpu_count = 0
+        self.islands: list[list[int]] = []
+        self.leaf_switch: str | None = None
+        self.spine_switch: str | None = None
+        self.numa_nodes: list[int] = []
+        self.nvlink_peers: dict[str, list[int]] = {}
+        self.agent_version: str | None = None
+        self.spool_bytes: int | None = None
+        self.spool_dropped: int | None = None
+        self.state_seq = 0
+        self.state_ts = 0
+        # Event time of the last UP that followed a DOWN: failures before it are cleared.
+        self.up_since_ms = 0
+        self.telemetry_seq = 0
+        self.telemetry_ts = 0
+        self.gpus: dict[int, GpuState] = {}
+        # Bumped whenever something a scheduler reads changes (state, labels, topology, a
+        # GPU's health or failure, the GPU set): readers cache what they derive per (node,
+        # epoch). Not part of the view's value, and not kept in snapshots.
+        self.epoch = 0
+
+    @property
+    def last_heard_ms(self) -> int:
+        return max(self.state_ts, self.telemetry_ts)
+
+
+@dataclass
+class ClusterInfo:
+    cluster_id: str
+    region: str
+    kind: str
+    price_per_gpu_hour: float | None
+    energy_price_per_kwh: float | None
+    pue: float | None
+    link_latency_ms: dict[str, float]
+    retired: bool
+    seq: int
+    ts: int
+
+
+@dataclass
+class DatasetInfo:
+    dataset_id: str
+    tenant: str
+    size_bytes: int
+    replicas: list[str]
+    seq: int
+    ts: int
+
+
+@dataclass
+class JobAllocation:
+    job_id: str
+    tenant: str
+    cluster_id: str
+    priority: int
+    gpus: set[tuple[str, int]]
+    seq: int
+    since_ms: int
+
+
+@dataclass(frozen=True)
+class Change:
+    """A transition the fold saw: what changed, when (event time) and why."""
+
+    ts: int
+    entity: str
+    entity_id: str
+    before: str
+    after: str
+    cause: str | None = None
+
+
+@dataclass
+class ResourceView:
+    """The fold's state. A view over some partitions of the node topics (a shard) and/or the
+    fleet topics; `compose` joins shards into the global view."""
+
+    policy: HealthPolicy = field(default_factory=HealthPolicy)
+    nodes: dict[str, NodeView] = field(default_factory=dict)
+    clusters: dict[str, ClusterInfo] = field(default_factory=dict)
+    datasets: dict[str, DatasetInfo] = field(default_factory=dict)
+    allocations: dict[str, JobAllocation] = field(default_factory=dict)
+    # (node_id, gpu_index) -> job_id, kept by the allocation stream alone.
+    gpu_owner: dict[tuple[str, int], str] = field(default_factory=dict)
+    # topic -> partition -> next offset to fold: where this view stands in the log.
+    offsets: dict[str, dict[int, int]] = field(default_factory=dict)
+    # Events folded from the node topics and from the fleet topics: the view's version.
+    node_events: int = 0
+    fleet_events: int = 0
+    # The highest event time seen; a maximum, so it does not depend on interleaving.
+    watermark_ms: int = 0
+    # Transitions since the owner last drained them (`drain_changes`).
+    changes: list[Change] = field(default_factory=list)
+
+    @property
+    def version(self) -> int:
+        return self.node_events + self.fleet_events
+
+    def advance(self, topic: str, partition: int, offset: int) -> None:
+        """Record that the message at `offset` has been folded (or dead-lettered)."""
+        self.offsets.setdefault(topic, {})[partition] = offset + 1
+
+    def drain_changes(self) -> list[Change]:
+        changes, self.changes = self.changes, []
+        return changes
+
+
+def copy_view(view: ResourceView) -> ResourceView:
+    changes, view.changes = view.changes, []
+    try:
+        return copy.deepcopy(view)
+    finally:
+        view.changes = changes
