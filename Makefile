@@ -1,4 +1,4 @@
-# The README's two commands: `make run` (set up and run the slice) and `make test`.
+# The README's two commands: `make run` (set up and play the default scenario) and `make test`.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python

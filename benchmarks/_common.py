@@ -1,15 +1,20 @@
-"""What every benchmark script shares: the local services and the results file."""
+"""What every benchmark script shares: the local services, the sample sink and the results file."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import platform
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 from fleetline.config import Settings
 from fleetline.infra import LocalServices
+from fleetline.storage.hot_sink import HotSampleSink, HotSampleStore
+from fleetline.streams.loop import StreamLoop
+from fleetline.streams.serde import default_codec
+from fleetline.streams.topics import Topics
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -26,6 +31,36 @@ def local_services(settings: Settings) -> Iterator[None]:
     finally:
         if started:
             services.stop()
+
+
+@contextlib.contextmanager
+def running_sample_sink(
+    settings: Settings, store: HotSampleStore, topics: Topics, max_messages: int
+) -> Iterator[HotSampleSink]:
+    """The hot sample sink as `fleetline serve` runs it (decoding a batch while the previous
+    one is inserted), in a thread from its partitions' assignment until the block ends; the
+    group join is start-up, not throughput, so it is waited for before yielding."""
+    step = HotSampleSink(default_codec(), store, topics.telemetry)
+    sink = StreamLoop(
+        settings.kafka,
+        f"{topics.prefix}.sink",
+        [topics.telemetry],
+        step,
+        topics.dead_letter,
+        max_messages=max_messages,
+        max_wait_s=1.0,
+        overlap=True,
+    )
+    stop = threading.Event()
+    thread = threading.Thread(target=sink.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        if not sink.ready.wait(60):
+            raise SystemExit("the sink was never assigned its partitions")
+        yield step
+    finally:
+        stop.set()
+        thread.join(30)
 
 
 def report(name: str, figures: dict[str, object]) -> None:

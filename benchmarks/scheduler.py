@@ -63,11 +63,13 @@ def build_view(nodes: int, seed: int = 1) -> ResourceView:
         )
         for i in range(8)
     ]
+    # The full-size fleet's fault targets, folded into a smaller fleet's range.
+    leaf = min(3, (per_cluster - 1) // 16)
     faults = [
-        Fault("rdma_loss", f"{clusters[1].cluster_id}-leaf003", BASE_MS, None, 0.02),
-        Fault("xid", f"{clusters[0].cluster_id}-n0007/3", BASE_MS, None, 79),
-        Fault("xid", f"{clusters[2].cluster_id}-n0100/0", BASE_MS, None, 79),
-        Fault("node_down", f"{clusters[3].cluster_id}-n0042", BASE_MS, None),
+        Fault("rdma_loss", f"{clusters[1].cluster_id}-leaf{leaf:03d}", BASE_MS, None, 0.02),
+        Fault("xid", f"{clusters[0].cluster_id}-n{7 % per_cluster:04d}/3", BASE_MS, None, 79),
+        Fault("xid", f"{clusters[2].cluster_id}-n{100 % per_cluster:04d}/0", BASE_MS, None, 79),
+        Fault("node_down", f"{clusters[3].cluster_id}-n{42 % per_cluster:04d}", BASE_MS, None),
     ]
     sim = FleetSimulator(clusters, seed=seed, faults=faults)
     codec = default_codec()

@@ -11,21 +11,19 @@ from __future__ import annotations
 import argparse
 import resource
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
 
-from _common import local_services, report
+from _common import local_services, report, running_sample_sink
 
 from fleetline.agents.runtime import TelemetryPublisher
 from fleetline.agents.simulator import ClusterSpec, FleetSimulator
 from fleetline.agents.spool import DiskSpool
 from fleetline.config import Settings
 from fleetline.storage.clickhouse import connect, migrate
-from fleetline.storage.hot_sink import HotSampleSink, HotSampleStore, SourcedTelemetry, to_columns
+from fleetline.storage.hot_sink import HotSampleStore, SourcedTelemetry, to_columns
 from fleetline.streams import kafka as kafka_clients
-from fleetline.streams.loop import StreamLoop
 from fleetline.streams.serde import default_codec
 from fleetline.streams.topics import Topics
 
@@ -92,27 +90,11 @@ def bench(nodes: int, ticks: int) -> dict[str, float]:
         figures["chdb_insert_arrow_rows_per_s"] = table.num_rows / (time.perf_counter() - began)
         client.command("TRUNCATE TABLE bench.gpu_samples")
 
-        step = HotSampleSink(codec, store, topics.telemetry)
-        sink = StreamLoop(
-            settings.kafka,
-            f"{topics.prefix}.sink",
-            [topics.telemetry],
-            step,
-            topics.dead_letter,
-            max_messages=5000,
-            max_wait_s=1.0,
-            overlap=True,
-        )
-        stop = threading.Event()
-        thread = threading.Thread(target=sink.run, args=(stop,), daemon=True)
-        thread.start()
-        sink.ready.wait(60)  # the consumer group join is start-up, not throughput
-        began = time.perf_counter()
-        while step.stats.messages < len(records):
-            time.sleep(0.05)
-        elapsed = time.perf_counter() - began
-        stop.set()
-        thread.join(30)
+        with running_sample_sink(settings, store, topics, 5000) as step:
+            began = time.perf_counter()
+            while step.stats.messages < len(records):
+                time.sleep(0.05)
+            elapsed = time.perf_counter() - began
         figures["sink_kafka_to_chdb_rows_per_s"] = step.stats.rows / elapsed
         rows = client.query("SELECT count() FROM bench.gpu_samples").result_rows[0][0]
         assert rows == 8 * len(records), (rows, len(records))

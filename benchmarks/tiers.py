@@ -13,20 +13,18 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import threading
 import time
 import uuid
 
-from _common import local_services, report
+from _common import local_services, report, running_sample_sink
 
 from fleetline.agents.simulator import ClusterSpec, FleetSimulator
 from fleetline.config import Settings
 from fleetline.storage.clickhouse import connect, migrate
-from fleetline.storage.hot_sink import HotSampleSink, HotSampleStore, SourcedTelemetry, to_columns
+from fleetline.storage.hot_sink import HotSampleStore, SourcedTelemetry, to_columns
 from fleetline.storage.objects import ObjectStore
 from fleetline.storage.tiers import COLD, DAY_MS, WARM, TieredStore
 from fleetline.streams import kafka as kafka_clients
-from fleetline.streams.loop import StreamLoop
 from fleetline.streams.serde import default_codec
 from fleetline.streams.topics import Topics
 
@@ -49,31 +47,13 @@ def sink_rate(settings: Settings, client, db: str, records: int) -> dict[str, fl
             producer.poll(0)
             sent += 1
     producer.flush(60)
-    step = HotSampleSink(codec, HotSampleStore(client, db), topics.telemetry)
-    sink = StreamLoop(
-        settings.kafka,
-        f"{topics.prefix}.sink",
-        [topics.telemetry],
-        step,
-        topics.dead_letter,
-        max_messages=50_000,
-        max_wait_s=1.0,
-        overlap=True,
-    )
-    stop = threading.Event()
-    thread = threading.Thread(target=sink.run, args=(stop,), daemon=True)
-    thread.start()
-    # Sustained rate: from the partitions' assignment (joining the group takes seconds) until
-    # the last record is stored.
-    if not sink.ready.wait(60):
-        raise SystemExit("the sink was never assigned its partitions")
-    began, cpu_began = time.perf_counter(), time.process_time()
-    while step.stats.messages < sent:
-        time.sleep(0.01)
-    seconds = time.perf_counter() - began
-    cpu_s = time.process_time() - cpu_began  # every thread of this process, chdb's included
-    stop.set()
-    thread.join(30)
+    # Sustained rate: from the partitions' assignment until the last record is stored.
+    with running_sample_sink(settings, HotSampleStore(client, db), topics, 50_000) as step:
+        began, cpu_began = time.perf_counter(), time.process_time()
+        while step.stats.messages < sent:
+            time.sleep(0.01)
+        seconds = time.perf_counter() - began
+        cpu_s = time.process_time() - cpu_began  # every thread of this process, chdb's included
     return {
         "sink_rows_per_s": step.stats.rows / seconds,
         "sink_process_cpu_us_per_row": cpu_s / step.stats.rows * 1e6,
@@ -187,6 +167,9 @@ def main() -> None:
         help="run one part (the figures file then holds that part only)",
     )
     args = parser.parse_args()
+    if args.only in (None, "bytes") and args.days < 9:
+        # A day goes cold once it is past the 7 warm days and closed: 9 days give at least one.
+        parser.error("--days must be at least 9 for the tiering pass to write a cold archive")
     settings = Settings.from_env()
     client = connect(f"chdb://{tempfile.mkdtemp(prefix='bench-tiers-')}")
     figures: dict[str, object] = {}

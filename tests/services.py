@@ -3,11 +3,13 @@ snapshot stores, scheduler requests, an audit recorder."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from fleetline.config import Settings
 from fleetline.processors.replay import log_bounds
@@ -89,4 +91,38 @@ def submits(*documents: dict) -> list[dict]:
     return [
         submit_request(parse_spec(d), d, int(time.time() * 1000), uuid.uuid4().hex, "tester")
         for d in documents
+    ]
+
+
+def service_env(settings: Settings, chdb_dir: Path | None = None) -> dict[str, str]:
+    """The FLEETLINE_* settings that point a `fleetline` command at the test services."""
+    env = {
+        "FLEETLINE_KAFKA_BOOTSTRAP": settings.kafka.bootstrap_servers,
+        "FLEETLINE_S3_ENDPOINT": settings.s3.endpoint,
+        "FLEETLINE_S3_BUCKET": settings.s3.bucket,
+        "FLEETLINE_S3_ACCESS_KEY": settings.s3.access_key,
+        "FLEETLINE_S3_SECRET_KEY": settings.s3.secret_key,
+    }
+    if chdb_dir is not None:
+        env["FLEETLINE_CLICKHOUSE_URL"] = f"chdb://{chdb_dir}"
+    return env
+
+
+def serve_command(prefix: str, group: str, *flags: str) -> list[str]:
+    """`fleetline serve` as a child process: the view and the scheduler, without the API, the
+    audit chain or tiering unless `flags` ask for more."""
+    return [
+        sys.executable,
+        "-m",
+        "fleetline.cli",
+        "serve",
+        "--no-api",
+        "--no-audit",
+        "--tier-every",
+        "0",
+        "--topic-prefix",
+        prefix,
+        "--group",
+        group,
+        *flags,
     ]

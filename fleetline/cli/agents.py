@@ -17,7 +17,7 @@ from fleetline.cli.common import TopicPrefix, pairs, settings
 from fleetline.errors import FleetlineError
 
 agent = typer.Typer(
-    help="run a node agent: real GPUs through NVML, or a simulated fleet", no_args_is_help=True
+    help="Run a node agent: real GPUs through NVML, or a simulated fleet", no_args_is_help=True
 )
 
 IntervalMs = Annotated[int, typer.Option(min=1, help="sampling interval")]

@@ -18,7 +18,7 @@ from fleetline.errors import ConfigError
 
 audit = typer.Typer(
     no_args_is_help=True,
-    help="verify, search and export the tamper-evident audit log. verify checks hash links, "
+    help="Verify, search and export the tamper-evident audit log. verify checks hash links, "
     "seq continuity and signed digests and names the first broken link (exit 2); search "
     "and export read ClickHouse (or Kafka).",
 )
@@ -192,7 +192,7 @@ def export(
     print(f"{count} links written to {out}" + (f" and s3 {to_s3}" if to_s3 else ""))
 
 
-auth = typer.Typer(help="mint an API token", no_args_is_help=True)
+auth = typer.Typer(help="Mint an API token.", no_args_is_help=True)
 
 
 @auth.command()

@@ -102,8 +102,8 @@ def query(
     print_tsv(result.columns, result.rows)
 
 
-tier = typer.Typer(help="move closed data hot -> warm -> cold, by policy", no_args_is_help=True)
-archive = typer.Typer(help="rehydrate a cold range into ClickHouse", no_args_is_help=True)
+tier = typer.Typer(help="Move closed data hot -> warm -> cold, by policy.", no_args_is_help=True)
+archive = typer.Typer(help="Rehydrate a cold range into ClickHouse.", no_args_is_help=True)
 
 
 def _store(policy: DataClass) -> TieredStore:

@@ -10,7 +10,7 @@ from fleetline.cli.common import settings
 from fleetline.infra import LocalServices
 
 infra = typer.Typer(
-    help="start, stop or inspect the local Kafka and S3 services", no_args_is_help=True
+    help="Start, stop or inspect the local Kafka and S3 services.", no_args_is_help=True
 )
 
 

@@ -19,9 +19,11 @@ from fleetline.streams.topics import Topics
 
 Job = Annotated[str, typer.Argument(help="TENANT/NAME")]
 get = typer.Typer(
-    help="list jobs, datasets or tenants as the scheduler holds them", no_args_is_help=True
+    help="List jobs, datasets or tenants as the scheduler holds them.", no_args_is_help=True
 )
-quota = typer.Typer(help="set a tenant's quotas, reservations and fair share", no_args_is_help=True)
+quota = typer.Typer(
+    help="Set a tenant's quotas, reservations and fair share.", no_args_is_help=True
+)
 
 
 def _age(ms: int | None) -> str:

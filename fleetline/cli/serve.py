@@ -135,5 +135,5 @@ def register(app: typer.Typer) -> None:
     app.command(
         name="serve",
         help=HELP,
-        short_help="run the view, the scheduler, the sinks and the HTTP API",
+        short_help="Run the view, the scheduler, the sinks and the HTTP API.",
     )(serve)

@@ -34,7 +34,7 @@ from fleetline.streams.records import Offsets
 from fleetline.streams.topics import Topics
 
 view = typer.Typer(
-    help="show the resource view (rebuilt from the newest snapshots + the log)",
+    help="Show the resource view (rebuilt from the newest snapshots + the log).",
     no_args_is_help=True,
 )
 

@@ -18,8 +18,16 @@ from fleetline.errors import IntegrityError, QueryError, StorageError
 from fleetline.storage.clickhouse import CLICKHOUSE_ERRORS
 from fleetline.storage.crypto import SealedObjectStore
 from fleetline.storage.sinks import Destination, Sourced, table_resume_offsets
+from fleetline.streams.serde import SchemaRegistry
 
 TABLE = "audit_log"
+# The AuditEvent's fields as its newest schema declares them (the chain's fields, so the table
+# follows the schema): `ts` is the ts_ms column, `details` and `salt` are written as a map and
+# hex, the rest are one column each.
+_EVENT_SCHEMA = SchemaRegistry.from_directory().latest("AuditEvent").source
+_EVENT_COLUMNS = tuple(
+    f["name"] for f in _EVENT_SCHEMA["fields"] if f["name"] not in ("ts", "details", "salt")
+)
 _COLUMNS = (
     "partition",
     "seq",
@@ -29,55 +37,25 @@ _COLUMNS = (
     "prev_hash",
     "content_digest",
     "hash",
-    "event_id",
     "ts_ms",
-    "actor",
-    "actor_role",
-    "tenant",
-    "operation",
-    "target",
-    "outcome",
-    "status",
-    "request_id",
-    "trace_id",
-    "source",
+    *_EVENT_COLUMNS,
     "details",
     "salt",
     "digest",
     "source_topic",
 )
-# The AuditEvent fields kept in columns of their own (`ts` as ts_ms), and the digest's binary
-# fields (hex in the digest column's JSON).
-_EVENT_COLUMNS = (
-    "event_id",
-    "actor",
-    "actor_role",
-    "tenant",
-    "operation",
-    "target",
-    "outcome",
-    "status",
-    "request_id",
-    "trace_id",
-    "source",
-)
 _DIGEST_BYTES = ("covers_hash", "signature")
-_EMPTY_EVENT: dict[str, Any] = {
-    "event_id": "",
-    "ts": 0,
-    "actor": "",
-    "actor_role": "",
-    "tenant": None,
-    "operation": "",
-    "target": "",
-    "outcome": "",
-    "status": 0,
-    "request_id": "",
-    "trace_id": None,
-    "source": "",
-    "details": {},
-    "salt": b"",
-}
+
+
+def _blank(avro_type: Any) -> Any:
+    """What a digest link's row holds in an event column of this Avro type."""
+    if isinstance(avro_type, list):  # a union with null: the column is Nullable
+        return None
+    kind = avro_type["type"] if isinstance(avro_type, dict) else avro_type
+    return {"int": 0, "long": 0, "map": {}, "fixed": b""}.get(kind, "")
+
+
+_EMPTY_EVENT: dict[str, Any] = {f["name"]: _blank(f["type"]) for f in _EVENT_SCHEMA["fields"]}
 
 
 def _row(item: Sourced) -> list[Any]:
@@ -100,18 +78,8 @@ def _row(item: Sourced) -> list[Any]:
         r["prev_hash"].hex(),
         r["content_digest"].hex(),
         r["hash"].hex(),
-        event["event_id"],
         event["ts"],
-        event["actor"],
-        event["actor_role"],
-        event["tenant"],
-        event["operation"],
-        event["target"],
-        event["outcome"],
-        event["status"],
-        event["request_id"],
-        event["trace_id"],
-        event["source"],
+        *(event[name] for name in _EVENT_COLUMNS),
         dict(event["details"]),
         event["salt"].hex(),
         digest,

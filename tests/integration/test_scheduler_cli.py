@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -22,7 +21,7 @@ from fleetline.processors.scheduling.runtime import decisions_of, scheduler_topi
 from fleetline.streams import kafka as kafka_clients
 from tests.fleet_events import scenario_events
 from tests.scheduling_support import training
-from tests.services import produce, submits
+from tests.services import produce, serve_command, service_env, submits
 from tests.support import BASE_MS, fresh_topics, wait_until
 
 pytestmark = pytest.mark.services
@@ -52,39 +51,23 @@ def test_serve_schedules_what_the_cli_applies_through_a_sigkill(
     kafka_clients.ensure_topics(settings.kafka, scheduler_topics(topics))
     produce(settings, topics, [("ClusterInfo", cluster_info(c, 1, BASE_MS)) for c in CLUSTERS])
     produce(settings, topics, scenario_events(seconds=4))
-    env = {
-        "FLEETLINE_KAFKA_BOOTSTRAP": settings.kafka.bootstrap_servers,
-        "FLEETLINE_S3_ENDPOINT": settings.s3.endpoint,
-        "FLEETLINE_S3_BUCKET": settings.s3.bucket,
-        "FLEETLINE_S3_ACCESS_KEY": settings.s3.access_key,
-        "FLEETLINE_S3_SECRET_KEY": settings.s3.secret_key,
-        "FLEETLINE_CLICKHOUSE_URL": f"chdb://{tmp_path / 'chdb'}",
-    }
+    env = service_env(settings, tmp_path / "chdb")
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     group = f"v-{uuid.uuid4().hex[:8]}"
     common = ["--topic-prefix", topics.prefix]
     policy = tmp_path / "policy.yaml"
     policy.write_text("cluster_preference: [eu-west-a]\nweights: {preference: 0.2}\n")
-    command = [
-        sys.executable,
-        "-m",
-        "fleetline.cli",
-        "serve",
-        "--no-api",
-        "--no-audit",
-        "--tier-every",
-        "0",
+    command = serve_command(
+        topics.prefix,
+        group,
         "--tick-interval",
         "0.3",
         "--snapshot-interval",
         "0.5",
-        "--group",
-        group,
         "--scheduler-policy",
         str(policy),
-        *common,
-    ]
+    )
     log_path = tmp_path / "serve.log"
     log = log_path.open("w")
     serve = subprocess.Popen(command, env={**os.environ, **env}, stdout=log, stderr=log)

@@ -13,6 +13,7 @@ from fleetline.agents.simulator import ClusterSpec, FleetSimulator
 from fleetline.storage.clickhouse import migrate
 from fleetline.storage.hot_sink import HotSampleStore, SourcedTelemetry, to_columns
 from fleetline.storage.objects import ObjectStore
+from fleetline.storage.scheduling_sink import AllocationTable
 from fleetline.storage.tiers import (
     COLD,
     DAY_MS,
@@ -260,20 +261,7 @@ def allocate(clickhouse, db: str, rows: list[tuple[int, str, str, int, str]]) ->
             [ts, f"job-{tenant}", tenant, "c1", node, gpu, kind, 0, i, 0, i, "allocations"]
             for i, (ts, tenant, node, gpu, kind) in enumerate(rows)
         ],
-        column_names=[
-            "ts_ms",
-            "job_id",
-            "tenant",
-            "cluster_id",
-            "node_id",
-            "gpu_index",
-            "kind",
-            "priority",
-            "seq",
-            "source_partition",
-            "source_offset",
-            "source_topic",
-        ],
+        column_names=list(AllocationTable.columns),
     )
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 
@@ -21,7 +20,14 @@ from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.deadletter import read_dead_letter
 from fleetline.streams.serde import default_codec
 from tests.fleet_events import allocation, scenario_events
-from tests.services import caught_up, produce, running, snapshot_store
+from tests.services import (
+    caught_up,
+    produce,
+    running,
+    serve_command,
+    service_env,
+    snapshot_store,
+)
 from tests.support import BASE_MS, after_now_ms, fresh_topics, read_all, wait_until
 
 pytestmark = pytest.mark.services
@@ -118,31 +124,8 @@ def test_sigkill_mid_stream_then_restart_equals_a_clean_replay(settings, tmp_pat
     group = f"v-{uuid.uuid4().hex[:10]}"
     root = f"views/{topics.prefix}/{group}"
     snapshots = snapshot_store(settings, root)
-    env = {
-        **os.environ,
-        "FLEETLINE_KAFKA_BOOTSTRAP": settings.kafka.bootstrap_servers,
-        "FLEETLINE_S3_ENDPOINT": settings.s3.endpoint,
-        "FLEETLINE_S3_BUCKET": settings.s3.bucket,
-        "FLEETLINE_S3_ACCESS_KEY": settings.s3.access_key,
-        "FLEETLINE_S3_SECRET_KEY": settings.s3.secret_key,
-        "FLEETLINE_CLICKHOUSE_URL": f"chdb://{tmp_path / 'chdb'}",
-    }
-    command = [
-        sys.executable,
-        "-m",
-        "fleetline.cli",
-        "serve",
-        "--no-api",
-        "--no-audit",
-        "--tier-every",
-        "0",
-        "--topic-prefix",
-        topics.prefix,
-        "--group",
-        group,
-        "--snapshot-interval",
-        "0.3",
-    ]
+    env = {**os.environ, **service_env(settings, tmp_path / "chdb")}
+    command = serve_command(topics.prefix, group, "--snapshot-interval", "0.3")
     events = scenario_events(seconds=40)
     produce(settings, topics, events[: len(events) // 3])
     log = (tmp_path / "serve.log").open("w")
@@ -197,11 +180,7 @@ def test_view_and_replay_commands(settings, monkeypatch, capsys, tmp_path):
     produce(settings, topics, events[: len(events) // 2])
     moment = after_now_ms()
     produce(settings, topics, events[len(events) // 2 :])
-    for name, value in {
-        "FLEETLINE_KAFKA_BOOTSTRAP": settings.kafka.bootstrap_servers,
-        "FLEETLINE_S3_ENDPOINT": settings.s3.endpoint,
-        "FLEETLINE_S3_BUCKET": settings.s3.bucket,
-    }.items():
+    for name, value in service_env(settings).items():
         monkeypatch.setenv(name, value)
     common = ["--topic-prefix", topics.prefix, "--group", f"g-{uuid.uuid4().hex[:6]}"]
     assert main(["view", "gpus", "--health", "failed", "--json", *common]) == 0

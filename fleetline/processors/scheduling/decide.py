@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from fleetline.processors.scheduling.capacity import indices_of
 from fleetline.processors.scheduling.effects import (
@@ -260,7 +260,7 @@ def bind(
         alternatives=placed.alternatives,
         prewarms=placed.prewarms,
         victims=victims,
-        resume=resume,
+        resume_from_checkpoint_ms=resume,
     )
     for prewarm in placed.prewarms:
         out.add(PrewarmOrder(job.key, job.tenant, decision.decision_id, s.now_ms, prewarm))
@@ -374,11 +374,13 @@ def release(
             Outcome.PREEMPTED,
             reason,
             preempted_by=preempted_by,
-            resume=checkpoint,
-            lost=round(lost, 3),
+            resume_from_checkpoint_ms=checkpoint,
+            lost_gpu_s=round(lost, 3),
         )
     job.condition(Condition.RUNNING, False, reason, s.now_ms)
-    return decide(s, out, job, Outcome.RELEASED, reason, lost=round(lost, 3) if lost else None)
+    return decide(
+        s, out, job, Outcome.RELEASED, reason, lost_gpu_s=round(lost, 3) if lost else None
+    )
 
 
 def victims_in(s: SchedulerState, cluster_id: str, below: int) -> list[Victim]:
@@ -462,38 +464,29 @@ def preempt_for(
     return decisions, placed
 
 
+class DecisionDetails(TypedDict, total=False):
+    """What a decision names besides its outcome and reason (fields of `Decision`)."""
+
+    placements: tuple[Placement, ...]
+    alternatives: tuple[ClusterScore, ...]
+    prewarms: tuple[DatasetPrewarm, ...]
+    preempted_by: str | None
+    victims: tuple[str, ...]
+    resume_from_checkpoint_ms: int | None
+    lost_gpu_s: float | None
+
+
 def decide(
     s: SchedulerState,
     out: EffectLog,
     job: Job,
     outcome: Outcome,
     reason: str,
-    *,
-    placements: tuple[Placement, ...] = (),
-    alternatives: tuple[ClusterScore, ...] = (),
-    prewarms: tuple[DatasetPrewarm, ...] = (),
-    preempted_by: str | None = None,
-    victims: tuple[str, ...] = (),
-    resume: int | None = None,
-    lost: float | None = None,
+    **details: Unpack[DecisionDetails],
 ) -> Decision:
     """A decision about a job, which becomes its explanation."""
     decision = decide_about(
-        s,
-        out,
-        job.key,
-        job.tenant,
-        job.kind,
-        outcome,
-        reason,
-        job.priority,
-        placements=placements,
-        alternatives=alternatives,
-        prewarms=prewarms,
-        preempted_by=preempted_by,
-        victims=victims,
-        resume=resume,
-        lost=lost,
+        s, out, job.key, job.tenant, job.kind, outcome, reason, job.priority, **details
     )
     job.last_decision = decision.decision_id
     job.explanation = decision
@@ -510,14 +503,7 @@ def decide_about(
     outcome: Outcome,
     reason: str,
     priority: int,
-    *,
-    placements: tuple[Placement, ...] = (),
-    alternatives: tuple[ClusterScore, ...] = (),
-    prewarms: tuple[DatasetPrewarm, ...] = (),
-    preempted_by: str | None = None,
-    victims: tuple[str, ...] = (),
-    resume: int | None = None,
-    lost: float | None = None,
+    **details: Unpack[DecisionDetails],
 ) -> Decision:
     """A decision with the inputs it was made on: the request, the view version and offsets,
     the policy digest."""
@@ -534,13 +520,7 @@ def decide_about(
         policy_digest=s.digest,
         priority=priority,
         reason=reason,
-        placements=placements,
-        alternatives=alternatives,
-        prewarms=prewarms,
-        preempted_by=preempted_by,
-        victims=victims,
-        resume_from_checkpoint_ms=resume,
-        lost_gpu_s=lost,
+        **details,
     )
     out.add(decision)
     return decision
