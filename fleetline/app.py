@@ -238,7 +238,7 @@ class Fleetline:
         expand = expander(self.settings)
 
         def sql(query: str) -> dict[str, Any]:
-            result = query_client(self.clickhouse, query, expand)
+            result = query_client(self.clickhouse, query, expand, self.settings.query_limits)
             return {"columns": result.columns, "rows": result.rows}
 
         def ready(name: str, since: str, until: str | None) -> dict[str, Any]:
@@ -252,6 +252,7 @@ class Fleetline:
             sql,
             ready,
             jobs=KafkaJobs(self.settings.kafka, self.topics, self.scheduler),
+            max_body_bytes=self.settings.api_max_body_bytes,
         )
 
 
@@ -349,5 +350,7 @@ def build(settings: Settings, options: Options) -> Fleetline:
             options.tier_every_s,
         )
     # This process owns the embedded store; other processes (`fleetline sql`) query through it.
-    fleet.queries = QueryService(client, settings.clickhouse_url, expand=expander(settings))
+    fleet.queries = QueryService(
+        client, settings.clickhouse_url, expand=expander(settings), limits=settings.query_limits
+    )
     return fleet

@@ -7,6 +7,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from fleetline.errors import ConfigError
 
@@ -42,6 +43,28 @@ class S3Settings:
 
 
 @dataclass(frozen=True)
+class QueryLimits:
+    """What one analyst query (`fleetline sql`, `fleetline query`, the API's SQL and ready
+    queries) may take, so that no query starves the view, the scheduler or the sinks that share
+    the store. ClickHouse enforces them; a query cannot lift them (see storage/query_service.py)."""
+
+    max_execution_s: float = 30.0
+    max_memory_bytes: int = 2 * 1024**3
+    max_result_rows: int = 100_000
+    max_result_bytes: int = 64 * 1024**2
+
+    def clickhouse_settings(self) -> dict[str, str | int | float]:
+        return {
+            "max_execution_time": self.max_execution_s,
+            "timeout_overflow_mode": "throw",
+            "max_memory_usage": self.max_memory_bytes,
+            "max_result_rows": self.max_result_rows,
+            "max_result_bytes": self.max_result_bytes,
+            "result_overflow_mode": "throw",
+        }
+
+
+@dataclass(frozen=True)
 class Settings:
     kafka: KafkaSettings = field(default_factory=KafkaSettings)
     s3: S3Settings = field(default_factory=S3Settings)
@@ -57,6 +80,9 @@ class Settings:
     audit_signing_key: Path | None = None
     audit_verify_keys: tuple[Path, ...] = ()
     object_encryption_key: str | None = None
+    query_limits: QueryLimits = field(default_factory=QueryLimits)
+    # The largest request body the API reads (a spec file, a policy, a query); larger: 413.
+    api_max_body_bytes: int = 1024 * 1024
 
     def signing_key_path(self) -> Path:
         return self.audit_signing_key or self.cache_dir / "audit" / "signing-key.pem"
@@ -65,6 +91,7 @@ class Settings:
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if env is None else env
         defaults = cls()
+        limits = defaults.query_limits
         overrides = {
             key.removeprefix("FLEETLINE_KAFKA_CONF_").lower().replace("_", "."): value
             for key, value in env.items()
@@ -102,6 +129,21 @@ class Settings:
                 Path(p) for p in env.get("FLEETLINE_AUDIT_VERIFY_KEYS", "").split(",") if p
             ),
             object_encryption_key=env.get("FLEETLINE_OBJECT_ENCRYPTION_KEY") or None,
+            query_limits=QueryLimits(
+                max_execution_s=_number(env, "FLEETLINE_SQL_MAX_SECONDS", limits.max_execution_s),
+                max_memory_bytes=_number(
+                    env, "FLEETLINE_SQL_MAX_MEMORY_BYTES", limits.max_memory_bytes
+                ),
+                max_result_rows=_number(
+                    env, "FLEETLINE_SQL_MAX_RESULT_ROWS", limits.max_result_rows
+                ),
+                max_result_bytes=_number(
+                    env, "FLEETLINE_SQL_MAX_RESULT_BYTES", limits.max_result_bytes
+                ),
+            ),
+            api_max_body_bytes=_number(
+                env, "FLEETLINE_API_MAX_BODY_BYTES", defaults.api_max_body_bytes
+            ),
         )
 
 
@@ -112,3 +154,22 @@ def _flag(value: str, name: str) -> bool:
     if lowered in {"0", "false", "no", "off", ""}:
         return False
     raise ConfigError(f"{name} must be true or false, got {value!r}")
+
+
+N = TypeVar("N", int, float)
+
+
+def _number(env: Mapping[str, str], name: str, default: N) -> N:
+    """A positive number (of the default's type) from the environment, or the default; anything
+    else names the variable."""
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return default
+    kind = type(default)
+    try:
+        value = kind(raw.strip().replace("_", ""))
+    except ValueError:
+        raise ConfigError(f"{name} must be a {kind.__name__}, got {raw!r}") from None
+    if value <= 0:
+        raise ConfigError(f"{name} must be above 0, got {raw!r}")
+    return value

@@ -35,6 +35,11 @@ class TransientStorageError(StorageError):
     """The backend may succeed if the same operation is retried."""
 
 
+class ObjectMissing(StorageError):
+    """The object is not there: never written, or removed (a live process prunes snapshots and
+    moves tiered data) after the reader listed it."""
+
+
 class IntegrityError(StorageError):
     """Stored data contradicts what was written (checksum, row count, schema version)."""
 

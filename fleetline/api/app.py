@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
 from fleetline.api.auth import Authenticator
+from fleetline.api.body_limit import BodyLimit
 from fleetline.api.ports import JobsPort, Ports, ReadyQuery, Sql
 from fleetline.api.rbac import Principal
 from fleetline.api.routes import audit as audit_routes
@@ -103,9 +104,11 @@ def create_app(
     ready_query: ReadyQuery | None = None,
     clock: Callable[[], int] = lambda: int(time.time() * 1000),
     jobs: JobsPort | None = None,
+    max_body_bytes: int = 1024 * 1024,
 ) -> FastAPI:
     """The API over a view, the audit store, ClickHouse and the scheduler (each optional but
-    the view: a route whose port is missing answers 503)."""
+    the view: a route whose port is missing answers 503). A request body over `max_body_bytes`
+    is refused with 413 (and audited, like every refusal)."""
     app = FastAPI(
         title="fleetline",
         version="0.1.0",
@@ -115,6 +118,8 @@ def create_app(
     )
     routes = Routes(app, authenticator)
     ports = Ports(source, audit_table, sql, ready_query, jobs, clock)
+    # Added first, so it runs inside the audit middleware: a refused body is audited too.
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.middleware("http")(_audit_middleware(audit, clock))
     for area in (view_routes, audit_routes, query_routes, job_routes):
         area.register(routes, ports)

@@ -73,7 +73,9 @@ def sql(query: Annotated[str, typer.Argument(help="one read-only query")]) -> No
     from fleetline.storage.tiers import expander
 
     config = settings()
-    result = run_query(config.clickhouse_url, query, expand=expander(config))
+    result = run_query(
+        config.clickhouse_url, query, expand=expander(config), limits=config.query_limits
+    )
     print_tsv(result.columns, result.rows)
 
 
@@ -97,7 +99,10 @@ def query(
         raise ConfigError(f"no ready query {name!r}; `fleetline query list` names them")
     config = settings()
     result = run_query(
-        config.clickhouse_url, ready_sql(name, since, until), expand=expander(config)
+        config.clickhouse_url,
+        ready_sql(name, since, until),
+        expand=expander(config),
+        limits=config.query_limits,
     )
     print_tsv(result.columns, result.rows)
 

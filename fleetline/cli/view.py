@@ -7,7 +7,7 @@ import json
 import sys
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -32,6 +32,9 @@ from fleetline.errors import ConfigError
 from fleetline.processors.view.runtime import APPLICATION_ID as VIEW_APP
 from fleetline.streams.records import Offsets
 from fleetline.streams.topics import Topics
+
+if TYPE_CHECKING:
+    from fleetline.processors.replay import Replay
 
 view = typer.Typer(
     help="Show the resource view (rebuilt from the newest snapshots + the log).",
@@ -76,7 +79,9 @@ def _target(config: Settings, topics: Topics, at: str | None, offsets: str | Non
 
 def _rebuild(
     topic_prefix: str, group: str, at: str | None, offsets: str | None, no_snapshots: bool
-) -> Any:
+) -> Replay:
+    """The view at the target, from the newest snapshots + the log; what it could not use (a
+    snapshot pruned while read, events removed by retention) is said on stderr."""
     from fleetline.app import view_snapshots
     from fleetline.processors.replay import rebuild
     from fleetline.processors.view.runtime import tune_gc_for_large_state
@@ -85,7 +90,10 @@ def _rebuild(
     config = settings()
     topics = Topics(topic_prefix)
     snapshots = None if no_snapshots else view_snapshots(config, topic_prefix, group)
-    return rebuild(config.kafka, topics, _target(config, topics, at, offsets), snapshots)
+    result = rebuild(config.kafka, topics, _target(config, topics, at, offsets), snapshots)
+    for warning in [*result.notes, *result.gaps]:
+        print(f"warning: {warning}", file=sys.stderr)
+    return result
 
 
 def _show(
@@ -306,8 +314,6 @@ def replay(
         )
         return
     result = _rebuild(topic_prefix, group, at, offsets, no_snapshots)
-    for gap in result.gaps:
-        print(f"warning: {gap}", file=sys.stderr)
     if out:
         out.write_text(json.dumps(view_codec.to_data(result.view), sort_keys=True))
     meta = view_read.view_meta(result.view)

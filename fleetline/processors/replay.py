@@ -98,6 +98,8 @@ class Replay:
     dead_letters: int = 0
     seconds: float = 0.0
     gaps: list[str] = field(default_factory=list)
+    # Snapshots the live process pruned between listing and reading, and what was used instead.
+    notes: list[str] = field(default_factory=list)
 
 
 def _part_partitions(folder: PartFolder, target: Offsets) -> dict[str, Offsets]:
@@ -129,13 +131,14 @@ def rebuild(
     for part, limit in _part_partitions(folder, target).items():
         if part in parts:
             continue
-        info = snapshots.latest(part, within=limit) if snapshots is not None else None
-        if info is not None:
-            view = snapshots.load(info)  # type: ignore[union-attr]
-            if view.policy == folder.policy:
-                parts[part] = view
-                result.snapshot_positions[part] = info.position
-                continue
+        info, view = None, None
+        if snapshots is not None:
+            info, view, notes = snapshots.load_newest(part, within=limit)
+            result.notes += notes
+        if info is not None and view is not None and view.policy == folder.policy:
+            parts[part] = view
+            result.snapshot_positions[part] = info.position
+            continue
         parts[part] = folder.new_part()
 
     assignment = []

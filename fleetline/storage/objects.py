@@ -11,12 +11,15 @@ from minio.error import S3Error
 from urllib3.exceptions import HTTPError
 
 from fleetline.config import S3Settings
-from fleetline.errors import StorageError, TransientStorageError
+from fleetline.errors import ObjectMissing, StorageError, TransientStorageError
+
+_MISSING = frozenset({"NoSuchKey", "NotFound", "NoSuchObject", "NoSuchBucket"})
 
 
 def _translate(action: str, exc: Exception) -> StorageError:
     if isinstance(exc, S3Error):
-        return StorageError(f"{action}: S3 {exc.code}: {exc.message}")
+        kind = ObjectMissing if exc.code in _MISSING else StorageError
+        return kind(f"{action}: S3 {exc.code}: {exc.message}")
     return TransientStorageError(f"{action}: {type(exc).__name__}: {exc}")
 
 

@@ -8,25 +8,26 @@ queried directly by everyone.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from clickhouse_connect.driver.client import Client
 
+from fleetline.config import QueryLimits
 from fleetline.errors import FleetlineError, QueryError, StorageError
 from fleetline.storage.clickhouse import CLICKHOUSE_ERRORS, connect
 
 DISCOVERY_FILE = "fleetline-query-service.json"
-READ_ONLY = {"readonly": 1}
 
 
 @dataclass(frozen=True)
@@ -35,19 +36,76 @@ class QueryResult:
     rows: list[list[Any]]
 
 
-# Rewrites `$samples` macros into the tiers a query's range needs (storage/tiers.py).
-Expand = Callable[[Client, str], str]
+class Expand(Protocol):
+    """Rewrites `$samples` (and the other macros) into the tiers a query's range needs
+    (storage/tiers.py); `hot_only` puts the hot table in place of every tier. SQL without a
+    macro comes back unchanged."""
+
+    def __call__(self, client: Client, sql: str, *, hot_only: bool = False) -> str: ...
 
 
-def query_client(client: Client, sql: str, expand: Expand | None = None) -> QueryResult:
-    """Run one read-only query on a client; ClickHouse's complaint becomes a QueryError."""
-    if expand is not None and "$samples" in sql:
-        sql = expand(client, sql)
+# ClickHouse's word for an object that was not there when s3() read it.
+_OBJECT_GONE = re.compile(r"HTTP response code: 404|NoSuchKey|does not exist", re.IGNORECASE)
+
+
+class _ObjectGone(QueryError):
+    """s3() found no object where the query's expansion said one was."""
+
+
+# ClickHouse's codes for what an analyst query may not do, and what to tell its author.
+_REFUSALS = {
+    "TIMEOUT_EXCEEDED": "it ran past {max_execution_s:g} s (FLEETLINE_SQL_MAX_SECONDS)",
+    "MEMORY_LIMIT_EXCEEDED": "it needed more than {max_memory_bytes} bytes of memory "
+    "(FLEETLINE_SQL_MAX_MEMORY_BYTES)",
+    "TOO_MANY_ROWS_OR_BYTES": "its result is over {max_result_rows} rows or {max_result_bytes} "
+    "bytes (FLEETLINE_SQL_MAX_RESULT_ROWS, FLEETLINE_SQL_MAX_RESULT_BYTES; aggregate or LIMIT)",
+    "READONLY": "queries are read-only: a SELECT over the store's tables, without a SETTINGS "
+    "clause or a table function that reaches outside the store (file, url, s3)",
+}
+
+
+def _run(client: Client, sql: str, settings: dict[str, Any], limits: QueryLimits) -> QueryResult:
     try:
-        result = client.query(sql, settings=READ_ONLY)
+        result = client.query(sql, settings=settings)
     except CLICKHOUSE_ERRORS as exc:
-        raise QueryError(str(exc).strip().splitlines()[0]) from None
+        message = str(exc)
+        first = message.strip().splitlines()[0]
+        if "S3_ERROR" in message and _OBJECT_GONE.search(message):
+            raise _ObjectGone(first) from None
+        if "Only SELECT is supported for EXPLAIN" in message:  # a tiered query's check
+            message += " (READONLY)"
+        for code, refusal in _REFUSALS.items():
+            if f"({code})" in message:
+                reason = refusal.format(**dataclasses.asdict(limits))
+                raise QueryError(f"query refused: {reason}. ClickHouse: {first}") from None
+        raise QueryError(first) from None
     return QueryResult(list(result.column_names), [list(row) for row in result.result_rows])
+
+
+def query_client(
+    client: Client, sql: str, expand: Expand | None = None, limits: QueryLimits | None = None
+) -> QueryResult:
+    """Run one analyst query on a client, read-only and within `limits`; ClickHouse's complaint
+    becomes a QueryError.
+
+    A query is run with `readonly=1`: no writes, no SETTINGS clause (so no lifting the limits)
+    and no table functions that reach outside the store (s3, url, file). The tiers, though, are
+    read through s3(), which `readonly=1` refuses; so a query with macros is first planned under
+    `readonly=1` with the hot table standing for every tier (which refuses all of the above in
+    the caller's own SQL), then run as expanded under `readonly=2`, which still refuses writes.
+
+    An expanded query names the objects the manifests held when it was expanded; a tiering pass
+    may move one (warm hours compacted into a cold archive) before ClickHouse reads it. Such a
+    query is expanded again from the manifests as they are now and run once more."""
+    limits = limits or QueryLimits()
+    bounded = limits.clickhouse_settings()
+    if expand is None or expand(client, sql, hot_only=True) == sql:
+        return _run(client, sql, {**bounded, "readonly": 1}, limits)
+    _run(client, f"EXPLAIN PLAN {expand(client, sql, hot_only=True)}", {"readonly": 1}, limits)
+    try:
+        return _run(client, expand(client, sql), {**bounded, "readonly": 2}, limits)
+    except _ObjectGone:
+        return _run(client, expand(client, sql), {**bounded, "readonly": 2}, limits)
 
 
 def _chdb_path(url: str) -> Path | None:
@@ -65,6 +123,7 @@ class QueryService:
         host: str = "127.0.0.1",
         port: int = 0,
         expand: Expand | None = None,
+        limits: QueryLimits | None = None,
     ) -> None:
         self.client = client
         self.discovery = (_chdb_path(url) or Path(".")) / DISCOVERY_FILE
@@ -79,7 +138,7 @@ class QueryService:
                 sql = self.rfile.read(int(self.headers.get("Content-Length", 0))).decode()
                 try:
                     with lock:
-                        result = query_client(service.client, sql, expand)
+                        result = query_client(service.client, sql, expand, limits)
                 except FleetlineError as exc:
                     self._reply(400, {"error": str(exc)})
                     return
@@ -130,12 +189,17 @@ def _owner(url: str) -> str | None:
 
 
 def run_query(
-    url: str, sql: str, timeout_s: float = 60.0, expand: Expand | None = None
+    url: str,
+    sql: str,
+    timeout_s: float = 60.0,
+    expand: Expand | None = None,
+    limits: QueryLimits | None = None,
 ) -> QueryResult:
-    """Run a read-only query on the store at `url`, through its owner if another process has it."""
+    """Run a read-only query on the store at `url`, through its owner if another process has it
+    (the owner's limits apply there, this process's here)."""
     owner = _owner(url)
     if owner is None:
-        return query_client(connect(url), sql, expand)
+        return query_client(connect(url), sql, expand, limits)
     request = urllib.request.Request(f"{owner}/query", data=sql.encode(), method="POST")
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:

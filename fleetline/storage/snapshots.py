@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from fleetline.errors import IntegrityError, StorageError
+from fleetline.errors import IntegrityError, ObjectMissing, StorageError
 from fleetline.storage.objects import ObjectStore
 from fleetline.streams.records import Offsets, copy_offsets, position
 
@@ -92,6 +92,9 @@ class SnapshotStore:
                 continue
             try:
                 m = json.loads(self.store.get(key))
+            except ObjectMissing:
+                continue  # pruned by the live process since it was listed: no longer a snapshot
+            try:
                 out.append(
                     SnapshotInfo(
                         part=m["part"],
@@ -113,10 +116,16 @@ class SnapshotStore:
         self, part: str, within: Mapping[str, Mapping[int, int]] | None = None
     ) -> SnapshotInfo | None:
         """The newest snapshot of `part`, or the newest whose offsets are all within `within`."""
+        return next(self.newest_first(part, within), None)
+
+    def newest_first(
+        self, part: str, within: Mapping[str, Mapping[int, int]] | None = None
+    ) -> Iterator[SnapshotInfo]:
+        """The snapshots of `part` (those within `within`), newest first: a reader whose pick is
+        pruned before it is read (`load` raises ObjectMissing) goes on to the next."""
         for info in reversed(self.list(part)):
             if within is None or covers(within, info.offsets):
-                return info
-        return None
+                yield info
 
     def load(self, info: SnapshotInfo) -> bytes:
         return self.store.get(info.blob_key)

@@ -44,12 +44,14 @@ from fleetline.errors import (
     ConfigError,
     FleetlineError,
     IntegrityError,
+    ObjectMissing,
     QueryError,
     StorageError,
 )
 from fleetline.storage.clickhouse import CLICKHOUSE_ERRORS
 from fleetline.storage.objects import ObjectStore
 from fleetline.storage.queries import with_allocation
+from fleetline.storage.query_service import Expand
 
 log = logging.getLogger(__name__)
 HOUR_MS = 3600 * 1000
@@ -381,10 +383,18 @@ class TieredStore:
             self._manifests = {WARM: {}, COLD: {}}
             for t in (WARM, COLD):
                 prefix = f"{self.root}/{self.database}/{self.data.table}/manifests/{t}/"
-                for key in self.objects.keys(prefix):
-                    if key.endswith(".json"):
+                try:
+                    keys = self.objects.keys(prefix)
+                except ObjectMissing:
+                    keys = []  # no bucket yet: nothing has been tiered
+                for key in keys:
+                    if not key.endswith(".json"):
+                        continue
+                    try:
                         m = Manifest.from_json(self.objects.get(key))
-                        self._manifests[t][m.partition] = m
+                    except ObjectMissing:
+                        continue  # uncommitted by another pass since the listing
+                    self._manifests[t][m.partition] = m
         return sorted(self._manifests[tier].values(), key=lambda m: m.partition)
 
     def _committed(self, tier: str, partition: str) -> Manifest | None:
@@ -416,6 +426,20 @@ class TieredStore:
         self._command(f"CREATE TABLE IF NOT EXISTS {self.restored} AS {self.hot}")
         self.rebuild_view()
 
+    def _time_filter(self, since_ms: int | None, until_ms: int | None) -> str:
+        ts = self.data.ts_column
+        return (
+            " AND ".join(
+                [f"{ts} >= fromUnixTimestamp64Milli({since_ms}, 'UTC')"] * (since_ms is not None)
+                + [f"{ts} <= fromUnixTimestamp64Milli({until_ms}, 'UTC')"] * (until_ms is not None)
+            )
+            or "1"
+        )
+
+    def _hot_sql(self, since_ms: int | None, until_ms: int | None) -> str:
+        where = self._time_filter(since_ms, until_ms)
+        return f"SELECT {self._columns()} FROM {self.hot} WHERE {where}"
+
     def _source_sql(self, since_ms: int | None = None, until_ms: int | None = None) -> str:
         """SELECT over hot, warm and restored cold rows, each hour from exactly one tier;
         with a time range, only the tiers and objects that overlap it."""
@@ -437,13 +461,7 @@ class TieredStore:
                 until_ms is None or m.min_ts_ms <= until_ms
             )
 
-        time_filter = (
-            " AND ".join(
-                [f"{ts} >= fromUnixTimestamp64Milli({since_ms}, 'UTC')"] * (since_ms is not None)
-                + [f"{ts} <= fromUnixTimestamp64Milli({until_ms}, 'UTC')"] * (until_ms is not None)
-            )
-            or "1"
-        )
+        time_filter = self._time_filter(since_ms, until_ms)
         hour_expr = f"formatDateTime({ts}, '%Y%m%d%H', 'UTC')"
         exclude = (
             f" AND {hour_expr} NOT IN ({', '.join(self._bind(p) for p in moved)})" if moved else ""
@@ -470,10 +488,13 @@ class TieredStore:
         since_ms: int | None = None,
         until_ms: int | None = None,
         now_ms: int | None = None,
+        hot_only: bool = False,
     ) -> str:
         """`sql` with each `$samples` replaced by the tiers overlapping [since, until] only, so
         a query over the last hour reads the hot table and nothing from S3. A macro may carry
-        its own range: `$samples(-1h)`, `$samples(-7d, -1d)`, `$samples(<ISO or ms>, ...)`."""
+        its own range: `$samples(-1h)`, `$samples(-7d, -1d)`, `$samples(<ISO or ms>, ...)`.
+        `hot_only`: the hot table in place of every tier (the same columns and range; what a
+        query is checked against before it runs, see storage/query_service.py)."""
         if "$samples" not in sql and not _TABLE_MACRO.search(sql):
             raise ConfigError(
                 "a tiered query names its source as $samples (or $decisions, $allocations)"
@@ -489,7 +510,7 @@ class TieredStore:
                     raise ConfigError(f"{match[0]}: give one or two times")
                 low = parse_moment(parts[0], now)
                 high = parse_moment(parts[1], now) if len(parts) == 2 and parts[1] else None
-            return f"({self._source_sql(low, high)})"
+            return f"({self._hot_sql(low, high) if hot_only else self._source_sql(low, high)})"
 
         def table(match: re.Match[str]) -> str:
             name = {"decisions": "scheduling_decisions", "allocations": "gpu_allocations"}[
@@ -925,13 +946,19 @@ def parse_moment(text: str, now_ms: int) -> int:
     return int(moment.timestamp() * 1000)
 
 
-def expander(settings: Settings) -> Callable[[Client, str], str]:
-    """`$samples` macro expansion for queries run on a client of the configured store."""
+def expander(settings: Settings) -> Expand:
+    """Macro expansion for queries run on a client of the configured store: `$samples` (and
+    the union view `<db>.gpu_samples_all`, which stands for the same) become the tiers the
+    query's range needs; SQL without a macro comes back unchanged."""
     objects = ObjectStore.from_settings(settings.s3)
+    database = settings.clickhouse_database
+    union_view = re.compile(rf"\b{re.escape(database)}\.{GPU_SAMPLES.table}_all\b")
 
-    def expand(client: Client, sql: str) -> str:
-        return TieredStore(client, settings.clickhouse_database, objects, settings.s3).tiered_sql(
-            sql
-        )
+    def expand(client: Client, sql: str, *, hot_only: bool = False) -> str:
+        sql = union_view.sub("$samples", sql)
+        if "$samples" not in sql and not _TABLE_MACRO.search(sql):
+            return sql
+        store = TieredStore(client, database, objects, settings.s3)
+        return store.tiered_sql(sql, hot_only=hot_only)
 
     return expand

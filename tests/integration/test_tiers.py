@@ -13,6 +13,7 @@ from fleetline.agents.simulator import ClusterSpec, FleetSimulator
 from fleetline.storage.clickhouse import migrate
 from fleetline.storage.hot_sink import HotSampleStore, SourcedTelemetry, to_columns
 from fleetline.storage.objects import ObjectStore
+from fleetline.storage.query_service import query_client
 from fleetline.storage.scheduling_sink import AllocationTable
 from fleetline.storage.tiers import (
     COLD,
@@ -192,6 +193,57 @@ def test_days_of_telemetry_flow_hot_warm_cold_and_cross_tier_queries_match(setti
     before = (len(store.manifests(WARM)), len(store.manifests(COLD)))
     store.run_once(NOW)
     assert (len(store.manifests(WARM)), len(store.manifests(COLD))) == before
+
+
+class ManifestGoneAfterListing(ObjectStore):
+    """Another pass uncommitting a manifest between this store's first listing and its read."""
+
+    gone: str | None = None
+
+    def keys(self, prefix: str = "") -> list[str]:
+        keys = super().keys(prefix)
+        manifests = sorted(k for k in keys if "/manifests/" in k)
+        if manifests and self.gone is None:
+            self.gone = manifests[0]
+            self.delete(self.gone)
+        return keys
+
+
+def test_a_query_goes_on_when_a_tiering_pass_moves_what_it_was_planned_over(settings, clickhouse):
+    db = settings.clickhouse_database
+    load(clickhouse, db)
+    tiers(settings, clickhouse, db).run_once(NOW)
+    sql = "SELECT count(), sum(gpu_util_pct) FROM $samples"
+    planned: list[str] = []
+
+    def expand(client, query: str, *, hot_only: bool = False) -> str:
+        return tiers(settings, client, db).tiered_sql(query, hot_only=hot_only)
+
+    def expand_then_tier(client, query: str, *, hot_only: bool = False) -> str:
+        expanded = expand(client, query, hot_only=hot_only)
+        if not hot_only:
+            if not planned:
+                # The next day's pass lands between planning the query and running it: a warm
+                # day is compacted into a cold archive and its warm objects are deleted.
+                tiers(settings, clickhouse, db).run_once(NOW + DAY_MS)
+            planned.append(expanded)
+        return expanded
+
+    answer = query_client(clickhouse, sql, expand_then_tier)
+    assert len(planned) == 2 and planned[0] != planned[1]
+    assert "s3(" in planned[1]  # the answer still read the warm tier
+    assert answer == query_client(clickhouse, sql, expand)
+    # A manifest another pass uncommits between the listing and the read is no longer there.
+    before = tiers(settings, clickhouse, db)
+    committed = {m.key for tier in (WARM, COLD) for m in before.manifests(tier)}
+    objects = ObjectStore.from_settings(settings.s3)
+    racing_objects = ManifestGoneAfterListing(objects.client, objects.bucket)
+    racing = TieredStore(
+        clickhouse, db, racing_objects, settings.s3, root=f"tiers-{db}", data=POLICY
+    )
+    seen = {m.key for tier in (WARM, COLD) for m in racing.manifests(tier)}
+    assert racing_objects.gone is not None
+    assert len(seen) == len(committed) - 1 and seen < committed
 
 
 @pytest.mark.parametrize("tier", [WARM, COLD])

@@ -16,6 +16,9 @@ from fleetline.processors.view import codec as view_codec
 from fleetline.processors.view.fold import compose
 from fleetline.processors.view.folder import FLEET_PART, shard_part
 from fleetline.processors.view.runtime import ViewProcessor
+from fleetline.processors.view.snapshots import ViewSnapshots
+from fleetline.storage.objects import ObjectStore
+from fleetline.storage.snapshots import SnapshotStore
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.deadletter import read_dead_letter
 from fleetline.streams.serde import default_codec
@@ -217,3 +220,61 @@ def test_view_and_replay_commands(settings, monkeypatch, capsys, tmp_path):
     assert "neither epoch milliseconds nor an ISO 8601 time" in capsys.readouterr().err
     assert main(["view", "clusters", "--topic-prefix", "no.such.prefix"]) == 1
     assert "does not exist" in capsys.readouterr().err
+
+
+class PrunedAfterListing(ObjectStore):
+    """`serve` pruning a part's snapshots between a reader's listing and its reads: the newest
+    manifest of each listing, and the first blob read of each part, are gone when read."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        super().__init__(inner.client, inner.bucket)
+        self.pruned_blobs: set[str] = set()
+
+    def keys(self, prefix: str = "") -> list[str]:
+        keys = super().keys(prefix)
+        manifests = sorted(k for k in keys if k.endswith(".manifest.json"))
+        if manifests:
+            self.delete(manifests[-1])
+        return keys
+
+    def get(self, key: str) -> bytes:
+        part = key.rsplit("/", 2)[-2]
+        if key.endswith(".view.json.gz") and part not in self.pruned_blobs:
+            self.pruned_blobs.add(part)
+            self.delete(key)
+        return super().get(key)
+
+
+def test_replay_goes_on_when_the_live_process_prunes_the_snapshot_it_picked(settings):
+    topics = fresh_topics()
+    kafka_clients.ensure_topics(settings.kafka, topics.specs())
+    snapshots = snapshot_store(settings)
+    processor = ViewProcessor(
+        settings.kafka,
+        topics,
+        snapshots,
+        group_id=f"v-{uuid.uuid4().hex}",
+        snapshot_interval_s=3600,  # only the snapshots taken below
+    )
+    events = scenario_events(seconds=8)
+    quarter = len(events) // 4
+    with running(processor):
+        for chunk in range(4):  # four snapshots of each shard, so older ones are there to use
+            produce(settings, topics, events[chunk * quarter : (chunk + 1) * quarter])
+            caught_up(settings, topics, [processor])
+            processor.snapshot()
+        live = processor.read(view_codec.to_data)
+    shards = {part for part in processor.parts if len(snapshots.list(part)) >= 3}
+    assert shards
+    _, end = log_bounds(settings.kafka, topics)
+    store = PrunedAfterListing(snapshots.blobs.store)
+    racing = ViewSnapshots(SnapshotStore(store, snapshots.blobs.root))
+    replayed = rebuild(settings.kafka, topics, end, racing)
+    assert view_codec.to_data(replayed.view) == live
+    # The newest manifest went after the listing and the next snapshot's blob before its read:
+    # each shard started from the one before those, and said so.
+    assert shards <= set(replayed.snapshot_positions)
+    assert store.pruned_blobs >= shards
+    for part in shards:
+        (note,) = [n for n in replayed.notes if n.startswith(f"{part}:")]
+        assert "pruned while it was read; using an older one" in note

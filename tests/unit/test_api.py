@@ -477,3 +477,21 @@ spec: {model: m, accelerator: H100, gpus_per_replica: 2, replicas: {min: 2},
         "quota",
         "gpus",
     ]
+
+
+def test_a_body_over_the_limit_is_refused_with_413_before_it_is_read(setup):
+    _, recorder = setup
+    client = api(setup, "platform-admin")
+    big = {"query": "SELECT 1 -- " + "x" * (2 * 1024 * 1024)}
+    # Declared by Content-Length: refused before a byte is read.
+    refused = client.post("/v1/sql", json=big)
+    assert refused.status_code == 413
+    assert "FLEETLINE_API_MAX_BODY_BYTES" in refused.json()["detail"]
+    # Streamed without a length: refused once it passes the limit.
+    chunks = (b"x" * 65536 for _ in range(64))
+    streamed = client.post("/v1/jobs", content=chunks, headers={"Content-Type": "application/yaml"})
+    assert streamed.status_code == 413
+    # Refusals are audited like any other call.
+    assert [e["status"] for e in recorder.events[-2:]] == [413, 413]
+    # Under the limit, the same route answers.
+    assert client.post("/v1/sql", json={"query": "SELECT 1"}).status_code == 200

@@ -71,10 +71,11 @@ class ViewStep(Step[None]):
         self._last_snapshot = time.monotonic()
 
     def _restore(self, part: str) -> ResourceView:
-        info = self.snapshots.latest(part)
-        if info is None:
+        info, view, notes = self.snapshots.load_newest(part)
+        for note in notes:
+            log.warning("%s", note)
+        if info is None or view is None:
             return self.folder.new_part()
-        view = self.snapshots.load(info)
         if view.policy != self.policy:
             log.warning("%s: snapshot was folded under another health policy; refolding", part)
             return self.folder.new_part()

@@ -7,9 +7,10 @@ newest one at or before its target.
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Mapping
 
-from fleetline.errors import IntegrityError
+from fleetline.errors import IntegrityError, ObjectMissing
 from fleetline.processors.view import codec as view_codec
 from fleetline.processors.view.model import ResourceView
 from fleetline.storage.snapshots import SnapshotInfo, SnapshotStore
@@ -30,6 +31,25 @@ class ViewSnapshots:
         self, part: str, within: Mapping[str, Mapping[int, int]] | None = None
     ) -> SnapshotInfo | None:
         return self.blobs.latest(part, within)
+
+    def load_newest(
+        self, part: str, within: Mapping[str, Mapping[int, int]] | None = None
+    ) -> tuple[SnapshotInfo | None, ResourceView | None, tuple[str, ...]]:
+        """The newest snapshot of `part` (within `within`) that can still be read, and a note for
+        each newer one the live process pruned between listing and reading; (None, None, notes)
+        when none is left, so the caller folds the part from the log."""
+        notes: builtins.list[str] = []
+        for info in self.blobs.newest_first(part, within):
+            try:
+                return info, self.load(info), tuple(notes)
+            except ObjectMissing:
+                notes.append(
+                    f"{part}: the snapshot at position {info.position} was pruned while it was "
+                    "read; using an older one"
+                )
+        if notes:
+            notes.append(f"{part}: no snapshot left to read; folding it from the log")
+        return None, None, tuple(notes)
 
     def load(self, info: SnapshotInfo) -> ResourceView:
         view = view_codec.decode(self.blobs.load(info), info.sha256)
