@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import platform
 import threading
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 from fleetline.config import Settings
@@ -67,7 +69,8 @@ def report(name: str, figures: dict[str, object]) -> None:
     rounded = {k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}
     full = {
         "machine": f"{platform.machine()} {platform.python_implementation()} "
-        f"{platform.python_version()}",
+        f"{platform.python_version()}, {os.cpu_count()} cores",
+        "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
         **rounded,
     }
     for key, value in full.items():

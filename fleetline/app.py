@@ -30,7 +30,7 @@ from fleetline.processors.audit.runtime import (
     audit_chainer,
     load_signer,
 )
-from fleetline.processors.replay import rebuild
+from fleetline.processors.replay import ViewHistory, rebuild
 from fleetline.processors.scheduling.capacity import FleetFacts, observe
 from fleetline.processors.scheduling.policy import SchedulingPolicy
 from fleetline.processors.scheduling.runtime import KafkaJobs, SchedulerService, scheduler_topics
@@ -253,6 +253,7 @@ class Fleetline:
             ready,
             jobs=KafkaJobs(self.settings.kafka, self.topics, self.scheduler),
             max_body_bytes=self.settings.api_max_body_bytes,
+            history=ViewHistory(self.settings.kafka, self.topics, self.snapshots),
         )
 
 

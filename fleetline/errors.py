@@ -48,6 +48,15 @@ class StreamError(FleetlineError):
     """Kafka transport failed in a way the processor loop could not absorb."""
 
 
+class ServiceUnavailable(FleetlineError):
+    """A service a command needs (Kafka, the S3 server, a ClickHouse server) does not answer;
+    the message names it, its address and what to do. Commands exit with EXIT_UNAVAILABLE."""
+
+
+# sysexits.h EX_UNAVAILABLE: distinct from a usage error (2) and a refused input (1).
+EXIT_UNAVAILABLE = 69
+
+
 class ServiceError(FleetlineError):
     """A local service (broker, object store) could not be fetched, built, started or stopped."""
 

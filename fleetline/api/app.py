@@ -20,7 +20,7 @@ from fastapi.routing import APIRoute
 
 from fleetline.api.auth import Authenticator
 from fleetline.api.body_limit import BodyLimit
-from fleetline.api.ports import JobsPort, Ports, ReadyQuery, Sql
+from fleetline.api.ports import HistoryPort, JobsPort, Ports, ReadyQuery, Sql
 from fleetline.api.rbac import Principal
 from fleetline.api.routes import audit as audit_routes
 from fleetline.api.routes import jobs as job_routes
@@ -105,6 +105,7 @@ def create_app(
     clock: Callable[[], int] = lambda: int(time.time() * 1000),
     jobs: JobsPort | None = None,
     max_body_bytes: int = 1024 * 1024,
+    history: HistoryPort | None = None,
 ) -> FastAPI:
     """The API over a view, the audit store, ClickHouse and the scheduler (each optional but
     the view: a route whose port is missing answers 503). A request body over `max_body_bytes`
@@ -117,7 +118,7 @@ def create_app(
         "`Authorization: Bearer <token>`.",
     )
     routes = Routes(app, authenticator)
-    ports = Ports(source, audit_table, sql, ready_query, jobs, clock)
+    ports = Ports(source, audit_table, sql, ready_query, jobs, clock, history)
     # Added first, so it runs inside the audit middleware: a refused body is audited too.
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.middleware("http")(_audit_middleware(audit, clock))

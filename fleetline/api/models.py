@@ -20,7 +20,27 @@ class Body(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-class Page(Body, Generic[T]):
+class AsOf(Body):
+    """How a view read with `?at=` was reached: a replay of the log to that moment."""
+
+    at_ms: int = Field(description="the moment asked for (epoch ms)")
+    offsets: dict[str, dict[str, int]] = Field(
+        description="the log position at that moment: topic -> partition -> next offset"
+    )
+    from_snapshots: dict[str, int] = Field(description="part -> position of the snapshot used")
+    folded: int = Field(description="events folded after the snapshots")
+    notes: list[str] = Field(description="what the replay could not use, and what it did instead")
+
+
+class ViewRead(Body):
+    """A read of the view: live, or (with `?at=`) as it stood at a past moment."""
+
+    as_of: AsOf | None = Field(
+        default=None, description="set only for a view replayed to `?at=`; null when live"
+    )
+
+
+class Page(ViewRead, Generic[T]):
     """Items read from one version of the view."""
 
     view_version: int
@@ -37,7 +57,7 @@ class HealthPolicyBody(Body):
     unreachable_after_ms: int
 
 
-class ViewMeta(Body):
+class ViewMeta(ViewRead):
     version: int
     node_events: int
     fleet_events: int
@@ -80,7 +100,7 @@ class ClusterCapacity(Body):
     info: ClusterFactsBody | None = Field(description="what the cluster's operator declared")
 
 
-class OneCluster(ClusterCapacity):
+class OneCluster(ClusterCapacity, ViewRead):
     view_version: int
 
 
@@ -120,7 +140,7 @@ class Node(Body):
     gpus: list[Gpu] | None = None
 
 
-class OneNode(Node):
+class OneNode(Node, ViewRead):
     view_version: int
 
 
@@ -141,7 +161,7 @@ class Spine(Body):
     leaves: list[Leaf]
 
 
-class Topology(Body):
+class Topology(ViewRead):
     view_version: int
     cluster_id: str
     spines: list[Spine]

@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 from fastapi import HTTPException
 
+from fleetline.processors.replay import AsOf
 from fleetline.processors.view.read import ViewSource
 from fleetline.storage.audit_store import AuditTable
 
@@ -29,6 +30,12 @@ class JobsPort(Protocol):
     def decisions(self, job: str) -> list[dict[str, Any]]: ...
 
 
+class HistoryPort(Protocol):
+    """The view as it stood at a moment (`processors/replay.ViewHistory`)."""
+
+    def at(self, at_ms: int) -> tuple[ViewSource, AsOf]: ...
+
+
 @dataclass(frozen=True)
 class Ports:
     view: ViewSource
@@ -37,11 +44,17 @@ class Ports:
     ready_query: ReadyQuery | None
     jobs: JobsPort | None
     clock: Callable[[], int]
+    history: HistoryPort | None = None
 
     def audit(self) -> AuditTable:
         if self.audit_table is None:
             raise HTTPException(503, "the audit store is not configured on this server")
         return self.audit_table
+
+    def view_at(self, at_ms: int) -> tuple[ViewSource, AsOf]:
+        if self.history is None:
+            raise HTTPException(503, "time travel (?at=) is not configured on this server")
+        return self.history.at(at_ms)
 
     def scheduler(self) -> JobsPort:
         if self.jobs is None:

@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 
 from fleetline.cli import agents, audit, data, infra, jobs, run, serve, specs, view
-from fleetline.errors import FleetlineError
+from fleetline.errors import EXIT_UNAVAILABLE, FleetlineError, ServiceUnavailable
 
 app = typer.Typer(
     name="fleetline",
@@ -51,11 +51,15 @@ for _group in _GROUPS:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command; its exit code (1: an error fleetline names, 2: a usage error)."""
+    """Run one command; its exit code (1: an error fleetline names, 2: a usage error,
+    69: a service the command needs is not answering)."""
     try:
         app(args=list(argv) if argv is not None else None, prog_name="fleetline")
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 1
+    except ServiceUnavailable as exc:
+        print(f"fleetline: unavailable: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     except FleetlineError as exc:
         print(f"fleetline: error: {exc}", file=sys.stderr)
         return 1

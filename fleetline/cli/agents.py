@@ -50,7 +50,7 @@ def nvml(
     from fleetline.streams.serde import default_codec
     from fleetline.streams.topics import Topics
 
-    config = settings()
+    config = settings("kafka")
     topics = Topics(topic_prefix)
     kafka_clients.ensure_topics(config.kafka, topics.specs())
     identity = NodeIdentity(
@@ -93,7 +93,7 @@ def simulator(
     from fleetline.streams.serde import default_codec
     from fleetline.streams.topics import Topics
 
-    config = settings()
+    config = settings("kafka")
     topics = Topics(topic_prefix)
     kafka_clients.ensure_topics(config.kafka, topics.specs())
     start_ms = (int(time.time() * 1000) // interval_ms) * interval_ms
@@ -153,7 +153,7 @@ def command(
     from fleetline.streams.serde import default_codec
     from fleetline.streams.topics import Topics
 
-    config = settings()
+    config = settings("kafka")
     values = pairs(set_, "--set")
     ts, request_id = int(time.time() * 1000), command_id or uuid.uuid4().hex
     record = {

@@ -12,7 +12,15 @@ from typing import Annotated, Any
 import typer
 
 from fleetline.api.rbac import Role
-from fleetline.cli.common import Since, TopicPrefix, Until, exit_with, parse_time_ms, settings
+from fleetline.cli.common import (
+    Need,
+    Since,
+    TopicPrefix,
+    Until,
+    exit_with,
+    parse_time_ms,
+    settings,
+)
 from fleetline.config import Settings
 from fleetline.errors import ConfigError
 
@@ -28,6 +36,14 @@ class Source(StrEnum):
     KAFKA = "kafka"
     CLICKHOUSE = "clickhouse"
     ARCHIVE = "archive"
+
+
+# What each source is read from.
+_NEEDS: dict[Source, Need] = {
+    Source.KAFKA: "kafka",
+    Source.CLICKHOUSE: "clickhouse",
+    Source.ARCHIVE: "s3",
+}
 
 
 class Format(StrEnum):
@@ -77,7 +93,7 @@ def verify(
     from fleetline.storage import audit_export
     from fleetline.storage.audit_store import AuditArchive
 
-    config = settings()
+    config = settings() if file is not None else settings(_NEEDS[source])
     keys = _verify_keys(config)
     anchors = None
     if file is not None:
@@ -129,7 +145,7 @@ def search(
 
     if source != Source.CLICKHOUSE:
         raise ConfigError("audit search reads ClickHouse (--source clickhouse)")
-    config = settings()
+    config = settings("clickhouse")
     table = AuditTable(connect(config.clickhouse_url), config.clickhouse_database)
     for record in table.search(
         AuditQuery(
@@ -178,7 +194,7 @@ def export(
 
     if source == Source.ARCHIVE:
         raise ConfigError("audit export reads Kafka or ClickHouse")
-    config = settings()
+    config = settings(_NEEDS[source], *(("s3",) if to_s3 else ()))
     entries, anchors = export_window(
         _records(config, source, topic_prefix),
         tenant,

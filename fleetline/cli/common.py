@@ -6,7 +6,7 @@ import json
 import sys
 import time
 from collections.abc import Iterable, Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 from rich import box
@@ -41,8 +41,26 @@ Since = Annotated[str | None, typer.Option("--from", help="ISO 8601, epoch ms or
 Until = Annotated[str | None, typer.Option("--to", help="ISO 8601, epoch ms or -<n>s|m|h|d")]
 
 
-def settings() -> Settings:
-    return Settings.from_env()
+Need = Literal["kafka", "s3", "clickhouse"]
+
+
+def settings(*needs: Need) -> Settings:
+    """The settings from the environment, once each service the command `needs` has answered
+    (a few seconds at most): a command fails fast, in one line, when one is down."""
+    config = Settings.from_env()
+    if "kafka" in needs:
+        from fleetline.streams.kafka import probe as probe_kafka
+
+        probe_kafka(config.kafka)
+    if "s3" in needs:
+        from fleetline.storage.objects import probe as probe_s3
+
+        probe_s3(config.s3)
+    if "clickhouse" in needs:
+        from fleetline.storage.clickhouse import probe as probe_clickhouse
+
+        probe_clickhouse(config.clickhouse_url)
+    return config
 
 
 def topics(prefix: str) -> Topics:

@@ -72,7 +72,7 @@ def sql(query: Annotated[str, typer.Argument(help="one read-only query")]) -> No
     from fleetline.storage.query_service import run_query
     from fleetline.storage.tiers import expander
 
-    config = settings()
+    config = settings("clickhouse")
     result = run_query(
         config.clickhouse_url, query, expand=expander(config), limits=config.query_limits
     )
@@ -97,7 +97,7 @@ def query(
         return
     if name not in READY:
         raise ConfigError(f"no ready query {name!r}; `fleetline query list` names them")
-    config = settings()
+    config = settings("clickhouse")
     result = run_query(
         config.clickhouse_url,
         ready_sql(name, since, until),
@@ -115,7 +115,7 @@ def _store(policy: DataClass) -> TieredStore:
     from fleetline.storage.clickhouse import connect, migrate
     from fleetline.storage.objects import ObjectStore
 
-    config = settings()
+    config = settings("clickhouse", "s3")
     client = connect(config.clickhouse_url)
     migrate(client, config.clickhouse_database)
     objects = ObjectStore.from_settings(config.s3)

@@ -63,7 +63,7 @@ def get_jobs(
 
     jobs = [
         j
-        for j in job_records(_state(settings(), Topics(topic_prefix)), tenant)
+        for j in job_records(_state(settings("kafka"), Topics(topic_prefix)), tenant)
         if all_ or j["phase"] != "Deleted"
     ]
     if json_:
@@ -86,7 +86,7 @@ def get_jobs(
 
 
 def _rows(prefix: str, tenant: str | None, topic_prefix: str) -> dict[str, Any]:
-    store = _state(settings(), Topics(topic_prefix))
+    store = _state(settings("kafka"), Topics(topic_prefix))
     rows = {
         key.decode(): value
         for key, value in store.items([0])
@@ -122,7 +122,7 @@ def _job_or_fail(config: Settings, topics: Topics, key: str) -> dict[str, Any]:
 
 def describe(job: Job, json_: Json = False, topic_prefix: TopicPrefix = "fleetline") -> None:
     """One job: phase, conditions, GPUs."""
-    record = _job_or_fail(settings(), Topics(topic_prefix), job)
+    record = _job_or_fail(settings("kafka"), Topics(topic_prefix), job)
     if json_:
         print_json(record)
         return
@@ -204,7 +204,7 @@ def explain(
     offsets it read and the policy digest."""
     from fleetline.processors.scheduling.runtime import decisions_of
 
-    config = settings()
+    config = settings("kafka")
     topics = Topics(topic_prefix)
     record = _job_or_fail(config, topics, job)
     latest = record.get("explanation")
@@ -286,7 +286,7 @@ def quota_set(
         TenantPolicy.from_data(policy)  # refuse here what the scheduler would dead-letter
     except FleetlineError as exc:
         raise ConfigError(str(exc)) from None
-    config = settings()
+    config = settings("kafka")
     topics = Topics(topic_prefix)
     request = new_request(
         "TENANT_POLICY",

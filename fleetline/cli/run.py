@@ -60,7 +60,7 @@ def run(
     from fleetline.demo import scenario as scenarios
     from fleetline.demo.play import play
 
-    config = settings()
+    config = settings("kafka", "s3") if external_services else settings()
     story = scenarios.load(scenario).sized(nodes=nodes, clusters=clusters, ticks=ticks)
     story = replace(
         story,

@@ -77,7 +77,7 @@ def serve(
     from fleetline.app import Options, build
     from fleetline.processors.scheduling.runtime import load_policy
 
-    config = settings()
+    config = settings("kafka", "s3", "clickhouse")
     if not no_api and config.auth_config is None:
         raise ConfigError(
             "the API needs FLEETLINE_AUTH_CONFIG (tokens and/or JWT settings; "

@@ -117,7 +117,7 @@ def apply(
     from fleetline.processors.scheduling.runtime import submit
 
     specs, docs = documents(file)
-    config = settings()
+    config = settings("kafka")
     topics = Topics(topic_prefix)
     requests = [
         submit_request(spec, doc, now_ms(), uuid.uuid4().hex, actor)
@@ -186,7 +186,7 @@ def delete(
         keys.append((f"dataset:{name}", tenant) if dataset else (f"{tenant}/{name}", tenant))
     if not keys:
         raise ConfigError("delete needs TENANT/NAME arguments or -f FILE")
-    config = settings()
+    config = settings("kafka")
     topics = Topics(topic_prefix)
     requests = [
         new_request("DELETE", key, tenant, now_ms(), uuid.uuid4().hex, actor=actor)

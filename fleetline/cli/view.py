@@ -87,7 +87,7 @@ def _rebuild(
     from fleetline.processors.view.runtime import tune_gc_for_large_state
 
     tune_gc_for_large_state()
-    config = settings()
+    config = settings("kafka") if no_snapshots else settings("kafka", "s3")
     topics = Topics(topic_prefix)
     snapshots = None if no_snapshots else view_snapshots(config, topic_prefix, group)
     result = rebuild(config.kafka, topics, _target(config, topics, at, offsets), snapshots)
@@ -277,7 +277,7 @@ def replay(
     from fleetline.processors.view import codec as view_codec
     from fleetline.processors.view import read as view_read
 
-    config = settings()
+    config = settings("kafka") if no_snapshots else settings("kafka", "s3")
     topics = Topics(topic_prefix)
     if decisions:
         exit_with(_replay_decisions(config, topics, group, no_snapshots))

@@ -8,6 +8,7 @@ number of processes may share.
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -17,11 +18,27 @@ from chdb import ChdbError
 from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
-from fleetline.errors import ConfigError, StorageError
+from fleetline.errors import ConfigError, ServiceUnavailable, StorageError
 
 # What a ClickHouse call raises: the client's errors (a server's answer, a connection that
 # failed) and the embedded engine's own.
 CLICKHOUSE_ERRORS: tuple[type[Exception], ...] = (ClickHouseError, ChdbError)
+
+
+def probe(url: str, timeout_s: float = 5.0) -> None:
+    """Raise ServiceUnavailable unless a ClickHouse server URL accepts a connection within
+    `timeout_s`; an embedded (chdb://) store has nothing to reach."""
+    parts = urlsplit(url)
+    if parts.scheme not in {"http", "https"}:
+        return
+    port = parts.port or (8443 if parts.scheme == "https" else 8123)
+    try:
+        socket.create_connection((parts.hostname or "", port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ServiceUnavailable(
+            f"ClickHouse is not answering at {parts.hostname}:{port} ({exc}); point "
+            "FLEETLINE_CLICKHOUSE_URL at a running server, or unset it for the embedded store"
+        ) from None
 
 
 def connect(url: str) -> Client:

@@ -4,14 +4,21 @@ in production, chosen by endpoint and credentials alone)."""
 from __future__ import annotations
 
 import io
+import socket
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from minio import Minio
 from minio.error import S3Error
 from urllib3.exceptions import HTTPError
 
 from fleetline.config import S3Settings
-from fleetline.errors import ObjectMissing, StorageError, TransientStorageError
+from fleetline.errors import (
+    ObjectMissing,
+    ServiceUnavailable,
+    StorageError,
+    TransientStorageError,
+)
 
 _MISSING = frozenset({"NoSuchKey", "NotFound", "NoSuchObject", "NoSuchBucket"})
 
@@ -21,6 +28,20 @@ def _translate(action: str, exc: Exception) -> StorageError:
         kind = ObjectMissing if exc.code in _MISSING else StorageError
         return kind(f"{action}: S3 {exc.code}: {exc.message}")
     return TransientStorageError(f"{action}: {type(exc).__name__}: {exc}")
+
+
+def probe(s3: S3Settings, timeout_s: float = 5.0) -> None:
+    """Raise ServiceUnavailable unless the S3 server accepts a connection within `timeout_s`
+    (the client's own retries would take minutes against a silent host)."""
+    endpoint = urlsplit(f"//{s3.endpoint}")
+    port = endpoint.port or (443 if s3.secure else 80)
+    try:
+        socket.create_connection((endpoint.hostname or "", port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ServiceUnavailable(
+            f"the S3 server is not answering at {s3.endpoint} ({exc}); start the local one with "
+            "`fleetline infra start`, or point FLEETLINE_S3_ENDPOINT at a running one"
+        ) from None
 
 
 @dataclass

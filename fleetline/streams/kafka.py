@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import socket
 import time
 from collections.abc import Iterable, Iterator, Mapping
 
@@ -17,7 +19,7 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from fleetline.config import KafkaSettings
-from fleetline.errors import StreamError
+from fleetline.errors import ServiceUnavailable, StreamError
 from fleetline.streams.records import where
 from fleetline.streams.topics import TopicSpec
 
@@ -27,6 +29,38 @@ PARTITIONER = "murmur2_random"
 
 def admin_client(kafka: KafkaSettings) -> AdminClient:
     return AdminClient(dict(kafka.client_config()))  # type: ignore[arg-type]  # a Logger too
+
+
+def probe(kafka: KafkaSettings, timeout_s: float = 5.0) -> None:
+    """Raise ServiceUnavailable unless a broker answers a metadata request within `timeout_s`
+    (librdkafka's own connection errors are kept out of the log; the one line says it)."""
+
+    def unavailable(reason: str) -> ServiceUnavailable:
+        return ServiceUnavailable(
+            f"Kafka is not answering at {kafka.bootstrap_servers} ({reason}); start the local "
+            "broker with `fleetline infra start`, or point FLEETLINE_KAFKA_BOOTSTRAP at a "
+            "running one"
+        )
+
+    # A refused connection is known at once; librdkafka would retry it until the timeout.
+    refused = []
+    for server in kafka.bootstrap_servers.split(","):
+        host, _, port = server.strip().rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+            break
+        except (OSError, ValueError) as exc:
+            refused.append(f"{server.strip()}: {exc}")
+    else:
+        raise unavailable("; ".join(refused))
+    silent = logging.getLogger("fleetline.librdkafka.probe")
+    silent.propagate = False
+    silent.addHandler(logging.NullHandler())
+    admin = AdminClient(dict(kafka.client_config(logger=silent)))  # type: ignore[arg-type]
+    try:
+        admin.list_topics(timeout=timeout_s)
+    except KafkaException as exc:
+        raise unavailable(exc.args[0].str()) from None
 
 
 def ensure_topics(

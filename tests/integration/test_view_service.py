@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from fleetline.processors.replay import log_bounds, offsets_at, rebuild, walk
+from fleetline.processors.replay import ViewHistory, log_bounds, offsets_at, rebuild, walk
 from fleetline.processors.view import codec as view_codec
 from fleetline.processors.view.fold import compose
 from fleetline.processors.view.folder import FLEET_PART, shard_part
@@ -64,6 +64,13 @@ def test_live_view_equals_replay_and_replay_at_a_past_time_matches_the_live_view
     at_moment = rebuild(settings.kafka, topics, offsets_at(settings.kafka, topics, moment))
     assert view_codec.to_data(at_moment.view) == live_then
     assert at_moment.snapshot_positions == {}
+    # The API's time travel: the same view, from the newest snapshots at or before the moment.
+    history = ViewHistory(settings.kafka, topics, snapshots)
+    then, as_of = history.at(moment)
+    assert then.read(view_codec.to_data) == live_then
+    assert as_of.offsets == offsets_at(settings.kafka, topics, moment)
+    assert as_of.at_ms == moment and as_of.from_snapshots
+    assert history.at(moment)[0].view is then.view  # a position's view is rebuilt once
     _, end = log_bounds(settings.kafka, topics)
     from_log = rebuild(settings.kafka, topics, end)
     assert view_codec.to_data(from_log.view) == live_now

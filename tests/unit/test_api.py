@@ -79,12 +79,14 @@ def setup(tmp_path_factory):
         ]
     )
     recorder = Recorder()
+    authenticator = Authenticator(config)
     app = create_app(
         StaticView(view),
-        Authenticator(config),
+        authenticator,
         recorder,
         sql=lambda q: {"columns": ["x"], "rows": [[42]]},
     )
+    app.state.authenticator = authenticator  # for tests that build another app on the same tokens
     return app, recorder
 
 
@@ -495,3 +497,69 @@ def test_a_body_over_the_limit_is_refused_with_413_before_it_is_read(setup):
     assert [e["status"] for e in recorder.events[-2:]] == [413, 413]
     # Under the limit, the same route answers.
     assert client.post("/v1/sql", json={"query": "SELECT 1"}).status_code == 200
+
+
+class FixedHistory:
+    """The history port over one earlier view (the real one replays Kafka; see
+    tests/integration/test_view_service.py)."""
+
+    def __init__(self, view) -> None:
+        self.view = view
+        self.asked: list[int] = []
+
+    def at(self, at_ms: int):
+        from fleetline.processors.replay import AsOf
+
+        self.asked.append(at_ms)
+        offsets = {"telemetry": {0: 7}}
+        return StaticView(self.view), AsOf(at_ms, offsets, {"shard-000": 5}, 2, ("a note",))
+
+
+def test_every_view_read_travels_in_time_with_at_and_says_so(setup):
+    app, _ = setup
+    earlier = fold(scenario_events(seconds=3))  # before the allocations and the faults
+    history = FixedHistory(earlier)
+    travelling = create_app(
+        StaticView(fold(scenario_events(seconds=12))),
+        app.state.authenticator,
+        Recorder(),
+        history=history,
+    )
+    admin = TestClient(
+        travelling, headers={"Authorization": f"Bearer {token_for('platform-admin')}"}
+    )
+    live = admin.get("/v1/gpus", params={"health": "failed"}).json()
+    assert live["as_of"] is None and live["items"]
+    then = admin.get("/v1/gpus", params={"health": "failed", "at": "1796000000000"}).json()
+    assert then["items"] == [] and then["as_of"]["at_ms"] == 1796000000000
+    assert then["as_of"] == {
+        "at_ms": 1796000000000,
+        "offsets": {"telemetry": {"0": 7}},
+        "from_snapshots": {"shard-000": 5},
+        "folded": 2,
+        "notes": ["a note"],
+    }
+    for path in [
+        "/v1/view",
+        "/v1/clusters",
+        "/v1/clusters/us-east-a",
+        "/v1/clusters/us-east-a/topology",
+        "/v1/nodes",
+        "/v1/nodes/us-east-a-n0003",
+        "/v1/allocations",
+        "/v1/datasets",
+        "/v1/tenants",
+    ]:
+        response = admin.get(path, params={"at": "-1h"})
+        assert response.status_code == 200, (path, response.text)
+        assert response.json()["as_of"]["folded"] == 2, path
+    # Access rules are those of live reads: a tenant reads only its own rows, then as now.
+    user = TestClient(travelling, headers={"Authorization": f"Bearer {token_for('user', 'acme')}"})
+    assert user.get("/v1/allocations", params={"tenant": "globex", "at": "-1h"}).status_code == 403
+    assert admin.get("/v1/clusters", params={"at": "yesterday"}).status_code == 400
+    # A server without the history port says so.
+    plain = TestClient(
+        create_app(StaticView(earlier), app.state.authenticator, Recorder()),
+        headers={"Authorization": f"Bearer {token_for('platform-admin')}"},
+    )
+    assert plain.get("/v1/clusters", params={"at": "-1h"}).status_code == 503

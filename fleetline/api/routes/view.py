@@ -14,6 +14,7 @@ from fleetline.api.routing import Routes
 from fleetline.processors.audit.chain import is_sensitive
 from fleetline.processors.view import read as view_read
 from fleetline.processors.view.model import ResourceView
+from fleetline.storage.tiers import parse_moment
 
 
 def _labels(selector: list[str] | None) -> dict[str, str]:
@@ -55,9 +56,25 @@ def _redact_node(
     return node
 
 
+At = Annotated[
+    str | None,
+    Query(
+        description="the view as it stood at this moment (ISO 8601, epoch ms or -<n>s|m|h|d), "
+        "replayed from snapshots and the log; the response then carries `as_of`"
+    ),
+]
+
+
 def register(route: Routes, ports: Ports) -> None:
     source = ports.view
     fleet = Rule("fleet", "read", tenant_scoped=False)
+
+    def read(at: str | None, fn: Callable[[ResourceView], dict[str, Any]]) -> dict[str, Any]:
+        """`fn` over the live view, or over the view replayed to `at` (marked `as_of`)."""
+        if at is None:
+            return source.read(fn)
+        view, as_of = ports.view_at(parse_moment(at, ports.clock()))
+        return {**view.read(fn), "as_of": as_of.as_data()}
 
     @route(
         "GET",
@@ -66,8 +83,8 @@ def register(route: Routes, ports: Ports) -> None:
         response_model=models.ViewMeta,
         summary="Where the view stands: version, offsets, sizes",
     )
-    def get_view() -> dict[str, Any]:
-        return source.read(view_read.view_meta)
+    def get_view(at: At = None) -> dict[str, Any]:
+        return read(at, view_read.view_meta)
 
     @route(
         "GET",
@@ -76,8 +93,8 @@ def register(route: Routes, ports: Ports) -> None:
         response_model=models.Page[models.ClusterCapacity],
         summary="Per-cluster capacity: idle, allocated, degraded GPUs",
     )
-    def list_clusters(region: str | None = None) -> dict[str, Any]:
-        return source.read(lambda v: _page(v, view_read.cluster_capacity(v, region)))
+    def list_clusters(region: str | None = None, at: At = None) -> dict[str, Any]:
+        return read(at, lambda v: _page(v, view_read.cluster_capacity(v, region)))
 
     @route(
         "GET",
@@ -86,14 +103,14 @@ def register(route: Routes, ports: Ports) -> None:
         response_model=models.OneCluster,
         summary="One cluster's capacity and facts",
     )
-    def get_cluster(cluster_id: str) -> dict[str, Any]:
+    def get_cluster(cluster_id: str, at: At = None) -> dict[str, Any]:
         def one(view: ResourceView) -> dict[str, Any]:
             for cluster in view_read.cluster_capacity(view):
                 if cluster["cluster_id"] == cluster_id:
                     return {"view_version": view.version, **cluster}
             raise HTTPException(404, f"no cluster {cluster_id!r} in the view")
 
-        return source.read(one)
+        return read(at, one)
 
     @route(
         "GET",
@@ -102,13 +119,13 @@ def register(route: Routes, ports: Ports) -> None:
         response_model=models.Topology,
         summary="Spine and leaf switches, nodes and NVLink islands",
     )
-    def get_topology(cluster_id: str) -> dict[str, Any]:
+    def get_topology(cluster_id: str, at: At = None) -> dict[str, Any]:
         def one(view: ResourceView) -> dict[str, Any]:
             if cluster_id not in view_read.cluster_ids(view):
                 raise HTTPException(404, f"no cluster {cluster_id!r} in the view")
             return {"view_version": view.version, **view_read.topology(view, cluster_id)}
 
-        return source.read(one)
+        return read(at, one)
 
     @route(
         "GET",
@@ -124,17 +141,19 @@ def register(route: Routes, ports: Ports) -> None:
         leaf_switch: str | None = None,
         label: Annotated[list[str] | None, Query(description="key=value, repeatable")] = None,
         gpus: bool = False,
+        at: At = None,
     ) -> dict[str, Any]:
         labels = _labels(label)
         principal, scope = request.state.principal, request.state.scope
-        return source.read(
+        return read(
+            at,
             lambda v: _page(
                 v,
                 [
                     _redact_node(v, view_read.node_data(v, n, with_gpus=gpus), principal, scope)
                     for n in view_read.select_nodes(v, cluster, status, labels, leaf_switch)
                 ],
-            )
+            ),
         )
 
     @route(
@@ -144,7 +163,7 @@ def register(route: Routes, ports: Ports) -> None:
         response_model=models.OneNode,
         summary="One node with its GPUs",
     )
-    def get_node(request: Request, node_id: str) -> dict[str, Any]:
+    def get_node(request: Request, node_id: str, at: At = None) -> dict[str, Any]:
         principal, scope = request.state.principal, request.state.scope
 
         def one(view: ResourceView) -> dict[str, Any]:
@@ -156,7 +175,7 @@ def register(route: Routes, ports: Ports) -> None:
                 **_redact_node(view, view_read.node_data(view, node), principal, scope),
             }
 
-        return source.read(one)
+        return read(at, one)
 
     @route(
         "GET",
@@ -172,25 +191,27 @@ def register(route: Routes, ports: Ports) -> None:
         capacity: Annotated[
             str | None, Query(pattern="^(idle|allocated|degraded|failed|unavailable)$")
         ] = None,
+        at: At = None,
     ) -> dict[str, Any]:
         scope = request.state.scope
-        return source.read(
+        return read(
+            at,
             lambda v: _page(
                 v,
                 [
                     _redact_gpu(v, g, scope)
                     for g in view_read.select_gpus(v, cluster, health, capacity)
                 ],
-            )
+            ),
         )
 
     def in_scope(
-        request: Request, rows: Callable[[ResourceView], list[dict[str, Any]]]
+        request: Request, rows: Callable[[ResourceView], list[dict[str, Any]]], at: str | None
     ) -> dict[str, Any]:
         """The rows of the caller's tenant scope (all for a role that spans tenants)."""
         scope = request.state.scope
-        return source.read(
-            lambda v: _page(v, [row for row in rows(v) if _in_scope(row["tenant"], scope)])
+        return read(
+            at, lambda v: _page(v, [row for row in rows(v) if _in_scope(row["tenant"], scope)])
         )
 
     @route(
@@ -200,8 +221,10 @@ def register(route: Routes, ports: Ports) -> None:
         response_model=models.Page[models.AllocationBody],
         summary="Jobs of the caller's tenant and the GPUs bound to them",
     )
-    def list_allocations(request: Request, tenant: str | None = None) -> dict[str, Any]:
-        return in_scope(request, view_read.allocations)
+    def list_allocations(
+        request: Request, tenant: str | None = None, at: At = None
+    ) -> dict[str, Any]:
+        return in_scope(request, view_read.allocations, at)
 
     @route(
         "GET",
@@ -210,8 +233,8 @@ def register(route: Routes, ports: Ports) -> None:
         response_model=models.Page[models.DatasetBody],
         summary="The caller's tenant's datasets and the clusters holding replicas",
     )
-    def list_datasets(request: Request, tenant: str | None = None) -> dict[str, Any]:
-        return in_scope(request, view_read.datasets)
+    def list_datasets(request: Request, tenant: str | None = None, at: At = None) -> dict[str, Any]:
+        return in_scope(request, view_read.datasets, at)
 
     @route(
         "GET",
@@ -220,5 +243,5 @@ def register(route: Routes, ports: Ports) -> None:
         response_model=models.Page[models.TenantUsageBody],
         summary="GPUs and dataset bytes in use by the caller's tenant (all, for admins)",
     )
-    def list_tenants(request: Request, tenant: str | None = None) -> dict[str, Any]:
-        return in_scope(request, view_read.tenant_usage)
+    def list_tenants(request: Request, tenant: str | None = None, at: At = None) -> dict[str, Any]:
+        return in_scope(request, view_read.tenant_usage, at)
