@@ -27,6 +27,7 @@ from fleetline.storage.tiers import (
     archive_layout,
     retention_plan,
 )
+from tests.services import service_env
 from tests.support import BASE_MS
 
 pytestmark = pytest.mark.services
@@ -488,9 +489,12 @@ class _Stop(Exception):
     """Raised where a command would start its work: the flags are parsed by then."""
 
 
-def test_the_tier_policy_flags_of_tier_run_and_serve(monkeypatch, capsys):
+def test_the_tier_policy_flags_of_tier_run_and_serve(settings, monkeypatch, capsys):
     from fleetline import app as composition
     from fleetline.cli import data, main
+
+    for name, value in service_env(settings).items():  # `serve` checks they answer
+        monkeypatch.setenv(name, value)
 
     seen: list[DataClass] = []
 
