@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Sequence
@@ -13,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fleetline.errors import ServiceError
+from fleetline.probe import refusal
 
 
 @dataclass(frozen=True)
@@ -118,11 +118,7 @@ def _alive(pid: int) -> bool:
 
 
 def port_open(host: str, port: int, timeout_s: float = 0.5) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
+    return refusal(host, port, timeout_s) is None
 
 
 def run_checked(

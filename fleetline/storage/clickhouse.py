@@ -8,7 +8,6 @@ number of processes may share.
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -19,6 +18,7 @@ from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
 from fleetline.errors import ConfigError, ServiceUnavailable, StorageError
+from fleetline.probe import refusal
 
 # What a ClickHouse call raises: the client's errors (a server's answer, a connection that
 # failed) and the embedded engine's own.
@@ -32,13 +32,12 @@ def probe(url: str, timeout_s: float = 5.0) -> None:
     if parts.scheme not in {"http", "https"}:
         return
     port = parts.port or (8443 if parts.scheme == "https" else 8123)
-    try:
-        socket.create_connection((parts.hostname or "", port), timeout=timeout_s).close()
-    except OSError as exc:
+    why = refusal(parts.hostname or "", port, timeout_s)
+    if why is not None:
         raise ServiceUnavailable(
-            f"ClickHouse is not answering at {parts.hostname}:{port} ({exc}); point "
+            f"ClickHouse is not answering at {parts.hostname}:{port} ({why}); point "
             "FLEETLINE_CLICKHOUSE_URL at a running server, or unset it for the embedded store"
-        ) from None
+        )
 
 
 def connect(url: str) -> Client:

@@ -4,7 +4,6 @@ in production, chosen by endpoint and credentials alone)."""
 from __future__ import annotations
 
 import io
-import socket
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -19,6 +18,7 @@ from fleetline.errors import (
     StorageError,
     TransientStorageError,
 )
+from fleetline.probe import refusal
 
 _MISSING = frozenset({"NoSuchKey", "NotFound", "NoSuchObject", "NoSuchBucket"})
 
@@ -35,13 +35,12 @@ def probe(s3: S3Settings, timeout_s: float = 5.0) -> None:
     (the client's own retries would take minutes against a silent host)."""
     endpoint = urlsplit(f"//{s3.endpoint}")
     port = endpoint.port or (443 if s3.secure else 80)
-    try:
-        socket.create_connection((endpoint.hostname or "", port), timeout=timeout_s).close()
-    except OSError as exc:
+    why = refusal(endpoint.hostname or "", port, timeout_s)
+    if why is not None:
         raise ServiceUnavailable(
-            f"the S3 server is not answering at {s3.endpoint} ({exc}); start the local one with "
+            f"the S3 server is not answering at {s3.endpoint} ({why}); start the local one with "
             "`fleetline infra start`, or point FLEETLINE_S3_ENDPOINT at a running one"
-        ) from None
+        )
 
 
 @dataclass

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from collections.abc import Iterable, Iterator, Mapping
 
@@ -20,6 +19,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 
 from fleetline.config import KafkaSettings
 from fleetline.errors import ServiceUnavailable, StreamError
+from fleetline.probe import refusal
 from fleetline.streams.records import where
 from fleetline.streams.topics import TopicSpec
 
@@ -46,11 +46,10 @@ def probe(kafka: KafkaSettings, timeout_s: float = 5.0) -> None:
     refused = []
     for server in kafka.bootstrap_servers.split(","):
         host, _, port = server.strip().rpartition(":")
-        try:
-            socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        why = refusal(host, int(port), timeout_s) if port.isdigit() else "no port"
+        if why is None:
             break
-        except (OSError, ValueError) as exc:
-            refused.append(f"{server.strip()}: {exc}")
+        refused.append(f"{server.strip()}: {why}")
     else:
         raise unavailable("; ".join(refused))
     silent = logging.getLogger("fleetline.librdkafka.probe")
