@@ -99,9 +99,10 @@ def query_client(
     query is expanded again from the manifests as they are now and run once more."""
     limits = limits or QueryLimits()
     bounded = limits.clickhouse_settings()
-    if expand is None or expand(client, sql, hot_only=True) == sql:
+    checked = sql if expand is None else expand(client, sql, hot_only=True)
+    if expand is None or checked == sql:
         return _run(client, sql, {**bounded, "readonly": 1}, limits)
-    _run(client, f"EXPLAIN PLAN {expand(client, sql, hot_only=True)}", {"readonly": 1}, limits)
+    _run(client, f"EXPLAIN PLAN {checked}", {"readonly": 1}, limits)
     try:
         return _run(client, expand(client, sql), {**bounded, "readonly": 2}, limits)
     except _ObjectGone:
