@@ -23,6 +23,7 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 from fleetline.agents.durable import write_atomically
 from fleetline.config import KafkaSettings
 from fleetline.errors import FleetlineError, StreamError
+from fleetline.processors.view.model import CORDONED_LABEL
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.deadletter import dead_letter_headers
 from fleetline.streams.partitioner import partition_for
@@ -55,6 +56,15 @@ class Decision:
     message: str
 
 
+def control_labels(control: NodeControl) -> dict[str, str]:
+    """The NodeState labels that say what commands set: cordoned (read by the view and the
+    scheduler: no new work) and the applied config version."""
+    labels = {CORDONED_LABEL: str(control.cordoned).lower()}
+    if control.config_version:
+        labels["config_version"] = control.config_version
+    return labels
+
+
 def apply_command(control: NodeControl, command: Mapping[str, Any]) -> Decision:
     """Decide one command's effect on a node's control state (pure)."""
     command_id = command["command_id"]
@@ -74,8 +84,10 @@ def apply_command(control: NodeControl, command: Mapping[str, Any]) -> Decision:
                 replace(control, cordoned=True, applied=remember), "APPLIED", "cordoned"
             )
         case "UNCORDON":
+            # The way back from DRAIN too: the node takes new work again.
+            message = "uncordoned" + ("; draining ended" if control.state == "DRAINING" else "")
             return Decision(
-                replace(control, cordoned=False, applied=remember), "APPLIED", "uncordoned"
+                replace(control, cordoned=False, state="UP", applied=remember), "APPLIED", message
             )
         case "SET_POWER_CAP":
             cap = command.get("power_cap_w")

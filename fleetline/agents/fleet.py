@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fleetline.agents.commands import CommandLoop, ControlStore, NodeControl
+from fleetline.agents.commands import CommandLoop, ControlStore, NodeControl, control_labels
 from fleetline.agents.durable import write_atomically
 from fleetline.agents.runtime import TelemetryPublisher
 from fleetline.agents.simulator import FleetSimulator, SimNode
@@ -96,11 +96,12 @@ class FleetAgent:
         control = self.controls.get(node.node_id)
         spool = self.publishers[node.cluster_id].spool
         state = "DOWN" if self.simulator.is_down(node.node_id) else control.state
-        labels = {"cordoned": str(control.cordoned).lower()}
-        if control.config_version:
-            labels["config_version"] = control.config_version
         return self.simulator.node_state(
-            node, ts_ms, state, labels=labels, spool=(spool.size_bytes, spool.dropped)
+            node,
+            ts_ms,
+            state,
+            labels=control_labels(control),
+            spool=(spool.size_bytes, spool.dropped),
         )
 
     def start(self, ts_ms: int) -> int:

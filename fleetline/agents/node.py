@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fleetline.agents.commands import CommandLoop, ControlStore, NodeControl
+from fleetline.agents.commands import CommandLoop, ControlStore, NodeControl, control_labels
 from fleetline.agents.fleet import SequenceStore
 from fleetline.agents.nvml import NvmlCollector
 from fleetline.agents.runtime import TelemetryPublisher
@@ -103,9 +103,7 @@ class NodeAgent:
             "spine_switch": self.identity.spine_switch,
             **self.collector.topology(),
         }
-        labels = {**self.identity.labels, "cordoned": str(control.cordoned).lower()}
-        if control.config_version:
-            labels["config_version"] = control.config_version
+        labels = {**self.identity.labels, **control_labels(control)}
         spool = self.publisher.spool
         return {
             "cluster_id": self.identity.cluster_id,

@@ -97,6 +97,7 @@ class ClusterCapacity(Body):
     nodes_draining: int
     nodes_down: int
     nodes_unreachable: int
+    nodes_cordoned: int = Field(description="UP, but taking no new work (CORDON)")
     info: ClusterFactsBody | None = Field(description="what the cluster's operator declared")
 
 

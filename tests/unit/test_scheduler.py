@@ -336,3 +336,49 @@ def test_applying_the_same_spec_again_changes_nothing_and_a_priority_change_keep
     d.submit(training("j", workers=2))
     outcomes = [e.outcome for e in d.decisions("acme/j")]
     assert outcomes[-2:] == ["RELEASED", "PLACED"] and len(d.nodes_of("acme/j")) == 2
+
+
+def test_cordon_keeps_new_work_off_a_node_and_uncordon_returns_it():
+    from fleetline.agents.commands import NodeControl, apply_command, control_labels
+    from fleetline.processors.view.read import cluster_capacity
+    from tests.fleet_events import fold
+
+    view, sim = one_cluster(nodes=2)
+    control = {n.node_id: NodeControl() for n in sim.nodes}
+    seq = iter(range(10_000, 20_000))
+
+    def command(node_id: str, kind: str, at_s: int) -> None:
+        decision = apply_command(control[node_id], {"command_id": f"{kind}{at_s}", "kind": kind})
+        assert decision.outcome == "APPLIED"
+        control[node_id] = decision.control
+        node = next(n for n in sim.nodes if n.node_id == node_id)
+        record = sim.node_state(
+            node,
+            BASE_MS + at_s * 1000,
+            decision.control.state,
+            labels=control_labels(decision.control),
+        )
+        fold([("NodeState", {**record, "seq": next(seq)})], view)
+
+    command("us-east-a-n0000", "CORDON", 3)
+    (capacity,) = cluster_capacity(view)
+    assert capacity["nodes_cordoned"] == 1 and capacity["unavailable"] == 8
+    d = Driver(view)
+    d.submit(training("first"))
+    d.submit(training("second"))
+    assert d.nodes_of("acme/first") == {"us-east-a-n0001"}
+    assert d.last("acme/second").outcome == "QUEUED"
+    # Cordoning the node a job runs on keeps it running: no new work, nothing evicted.
+    command("us-east-a-n0001", "CORDON", 4)
+    effects = d.tick(seconds=1, view=view)
+    assert not [e for e in effects if getattr(e, "outcome", None) == "PREEMPTED"]
+    assert d.nodes_of("acme/first") == {"us-east-a-n0001"}
+    # UNCORDON returns the node; it is also the way back from DRAIN.
+    command("us-east-a-n0000", "DRAIN", 5)
+    d.tick(seconds=1, view=view)
+    assert d.last("acme/second").outcome == "QUEUED"
+    command("us-east-a-n0000", "UNCORDON", 6)
+    assert control["us-east-a-n0000"].state == "UP"
+    d.tick(seconds=1, view=view)
+    assert d.last("acme/second").outcome == "PLACED"
+    assert d.nodes_of("acme/second") == {"us-east-a-n0000"}

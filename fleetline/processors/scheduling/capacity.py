@@ -95,6 +95,12 @@ class NodeFacts:
     healthy: int  # free-able for any job (node UP, GPU healthy)
     degraded: int  # only for jobs that tolerate degraded GPUs
     status: str  # UP, DRAINING, DOWN, UNREACHABLE
+    cordoned: bool = False  # no new work; what runs there stays
+
+    @property
+    def schedulable(self) -> bool:
+        """New work may land here (running work stays on a draining or cordoned node)."""
+        return self.status == "UP" and not self.cordoned
 
 
 @dataclass(frozen=True)
@@ -239,7 +245,7 @@ def _node_facts(node: NodeView, status: NodeStatus) -> tuple[NodeFacts, int, str
         lost_mask = failed
         causes = sorted({node.gpus[i].failure or FAILED for i in indices_of(failed)})
         reason = f"{node.node_id} GPU(s) {list(indices_of(failed))} failed ({', '.join(causes)})"
-    if status != "UP":
+    if status != "UP" or node.cordoned:
         healthy = degraded = 0
     islands = tuple(mask_of(i) for i in node.islands) or (present,)
     facts = NodeFacts(
@@ -253,6 +259,7 @@ def _node_facts(node: NodeView, status: NodeStatus) -> tuple[NodeFacts, int, str
         healthy=healthy,
         degraded=degraded,
         status=status,
+        cordoned=node.cordoned,
     )
     return facts, lost_mask, reason, present.bit_count(), bad
 
@@ -318,7 +325,7 @@ class CapacityIndex:
         self.counts.setdefault(node.cluster_id, {})
         self.version.setdefault(node.cluster_id, 0)
         self._models.setdefault(node.cluster_id, set()).add(node.model)
-        if node.status == "UP":
+        if node.schedulable:
             self._add(node)
 
     def _key(self, node: NodeFacts) -> BucketKey:
@@ -356,7 +363,7 @@ class CapacityIndex:
                 f"{node_id} GPU(s) {list(indices_of(held & mask))} are already allocated"
             )
         node = self.facts.nodes.get(node_id)
-        schedulable = node if node is not None and node.status == "UP" else None
+        schedulable = node if node is not None and node.schedulable else None
         if schedulable is not None:
             self._remove(schedulable)
         self.taken[node_id] = held | mask
@@ -366,7 +373,7 @@ class CapacityIndex:
     def release(self, node_id: str, mask: int) -> None:
         held = self.taken.get(node_id, 0)
         node = self.facts.nodes.get(node_id)
-        schedulable = node if node is not None and node.status == "UP" else None
+        schedulable = node if node is not None and node.schedulable else None
         if schedulable is not None:
             self._remove(schedulable)
         rest = held & ~mask
@@ -383,7 +390,7 @@ class CapacityIndex:
         old = self.facts.nodes
         new = facts.nodes
         for node_id, before in old.items():
-            if new.get(node_id) is not before and before.status == "UP":
+            if new.get(node_id) is not before and before.schedulable:
                 self._remove(before)
         self.facts = facts
         for node_id, after in new.items():

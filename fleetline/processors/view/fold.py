@@ -227,15 +227,7 @@ def _fold_node_state(view: ResourceView, record: Mapping[str, Any]) -> None:
     node = _node(view, record["node_id"], record["cluster_id"], record["region"])
     ts = record["ts"]
     before = node.state
-    scheduled_before = (
-        node.state,
-        node.reason,
-        node.up_since_ms,
-        node.labels.get("accelerator"),
-        node.islands,
-        node.leaf_switch,
-        node.spine_switch,
-    )
+    scheduled_before = node.scheduling_facts()
     state = NodeStatus(record["state"])
     if state == NodeStatus.UP and before == NodeStatus.DOWN:
         node.up_since_ms = ts
@@ -253,15 +245,7 @@ def _fold_node_state(view: ResourceView, record: Mapping[str, Any]) -> None:
     node.agent_version = record.get("agent_version")
     node.spool_bytes = record.get("agent_spool_bytes")
     node.spool_dropped = record.get("agent_spool_dropped")
-    if scheduled_before != (
-        node.state,
-        node.reason,
-        node.up_since_ms,
-        node.labels.get("accelerator"),
-        node.islands,
-        node.leaf_switch,
-        node.spine_switch,
-    ):
+    if scheduled_before != node.scheduling_facts():
         node.epoch += 1
     node.state_seq = record["seq"]
     if ts > node.state_ts:

@@ -33,6 +33,9 @@ class NodeStatus(StrEnum):
 
 HEALTHY, DEGRADED, FAILED = Health.HEALTHY, Health.DEGRADED, Health.FAILED
 
+# The NodeState label a node agent sets to "true" while the node is cordoned.
+CORDONED_LABEL = "cordoned"
+
 # The per-GPU fields the fold reads, in this order, from a decoded GpuSample or from the
 # columnar decoder (streams/columnar.py); one tuple per GPU sample.
 GPU_FIELDS = (
@@ -195,6 +198,24 @@ class NodeView:
         # GPU's health or failure, the GPU set): readers cache what they derive per (node,
         # epoch). Not part of the view's value, and not kept in snapshots.
         self.epoch = 0
+
+    @property
+    def cordoned(self) -> bool:
+        """Cordoned by its agent (the CORDON command): no new work, running work stays."""
+        return self.labels.get(CORDONED_LABEL) == "true"
+
+    def scheduling_facts(self) -> tuple[Any, ...]:
+        """What a scheduler reads of the node's declared state; a change bumps `epoch`."""
+        return (
+            self.state,
+            self.reason,
+            self.up_since_ms,
+            self.labels.get("accelerator"),
+            self.cordoned,
+            self.islands,
+            self.leaf_switch,
+            self.spine_switch,
+        )
 
     @property
     def last_heard_ms(self) -> int:

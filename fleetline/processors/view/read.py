@@ -41,7 +41,7 @@ class StaticView:
 
 class CapacityState(StrEnum):
     """What a GPU is, for capacity: usable and free, bound to a job, suspect, broken, or out of
-    reach (its node is down, unreachable or draining)."""
+    reach (its node is down, unreachable, draining or cordoned)."""
 
     IDLE = "idle"
     ALLOCATED = "allocated"
@@ -71,7 +71,7 @@ def gpu_capacity_state(
     health, _ = gpu_health(node, gpu)
     if health == FAILED:
         return CapacityState.FAILED
-    if status != NodeStatus.UP:
+    if status != NodeStatus.UP or node.cordoned:
         return UNAVAILABLE
     if (node.node_id, gpu.index) in view.gpu_owner:
         return ALLOCATED
@@ -111,6 +111,7 @@ def _empty_counts() -> dict[str, int]:
         "nodes_draining": 0,
         "nodes_down": 0,
         "nodes_unreachable": 0,
+        "nodes_cordoned": 0,
     }
 
 
@@ -125,6 +126,7 @@ def cluster_capacity(view: ResourceView, region: str | None = None) -> list[dict
         status = node_status(view, node)
         c["nodes"] += 1
         c[f"nodes_{status.lower()}"] += 1
+        c["nodes_cordoned"] += node.cordoned
         for gpu in node.gpus.values():
             c["gpus"] += 1
             c[gpu_capacity_state(view, node, status, gpu)] += 1
