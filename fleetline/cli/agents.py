@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import socket
 import threading
 import time
@@ -191,6 +193,31 @@ def command(
     if emitter.flush(30):
         raise FleetlineError("the command was sent but its audit event was not delivered")
     print(f"sent {kind} {request_id} to {node_id} on {topics.commands}")
+
+
+@agent.command(name="data-mover")
+def data_mover(
+    topic_prefix: TopicPrefix = "fleetline",
+    speedup: Annotated[
+        float, typer.Option(min=1.0, help="how much faster than the order's estimate to answer")
+    ] = 3600.0,
+) -> None:
+    """The simulated data mover on its own: answers the scheduler's dataset prewarm orders with
+    DATASET_READY when the copy would be done (until interrupted)."""
+    from fleetline.agents.data_mover import SimulatedDataMover
+    from fleetline.processors.scheduling.runtime import scheduler_topics
+    from fleetline.streams import kafka as kafka_clients
+    from fleetline.streams.topics import Topics
+
+    config = settings("kafka")
+    topics = Topics(topic_prefix)
+    kafka_clients.ensure_topics(config.kafka, scheduler_topics(topics))
+    mover = SimulatedDataMover(config.kafka, topics, speedup=speedup)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with contextlib.suppress(KeyboardInterrupt):
+        mover.run(stop)
+    print(f"{len(mover.moved)} prewarms answered")
 
 
 def register(app: typer.Typer) -> None:

@@ -68,6 +68,14 @@ def serve(
             metavar="SECONDS", help="how often the scheduler observes the view and reconciles"
         ),
     ] = 1.0,
+    data_mover: Annotated[
+        bool,
+        typer.Option(
+            "--data-mover",
+            help="also answer the scheduler's dataset prewarm orders with the simulated data "
+            "mover (for a simulated fleet; `fleetline agent data-mover` runs it on its own)",
+        ),
+    ] = False,
     tls_cert: Annotated[
         Path | None, typer.Option(help="serve HTTPS with this certificate (PEM)")
     ] = None,
@@ -96,6 +104,7 @@ def serve(
         audit=not no_audit,
         tier_every_s=tier_every,
         tier_policy=tier_policy(hot_hours, warm_days, cold_days, tenant_cold_days),
+        data_mover=data_mover,
     )
     fleet = build(config, options)
     signal.signal(signal.SIGTERM, lambda *_: fleet.stop.set())
