@@ -35,7 +35,7 @@ from fleetline.processors.scheduling.capacity import FleetFacts, observe
 from fleetline.processors.scheduling.policy import SchedulingPolicy
 from fleetline.processors.scheduling.runtime import KafkaJobs, SchedulerService, scheduler_topics
 from fleetline.processors.view.runtime import APPLICATION_ID as VIEW_APP
-from fleetline.processors.view.runtime import ViewProcessor
+from fleetline.processors.view.runtime import ViewProcessor, declare_clusters
 from fleetline.processors.view.snapshots import ViewSnapshots
 from fleetline.storage.audit_store import AuditArchive, AuditTable
 from fleetline.storage.clickhouse import connect, migrate
@@ -254,6 +254,7 @@ class Fleetline:
             jobs=KafkaJobs(self.settings.kafka, self.topics, self.scheduler),
             max_body_bytes=self.settings.api_max_body_bytes,
             history=ViewHistory(self.settings.kafka, self.topics, self.snapshots),
+            clusters=lambda records: declare_clusters(self.settings.kafka, self.topics, records),
         )
 
 

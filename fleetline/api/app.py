@@ -20,9 +20,10 @@ from fastapi.routing import APIRoute
 
 from fleetline.api.auth import Authenticator
 from fleetline.api.body_limit import BodyLimit
-from fleetline.api.ports import HistoryPort, JobsPort, Ports, ReadyQuery, Sql
+from fleetline.api.ports import DeclareClusters, HistoryPort, JobsPort, Ports, ReadyQuery, Sql
 from fleetline.api.rbac import Principal
 from fleetline.api.routes import audit as audit_routes
+from fleetline.api.routes import clusters as cluster_routes
 from fleetline.api.routes import jobs as job_routes
 from fleetline.api.routes import queries as query_routes
 from fleetline.api.routes import view as view_routes
@@ -106,6 +107,7 @@ def create_app(
     jobs: JobsPort | None = None,
     max_body_bytes: int = 1024 * 1024,
     history: HistoryPort | None = None,
+    clusters: DeclareClusters | None = None,
 ) -> FastAPI:
     """The API over a view, the audit store, ClickHouse and the scheduler (each optional but
     the view: a route whose port is missing answers 503). A request body over `max_body_bytes`
@@ -118,11 +120,11 @@ def create_app(
         "`Authorization: Bearer <token>`.",
     )
     routes = Routes(app, authenticator)
-    ports = Ports(source, audit_table, sql, ready_query, jobs, clock, history)
+    ports = Ports(source, audit_table, sql, ready_query, jobs, clock, history, clusters)
     # Added first, so it runs inside the audit middleware: a refused body is audited too.
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.middleware("http")(_audit_middleware(audit, clock))
-    for area in (view_routes, audit_routes, query_routes, job_routes):
+    for area in (view_routes, cluster_routes, audit_routes, query_routes, job_routes):
         area.register(routes, ports)
 
     @app.exception_handler(PermissionDenied)

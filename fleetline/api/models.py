@@ -272,3 +272,9 @@ class TenantPolicySet(Body):
     tenant: str
     policy: dict[str, Any]
     request_offset: int
+
+
+class ClusterDeclared(Body):
+    cluster_id: str
+    offset: int = Field(description="where the declaration landed on the clusters topic")
+    record: dict[str, Any] = Field(description="the ClusterInfo record the view folds")

@@ -15,6 +15,8 @@ from fleetline.storage.audit_store import AuditTable
 # A read-only query -> {"columns": [...], "rows": [...]}; a ready query by name and range.
 Sql = Callable[[str], dict[str, Any]]
 ReadyQuery = Callable[[str, str, str | None], dict[str, Any]]
+# ClusterInfo records appended to the clusters topic -> their offsets.
+DeclareClusters = Callable[[list[dict[str, Any]]], list[int]]
 
 
 class JobsPort(Protocol):
@@ -45,6 +47,7 @@ class Ports:
     jobs: JobsPort | None
     clock: Callable[[], int]
     history: HistoryPort | None = None
+    clusters: DeclareClusters | None = None
 
     def audit(self) -> AuditTable:
         if self.audit_table is None:
@@ -55,6 +58,11 @@ class Ports:
         if self.history is None:
             raise HTTPException(503, "time travel (?at=) is not configured on this server")
         return self.history.at(at_ms)
+
+    def declare_clusters(self) -> DeclareClusters:
+        if self.clusters is None:
+            raise HTTPException(503, "declaring clusters is not configured on this server")
+        return self.clusters
 
     def scheduler(self) -> JobsPort:
         if self.jobs is None:

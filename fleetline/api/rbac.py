@@ -29,6 +29,7 @@ PERMISSIONS: dict[str, frozenset[tuple[str, str]]] = {
     "platform-admin": frozenset(
         {
             FLEET_READ,
+            ("fleet", "write"),  # declare clusters
             ("jobs", "read"),
             ("jobs", "write"),
             ("usage", "read"),

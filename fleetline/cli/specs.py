@@ -1,5 +1,6 @@
 """Desired state: `validate`, `apply` and `delete` specs (TrainingJob, InferenceService,
-Dataset), appended to the scheduler's request log."""
+Dataset), appended to the scheduler's request log; `apply` also takes Cluster documents, which
+go to the clusters topic the view folds."""
 
 from __future__ import annotations
 
@@ -23,11 +24,11 @@ SpecFile = Annotated[str, typer.Option("-f", "--file", help="a spec file, or - f
 def documents(path: str) -> tuple[list[Any], list[dict[str, Any]]]:
     """The specs of a file (or stdin), validated, with their documents; exit 1 naming every
     bad field."""
-    from fleetline.processors.scheduling.specs import SpecError, parse_specs
+    from fleetline.processors.scheduling.specs import DOCUMENT_KINDS, SpecError, parse_documents
 
     text = sys.stdin.read() if path == "-" else Path(path).read_text()
     try:
-        specs = parse_specs(text)
+        specs = parse_documents(text, DOCUMENT_KINDS)
     except SpecError as exc:
         fail_fields(path, exc.errors)
     return specs, [d for d in yaml.safe_load_all(text) if d is not None]
@@ -41,8 +42,10 @@ def audit_requests(
     targets: list[str],
     request_ids: list[str],
     tenant: str | None = None,
+    fleet_wide: bool = False,
 ) -> None:
-    """One AuditEvent per request the CLI appended, as the API does for its calls."""
+    """One AuditEvent per request the CLI appended, as the API does for its calls (a tenant's
+    own, unless `fleet_wide`)."""
     from fleetline.processors.audit.runtime import KafkaAuditEmitter, new_event
 
     emitter = KafkaAuditEmitter(config.kafka, topics)
@@ -57,7 +60,9 @@ def audit_requests(
                 outcome="SUCCEEDED",
                 request_id=request_id,
                 source="cli",
-                tenant=tenant or target.split("/")[0].removeprefix("dataset:"),
+                tenant=None
+                if fleet_wide
+                else tenant or target.split("/")[0].removeprefix("dataset:"),
             )
         )
     if emitter.flush(30):
@@ -65,11 +70,18 @@ def audit_requests(
 
 
 def validate(file: SpecFile) -> None:
-    """Check TrainingJob / InferenceService / Dataset specs (YAML or JSON) and name every bad
-    field (example: tests/specs/llm-pretrain.yaml)."""
+    """Check TrainingJob / InferenceService / Dataset / Cluster documents (YAML or JSON) and
+    name every bad field (examples: tests/specs/llm-pretrain.yaml, tests/specs/clusters.yaml)."""
+    from fleetline.processors.scheduling.specs import Cluster
+
     specs, _ = documents(file)
     for spec in specs:
-        print(f"{spec.kind} {spec.metadata.tenant}/{spec.metadata.name}: valid")
+        name = (
+            spec.metadata.name
+            if isinstance(spec, Cluster)
+            else f"{spec.metadata.tenant}/{spec.metadata.name}"
+        )
+        print(f"{spec.kind} {name}: valid")
 
 
 def _wait_for_decisions(
@@ -111,17 +123,32 @@ def apply(
     topic_prefix: TopicPrefix = "fleetline",
 ) -> None:
     """Submit specs to the scheduler: every document is validated first (exit 1 with each bad
-    field named), then the desired state is appended to the scheduler's request log. The
-    scheduler runs in `fleetline serve`."""
+    field named), then the desired state is appended to the scheduler's request log (the
+    scheduler runs in `fleetline serve`). Cluster documents declare a cluster's region, prices,
+    PUE and latencies on the clusters topic, which the view folds and the scheduler scores."""
     from fleetline.processors.scheduling.codec import datasets_first, submit_request
     from fleetline.processors.scheduling.runtime import submit
+    from fleetline.processors.scheduling.specs import Cluster
+    from fleetline.processors.view.runtime import declare_clusters
 
     specs, docs = documents(file)
     config = settings("kafka")
     topics = Topics(topic_prefix)
+    clusters = [s for s in specs if isinstance(s, Cluster)]
+    if clusters:
+        ts = now_ms()  # also the seq: a later declaration of a cluster replaces an earlier one
+        offsets = declare_clusters(config.kafka, topics, [c.record(ts, ts) for c in clusters])
+        targets = [f"cluster:{c.metadata.name}" for c in clusters]
+        ids = [uuid.uuid4().hex for _ in clusters]
+        audit_requests(config, topics, actor, "cluster.apply", targets, ids, fleet_wide=True)
+        for target, offset in zip(targets, offsets, strict=True):
+            print(f"{target}: declared (offset {offset} of {topics.clusters})")
+    jobs = [(s, d) for s, d in zip(specs, docs, strict=True) if not isinstance(s, Cluster)]
+    if not jobs:
+        return
     requests = [
         submit_request(spec, doc, now_ms(), uuid.uuid4().hex, actor)
-        for spec, doc in datasets_first(specs, docs)
+        for spec, doc in datasets_first([s for s, _ in jobs], [d for _, d in jobs])
     ]
     offsets = submit(config.kafka, topics, requests)
     audit_requests(
@@ -165,11 +192,17 @@ def delete(
     """Delete jobs or datasets: their GPUs are released and the queue moves on."""
     from fleetline.processors.scheduling.codec import new_request
     from fleetline.processors.scheduling.runtime import submit
+    from fleetline.processors.scheduling.specs import Cluster
 
     keys: list[tuple[str, str]] = []  # (request key, tenant)
     if file:
         specs, _ = documents(file)
         for spec in specs:
+            if isinstance(spec, Cluster):
+                raise ConfigError(
+                    f"cluster {spec.metadata.name}: a cluster is taken out of the pool by "
+                    "applying it with `retired: true`, not deleted"
+                )
             tenant, name = spec.metadata.tenant, spec.metadata.name
             keys.append(
                 (f"dataset:{name}", tenant)

@@ -44,6 +44,7 @@ from fleetline.processors.scheduling.runtime import DecisionFollower, decisions_
 from fleetline.processors.scheduling.specs import parse_spec
 from fleetline.processors.scheduling.state import spec_key
 from fleetline.processors.view import read as view_read
+from fleetline.processors.view.runtime import declare_clusters
 from fleetline.storage.queries import ready_sql
 from fleetline.storage.tiers import TieredStore
 from fleetline.streams import kafka as kafka_clients
@@ -361,12 +362,10 @@ def play(
     half = scenario.ticks // 2
     try:
         began = time.monotonic()
-        for record in scenario.cluster_facts(1, start_ms):
-            injector.produce(
-                topics.clusters,
-                key=record["cluster_id"].encode(),
-                value=codec.encode("ClusterInfo", record),
-            )
+        # The operators' declarations, as `fleetline apply -f clusters.yaml` makes them.
+        declare_clusters(
+            settings.kafka, topics, [c.record(1, start_ms) for c in scenario.cluster_documents()]
+        )
         states = agent.start(start_ms)
         telemetry = malformed = 0
         submitted: set[str] = set()

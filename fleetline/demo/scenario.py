@@ -25,6 +25,8 @@ import yaml
 
 from fleetline.agents.simulator import FAULT_KINDS, ClusterSpec, Fault, FleetSimulator
 from fleetline.errors import ConfigError
+from fleetline.processors.scheduling.specs import Cluster, ClusterMetadata
+from fleetline.processors.scheduling.specs import ClusterSpec as ClusterDeclaration
 
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
 _TICK = re.compile(r"^\s*(?:(?P<anchor>half|end)\s*)?(?:(?P<sign>[+-])?\s*(?P<n>\d+))?\s*$")
@@ -104,25 +106,24 @@ class Scenario:
             (region, other), self.region_latency_ms.get((other, region), 150.0)
         )
 
-    def cluster_facts(self, seq: int, ts_ms: int) -> list[dict[str, Any]]:
-        """A ClusterInfo record per cluster: what its operator declares."""
+    def cluster_documents(self) -> list[Cluster]:
+        """A Cluster document per cluster: what its operator declares (`fleetline apply`)."""
         regions = sorted(
             {r for pair in self.region_latency_ms for r in pair}
             | {p.spec.region for p in self.clusters}
         )
         return [
-            {
-                "cluster_id": p.spec.cluster_id,
-                "region": p.spec.region,
-                "seq": seq,
-                "ts": ts_ms,
-                "kind": p.kind,
-                "price_per_gpu_hour": p.price_per_gpu_hour,
-                "energy_price_per_kwh": p.energy_price_per_kwh,
-                "pue": p.pue,
-                "link_latency_ms": {r: self.latency(p.spec.region, r) for r in regions},
-                "retired": False,
-            }
+            Cluster(
+                metadata=ClusterMetadata(name=p.spec.cluster_id),
+                spec=ClusterDeclaration(
+                    region=p.spec.region,
+                    kind="on-premises" if p.kind == "ON_PREMISES" else "cloud",
+                    price_per_gpu_hour=p.price_per_gpu_hour,
+                    energy_price_per_kwh=p.energy_price_per_kwh,
+                    pue=p.pue,
+                    link_latency_ms={r: self.latency(p.spec.region, r) for r in regions},
+                ),
+            )
             for p in self.clusters
         ]
 

@@ -515,3 +515,28 @@ __all__ = [
     "StreamLoop",
     "produce",
 ]
+
+
+def deliver(
+    producer: Producer, outputs: Sequence[Output], what: str, timeout_s: float = 30.0
+) -> list[int]:
+    """Produce `outputs` and wait until the broker has them all; their offsets, in order.
+    StreamError names `what` did not land (and librdkafka's first reasons)."""
+    offsets: list[int | None] = [None] * len(outputs)
+    errors: list[str] = []
+
+    def delivered(index: int) -> Callable[[KafkaError | None, Message], None]:
+        def done(err: KafkaError | None, msg: Message) -> None:
+            if err is not None:
+                errors.append(str(err))
+            else:
+                offsets[index] = msg.offset()
+
+        return done
+
+    for i, out in enumerate(outputs):
+        produce(producer, out, delivered(i))
+    left = producer.flush(timeout_s)
+    if left or errors:
+        raise StreamError(f"{what} did not take {left or len(errors)} message(s): {errors[:3]}")
+    return [o for o in offsets if o is not None]

@@ -3,6 +3,7 @@ SIGKILL mid-stream, replay at a past time, instances sharing the load, dead lett
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -285,3 +286,39 @@ def test_replay_goes_on_when_the_live_process_prunes_the_snapshot_it_picked(sett
     for part in shards:
         (note,) = [n for n in replayed.notes if n.startswith(f"{part}:")]
         assert "pruned while it was read; using an older one" in note
+
+
+def test_operators_declare_clusters_with_apply_and_the_view_folds_them(
+    settings, monkeypatch, capsys
+):
+    from fleetline.cli import main
+    from fleetline.processors.scheduling.capacity import observe
+
+    topics = fresh_topics()
+    kafka_clients.ensure_topics(settings.kafka, topics.specs())
+    for name, value in service_env(settings).items():
+        monkeypatch.setenv(name, value)
+    clusters = "tests/specs/clusters.yaml"
+    assert main(["validate", "-f", clusters]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "Cluster eu-west-a: valid",
+        "Cluster us-east-a: valid",
+    ]
+    assert main(["apply", "-f", clusters, "--topic-prefix", topics.prefix]) == 0
+    assert "cluster:eu-west-a: declared" in capsys.readouterr().out
+    _, end = log_bounds(settings.kafka, topics)
+    facts = observe(rebuild(settings.kafka, topics, end).view).clusters
+    assert (facts["eu-west-a"].kind, facts["eu-west-a"].pue) == ("ON_PREMISES", 1.25)
+    assert facts["us-east-a"].price_per_gpu_hour == 2.10
+    assert facts["us-east-a"].link_latency_ms == {"us-east": 0.5, "eu-west": 75, "ap-south": 190}
+    # A later declaration replaces the earlier one; a cluster is never deleted, only retired.
+    retired = "apiVersion: fleetline/v1\nkind: Cluster\nmetadata: {name: us-east-a}\n"
+    retired += "spec: {region: us-east, retired: true}\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO(retired))
+    assert main(["apply", "-f", "-", "--topic-prefix", topics.prefix]) == 0
+    _, end = log_bounds(settings.kafka, topics)
+    assert observe(rebuild(settings.kafka, topics, end).view).clusters["us-east-a"].health == (
+        "retired"
+    )
+    assert main(["delete", "-f", clusters, "--topic-prefix", topics.prefix]) == 1
+    assert "applying it with `retired: true`" in capsys.readouterr().err

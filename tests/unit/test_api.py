@@ -192,7 +192,7 @@ def _request(client: TestClient, method: str, path: str, tenant: str | None = No
 def test_every_route_with_every_role_and_no_route_escapes_the_rules(setup):
     app, _ = setup
     rules = app.state.rules
-    assert len(rules) == 20
+    assert len(rules) == 21
     for (method, path), rule in rules.items():
         anonymous = _request(TestClient(app), method, path)
         assert anonymous.status_code == 401, (method, path)
@@ -563,3 +563,61 @@ def test_every_view_read_travels_in_time_with_at_and_says_so(setup):
         headers={"Authorization": f"Bearer {token_for('platform-admin')}"},
     )
     assert plain.get("/v1/clusters", params={"at": "-1h"}).status_code == 503
+
+
+def test_platform_admins_declare_clusters_through_the_api(setup):
+    app, _ = setup
+    declared: list[dict] = []
+
+    def append(records: list[dict]) -> list[int]:
+        declared.extend(records)
+        return list(range(len(declared) - len(records), len(declared)))
+
+    fleet = create_app(
+        StaticView(fold(scenario_events(seconds=3))),
+        app.state.authenticator,
+        Recorder(),
+        clock=lambda: 1796000000000,
+        clusters=append,
+    )
+    document = {
+        "apiVersion": "fleetline/v1",
+        "kind": "Cluster",
+        "metadata": {"name": "eu-west-b"},
+        "spec": {
+            "region": "eu-west",
+            "kind": "on-premises",
+            "price_per_gpu_hour": 2.2,
+            "energy_price_per_kwh": 0.2,
+            "pue": 1.3,
+            "link_latency_ms": {"us-east": 80},
+        },
+    }
+    admin = TestClient(fleet, headers={"Authorization": f"Bearer {token_for('platform-admin')}"})
+    answer = admin.put("/v1/clusters/eu-west-b", json=document)
+    assert answer.status_code == 200, answer.text
+    assert (
+        answer.json()["record"]
+        == declared[0]
+        == {
+            "cluster_id": "eu-west-b",
+            "region": "eu-west",
+            "seq": 1796000000000,
+            "ts": 1796000000000,
+            "kind": "ON_PREMISES",
+            "price_per_gpu_hour": 2.2,
+            "energy_price_per_kwh": 0.2,
+            "pue": 1.3,
+            "link_latency_ms": {"eu-west": 0.5, "us-east": 80.0},
+            "retired": False,
+        }
+    )
+    assert admin.put("/v1/clusters/other", json=document).status_code == 422
+    bad = {**document, "spec": {**document["spec"], "pue": 0.8}}
+    refused = admin.put("/v1/clusters/eu-west-b", json=bad)
+    assert refused.status_code == 422 and "pue" in refused.text
+    tenant_admin = TestClient(
+        fleet, headers={"Authorization": f"Bearer {token_for('tenant-admin')}"}
+    )
+    assert tenant_admin.put("/v1/clusters/eu-west-b", json=document).status_code == 403
+    assert len(declared) == 1

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from fleetline.processors.scheduling.specs import (
     Dataset,
@@ -86,7 +87,22 @@ spec:
     [
         ("kind: Pod", "kind", "must be one of"),
         ("[1, 2]", "(document)", "must be a mapping"),
-        ("kind: Dataset\nmetadata: {name: d}\nspec: {size: lots}", "spec.size", "like 500GB"),
+        (
+            "kind: Dataset\nmetadata: {name: d}\nspec: {size: lots}",
+            "spec.size",
+            "like 500GB or 2TiB, got 'lots'",
+        ),
+        (
+            "kind: Dataset\nmetadata: {name: Big_Data, tenant: t}\nspec: {size: 1}",
+            "metadata.name",
+            "starting and ending with a letter or digit; got 'Big_Data'",
+        ),
+        (
+            "kind: TrainingJob\nmetadata: {name: j, tenant: t}\n"
+            "spec: {accelerator: H100, gpus_per_worker: 1, workers: 1, max_runtime: soon}",
+            "spec.max_runtime",
+            "like 90m, 24h, 2d, got 'soon'",
+        ),
         ("kind: Dataset\nmetadata: {name: d}\nspec: {size: 1}", "metadata.tenant", "is required"),
         (
             "kind: InferenceService\nmetadata: {name: s, tenant: t}\n"
@@ -142,3 +158,44 @@ def test_the_validate_command(capsys, tmp_path):
     bad.write_text("kind: Dataset\nmetadata: {name: d, tenant: t}\nspec: {size: huge}\n")
     assert main(["validate", "-f", str(bad)]) == 1
     assert "spec.size: must be bytes" in capsys.readouterr().err
+
+
+def test_cluster_documents_declare_what_the_view_folds():
+    from fleetline.processors.scheduling.specs import (
+        DOCUMENT_KINDS,
+        Cluster,
+        parse_documents,
+        parse_spec,
+    )
+
+    text = (Path(__file__).parent.parent / "specs" / "clusters.yaml").read_text()
+    eu, us = parse_documents(text, DOCUMENT_KINDS)
+    assert isinstance(eu, Cluster) and isinstance(us, Cluster)
+    record = eu.record(seq=7, ts_ms=1000)
+    assert record["kind"] == "ON_PREMISES" and record["pue"] == 1.25
+    assert record["link_latency_ms"] == {"eu-west": 0.5, "us-east": 75.0, "ap-south": 120.0}
+    assert us.record(7, 1000)["kind"] == "CLOUD"
+    bad = (
+        "kind: Cluster\nmetadata: {name: EU_West}\n"
+        "spec: {region: eu-west, kind: colo, pue: 0.9, price_per_gpu_hour: -1, latency_ms: {}}\n"
+    )
+    with pytest.raises(SpecError) as refused:
+        parse_documents(bad, DOCUMENT_KINDS)
+    assert {e.path: e.message for e in refused.value.errors} == {
+        "metadata.name": "must be a DNS-style label, like eu-west-a; got 'EU_West'",
+        "spec.kind": "must be one of 'on-premises' or 'cloud', got 'colo'",
+        "spec.pue": "must be >= 1.0, got 0.9",
+        "spec.price_per_gpu_hour": "must be >= 0.0, got -1",
+        "spec.latency_ms": "unknown field (did you mean link_latency_ms?)",
+    }
+    # The scheduler places jobs and datasets; a cluster is not something it takes.
+    with pytest.raises(SpecError, match="kind: must be one of TrainingJob, InferenceService"):
+        parse_spec(yaml.safe_load(text.split("---")[0]))
+
+
+def test_a_quota_size_names_the_value_it_refuses():
+    from fleetline.errors import FleetlineError
+    from fleetline.processors.scheduling.tenancy import TenantPolicy
+
+    with pytest.raises(FleetlineError, match=r"is not a size .*, got 'lots'"):
+        TenantPolicy.from_data({"tenant": "acme", "quota": {"storage_bytes": "lots"}})

@@ -50,7 +50,7 @@ from fleetline.streams.events import (
     SCHEDULER_REQUEST,
     SCHEDULING_DECISION,
 )
-from fleetline.streams.loop import MessageStep, StreamLoop, produce
+from fleetline.streams.loop import MessageStep, StreamLoop, deliver, produce
 from fleetline.streams.records import Offsets, Output, where
 from fleetline.streams.serde import AvroCodec, default_codec
 from fleetline.streams.store import ChangelogStore
@@ -304,6 +304,18 @@ class SchedulerService:
         return job_records(self.store, tenant)
 
 
+def request_output(
+    topics: Topics, request: Mapping[str, Any], codec: AvroCodec | None = None
+) -> Output:
+    """One request as a message of the scheduler's log (keyed by its key, one partition)."""
+    codec = codec or default_codec()
+    return Output(
+        topics.scheduler_requests,
+        request["key"].encode() or b"-",
+        codec.encode("SchedulerRequest", request),
+    )
+
+
 def send(
     producer: Any,
     topics: Topics,
@@ -311,17 +323,8 @@ def send(
     codec: AvroCodec | None = None,
     on_delivery: Callable[[Any, Any], None] | None = None,
 ) -> None:
-    """Append one request to the scheduler's log (keyed by its key, one partition)."""
-    codec = codec or default_codec()
-    produce(
-        producer,
-        Output(
-            topics.scheduler_requests,
-            request["key"].encode() or b"-",
-            codec.encode("SchedulerRequest", request),
-        ),
-        on_delivery,
-    )
+    """Append one request to the scheduler's log."""
+    produce(producer, request_output(topics, request, codec), on_delivery)
 
 
 def submit(
@@ -333,27 +336,9 @@ def submit(
 ) -> list[int]:
     """Append requests and wait until the broker has them; their log offsets, in order."""
     producer = producer or kafka_clients.producer(kafka, {"linger.ms": 0})
-    offsets: list[int | None] = [None] * len(requests)
-    errors: list[str] = []
-
-    def delivered(index: int) -> Callable[[Any, Any], None]:
-        def done(err: Any, msg: Any) -> None:
-            if err is not None:
-                errors.append(str(err))
-            else:
-                offsets[index] = msg.offset()
-
-        return done
-
-    for i, request in enumerate(requests):
-        send(producer, topics, request, on_delivery=delivered(i))
-    left = producer.flush(timeout_s)
-    if left or errors:
-        raise StreamError(
-            f"the scheduler's request log did not take "
-            f"{left or len(errors)} request(s): {errors[:3]}"
-        )
-    return [o for o in offsets if o is not None]
+    codec = default_codec()
+    outputs = [request_output(topics, r, codec) for r in requests]
+    return deliver(producer, outputs, "the scheduler's request log", timeout_s)
 
 
 def job_records(store: ChangelogStore[Any], tenant: str | None = None) -> list[dict[str, Any]]:

@@ -1,4 +1,6 @@
-"""Declarative specs: TrainingJob, InferenceService and Dataset documents, from YAML or JSON.
+"""Declarative specs: TrainingJob, InferenceService and Dataset documents (what the scheduler
+places), and Cluster documents (what an operator declares of a cluster: its region, prices,
+PUE and latencies, folded by the resource view), from YAML or JSON.
 
 Each kind is a Pydantic model shaped like its document (`apiVersion`, `kind`, `metadata`,
 `spec`): the one declaration gives validation, typed access and the JSON schema. `parse_specs`
@@ -15,7 +17,7 @@ import difflib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, Final, Literal, get_args
+from typing import Annotated, Any, Final, Literal, cast, get_args
 
 import yaml
 from pydantic import (
@@ -103,7 +105,9 @@ def _size(value: Any) -> int:
     size = parse_size(value)
     if size is None:
         raise PydanticCustomError(
-            "size", "must be bytes or a size like 500GB or 2TiB, got {value!r}", {"value": value}
+            "size",
+            "must be bytes or a size like 500GB or 2TiB, got {value}",
+            {"value": repr(value)},
         )
     return size
 
@@ -115,8 +119,8 @@ def _duration(value: Any) -> int | None:
     if seconds is None:
         raise PydanticCustomError(
             "duration",
-            "must be seconds or a duration like 90m, 24h, 2d, got {value!r}",
-            {"value": value},
+            "must be seconds or a duration like 90m, 24h, 2d, got {value}",
+            {"value": repr(value)},
         )
     return seconds
 
@@ -124,7 +128,7 @@ def _duration(value: Any) -> int | None:
 def _dns_label(what: str) -> Any:
     def check(value: Any) -> Any:
         if isinstance(value, str) and value.strip() and not _NAME.match(value):
-            raise PydanticCustomError("label", what + "; got {value!r}", {"value": value})
+            raise PydanticCustomError("label", what + "; got {value}", {"value": repr(value)})
         return value
 
     return BeforeValidator(check)
@@ -261,6 +265,58 @@ class Dataset(Model):
     spec: DatasetSpec
 
 
+class ClusterMetadata(Model):
+    name: Annotated[Text, _dns_label("must be a DNS-style label, like eu-west-a")]
+    labels: dict[Annotated[str, Field(strict=True)], Annotated[str, Field(strict=True)]] = {}
+
+
+NonNegative = Annotated[float, Field(strict=False, ge=0, allow_inf_nan=False)]
+
+
+class ClusterSpec(Model):
+    region: Text
+    kind: Literal["on-premises", "cloud"] = Field(
+        default="cloud", description="on-premises or cloud (what the operator owns or rents)"
+    )
+    price_per_gpu_hour: NonNegative | None = Field(
+        default=None, description="what one GPU-hour costs here, in the operator's currency"
+    )
+    energy_price_per_kwh: NonNegative | None = None
+    pue: Annotated[float, Field(ge=1, allow_inf_nan=False)] | None = Field(
+        default=None, description="power usage effectiveness of the site, >= 1"
+    )
+    link_latency_ms: dict[Text, NonNegative] = Field(
+        default={}, description="round-trip time from this cluster to each region, ms"
+    )
+    retired: StrictBool = Field(default=False, description="true takes it out of the pool")
+
+
+class Cluster(Model):
+    """An operator's declaration of one cluster; `apply` appends it to the clusters topic as a
+    ClusterInfo record, which the view folds and the scheduler scores with."""
+
+    apiVersion: Literal["fleetline/v1"] = API_VERSION
+    kind: Literal["Cluster"] = "Cluster"
+    metadata: ClusterMetadata
+    spec: ClusterSpec
+
+    def record(self, seq: int, ts_ms: int) -> dict[str, Any]:
+        """The ClusterInfo record it declares (its own region at 0.5 ms unless given)."""
+        spec = self.spec
+        return {
+            "cluster_id": self.metadata.name,
+            "region": spec.region,
+            "seq": seq,
+            "ts": ts_ms,
+            "kind": "ON_PREMISES" if spec.kind == "on-premises" else "CLOUD",
+            "price_per_gpu_hour": spec.price_per_gpu_hour,
+            "energy_price_per_kwh": spec.energy_price_per_kwh,
+            "pue": spec.pue,
+            "link_latency_ms": {spec.region: 0.5, **spec.link_latency_ms},
+            "retired": spec.retired,
+        }
+
+
 Spec = TrainingJob | InferenceService | Dataset
 JobSpec = TrainingJobSpec | InferenceServiceSpec
 KINDS: dict[str, type[Spec]] = {
@@ -268,6 +324,9 @@ KINDS: dict[str, type[Spec]] = {
     "InferenceService": InferenceService,
     "Dataset": Dataset,
 }
+# What `apply` takes: the scheduler's kinds, and the clusters operators declare.
+Document = Spec | Cluster
+DOCUMENT_KINDS: dict[str, type[Document]] = {**KINDS, "Cluster": Cluster}
 
 
 def _known_fields(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:
@@ -381,17 +440,23 @@ def _cross_field(kind: str, document: Mapping[str, Any]) -> list[FieldError]:
 
 
 def parse_spec(document: Any) -> Spec:
-    """One parsed document (a mapping) to a spec, or SpecError with every bad field."""
+    """One parsed document (a mapping) to a spec the scheduler places, or SpecError with
+    every bad field."""
+    return cast(Spec, parse_document(document, KINDS))  # KINDS holds no Cluster
+
+
+def parse_document(document: Any, kinds: Mapping[str, type[Document]]) -> Document:
+    """One parsed document (a mapping) of one of `kinds`, or SpecError with every bad field."""
     if not isinstance(document, Mapping):
         raise SpecError(
             [FieldError("(document)", f"must be a mapping, got {type(document).__name__}")]
         )
     kind = document.get("kind")
-    model = KINDS.get(kind) if isinstance(kind, str) else None
+    model = kinds.get(kind) if isinstance(kind, str) else None
     if model is None or not isinstance(kind, str):
-        raise SpecError([FieldError("kind", f"must be one of {', '.join(KINDS)}, got {kind!r}")])
+        raise SpecError([FieldError("kind", f"must be one of {', '.join(kinds)}, got {kind!r}")])
     errors: list[FieldError] = []
-    spec: Spec | None = None
+    spec: Document | None = None
     try:
         spec = model.model_validate(document)
     except ValidationError as exc:
@@ -405,18 +470,24 @@ def parse_spec(document: Any) -> Spec:
 
 
 def parse_specs(text: str) -> list[Spec]:
-    """Every document of a YAML (or JSON) text; errors name the document they are in."""
+    """Every spec of a YAML (or JSON) text; errors name the document they are in."""
+    return [s for s in parse_documents(text, KINDS) if not isinstance(s, Cluster)]
+
+
+def parse_documents(text: str, kinds: Mapping[str, type[Document]]) -> list[Document]:
+    """Every document of a YAML (or JSON) text, each one of `kinds`; errors name the document
+    they are in."""
     try:
         documents = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as exc:
         raise SpecError([FieldError("(text)", f"not YAML or JSON: {exc}")]) from None
     if not documents:
         raise SpecError([FieldError("(text)", "no document")])
-    specs: list[Spec] = []
+    specs: list[Document] = []
     errors: list[FieldError] = []
     for i, document in enumerate(documents):
         try:
-            specs.append(parse_spec(document))
+            specs.append(parse_document(document, kinds))
         except SpecError as exc:
             prefix = f"document {i + 1}: " if len(documents) > 1 else ""
             errors.extend(FieldError(prefix + e.path, e.message) for e in exc.errors)

@@ -46,7 +46,7 @@ def _storage(value: Any) -> int | None:
     size = parse_size(value)
     if size is None:
         raise PydanticCustomError(
-            "size", "is not a size (bytes, or like 500TB), got {value!r}", {"value": value}
+            "size", "is not a size (bytes, or like 500TB), got {value}", {"value": repr(value)}
         )
     return size
 

@@ -14,9 +14,9 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from confluent_kafka import OFFSET_BEGINNING, Message, TopicPartition
 
@@ -25,8 +25,10 @@ from fleetline.processors.view.fold import compose
 from fleetline.processors.view.folder import PartFolder
 from fleetline.processors.view.model import HealthPolicy, ResourceView
 from fleetline.processors.view.snapshots import ViewSnapshots
-from fleetline.streams.loop import Step, StepResult, StreamLoop
-from fleetline.streams.records import position
+from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.loop import Step, StepResult, StreamLoop, deliver
+from fleetline.streams.records import Output, position
+from fleetline.streams.serde import default_codec
 from fleetline.streams.topics import Topics
 
 log = logging.getLogger(__name__)
@@ -190,3 +192,17 @@ class ViewProcessor:
     def run(self, stop: threading.Event) -> None:
         tune_gc_for_large_state()
         self.loop.run(stop)
+
+
+def declare_clusters(
+    kafka: KafkaSettings, topics: Topics, records: Sequence[Mapping[str, Any]]
+) -> list[int]:
+    """Append ClusterInfo records (what operators declare of their clusters) to the clusters
+    topic, keyed by cluster, and wait until the broker has them; their offsets."""
+    codec = default_codec()
+    outputs = [
+        Output(topics.clusters, r["cluster_id"].encode(), codec.encode("ClusterInfo", r))
+        for r in records
+    ]
+    producer = kafka_clients.producer(kafka, {"linger.ms": 0})
+    return deliver(producer, outputs, f"the clusters topic {topics.clusters}")
