@@ -90,10 +90,9 @@ class Options:
 
 
 def view_snapshots(settings: Settings, prefix: str, group: str = VIEW_APP) -> ViewSnapshots:
-    """The view's snapshots of a topic prefix and view group, in the configured bucket."""
-    store = ObjectStore.from_settings(settings.s3)
-    store.ensure_bucket()
-    return ViewSnapshots(SnapshotStore(store, f"views/{prefix}/{group}"))
+    """The view's snapshots of a topic prefix and view group, in the configured bucket (sealed
+    when an object-encryption key is set, like every object fleetline writes itself)."""
+    return ViewSnapshots(SnapshotStore(sealed_objects(settings), f"views/{prefix}/{group}"))
 
 
 def sealed_objects(settings: Settings) -> SealedObjectStore:

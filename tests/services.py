@@ -19,7 +19,7 @@ from fleetline.processors.view.fold import compose
 from fleetline.processors.view.model import ResourceView
 from fleetline.processors.view.runtime import ViewProcessor
 from fleetline.processors.view.snapshots import ViewSnapshots
-from fleetline.storage.objects import ObjectStore
+from fleetline.storage.objects import Objects, ObjectStore
 from fleetline.storage.snapshots import SnapshotStore
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import default_codec
@@ -29,10 +29,18 @@ from tests.support import wait_until
 CODEC = default_codec()
 
 
-def snapshot_store(settings: Settings, root: str | None = None) -> ViewSnapshots:
-    store = ObjectStore.from_settings(settings.s3)
-    store.ensure_bucket()
-    return ViewSnapshots(SnapshotStore(store, root or f"views/test-{uuid.uuid4().hex[:8]}", keep=5))
+def snapshot_store(
+    settings: Settings, root: str | None = None, objects: Objects | None = None
+) -> ViewSnapshots:
+    """Snapshots under a fresh root of the test bucket (through `objects` when given, such as
+    a sealing store)."""
+    if objects is None:
+        store = ObjectStore.from_settings(settings.s3)
+        store.ensure_bucket()
+        objects = store
+    return ViewSnapshots(
+        SnapshotStore(objects, root or f"views/test-{uuid.uuid4().hex[:8]}", keep=5)
+    )
 
 
 def produce(settings: Settings, topics: Topics, events: Iterable[tuple[str, dict]]) -> int:

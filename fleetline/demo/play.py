@@ -470,7 +470,7 @@ def play(
         sink_rows=fleet.sample_sink.stats.rows,
         sink_dead_letters=fleet.sample_sink.stats.dead_letters,
         query_rows=[tuple(row) for row in rows],
-        snapshots=[f"s3://{snapshots.blobs.store.bucket}/{key}" for key in keys],
+        snapshots=[f"s3://{settings.s3.bucket}/{key}" for key in keys],
         api_calls=api_calls,
         audit=audit,
         scheduling=scheduling,

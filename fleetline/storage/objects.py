@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from minio import Minio
@@ -28,6 +29,19 @@ def _translate(action: str, exc: Exception) -> StorageError:
         kind = ObjectMissing if exc.code in _MISSING else StorageError
         return kind(f"{action}: S3 {exc.code}: {exc.message}")
     return TransientStorageError(f"{action}: {type(exc).__name__}: {exc}")
+
+
+class Objects(Protocol):
+    """What a reader or writer of objects needs: `ObjectStore`, or `SealedObjectStore` over it
+    (storage/crypto.py), which seals what it writes when a key is configured."""
+
+    def put(self, key: str, data: bytes, content_type: str = ...) -> str: ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def keys(self, prefix: str = "") -> list[str]: ...
+
+    def delete(self, key: str) -> None: ...
 
 
 def probe(s3: S3Settings, timeout_s: float = 5.0) -> None:

@@ -24,7 +24,7 @@ from fleetline.processors.scheduling.effects import AllocationChange, Decision
 from fleetline.processors.view import codec as view_codec
 from fleetline.storage.audit_store import AuditArchive, AuditTable
 from fleetline.storage.clickhouse import connect, migrate
-from fleetline.storage.crypto import ObjectCipher, SealedObjectStore
+from fleetline.storage.crypto import MAGIC, ObjectCipher, SealedObjectStore
 from fleetline.storage.objects import ObjectStore
 from fleetline.storage.scheduling_sink import AllocationTable, DecisionTable
 from fleetline.storage.sinks import Destination, Sourced
@@ -65,8 +65,8 @@ def test_an_object_store_keeps_what_it_is_given(objects) -> None:
 # -- the view's snapshots -----------------------------------------------------------------------
 
 
-def test_the_snapshot_store_finds_the_newest_snapshot_within_offsets(settings) -> None:
-    snapshots = snapshot_store(settings)
+def test_the_snapshot_store_finds_the_newest_snapshot_within_offsets(settings, objects) -> None:
+    snapshots = snapshot_store(settings, objects=objects)
     assert snapshots.latest("shard-000") is None
     view = fold(scenario_events(seconds=3))
     view.advance("t", 0, 9)
@@ -90,6 +90,14 @@ def test_the_snapshot_store_finds_the_newest_snapshot_within_offsets(settings) -
         view.advance("t", 0, 30 + i)
         snapshots.save("shard-000", view)
     assert len(snapshots.list("shard-000")) == 5  # pruned to `keep`
+    if isinstance(objects, SealedObjectStore):
+        # What lands in the bucket is sealed; read under another key it is passed over, and a
+        # replay folds that part from the log instead.
+        raw = objects.store
+        newest = snapshots.list("shard-000")[-1]
+        assert raw.get(newest.blob_key).startswith(MAGIC)
+        other = SealedObjectStore(raw, ObjectCipher(os.urandom(32)))
+        assert snapshot_store(settings, blobs.root, other).list("shard-000") == []
 
 
 # -- sinks' destinations ------------------------------------------------------------------------

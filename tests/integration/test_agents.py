@@ -100,7 +100,8 @@ def test_spool_replays_in_order_after_a_broker_outage(settings, tmp_path: Path) 
         assert len(seqs) == 11 and seqs == sorted(seqs), (node_id, seqs)
         assert sorted(seqs + states[node_id]) == list(range(1, max(seqs) + 1)), node_id
     assert sum(p.metrics.rewinds for p in agent.publishers.values()) >= 1  # sends timed out
-    assert all(m["records"] == 0 and m["dropped"] == 0 for m in agent.spool_metrics().values())
+    metrics = agent.spool_metrics()
+    assert metrics and all(m["records"] == 0 and m["dropped"] == 0 for m in metrics.values())
 
 
 def test_a_cluster_link_loss_holds_that_cluster_in_its_spool(settings, tmp_path: Path) -> None:
@@ -127,6 +128,7 @@ def test_a_cluster_link_loss_holds_that_cluster_in_its_spool(settings, tmp_path:
         agent.tick(BASE_MS + tick * 1000)
     agent.flush()
     by_node = first_occurrences(read_all(settings, topics.telemetry, 5 * 4))
+    assert len(by_node) == 4, by_node
     assert all(seqs == list(range(2, 7)) for seqs in by_node.values()), by_node
     assert sum(len(p.spool) for p in agent.publishers.values()) == 0
 

@@ -43,7 +43,7 @@ def test_telemetry_flows_through_kafka_keyed_and_ordered_per_node(settings) -> N
         assert msg.key().decode() == record["node_id"]
         by_node.setdefault(record["node_id"], []).append(record["seq"])
         partitions.setdefault(record["node_id"], set()).add(msg.partition())
-    assert all(seqs == sorted(seqs) and len(seqs) == 5 for seqs in by_node.values())
+    assert by_node and all(seqs == sorted(seqs) and len(seqs) == 5 for seqs in by_node.values())
     assert all(len(p) == 1 for p in partitions.values())  # one node, one partition
 
 

@@ -223,7 +223,7 @@ def test_view_and_replay_commands(settings, monkeypatch, capsys, tmp_path):
         == 0
     )
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert all(line["ts"] >= BASE_MS for line in lines)
+    assert lines and all(line["ts"] >= BASE_MS for line in lines)
     assert main(["replay", "--at", "yesterday-ish", *common]) == 1
     assert "neither epoch milliseconds nor an ISO 8601 time" in capsys.readouterr().err
     assert main(["view", "clusters", "--topic-prefix", "no.such.prefix"]) == 1
@@ -322,3 +322,24 @@ def test_operators_declare_clusters_with_apply_and_the_view_folds_them(
     )
     assert main(["delete", "-f", clusters, "--topic-prefix", topics.prefix]) == 1
     assert "applying it with `retired: true`" in capsys.readouterr().err
+
+
+def test_with_an_encryption_key_the_view_snapshots_are_sealed(settings):
+    import base64
+    import dataclasses
+
+    from fleetline.app import view_snapshots
+    from fleetline.storage.crypto import MAGIC
+    from tests.fleet_events import fold
+
+    key = base64.b64encode(os.urandom(32)).decode()
+    sealed = dataclasses.replace(settings, object_encryption_key=key)
+    prefix = f"sealed-{uuid.uuid4().hex[:8]}"
+    snapshots = view_snapshots(sealed, prefix)
+    view = fold(scenario_events(seconds=2))
+    view.advance("t", 0, 9)
+    info = snapshots.save("shard-000", view)
+    raw = ObjectStore.from_settings(settings.s3)
+    stored = [raw.get(k) for k in raw.keys(f"views/{prefix}/")]
+    assert len(stored) == 2 and all(blob.startswith(MAGIC) for blob in stored)
+    assert view_codec.to_data(snapshots.load(info)) == view_codec.to_data(view)

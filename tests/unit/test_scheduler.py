@@ -200,7 +200,8 @@ def test_data_locality_wins_when_the_job_fits_where_the_data_is():
     assert decision.cluster_id == "eu-west-a" and not decision.prewarms
     best, *others = decision.alternatives
     assert best.cluster_id == "eu-west-a" and best.parts["locality"] == 1.0
-    assert all(o.total < best.total for o in others if o.rejected is None)
+    feasible = [o for o in others if o.rejected is None]
+    assert feasible and all(o.total < best.total for o in feasible)
 
 
 def test_without_data_the_cheapest_wins_unless_the_operator_prefers_another():

@@ -221,6 +221,7 @@ def test_old_writer_new_reader(tmp_path: Path) -> None:
     decoded = codec.decode(old_agent.encode("NodeTelemetry", v1_record))
     assert decoded.schema.version == 2 and decoded.writer_version == 1
     assert decoded.record["agent_version"] == "unknown"
+    assert decoded.record["gpus"]
     assert all(gpu["sm_clock_mhz"] is None for gpu in decoded.record["gpus"])
     assert decoded.record["seq"] == record["seq"]
 

@@ -39,7 +39,7 @@ def test_every_record_is_in_range_and_sequenced_per_node() -> None:
                 assert 0 <= gpu["fb_used_mib"] <= gpu["fb_total_mib"]
                 assert 20 < gpu["temperature_c"] < 95
                 assert gpu["nvlink_tx_bytes_per_s"] >= 0
-    assert all(s == list(range(1, len(s) + 1)) for s in seqs.values())
+    assert seqs and all(s == list(range(1, len(s) + 1)) for s in seqs.values())
     assert len(seqs) == 9
 
 
@@ -133,6 +133,7 @@ def test_power_cap_limits_power_and_clocks() -> None:
     sim = FleetSimulator(default_clusters(1), seed=2)
     sim.set_power_limit("eu-west-a-n0000", 300.0)
     gpus = sim.telemetry(BASE_MS)[0]["gpus"]
+    assert len(gpus) == 8
     assert all(g["power_w"] <= 300.0 and g["power_limit_w"] == 300.0 for g in gpus)
     assert gpus[0]["sm_clock_mhz"] < 1980
 

@@ -36,8 +36,9 @@ class ViewSnapshots:
         self, part: str, within: Mapping[str, Mapping[int, int]] | None = None
     ) -> tuple[SnapshotInfo | None, ResourceView | None, tuple[str, ...]]:
         """The newest snapshot of `part` (within `within`) that can still be read, and a note for
-        each newer one the live process pruned between listing and reading; (None, None, notes)
-        when none is left, so the caller folds the part from the log."""
+        each newer one passed over (pruned by the live process between listing and reading, or
+        refused: altered, or sealed under another key); (None, None, notes) when none is left,
+        so the caller folds the part from the log. A snapshot is a cache: the log is the truth."""
         notes: builtins.list[str] = []
         for info in self.blobs.newest_first(part, within):
             try:
@@ -46,6 +47,11 @@ class ViewSnapshots:
                 notes.append(
                     f"{part}: the snapshot at position {info.position} was pruned while it was "
                     "read; using an older one"
+                )
+            except IntegrityError as exc:
+                notes.append(
+                    f"{part}: the snapshot at position {info.position} was refused ({exc}); "
+                    "using an older one"
                 )
         if notes:
             notes.append(f"{part}: no snapshot left to read; folding it from the log")
