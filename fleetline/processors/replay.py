@@ -137,15 +137,14 @@ class ViewHistory:
         self.topics = topics
         self.snapshots = snapshots
         self._lock = threading.Lock()
-        self._last: tuple[Offsets, ResourceView, Replay] | None = None
+        self._last: tuple[Offsets, Replay] | None = None
 
     def at(self, at_ms: int) -> tuple[StaticView, AsOf]:
         target = offsets_at(self.kafka, self.topics, at_ms)
         with self._lock:
             if self._last is None or self._last[0] != target:
-                replay = rebuild(self.kafka, self.topics, target, self.snapshots)
-                self._last = (target, replay.view, replay)
-            _, view, replay = self._last
+                self._last = (target, rebuild(self.kafka, self.topics, target, self.snapshots))
+            _, replay = self._last
         as_of = AsOf(
             at_ms,
             target,
@@ -153,7 +152,7 @@ class ViewHistory:
             replay.folded,
             (*replay.notes, *replay.gaps),
         )
-        return StaticView(view), as_of
+        return StaticView(replay.view), as_of
 
 
 def _part_partitions(folder: PartFolder, target: Offsets) -> dict[str, Offsets]:

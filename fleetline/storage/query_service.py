@@ -72,8 +72,6 @@ def _run(client: Client, sql: str, settings: dict[str, Any], limits: QueryLimits
         first = message.strip().splitlines()[0]
         if "S3_ERROR" in message and _OBJECT_GONE.search(message):
             raise _ObjectGone(first) from None
-        if "Only SELECT is supported for EXPLAIN" in message:  # a tiered query's check
-            message += " (READONLY)"
         for code, refusal in _REFUSALS.items():
             if f"({code})" in message:
                 reason = refusal.format(**dataclasses.asdict(limits))
@@ -102,7 +100,12 @@ def query_client(
     checked = sql if expand is None else expand(client, sql, hot_only=True)
     if expand is None or checked == sql:
         return _run(client, sql, {**bounded, "readonly": 1}, limits)
-    _run(client, f"EXPLAIN PLAN {checked}", {"readonly": 1}, limits)
+    try:
+        _run(client, f"EXPLAIN PLAN {checked}", {"readonly": 1}, limits)
+    except QueryError as exc:
+        if "Only SELECT is supported for EXPLAIN" not in str(exc):
+            raise
+        raise QueryError(f"query refused: {_REFUSALS['READONLY']}. ClickHouse: {exc}") from None
     try:
         return _run(client, expand(client, sql), {**bounded, "readonly": 2}, limits)
     except _ObjectGone:

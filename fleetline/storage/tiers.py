@@ -499,7 +499,8 @@ class TieredStore:
             raise ConfigError(
                 "a tiered query names its source as $samples (or $decisions, $allocations)"
             )
-        self._command(f"CREATE TABLE IF NOT EXISTS {self.restored} AS {self.hot}")
+        if not hot_only:  # the tiers' union reads it; the hot table alone does not
+            self._command(f"CREATE TABLE IF NOT EXISTS {self.restored} AS {self.hot}")
         now = wall_clock_ms() if now_ms is None else now_ms
 
         def expand(match: re.Match[str]) -> str:

@@ -22,7 +22,7 @@ from functools import lru_cache
 from typing import Any
 
 from fleetline.errors import InvalidEventError
-from fleetline.processors.view.fold import node_status
+from fleetline.processors.view.fold import node_status, takes_new_work
 from fleetline.processors.view.model import (
     DEGRADED,
     FAILED,
@@ -95,12 +95,7 @@ class NodeFacts:
     healthy: int  # free-able for any job (node UP, GPU healthy)
     degraded: int  # only for jobs that tolerate degraded GPUs
     status: str  # UP, DRAINING, DOWN, UNREACHABLE
-    cordoned: bool = False  # no new work; what runs there stays
-
-    @property
-    def schedulable(self) -> bool:
-        """New work may land here (running work stays on a draining or cordoned node)."""
-        return self.status == "UP" and not self.cordoned
+    schedulable: bool  # new work may land here (fold.takes_new_work)
 
 
 @dataclass(frozen=True)
@@ -245,7 +240,7 @@ def _node_facts(node: NodeView, status: NodeStatus) -> tuple[NodeFacts, int, str
         lost_mask = failed
         causes = sorted({node.gpus[i].failure or FAILED for i in indices_of(failed)})
         reason = f"{node.node_id} GPU(s) {list(indices_of(failed))} failed ({', '.join(causes)})"
-    if status != "UP" or node.cordoned:
+    if not takes_new_work(node, status):
         healthy = degraded = 0
     islands = tuple(mask_of(i) for i in node.islands) or (present,)
     facts = NodeFacts(
@@ -259,7 +254,7 @@ def _node_facts(node: NodeView, status: NodeStatus) -> tuple[NodeFacts, int, str
         healthy=healthy,
         degraded=degraded,
         status=status,
-        cordoned=node.cordoned,
+        schedulable=takes_new_work(node, status),
     )
     return facts, lost_mask, reason, present.bit_count(), bad
 

@@ -204,6 +204,12 @@ def node_status(view: ResourceView, node: NodeView) -> NodeStatus:
     return node.state
 
 
+def takes_new_work(node: NodeView, status: NodeStatus) -> bool:
+    """New work may land on the node: it is UP (not draining, down or out of reach) and not
+    cordoned. What already runs on a draining or cordoned node stays."""
+    return status == NodeStatus.UP and not node.cordoned
+
+
 def _set_health(
     view: ResourceView, node_id: str, gpu: GpuState, health: Health, cause: str | None, ts: int
 ) -> int:

@@ -9,7 +9,7 @@ from dataclasses import asdict
 from enum import StrEnum
 from typing import Any, Protocol, TypeVar
 
-from fleetline.processors.view.fold import gpu_health, node_status
+from fleetline.processors.view.fold import gpu_health, node_status, takes_new_work
 from fleetline.processors.view.model import (
     DEGRADED,
     FAILED,
@@ -71,7 +71,7 @@ def gpu_capacity_state(
     health, _ = gpu_health(node, gpu)
     if health == FAILED:
         return CapacityState.FAILED
-    if status != NodeStatus.UP or node.cordoned:
+    if not takes_new_work(node, status):
         return UNAVAILABLE
     if (node.node_id, gpu.index) in view.gpu_owner:
         return ALLOCATED
