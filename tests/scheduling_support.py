@@ -12,7 +12,7 @@ import yaml
 from fleetline.agents.simulator import ClusterSpec, Fault, FleetSimulator, cluster_info
 from fleetline.processors.scheduling.capacity import observe
 from fleetline.processors.scheduling.codec import canonical_json, new_request
-from fleetline.processors.scheduling.effects import Decision, Effect
+from fleetline.processors.scheduling.effects import Decision, Effect, WorkloadOrder
 from fleetline.processors.scheduling.policy import SchedulingPolicy
 from fleetline.processors.scheduling.scheduler import Scheduler
 from fleetline.processors.view.fold import fold_telemetry
@@ -138,8 +138,11 @@ class Driver:
         view: ResourceView,
         policy: SchedulingPolicy | None = None,
         now_ms: int = BASE_MS + 10_000,
+        agents: bool = True,
     ) -> None:
         self.view = view
+        # Stand in for the cluster agents: every RUN order is reported running at once.
+        self.agents = agents
         self.scheduler = Scheduler(policy)
         self.now_ms = now_ms
         self.positions = itertools.count()
@@ -152,7 +155,25 @@ class Driver:
         self.log.append((request, facts))
         effects = self.scheduler.step(request, next(self.positions), facts)
         self.effects.extend(effects)
+        for order in effects if self.agents else ():
+            if isinstance(order, WorkloadOrder) and order.action == "RUN":
+                self.report(order, "RUNNING")
         return effects
+
+    def report(self, order: WorkloadOrder, phase: str, **fields: Any) -> list[Effect]:
+        """A cluster agent's report on the workload an order started."""
+        return self.feed(
+            self._request(
+                "PROGRESS",
+                order.job,
+                order.tenant,
+                phase=phase,
+                cluster_id=order.cluster_id,
+                epoch=order.epoch,
+                attempt=order.attempt,
+                **fields,
+            )
+        )
 
     def _request(self, kind: str, key: str, tenant: str, **fields: Any) -> dict:
         return new_request(kind, key, tenant, self.now_ms, f"r{len(self.log)}", **fields)

@@ -18,6 +18,10 @@ AUDIT_RECORD = "fleetline.audit.AuditRecord"
 SCHEDULER_REQUEST = "fleetline.scheduling.SchedulerRequest"
 SCHEDULING_DECISION = "fleetline.scheduling.SchedulingDecision"
 DATASET_PREWARM = "fleetline.scheduling.DatasetPrewarm"
+WORKLOAD_ORDER = "fleetline.cluster.WorkloadOrder"
+WORKLOAD_EVENT = "fleetline.cluster.WorkloadEvent"
+CLUSTER_SIGNAL = "fleetline.cluster.ClusterSignal"
+CLUSTER_HEALTH = "fleetline.cluster.ClusterHealth"
 
 
 def check_telemetry(record: Mapping[str, Any]) -> None:

@@ -72,14 +72,30 @@ class Topics:
         return f"{self.prefix}.scheduler.prewarms"
 
     @property
+    def orders(self) -> str:
+        return f"{self.prefix}.cluster.orders"
+
+    @property
+    def workloads(self) -> str:
+        return f"{self.prefix}.cluster.workloads"
+
+    @property
+    def cluster_signals(self) -> str:
+        return f"{self.prefix}.cluster.signals"
+
+    @property
+    def emergency(self) -> str:
+        return f"{self.prefix}.emergency"
+
+    @property
     def node_topics(self) -> tuple[str, str]:
         """The co-partitioned topics keyed by node id: partition p of each holds the same nodes."""
         return (self.telemetry, self.node_state)
 
     @property
-    def fleet_topics(self) -> tuple[str, str, str]:
+    def fleet_topics(self) -> tuple[str, str, str, str]:
         """The small single-partition topics every view instance reads whole (global tables)."""
-        return (self.clusters, self.datasets, self.allocations)
+        return (self.clusters, self.datasets, self.allocations, self.emergency)
 
     @property
     def audit_requests(self) -> str:
@@ -167,6 +183,34 @@ class Topics:
                 1,
                 {"cleanup.policy": "delete", "retention.ms": str(30 * DAY_MS)},
                 "DatasetPrewarm orders for the data movers, keyed by dataset@cluster",
+            ),
+            TopicSpec(
+                self.orders,
+                1,
+                {"cleanup.policy": "compact", "min.compaction.lag.ms": str(3600 * 1000)},
+                "WorkloadOrder, keyed by job; compacted to each job's latest order, which is the "
+                "desired state the cluster agents reconcile",
+            ),
+            TopicSpec(
+                self.workloads,
+                1,
+                {"cleanup.policy": "delete", "retention.ms": str(30 * DAY_MS)},
+                "WorkloadEvent from the cluster agents (transitions, steps, checkpoints), "
+                "keyed by job",
+            ),
+            TopicSpec(
+                self.cluster_signals,
+                1,
+                {"cleanup.policy": "delete", "retention.ms": str(7 * DAY_MS)},
+                "ClusterSignal: cluster heartbeats, the control plane's clock ticks and cluster "
+                "cordons, in one total order for the health fold",
+            ),
+            TopicSpec(
+                self.emergency,
+                1,
+                {"cleanup.policy": "delete", "retention.ms": "-1", **LOG_APPEND_TIME},
+                "ClusterHealth: cluster health changes, cluster down, partitions and fences, "
+                "keyed by cluster; read by the view and every cluster agent",
             ),
             TopicSpec(
                 self.audit_requests,

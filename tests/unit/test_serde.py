@@ -32,6 +32,10 @@ def test_registry_knows_the_shipped_schemas() -> None:
     assert codec.registry.names() == [
         "fleetline.audit.AuditEvent",
         "fleetline.audit.AuditRecord",
+        "fleetline.cluster.ClusterHealth",
+        "fleetline.cluster.ClusterSignal",
+        "fleetline.cluster.WorkloadEvent",
+        "fleetline.cluster.WorkloadOrder",
         "fleetline.commands.CommandResult",
         "fleetline.commands.NodeCommand",
         "fleetline.fleet.ClusterInfo",

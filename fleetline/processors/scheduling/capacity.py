@@ -107,7 +107,10 @@ class ClusterFacts:
     energy_price_per_kwh: float
     pue: float
     link_latency_ms: dict[str, float]
-    health: str  # healthy, degraded, unreachable, retired, empty
+    # healthy, degraded: takes new work; suspect, recovering, cordoned: keeps what it runs,
+    # takes nothing new; lost: its jobs move; unreachable, retired, empty.
+    health: str
+    health_reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -176,11 +179,19 @@ def observe(view: ResourceView, previous: FleetFacts | None = None) -> FleetFact
         c[2] += present
         c[3] += bad
     clusters: dict[str, ClusterFacts] = {}
-    for cluster_id in sorted(set(counts) | set(view.clusters)):
+    for cluster_id in sorted(set(counts) | set(view.clusters) | set(view.cluster_health)):
         info = view.clusters.get(cluster_id)
+        declared = view.cluster_health.get(cluster_id)
         n, unreachable, gpus, bad = counts.get(cluster_id, [0, 0, 0, 0])
+        why = declared.reason if declared is not None else ""
         if info is not None and info.retired:
             health = "retired"
+        elif declared is not None and declared.state == "UNHEALTHY":
+            health = "lost"
+        elif declared is not None and declared.state in ("SUSPECT", "RECOVERING"):
+            health = declared.state.lower()
+        elif declared is not None and declared.cordoned:
+            health, why = "cordoned", "cordoned by an operator"
         elif n == 0:
             health = "empty"
         elif unreachable == n:
@@ -199,6 +210,7 @@ def observe(view: ResourceView, previous: FleetFacts | None = None) -> FleetFact
             pue=(info.pue or 1.0) if info else 1.0,
             link_latency_ms=dict(info.link_latency_ms) if info else {},
             health=health,
+            health_reason=why,
         )
     datasets = {
         d: DatasetFacts(d, info.tenant, info.size_bytes, tuple(info.replicas))

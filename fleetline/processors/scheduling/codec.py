@@ -12,6 +12,7 @@ from fleetline.processors.scheduling.effects import (
     Decision,
     Effect,
     PrewarmOrder,
+    WorkloadOrder,
 )
 from fleetline.processors.scheduling.requests import RequestKind
 from fleetline.processors.scheduling.specs import Spec
@@ -21,6 +22,7 @@ from fleetline.streams.events import (
     DATASET_PREWARM,
     DATASET_STATE,
     SCHEDULING_DECISION,
+    WORKLOAD_ORDER,
 )
 
 Offsets = Mapping[str, Mapping[int, int]]
@@ -38,6 +40,12 @@ def new_request(
     phase: str | None = None,
     checkpoint_ms: int | None = None,
     view_offsets: Offsets | None = None,
+    cluster_id: str | None = None,
+    epoch: int | None = None,
+    attempt: int | None = None,
+    exit_code: int | None = None,
+    step: int | None = None,
+    detail: str | None = None,
 ) -> dict[str, Any]:
     """A SchedulerRequest record."""
     if kind not in tuple(RequestKind):
@@ -57,6 +65,12 @@ def new_request(
             for t, ps in sorted((view_offsets or {}).items())
             for p, o in sorted(ps.items())
         ],
+        "cluster_id": cluster_id,
+        "epoch": epoch,
+        "attempt": attempt,
+        "exit_code": exit_code,
+        "step": step,
+        "detail": detail,
     }
 
 
@@ -146,5 +160,7 @@ def effect_record(effect: Effect) -> tuple[str, str, dict[str, Any]]:
                     "deleted": effect.deleted,
                 },
             )
+        case WorkloadOrder():
+            return WORKLOAD_ORDER, effect.job, effect.as_record()
         case _:
             raise TypeError(f"not a scheduler effect: {effect!r}")

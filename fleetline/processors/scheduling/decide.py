@@ -9,6 +9,7 @@ clock: time is `state.now_ms`, the requests' event time.
 from __future__ import annotations
 
 import heapq
+import json
 from dataclasses import replace
 from typing import Any, TypedDict, Unpack
 
@@ -18,8 +19,10 @@ from fleetline.processors.scheduling.effects import (
     AllocationKind,
     Decision,
     EffectLog,
+    OrderAction,
     Outcome,
     PrewarmOrder,
+    WorkloadOrder,
 )
 from fleetline.processors.scheduling.pipeline import (
     Attempt,
@@ -272,20 +275,111 @@ def bind(
             Condition.DATA_READY, False, "waiting for " + ", ".join(job.waiting_for), s.now_ms
         )
     else:
-        start(s, job)
+        start(s, out, job)
 
 
-def start(s: SchedulerState, job: Job) -> None:
+def start(s: SchedulerState, out: EffectLog, job: Job) -> None:
+    """The job has its GPUs and its data: order its cluster to run it (it is Running once the
+    cluster says so), or, for a service no agent starts, take it as running."""
+    job.condition(Condition.DATA_READY, True, "the dataset is in the cluster", s.now_ms)
+    s.dirty.add(f"job:{job.key}")
+    if job.carried_out:
+        job.epoch = job.alloc_seq
+        job.attempt = 1
+        job.retry_at_ms = None
+        job.phase = Phase.STARTING
+        order_run(s, out, job)
+        return
     job.phase = Phase.RUNNING
     job.started_ms = s.now_ms
-    job.condition(Condition.DATA_READY, True, "the dataset is in the cluster", s.now_ms)
     job.condition(
         Condition.RUNNING,
         True,
-        "started" + (f" from its checkpoint at {job.resume_from_ms}" if job.resume_from_ms else ""),
+        "started (no workload to start: no agent reports on it)"
+        + (f" from its checkpoint at {job.resume_from_ms}" if job.resume_from_ms else ""),
         s.now_ms,
     )
-    s.dirty.add(f"job:{job.key}")
+
+
+def order_run(s: SchedulerState, out: EffectLog, job: Job) -> None:
+    """A RUN order for the job's current epoch and attempt (one cluster: the first placed)."""
+    cluster_id = min(job.allocation)
+    nodes = job.allocation[cluster_id]
+    workers = tuple((node, indices_of(mask)) for node, mask in sorted(nodes.items()))
+    explanation = job.explanation
+    placed = (
+        next(
+            (p for p in explanation.placements if p.cluster_id == cluster_id),
+            None,
+        )
+        if isinstance(explanation, Decision)
+        else None
+    )
+    if placed is not None:
+        # Rank order, as the placement chose it.
+        workers = tuple((w[0][0], tuple(i for _, i in w)) for w in placed.workers if w)
+    job.ordered_cluster = cluster_id
+    job.condition(
+        Condition.RUNNING,
+        False,
+        f"ordered to start in {cluster_id} (epoch {job.epoch}, attempt {job.attempt})",
+        s.now_ms,
+    )
+    job.actual = {
+        "state": "Ordered",
+        "cluster": cluster_id,
+        "epoch": job.epoch,
+        "attempt": job.attempt,
+        "since_ms": s.now_ms,
+    }
+    out.add(
+        WorkloadOrder(
+            job.key,
+            job.tenant,
+            job.kind,
+            OrderAction.RUN,
+            cluster_id,
+            job.epoch,
+            job.attempt,
+            s.now_ms,
+            job.last_decision or "",
+            f"attempt {job.attempt} of epoch {job.epoch}",
+            job.trace_id,
+            spec_json=json.dumps(job.document, sort_keys=True, separators=(",", ":")),
+            workers=workers,
+            resume_from=(cluster_id, *(c for c in job.ran_in if c != cluster_id)),
+        )
+    )
+
+
+def order_stop(s: SchedulerState, out: EffectLog, job: Job, reason: str, final: bool) -> None:
+    """Tell the cluster that was ordered to run the job to stop it (checkpointing first when
+    `final` and the job allows it)."""
+    cluster_id = job.ordered_cluster
+    if cluster_id is None:
+        return
+    spec = job.spec
+    allows = spec.workload.final_checkpoint if spec.workload is not None else False
+    out.add(
+        WorkloadOrder(
+            job.key,
+            job.tenant,
+            job.kind,
+            OrderAction.STOP,
+            cluster_id,
+            job.epoch,
+            job.attempt,
+            s.now_ms,
+            out.next_id(),
+            reason,
+            job.trace_id,
+            final_checkpoint=final and allows,
+        )
+    )
+    job.ran_in = [cluster_id, *(c for c in job.ran_in if c != cluster_id)][:8]
+    job.ordered_cluster = None
+    job.retry_at_ms = None
+    job.actual = {**job.actual, "state": "Stopping", "since_ms": s.now_ms, "detail": reason}
 
 
 def release(
@@ -296,9 +390,11 @@ def release(
     reason: str,
     *,
     preempted_by: str | None = None,
+    salvage: bool = True,
 ) -> Decision:
     """Free a job's GPUs (one RELEASED allocation record), charge its GPU-hours, and say so
-    with a decision (PREEMPTED puts it back in the queue, to resume from its checkpoint)."""
+    with a decision (PREEMPTED puts it back in the queue, to resume from its checkpoint), and
+    order its cluster to stop the workload."""
     s.pass_wanted = True
     usage = s.usage_of(job.tenant)
     refs: list[tuple[str, int]] = []
@@ -328,6 +424,9 @@ def release(
         usage.consumed_gpu_ms += min(job.committed_gpu_ms, len(refs) * ran)
         usage.committed_gpu_ms -= job.committed_gpu_ms
         job.committed_gpu_ms = 0
+    # `salvage`: the workload may checkpoint on its way out (preempted, deleted); off a fault or
+    # a lost cluster there is nothing sound left to checkpoint from.
+    order_stop(s, out, job, reason, final=salvage)
     lost = lost_work_s(job, s.now_ms) if job.phase == Phase.RUNNING else 0.0
     checkpoint = (
         checkpoint_before(job, s.now_ms)

@@ -1,5 +1,6 @@
 """What the scheduler decides, as data: decisions with their reasons and inputs, allocation
-records for the resource view, dataset prewarm orders and dataset records.
+records for the resource view, dataset prewarm orders, dataset records, and workload orders
+for the cluster agents.
 
 A step collects its effects in an `EffectLog`, which also numbers its decisions: a decision's
 id is the request's log position and its place among the step's decisions, so a replay of the
@@ -147,6 +148,51 @@ class PrewarmOrder:
     prewarm: DatasetPrewarm
 
 
+class OrderAction(StrEnum):
+    RUN = "RUN"
+    STOP = "STOP"
+
+
+@dataclass(frozen=True)
+class WorkloadOrder:
+    """What a cluster must run (or stop) for a job: the desired state its agent reconciles."""
+
+    job: str
+    tenant: str
+    kind: str
+    action: OrderAction
+    cluster_id: str
+    epoch: int
+    attempt: int
+    ts: int
+    decision_id: str
+    reason: str
+    trace_id: str
+    spec_json: str | None = None
+    workers: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    resume_from: tuple[str, ...] = ()
+    final_checkpoint: bool = False
+
+    def as_record(self) -> dict[str, Any]:
+        return {
+            "job": self.job,
+            "tenant": self.tenant,
+            "kind": self.kind,
+            "action": self.action,
+            "cluster_id": self.cluster_id,
+            "epoch": self.epoch,
+            "attempt": self.attempt,
+            "ts": self.ts,
+            "decision_id": self.decision_id,
+            "reason": self.reason,
+            "trace_id": self.trace_id,
+            "spec_json": self.spec_json,
+            "workers": [{"node_id": n, "gpus": list(g)} for n, g in self.workers],
+            "resume_from": list(self.resume_from),
+            "final_checkpoint": self.final_checkpoint,
+        }
+
+
 @dataclass(frozen=True)
 class DatasetRecord:
     dataset_id: str
@@ -158,7 +204,7 @@ class DatasetRecord:
     deleted: bool = False
 
 
-Effect = Decision | AllocationChange | PrewarmOrder | DatasetRecord
+Effect = Decision | AllocationChange | PrewarmOrder | DatasetRecord | WorkloadOrder
 
 
 @dataclass

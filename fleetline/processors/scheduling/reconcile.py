@@ -10,7 +10,13 @@ from __future__ import annotations
 import heapq
 
 from fleetline.processors.scheduling.capacity import FleetFacts
-from fleetline.processors.scheduling.decide import ShapeKey, attempt, release, shape_keys
+from fleetline.processors.scheduling.decide import (
+    ShapeKey,
+    attempt,
+    order_run,
+    release,
+    shape_keys,
+)
 from fleetline.processors.scheduling.effects import EffectLog, Outcome
 from fleetline.processors.scheduling.state import Condition, Job, Phase, SchedulerState
 from fleetline.processors.scheduling.tenancy import PRIORITIES, fair_share_key
@@ -21,8 +27,10 @@ def tick(s: SchedulerState, out: EffectLog, facts: FleetFacts) -> None:
         s.pass_wanted = True  # some cluster has more usable GPUs than before
     s.facts = facts
     s.index.refresh(facts)
+    migrate_off_lost_clusters(s, out)
     migrate_off_faults(s, out)
     stop_at_limits(s, out)
+    order_retries(s, out)
     expire_prewarms(s)
     if (
         not s.pass_wanted
@@ -32,6 +40,35 @@ def tick(s: SchedulerState, out: EffectLog, facts: FleetFacts) -> None:
         s.pass_wanted = True  # lower-priority jobs started beside waiting ones
     if s.pass_wanted:
         schedule_queue(s, out)
+
+
+def migrate_off_lost_clusters(s: SchedulerState, out: EffectLog) -> None:
+    """Every job holding GPUs in a cluster the health fold declared lost is released to resume
+    from its last checkpoint elsewhere; the lost cluster's copies are fenced by their epoch."""
+    for cluster_id in sorted(s.cluster_jobs):
+        facts = s.facts.clusters.get(cluster_id)
+        if facts is None or facts.health != "lost":
+            continue
+        for key in sorted(s.cluster_jobs[cluster_id]):
+            release(
+                s,
+                out,
+                s.jobs[key],
+                Outcome.PREEMPTED,
+                f"cluster {cluster_id} lost ({facts.health_reason}); resuming from its last "
+                "checkpoint elsewhere",
+                salvage=False,
+            )
+
+
+def order_retries(s: SchedulerState, out: EffectLog) -> None:
+    """Order the next attempt of jobs whose backoff after a failed attempt has passed."""
+    for key in sorted(s.jobs):
+        job = s.jobs[key]
+        if job.retry_at_ms is not None and job.retry_at_ms <= s.now_ms and job.holds:
+            job.retry_at_ms = None
+            s.dirty.add(f"job:{key}")
+            order_run(s, out, job)
 
 
 def migrate_off_faults(s: SchedulerState, out: EffectLog) -> None:
@@ -54,6 +91,7 @@ def migrate_off_faults(s: SchedulerState, out: EffectLog) -> None:
             s.jobs[key],
             Outcome.PREEMPTED,
             f"fault: {hit[key]}; migrating from its last checkpoint",
+            salvage=False,
         )
 
 

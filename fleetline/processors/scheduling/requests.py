@@ -186,25 +186,80 @@ def delete(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> Non
 
 
 def progress(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> None:
+    """A cluster's report on a job. A report naming an epoch (or attempt) other than the one
+    the job was last ordered to run is stale: a fenced copy speaking, counted and ignored."""
     job = s.jobs.get(request["key"])
     if job is None or job.phase in TERMINAL:
         return
     phase = request.get("phase")
+    if phase not in tuple(Progress):
+        raise InvalidEventError(f"{job.key}: unknown progress phase {phase!r}")
     s.dirty.add(f"job:{job.key}")
+    epoch, attempt = request.get("epoch"), request.get("attempt")
+    if epoch is not None and (
+        epoch != job.epoch
+        or job.ordered_cluster is None
+        or (attempt is not None and attempt != job.attempt and phase != Progress.CHECKPOINT)
+    ):
+        job.stale_reports += 1
+        return
+    cluster = request.get("cluster_id") or job.ordered_cluster or "its cluster"
     if phase == Progress.CHECKPOINT:
         if request.get("checkpoint_ms") is not None and job.holds:
             job.checkpoint_ms = max(job.checkpoint_ms or 0, int(request["checkpoint_ms"]))
+        if request.get("step") is not None:
+            job.checkpoint_step = max(job.checkpoint_step or 0, int(request["step"]))
+            job.actual = {**job.actual, "checkpoint_step": job.checkpoint_step}
         return
     if phase == Progress.RUNNING:
         if job.holds:
-            job.condition(Condition.RUNNING, True, "the cluster reports it running", s.now_ms)
+            if job.phase == Phase.STARTING:
+                job.phase = Phase.RUNNING
+                job.started_ms = s.now_ms
+            job.condition(Condition.RUNNING, True, f"{cluster} reports it running", s.now_ms)
+            job.actual = {
+                **job.actual,
+                "state": "Running",
+                "cluster": cluster,
+                "since_ms": s.now_ms,
+                "detail": request.get("detail"),
+            }
         return
-    if phase not in (Progress.SUCCEEDED, Progress.FAILED):
-        raise InvalidEventError(f"{job.key}: unknown progress phase {phase!r}")
+    code = request.get("exit_code")
+    detail = request.get("detail") or ""
+    if phase == Progress.FAILED and epoch is not None and job.holds:
+        what = f"attempt {job.attempt} failed" + (
+            f" with exit code {code}" if code is not None else ""
+        )
+        what += f": {detail}" if detail else ""
+        if job.spec.retry.retries(code, job.attempt):
+            wait = job.spec.retry.backoff_ms(job.attempt)
+            job.retry_at_ms = s.now_ms + wait
+            job.actual = {**job.actual, "state": "Failed", "since_ms": s.now_ms, "detail": what}
+            job.attempt += 1
+            job.phase = Phase.STARTING
+            job.condition(
+                Condition.RUNNING,
+                False,
+                f"{what}; attempt {job.attempt} of {job.spec.retry.max_attempts} "
+                f"in {wait / 1000:g}s",
+                s.now_ms,
+            )
+            return
+        reason = (
+            f"{what}; no retry left"
+            if job.attempt >= job.spec.retry.max_attempts
+            else (f"{what}; exit code {code} does not retry")
+        )
+    else:
+        reason = f"the job {phase.lower()}" + (f": {detail}" if detail else "")
+    job.actual = {**job.actual, "state": phase.title(), "since_ms": s.now_ms, "detail": reason}
+    # The release still orders a STOP: the compacted order topic must not keep a RUN for a job
+    # that has ended, or an agent restarting would start it again.
     if job.holds:
-        release(s, out, job, Outcome.RELEASED, f"the job {phase.lower()}")
+        release(s, out, job, Outcome.RELEASED, reason, salvage=False)
     job.phase = Phase.SUCCEEDED if phase == Progress.SUCCEEDED else Phase.FAILED
-    job.condition(Condition.FINISHED, True, f"the cluster reports it {phase.lower()}", s.now_ms)
+    job.condition(Condition.FINISHED, True, f"{cluster} reports: {reason}", s.now_ms)
     schedule_queue(s, out)
 
 
@@ -257,7 +312,7 @@ def dataset_ready(s: SchedulerState, out: EffectLog, request: Mapping[str, Any])
             job.waiting_for.remove(request["key"])
             s.dirty.add(f"job:{key}")
             if not job.waiting_for and job.holds:
-                start(s, job)
+                start(s, out, job)
 
 
 def record_dataset(s: SchedulerState, out: EffectLog, record: DatasetRecord) -> None:

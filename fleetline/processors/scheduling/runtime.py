@@ -49,6 +49,7 @@ from fleetline.streams.events import (
     DATASET_STATE,
     SCHEDULER_REQUEST,
     SCHEDULING_DECISION,
+    WORKLOAD_ORDER,
 )
 from fleetline.streams.loop import MessageStep, StreamLoop, deliver, produce
 from fleetline.streams.records import Offsets, Output, where
@@ -176,6 +177,7 @@ class SchedulerStep(MessageStep):
             ALLOCATION: self.topics.allocations,
             DATASET_PREWARM: self.topics.prewarms,
             DATASET_STATE: self.topics.datasets,
+            WORKLOAD_ORDER: self.topics.orders,
         }
         out = []
         for effect in effects:

@@ -169,6 +169,44 @@ class Elastic(Model):
     max_workers: Count | None = None
 
 
+class Workload(Model):
+    """What a cluster agent starts for the job: a command run under fleetline's workload
+    contract (environment variables in, checkpoints with a manifest out), by default the
+    built-in trainer `fleetline workload train` with the fields below."""
+
+    command: tuple[Text, ...] | None = Field(
+        default=None, description="argv; default: fleetline workload train (TrainingJob)"
+    )
+    steps: Count = 2000
+    checkpoint_every_steps: Count = 200
+    report_every_steps: Count = 10
+    step_delay_ms: Annotated[StrictInt, Field(ge=0)] = 0
+    seed: StrictInt = 0
+    final_checkpoint: StrictBool = Field(
+        default=True, description="checkpoint before stopping on preemption or deletion"
+    )
+    env: dict[Annotated[str, Field(strict=True, pattern=r"^[A-Z_][A-Z0-9_]*$")], str] = {}
+
+
+class RetryPolicy(Model):
+    """Which failed starts and crashes are retried in place, and how often."""
+
+    max_attempts: Count = 3
+    exit_codes: tuple[StrictInt, ...] | None = Field(
+        default=None, description="exit codes that retry; default: any failure"
+    )
+    backoff_s: Annotated[float, Field(strict=False, ge=0, allow_inf_nan=False)] = 2.0
+
+    def retries(self, exit_code: int | None, attempt: int) -> bool:
+        if attempt >= self.max_attempts:
+            return False
+        return self.exit_codes is None or exit_code in self.exit_codes
+
+    def backoff_ms(self, attempt: int) -> int:
+        """Wait before attempt `attempt + 1`: doubling from `backoff_s`."""
+        return int(self.backoff_s * 1000 * 2 ** max(0, attempt - 1))
+
+
 class TrainingJobSpec(Model):
     accelerator: Text
     gpus_per_worker: Count
@@ -184,6 +222,8 @@ class TrainingJobSpec(Model):
     region: Text | None = Field(
         default=None, description="where its users or upstream data sit, for the latency score"
     )
+    workload: Workload = Workload()
+    retry: RetryPolicy = RetryPolicy()
 
     @model_validator(mode="after")
     def _data_parallelism(self) -> TrainingJobSpec:
@@ -224,6 +264,10 @@ class InferenceServiceSpec(Model):
     latency_target_ms: Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)]
     regions: Annotated[Names, Field(min_length=1)]
     priority_class: PriorityClass = "high"
+    workload: Workload | None = Field(
+        default=None, description="what serves a replica; without one no agent starts it"
+    )
+    retry: RetryPolicy = RetryPolicy()
 
     @property
     def min_replicas(self) -> int:

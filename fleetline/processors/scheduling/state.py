@@ -10,6 +10,7 @@ with the scheduler's own allocations in a capacity index. It is mutated in place
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -38,7 +39,8 @@ SERVICE_RESTART_S = 300.0
 class Phase(StrEnum):
     QUEUED = "Queued"
     PLACED = "Placed"  # holds its GPUs, waits for its data
-    RUNNING = "Running"
+    STARTING = "Starting"  # ordered to its cluster, not reported running (yet, or again)
+    RUNNING = "Running"  # its cluster reports it running
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
     TIMED_OUT = "TimedOut"
@@ -85,6 +87,17 @@ class Job:
     preemptions: int = 0
     placed_ms: int | None = None
     alloc_seq: int = 0  # the job key's last Allocation record; runs on across resubmissions
+    # The placement epoch its cluster was ordered to run (the alloc_seq of that placement, so it
+    # only grows): reports about another epoch are stale, and ignored (fencing).
+    epoch: int = 0
+    attempt: int = 0  # start attempt within the epoch
+    ordered_cluster: str | None = None  # where the last RUN order went
+    retry_at_ms: int | None = None  # when the next attempt is ordered
+    ran_in: list[str] = field(default_factory=list)  # clusters of earlier epochs, newest first
+    checkpoint_step: int | None = None
+    # What the cluster reports (actual state), beside the phase (desired state).
+    actual: dict[str, Any] = field(default_factory=dict)
+    stale_reports: int = 0
     # The latest decision about the job, whole (for `explain`): a Decision, or its record once
     # read back from the store.
     explanation: Decision | dict[str, Any] | None = None
@@ -127,6 +140,18 @@ class Job:
         self.document, self._spec, self._interval, self.priority = document, spec, None, priority
 
     @property
+    def carried_out(self) -> bool:
+        """A cluster agent starts it (and reports it running): every training job, and a
+        service that names a workload."""
+        spec = self.spec
+        return isinstance(spec, TrainingJobSpec) or spec.workload is not None
+
+    @property
+    def trace_id(self) -> str:
+        """32 hex digits, the same for every placement of this submission."""
+        return hashlib.sha256(f"{self.key}#{self.order}".encode()).hexdigest()[:32]
+
+    @property
     def holds(self) -> bool:
         return bool(self.allocation)
 
@@ -160,6 +185,14 @@ class Job:
             "preemptions": self.preemptions,
             "placed_ms": self.placed_ms,
             "alloc_seq": self.alloc_seq,
+            "epoch": self.epoch,
+            "attempt": self.attempt,
+            "ordered_cluster": self.ordered_cluster,
+            "retry_at_ms": self.retry_at_ms,
+            "ran_in": self.ran_in,
+            "checkpoint_step": self.checkpoint_step,
+            "actual": self.actual,
+            "stale_reports": self.stale_reports,
             "explanation": (
                 self.explanation.as_record()
                 if isinstance(self.explanation, Decision)

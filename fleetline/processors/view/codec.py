@@ -13,6 +13,7 @@ from typing import Any
 
 from fleetline.errors import IntegrityError
 from fleetline.processors.view.model import (
+    ClusterHealthInfo,
     ClusterInfo,
     DatasetInfo,
     GpuState,
@@ -43,6 +44,7 @@ def to_data(view: ResourceView) -> dict[str, Any]:
         "watermark_ms": view.watermark_ms,
         "nodes": {node_id: _node_data(view.nodes[node_id]) for node_id in sorted(view.nodes)},
         "clusters": {k: vars(view.clusters[k]) for k in sorted(view.clusters)},
+        "cluster_health": {k: vars(view.cluster_health[k]) for k in sorted(view.cluster_health)},
         "datasets": {k: vars(view.datasets[k]) for k in sorted(view.datasets)},
         "allocations": {k: _allocation_data(view.allocations[k]) for k in sorted(view.allocations)},
     }
@@ -86,6 +88,10 @@ def from_data(data: dict[str, Any]) -> ResourceView:
         view.nodes[node_id] = node
     view.clusters = {k: ClusterInfo(**v) for k, v in data["clusters"].items()}
     view.datasets = {k: DatasetInfo(**v) for k, v in data["datasets"].items()}
+    # Absent from snapshots written before clusters had a health state.
+    view.cluster_health = {
+        k: ClusterHealthInfo(**v) for k, v in data.get("cluster_health", {}).items()
+    }
     for job_id, alloc in data["allocations"].items():
         gpus = {(node_id, index) for node_id, index in alloc["gpus"]}
         view.allocations[job_id] = JobAllocation(**{**alloc, "gpus": gpus})

@@ -23,6 +23,7 @@ from fleetline.processors.view.model import (
     FAILED,
     HEALTHY,
     Change,
+    ClusterHealthInfo,
     ClusterInfo,
     DatasetInfo,
     GpuState,
@@ -36,6 +37,7 @@ from fleetline.processors.view.model import (
 )
 from fleetline.streams.events import (
     ALLOCATION,
+    CLUSTER_HEALTH,
     CLUSTER_INFO,
     DATASET_STATE,
     NODE_STATE,
@@ -67,6 +69,8 @@ def apply(view: ResourceView, event: Decoded) -> ResourceView:
             _fold_dataset(view, record)
         case name if name == ALLOCATION:
             _fold_allocation(view, record)
+        case name if name == CLUSTER_HEALTH:
+            _fold_cluster_health(view, record)
         case other:
             raise InvalidEventError(f"the resource view does not fold {other} events")
     return view
@@ -286,6 +290,34 @@ def _fold_cluster(view: ResourceView, record: Mapping[str, Any]) -> None:
     view.fleet_events += 1
 
 
+def _fold_cluster_health(view: ResourceView, record: Mapping[str, Any]) -> None:
+    cluster_id = record["cluster_id"]
+    current = view.cluster_health.get(cluster_id)
+    if current is not None and record["seq"] < current.seq:
+        return
+    links = set(current.broken_links) if current is not None else set()
+    if record["event"] == "PARTITION" and record["peer"]:
+        (links.discard if record["link_up"] else links.add)(record["peer"])
+    before = current.state if current is not None else "UNKNOWN"
+    if record["state"] != before:
+        view.changes.append(
+            Change(record["ts"], "cluster", cluster_id, before, record["state"], record["reason"])
+        )
+    view.cluster_health[cluster_id] = ClusterHealthInfo(
+        cluster_id=cluster_id,
+        state=record["state"],
+        since_ms=record["since_ms"],
+        cordoned=record["cordoned"],
+        reason=record["reason"]
+        if record["event"] != "PARTITION" or current is None
+        else current.reason,
+        seq=record["seq"],
+        ts=record["ts"],
+        broken_links=sorted(links),
+    )
+    view.fleet_events += 1
+
+
 def _fold_dataset(view: ResourceView, record: Mapping[str, Any]) -> None:
     current = view.datasets.get(record["dataset_id"])
     if current is not None and record["seq"] <= current.seq:
@@ -386,6 +418,7 @@ def compose(views: Iterable[ResourceView]) -> ResourceView:
         out.clusters = fleet_source.clusters
         out.datasets = fleet_source.datasets
         out.allocations = fleet_source.allocations
+        out.cluster_health = fleet_source.cluster_health
         out.gpu_owner = fleet_source.gpu_owner
         out.fleet_events = fleet_source.fleet_events
     return out

@@ -237,6 +237,24 @@ class ClusterInfo:
 
 
 @dataclass
+class ClusterHealthInfo:
+    """A cluster's health as the health processor last declared it (the emergency topic)."""
+
+    cluster_id: str
+    state: str  # HEALTHY, SUSPECT, UNHEALTHY, RECOVERING
+    since_ms: int
+    cordoned: bool
+    reason: str
+    seq: int
+    ts: int
+    broken_links: list[str] = field(default_factory=list)
+
+    @property
+    def takes_new_work(self) -> bool:
+        return self.state == "HEALTHY" and not self.cordoned
+
+
+@dataclass
 class DatasetInfo:
     dataset_id: str
     tenant: str
@@ -277,6 +295,7 @@ class ResourceView:
     policy: HealthPolicy = field(default_factory=HealthPolicy)
     nodes: dict[str, NodeView] = field(default_factory=dict)
     clusters: dict[str, ClusterInfo] = field(default_factory=dict)
+    cluster_health: dict[str, ClusterHealthInfo] = field(default_factory=dict)
     datasets: dict[str, DatasetInfo] = field(default_factory=dict)
     allocations: dict[str, JobAllocation] = field(default_factory=dict)
     # (node_id, gpu_index) -> job_id, kept by the allocation stream alone.

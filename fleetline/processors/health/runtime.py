@@ -1,0 +1,199 @@
+"""The shell around the health fold: the cluster signal log in, the emergency topic out, exactly
+once; and the control plane's clock, which appends a TICK to the signal log every interval so
+that a silent cluster's silence is seen (and seen again the same way by a replay).
+
+The fold's state is one record in a store backed by a compacted changelog, written in the same
+transaction as the emergency records and the consumed offset, like the scheduler's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from confluent_kafka import Message
+
+from fleetline.config import KafkaSettings
+from fleetline.processors.health.fold import ClusterHealthPolicy, HealthFold
+from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.events import CLUSTER_HEALTH, CLUSTER_SIGNAL
+from fleetline.streams.loop import MessageStep, StreamLoop, produce
+from fleetline.streams.records import Output, where
+from fleetline.streams.serde import AvroCodec, default_codec
+from fleetline.streams.store import ChangelogStore
+from fleetline.streams.topics import Topics, TopicSpec
+
+log = logging.getLogger(__name__)
+
+APPLICATION_ID = "cluster-health"
+STORE = "state"
+_KEY = b"fold"
+
+
+def health_store(topics: Topics) -> ChangelogStore[Any]:
+    return ChangelogStore(
+        STORE,
+        topics.changelog(APPLICATION_ID, STORE),
+        lambda value: json.dumps(value, sort_keys=True).encode(),
+        lambda data: json.loads(data),
+    )
+
+
+def health_topics(topics: Topics) -> list[TopicSpec]:
+    return [*topics.specs(), topics.changelog_spec(APPLICATION_ID, STORE, partitions=1)]
+
+
+def signal(
+    kind: str,
+    cluster_id: str,
+    ts: int,
+    *,
+    seq: int = 0,
+    incarnation: str = "",
+    actor: str = "",
+    reason: str | None = None,
+    probe_address: str | None = None,
+    gpus_reserved: int = 0,
+    workloads: Sequence[Mapping[str, Any]] = (),
+    peers: Sequence[Mapping[str, Any]] = (),
+) -> dict[str, Any]:
+    """A ClusterSignal record."""
+    return {
+        "kind": kind,
+        "cluster_id": cluster_id,
+        "ts": ts,
+        "seq": seq,
+        "incarnation": incarnation,
+        "actor": actor,
+        "reason": reason,
+        "probe_address": probe_address,
+        "gpus_reserved": gpus_reserved,
+        "workloads": [dict(w) for w in workloads],
+        "peers": [dict(p) for p in peers],
+    }
+
+
+def signal_output(topics: Topics, record: Mapping[str, Any], codec: AvroCodec) -> Output:
+    return Output(
+        topics.cluster_signals,
+        (record["cluster_id"] or "-").encode(),
+        codec.encode("ClusterSignal", record),
+    )
+
+
+class HealthStep(MessageStep):
+    """Folds one signal; its health records and the fold's new state go out in one
+    transaction."""
+
+    def __init__(
+        self,
+        topics: Topics,
+        store: ChangelogStore[Any],
+        policy: ClusterHealthPolicy,
+        codec: AvroCodec | None = None,
+    ) -> None:
+        self.topics = topics
+        self.state = store
+        self.stores = [store]
+        self.policy = policy
+        self.codec = codec or default_codec()
+        self.fold: HealthFold | None = None
+        self.lock = threading.Lock()
+
+    def _restore(self) -> HealthFold:
+        data = self.state.get(0, _KEY)
+        # The configured policy wins over the stored one: thresholds are operator settings.
+        fold = HealthFold.from_data(data) if data else HealthFold()
+        fold.policy = self.policy
+        return fold
+
+    def handle(self, message: Message) -> Sequence[Output]:
+        _, _, offset = where(message)
+        with self.lock:
+            if self.fold is None or offset != self.fold.position + 1:
+                self.fold = self._restore()
+            record = self.codec.decode(message.value(), expect=CLUSTER_SIGNAL).record
+            events = self.fold.step(record, offset)
+            self.state.put(0, _KEY, self.fold.as_data())
+        return [
+            Output(
+                self.topics.emergency,
+                e["cluster_id"].encode(),
+                self.codec.encode(CLUSTER_HEALTH, e),
+            )
+            for e in events
+        ]
+
+    def aborted(self) -> None:
+        with self.lock:
+            self.fold = None
+
+    def states(self) -> dict[str, dict[str, Any]]:
+        """Each cluster's health as last folded (for the API and `fleetline clusters`)."""
+        with self.lock:
+            fold = self.fold
+            return {} if fold is None else fold.as_data()["clusters"]
+
+
+@dataclass
+class ClusterHealthService:
+    """The health fold's loop plus the control plane's clock, run together."""
+
+    kafka: KafkaSettings
+    topics: Topics
+    policy: ClusterHealthPolicy = field(default_factory=ClusterHealthPolicy)
+    tick_interval_s: float = 0.5
+    instance_id: str = "0"
+    clock: Callable[[], int] = field(default=lambda: int(time.time() * 1000))
+
+    def __post_init__(self) -> None:
+        self.store = health_store(self.topics)
+        self.step = HealthStep(self.topics, self.store, self.policy)
+        self.name = f"{self.topics.prefix}.{APPLICATION_ID}"
+        self.loop = StreamLoop(
+            self.kafka,
+            self.name,
+            [self.topics.cluster_signals],
+            self.step,
+            self.topics.dead_letter,
+            exactly_once=True,
+            instance_id=self.instance_id,
+            max_messages=500,
+            max_wait_s=0.005,
+            producer_config={"linger.ms": 1},
+        )
+        self.ready = self.loop.ready
+        self.ticks = 0
+
+    def run(self, stop: threading.Event) -> None:
+        ticker = threading.Thread(
+            target=self._tick_loop, args=(stop,), name="cluster-clock", daemon=True
+        )
+        ticker.start()
+        try:
+            self.loop.run(stop)
+        finally:
+            stop.set()
+            ticker.join(30)
+
+    def _tick_loop(self, stop: threading.Event) -> None:
+        producer = kafka_clients.producer(self.kafka, {"linger.ms": 0})
+        codec = default_codec()
+        try:
+            while not stop.is_set():
+                produce(
+                    producer,
+                    signal_output(
+                        self.topics, signal("TICK", "", self.clock(), actor="clock"), codec
+                    ),
+                )
+                producer.poll(0)
+                self.ticks += 1
+                stop.wait(self.tick_interval_s)
+        finally:
+            producer.flush(10)
