@@ -30,6 +30,10 @@ from fleetline.processors.audit.runtime import (
     audit_chainer,
     load_signer,
 )
+from fleetline.processors.health.fold import ClusterHealthPolicy
+from fleetline.processors.health.runtime import APPLICATION_ID as HEALTH_APP
+from fleetline.processors.health.runtime import STORE as HEALTH_STORE
+from fleetline.processors.health.runtime import ClusterHealthService
 from fleetline.processors.replay import ViewHistory, rebuild
 from fleetline.processors.scheduling.capacity import FleetFacts, observe
 from fleetline.processors.scheduling.policy import SchedulingPolicy
@@ -87,6 +91,9 @@ class Options:
     tier_every_s: float = 0.0  # 0: no tiering in this process
     tier_policy: DataClass = GPU_SAMPLES
     data_mover: bool = False  # the simulated cluster layer that carries out prewarms
+    cluster_health: bool = True  # the health fold and the control plane's clock
+    health_policy: ClusterHealthPolicy = field(default_factory=ClusterHealthPolicy)
+    clock_interval_s: float = 0.5
 
 
 def view_snapshots(settings: Settings, prefix: str, group: str = VIEW_APP) -> ViewSnapshots:
@@ -163,6 +170,7 @@ class Fleetline:
     audit_table: AuditTable | None = None
     signer: Signer | None = None
     mover: SimulatedDataMover | None = None
+    health: ClusterHealthService | None = None
     tiering: TierLoop | None = None
     queries: QueryService | None = None
     stop: threading.Event = field(default_factory=threading.Event)
@@ -184,7 +192,13 @@ class Fleetline:
         return step
 
     def services(self) -> list[Service]:
-        optional: list[Service | None] = [self.scheduler, self.chainer, self.mover, self.tiering]
+        optional: list[Service | None] = [
+            self.scheduler,
+            self.health,
+            self.chainer,
+            self.mover,
+            self.tiering,
+        ]
         return [
             self.view,
             self.samples,
@@ -262,7 +276,12 @@ def build(settings: Settings, options: Options) -> Fleetline:
     topics = options.topics
     kafka = settings.kafka
     kafka_clients.ensure_topics(
-        kafka, [*scheduler_topics(topics), topics.changelog_spec(AUDIT_APP, "chain")]
+        kafka,
+        [
+            *scheduler_topics(topics),
+            topics.changelog_spec(AUDIT_APP, "chain"),
+            topics.changelog_spec(HEALTH_APP, HEALTH_STORE, partitions=1),
+        ],
     )
     client = connect(settings.clickhouse_url)
     migrate(client, settings.clickhouse_database)
@@ -340,6 +359,14 @@ def build(settings: Settings, options: Options) -> Fleetline:
             AuditArchive(sealed_objects(settings), f"audit/{topics.prefix}"),
             topics.dead_letter,
             convert=lambda r: export_entry(r, reveal_sensitive=True),
+        )
+    if options.cluster_health:
+        fleet.health = ClusterHealthService(
+            kafka,
+            topics,
+            options.health_policy,
+            tick_interval_s=options.clock_interval_s,
+            instance_id=options.instance_id,
         )
     if options.data_mover:
         fleet.mover = SimulatedDataMover(kafka, topics)

@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from fleetline.cli import agents, audit, data, infra, jobs, run, serve, specs, view
+from fleetline.cli import agents, audit, cluster, data, infra, jobs, run, serve, specs, view
 from fleetline.errors import EXIT_UNAVAILABLE, FleetlineError, ServiceUnavailable
 
 app = typer.Typer(
@@ -25,7 +25,7 @@ app = typer.Typer(
     help="Event-sourced control plane for multi-cluster GPU fleets. Settings come from "
     "FLEETLINE_* environment variables (see README).",
 )
-_GROUPS = (infra, run, agents, serve, audit, data, specs, jobs, view)
+_GROUPS = (infra, run, agents, cluster, serve, audit, data, specs, jobs, view)
 
 
 @app.callback()

@@ -84,13 +84,14 @@ class HealthFold:
             case "CORDON" | "UNCORDON":
                 record = self._record(signal["cluster_id"])
                 record.cordoned = signal["kind"] == "CORDON"
+                who = signal.get("actor") or "an operator"
+                why = signal.get("reason") or "no reason given"
                 out.append(
                     self._event(
                         "CORDON",
                         record,
                         record.state,
-                        (signal.get("reason") or "")
-                        + f" ({signal['kind'].lower()}ed by {signal.get('actor') or 'an operator'})",
+                        f"{signal['kind'].lower()}ed by {who}: {why}",
                     )
                 )
             case other:
@@ -193,7 +194,8 @@ class HealthFold:
 
     def _peers_of(self, cluster_id: str) -> tuple[list[str], list[str]]:
         """Healthy peers whose fresh reports say they reach / cannot reach the cluster."""
-        reaching, not_reaching = [], []
+        reaching: list[str] = []
+        not_reaching: list[str] = []
         for peer_id in sorted(self.clusters):
             peer = self.clusters[peer_id]
             seen = peer.sees.get(cluster_id)

@@ -1,0 +1,667 @@
+"""The cluster agent: one per cluster (`fleetline cluster-agent --cluster-id C`).
+
+It follows the scheduler's workload orders (a compacted topic: the latest order of each job is
+the desired state) and reconciles them with the workloads it runs (`reconcile.plan`): for a RUN
+it reserves the GPUs, fetches the job's newest complete checkpoint from whichever cluster's
+store holds it (copied ciphertext, verified on arrival), starts the workload as an OS process
+under its class's cgroup limits, watches it, and reports every transition (WorkloadEvent) and
+what the scheduler needs (PROGRESS requests: running, checkpoints, exits); anything it runs
+that no order wants any more is stopped, with a final checkpoint when the order asks for one.
+Every second it publishes the cluster's status (a HEARTBEAT signal: reserved GPUs, workloads,
+what it sees of its peers) and probes its peers over TCP.
+
+Fencing: it reports only on workloads whose (epoch, attempt) is the job's current order here,
+so a copy left running on a cluster that was declared lost and came back speaks for nobody;
+the scheduler ignores stale epochs too. After SIGKILL a restarted agent re-adopts what still
+runs from the run directories (`workloads.py`) and starts nothing twice.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import OFFSET_BEGINNING, KafkaError, TopicPartition
+
+from fleetline.agents.cluster import workloads as procs
+from fleetline.agents.cluster.reconcile import Actual, Order, Start, Stop, plan
+from fleetline.config import Settings
+from fleetline.processors.health.runtime import signal, signal_output
+from fleetline.processors.scheduling.codec import new_request
+from fleetline.processors.scheduling.runtime import request_output
+from fleetline.storage.checkpoints import Checkpoints, best_of, cluster_bucket, tenant_key
+from fleetline.storage.objects import ObjectStore
+from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.events import CLUSTER_HEALTH, CLUSTER_SIGNAL, WORKLOAD_ORDER
+from fleetline.streams.loop import produce
+from fleetline.streams.records import Output
+from fleetline.streams.serde import AvroCodec, default_codec
+from fleetline.streams.topics import Topics
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TRAINER = (sys.executable, "-m", "fleetline.agents.workloads.train")
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass
+class ClusterAgent:
+    settings: Settings
+    topics: Topics
+    cluster_id: str
+    state_dir: Path
+    heartbeat_s: float = 1.0
+    stop_grace_s: float = 20.0
+    running_after_s: float = 0.3
+    probe_timeout_s: float = 0.3
+    chaos_file: Path | None = None  # peers whose link is cut, one per line (fault injection)
+    codec: AvroCodec = field(default_factory=default_codec)
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.name = f"{self.topics.prefix}.cluster-agent.{self.cluster_id}"
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.orders: dict[str, Order] = {}
+        self.running: dict[str, list[procs.Workload]] = {}
+        self.health: dict[str, dict[str, Any]] = {}  # cluster -> its last ClusterHealth record
+        self.peers: dict[str, str] = {}  # cluster -> probe address
+        self.reach: dict[str, tuple[bool, float | None]] = {}
+        self.lock = threading.Lock()
+        self.started: list[tuple[str, int, int]] = []  # (job, epoch, attempt) started here
+        self.root = self.state_dir / self.cluster_id
+        self.root.mkdir(parents=True, exist_ok=True)
+        master = self.settings.object_encryption_key
+        self._master = base64.b64decode(master) if master else None
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        kafka = self.settings.kafka
+        self.producer = kafka_clients.producer(kafka, {"linger.ms": 5})
+        consumer = kafka_clients.consumer(kafka, f"{self.name}.{self.incarnation}")
+        consumer.assign(
+            [
+                TopicPartition(t, 0, OFFSET_BEGINNING)
+                for t in (self.topics.orders, self.topics.emergency, self.topics.cluster_signals)
+            ]
+        )
+        server = self._probe_server(stop)
+        threads = [
+            threading.Thread(target=self._heartbeats, args=(stop,), daemon=True),
+            threading.Thread(target=self._prober, args=(stop,), daemon=True),
+        ]
+        try:
+            # The desired state first: read every order there is before acting on any.
+            self._catch_up(consumer, stop)
+            with self.lock:
+                for workload in procs.adopt(self.root):
+                    self.running.setdefault(workload.job, []).append(workload)
+                    log.info(
+                        "%s: adopted %s run %s", self.cluster_id, workload.job, workload.run_id
+                    )
+            for thread in threads:
+                thread.start()
+            self.ready.set()
+            while not stop.is_set():
+                self._consume(consumer, 0.1)
+                self.reconcile()
+                self.watch()
+        finally:
+            stop.set()
+            for thread in threads:
+                if thread.is_alive():
+                    thread.join(5)
+            server.close()
+            consumer.close()
+            self.producer.flush(10)
+
+    def _catch_up(self, consumer: Any, stop: threading.Event) -> None:
+        ends = {}
+        for topic in (self.topics.orders, self.topics.emergency):
+            _, high = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=30)
+            ends[topic] = high
+        while not stop.is_set():
+            positions = {
+                tp.topic: tp.offset
+                for tp in consumer.position([TopicPartition(t, 0) for t in ends])
+            }
+            if all(positions[t] >= end or end == 0 for t, end in ends.items()):
+                return
+            self._consume(consumer, 0.2)
+
+    def _consume(self, consumer: Any, timeout_s: float) -> None:
+        for msg in consumer.consume(500, timeout_s):
+            error = msg.error()
+            if error is not None:
+                if error.code() != KafkaError._PARTITION_EOF:
+                    log.warning("%s: %s", self.cluster_id, error.str())
+                continue
+            decoded = self.codec.decode(msg.value())
+            record = decoded.record
+            name = decoded.schema.full_name
+            if name == WORKLOAD_ORDER:
+                order = Order.from_record(record)
+                current = self.orders.get(order.job)
+                if current is None or (order.epoch, order.attempt, order.ts) >= (
+                    current.epoch,
+                    current.attempt,
+                    current.ts,
+                ):
+                    self.orders[order.job] = order
+            elif name == CLUSTER_HEALTH:
+                self.health[record["cluster_id"]] = record
+            elif (
+                name == CLUSTER_SIGNAL
+                and record["kind"] == "HEARTBEAT"
+                and record["probe_address"]
+                and record["cluster_id"] != self.cluster_id
+            ):
+                self.peers[record["cluster_id"]] = record["probe_address"]
+
+    # -- desired against actual -----------------------------------------------------------------
+
+    def fenced(self) -> bool:
+        """Declared lost and not yet healthy again: start nothing new."""
+        mine = self.health.get(self.cluster_id)
+        return mine is not None and mine["state"] in ("UNHEALTHY", "RECOVERING")
+
+    def reconcile(self) -> None:
+        with self.lock:
+            actual = {
+                job: [
+                    Actual(w.job, w.epoch, w.attempt, w.alive, w.stop_deadline is not None)
+                    for w in runs
+                ]
+                for job, runs in self.running.items()
+            }
+        for action in plan(self.cluster_id, self.orders, actual, may_start=not self.fenced()):
+            if isinstance(action, Start):
+                self._start(action.order)
+            elif isinstance(action, Stop):
+                self._stop(action)
+
+    def _stop(self, action: Stop) -> None:
+        for workload in self.running.get(action.job, []):
+            if workload.run_id == action.run_id and workload.stop_deadline is None:
+                workload.stop_reason = action.reason
+                workload.fenced = action.fenced
+                procs.stop(workload, action.final_checkpoint, self.stop_grace_s)
+                log.info(
+                    "%s: stopping %s %s: %s",
+                    self.cluster_id,
+                    action.job,
+                    action.run_id,
+                    action.reason,
+                )
+
+    def _start(self, order: Order) -> None:
+        spec = order.spec or {}
+        body = spec.get("spec", {})
+        workload_spec = body.get("workload") or {}
+        gpus = " ".join(f"{node}:{','.join(map(str, ids))}" for node, ids in order.workers)
+        self._event(order, "RESERVED", detail=f"GPUs {gpus}")
+        checkpoints_env, restored = self._prepare(order)
+        command = workload_spec.get("command") or DEFAULT_TRAINER
+        group, isolation = procs.isolate(
+            self.cluster_id,
+            order.job,
+            f"e{order.epoch}-a{order.attempt}",
+            body.get("priority_class", "normal"),
+        )
+        env = {
+            **os.environ,
+            **checkpoints_env,
+            **self._contract(order, workload_spec),
+            **{str(k): str(v) for k, v in (workload_spec.get("env") or {}).items()},
+        }
+        began = time.perf_counter()
+        workload = procs.launch(
+            self.root,
+            order.job,
+            order.tenant,
+            order.epoch,
+            order.attempt,
+            order.trace_id,
+            list(command),
+            env,
+            group,
+        )
+        with self.lock:
+            self.running.setdefault(order.job, []).append(workload)
+        self.started.append((order.job, order.epoch, order.attempt))
+        self._event(
+            order,
+            "STARTING",
+            pid=workload.pid,
+            seconds=round(time.perf_counter() - began, 4),
+            detail=f"{' '.join(command)}; {isolation}"
+            + (f"; resumes from {restored}" if restored else ""),
+        )
+        self.producer.poll(0)
+
+    def _contract(self, order: Order, workload_spec: Mapping[str, Any]) -> dict[str, str]:
+        """The workload contract's environment (see agents/workloads/train.py)."""
+        workers = [
+            {"rank": rank, "node_id": node, "gpus": list(ids)}
+            for rank, (node, ids) in enumerate(order.workers)
+        ]
+        env = {
+            "FLEETLINE_JOB": order.job,
+            "FLEETLINE_TENANT": order.tenant,
+            "FLEETLINE_CLUSTER": self.cluster_id,
+            "FLEETLINE_EPOCH": str(order.epoch),
+            "FLEETLINE_ATTEMPT": str(order.attempt),
+            "FLEETLINE_TRACE_ID": order.trace_id,
+            "TRACEPARENT": f"00-{order.trace_id}-{order.trace_id[:16]}-01",
+            "FLEETLINE_WORKERS": json.dumps(workers),
+            "FLEETLINE_WORLD_SIZE": str(len(workers)),
+            "FLEETLINE_RANK": "0",
+            "CUDA_VISIBLE_DEVICES": ",".join(map(str, order.workers[0][1]))
+            if order.workers
+            else "",
+            # One thread: the same sums in the same order on every cluster (bit-identical).
+            "OPENBLAS_NUM_THREADS": "1",
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+        }
+        for name, var in (
+            ("steps", "FLEETLINE_STEPS"),
+            ("checkpoint_every_steps", "FLEETLINE_CHECKPOINT_EVERY"),
+            ("report_every_steps", "FLEETLINE_REPORT_EVERY"),
+            ("seed", "FLEETLINE_SEED"),
+            ("step_delay_ms", "FLEETLINE_STEP_DELAY_MS"),
+        ):
+            if name in workload_spec:
+                env[var] = str(workload_spec[name])
+        return env
+
+    # -- the checkpoint data plane --------------------------------------------------------------
+
+    def checkpoints(self, cluster_id: str, order: Order) -> tuple[str, Checkpoints]:
+        """(bucket, the job's checkpoints there) in a cluster's own store."""
+        bucket = cluster_bucket(self.settings.s3.bucket, cluster_id)
+        store = ObjectStore.from_settings(self.settings.s3, bucket)
+        if cluster_id == self.cluster_id:
+            store.ensure_bucket()
+        name = order.job.split("/", 1)[-1]
+        key = tenant_key(self._master, order.tenant) if self._master else None
+        return bucket, Checkpoints(store, f"checkpoints/{order.tenant}/{name}", key)
+
+    def _prepare(self, order: Order) -> tuple[dict[str, str], str | None]:
+        """Bring the job's newest complete checkpoint into this cluster's store (from any
+        cluster it ran in) and return the workload's storage environment."""
+        clusters = [self.cluster_id, *(c for c in order.resume_from if c != self.cluster_id)]
+        located = [self.checkpoints(c, order) for c in clusters]
+        bucket, own = located[0]
+        sources = [store for _, store in located]
+        best = best_of(sources)
+        for cluster_id, store in zip(clusters, sources, strict=True):
+            for why in store.skipped:
+                self._event(
+                    order, "RESTORED", from_cluster=cluster_id, detail=f"passed over: {why}"
+                )
+        restored = None
+        if best is not None:
+            source, manifest = best
+            if source is not own:
+                size, seconds = source.copy_to(own, manifest.name)
+                self._event(
+                    order,
+                    "RESTORED",
+                    step=manifest.step,
+                    checkpoint_uri=f"s3://{bucket}/{own.prefix}/{manifest.name}",
+                    bytes=size,
+                    seconds=round(seconds, 4),
+                    from_cluster=clusters[sources.index(source)],
+                    detail="copied sealed under the tenant's key"
+                    if manifest.sealed
+                    else "copied unsealed: no object-encryption key is configured",
+                )
+            restored = f"{manifest.name} (step {manifest.step})"
+        s3 = self.settings.s3
+        env = {
+            "FLEETLINE_S3_ENDPOINT": s3.endpoint,
+            "FLEETLINE_S3_ACCESS_KEY": s3.access_key,
+            "FLEETLINE_S3_SECRET_KEY": s3.secret_key,
+            "FLEETLINE_S3_SECURE": "true" if s3.secure else "false",
+            "FLEETLINE_S3_REGION": s3.region,
+            "FLEETLINE_CHECKPOINT_BUCKET": bucket,
+            "FLEETLINE_CHECKPOINT_PREFIX": own.prefix,
+        }
+        if own.key is not None:
+            env["FLEETLINE_CHECKPOINT_KEY"] = base64.b64encode(own.key).decode()
+        return env, restored
+
+    # -- watching -------------------------------------------------------------------------------
+
+    def current(self, workload: procs.Workload) -> Order | None:
+        """The order the workload runs under, if it is still the job's order here (fencing)."""
+        order = self.orders.get(workload.job)
+        if (
+            order is None
+            or order.action != "RUN"
+            or order.cluster_id != self.cluster_id
+            or order.run_id != workload.run_id
+        ):
+            return None
+        return order
+
+    def watch(self) -> None:
+        procs.reap()
+        with self.lock:
+            workloads = [w for runs in self.running.values() for w in runs]
+        for workload in workloads:
+            if workload.reported:
+                continue
+            order = self.current(workload)
+            self._publish_progress(workload, order)
+            alive = workload.alive
+            if (
+                alive
+                and order is not None
+                and not workload.running_reported
+                and time.monotonic() - workload.started_at >= self.running_after_s
+            ):
+                self._event(order, "RUNNING", pid=workload.pid)
+                self._report(order, "RUNNING", detail=f"pid {workload.pid}")
+                workload.running_reported = True
+                workload.mark("running")
+            if (
+                alive
+                and workload.stop_deadline is not None
+                and time.monotonic() > workload.stop_deadline
+            ):
+                workload.signal(9)
+            if not alive:
+                self._finished(workload, order)
+        self.producer.poll(0)
+
+    def _publish_progress(self, workload: procs.Workload, order: Order | None) -> None:
+        lines = workload.new_progress()
+        if not lines:
+            return
+        if order is not None:
+            for line in lines:
+                kind = line.get("event")
+                if kind == "progress":
+                    workload.step = line.get("step")
+                    self._event(
+                        order,
+                        "PROGRESS",
+                        step=line.get("step"),
+                        loss=line.get("loss"),
+                        samples_per_s=line.get("samples_per_s"),
+                    )
+                elif kind == "checkpoint":
+                    self._event(
+                        order,
+                        "CHECKPOINTED",
+                        step=line.get("step"),
+                        checkpoint_uri=line.get("uri"),
+                        bytes=line.get("bytes"),
+                        seconds=line.get("seconds"),
+                    )
+                    self._report(
+                        order,
+                        "CHECKPOINT",
+                        step=line.get("step"),
+                        checkpoint_ms=line.get("ts"),
+                        detail=line.get("uri"),
+                    )
+                elif kind == "resumed":
+                    self._event(
+                        order,
+                        "RESTORED",
+                        step=line.get("step"),
+                        detail=f"resumed from {line.get('checkpoint')}",
+                    )
+                elif kind == "done":
+                    workload.done = line
+        # A fenced copy's lines are passed over, never published: it speaks for no epoch.
+        self.producer.flush(10)
+        workload.published_to(workload.published + len(lines))
+
+    def _finished(self, workload: procs.Workload, order: Order | None) -> None:
+        code = workload.exit_code()
+        if code is None and (workload.directory / "child.pid").exists() and workload.pid:
+            # The launcher is gone without writing the code: killed with its group.
+            code = 137
+        speaking_for = order or self._order_of(workload)
+        if workload.stop_deadline is not None or order is None:
+            kind = "FENCED" if workload.fenced or order is None else "STOPPED"
+            self._event(
+                speaking_for,
+                "EXITED",
+                exit_code=code,
+                pid=workload.pid,
+                detail=f"stopped: {workload.stop_reason or 'no longer ordered here'}",
+            )
+            self._event(speaking_for, kind, detail=workload.stop_reason or "no longer ordered here")
+        elif code == 0:
+            digest = workload.done.get("params_sha256")
+            self._event(
+                order,
+                "EXITED",
+                exit_code=0,
+                step=workload.done.get("step"),
+                detail=f"params sha256 {digest}" if digest else None,
+            )
+            self._report(
+                order,
+                "SUCCEEDED",
+                exit_code=0,
+                detail=f"params sha256 {digest}" if digest else "exit code 0",
+            )
+        else:
+            reason = workload.stderr_tail() or (
+                "the workload could not be started" if code == 127 else "no error output"
+            )
+            self._event(order, "EXITED", exit_code=code, pid=workload.pid, detail=reason)
+            self._event(order, "FAILED", exit_code=code, detail=reason)
+            self._report(order, "FAILED", exit_code=code, detail=reason)
+        self.producer.flush(10)
+        workload.mark("reported")
+        workload.reported = True
+
+    def _order_of(self, workload: procs.Workload) -> Order:
+        """An order shaped like the one the workload was started under (for its last events)."""
+        return Order(
+            workload.job,
+            workload.tenant,
+            "",
+            "RUN",
+            self.cluster_id,
+            workload.epoch,
+            workload.attempt,
+            0,
+            "",
+            workload.trace_id,
+            None,
+            (),
+            (),
+            False,
+        )
+
+    # -- publishing -----------------------------------------------------------------------------
+
+    def _event(self, order: Order, kind: str, **fields: Any) -> None:
+        record = {
+            "job": order.job,
+            "tenant": order.tenant,
+            "cluster_id": self.cluster_id,
+            "epoch": order.epoch,
+            "attempt": order.attempt,
+            "ts": _now_ms(),
+            "event": kind,
+            "trace_id": order.trace_id,
+            "pid": None,
+            "step": None,
+            "loss": None,
+            "samples_per_s": None,
+            "exit_code": None,
+            "checkpoint_uri": None,
+            "bytes": None,
+            "seconds": None,
+            "from_cluster": None,
+            "detail": None,
+            **fields,
+        }
+        produce(
+            self.producer,
+            Output(
+                self.topics.workloads,
+                order.job.encode(),
+                self.codec.encode("WorkloadEvent", record),
+            ),
+        )
+
+    def _report(self, order: Order, phase: str, **fields: Any) -> None:
+        request = new_request(
+            "PROGRESS",
+            order.job,
+            order.tenant,
+            _now_ms(),
+            uuid.uuid4().hex,
+            actor=f"cluster-agent/{self.cluster_id}",
+            phase=phase,
+            cluster_id=self.cluster_id,
+            epoch=order.epoch,
+            attempt=order.attempt,
+            **fields,
+        )
+        produce(self.producer, request_output(self.topics, request, self.codec))
+
+    # -- status and peers -----------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        with self.lock:
+            workloads = [w for runs in self.running.values() for w in runs if w.alive]
+        reserved = 0
+        for w in workloads:
+            order = self.orders.get(w.job)
+            if order is not None and order.cluster_id == self.cluster_id:
+                reserved += sum(len(ids) for _, ids in order.workers)
+        return {
+            "gpus_reserved": reserved,
+            "workloads": [
+                {
+                    "job": w.job,
+                    "epoch": w.epoch,
+                    "attempt": w.attempt,
+                    "state": "Stopping" if w.stop_deadline is not None else "Running",
+                    "pid": w.pid,
+                    "step": w.step,
+                }
+                for w in sorted(workloads, key=lambda w: (w.job, w.run_id))
+            ],
+            "peers": [
+                {"cluster_id": c, "reachable": ok, "rtt_ms": rtt}
+                for c, (ok, rtt) in sorted(self.reach.items())
+            ],
+        }
+
+    def _heartbeats(self, stop: threading.Event) -> None:
+        producer = kafka_clients.producer(self.settings.kafka, {"linger.ms": 0})
+        seq = 0
+        try:
+            while not stop.is_set():
+                seq += 1
+                record = signal(
+                    "HEARTBEAT",
+                    self.cluster_id,
+                    _now_ms(),
+                    seq=seq,
+                    incarnation=self.incarnation,
+                    actor=f"cluster-agent/{self.cluster_id}",
+                    probe_address=self.probe_address,
+                    **self.status(),
+                )
+                produce(producer, signal_output(self.topics, record, self.codec))
+                producer.poll(0)
+                stop.wait(self.heartbeat_s)
+        finally:
+            producer.flush(5)
+
+    def _blocked(self) -> set[str]:
+        if self.chaos_file is None:
+            return set()
+        try:
+            return {
+                line.strip() for line in self.chaos_file.read_text().splitlines() if line.strip()
+            }
+        except OSError:
+            return set()
+
+    def _probe_server(self, stop: threading.Event) -> socket.socket:
+        server = socket.socket()
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 0))
+        server.listen(16)
+        server.settimeout(0.2)
+        host, port = server.getsockname()[:2]
+        self.probe_address = f"{host}:{port}"
+
+        def serve() -> None:
+            while not stop.is_set():
+                try:
+                    conn, _ = server.accept()
+                except (TimeoutError, OSError):
+                    continue
+                with conn:
+                    conn.settimeout(self.probe_timeout_s)
+                    try:
+                        asker = conn.recv(256).decode().removeprefix("PING ").strip()
+                        if asker not in self._blocked():
+                            conn.sendall(f"PONG {self.cluster_id}\n".encode())
+                    except OSError:
+                        pass
+
+        threading.Thread(target=serve, daemon=True).start()
+        return server
+
+    def _prober(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            blocked = self._blocked()
+            for cluster_id, address in sorted(self.peers.items()):
+                if cluster_id in blocked:
+                    self.reach[cluster_id] = (False, None)
+                    continue
+                self.reach[cluster_id] = self._probe(address)
+            stop.wait(self.heartbeat_s)
+
+    def _probe(self, address: str) -> tuple[bool, float | None]:
+        host, _, port = address.rpartition(":")
+        began = time.perf_counter()
+        try:
+            with socket.create_connection((host, int(port)), timeout=self.probe_timeout_s) as conn:
+                conn.settimeout(self.probe_timeout_s)
+                conn.sendall(f"PING {self.cluster_id}\n".encode())
+                answer = conn.recv(256)
+        except OSError:
+            return False, None
+        if not answer.startswith(b"PONG"):
+            return False, None
+        return True, round((time.perf_counter() - began) * 1000, 3)
+
+
+def run_agents(agents: Sequence[ClusterAgent], stop: threading.Event) -> list[threading.Thread]:
+    threads = [
+        threading.Thread(target=a.run, args=(stop,), name=a.name, daemon=True) for a in agents
+    ]
+    for thread in threads:
+        thread.start()
+    return threads

@@ -1,0 +1,246 @@
+"""`fleetline workload train`: a small, deterministic training run under the workload contract.
+
+A two-layer network (tanh hidden layer, softmax output) learns a teacher network's labels on a
+data set generated from the job's seed, with Adam, in numpy. Every `checkpoint_every` steps it
+writes a checkpoint to the cluster's object store (`storage/checkpoints.py`): parameters,
+optimizer state (moments and step count), the random generator's state (which draws each
+batch, so it is the data position too) and the step. On start it resumes from the newest
+complete checkpoint of its own store, so a run stopped anywhere and resumed elsewhere ends
+with parameters bit-identical to a run never stopped. SIGTERM: checkpoint, then exit 0.
+
+The contract, which any other command can keep (a PyTorch job, say): environment in
+(FLEETLINE_JOB, _TENANT, _CLUSTER, _EPOCH, _ATTEMPT, _TRACE_ID, _WORKERS, _RANK, _WORLD_SIZE,
+CUDA_VISIBLE_DEVICES, the S3 endpoint and credentials, FLEETLINE_CHECKPOINT_BUCKET and _PREFIX,
+_CHECKPOINT_KEY when sealed, FLEETLINE_PROGRESS_FILE); out: JSON lines appended to the progress
+file (`progress`, `checkpoint`, `done`, `stopped`) and checkpoints with a manifest written last.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from fleetline.config import S3Settings
+from fleetline.storage.checkpoints import Checkpoints, params_digest
+from fleetline.storage.objects import ObjectStore
+
+Arrays = dict[str, NDArray[np.float64]]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 2000
+    checkpoint_every: int = 200
+    report_every: int = 10
+    seed: int = 0
+    step_delay_s: float = 0.0
+    samples: int = 2048
+    features: int = 16
+    hidden: int = 32
+    classes: int = 4
+    batch: int = 64
+    lr: float = 0.01
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> TrainConfig:
+        return cls(
+            steps=int(env.get("FLEETLINE_STEPS", cls.steps)),
+            checkpoint_every=int(env.get("FLEETLINE_CHECKPOINT_EVERY", cls.checkpoint_every)),
+            report_every=int(env.get("FLEETLINE_REPORT_EVERY", cls.report_every)),
+            seed=int(env.get("FLEETLINE_SEED", cls.seed)),
+            step_delay_s=int(env.get("FLEETLINE_STEP_DELAY_MS", "0")) / 1000,
+        )
+
+
+def data(config: TrainConfig) -> tuple[NDArray[np.float64], NDArray[np.int64]]:
+    """Inputs and a teacher network's labels, from the seed alone."""
+    rng = np.random.default_rng([config.seed, 1])
+    x = rng.standard_normal((config.samples, config.features))
+    teacher = rng.standard_normal((config.features, config.classes))
+    return x, np.argmax(
+        np.tanh(x @ teacher) + 0.1 * rng.standard_normal((config.samples, config.classes)), axis=1
+    )
+
+
+def initial(config: TrainConfig) -> tuple[Arrays, Arrays, np.random.Generator]:
+    """Parameters, Adam's state (zero moments, t = 0) and the batch generator."""
+    rng = np.random.default_rng([config.seed, 2])
+    params: Arrays = {
+        "w1": rng.standard_normal((config.features, config.hidden)) * 0.3,
+        "b1": np.zeros(config.hidden),
+        "w2": rng.standard_normal((config.hidden, config.classes)) * 0.3,
+        "b2": np.zeros(config.classes),
+    }
+    optimizer: Arrays = {f"m_{k}": np.zeros_like(v) for k, v in params.items()}
+    optimizer |= {f"v_{k}": np.zeros_like(v) for k, v in params.items()}
+    optimizer["t"] = np.zeros(1)
+    return params, optimizer, np.random.default_rng([config.seed, 3])
+
+
+def train_step(
+    config: TrainConfig,
+    params: Arrays,
+    optimizer: Arrays,
+    rng: np.random.Generator,
+    x: NDArray[np.float64],
+    y: NDArray[np.int64],
+) -> float:
+    """One Adam step on a batch the generator draws; the batch's loss before the step."""
+    index = rng.integers(0, len(x), config.batch)
+    xb, yb = x[index], y[index]
+    h = np.tanh(xb @ params["w1"] + params["b1"])
+    logits = h @ params["w2"] + params["b2"]
+    logits -= logits.max(axis=1, keepdims=True)
+    p = np.exp(logits)
+    p /= p.sum(axis=1, keepdims=True)
+    loss = float(-np.log(p[np.arange(len(yb)), yb] + 1e-12).mean())
+    d_logits = p
+    d_logits[np.arange(len(yb)), yb] -= 1
+    d_logits /= len(yb)
+    grads = {"w2": h.T @ d_logits, "b2": d_logits.sum(axis=0)}
+    dh = (d_logits @ params["w2"].T) * (1 - h**2)
+    grads |= {"w1": xb.T @ dh, "b1": dh.sum(axis=0)}
+    optimizer["t"] += 1
+    t = optimizer["t"][0]
+    beta1, beta2, eps = 0.9, 0.999, 1e-8
+    for k, g in grads.items():
+        m, v = optimizer[f"m_{k}"], optimizer[f"v_{k}"]
+        m *= beta1
+        m += (1 - beta1) * g
+        v *= beta2
+        v += (1 - beta2) * g * g
+        params[k] -= config.lr * (m / (1 - beta1**t)) / (np.sqrt(v / (1 - beta2**t)) + eps)
+    return loss
+
+
+def _npz(arrays: Arrays) -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)  # type: ignore[arg-type]  # numpy's stub types allow_pickle only
+    return buffer.getvalue()
+
+
+def _arrays(blob: bytes) -> Arrays:
+    with np.load(io.BytesIO(blob), allow_pickle=False) as loaded:
+        return {k: loaded[k] for k in loaded.files}
+
+
+def state_parts(
+    params: Arrays, optimizer: Arrays, rng: np.random.Generator, step: int
+) -> dict[str, bytes]:
+    return {
+        "params.npz": _npz(params),
+        "optimizer.npz": _npz(optimizer),
+        "state.json": json.dumps(
+            {"step": step, "rng": rng.bit_generator.state}, sort_keys=True
+        ).encode(),
+    }
+
+
+def from_parts(
+    parts: Mapping[str, bytes], config: TrainConfig
+) -> tuple[Arrays, Arrays, np.random.Generator, int]:
+    state = json.loads(parts["state.json"])
+    rng = np.random.default_rng([config.seed, 3])
+    rng.bit_generator.state = state["rng"]
+    return _arrays(parts["params.npz"]), _arrays(parts["optimizer.npz"]), rng, int(state["step"])
+
+
+class Progress:
+    """The progress file: one JSON object per line, flushed as written."""
+
+    def __init__(self, path: str | None) -> None:
+        self._file = open(path, "a", buffering=1) if path else sys.stdout  # noqa: SIM115
+
+    def write(self, **event: Any) -> None:
+        self._file.write(json.dumps({"ts": int(time.time() * 1000), **event}) + "\n")
+        self._file.flush()
+
+
+def checkpoints_from_env(env: Mapping[str, str]) -> Checkpoints:
+    s3 = S3Settings(
+        endpoint=env["FLEETLINE_S3_ENDPOINT"],
+        access_key=env["FLEETLINE_S3_ACCESS_KEY"],
+        secret_key=env["FLEETLINE_S3_SECRET_KEY"],
+        secure=env.get("FLEETLINE_S3_SECURE", "false") == "true",
+        region=env.get("FLEETLINE_S3_REGION", "us-east-1"),
+    )
+    store = ObjectStore.from_settings(s3, env["FLEETLINE_CHECKPOINT_BUCKET"])
+    store.ensure_bucket()
+    key = env.get("FLEETLINE_CHECKPOINT_KEY")
+    return Checkpoints(
+        store, env["FLEETLINE_CHECKPOINT_PREFIX"], base64.b64decode(key) if key else None
+    )
+
+
+def main(env: Mapping[str, str] | None = None) -> int:
+    env = os.environ if env is None else env
+    config = TrainConfig.from_env(env)
+    epoch = int(env.get("FLEETLINE_EPOCH", "1"))
+    progress = Progress(env.get("FLEETLINE_PROGRESS_FILE"))
+    store = checkpoints_from_env(env)
+    stopping: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
+    x, y = data(config)
+    found = store.latest()
+    if found is not None:
+        manifest, parts = found
+        params, optimizer, rng, step = from_parts(parts, config)
+        progress.write(event="resumed", step=step, checkpoint=manifest.name, skipped=store.skipped)
+    else:
+        params, optimizer, rng = initial(config)
+        step = 0
+    began, done_before = time.perf_counter(), step
+
+    def checkpoint() -> None:
+        manifest, seconds = store.save(
+            epoch,
+            step,
+            state_parts(params, optimizer, rng, step),
+            {"params_sha256": params_digest(params)},
+        )
+        progress.write(
+            event="checkpoint",
+            step=step,
+            uri=f"s3://{env['FLEETLINE_CHECKPOINT_BUCKET']}/{store.prefix}/{manifest.name}",
+            bytes=manifest.bytes,
+            seconds=round(seconds, 4),
+        )
+
+    while step < config.steps:
+        if stopping:
+            checkpoint()
+            progress.write(event="stopped", step=step)
+            return 0
+        loss = train_step(config, params, optimizer, rng, x, y)
+        step += 1
+        if step % config.report_every == 0 or step == config.steps:
+            elapsed = time.perf_counter() - began
+            progress.write(
+                event="progress",
+                step=step,
+                loss=loss,
+                samples_per_s=round((step - done_before) * config.batch / elapsed, 1)
+                if elapsed
+                else None,
+            )
+        if step % config.checkpoint_every == 0 or step == config.steps:
+            checkpoint()
+        if config.step_delay_s:
+            time.sleep(config.step_delay_s)
+    progress.write(event="done", step=step, params_sha256=params_digest(params))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

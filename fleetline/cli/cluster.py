@@ -1,0 +1,144 @@
+"""The cluster control layer: `cluster-agent` (one per cluster), `workload train` (the built-in
+training workload) and `cluster cordon|uncordon|health` for operators."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import threading
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from fleetline.cli.common import TopicPrefix, console, now_ms, settings
+
+cluster = typer.Typer(help="Operate whole clusters: cordon, uncordon, health", no_args_is_help=True)
+workload = typer.Typer(help="Workloads a cluster agent runs", no_args_is_help=True)
+
+ClusterId = Annotated[str, typer.Argument(help="the cluster's id")]
+
+
+def cluster_agent(
+    cluster_id: Annotated[str, typer.Option(help="the cluster this agent runs")],
+    topic_prefix: TopicPrefix = "fleetline",
+    state_dir: Annotated[
+        Path | None,
+        typer.Option(help="run directories of its workloads (default: .cache/cluster-agent)"),
+    ] = None,
+    stop_grace_s: Annotated[
+        float, typer.Option(min=0.0, help="how long a stopping workload may checkpoint")
+    ] = 20.0,
+    chaos_file: Annotated[
+        Path | None,
+        typer.Option(help="fault injection: peers (one per line) this agent cannot reach"),
+    ] = None,
+) -> None:
+    """Run the cluster agent: reconcile the scheduler's workload orders for this cluster with
+    the workloads it runs (real processes), report their transitions and the cluster's status
+    every second, move checkpoints in from other clusters, probe the peers (until interrupted)."""
+    from fleetline.agents.cluster.agent import ClusterAgent
+    from fleetline.processors.health.runtime import health_topics
+    from fleetline.streams import kafka as kafka_clients
+    from fleetline.streams.topics import Topics
+
+    config = settings("kafka", "s3")
+    topics = Topics(topic_prefix)
+    kafka_clients.ensure_topics(config.kafka, health_topics(topics))
+    agent = ClusterAgent(
+        config,
+        topics,
+        cluster_id,
+        state_dir or config.cache_dir / "cluster-agent",
+        stop_grace_s=stop_grace_s,
+        chaos_file=chaos_file,
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with contextlib.suppress(KeyboardInterrupt):
+        agent.run(stop)
+
+
+@workload.command()
+def train() -> None:
+    """The built-in training workload (a two-layer network with Adam in numpy), under the
+    workload contract: FLEETLINE_* environment in, progress lines and checkpoints out (see
+    fleetline/agents/workloads/train.py). A cluster agent starts it for a TrainingJob whose
+    spec names no command."""
+    from fleetline.agents.workloads.train import main
+
+    raise typer.Exit(main())
+
+
+def _signal(kind: str, cluster_id: str, reason: str | None, topic_prefix: str) -> None:
+    from fleetline.processors.health.runtime import signal as cluster_signal
+    from fleetline.processors.health.runtime import signal_output
+    from fleetline.streams import kafka as kafka_clients
+    from fleetline.streams.loop import deliver
+    from fleetline.streams.serde import default_codec
+    from fleetline.streams.topics import Topics
+
+    config = settings("kafka")
+    topics = Topics(topic_prefix)
+    record = cluster_signal(kind, cluster_id, now_ms(), actor="fleetline-cli", reason=reason)
+    out = signal_output(topics, record, default_codec())
+    deliver(kafka_clients.producer(config.kafka, {"linger.ms": 0}), [out], "the signal log")
+    console.print(f"{cluster_id}: {kind.lower()} sent")
+
+
+@cluster.command()
+def cordon(
+    cluster_id: ClusterId,
+    reason: Annotated[str | None, typer.Option(help="why, for the audit trail")] = None,
+    topic_prefix: TopicPrefix = "fleetline",
+) -> None:
+    """Take a whole cluster out of placement: what runs there stays, nothing new lands."""
+    _signal("CORDON", cluster_id, reason, topic_prefix)
+
+
+@cluster.command()
+def uncordon(
+    cluster_id: ClusterId,
+    reason: Annotated[str | None, typer.Option(help="why, for the audit trail")] = None,
+    topic_prefix: TopicPrefix = "fleetline",
+) -> None:
+    """Return a cordoned cluster to placement."""
+    _signal("UNCORDON", cluster_id, reason, topic_prefix)
+
+
+@cluster.command()
+def health(
+    topic_prefix: TopicPrefix = "fleetline",
+    json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Each cluster's health as the emergency topic last declared it, and broken links."""
+    from fleetline.processors.scheduling.runtime import read_topic
+    from fleetline.streams.events import CLUSTER_HEALTH
+    from fleetline.streams.serde import default_codec
+    from fleetline.streams.topics import Topics
+
+    config = settings("kafka")
+    codec = default_codec()
+    latest: dict[str, dict[str, object]] = {}
+    links: dict[tuple[str, str], bool] = {}
+    for msg in read_topic(config.kafka, Topics(topic_prefix).emergency):
+        record = codec.decode(msg.value(), expect=CLUSTER_HEALTH).record
+        if record["event"] == "PARTITION":
+            links[(record["cluster_id"], record["peer"])] = bool(record["link_up"])
+        latest[record["cluster_id"]] = record
+    broken = sorted(f"{a}<->{b}" for (a, b), up in links.items() if not up and a < b)
+    if json_:
+        print(json.dumps({"clusters": latest, "broken_links": broken}, default=str))
+        return
+    for cluster_id, r in sorted(latest.items()):
+        cordoned = " (cordoned)" if r["cordoned"] else ""
+        console.print(f"{cluster_id}: {r['state']}{cordoned} since {r['since_ms']}: {r['reason']}")
+    for link in broken:
+        console.print(f"link down: {link}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command(name="cluster-agent")(cluster_agent)
+    app.add_typer(cluster, name="cluster")
+    app.add_typer(workload, name="workload")
