@@ -20,7 +20,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,8 @@ from fleetline.storage.crypto import ObjectCipher
 from fleetline.storage.objects import Objects
 
 FORMAT = "fleetline.checkpoint/1"
+# Whether a checkpoint (epoch, step) may be resumed from.
+Admit = Callable[[int, int], bool]
 MANIFEST = "MANIFEST.json"
 _NAME = re.compile(r"^e(?P<epoch>\d{10})-s(?P<step>\d{12})$")
 
@@ -191,8 +193,12 @@ class Checkpoints:
                 self.skipped.append(str(exc))
         return None
 
-    def newest_complete(self) -> Manifest | None:
+    def newest_complete(self, admit: Admit | None = None) -> Manifest | None:
+        """The newest complete checkpoint that `admit(epoch, step)` accepts (any by default)."""
         for name in self.names():
+            match = _NAME.match(name)
+            if admit is not None and match and not admit(int(match["epoch"]), int(match["step"])):
+                continue
             manifest = self.complete(name)
             if manifest is not None:
                 return manifest
@@ -226,12 +232,15 @@ def _manifest_bytes(manifest: Manifest) -> bytes:
     ).encode()
 
 
-def best_of(stores: list[Checkpoints]) -> tuple[Checkpoints, Manifest] | None:
-    """The newest complete checkpoint across stores (the first store wins a tie: the local)."""
+def best_of(
+    stores: list[Checkpoints], admit: Admit | None = None
+) -> tuple[Checkpoints, Manifest] | None:
+    """The newest complete checkpoint across stores that `admit` accepts (the first store wins
+    a tie: the local one)."""
     best: tuple[Checkpoints, Manifest] | None = None
     for store in stores:
         try:
-            manifest = store.newest_complete()
+            manifest = store.newest_complete(admit)
         except StorageError as exc:
             store.skipped.append(f"{store.prefix}: {exc}")
             continue

@@ -308,7 +308,7 @@ class ClusterAgent:
         located = [self.checkpoints(c, order) for c in clusters]
         bucket, own = located[0]
         sources = [store for _, store in located]
-        best = best_of(sources)
+        best = best_of(sources, order.admits)
         for cluster_id, store in zip(clusters, sources, strict=True):
             for why in store.skipped:
                 self._event(
@@ -341,6 +341,9 @@ class ClusterAgent:
             "FLEETLINE_S3_REGION": s3.region,
             "FLEETLINE_CHECKPOINT_BUCKET": bucket,
             "FLEETLINE_CHECKPOINT_PREFIX": own.prefix,
+            # The one to resume from (empty: start afresh), so that the workload never picks a
+            # checkpoint the fence rules out.
+            "FLEETLINE_RESUME_CHECKPOINT": best[1].name if best is not None else "",
         }
         if own.key is not None:
             env["FLEETLINE_CHECKPOINT_KEY"] = base64.b64encode(own.key).decode()
@@ -493,6 +496,7 @@ class ClusterAgent:
             None,
             (),
             (),
+            None,
             False,
         )
 

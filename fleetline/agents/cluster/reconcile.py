@@ -32,6 +32,7 @@ class Order:
     spec: Mapping[str, Any] | None
     workers: tuple[tuple[str, tuple[int, ...]], ...]
     resume_from: tuple[str, ...]
+    resume_step: int | None
     final_checkpoint: bool
 
     @classmethod
@@ -50,12 +51,21 @@ class Order:
             json.loads(r["spec_json"]) if r.get("spec_json") else None,
             tuple((w["node_id"], tuple(w["gpus"])) for w in r["workers"]),
             tuple(r["resume_from"]),
+            r.get("resume_step"),
             bool(r["final_checkpoint"]),
         )
 
     @property
     def run_id(self) -> tuple[int, int]:
         return (self.epoch, self.attempt)
+
+    def admits(self, epoch: int, step: int) -> bool:
+        """Whether a checkpoint may be resumed from: one of this epoch (its earlier attempts),
+        or of an earlier epoch up to the step the scheduler accepted. A checkpoint past that was
+        written by a copy already fenced off (a lost cluster's workload running on)."""
+        if epoch == self.epoch:
+            return True
+        return epoch < self.epoch and self.resume_step is not None and step <= self.resume_step
 
 
 @dataclass(frozen=True)

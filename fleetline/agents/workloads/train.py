@@ -11,8 +11,10 @@ with parameters bit-identical to a run never stopped. SIGTERM: checkpoint, then 
 The contract, which any other command can keep (a PyTorch job, say): environment in
 (FLEETLINE_JOB, _TENANT, _CLUSTER, _EPOCH, _ATTEMPT, _TRACE_ID, _WORKERS, _RANK, _WORLD_SIZE,
 CUDA_VISIBLE_DEVICES, the S3 endpoint and credentials, FLEETLINE_CHECKPOINT_BUCKET and _PREFIX,
-_CHECKPOINT_KEY when sealed, FLEETLINE_PROGRESS_FILE); out: JSON lines appended to the progress
-file (`progress`, `checkpoint`, `done`, `stopped`) and checkpoints with a manifest written last.
+_CHECKPOINT_KEY when sealed, FLEETLINE_RESUME_CHECKPOINT (the checkpoint to resume from; empty:
+start afresh; unset: the newest complete one), FLEETLINE_PROGRESS_FILE); out: JSON lines
+appended to the progress file (`resumed`, `progress`, `checkpoint`, `done`, `stopped`) and
+checkpoints with a manifest written last.
 """
 
 from __future__ import annotations
@@ -192,7 +194,13 @@ def main(env: Mapping[str, str] | None = None) -> int:
     stopping: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
     x, y = data(config)
-    found = store.latest()
+    chosen = env.get("FLEETLINE_RESUME_CHECKPOINT")
+    if chosen is None:
+        found = store.latest()  # run on its own: the newest complete checkpoint
+    elif chosen:
+        found = store.load(chosen)  # chosen by the cluster agent (and verified again here)
+    else:
+        found = None  # the agent found none that may be resumed from
     if found is not None:
         manifest, parts = found
         params, optimizer, rng, step = from_parts(parts, config)

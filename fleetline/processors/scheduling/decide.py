@@ -348,6 +348,7 @@ def order_run(s: SchedulerState, out: EffectLog, job: Job) -> None:
             spec_json=json.dumps(job.document, sort_keys=True, separators=(",", ":")),
             workers=workers,
             resume_from=(cluster_id, *(c for c in job.ran_in if c != cluster_id)),
+            resume_step=job.checkpoint_step,
         )
     )
 

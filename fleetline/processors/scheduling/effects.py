@@ -171,6 +171,7 @@ class WorkloadOrder:
     spec_json: str | None = None
     workers: tuple[tuple[str, tuple[int, ...]], ...] = ()
     resume_from: tuple[str, ...] = ()
+    resume_step: int | None = None
     final_checkpoint: bool = False
 
     def as_record(self) -> dict[str, Any]:
@@ -189,6 +190,7 @@ class WorkloadOrder:
             "spec_json": self.spec_json,
             "workers": [{"node_id": n, "gpus": list(g)} for n, g in self.workers],
             "resume_from": list(self.resume_from),
+            "resume_step": self.resume_step,
             "final_checkpoint": self.final_checkpoint,
         }
 

@@ -196,16 +196,20 @@ def progress(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> N
         raise InvalidEventError(f"{job.key}: unknown progress phase {phase!r}")
     s.dirty.add(f"job:{job.key}")
     epoch, attempt = request.get("epoch"), request.get("attempt")
+    # A checkpoint of the current epoch counts whichever attempt wrote it, and after the STOP
+    # too (the final checkpoint a preempted workload writes on its way out).
     if epoch is not None and (
         epoch != job.epoch
-        or job.ordered_cluster is None
-        or (attempt is not None and attempt != job.attempt and phase != Progress.CHECKPOINT)
+        or (
+            phase != Progress.CHECKPOINT
+            and (job.ordered_cluster is None or (attempt is not None and attempt != job.attempt))
+        )
     ):
         job.stale_reports += 1
         return
     cluster = request.get("cluster_id") or job.ordered_cluster or "its cluster"
     if phase == Progress.CHECKPOINT:
-        if request.get("checkpoint_ms") is not None and job.holds:
+        if request.get("checkpoint_ms") is not None and (job.holds or epoch is not None):
             job.checkpoint_ms = max(job.checkpoint_ms or 0, int(request["checkpoint_ms"]))
         if request.get("step") is not None:
             job.checkpoint_step = max(job.checkpoint_step or 0, int(request["step"]))

@@ -20,6 +20,7 @@ from fleetline.processors.view.model import GPU_FIELDS, HealthPolicy, ResourceVi
 from fleetline.streams.columnar import TelemetryBatchDecoder
 from fleetline.streams.events import (
     ALLOCATION,
+    CLUSTER_HEALTH,
     CLUSTER_INFO,
     DATASET_STATE,
     NODE_STATE,
@@ -51,6 +52,7 @@ def topic_roles(topics: Topics) -> dict[str, TopicRole]:
         topics.clusters: TopicRole(CLUSTER_INFO, "cluster_id", "cluster"),
         topics.datasets: TopicRole(DATASET_STATE, "dataset_id", "dataset"),
         topics.allocations: TopicRole(ALLOCATION, "job_id", None),
+        topics.emergency: TopicRole(CLUSTER_HEALTH, "cluster_id", None),
     }
 
 

@@ -1,0 +1,416 @@
+"""The cluster control layer on the real stack: the services of `fleetline serve` (view,
+scheduler, cluster health), a simulated fleet of three one-node clusters, and one
+`fleetline cluster-agent` process per cluster running real workload processes.
+
+In order: a broken link between two clusters evicts neither; a failing start is retried then
+reported Failed (and a flaky one succeeds on its second attempt); a cluster agent killed with
+SIGKILL re-adopts its workload and starts nothing twice; and a lost cluster's training job
+resumes on another cluster from its last complete checkpoint and ends with parameters
+bit-identical to a run never interrupted, while the copy left on the lost cluster is fenced
+when the cluster comes back.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleetline.agents.fleet import FleetAgent
+from fleetline.agents.simulator import ClusterSpec, Fault, FleetSimulator
+from fleetline.app import Fleetline, Options, build
+from fleetline.config import Settings
+from fleetline.processors.health.fold import ClusterHealthPolicy
+from fleetline.processors.scheduling.codec import canonical_json, new_request
+from fleetline.processors.scheduling.runtime import read_topic, submit
+from fleetline.streams.serde import default_codec
+from tests.services import service_env, submits
+from tests.support import fresh_topics, wait_until
+
+pytestmark = pytest.mark.services
+CLUSTERS = ("ca", "cb", "cc")
+POLICY = ClusterHealthPolicy(
+    suspect_after_ms=1_500, lost_after_ms=4_000, recover_after_ms=2_000, peer_report_fresh_ms=3_000
+)
+codec = default_codec()
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass
+class Stack:
+    settings: Settings
+    fleet: Fleetline
+    simulator: FleetSimulator
+    state_dir: Path
+    agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def topics(self):
+        return self.fleet.topics
+
+    def chaos(self, cluster: str) -> Path:
+        return self.state_dir / f"chaos-{cluster}"
+
+    def start_agent(self, cluster: str) -> None:
+        env = {
+            **os.environ,
+            **service_env(self.settings),
+            "FLEETLINE_OBJECT_ENCRYPTION_KEY": self.settings.object_encryption_key or "",
+        }
+        log = open(self.state_dir / f"agent-{cluster}.log", "ab")  # noqa: SIM115
+        self.agents[cluster] = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "fleetline.cli",
+                "cluster-agent",
+                "--cluster-id",
+                cluster,
+                "--topic-prefix",
+                self.topics.prefix,
+                "--state-dir",
+                str(self.state_dir / "agents"),
+                "--stop-grace-s",
+                "10",
+                "--chaos-file",
+                str(self.chaos(cluster)),
+            ],
+            env=env,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
+
+    def kill_agent(self, cluster: str) -> None:
+        agent = self.agents.pop(cluster)
+        agent.send_signal(signal.SIGKILL)
+        agent.wait(10)
+
+    def records(self, topic: str) -> list[dict[str, Any]]:
+        return [codec.decode(m.value()).record for m in read_topic(self.settings.kafka, topic)]
+
+    def events(self, job: str | None = None) -> list[dict[str, Any]]:
+        return [e for e in self.records(self.topics.workloads) if job is None or e["job"] == job]
+
+    def health(self) -> list[dict[str, Any]]:
+        return self.records(self.topics.emergency)
+
+    def job(self, key: str) -> dict[str, Any] | None:
+        assert self.fleet.scheduler is not None
+        return self.fleet.scheduler.store.committed(0, f"job:{key}".encode())
+
+    def phase(self, key: str) -> str | None:
+        job = self.job(key)
+        return None if job is None else job["phase"]
+
+
+@pytest.fixture(scope="module")
+def stack(services: Settings) -> Iterator[Stack]:
+    settings = dataclasses.replace(
+        services,
+        clickhouse_database=f"t_{uuid.uuid4().hex[:12]}",
+        object_encryption_key=base64.b64encode(os.urandom(32)).decode(),
+    )
+    topics = fresh_topics(partitions=2)
+    fleet = build(
+        settings,
+        Options(
+            topics=topics,
+            tick_interval_s=0.3,
+            audit=False,
+            health_policy=POLICY,
+            clock_interval_s=0.25,
+        ),
+    ).start()
+    simulator = FleetSimulator(
+        [ClusterSpec(c, f"region-{c}", 1) for c in CLUSTERS], seed=3, interval_ms=500
+    )
+    state_dir = Path(tempfile.mkdtemp(prefix="cluster-control-"))
+    nodes = FleetAgent.create(
+        settings, codec, topics, simulator, state_dir / "nodes", commands=False
+    )
+    stop = threading.Event()
+
+    def pump() -> None:
+        nodes.start(now_ms())
+        while not stop.is_set():
+            nodes.tick(now_ms())
+            stop.wait(0.5)
+
+    pumping = threading.Thread(target=pump, daemon=True)
+    pumping.start()
+    # The preference scorer outweighs the others: jobs go to ca while it is in the pool.
+    submit(
+        settings.kafka,
+        topics,
+        [
+            new_request(
+                "POLICY",
+                "",
+                "",
+                now_ms(),
+                uuid.uuid4().hex,
+                spec_json=canonical_json(
+                    {"cluster_preference": list(CLUSTERS), "weights": {"preference": 100}}
+                ),
+            )
+        ],
+    )
+    built = Stack(settings, fleet, simulator, state_dir)
+    for cluster in CLUSTERS:
+        built.chaos(cluster).write_text("")
+        built.start_agent(cluster)
+    wait_until(
+        lambda: (
+            {h["cluster_id"] for h in built.health() if h["state"] == "HEALTHY"} >= set(CLUSTERS)
+        ),
+        60,
+        "every cluster's first heartbeat",
+    )
+    try:
+        yield built
+    finally:
+        for cluster in list(built.agents):
+            built.kill_agent(cluster)
+        for pid_file in (state_dir / "agents").glob("*/*/*/pid"):
+            pid = int(pid_file.read_text().split()[0])
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        stop.set()
+        pumping.join(10)
+        nodes.close()
+        fleet.close()
+
+
+def training(name: str, **workload: Any) -> dict[str, Any]:
+    retry = workload.pop("retry", {})
+    return {
+        "kind": "TrainingJob",
+        "metadata": {"name": name, "tenant": "acme"},
+        "spec": {
+            "accelerator": "H100",
+            "gpus_per_worker": 2,
+            "workers": 1,
+            "workload": workload,
+            **({"retry": retry} if retry else {}),
+        },
+    }
+
+
+def test_one_broken_link_between_two_clusters_evicts_neither(stack):
+    stack.chaos("ca").write_text("cb\n")
+    stack.chaos("cb").write_text("ca\n")
+    wait_until(
+        lambda: any(h["event"] == "PARTITION" and not h["link_up"] for h in stack.health()),
+        30,
+        "the broken link to be seen",
+    )
+    time.sleep(POLICY.lost_after_ms / 1000 + 2)
+    health = stack.health()
+    assert not [h for h in health if h["event"] in ("CLUSTER_DOWN", "FENCE")]
+    latest = {h["cluster_id"]: h["state"] for h in health}
+    assert latest == dict.fromkeys(CLUSTERS, "HEALTHY")
+    broken = {(h["cluster_id"], h["peer"]) for h in health if h["event"] == "PARTITION"}
+    assert {("ca", "cb"), ("cb", "ca")} <= broken
+    stack.chaos("ca").write_text("")
+    stack.chaos("cb").write_text("")
+    wait_until(
+        lambda: any(h["event"] == "PARTITION" and h["link_up"] for h in stack.health()),
+        30,
+        "the link to heal",
+    )
+
+
+def test_a_failing_start_is_retried_then_reported_failed(stack):
+    python = sys.executable
+    flaky = (
+        'test "$FLEETLINE_ATTEMPT" -ge 2 || { echo not yet >&2; exit 3; }; '
+        f"exec {python} -m fleetline.agents.workloads.train"
+    )
+    submit(
+        stack.settings.kafka,
+        stack.topics,
+        submits(
+            training(
+                "crash",
+                command=["sh", "-c", "echo boom: no such dataset >&2; exit 3"],
+                retry={"max_attempts": 2, "backoff_s": 0.2},
+            ),
+            training(
+                "flaky",
+                command=["sh", "-c", flaky],
+                steps=30,
+                checkpoint_every_steps=10,
+                retry={"max_attempts": 3, "backoff_s": 0.2, "exit_codes": [3]},
+            ),
+        ),
+    )
+    wait_until(
+        lambda: stack.phase("acme/crash") == "Failed" and stack.phase("acme/flaky") == "Succeeded",
+        90,
+        "crash to fail and flaky to succeed",
+    )
+    crash = stack.job("acme/crash")
+    assert crash is not None
+    finished = crash["conditions"]["Finished"]["reason"]
+    assert "attempt 2 failed with exit code 3" in finished and "boom" in finished
+    assert "no retry left" in finished
+    failed = [e for e in stack.events("acme/crash") if e["event"] == "FAILED"]
+    assert [(e["attempt"], e["exit_code"]) for e in failed] == [(1, 3), (2, 3)]
+    starts = [e["attempt"] for e in stack.events("acme/flaky") if e["event"] == "STARTING"]
+    assert starts == [1, 2]
+    isolation = next(e for e in stack.events("acme/flaky") if e["event"] == "STARTING")["detail"]
+    assert "cgroup" in isolation or "not isolated" in isolation
+
+
+def test_a_cluster_agent_killed_with_sigkill_starts_nothing_twice(stack):
+    submit(
+        stack.settings.kafka,
+        stack.topics,
+        submits(training("steady", steps=150, checkpoint_every_steps=50, step_delay_ms=30)),
+    )
+    wait_until(
+        lambda: any(e["event"] == "RUNNING" for e in stack.events("acme/steady")),
+        60,
+        "steady to run",
+    )
+    running = next(e for e in stack.events("acme/steady") if e["event"] == "RUNNING")
+    cluster = running["cluster_id"]
+    stack.kill_agent(cluster)
+    stack.start_agent(cluster)
+    wait_until(lambda: stack.phase("acme/steady") == "Succeeded", 90, "steady to succeed")
+    events = stack.events("acme/steady")
+    starts = [(e["epoch"], e["attempt"]) for e in events if e["event"] == "STARTING"]
+    assert starts == [(running["epoch"], running["attempt"])]
+    exits = [e for e in events if e["event"] == "EXITED"]
+    assert [e["exit_code"] for e in exits] == [0]
+    # Steps were published once each, across the restart.
+    steps = [e["step"] for e in events if e["event"] == "PROGRESS"]
+    assert steps == sorted(set(steps)) and steps[-1] == 150
+
+
+def reference_run(stack: Stack, tmp: Path, **workload: Any) -> list[dict[str, Any]]:
+    progress = tmp / "reference.jsonl"
+    env = {
+        **os.environ,
+        **service_env(stack.settings),
+        "FLEETLINE_CHECKPOINT_BUCKET": f"reference-{uuid.uuid4().hex[:8]}",
+        "FLEETLINE_CHECKPOINT_PREFIX": "checkpoints/reference",
+        "FLEETLINE_PROGRESS_FILE": str(progress),
+        "FLEETLINE_STEPS": str(workload["steps"]),
+        "FLEETLINE_CHECKPOINT_EVERY": str(workload["checkpoint_every_steps"]),
+        "FLEETLINE_REPORT_EVERY": str(workload["report_every_steps"]),
+        "FLEETLINE_SEED": str(workload["seed"]),
+        "OPENBLAS_NUM_THREADS": "1",
+    }
+    subprocess.run([sys.executable, "-m", "fleetline.agents.workloads.train"], env=env, check=True)
+    return [json.loads(line) for line in progress.read_text().splitlines()]
+
+
+def test_a_lost_cluster_s_job_resumes_elsewhere_bit_identical_and_its_copy_is_fenced(
+    stack, tmp_path
+):
+    workload = {
+        "steps": 600,
+        "checkpoint_every_steps": 50,
+        "report_every_steps": 10,
+        "seed": 9,
+        "step_delay_ms": 40,
+    }
+    submit(stack.settings.kafka, stack.topics, submits(training("pretrain", **workload)))
+    key = "acme/pretrain"
+    wait_until(
+        lambda: any(e["event"] == "CHECKPOINTED" and e["step"] >= 100 for e in stack.events(key)),
+        90,
+        "two checkpoints in ca",
+    )
+    first = next(e for e in stack.events(key) if e["event"] == "STARTING")
+    assert first["cluster_id"] == "ca"
+    # ca goes dark: its cluster agent is killed (its workload runs on, cut off) and its node
+    # agents lose their link to the control plane.
+    stack.kill_agent("ca")
+    cut_ms = now_ms()
+    link_loss = Fault("cluster_link_loss", "ca", cut_ms)
+    stack.simulator.add_fault(link_loss)
+    wait_until(
+        lambda: any(h["event"] == "CLUSTER_DOWN" for h in stack.health()), 30, "ca to be lost"
+    )
+    down = next(h for h in stack.health() if h["event"] == "CLUSTER_DOWN")
+    assert down["cluster_id"] == "ca"
+    beats = [
+        s["ts"]
+        for s in stack.records(stack.topics.cluster_signals)
+        if s["kind"] == "HEARTBEAT" and s["cluster_id"] == "ca"
+    ]
+    removal_s = (down["ts"] - max(beats)) / 1000
+    assert removal_s <= (POLICY.lost_after_ms + 1_500) / 1000, removal_s
+    wait_until(
+        lambda: any(e["event"] == "RUNNING" and e["cluster_id"] != "ca" for e in stack.events(key)),
+        60,
+        "the job to run elsewhere",
+    )
+    events = stack.events(key)
+    moved = next(e for e in events if e["event"] == "RUNNING" and e["cluster_id"] != "ca")
+    assert moved["epoch"] > first["epoch"]
+    restored = [
+        e for e in events if e["event"] == "RESTORED" and e["from_cluster"] == "ca" and e["bytes"]
+    ]
+    assert restored and restored[0]["cluster_id"] == moved["cluster_id"]
+    assert "sealed" in restored[0]["detail"]
+    resumed_at = restored[0]["step"]
+    last_checkpoint_in_ca = max(
+        e["step"] for e in events if e["event"] == "CHECKPOINTED" and e["cluster_id"] == "ca"
+    )
+    assert resumed_at == last_checkpoint_in_ca
+    # ca comes back: its agent sees the job has moved on and stops the stale copy.
+    stale_pid = first["pid"]
+    assert os.path.exists(f"/proc/{stale_pid}")
+    link_loss_end = dataclasses.replace(link_loss, end_ms=now_ms())
+    stack.simulator.faults[stack.simulator.faults.index(link_loss)] = link_loss_end
+    stack.start_agent("ca")
+    wait_until(
+        lambda: any(e["event"] == "FENCED" and e["cluster_id"] == "ca" for e in stack.events(key)),
+        60,
+        "the stale copy in ca to be fenced",
+    )
+    wait_until(lambda: not os.path.exists(f"/proc/{stale_pid}"), 10, "the stale copy to die")
+    assert any(h["event"] == "FENCE" and h["cluster_id"] == "ca" for h in stack.health())
+    wait_until(lambda: stack.phase(key) == "Succeeded", 120, "the job to finish")
+    events = stack.events(key)
+    done = [e for e in events if e["event"] == "EXITED" and e["exit_code"] == 0]
+    assert len(done) == 1 and done[0]["cluster_id"] == moved["cluster_id"]
+    reference = reference_run(stack, tmp_path, **workload)
+    assert done[0]["detail"] == f"params sha256 {reference[-1]['params_sha256']}"
+    # The loss curve has no gap and is the uninterrupted run's, step for step; the stale copy
+    # published nothing after ca was lost.
+    expected = {x["step"]: x["loss"] for x in reference if x["event"] == "progress"}
+    seen: dict[int, float] = {}
+    for e in events:
+        if e["event"] == "PROGRESS":
+            assert seen.setdefault(e["step"], e["loss"]) == e["loss"]
+    assert seen == expected
+    assert not [
+        e
+        for e in events
+        if e["cluster_id"] == "ca" and e["event"] == "PROGRESS" and e["ts"] > cut_ms
+    ]
+    job = stack.job(key)
+    assert job is not None and job["epoch"] == moved["epoch"]
