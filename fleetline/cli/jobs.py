@@ -58,7 +58,7 @@ def get_jobs(
     json_: Json = False,
     topic_prefix: TopicPrefix = "fleetline",
 ) -> None:
-    """Jobs: phase, priority, GPUs, where they run."""
+    """Jobs: phase (desired), what their cluster reports (actual), priority, GPUs, where."""
     from fleetline.processors.scheduling.runtime import job_records
 
     jobs = [
@@ -70,13 +70,14 @@ def get_jobs(
         print_json(jobs)
         return
     out = new_table(
-        "JOB", "KIND", "PHASE", "PRIO", "GPUS", "WHERE", "AGE", numeric=("PRIO", "GPUS")
+        "JOB", "KIND", "PHASE", "ACTUAL", "PRIO", "GPUS", "WHERE", "AGE", numeric=("PRIO", "GPUS")
     )
     for job in jobs:
         out.add_row(
             job["key"],
             job["kind"],
             job["phase"],
+            actual_line(job, short=True),
             str(job["priority"]),
             str(_gpus(job)),
             ",".join(sorted(job["allocation"])) or "-",
@@ -113,6 +114,24 @@ def get_tenants(tenant: Tenant = None, topic_prefix: TopicPrefix = "fleetline") 
     print_json(_rows("tenant:", tenant, topic_prefix))
 
 
+def actual_line(job: dict[str, Any], short: bool = False) -> str:
+    """What the job's cluster last reported of it (the actual state beside the phase)."""
+    actual = job.get("actual") or {}
+    if not actual:
+        return "-"
+    where = f"{actual.get('state')} in {actual.get('cluster')}"
+    if short:
+        return where
+    run = f"epoch {actual.get('epoch')}, attempt {actual.get('attempt')}"
+    step = actual.get("checkpoint_step")
+    detail = actual.get("detail")
+    return (
+        f"{where} ({run}, since {_age(actual.get('since_ms'))} ago)"
+        + (f", last checkpoint at step {step}" if step is not None else "")
+        + (f": {detail}" if detail else "")
+    )
+
+
 def _job_or_fail(config: Settings, topics: Topics, key: str) -> dict[str, Any]:
     value = _state(config, topics).committed(0, f"job:{key}".encode())
     if not isinstance(value, dict):
@@ -133,6 +152,9 @@ def describe(job: Job, json_: Json = False, topic_prefix: TopicPrefix = "fleetli
         f"{_age(record['submitted_ms'])} ago   preempted {record['preemptions']} time(s)"
     )
     print(f"Spec:       {json.dumps(spec, sort_keys=True)}")
+    print(f"Actual:     {actual_line(record)}")
+    if record.get("stale_reports"):
+        print(f"            {record['stale_reports']} report(s) of fenced epochs ignored")
     print("Conditions:")
     for name, cond in sorted(record["conditions"].items()):
         print(f"  {name:<10} {cond['status']!s:<6} {cond['reason']}")
@@ -216,6 +238,7 @@ def explain(
             else ""
         )
     )
+    print(f"its cluster reports: {actual_line(record)}")
     if history:
         print("\nEvery decision about it:")
         for decision in decisions_of(config.kafka, topics, job):

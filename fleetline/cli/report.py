@@ -109,6 +109,7 @@ def print_result(console: Console, result: SliceResult, clickhouse_url: str, pre
         f"{'verified' if audit['ok'] else 'BROKEN: ' + str(audit['first_broken'])}"
     )
     print_scheduling(console, result.scheduling)
+    print_cluster_story(console, result.cluster_story)
     say("timings: " + ", ".join(f"{k} {v:.1f}s" for k, v in result.timings.items()))
 
 
@@ -146,4 +147,20 @@ def print_scheduling(console: Console, scheduling: dict[str, Any]) -> None:
         f"in {replay['seconds']}s; {replay['matched']} of {replay['decisions']} decisions "
         "identical byte for byte"
         + ("" if replay["ok"] else f" - DIFFERENT: {replay['first_difference']}")
+    )
+
+
+def print_cluster_story(console: Console, story: dict[str, Any]) -> None:
+    if not story:
+        return
+    say = console.print
+    say(
+        f"\ncluster control: {story['lost']} went dark under {story['job']}; declared lost "
+        f"{story['detected_s']}s after its last heartbeat; the job ran again in "
+        f"{story['resumed_in']} {story['resumed_after_s']}s after that heartbeat, from step "
+        f"{story['resumed_at']} (checkpoint copied: {story['copy_bytes']} bytes in "
+        f"{story['copy_s']}s); {story['lost']}'s copy fenced when it returned; "
+        f"{story['reported_steps']} loss reports up to step {story['last_step']}; final "
+        "parameters "
+        + ("bit-identical to an uninterrupted run" if story["identical"] else "DIFFERENT")
     )

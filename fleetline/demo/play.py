@@ -29,6 +29,7 @@ from fleetline.agents.simulator import FleetSimulator
 from fleetline.api.auth import AuthConfig, Authenticator, token_digest
 from fleetline.app import Fleetline, Options, build
 from fleetline.config import Settings
+from fleetline.demo.cluster_story import ClusterAgents, lose_a_cluster
 from fleetline.demo.scenario import Scenario
 from fleetline.errors import StreamError
 from fleetline.processors.audit.chain import export_entry, verify
@@ -69,6 +70,7 @@ class SliceResult:
     api_calls: list[tuple[str, int]]
     audit: dict[str, Any]
     scheduling: dict[str, Any] = field(default_factory=dict)
+    cluster_story: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -348,6 +350,9 @@ def play(
     timings: dict[str, float] = {}
     began = time.monotonic()
     fleet = build(settings, demo_options(topics)).start()
+    # One cluster agent per cluster: the training jobs run as processes, reported back.
+    agents = ClusterAgents(settings, topics, [c.spec.cluster_id for c in scenario.clusters])
+    agents.start()
     timings["pipeline_start_s"] = time.monotonic() - began
     simulator = FleetSimulator(
         [p.spec for p in scenario.clusters], seed=scenario.seed, interval_ms=interval
@@ -424,6 +429,17 @@ def play(
         )
         settle(fleet, submitted)
         timings["drain_s"] = time.monotonic() - began
+        story: dict[str, Any] = {}
+        if scenario.lose_cluster_of:
+            began = time.monotonic()
+            story = lose_a_cluster(
+                agents,
+                scenario.lose_cluster_of,
+                _workload_of(scenario, scenario.lose_cluster_of),
+                lambda key: _job(fleet, key),
+                progress,
+            )
+            timings["cluster_story_s"] = time.monotonic() - began
         now = fleet.view.read(view_read.cluster_capacity)
         unhealthy = fleet.view.read(
             lambda v: [g for g in view_read.select_gpus(v) if g["health"] != "healthy"]
@@ -450,6 +466,7 @@ def play(
         scheduling["ready_queries"] = ready_queries(fleet, len(scheduling["decisions"]), start_ms)
         timings["decision_replay_s"] = time.monotonic() - began
     finally:
+        agents.close()
         agent.close()
         shutil.rmtree(state_dir, ignore_errors=True)
         fleet.close()
@@ -474,8 +491,25 @@ def play(
         api_calls=api_calls,
         audit=audit,
         scheduling=scheduling,
+        cluster_story=story,
         timings=timings,
     )
+
+
+def _job(fleet: Fleetline, key: str) -> dict[str, Any] | None:
+    assert fleet.scheduler is not None
+    job = fleet.scheduler.store.committed(0, f"job:{key}".encode())
+    return job if isinstance(job, dict) else None
+
+
+def _workload_of(scenario: Scenario, key: str) -> dict[str, Any]:
+    """The workload section of the scenario's job `key` (tenant/name)."""
+    for event in scenario.events:
+        for document in event.apply:
+            meta = document.get("metadata", {})
+            if f"{meta.get('tenant')}/{meta.get('name')}" == key:
+                return dict(document.get("spec", {}).get("workload") or {})
+    raise StreamError(f"the scenario submits no job {key}")
 
 
 def _view_line(clusters: list[dict[str, Any]]) -> str:

@@ -75,6 +75,8 @@ class Scenario:
     region_latency_ms: Mapping[tuple[str, str], float]
     faults: tuple[FaultPlan, ...] = ()
     events: tuple[Event, ...] = ()
+    # After the timeline: the cluster this job runs in goes dark and the job moves (tenant/name).
+    lose_cluster_of: str | None = None
     source: Path | None = field(default=None, compare=False)
 
     def sized(
@@ -295,6 +297,7 @@ def parse(data: Any, name: str = "scenario", source: Path | None = None) -> Scen
             "region_latency_ms",
             "faults",
             "timeline",
+            "lose_cluster_of",
         },
         name,
     )
@@ -322,6 +325,7 @@ def parse(data: Any, name: str = "scenario", source: Path | None = None) -> Scen
         region_latency_ms=latency,
         faults=tuple(_fault(f, i) for i, f in enumerate(_list(top.get("faults"), "faults"))),
         events=tuple(_event(e, i) for i, e in enumerate(_list(top.get("timeline"), "timeline"))),
+        lose_cluster_of=str(top["lose_cluster_of"]) if top.get("lose_cluster_of") else None,
         source=source,
     )
 

@@ -66,6 +66,15 @@ def test_the_default_scenario_flows_end_to_end(settings) -> None:
     assert replay["ok"] and replay["matched"] == replay["decisions"] == len(
         result.scheduling["decisions"]
     )
+    # The cluster running acme/story went dark: it was declared lost within seconds, the job
+    # resumed elsewhere from its last checkpoint, the copy left behind was fenced when the
+    # cluster returned, and the final parameters equal an uninterrupted run's.
+    story = result.cluster_story
+    assert story["identical"] and story["fenced"], story
+    assert story["resumed_in"] != story["lost"]
+    assert story["resumed_at"] >= story["checkpoint_step"] > 0
+    assert story["detected_s"] <= 5.0 and story["resumed_after_s"] <= 15.0, story
+    assert story["last_step"] == 600 and story["reported_steps"] == 60
     # The API, called as a tenant's viewer, and every call in a verified audit chain.
     assert result.api_calls == [
         ("/v1/clusters", 200),

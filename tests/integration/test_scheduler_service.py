@@ -139,8 +139,10 @@ def test_decisions_over_kafka_survive_a_restart_and_replay_byte_for_byte(setting
         # A second scheduler process picks up the committed state and goes on.
         state = job_records(read_state(settings.kafka, topics))
         assert {j["key"]: j["phase"] for j in state} == {
-            "acme/pretrain": "Running",
-            "acme/tp4": "Running",
+            # Training jobs wait for a cluster agent to report them running (none runs here);
+            # the service names no workload, so no agent reports on it.
+            "acme/pretrain": "Starting",
+            "acme/tp4": "Starting",
             "acme/chat": "Running",
             "acme/toomuch": "Queued",
         }

@@ -1,0 +1,272 @@
+"""The cluster control layer's part of `fleetline run`: one cluster agent per simulated cluster
+running the jobs' workloads as real processes, then a cluster lost under a running training
+job, the job resumed elsewhere from its last checkpoint, the lost cluster's copy fenced when it
+returns, and the final parameters compared with a run never interrupted.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import OFFSET_BEGINNING, KafkaError, TopicPartition
+
+from fleetline.agents.cluster.agent import ClusterAgent
+from fleetline.config import Settings
+from fleetline.errors import StreamError
+from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.events import CLUSTER_HEALTH, CLUSTER_SIGNAL, WORKLOAD_EVENT
+from fleetline.streams.serde import default_codec
+from fleetline.streams.topics import Topics
+
+
+class Follower:
+    """The workload, emergency and signal topics from their start, as they grow."""
+
+    def __init__(self, settings: Settings, topics: Topics) -> None:
+        self.codec = default_codec()
+        self.consumer = kafka_clients.consumer(settings.kafka, f"story-{uuid.uuid4().hex}")
+        self.consumer.assign(
+            [
+                TopicPartition(t, 0, OFFSET_BEGINNING)
+                for t in (topics.workloads, topics.emergency, topics.cluster_signals)
+            ]
+        )
+        self.workloads: list[dict[str, Any]] = []
+        self.health: list[dict[str, Any]] = []
+        self.heartbeats: dict[str, int] = {}  # cluster -> its last heartbeat's ts
+
+    def poll(self, timeout_s: float = 0.2) -> None:
+        for msg in self.consumer.consume(2000, timeout_s):
+            error = msg.error()
+            if error is not None:
+                if error.code() != KafkaError._PARTITION_EOF:
+                    raise StreamError(f"following the cluster topics: {error.str()}")
+                continue
+            decoded = self.codec.decode(msg.value())
+            record, name = decoded.record, decoded.schema.full_name
+            if name == WORKLOAD_EVENT:
+                self.workloads.append(record)
+            elif name == CLUSTER_HEALTH:
+                self.health.append(record)
+            elif name == CLUSTER_SIGNAL and record["kind"] == "HEARTBEAT":
+                self.heartbeats[record["cluster_id"]] = record["ts"]
+
+    def events(self, job: str, kind: str | None = None) -> list[dict[str, Any]]:
+        return [
+            e for e in self.workloads if e["job"] == job and (kind is None or e["event"] == kind)
+        ]
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+@dataclass
+class ClusterAgents:
+    """One in-process cluster agent per cluster, each stoppable on its own (a cluster going
+    dark); the workloads they start are OS processes."""
+
+    settings: Settings
+    topics: Topics
+    clusters: list[str]
+    state_dir: Path = field(
+        default_factory=lambda: Path(tempfile.mkdtemp(prefix="fleetline-clusters-"))
+    )
+    running: dict[str, tuple[ClusterAgent, threading.Event, threading.Thread]] = field(
+        default_factory=dict
+    )
+
+    def __post_init__(self) -> None:
+        # Checkpoints are sealed under the tenants' keys; a demo without a configured key gets
+        # one for this run (the view's snapshots keep the operator's setting).
+        if not self.settings.object_encryption_key:
+            self.settings = dataclasses.replace(
+                self.settings, object_encryption_key=base64.b64encode(os.urandom(32)).decode()
+            )
+
+    def start(self, cluster: str | None = None) -> None:
+        for cluster_id in [cluster] if cluster else self.clusters:
+            agent = ClusterAgent(self.settings, self.topics, cluster_id, self.state_dir)
+            stop = threading.Event()
+            thread = threading.Thread(target=agent.run, args=(stop,), name=agent.name, daemon=True)
+            thread.start()
+            self.running[cluster_id] = (agent, stop, thread)
+        for agent, _, _ in self.running.values():
+            if not agent.ready.wait(60):
+                raise StreamError(f"cluster agent {agent.cluster_id} did not start in 60s")
+
+    def go_dark(self, cluster: str) -> None:
+        """Stop a cluster's agent as if its cluster vanished: its workloads run on, cut off."""
+        _, stop, thread = self.running.pop(cluster)
+        stop.set()
+        thread.join(30)
+
+    def close(self) -> None:
+        for cluster in list(self.running):
+            self.go_dark(cluster)
+        for pid_file in self.state_dir.glob("*/*/*/pid"):
+            with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
+                os.killpg(int(pid_file.read_text().split()[0]), signal.SIGKILL)
+
+
+def _reference(settings: Settings, workload: dict[str, Any]) -> tuple[str, float]:
+    """The same training run, never interrupted: its parameters' digest and seconds."""
+    progress = Path(tempfile.mkdtemp(prefix="fleetline-reference-")) / "progress.jsonl"
+    s3 = settings.s3
+    env = {
+        **os.environ,
+        "FLEETLINE_S3_ENDPOINT": s3.endpoint,
+        "FLEETLINE_S3_ACCESS_KEY": s3.access_key,
+        "FLEETLINE_S3_SECRET_KEY": s3.secret_key,
+        "FLEETLINE_S3_SECURE": "true" if s3.secure else "false",
+        "FLEETLINE_CHECKPOINT_BUCKET": f"{s3.bucket}-reference",
+        "FLEETLINE_CHECKPOINT_PREFIX": f"reference/{uuid.uuid4().hex}",
+        "FLEETLINE_PROGRESS_FILE": str(progress),
+        "FLEETLINE_STEPS": str(workload.get("steps", 2000)),
+        "FLEETLINE_CHECKPOINT_EVERY": str(workload.get("checkpoint_every_steps", 200)),
+        "FLEETLINE_SEED": str(workload.get("seed", 0)),
+        "OPENBLAS_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    began = time.monotonic()
+    subprocess.run(
+        [sys.executable, "-m", "fleetline.agents.workloads.train"], env=env, check=True, timeout=300
+    )
+    done = json.loads(progress.read_text().splitlines()[-1])
+    return str(done["params_sha256"]), time.monotonic() - began
+
+
+def lose_a_cluster(
+    agents: ClusterAgents,
+    job: str,
+    workload: dict[str, Any],
+    job_of: Callable[[str], dict[str, Any] | None],
+    say: Callable[[str], None],
+    timeout_s: float = 180.0,
+) -> dict[str, Any]:
+    """Wait for `job` to checkpoint, take its cluster dark, and follow it to the end; what
+    happened, with the seconds each step took."""
+    follower = Follower(agents.settings, agents.topics)
+    story: dict[str, Any] = {"job": job}
+    began = time.monotonic()
+    deadline = began + timeout_s
+
+    def until(what: str, condition: Callable[[], Any]) -> Any:
+        while time.monotonic() < deadline:
+            follower.poll()
+            found = condition()
+            if found:
+                return found
+        record = job_of(job) or {}
+        conditions = {k: v["reason"] for k, v in (record.get("conditions") or {}).items()}
+        raise StreamError(
+            f"the cluster story timed out waiting for {what}: {job} is "
+            f"{record.get('phase')} ({conditions})"
+        )
+
+    def at() -> str:
+        return f"+{time.monotonic() - began:.1f}s"
+
+    try:
+        first = until("the job to run", lambda: follower.events(job, "RUNNING"))[0]
+        lost = first["cluster_id"]
+        checkpoint = until("a checkpoint", lambda: follower.events(job, "CHECKPOINTED"))[-1]
+        say(
+            f"{at()}: {job} runs in {lost} (epoch {first['epoch']}, pid {first['pid']}); "
+            f"checkpoint at step {checkpoint['step']} ({checkpoint['bytes']} bytes in "
+            f"{checkpoint['seconds']:.3f}s)"
+        )
+        agents.go_dark(lost)
+        dark = time.monotonic()
+        say(f"{at()}: {lost} goes dark: its cluster agent stops, its workload runs on cut off")
+        down = until(
+            "the cluster to be lost",
+            lambda: [
+                h
+                for h in follower.health
+                if h["event"] == "CLUSTER_DOWN" and h["cluster_id"] == lost
+            ],
+        )[0]
+        last_beat = follower.heartbeats[lost]
+        detected = (down["ts"] - last_beat) / 1000
+        say(
+            f"{at()}: {lost} declared lost {detected:.1f}s after its last heartbeat: "
+            + down["reason"]
+        )
+
+        def moved() -> list[dict[str, Any]]:
+            return [e for e in follower.events(job, "RUNNING") if e["cluster_id"] != lost]
+
+        running = until("the job to run elsewhere", moved)[0]
+        restored = [
+            e for e in follower.events(job, "RESTORED") if e["from_cluster"] == lost and e["bytes"]
+        ]
+        resumed = [
+            e
+            for e in follower.events(job, "RESTORED")
+            if e["cluster_id"] == running["cluster_id"] and e["step"] is not None
+        ]
+        copy = restored[0] if restored else None
+        if copy is not None:
+            say(
+                f"{at()}: checkpoint at step {copy['step']} copied {lost} -> "
+                f"{copy['cluster_id']}: {copy['bytes']} bytes in {copy['seconds']:.3f}s "
+                f"({copy['detail']})"
+            )
+        resumed_at = resumed[-1]["step"] if resumed else None
+        say(
+            f"{at()}: {job} runs in {running['cluster_id']} (epoch {running['epoch']}) from "
+            f"step {resumed_at}, {time.monotonic() - dark:.1f}s after {lost} went dark"
+        )
+        agents.start(lost)
+        fenced = until(
+            "the stale copy to be fenced",
+            lambda: [e for e in follower.events(job, "FENCED") if e["cluster_id"] == lost],
+        )[0]
+        say(f"{at()}: {lost} is back; its copy of {job} is fenced and stopped: {fenced['detail']}")
+        done = until(
+            "the job to finish",
+            lambda: (
+                (job_of(job) or {}).get("phase") == "Succeeded"
+                and [e for e in follower.events(job, "EXITED") if e["exit_code"] == 0]
+            ),
+        )[0]
+        digest, reference_s = _reference(agents.settings, workload)
+        identical = done["detail"] == f"params sha256 {digest}"
+        say(
+            f"{at()}: {job} finished in {done['cluster_id']}; its parameters are "
+            + ("bit-identical to" if identical else "DIFFERENT from")
+            + f" an uninterrupted run ({reference_s:.1f}s)"
+        )
+        steps = sorted({e["step"] for e in follower.events(job, "PROGRESS")})
+        story.update(
+            lost=lost,
+            resumed_in=running["cluster_id"],
+            checkpoint_step=checkpoint["step"],
+            resumed_at=resumed_at,
+            detected_s=round(detected, 2),
+            resumed_after_s=round((running["ts"] - last_beat) / 1000, 2),
+            copy_bytes=copy["bytes"] if copy else None,
+            copy_s=copy["seconds"] if copy else None,
+            fenced=True,
+            identical=identical,
+            reported_steps=len(steps),
+            last_step=steps[-1] if steps else None,
+        )
+        return story
+    finally:
+        follower.close()
