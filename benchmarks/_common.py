@@ -7,12 +7,15 @@ import json
 import os
 import platform
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from fleetline.config import Settings
 from fleetline.infra import LocalServices
+from fleetline.processors.view.fold import fold_telemetry
+from fleetline.processors.view.model import GPU_FIELDS, ResourceView
 from fleetline.storage.hot_sink import HotSampleSink, HotSampleStore
 from fleetline.streams.loop import StreamLoop
 from fleetline.streams.serde import default_codec
@@ -79,3 +82,17 @@ def report(name: str, figures: dict[str, object]) -> None:
     path = RESULTS_DIR / f"{name}.json"
     path.write_text(json.dumps(full, indent=2) + "\n")
     print(f"written to {path}")
+
+
+def fold_telemetry_records(view: ResourceView, records: Iterable[dict[str, Any]]) -> None:
+    """Fold NodeTelemetry records as the view's batch path does (GPU tuples, no Avro)."""
+    for r in records:
+        fold_telemetry(
+            view,
+            r["cluster_id"],
+            r["region"],
+            r["node_id"],
+            r["seq"],
+            r["ts"],
+            [tuple(g[f] for f in GPU_FIELDS) for g in r["gpus"]],
+        )

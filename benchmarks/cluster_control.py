@@ -22,7 +22,7 @@ import time
 import uuid
 from collections import Counter
 
-from _common import local_services, report
+from _common import fold_telemetry_records, local_services, report
 
 from fleetline.agents.simulator import ClusterSpec, FleetSimulator, cluster_info
 from fleetline.config import Settings
@@ -32,8 +32,8 @@ from fleetline.processors.scheduling.capacity import observe
 from fleetline.processors.scheduling.codec import canonical_json, new_request
 from fleetline.processors.scheduling.effects import Decision, WorkloadOrder
 from fleetline.processors.scheduling.scheduler import Scheduler
-from fleetline.processors.view.fold import apply, fold_telemetry
-from fleetline.processors.view.model import GPU_FIELDS, ResourceView
+from fleetline.processors.view.fold import apply
+from fleetline.processors.view.model import ResourceView
 from fleetline.storage.checkpoints import Checkpoints, tenant_key
 from fleetline.storage.objects import ObjectStore
 from fleetline.streams.serde import default_codec
@@ -54,16 +54,7 @@ def fleet(nodes: int) -> tuple[ResourceView, list[str]]:
         apply(view, CODEC.decode(CODEC.encode("ClusterInfo", cluster_info(c, 1, BASE_MS))))
     for record in sim.initial_states(BASE_MS):
         apply(view, CODEC.decode(CODEC.encode("NodeState", record)))
-    for r in sim.telemetry(BASE_MS + 1000):
-        fold_telemetry(
-            view,
-            r["cluster_id"],
-            r["region"],
-            r["node_id"],
-            r["seq"],
-            r["ts"],
-            [tuple(g[f] for f in GPU_FIELDS) for g in r["gpus"]],
-        )
+    fold_telemetry_records(view, sim.telemetry(BASE_MS + 1000))
     return view, [c.cluster_id for c in clusters]
 
 
@@ -174,15 +165,26 @@ def loss(nodes: int, jobs: int) -> dict[str, object]:
     facts = observe(view, facts)
     observe_s = time.perf_counter() - t0
     now = down_at
-    t0 = time.perf_counter()
-    effects = scheduler.step(
-        new_request("TICK", "", "", now, "t2", view_offsets=facts.offsets), position, facts
-    )
-    tick_s = time.perf_counter() - t0
-    preempted = [e for e in effects if isinstance(e, Decision) and e.outcome == "PREEMPTED"]
+    effects: list = []
+    ticks = 0
+    tick_s = 0.0
+    moved: set[str] = set()
+
+    def ordered() -> set[str]:
+        return {e.job for e in effects if isinstance(e, WorkloadOrder) and e.action == "RUN"}
+
+    # TICKs (one a second, as `serve` runs them) until every released job has a RUN order.
+    while ticks == 0 or (moved - ordered() and ticks < 30):
+        request = new_request("TICK", "", "", now, f"t{ticks}", view_offsets=facts.offsets)
+        t0 = time.perf_counter()
+        effects += scheduler.step(request, position, facts)
+        tick_s += time.perf_counter() - t0
+        position += 1
+        ticks += 1
+        now += 1000
+        moved |= {e.job for e in effects if isinstance(e, Decision) and e.outcome == "PREEMPTED"}
     placed = {e.job for e in effects if isinstance(e, Decision) and e.outcome == "PLACED"}
-    runs = {e.job for e in effects if isinstance(e, WorkloadOrder) and e.action == "RUN"}
-    moved = {e.job for e in preempted}
+    runs = ordered()
     return {
         "fleet_gpus": sum(len(n.gpus) for n in view.nodes.values()),
         "clusters": len(clusters),
@@ -193,10 +195,14 @@ def loss(nodes: int, jobs: int) -> dict[str, object]:
         "health_fold_us_per_signal": fold_s / signals * 1e6,
         "view_fold_cluster_down_ms": view_fold_s * 1000,
         "scheduler_observe_ms": observe_s * 1000,
+        "scheduler_ticks_to_replace_all": ticks,
         "scheduler_tick_replace_all_ms": tick_s * 1000,
         "jobs_released": len(moved),
         "jobs_replaced_with_run_orders": len(moved & placed & runs),
-        "cluster_down_to_all_replaced_s (pure cores)": view_fold_s + observe_s + tick_s,
+        "cluster_down_to_all_replaced_s (pure cores; +1 s a further TICK)": view_fold_s
+        + observe_s
+        + tick_s
+        + (ticks - 1),
         "target_s (Karmada marks unhealthy after)": 40,
     }
 

@@ -23,7 +23,7 @@ import statistics
 import time
 import uuid
 
-from _common import report
+from _common import fold_telemetry_records, report
 
 from fleetline.agents.simulator import ClusterSpec, Fault, FleetSimulator, cluster_info
 from fleetline.processors.scheduling.capacity import indices_of, observe
@@ -31,8 +31,8 @@ from fleetline.processors.scheduling.codec import canonical_json, new_request, s
 from fleetline.processors.scheduling.effects import Decision
 from fleetline.processors.scheduling.scheduler import Scheduler
 from fleetline.processors.scheduling.specs import parse_spec
-from fleetline.processors.view.fold import apply, fold_telemetry
-from fleetline.processors.view.model import GPU_FIELDS, ResourceView
+from fleetline.processors.view.fold import apply
+from fleetline.processors.view.model import ResourceView
 from fleetline.processors.view.runtime import tune_gc_for_large_state
 from fleetline.streams.serde import default_codec
 
@@ -82,16 +82,7 @@ def build_view(nodes: int, seed: int = 1) -> ResourceView:
         ts = BASE_MS + t * 1000
         for record in sim.state_changes(ts):
             apply(view, codec.decode(codec.encode("NodeState", record)))
-        for r in sim.telemetry(ts):
-            fold_telemetry(
-                view,
-                r["cluster_id"],
-                r["region"],
-                r["node_id"],
-                r["seq"],
-                r["ts"],
-                [tuple(g[f] for f in GPU_FIELDS) for g in r["gpus"]],
-            )
+        fold_telemetry_records(view, sim.telemetry(ts))
     return view
 
 

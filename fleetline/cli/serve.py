@@ -16,10 +16,10 @@ from fleetline.streams.topics import Topics
 
 HELP = (
     "Folds the fleet's topics into the resource view, snapshots it to object storage, runs "
-    "the scheduler over it, sinks telemetry, node states, decisions, allocations and the "
-    "audit log to ClickHouse, tiers them, and serves it all over HTTP (OpenAPI at "
-    "/openapi.json). Start several with the same --group and different --instance-id to "
-    "share the view (and --no-scheduler on all but one)."
+    "the scheduler over it (and the cluster health fold with its clock), sinks telemetry, "
+    "node states, decisions, allocations and the audit log to ClickHouse, tiers them, and "
+    "serves it all over HTTP (OpenAPI at /openapi.json). Start several with the same --group "
+    "and different --instance-id to share the view (and --no-scheduler on all but one)."
 )
 
 
@@ -50,8 +50,8 @@ def serve(
         bool,
         typer.Option(
             "--no-scheduler",
-            help="no scheduler in this process (run it in the one instance "
-            "that holds every shard of the view)",
+            help="no scheduler and no cluster health fold in this process (run them in the "
+            "one instance that holds every shard of the view)",
         ),
     ] = False,
     scheduler_policy: Annotated[
@@ -99,6 +99,8 @@ def serve(
         instance_id=instance_id,
         snapshot_interval_s=snapshot_interval,
         scheduler=not no_scheduler,
+        # The cluster health fold and its clock run beside the one active scheduler.
+        cluster_health=not no_scheduler,
         scheduler_policy=load_policy(str(scheduler_policy) if scheduler_policy else None),
         tick_interval_s=tick_interval,
         audit=not no_audit,

@@ -540,3 +540,17 @@ def deliver(
     if left or errors:
         raise StreamError(f"{what} did not take {left or len(errors)} message(s): {errors[:3]}")
     return [o for o in offsets if o is not None]
+
+
+def run_beside(
+    loop: StreamLoop, stop: threading.Event, side: Callable[[threading.Event], None], name: str
+) -> None:
+    """Run the loop with a thread of its own beside it (a ticker, a clock): the loop stopping
+    stops the thread too."""
+    thread = threading.Thread(target=side, args=(stop,), name=name, daemon=True)
+    thread.start()
+    try:
+        loop.run(stop)
+    finally:
+        stop.set()
+        thread.join(30)

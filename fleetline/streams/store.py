@@ -7,10 +7,11 @@ when that transaction commits, so an aborted batch leaves no trace in memory eit
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from fleetline.config import KafkaSettings
 from fleetline.streams.kafka import read_to_end
@@ -105,3 +106,13 @@ class ChangelogStore(Generic[V]):
         with self._lock:
             self._committed.update(restored)
         return count
+
+
+def json_store(name: str, changelog_topic: str) -> ChangelogStore[Any]:
+    """A store of JSON values (sorted keys), as the scheduler and the health fold keep."""
+    return ChangelogStore(
+        name,
+        changelog_topic,
+        lambda value: json.dumps(value, sort_keys=True).encode(),
+        lambda data: json.loads(data),
+    )

@@ -19,9 +19,7 @@ CODEC = default_codec()
 
 
 def orders(d: Driver, job: str | None = None) -> list[WorkloadOrder]:
-    return [
-        e for e in d.effects if isinstance(e, WorkloadOrder) and (job is None or e.job == job)
-    ]
+    return [e for e in d.effects if isinstance(e, WorkloadOrder) and (job is None or e.job == job)]
 
 
 def small(name: str, **spec: Any) -> dict:

@@ -8,7 +8,6 @@ transaction as the emergency records and the consumed offset, like the scheduler
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -22,10 +21,10 @@ from fleetline.config import KafkaSettings
 from fleetline.processors.health.fold import ClusterHealthPolicy, HealthFold
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.events import CLUSTER_HEALTH, CLUSTER_SIGNAL
-from fleetline.streams.loop import MessageStep, StreamLoop, produce
+from fleetline.streams.loop import MessageStep, StreamLoop, produce, run_beside
 from fleetline.streams.records import Output, where
 from fleetline.streams.serde import AvroCodec, default_codec
-from fleetline.streams.store import ChangelogStore
+from fleetline.streams.store import ChangelogStore, json_store
 from fleetline.streams.topics import Topics, TopicSpec
 
 log = logging.getLogger(__name__)
@@ -36,12 +35,7 @@ _KEY = b"fold"
 
 
 def health_store(topics: Topics) -> ChangelogStore[Any]:
-    return ChangelogStore(
-        STORE,
-        topics.changelog(APPLICATION_ID, STORE),
-        lambda value: json.dumps(value, sort_keys=True).encode(),
-        lambda data: json.loads(data),
-    )
+    return json_store(STORE, topics.changelog(APPLICATION_ID, STORE))
 
 
 def health_topics(topics: Topics) -> list[TopicSpec]:
@@ -171,15 +165,7 @@ class ClusterHealthService:
         self.ticks = 0
 
     def run(self, stop: threading.Event) -> None:
-        ticker = threading.Thread(
-            target=self._tick_loop, args=(stop,), name="cluster-clock", daemon=True
-        )
-        ticker.start()
-        try:
-            self.loop.run(stop)
-        finally:
-            stop.set()
-            ticker.join(30)
+        run_beside(self.loop, stop, self._tick_loop, "cluster-clock")
 
     def _tick_loop(self, stop: threading.Event) -> None:
         producer = kafka_clients.producer(self.kafka, {"linger.ms": 0})

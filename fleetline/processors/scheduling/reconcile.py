@@ -27,8 +27,7 @@ def tick(s: SchedulerState, out: EffectLog, facts: FleetFacts) -> None:
         s.pass_wanted = True  # some cluster has more usable GPUs than before
     s.facts = facts
     s.index.refresh(facts)
-    migrate_off_lost_clusters(s, out)
-    migrate_off_faults(s, out)
+    displaced = migrate_off_lost_clusters(s, out) + migrate_off_faults(s, out)
     stop_at_limits(s, out)
     order_retries(s, out)
     expire_prewarms(s)
@@ -39,17 +38,21 @@ def tick(s: SchedulerState, out: EffectLog, facts: FleetFacts) -> None:
     ):
         s.pass_wanted = True  # lower-priority jobs started beside waiting ones
     if s.pass_wanted:
-        schedule_queue(s, out)
+        # Jobs moved off a lost cluster or a fault are tried in this pass on top of its usual
+        # budget: a cluster of 500 jobs is re-placed in one TICK, not in eight.
+        schedule_queue(s, out, extra_attempts=displaced)
 
 
-def migrate_off_lost_clusters(s: SchedulerState, out: EffectLog) -> None:
+def migrate_off_lost_clusters(s: SchedulerState, out: EffectLog) -> int:
     """Every job holding GPUs in a cluster the health fold declared lost is released to resume
     from its last checkpoint elsewhere; the lost cluster's copies are fenced by their epoch."""
+    moved = 0
     for cluster_id in sorted(s.cluster_jobs):
         facts = s.facts.clusters.get(cluster_id)
         if facts is None or facts.health != "lost":
             continue
         for key in sorted(s.cluster_jobs[cluster_id]):
+            moved += 1
             release(
                 s,
                 out,
@@ -59,6 +62,7 @@ def migrate_off_lost_clusters(s: SchedulerState, out: EffectLog) -> None:
                 "checkpoint elsewhere",
                 salvage=False,
             )
+    return moved
 
 
 def order_retries(s: SchedulerState, out: EffectLog) -> None:
@@ -71,7 +75,7 @@ def order_retries(s: SchedulerState, out: EffectLog) -> None:
             order_run(s, out, job)
 
 
-def migrate_off_faults(s: SchedulerState, out: EffectLog) -> None:
+def migrate_off_faults(s: SchedulerState, out: EffectLog) -> int:
     # Only what the view says is broken moves a job: a node the view does not hold (a shard not
     # restored yet, another instance's shard) is unknown, not lost.
     hit: dict[str, str] = {}
@@ -93,6 +97,7 @@ def migrate_off_faults(s: SchedulerState, out: EffectLog) -> None:
             f"fault: {hit[key]}; migrating from its last checkpoint",
             salvage=False,
         )
+    return len(hit)
 
 
 def stop_at_limits(s: SchedulerState, out: EffectLog) -> None:
@@ -119,19 +124,19 @@ def expire_prewarms(s: SchedulerState) -> None:
             s.pass_wanted = True
 
 
-def schedule_queue(s: SchedulerState, out: EffectLog) -> None:
+def schedule_queue(s: SchedulerState, out: EffectLog, extra_attempts: int = 0) -> None:
     s.pass_wanted = False
     s.bound_floor = None
-    _pass(s, out)
+    _pass(s, out, extra_attempts)
 
 
-def _pass(s: SchedulerState, out: EffectLog) -> None:
+def _pass(s: SchedulerState, out: EffectLog, extra_attempts: int = 0) -> None:
     """One pass over the queue: priorities high to low; within a priority the tenant holding
     the fewest GPUs per unit of share goes next (fair share); within a tenant, FIFO. Jobs
     preempted during the pass have a lower priority and are tried when their level comes. At
     most `pass_attempts` jobs are tried; past that the next TICK goes on."""
     failed: dict[ShapeKey, str] = {}
-    budget = s.policy.pass_attempts
+    budget = s.policy.pass_attempts + extra_attempts
     s.preemptions_left = s.policy.pass_preemptions
     for priority in sorted(set(PRIORITIES.values()), reverse=True):
         queues: dict[str, list[Job]] = {}

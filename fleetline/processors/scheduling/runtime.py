@@ -17,7 +17,6 @@ reproduces every decision byte for byte.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -51,10 +50,10 @@ from fleetline.streams.events import (
     SCHEDULING_DECISION,
     WORKLOAD_ORDER,
 )
-from fleetline.streams.loop import MessageStep, StreamLoop, deliver, produce
+from fleetline.streams.loop import MessageStep, StreamLoop, deliver, produce, run_beside
 from fleetline.streams.records import Offsets, Output, where
 from fleetline.streams.serde import AvroCodec, default_codec
-from fleetline.streams.store import ChangelogStore
+from fleetline.streams.store import ChangelogStore, json_store
 from fleetline.streams.topics import Topics, TopicSpec
 
 log = logging.getLogger(__name__)
@@ -64,12 +63,7 @@ STORE = "state"
 
 
 def state_store(topics: Topics) -> ChangelogStore[Any]:
-    return ChangelogStore(
-        STORE,
-        topics.changelog(APPLICATION_ID, STORE),
-        lambda value: json.dumps(value, sort_keys=True).encode(),
-        lambda data: json.loads(data),
-    )
+    return json_store(STORE, topics.changelog(APPLICATION_ID, STORE))
 
 
 def scheduler_topics(topics: Topics) -> list[TopicSpec]:
@@ -235,15 +229,7 @@ class SchedulerService:
         self._last_facts: FleetFacts | None = None
 
     def run(self, stop: threading.Event) -> None:
-        ticker = threading.Thread(
-            target=self._tick_loop, args=(stop,), name="scheduler-tick", daemon=True
-        )
-        ticker.start()
-        try:
-            self.loop.run(stop)
-        finally:
-            stop.set()
-            ticker.join(30)
+        run_beside(self.loop, stop, self._tick_loop, "scheduler-tick")
 
     def _tick_loop(self, stop: threading.Event) -> None:
         producer = kafka_clients.producer(self.kafka, {"linger.ms": 0})
