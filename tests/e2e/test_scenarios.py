@@ -43,7 +43,10 @@ def test_the_default_scenario_flows_end_to_end(settings) -> None:
     then = {c["cluster_id"]: c for c in result.half_way_clusters}
     assert then["ap-south-a"]["nodes_down"] == 0
     assert then["ap-south-a"]["idle"] + then["ap-south-a"]["allocated"] == 16
-    assert then["eu-west-a"]["degraded"] == 16
+    # eu-west-a's 16 GPUs are all behind the lossy leaf: degraded, unless a job that tolerates
+    # a lossy fabric (acme/story, communication light) holds some of them by then.
+    assert then["eu-west-a"]["degraded"] + then["eu-west-a"]["allocated"] == 16
+    assert then["eu-west-a"]["idle"] == 0
     assert {r[0]: r[1] for r in result.query_rows} == {
         "ap-south-a": (6 + 3) * 8,
         "eu-west-a": 12 * 8,

@@ -22,6 +22,7 @@ import base64
 import json
 import logging
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -37,6 +38,7 @@ from confluent_kafka import OFFSET_BEGINNING, KafkaError, TopicPartition
 from fleetline.agents.cluster import workloads as procs
 from fleetline.agents.cluster.reconcile import Actual, Order, Start, Stop, plan
 from fleetline.config import Settings
+from fleetline.errors import FleetlineError
 from fleetline.processors.health.runtime import signal, signal_output
 from fleetline.processors.scheduling.codec import new_request
 from fleetline.processors.scheduling.runtime import request_output
@@ -190,9 +192,27 @@ class ClusterAgent:
             }
         for action in plan(self.cluster_id, self.orders, actual, may_start=not self.fenced()):
             if isinstance(action, Start):
-                self._start(action.order)
+                try:
+                    self._start(action.order)
+                except (FleetlineError, OSError) as exc:
+                    self._could_not_start(action.order, exc)
             elif isinstance(action, Stop):
                 self._stop(action)
+
+    def _could_not_start(self, order: Order, exc: Exception) -> None:
+        """A start that failed before any process ran (the store unreachable, the command not
+        executable): reported FAILED like a crash, so the retry policy applies, and recorded so
+        that this (epoch, attempt) is not tried again."""
+        reason = f"could not start: {exc}"
+        log.warning("%s: %s: %s", self.cluster_id, order.job, reason)
+        workload = procs.record_failed_start(
+            self.root, order.job, order.tenant, order.epoch, order.attempt, order.trace_id, reason
+        )
+        with self.lock:
+            self.running.setdefault(order.job, []).append(workload)
+        self._event(order, "FAILED", detail=reason)
+        self._report(order, "FAILED", detail=reason)
+        self.producer.flush(10)
 
     def _stop(self, action: Stop) -> None:
         for workload in self.running.get(action.job, []):
@@ -363,8 +383,29 @@ class ClusterAgent:
             return None
         return order
 
+    def forget_finished(self) -> None:
+        """Drop finished runs no order refers to any more (and their directories): what a run
+        did is on the workload topic; only the current order's run must stay known, so that it
+        is never started twice."""
+        with self.lock:
+            for job in list(self.running):
+                order = self.orders.get(job)
+                keep = (
+                    order.run_id
+                    if order is not None
+                    and order.action == "RUN"
+                    and order.cluster_id == self.cluster_id
+                    else None
+                )
+                for w in [w for w in self.running[job] if w.reported and w.run_id != keep]:
+                    self.running[job].remove(w)
+                    shutil.rmtree(w.directory, ignore_errors=True)
+                if not self.running[job]:
+                    del self.running[job]
+
     def watch(self) -> None:
         procs.reap()
+        self.forget_finished()
         with self.lock:
             workloads = [w for runs in self.running.values() for w in runs]
         for workload in workloads:

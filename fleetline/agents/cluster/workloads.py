@@ -172,6 +172,20 @@ def launch(
     return workload
 
 
+def record_failed_start(
+    root: Path, job: str, tenant: str, epoch: int, attempt: int, trace_id: str, reason: str
+) -> Workload:
+    """A run that never got a process, recorded as reported so it is not started again."""
+    directory = run_dir(root, job, epoch, attempt)
+    directory.mkdir(parents=True, exist_ok=True)
+    meta = {"job": job, "tenant": tenant, "epoch": epoch, "attempt": attempt, "trace_id": trace_id}
+    (directory / "meta.json").write_text(json.dumps(meta))
+    (directory / "reported").write_text(reason)
+    workload = Workload(job, tenant, epoch, attempt, trace_id, directory)
+    workload.reported = True
+    return workload
+
+
 _children: dict[int, subprocess.Popen[bytes]] = {}
 
 
