@@ -82,6 +82,17 @@ class ClusterFactsBody(Body):
     ts: int
 
 
+class ClusterControlBody(Body):
+    cluster_id: str
+    state: str = Field(description="HEALTHY, SUSPECT, UNHEALTHY (lost) or RECOVERING")
+    since_ms: int
+    cordoned: bool
+    reason: str
+    seq: int
+    ts: int
+    broken_links: list[str] = Field(description="peers this cluster cannot reach or be reached by")
+
+
 class ClusterCapacity(Body):
     cluster_id: str
     region: str
@@ -99,6 +110,9 @@ class ClusterCapacity(Body):
     nodes_unreachable: int
     nodes_cordoned: int = Field(description="UP, but taking no new work (CORDON)")
     info: ClusterFactsBody | None = Field(description="what the cluster's operator declared")
+    control: ClusterControlBody | None = Field(
+        default=None, description="the cluster health fold's last word on it (emergency topic)"
+    )
 
 
 class OneCluster(ClusterCapacity, ViewRead):

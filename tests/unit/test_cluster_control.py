@@ -9,7 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from fleetline.agents.cluster.reconcile import Actual, Order, Start, Stop, plan
+from fleetline.processors.scheduling.capacity import observe
 from fleetline.processors.scheduling.effects import WorkloadOrder
+from fleetline.processors.view import codec as view_codec
+from fleetline.processors.view import read as view_read
 from fleetline.processors.view.fold import apply
 from fleetline.streams.serde import default_codec
 from tests.scheduling_support import THREE, Driver, fleet_view, training
@@ -197,3 +200,20 @@ def test_only_checkpoints_behind_the_fence_may_be_resumed_from():
     assert not resumed.admits(5, 350)  # written by a copy after it was fenced
     assert not resumed.admits(8, 10)
     assert not order(epoch=7).admits(6, 10)  # nothing accepted yet: start afresh
+
+
+def test_the_view_shows_a_cluster_s_declared_health_and_keeps_it_in_snapshots():
+    view, _ = fleet_view(THREE)
+    fold_into(view, health("eu-west-a", "UNHEALTHY", 3))
+    partition = health("eu-west-a", "UNHEALTHY", 4)
+    partition[1].update(event="PARTITION", peer="us-east-a", link_up=False)
+    fold_into(view, partition)
+    clusters = {c["cluster_id"]: c for c in view_read.cluster_capacity(view)}
+    lost = clusters["eu-west-a"]
+    assert lost["health"] == "lost" and lost["control"]["state"] == "UNHEALTHY"
+    assert lost["control"]["broken_links"] == ["us-east-a"]
+    assert "cannot reach it" in lost["control"]["reason"]
+    assert clusters["us-east-a"]["health"] == "healthy" and clusters["us-east-a"]["control"] is None
+    again = view_codec.from_data(view_codec.to_data(view))
+    assert again.cluster_health == view.cluster_health
+    assert observe(view).clusters["eu-west-a"].health == "lost"

@@ -14,6 +14,7 @@ from fleetline.processors.view.model import (
     DEGRADED,
     FAILED,
     HEALTHY,
+    ClusterHealthInfo,
     GpuState,
     NodeStatus,
     NodeView,
@@ -56,6 +57,11 @@ class ClusterHealth(StrEnum):
     UNREACHABLE = "unreachable"  # every node out of reach
     RETIRED = "retired"  # its operator took it out of the pool
     EMPTY = "empty"  # no node reports from it
+    # From the cluster health fold (the emergency topic): its agent's heartbeats and peers.
+    SUSPECT = "suspect"  # silent a moment: keeps its jobs, takes none
+    LOST = "lost"  # declared lost: out of the pool, its jobs moved
+    RECOVERING = "recovering"  # back, on probation
+    CORDONED = "cordoned"  # an operator took new work away from it
 
 
 IDLE, ALLOCATED, UNAVAILABLE = (
@@ -95,7 +101,9 @@ def view_meta(view: ResourceView) -> dict[str, Any]:
 
 
 def cluster_ids(view: ResourceView) -> list[str]:
-    return sorted({n.cluster_id for n in view.nodes.values()} | set(view.clusters))
+    return sorted(
+        {n.cluster_id for n in view.nodes.values()} | set(view.clusters) | set(view.cluster_health)
+    )
 
 
 def _empty_counts() -> dict[str, int]:
@@ -141,17 +149,32 @@ def cluster_capacity(view: ResourceView, region: str | None = None) -> list[dict
             {
                 "cluster_id": cluster_id,
                 "region": cluster_region,
-                "health": _cluster_health(c, info.retired if info else False),
+                "health": _cluster_health(
+                    c, info.retired if info else False, view.cluster_health.get(cluster_id)
+                ),
                 **c,
                 "info": asdict(info) if info else None,
+                "control": asdict(declared)
+                if (declared := view.cluster_health.get(cluster_id))
+                else None,
             }
         )
     return out
 
 
-def _cluster_health(c: Mapping[str, int], retired: bool) -> ClusterHealth:
+def _cluster_health(
+    c: Mapping[str, int], retired: bool, declared: ClusterHealthInfo | None
+) -> ClusterHealth:
     if retired:
         return ClusterHealth.RETIRED
+    if declared is not None and declared.state != "HEALTHY":
+        return {
+            "SUSPECT": ClusterHealth.SUSPECT,
+            "UNHEALTHY": ClusterHealth.LOST,
+            "RECOVERING": ClusterHealth.RECOVERING,
+        }.get(declared.state, ClusterHealth.SUSPECT)
+    if declared is not None and declared.cordoned:
+        return ClusterHealth.CORDONED
     if c["nodes"] == 0:
         return ClusterHealth.EMPTY
     if c["nodes_unreachable"] == c["nodes"]:
