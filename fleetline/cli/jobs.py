@@ -140,7 +140,7 @@ def _job_or_fail(config: Settings, topics: Topics, key: str) -> dict[str, Any]:
 
 
 def describe(job: Job, json_: Json = False, topic_prefix: TopicPrefix = "fleetline") -> None:
-    """One job: phase, conditions, GPUs."""
+    """One job: phase (desired), what its cluster reports (actual), conditions, GPUs."""
     record = _job_or_fail(settings("kafka"), Topics(topic_prefix), job)
     if json_:
         print_json(record)

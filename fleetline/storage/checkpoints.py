@@ -21,8 +21,9 @@ import os
 import re
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
@@ -32,6 +33,8 @@ from fleetline.storage.crypto import ObjectCipher
 from fleetline.storage.objects import Objects
 
 FORMAT = "fleetline.checkpoint/1"
+_PARALLEL_PARTS = 8
+T = TypeVar("T")
 # Whether a checkpoint (epoch, step) may be resumed from.
 Admit = Callable[[int, int], bool]
 MANIFEST = "MANIFEST.json"
@@ -103,12 +106,14 @@ class Checkpoints:
         name = checkpoint_name(epoch, step)
         data_key = os.urandom(32) if self.key is not None else None
         cipher = ObjectCipher(data_key) if data_key is not None else None
-        digests: dict[str, dict[str, Any]] = {}
-        for part in sorted(parts):
+
+        def write(part: str) -> dict[str, Any]:
             key = self._key(name, part)
             blob = cipher.seal(key, parts[part]) if cipher is not None else parts[part]
             self.store.put(key, blob)
-            digests[part] = {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+            return {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+
+        digests = dict(zip(sorted(parts), _each(write, sorted(parts)), strict=True))
         manifest_key = self._key(name, MANIFEST)
         wrapped = (
             base64.b64encode(ObjectCipher(self.key).seal(manifest_key, data_key)).decode()
@@ -167,18 +172,19 @@ class Checkpoints:
                 self._key(name, MANIFEST), base64.b64decode(manifest.data_key)
             )
             cipher = ObjectCipher(data_key)
-        parts = {}
-        for part in sorted(manifest.parts):
+
+        def read(part: str) -> bytes:
             blob = self._blob(manifest, part)
-            parts[part] = cipher.open(self._key(name, part), blob) if cipher is not None else blob
-        return manifest, parts
+            return cipher.open(self._key(name, part), blob) if cipher is not None else blob
+
+        names = sorted(manifest.parts)
+        return manifest, dict(zip(names, _each(read, names), strict=True))
 
     def complete(self, name: str) -> Manifest | None:
         """The manifest when every part is there and matches, else None (noted in skipped)."""
         try:
             manifest = self.manifest(name)
-            for part in manifest.parts:
-                self._blob(manifest, part)
+            _each(lambda part: self._blob(manifest, part), sorted(manifest.parts))
             return manifest
         except (IntegrityError, ObjectMissing) as exc:
             self.skipped.append(str(exc))
@@ -209,12 +215,23 @@ class Checkpoints:
         part there after writing it, the manifest last; (bytes, seconds)."""
         began = time.perf_counter()
         manifest = self.manifest(name)
-        for part in sorted(manifest.parts):
-            blob = self._blob(manifest, part)
-            target.store.put(target._key(name, part), blob)
+
+        def move(part: str) -> None:
+            target.store.put(target._key(name, part), self._blob(manifest, part))
             target._blob(manifest, part)  # read back: verified on arrival
+
+        _each(move, sorted(manifest.parts))
         target.store.put(target._key(name, MANIFEST), _manifest_bytes(manifest), "application/json")
         return manifest.bytes, time.perf_counter() - began
+
+
+def _each(work: Callable[[str], T], parts: list[str]) -> list[T]:
+    """`work` over the parts, several at a time (S3 round trips, hashing and AES-GCM all
+    release the GIL), results in the parts' order; the first error is raised."""
+    if len(parts) <= 1:
+        return [work(p) for p in parts]
+    with ThreadPoolExecutor(max_workers=min(_PARALLEL_PARTS, len(parts))) as pool:
+        return list(pool.map(work, parts))
 
 
 def _manifest_bytes(manifest: Manifest) -> bytes:
