@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, KafkaError, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, KafkaError, TopicPartition
 
 from fleetline.agents.cluster import workloads as procs
 from fleetline.agents.cluster.reconcile import Actual, Order, Start, Stop, plan
@@ -95,10 +95,20 @@ class ClusterAgent:
         kafka = self.settings.kafka
         self.producer = kafka_clients.producer(kafka, {"linger.ms": 5})
         consumer = kafka_clients.consumer(kafka, f"{self.name}.{self.incarnation}")
+        # Orders and health from their start (the compacted desired state, every declaration);
+        # the busy signal log only from a minute ago, enough to learn where the peers listen.
+        recent = consumer.offsets_for_times(
+            [TopicPartition(self.topics.cluster_signals, 0, _now_ms() - 60_000)], timeout=30
+        )
         consumer.assign(
             [
-                TopicPartition(t, 0, OFFSET_BEGINNING)
-                for t in (self.topics.orders, self.topics.emergency, self.topics.cluster_signals)
+                TopicPartition(self.topics.orders, 0, OFFSET_BEGINNING),
+                TopicPartition(self.topics.emergency, 0, OFFSET_BEGINNING),
+                TopicPartition(
+                    self.topics.cluster_signals,
+                    0,
+                    recent[0].offset if recent[0].offset >= 0 else OFFSET_END,
+                ),
             ]
         )
         server = self._probe_server(stop)
