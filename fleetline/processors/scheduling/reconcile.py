@@ -67,12 +67,14 @@ def migrate_off_lost_clusters(s: SchedulerState, out: EffectLog) -> int:
 
 def order_retries(s: SchedulerState, out: EffectLog) -> None:
     """Order the next attempt of jobs whose backoff after a failed attempt has passed."""
-    for key in sorted(s.jobs):
-        job = s.jobs[key]
-        if job.retry_at_ms is not None and job.retry_at_ms <= s.now_ms and job.holds:
-            job.retry_at_ms = None
-            s.dirty.add(f"job:{key}")
-            order_run(s, out, job)
+    while s.retries and s.retries[0][0] <= s.now_ms:
+        due, key = heapq.heappop(s.retries)
+        job = s.jobs.get(key)
+        if job is None or job.retry_at_ms != due or not job.holds:
+            continue  # released, or retried on another schedule since
+        job.retry_at_ms = None
+        s.dirty.add(f"job:{key}")
+        order_run(s, out, job)
 
 
 def migrate_off_faults(s: SchedulerState, out: EffectLog) -> int:

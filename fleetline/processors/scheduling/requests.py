@@ -6,6 +6,7 @@ finished). TICK is the reconcile loop (`reconcile.py`).
 
 from __future__ import annotations
 
+import heapq
 import json
 from collections.abc import Mapping
 from dataclasses import replace
@@ -239,6 +240,7 @@ def progress(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> N
         if job.spec.retry.retries(code, job.attempt):
             wait = job.spec.retry.backoff_ms(job.attempt)
             job.retry_at_ms = s.now_ms + wait
+            heapq.heappush(s.retries, (job.retry_at_ms, job.key))
             job.actual = {**job.actual, "state": "Failed", "since_ms": s.now_ms, "detail": what}
             job.attempt += 1
             job.phase = Phase.STARTING

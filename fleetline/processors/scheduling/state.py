@@ -259,6 +259,7 @@ class SchedulerState:
         self.cluster_jobs: dict[str, set[str]] = {}  # jobs holding GPUs, per cluster
         self.priority_gpus: dict[str, dict[int, int]] = {}  # cluster -> priority -> GPUs held
         self.limits: list[tuple[int, str]] = []  # (limit end, job) heap
+        self.retries: list[tuple[int, str]] = []  # (next attempt due, job) heap
         self.index = CapacityIndex(self.facts)
         self.victim_cache: dict[tuple[str, int, int, int], list[Victim]] = {}
         # Whether the next TICK must retry the queue: something freed capacity, changed a
@@ -308,6 +309,7 @@ class SchedulerState:
         self.cluster_jobs = {}
         self.priority_gpus = {}
         self.limits = []
+        self.retries = []
         for key in sorted(self.jobs):
             job = self.jobs[key]
             for cluster_id, nodes in job.allocation.items():
@@ -320,6 +322,8 @@ class SchedulerState:
                     self.node_jobs.setdefault(node, set()).add(key)
             if job.holds and job.limit_end_ms is not None:
                 heapq.heappush(self.limits, (job.limit_end_ms, key))
+            if job.retry_at_ms is not None:
+                heapq.heappush(self.retries, (job.retry_at_ms, key))
         self.index = CapacityIndex(self.facts, taken)
 
     # -- as changelog records -------------------------------------------------------------------
