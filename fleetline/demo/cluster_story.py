@@ -242,7 +242,12 @@ def lose_a_cluster(
             "the job to finish",
             lambda: (
                 (job_of(job) or {}).get("phase") == "Succeeded"
-                and [e for e in follower.events(job, "EXITED") if e["exit_code"] == 0]
+                # The run it moved to: the copy left behind may have exited 0 too, fenced.
+                and [
+                    e
+                    for e in follower.events(job, "EXITED")
+                    if e["exit_code"] == 0 and e["epoch"] == running["epoch"]
+                ]
             ),
         )[0]
         digest, reference_s = _reference(agents.settings, workload)

@@ -164,14 +164,7 @@ class Checkpoints:
     def load(self, name: str) -> tuple[Manifest, dict[str, bytes]]:
         """A complete checkpoint's manifest and parts (opened), or IntegrityError."""
         manifest = self.manifest(name)
-        cipher = None
-        if manifest.sealed:
-            if self.key is None or manifest.data_key is None:
-                raise IntegrityError(f"{name}: sealed, and no tenant key to open it")
-            data_key = ObjectCipher(self.key).open(
-                self._key(name, MANIFEST), base64.b64decode(manifest.data_key)
-            )
-            cipher = ObjectCipher(data_key)
+        cipher = self._cipher(manifest)
 
         def read(part: str) -> bytes:
             blob = self._blob(manifest, part)
@@ -180,10 +173,27 @@ class Checkpoints:
         names = sorted(manifest.parts)
         return manifest, dict(zip(names, _each(read, names), strict=True))
 
+    def _cipher(self, manifest: Manifest) -> ObjectCipher | None:
+        """What opens the checkpoint's parts (None: stored as they are), or IntegrityError
+        when its data key does not open under this store's tenant key."""
+        if not manifest.sealed:
+            return None
+        if self.key is None or manifest.data_key is None:
+            raise IntegrityError(f"{manifest.name}: sealed, and no tenant key to open it")
+        try:
+            wrapped = base64.b64decode(manifest.data_key, validate=True)
+        except ValueError:
+            raise IntegrityError(f"{manifest.name}: its data key is not base64") from None
+        return ObjectCipher(
+            ObjectCipher(self.key).open(self._key(manifest.name, MANIFEST), wrapped)
+        )
+
     def complete(self, name: str) -> Manifest | None:
-        """The manifest when every part is there and matches, else None (noted in skipped)."""
+        """The manifest when every part is there and matches and its key opens, else None
+        (noted in skipped)."""
         try:
             manifest = self.manifest(name)
+            self._cipher(manifest)
             _each(lambda part: self._blob(manifest, part), sorted(manifest.parts))
             return manifest
         except (IntegrityError, ObjectMissing) as exc:

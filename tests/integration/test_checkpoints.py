@@ -106,6 +106,9 @@ def test_a_torn_checkpoint_is_never_resumed_from(settings, tmp_path):
     other = Checkpoints(objects, "torn", tenant_key(MASTER, "globex"))
     with pytest.raises(IntegrityError):
         other.load(checkpoint_name(1, 20))
+    # Under another key none is complete: each is passed over, none is handed to a workload.
+    assert other.newest_complete() is None
+    assert any("decryption failed" in why for why in other.skipped)
     found = own.latest()
     assert found is not None
     manifest, parts = found

@@ -50,7 +50,7 @@ def test_a_job_is_running_only_when_its_cluster_says_so_and_stale_epochs_are_ign
     d.report(run, "CHECKPOINT", step=200, checkpoint_ms=d.now_ms)
     assert job.checkpoint_step == 200
     d.report(run, "SUCCEEDED", exit_code=0)
-    assert job.phase == "Succeeded"
+    assert job.phase == "Succeeded" and job.actual["state"] == "Succeeded"
     stop = orders(d)[-1]
     assert stop.action == "STOP" and stop.epoch == run.epoch and not stop.final_checkpoint
 

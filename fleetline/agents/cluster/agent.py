@@ -329,7 +329,10 @@ class ClusterAgent:
             store.ensure_bucket()
         name = order.job.split("/", 1)[-1]
         key = tenant_key(self._master, order.tenant) if self._master else None
-        return bucket, Checkpoints(store, f"checkpoints/{order.tenant}/{name}", key)
+        # One folder per deployment (topic prefix) and per submission (trace id): a job
+        # submitted again under the same name starts afresh, and never reads another run's.
+        prefix = f"checkpoints/{self.topics.prefix}/{order.tenant}/{name}/{order.trace_id}"
+        return bucket, Checkpoints(store, prefix, key)
 
     def _prepare(self, order: Order) -> tuple[dict[str, str], str | None]:
         """Bring the job's newest complete checkpoint into this cluster's store (from any

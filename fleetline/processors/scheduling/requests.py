@@ -259,11 +259,11 @@ def progress(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> N
         )
     else:
         reason = f"the job {phase.lower()}" + (f": {detail}" if detail else "")
-    job.actual = {**job.actual, "state": phase.title(), "since_ms": s.now_ms, "detail": reason}
     # The release still orders a STOP: the compacted order topic must not keep a RUN for a job
     # that has ended, or an agent restarting would start it again.
     if job.holds:
         release(s, out, job, Outcome.RELEASED, reason, salvage=False)
+    job.actual = {**job.actual, "state": phase.title(), "since_ms": s.now_ms, "detail": reason}
     job.phase = Phase.SUCCEEDED if phase == Progress.SUCCEEDED else Phase.FAILED
     job.condition(Condition.FINISHED, True, f"{cluster} reports: {reason}", s.now_ms)
     schedule_queue(s, out)
