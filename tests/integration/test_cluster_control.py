@@ -307,6 +307,35 @@ def test_a_cluster_agent_killed_with_sigkill_starts_nothing_twice(stack):
     assert steps == sorted(set(steps)) and steps[-1] == 150
 
 
+def test_a_deleted_job_checkpoints_on_its_way_out(stack):
+    submit(
+        stack.settings.kafka,
+        stack.topics,
+        submits(training("doomed", steps=5000, checkpoint_every_steps=4000, step_delay_ms=10)),
+    )
+    key = "acme/doomed"
+    wait_until(
+        lambda: any(e["event"] == "PROGRESS" and e["step"] >= 50 for e in stack.events(key)),
+        60,
+        "doomed to make progress",
+    )
+    submit(
+        stack.settings.kafka,
+        stack.topics,
+        [new_request("DELETE", key, "acme", now_ms(), uuid.uuid4().hex, actor="tester")],
+    )
+    wait_until(
+        lambda: any(e["event"] == "STOPPED" for e in stack.events(key)), 60, "doomed to stop"
+    )
+    events = stack.events(key)
+    final = [e for e in events if e["event"] == "CHECKPOINTED"]
+    assert len(final) == 1 and 50 <= final[0]["step"] < 4000  # written on SIGTERM, not by period
+    stopped = next(e for e in events if e["event"] == "STOPPED")
+    assert "deleted by tester" in stopped["detail"]
+    assert [e["exit_code"] for e in events if e["event"] == "EXITED"] == [0]
+    assert stack.phase(key) == "Deleted"
+
+
 def reference_run(stack: Stack, tmp: Path, **workload: Any) -> list[dict[str, Any]]:
     progress = tmp / "reference.jsonl"
     env = {

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import sys
 import threading
@@ -39,7 +40,8 @@ from fleetline.agents.cluster import workloads as procs
 from fleetline.agents.cluster.reconcile import Actual, Order, Start, Stop, plan
 from fleetline.config import Settings
 from fleetline.errors import FleetlineError
-from fleetline.processors.health.runtime import signal, signal_output
+from fleetline.processors.health.runtime import signal as cluster_signal
+from fleetline.processors.health.runtime import signal_output
 from fleetline.processors.scheduling.codec import new_request
 from fleetline.processors.scheduling.runtime import request_output
 from fleetline.storage.checkpoints import Checkpoints, best_of, cluster_bucket, tenant_key
@@ -396,6 +398,19 @@ class ClusterAgent:
             return None
         return order
 
+    def stopped_here(self, workload: procs.Workload) -> Order | None:
+        """The STOP order for the workload's own run, if that is the job's order: the epoch has
+        not moved on, so what the workload writes on its way out (a final checkpoint) counts."""
+        order = self.orders.get(workload.job)
+        if (
+            order is not None
+            and order.action == "STOP"
+            and order.cluster_id == self.cluster_id
+            and order.run_id == workload.run_id
+        ):
+            return order
+        return None
+
     def forget_finished(self) -> None:
         """Drop finished runs no order refers to any more (and their directories): what a run
         did is on the workload topic; only the current order's run must stay known, so that it
@@ -425,7 +440,7 @@ class ClusterAgent:
             if workload.reported:
                 continue
             order = self.current(workload)
-            self._publish_progress(workload, order)
+            self._publish_progress(workload, order or self.stopped_here(workload))
             alive = workload.alive
             if (
                 alive
@@ -442,7 +457,7 @@ class ClusterAgent:
                 and workload.stop_deadline is not None
                 and time.monotonic() > workload.stop_deadline
             ):
-                workload.signal(9)
+                workload.signal(signal.SIGKILL)
             if not alive:
                 self._finished(workload, order)
         self.producer.poll(0)
@@ -499,7 +514,9 @@ class ClusterAgent:
             code = 137
         speaking_for = order or self._order_of(workload)
         if workload.stop_deadline is not None or order is None:
-            kind = "FENCED" if workload.fenced or order is None else "STOPPED"
+            # Stopped as ordered, or fenced: stopped (or found exited) after its epoch moved on.
+            fenced = workload.fenced or workload.stop_deadline is None
+            kind = "FENCED" if fenced else "STOPPED"
             self._event(
                 speaking_for,
                 "EXITED",
@@ -638,7 +655,7 @@ class ClusterAgent:
         try:
             while not stop.is_set():
                 seq += 1
-                record = signal(
+                record = cluster_signal(
                     "HEARTBEAT",
                     self.cluster_id,
                     _now_ms(),
