@@ -56,6 +56,15 @@ from fleetline.streams.topics import Topics
 log = logging.getLogger(__name__)
 
 DEFAULT_TRAINER = (sys.executable, "-m", "fleetline.agents.workloads.train")
+# A progress line's kind -> the WorkloadEvent it is published as, and which of the line's fields
+# fill which of the event's.
+_LINE_EVENTS: dict[str, tuple[str, dict[str, str]]] = {
+    "progress": ("PROGRESS", {"step": "step", "loss": "loss", "samples_per_s": "samples_per_s"}),
+    "checkpoint": (
+        "CHECKPOINTED",
+        {"step": "step", "checkpoint_uri": "uri", "bytes": "bytes", "seconds": "seconds"},
+    ),
+}
 
 
 def _now_ms() -> int:
@@ -469,24 +478,12 @@ class ClusterAgent:
         if order is not None:
             for line in lines:
                 kind = line.get("event")
+                if kind in _LINE_EVENTS:
+                    event, fields = _LINE_EVENTS[kind]
+                    self._event(order, event, **{f: line.get(src) for f, src in fields.items()})
                 if kind == "progress":
                     workload.step = line.get("step")
-                    self._event(
-                        order,
-                        "PROGRESS",
-                        step=line.get("step"),
-                        loss=line.get("loss"),
-                        samples_per_s=line.get("samples_per_s"),
-                    )
                 elif kind == "checkpoint":
-                    self._event(
-                        order,
-                        "CHECKPOINTED",
-                        step=line.get("step"),
-                        checkpoint_uri=line.get("uri"),
-                        bytes=line.get("bytes"),
-                        seconds=line.get("seconds"),
-                    )
                     self._report(
                         order,
                         "CHECKPOINT",
