@@ -7,12 +7,13 @@ import contextlib
 import json
 import signal
 import threading
+import uuid
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from fleetline.cli.common import TopicPrefix, console, now_ms, settings
+from fleetline.cli.common import Actor, TopicPrefix, console, now_ms, settings
 
 cluster = typer.Typer(help="Operate whole clusters: cordon, uncordon, health", no_args_is_help=True)
 workload = typer.Typer(help="Workloads a cluster agent runs", no_args_is_help=True)
@@ -71,7 +72,9 @@ def train() -> None:
     raise typer.Exit(main())
 
 
-def _signal(kind: str, cluster_id: str, reason: str | None, topic_prefix: str) -> None:
+def _signal(kind: str, cluster_id: str, reason: str | None, topic_prefix: str, actor: str) -> None:
+    """Append a CORDON or UNCORDON to the signal log, and its audit event."""
+    from fleetline.cli.specs import audit_requests
     from fleetline.processors.health.runtime import signal as cluster_signal
     from fleetline.processors.health.runtime import signal_output
     from fleetline.streams import kafka as kafka_clients
@@ -81,9 +84,18 @@ def _signal(kind: str, cluster_id: str, reason: str | None, topic_prefix: str) -
 
     config = settings("kafka")
     topics = Topics(topic_prefix)
-    record = cluster_signal(kind, cluster_id, now_ms(), actor="fleetline-cli", reason=reason)
+    record = cluster_signal(kind, cluster_id, now_ms(), actor=actor, reason=reason)
     out = signal_output(topics, record, default_codec())
     deliver(kafka_clients.producer(config.kafka, {"linger.ms": 0}), [out], "the signal log")
+    audit_requests(
+        config,
+        topics,
+        actor,
+        f"cluster.{kind.lower()}",
+        [f"cluster:{cluster_id}"],
+        [uuid.uuid4().hex],
+        fleet_wide=True,
+    )
     console.print(f"{cluster_id}: {kind.lower()} sent")
 
 
@@ -92,9 +104,10 @@ def cordon(
     cluster_id: ClusterId,
     reason: Annotated[str | None, typer.Option(help="why, for the audit trail")] = None,
     topic_prefix: TopicPrefix = "fleetline",
+    actor: Actor = "cli",
 ) -> None:
     """Take a whole cluster out of placement: what runs there stays, nothing new lands."""
-    _signal("CORDON", cluster_id, reason, topic_prefix)
+    _signal("CORDON", cluster_id, reason, topic_prefix, actor)
 
 
 @cluster.command()
@@ -102,9 +115,10 @@ def uncordon(
     cluster_id: ClusterId,
     reason: Annotated[str | None, typer.Option(help="why, for the audit trail")] = None,
     topic_prefix: TopicPrefix = "fleetline",
+    actor: Actor = "cli",
 ) -> None:
     """Return a cordoned cluster to placement."""
-    _signal("UNCORDON", cluster_id, reason, topic_prefix)
+    _signal("UNCORDON", cluster_id, reason, topic_prefix, actor)
 
 
 @cluster.command()

@@ -34,10 +34,13 @@ import pytest
 from fleetline.agents.fleet import FleetAgent
 from fleetline.agents.simulator import ClusterSpec, Fault, FleetSimulator
 from fleetline.app import Fleetline, Options, build
+from fleetline.cli import main
 from fleetline.config import Settings
 from fleetline.processors.health.fold import ClusterHealthPolicy
 from fleetline.processors.scheduling.codec import canonical_json, new_request
 from fleetline.processors.scheduling.runtime import read_topic, submit
+from fleetline.processors.view import read as view_read
+from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import default_codec
 from tests.services import service_env, submits
 from tests.support import fresh_topics, wait_until
@@ -237,6 +240,39 @@ def test_one_broken_link_between_two_clusters_evicts_neither(stack):
         30,
         "the link to heal",
     )
+
+
+def test_an_operator_cordons_a_whole_cluster_through_the_cli(stack, monkeypatch, capsys):
+    for name, value in service_env(stack.settings).items():
+        monkeypatch.setenv(name, value)
+    prefix = ["--topic-prefix", stack.topics.prefix]
+    assert (
+        main(["cluster", "cordon", "cc", "--reason", "maintenance", "--actor", "ops", *prefix]) == 0
+    )
+
+    def cordoned() -> dict[str, Any]:
+        clusters = {c["cluster_id"]: c for c in stack.fleet.view.read(view_read.cluster_capacity)}
+        return clusters["cc"]
+
+    wait_until(lambda: cordoned()["health"] == "cordoned", 30, "cc to be cordoned in the view")
+    assert "cordoned by ops: maintenance" in cordoned()["control"]["reason"]
+    audit = [
+        codec.decode(m.value()).record
+        for m in kafka_clients.read_to_end(
+            stack.settings.kafka,
+            stack.topics.audit_requests,
+            list(range(stack.topics.audit_partitions)),
+            f"audit-{uuid.uuid4().hex}",
+            30,
+        )
+    ]
+    assert any(a["operation"] == "cluster.cordon" and a["target"] == "cluster:cc" for a in audit)
+    capsys.readouterr()
+    assert main(["cluster", "health", "--json", *prefix]) == 0
+    health = json.loads(capsys.readouterr().out)
+    assert health["clusters"]["cc"]["cordoned"] is True
+    assert main(["cluster", "uncordon", "cc", *prefix]) == 0
+    wait_until(lambda: cordoned()["health"] == "healthy", 30, "cc to take work again")
 
 
 def test_a_failing_start_is_retried_then_reported_failed(stack):
