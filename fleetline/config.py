@@ -41,6 +41,29 @@ class S3Settings:
     region: str = "us-east-1"
     bucket: str = "fleetline"
 
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> S3Settings:
+        defaults = cls()
+        return cls(
+            endpoint=env.get("FLEETLINE_S3_ENDPOINT", defaults.endpoint),
+            access_key=env.get("FLEETLINE_S3_ACCESS_KEY", defaults.access_key),
+            secret_key=env.get("FLEETLINE_S3_SECRET_KEY", defaults.secret_key),
+            secure=_flag(env.get("FLEETLINE_S3_SECURE", "false"), "FLEETLINE_S3_SECURE"),
+            region=env.get("FLEETLINE_S3_REGION", defaults.region),
+            bucket=env.get("FLEETLINE_S3_BUCKET", defaults.bucket),
+        )
+
+    def as_env(self) -> dict[str, str]:
+        """The FLEETLINE_S3_* variables `from_env` reads back (for a child process)."""
+        return {
+            "FLEETLINE_S3_ENDPOINT": self.endpoint,
+            "FLEETLINE_S3_ACCESS_KEY": self.access_key,
+            "FLEETLINE_S3_SECRET_KEY": self.secret_key,
+            "FLEETLINE_S3_SECURE": "true" if self.secure else "false",
+            "FLEETLINE_S3_REGION": self.region,
+            "FLEETLINE_S3_BUCKET": self.bucket,
+        }
+
 
 @dataclass(frozen=True)
 class QueryLimits:
@@ -103,17 +126,9 @@ class Settings:
             ),
             client_overrides=overrides,
         )
-        s3 = S3Settings(
-            endpoint=env.get("FLEETLINE_S3_ENDPOINT", defaults.s3.endpoint),
-            access_key=env.get("FLEETLINE_S3_ACCESS_KEY", defaults.s3.access_key),
-            secret_key=env.get("FLEETLINE_S3_SECRET_KEY", defaults.s3.secret_key),
-            secure=_flag(env.get("FLEETLINE_S3_SECURE", "false"), "FLEETLINE_S3_SECURE"),
-            region=env.get("FLEETLINE_S3_REGION", defaults.s3.region),
-            bucket=env.get("FLEETLINE_S3_BUCKET", defaults.s3.bucket),
-        )
         return cls(
             kafka=kafka,
-            s3=s3,
+            s3=S3Settings.from_env(env),
             clickhouse_url=env.get("FLEETLINE_CLICKHOUSE_URL", defaults.clickhouse_url),
             clickhouse_database=env.get(
                 "FLEETLINE_CLICKHOUSE_DATABASE", defaults.clickhouse_database

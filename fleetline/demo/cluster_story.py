@@ -26,6 +26,7 @@ from typing import Any
 from confluent_kafka import OFFSET_BEGINNING, KafkaError, TopicPartition
 
 from fleetline.agents.cluster.agent import ClusterAgent
+from fleetline.agents.workloads.train import workload_env
 from fleetline.config import Settings
 from fleetline.errors import StreamError
 from fleetline.streams import kafka as kafka_clients
@@ -126,19 +127,14 @@ class ClusterAgents:
 def _reference(settings: Settings, workload: dict[str, Any]) -> tuple[str, float]:
     """The same training run, never interrupted: its parameters' digest and seconds."""
     progress = Path(tempfile.mkdtemp(prefix="fleetline-reference-")) / "progress.jsonl"
-    s3 = settings.s3
     env = {
         **os.environ,
-        "FLEETLINE_S3_ENDPOINT": s3.endpoint,
-        "FLEETLINE_S3_ACCESS_KEY": s3.access_key,
-        "FLEETLINE_S3_SECRET_KEY": s3.secret_key,
-        "FLEETLINE_S3_SECURE": "true" if s3.secure else "false",
-        "FLEETLINE_CHECKPOINT_BUCKET": f"{s3.bucket}-reference",
+        **settings.s3.as_env(),
+        "FLEETLINE_CHECKPOINT_BUCKET": f"{settings.s3.bucket}-reference",
         "FLEETLINE_CHECKPOINT_PREFIX": f"reference/{uuid.uuid4().hex}",
         "FLEETLINE_PROGRESS_FILE": str(progress),
-        "FLEETLINE_STEPS": str(workload.get("steps", 2000)),
-        "FLEETLINE_CHECKPOINT_EVERY": str(workload.get("checkpoint_every_steps", 200)),
-        "FLEETLINE_SEED": str(workload.get("seed", 0)),
+        # Its pace does not change what it computes: run it at full speed.
+        **workload_env({k: v for k, v in workload.items() if k != "step_delay_ms"}),
         "OPENBLAS_NUM_THREADS": "1",
         "OMP_NUM_THREADS": "1",
     }

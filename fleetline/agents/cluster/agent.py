@@ -38,6 +38,7 @@ from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, KafkaError, TopicParti
 
 from fleetline.agents.cluster import workloads as procs
 from fleetline.agents.cluster.reconcile import Actual, Order, Start, Stop, plan
+from fleetline.agents.workloads.train import workload_env
 from fleetline.config import Settings
 from fleetline.errors import FleetlineError
 from fleetline.processors.health.runtime import signal as cluster_signal
@@ -94,7 +95,6 @@ class ClusterAgent:
         self.peers: dict[str, str] = {}  # cluster -> probe address
         self.reach: dict[str, tuple[bool, float | None]] = {}
         self.lock = threading.Lock()
-        self.started: list[tuple[str, int, int]] = []  # (job, epoch, attempt) started here
         self.root = self.state_dir / self.cluster_id
         self.root.mkdir(parents=True, exist_ok=True)
         master = self.settings.object_encryption_key
@@ -283,7 +283,6 @@ class ClusterAgent:
         )
         with self.lock:
             self.running.setdefault(order.job, []).append(workload)
-        self.started.append((order.job, order.epoch, order.attempt))
         self._event(
             order,
             "STARTING",
@@ -319,16 +318,7 @@ class ClusterAgent:
             "OMP_NUM_THREADS": "1",
             "MKL_NUM_THREADS": "1",
         }
-        for name, var in (
-            ("steps", "FLEETLINE_STEPS"),
-            ("checkpoint_every_steps", "FLEETLINE_CHECKPOINT_EVERY"),
-            ("report_every_steps", "FLEETLINE_REPORT_EVERY"),
-            ("seed", "FLEETLINE_SEED"),
-            ("step_delay_ms", "FLEETLINE_STEP_DELAY_MS"),
-        ):
-            if name in workload_spec:
-                env[var] = str(workload_spec[name])
-        return env
+        return env | workload_env(workload_spec)
 
     # -- the checkpoint data plane --------------------------------------------------------------
 
@@ -376,13 +366,8 @@ class ClusterAgent:
                     else "copied unsealed: no object-encryption key is configured",
                 )
             restored = f"{manifest.name} (step {manifest.step})"
-        s3 = self.settings.s3
         env = {
-            "FLEETLINE_S3_ENDPOINT": s3.endpoint,
-            "FLEETLINE_S3_ACCESS_KEY": s3.access_key,
-            "FLEETLINE_S3_SECRET_KEY": s3.secret_key,
-            "FLEETLINE_S3_SECURE": "true" if s3.secure else "false",
-            "FLEETLINE_S3_REGION": s3.region,
+            **self.settings.s3.as_env(),
             "FLEETLINE_CHECKPOINT_BUCKET": bucket,
             "FLEETLINE_CHECKPOINT_PREFIX": own.prefix,
             # The one to resume from (empty: start afresh), so that the workload never picks a

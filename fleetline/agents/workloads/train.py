@@ -38,6 +38,21 @@ from fleetline.storage.checkpoints import Checkpoints, params_digest
 from fleetline.storage.objects import ObjectStore
 
 Arrays = dict[str, NDArray[np.float64]]
+# A Workload spec's fields (processors/scheduling/specs.py) and the variables they reach the
+# workload in.
+WORKLOAD_ENV = {
+    "steps": "FLEETLINE_STEPS",
+    "checkpoint_every_steps": "FLEETLINE_CHECKPOINT_EVERY",
+    "report_every_steps": "FLEETLINE_REPORT_EVERY",
+    "seed": "FLEETLINE_SEED",
+    "step_delay_ms": "FLEETLINE_STEP_DELAY_MS",
+}
+
+
+def workload_env(workload: Mapping[str, Any]) -> dict[str, str]:
+    """The contract variables of the fields a workload spec sets (the rest keep their
+    defaults, which are the spec's)."""
+    return {var: str(workload[name]) for name, var in WORKLOAD_ENV.items() if name in workload}
 
 
 @dataclass(frozen=True)
@@ -170,13 +185,7 @@ class Progress:
 
 
 def checkpoints_from_env(env: Mapping[str, str]) -> Checkpoints:
-    s3 = S3Settings(
-        endpoint=env["FLEETLINE_S3_ENDPOINT"],
-        access_key=env["FLEETLINE_S3_ACCESS_KEY"],
-        secret_key=env["FLEETLINE_S3_SECRET_KEY"],
-        secure=env.get("FLEETLINE_S3_SECURE", "false") == "true",
-        region=env.get("FLEETLINE_S3_REGION", "us-east-1"),
-    )
+    s3 = S3Settings.from_env(env)
     store = ObjectStore.from_settings(s3, env["FLEETLINE_CHECKPOINT_BUCKET"])
     store.ensure_bucket()
     key = env.get("FLEETLINE_CHECKPOINT_KEY")

@@ -127,12 +127,6 @@ class HealthStep(MessageStep):
         with self.lock:
             self.fold = None
 
-    def states(self) -> dict[str, dict[str, Any]]:
-        """Each cluster's health as last folded (for the API and `fleetline clusters`)."""
-        with self.lock:
-            fold = self.fold
-            return {} if fold is None else fold.as_data()["clusters"]
-
 
 @dataclass
 class ClusterHealthService:

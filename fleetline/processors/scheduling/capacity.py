@@ -186,12 +186,8 @@ def observe(view: ResourceView, previous: FleetFacts | None = None) -> FleetFact
         why = declared.reason if declared is not None else ""
         if info is not None and info.retired:
             health = "retired"
-        elif declared is not None and declared.state == "UNHEALTHY":
-            health = "lost"
-        elif declared is not None and declared.state in ("SUSPECT", "RECOVERING"):
-            health = declared.state.lower()
-        elif declared is not None and declared.cordoned:
-            health, why = "cordoned", "cordoned by an operator"
+        elif declared is not None and declared.word is not None:
+            health = declared.word
         elif n == 0:
             health = "empty"
         elif unreachable == n:

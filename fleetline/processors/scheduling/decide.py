@@ -304,20 +304,6 @@ def start(s: SchedulerState, out: EffectLog, job: Job) -> None:
 def order_run(s: SchedulerState, out: EffectLog, job: Job) -> None:
     """A RUN order for the job's current epoch and attempt (one cluster: the first placed)."""
     cluster_id = min(job.allocation)
-    nodes = job.allocation[cluster_id]
-    workers = tuple((node, indices_of(mask)) for node, mask in sorted(nodes.items()))
-    explanation = job.explanation
-    placed = (
-        next(
-            (p for p in explanation.placements if p.cluster_id == cluster_id),
-            None,
-        )
-        if isinstance(explanation, Decision)
-        else None
-    )
-    if placed is not None:
-        # Rank order, as the placement chose it.
-        workers = tuple((w[0][0], tuple(i for _, i in w)) for w in placed.workers if w)
     job.ordered_cluster = cluster_id
     job.condition(
         Condition.RUNNING,
@@ -346,11 +332,27 @@ def order_run(s: SchedulerState, out: EffectLog, job: Job) -> None:
             f"attempt {job.attempt} of epoch {job.epoch}",
             job.trace_id,
             spec_json=json.dumps(job.document, sort_keys=True, separators=(",", ":")),
-            workers=workers,
+            workers=_ranked_workers(job, cluster_id),
             resume_from=(cluster_id, *(c for c in job.ran_in if c != cluster_id)),
             resume_step=job.checkpoint_step,
         )
     )
+
+
+def _ranked_workers(job: Job, cluster_id: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The job's workers in a cluster in rank order, as its placing decision chose them (the
+    same whether the decision is in memory or read back from the store)."""
+    explanation = job.explanation
+    placements = (
+        explanation.placement_records()
+        if isinstance(explanation, Decision)
+        else (explanation or {}).get("placements", ())
+    )
+    for placement in placements:
+        if placement["cluster_id"] == cluster_id:
+            return tuple((w["node_id"], tuple(w["gpus"])) for w in placement["workers"])
+    nodes = job.allocation[cluster_id]  # no placing decision: node order
+    return tuple((node, indices_of(mask)) for node, mask in sorted(nodes.items()))
 
 
 def order_stop(s: SchedulerState, out: EffectLog, job: Job, reason: str, final: bool) -> None:

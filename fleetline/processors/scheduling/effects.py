@@ -69,6 +69,19 @@ class Decision:
     def prewarm(self) -> DatasetPrewarm | None:
         return self.prewarms[0] if self.prewarms else None
 
+    def placement_records(self) -> list[dict[str, Any]]:
+        """The placements as the record has them: workers in rank order, with their GPUs."""
+        return [
+            {
+                "cluster_id": p.cluster_id,
+                "leaves": list(p.leaves),
+                "workers": [
+                    {"node_id": w[0][0], "gpus": [i for _, i in w]} for w in p.workers if w
+                ],
+            }
+            for p in self.placements
+        ]
+
     def as_record(self) -> dict[str, Any]:
         """The SchedulingDecision record."""
         d = self
@@ -89,16 +102,7 @@ class Decision:
             "policy_digest": d.policy_digest,
             "priority": d.priority,
             "reason": d.reason,
-            "placements": [
-                {
-                    "cluster_id": p.cluster_id,
-                    "leaves": list(p.leaves),
-                    "workers": [
-                        {"node_id": w[0][0], "gpus": [i for _, i in w]} for w in p.workers if w
-                    ],
-                }
-                for p in d.placements
-            ],
+            "placements": self.placement_records(),
             "alternatives": [
                 {
                     "cluster_id": a.cluster_id,

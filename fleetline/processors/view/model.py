@@ -250,8 +250,12 @@ class ClusterHealthInfo:
     broken_links: list[str] = field(default_factory=list)
 
     @property
-    def takes_new_work(self) -> bool:
-        return self.state == "HEALTHY" and not self.cordoned
+    def word(self) -> str | None:
+        """What it says of the cluster, for readers and the scheduler alike: lost, suspect,
+        recovering, cordoned; None when healthy and not cordoned (its nodes decide then)."""
+        if self.state != "HEALTHY":
+            return {"UNHEALTHY": "lost", "RECOVERING": "recovering"}.get(self.state, "suspect")
+        return "cordoned" if self.cordoned else None
 
 
 @dataclass

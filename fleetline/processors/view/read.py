@@ -141,6 +141,7 @@ def cluster_capacity(view: ResourceView, region: str | None = None) -> list[dict
     out = []
     for cluster_id in cluster_ids(view):
         info = view.clusters.get(cluster_id)
+        declared = view.cluster_health.get(cluster_id)
         c = counts.get(cluster_id, _empty_counts())
         cluster_region = info.region if info else regions.get(cluster_id, "")
         if region is not None and cluster_region != region:
@@ -149,14 +150,10 @@ def cluster_capacity(view: ResourceView, region: str | None = None) -> list[dict
             {
                 "cluster_id": cluster_id,
                 "region": cluster_region,
-                "health": _cluster_health(
-                    c, info.retired if info else False, view.cluster_health.get(cluster_id)
-                ),
+                "health": _cluster_health(c, info.retired if info else False, declared),
                 **c,
                 "info": asdict(info) if info else None,
-                "control": asdict(declared)
-                if (declared := view.cluster_health.get(cluster_id))
-                else None,
+                "control": asdict(declared) if declared else None,
             }
         )
     return out
@@ -167,14 +164,8 @@ def _cluster_health(
 ) -> ClusterHealth:
     if retired:
         return ClusterHealth.RETIRED
-    if declared is not None and declared.state != "HEALTHY":
-        return {
-            "SUSPECT": ClusterHealth.SUSPECT,
-            "UNHEALTHY": ClusterHealth.LOST,
-            "RECOVERING": ClusterHealth.RECOVERING,
-        }.get(declared.state, ClusterHealth.SUSPECT)
-    if declared is not None and declared.cordoned:
-        return ClusterHealth.CORDONED
+    if declared is not None and declared.word is not None:
+        return ClusterHealth(declared.word)
     if c["nodes"] == 0:
         return ClusterHealth.EMPTY
     if c["nodes_unreachable"] == c["nodes"]:
