@@ -36,21 +36,26 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
 
 
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (guards against a reused pid)."""
+def _stat(pid: int) -> tuple[str, str] | None:
+    """(state, start time in clock ticks since boot) of a process, or None if there is none;
+    the start time guards against a reused pid."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return stat.rsplit(")", 1)[1].split()[19]
+    return fields[0], fields[19]
+
+
+def _start_time(pid: int) -> str | None:
+    stat = _stat(pid)
+    return None if stat is None else stat[1]
 
 
 def alive(pid: int, started: str | None) -> bool:
-    current = _start_time(pid)
-    if current is None or (started is not None and current != started):
+    stat = _stat(pid)
+    if stat is None or (started is not None and stat[1] != started):
         return False
-    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    return state != "Z"
+    return stat[0] != "Z"
 
 
 @dataclass
