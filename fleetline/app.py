@@ -21,6 +21,7 @@ from fleetline.api.app import create_app
 from fleetline.api.auth import Authenticator
 from fleetline.config import Settings
 from fleetline.errors import StreamError
+from fleetline.observability import metrics
 from fleetline.processors.audit.chain import Signer, export_entry
 from fleetline.processors.audit.runtime import (
     APPLICATION_ID as AUDIT_APP,
@@ -45,16 +46,24 @@ from fleetline.storage.audit_store import AuditArchive, AuditTable
 from fleetline.storage.clickhouse import connect, migrate
 from fleetline.storage.crypto import ObjectCipher, SealedObjectStore
 from fleetline.storage.hot_sink import HotSampleSink, HotSampleStore
+from fleetline.storage.log_sink import LogTable
 from fleetline.storage.objects import ObjectStore
 from fleetline.storage.queries import ready_sql
 from fleetline.storage.query_service import QueryService, query_client
-from fleetline.storage.scheduling_sink import AllocationTable, DecisionTable
+from fleetline.storage.scheduling_sink import AllocationTable, DecisionTable, WorkloadEventTable
 from fleetline.storage.sinks import Destination, RecordSink
 from fleetline.storage.snapshots import SnapshotStore
 from fleetline.storage.state_sink import NodeStateTable
 from fleetline.storage.tiers import GPU_SAMPLES, DataClass, TieredStore, TierLoop, expander
 from fleetline.streams import kafka as kafka_clients
-from fleetline.streams.events import ALLOCATION, AUDIT_RECORD, NODE_STATE, SCHEDULING_DECISION
+from fleetline.streams.events import (
+    ALLOCATION,
+    AUDIT_RECORD,
+    LOG_RECORD,
+    NODE_STATE,
+    SCHEDULING_DECISION,
+    WORKLOAD_EVENT,
+)
 from fleetline.streams.loop import Step, StreamLoop
 from fleetline.streams.records import Offsets
 from fleetline.streams.serde import default_codec
@@ -246,6 +255,12 @@ class Fleetline:
             self.queries.stop()
         self.raise_errors()
 
+    def register_metrics(self) -> None:
+        """The fleet's GPU gauges under DCGM names, from the view at each scrape (the loops'
+        own series are counted as they run)."""
+        readings = metrics.view_readings(self.view)
+        metrics.register_collector("dcgm", metrics.DcgmCollector(readings))
+
     def api(self, authenticator: Authenticator, emitter: AuditEmitter) -> FastAPI:
         """The HTTP API over this process's view, scheduler, audit table and ClickHouse."""
         expand = expander(self.settings)
@@ -279,7 +294,7 @@ def build(settings: Settings, options: Options) -> Fleetline:
         kafka,
         [
             *scheduler_topics(topics),
-            topics.changelog_spec(AUDIT_APP, "chain"),
+            topics.changelog_spec(AUDIT_APP, "chain", partitions=topics.audit_partitions),
             topics.changelog_spec(HEALTH_APP, HEALTH_STORE, partitions=1),
         ],
     )
@@ -319,6 +334,22 @@ def build(settings: Settings, options: Options) -> Fleetline:
             topics.allocations,
             ALLOCATION,
             AllocationTable(client, db),
+            topics.dead_letter,
+        ),
+        "workload-events": record_sink(
+            settings,
+            f"{topics.prefix}.workload-events-sink",
+            topics.workloads,
+            WORKLOAD_EVENT,
+            WorkloadEventTable(client, db),
+            topics.dead_letter,
+        ),
+        "logs": record_sink(
+            settings,
+            f"{topics.prefix}.logs-sink",
+            topics.logs,
+            LOG_RECORD,
+            LogTable(client, db),
             topics.dead_letter,
         ),
     }

@@ -32,6 +32,7 @@ class FleetAgent:
     commands: CommandLoop | None = None
     heartbeat_every: int = 10
     ticks: int = 0
+    latest_telemetry: list[dict[str, Any]] = field(default_factory=list)
     # Nodes whose control state a command changed this interval: their NodeState follows.
     _changed: list[str] = field(default_factory=list)
 
@@ -127,7 +128,9 @@ class FleetAgent:
         if self.ticks % self.heartbeat_every == 0:
             states += [self._state(node, ts_ms) for node in self.simulator.nodes]
         sent = {"states": self._send("state", states, ts_ms)}
-        sent["telemetry"] = self._send("telemetry", self.simulator.telemetry(ts_ms), ts_ms)
+        telemetry = self.simulator.telemetry(ts_ms)
+        self.latest_telemetry = telemetry  # what /metrics shows under DCGM names
+        sent["telemetry"] = self._send("telemetry", telemetry, ts_ms)
         if self.commands is not None:
             sent["commands"] = len(self.commands.poll(_ResultRouter(self.publishers), ts_ms))
         if self._changed:
@@ -146,16 +149,7 @@ class FleetAgent:
             publisher.flush(timeout_s)
 
     def spool_metrics(self) -> dict[str, dict[str, int]]:
-        return {
-            cluster: {
-                "bytes": p.spool.size_bytes,
-                "records": len(p.spool),
-                "dropped": p.spool.dropped,
-                "resent": p.metrics.resent,
-                "rewinds": p.metrics.rewinds,
-            }
-            for cluster, p in self.publishers.items()
-        }
+        return {cluster: p.figures() for cluster, p in self.publishers.items()}
 
     def close(self) -> None:
         if self.commands is not None:

@@ -41,6 +41,7 @@ class NodeAgent:
     commands: CommandLoop | None = None
     interval_ms: int = 1000
     heartbeat_every: int = 10
+    latest_telemetry: list[dict[str, Any]] = field(default_factory=list)
     _seq: int = 0
 
     @classmethod
@@ -143,7 +144,9 @@ class NodeAgent:
             stop.wait(max(0.0, next_at - time.monotonic()))
             ts = _now_ms()
             ticks += 1
-            self.publisher.publish_telemetry([self.telemetry(ts)])
+            sample = self.telemetry(ts)
+            self.latest_telemetry = [sample]  # what /metrics shows under DCGM names
+            self.publisher.publish_telemetry([sample])
             if ticks % self.heartbeat_every == 0:
                 self.publisher.publish_states([self.state(ts)])
             if self.commands is not None and self.commands.poll(self.publisher, ts):

@@ -56,6 +56,16 @@ class TelemetryPublisher:
     def __post_init__(self) -> None:
         self._next = self.spool.acked + 1
 
+    def figures(self) -> dict[str, int]:
+        """The spool's size and losses and the deliveries retried, for reports and /metrics."""
+        return {
+            "bytes": self.spool.size_bytes,
+            "records": len(self.spool),
+            "dropped": self.spool.dropped,
+            "resent": self.metrics.resent,
+            "rewinds": self.metrics.rewinds,
+        }
+
     # -- recording ------------------------------------------------------------------------
 
     def _record(self, topic: str, schema: str, record: Mapping[str, Any]) -> None:

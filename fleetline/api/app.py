@@ -25,6 +25,7 @@ from fleetline.api.rbac import Principal
 from fleetline.api.routes import audit as audit_routes
 from fleetline.api.routes import clusters as cluster_routes
 from fleetline.api.routes import jobs as job_routes
+from fleetline.api.routes import observability as observability_routes
 from fleetline.api.routes import queries as query_routes
 from fleetline.api.routes import view as view_routes
 from fleetline.api.routing import Routes
@@ -34,12 +35,15 @@ from fleetline.errors import (
     QueryError,
     StorageError,
 )
+from fleetline.observability import metrics, tracing
 from fleetline.processors.audit.runtime import AuditEmitter, new_event
 from fleetline.processors.view.read import ViewSource
 from fleetline.storage.audit_store import AuditTable
 
 log = logging.getLogger(__name__)
-_UNAUDITED = ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
+_UNAUDITED = ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc", "/metrics")
+# The dashboard's static files (code and styles, no data): served to anyone, not audited.
+UI_PREFIX = "/ui"
 
 
 def _audit_middleware(
@@ -49,12 +53,24 @@ def _audit_middleware(
         request: Request, call_next: Callable[[Request], Awaitable[Response]]
     ) -> Response:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        trace = request.headers.get("traceparent", "")
-        trace_id = trace.split("-")[1] if trace.count("-") >= 3 else None
-        response = await call_next(request)
+        # The request enters here: continue the caller's trace or start one.
+        trace = tracing.start(request.headers.get(tracing.HEADER))
+        request.state.trace = trace
+        started = time.perf_counter()
+        with tracing.span(f"{request.method} {request.url.path}", trace):
+            response = await call_next(request)
         response.headers["X-Request-ID"] = request_id
-        if request.url.path in _UNAUDITED:
+        response.headers[tracing.HEADER] = trace.traceparent
+        matched = request.scope.get("route")
+        path = request.url.path
+        static = path == UI_PREFIX or path.startswith(UI_PREFIX + "/")
+        # Route templates, never raw paths, as labels: their number is bounded.
+        route = matched.path if isinstance(matched, APIRoute) else UI_PREFIX if static else "other"
+        metrics.API_REQUESTS.labels(request.method, route, str(response.status_code)).inc()
+        metrics.API_SECONDS.labels(request.method, route).observe(time.perf_counter() - started)
+        if path in _UNAUDITED or static:
             return response
+        template = matched.path if isinstance(matched, APIRoute) else path
         principal: Principal | None = getattr(request.state, "principal", None)
         status = response.status_code
         outcome = (
@@ -66,8 +82,6 @@ def _audit_middleware(
             if status == 403
             else "FAILED"
         )
-        matched = request.scope.get("route")
-        template = matched.path if isinstance(matched, APIRoute) else request.url.path
         details = {"query": str(request.url.query)} if request.url.query else {}
         refusal = getattr(request.state, "refusal", None)
         if refusal:
@@ -86,7 +100,7 @@ def _audit_middleware(
                 outcome=outcome,
                 status=status,
                 request_id=request_id,
-                trace_id=trace_id,
+                trace_id=trace.trace_id,
                 source="api",
                 details=details,
             )
@@ -124,7 +138,14 @@ def create_app(
     # Added first, so it runs inside the audit middleware: a refused body is audited too.
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.middleware("http")(_audit_middleware(audit, clock))
-    for area in (view_routes, cluster_routes, audit_routes, query_routes, job_routes):
+    for area in (
+        view_routes,
+        cluster_routes,
+        audit_routes,
+        query_routes,
+        job_routes,
+        observability_routes,
+    ):
         area.register(routes, ports)
 
     @app.exception_handler(PermissionDenied)

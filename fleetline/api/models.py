@@ -274,6 +274,7 @@ class Accepted(Body):
 
 
 class AcceptedPage(Body):
+    trace_id: str = Field(description="the request's trace (`fleetline trace ID`)")
     accepted: list[Accepted]
 
 

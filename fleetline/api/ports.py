@@ -64,6 +64,11 @@ class Ports:
             raise HTTPException(503, "declaring clusters is not configured on this server")
         return self.clusters
 
+    def sql_port(self) -> Sql:
+        if self.sql is None:
+            raise HTTPException(503, "no ClickHouse store is configured on this server")
+        return self.sql
+
     def scheduler(self) -> JobsPort:
         if self.jobs is None:
             raise HTTPException(503, "the scheduler is not configured on this server")

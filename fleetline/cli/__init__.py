@@ -9,12 +9,19 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Sequence
+from enum import StrEnum
 from typing import Annotated
 
 import typer
 
 from fleetline.cli import agents, audit, cluster, data, infra, jobs, run, serve, specs, view
 from fleetline.errors import EXIT_UNAVAILABLE, FleetlineError, ServiceUnavailable
+
+
+class LogFormat(StrEnum):
+    TEXT = "text"
+    JSON = "json"
+
 
 app = typer.Typer(
     name="fleetline",
@@ -31,6 +38,14 @@ _GROUPS = (infra, run, agents, cluster, serve, audit, data, specs, jobs, view)
 @app.callback()
 def _root(
     verbose: Annotated[bool, typer.Option("-v", "--verbose", help="log at INFO level")] = False,
+    log_format: Annotated[
+        LogFormat,
+        typer.Option(
+            envvar="FLEETLINE_LOG_FORMAT",
+            help="text, or json: one JSON object a line with the trace id (what the logs "
+            "topic and ClickHouse's logs table hold)",
+        ),
+    ] = LogFormat.TEXT,
 ) -> None:
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
@@ -38,7 +53,9 @@ def _root(
         force=True,
     )
     from fleetline.api.auth import CredentialFilter
+    from fleetline.observability import logs
 
+    logs.configure(" ".join(sys.argv[1:3]) or "fleetline", log_format is LogFormat.JSON)
     for handler in logging.getLogger().handlers:
         handler.addFilter(CredentialFilter())
     if not verbose:

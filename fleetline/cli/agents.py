@@ -15,7 +15,14 @@ from typing import Annotated
 
 import typer
 
-from fleetline.cli.common import TopicPrefix, pairs, settings
+from fleetline.cli.common import (
+    MetricsHost,
+    MetricsPort,
+    TopicPrefix,
+    expose_metrics,
+    pairs,
+    settings,
+)
 from fleetline.errors import FleetlineError
 
 agent = typer.Typer(
@@ -43,11 +50,14 @@ def nvml(
     interval_ms: IntervalMs = 1000,
     ticks: Ticks = None,
     state_dir: StateDir = None,
+    metrics_port: MetricsPort = None,
+    metrics_host: MetricsHost = "127.0.0.1",
 ) -> None:
     """The node agent on a real GPU server: NodeTelemetry every interval and NodeState
     heartbeats through an on-disk spool; applies the node's commands."""
     from fleetline.agents.node import NodeAgent, NodeIdentity
     from fleetline.agents.nvml import NvmlCollector
+    from fleetline.observability import logs, metrics
     from fleetline.streams import kafka as kafka_clients
     from fleetline.streams.serde import default_codec
     from fleetline.streams.topics import Topics
@@ -67,10 +77,19 @@ def nvml(
         state_dir or config.cache_dir / "agent",
         interval_ms=interval_ms,
     )
+    expose_metrics(
+        metrics_host,
+        metrics_port,
+        f"agent/{identity.node_id}",
+        metrics.DcgmCollector(metrics.telemetry_readings(lambda: node.latest_telemetry)),
+        metrics.spool_collector(lambda: {cluster_id: node.publisher.figures()}),
+    )
+    shipped = logs.ship(config.kafka, topics, f"agent/{identity.node_id}", cluster_id)
     try:
         sent = node.run(threading.Event(), max_ticks=ticks)
     finally:
         node.close()
+        logs.unship(shipped)
     print(f"{identity.node_id}: {sent} intervals sent to {topics.telemetry}")
 
 
@@ -87,10 +106,13 @@ def simulator(
     interval_ms: IntervalMs = 1000,
     ticks: Ticks = None,
     state_dir: StateDir = None,
+    metrics_port: MetricsPort = None,
+    metrics_host: MetricsHost = "127.0.0.1",
 ) -> None:
     """A simulated fleet's agents, paced in real time."""
     from fleetline.agents.fleet import FleetAgent
     from fleetline.agents.simulator import FleetSimulator, default_clusters, load_faults
+    from fleetline.observability import logs, metrics
     from fleetline.streams import kafka as kafka_clients
     from fleetline.streams.serde import default_codec
     from fleetline.streams.topics import Topics
@@ -108,6 +130,14 @@ def simulator(
     agents = FleetAgent.create(
         config, default_codec(), topics, fleet, state_dir or config.cache_dir / "agent"
     )
+    expose_metrics(
+        metrics_host,
+        metrics_port,
+        "agent/simulator",
+        metrics.DcgmCollector(metrics.telemetry_readings(lambda: agents.latest_telemetry)),
+        metrics.spool_collector(agents.spool_metrics),
+    )
+    shipped = logs.ship(config.kafka, topics, "agent/simulator")
     tick = 0
     try:
         agents.start(start_ms)
@@ -118,6 +148,7 @@ def simulator(
         agents.flush()
     finally:
         agents.close()
+        logs.unship(shipped)
     print(
         f"{len(fleet.nodes)} simulated nodes: {tick} intervals sent to {topics.telemetry}; "
         f"spools: {agents.spool_metrics()}"

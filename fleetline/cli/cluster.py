@@ -13,7 +13,16 @@ from typing import Annotated
 
 import typer
 
-from fleetline.cli.common import Actor, TopicPrefix, console, now_ms, settings
+from fleetline.cli.common import (
+    Actor,
+    MetricsHost,
+    MetricsPort,
+    TopicPrefix,
+    console,
+    expose_metrics,
+    now_ms,
+    settings,
+)
 
 cluster = typer.Typer(help="Operate whole clusters: cordon, uncordon, health", no_args_is_help=True)
 workload = typer.Typer(help="Workloads a cluster agent runs", no_args_is_help=True)
@@ -35,11 +44,14 @@ def cluster_agent(
         Path | None,
         typer.Option(help="fault injection: peers (one per line) this agent cannot reach"),
     ] = None,
+    metrics_port: MetricsPort = None,
+    metrics_host: MetricsHost = "127.0.0.1",
 ) -> None:
     """Run the cluster agent: reconcile the scheduler's workload orders for this cluster with
     the workloads it runs (real processes), report their transitions and the cluster's status
     every second, move checkpoints in from other clusters, probe the peers (until interrupted)."""
     from fleetline.agents.cluster.agent import ClusterAgent
+    from fleetline.observability import logs, metrics
     from fleetline.processors.health.runtime import health_topics
     from fleetline.streams import kafka as kafka_clients
     from fleetline.streams.topics import Topics
@@ -55,10 +67,20 @@ def cluster_agent(
         stop_grace_s=stop_grace_s,
         chaos_file=chaos_file,
     )
+    expose_metrics(
+        metrics_host,
+        metrics_port,
+        f"cluster-agent/{cluster_id}",
+        metrics.cluster_agent_collector(cluster_id, agent.status),
+    )
+    shipped = logs.ship(config.kafka, topics, f"cluster-agent/{cluster_id}", cluster_id)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with contextlib.suppress(KeyboardInterrupt):
-        agent.run(stop)
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            agent.run(stop)
+    finally:
+        logs.unship(shipped)
 
 
 @workload.command()

@@ -22,6 +22,29 @@ console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 errors = Console(stderr=True, highlight=False)
 
 TopicPrefix = Annotated[str, typer.Option("--topic-prefix", help="the topics' prefix")]
+MetricsPort = Annotated[
+    int | None,
+    typer.Option(
+        metavar="PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port, printed on "
+        "stderr); without it, no endpoint",
+    ),
+]
+MetricsHost = Annotated[str, typer.Option(help="the address /metrics listens on")]
+
+
+def expose_metrics(host: str, port: int | None, process: str, *collectors: Any) -> None:
+    """Serve /metrics for this process (with `collectors` registered), if a port was given."""
+    if port is None:
+        return
+    from fleetline.observability import metrics
+
+    for i, collector in enumerate(collectors):
+        metrics.register_collector(f"{process}/{i}", collector)
+    bound = metrics.serve_metrics(host, port)
+    print(f"{process}: metrics at http://{host}:{bound}/metrics", file=sys.stderr, flush=True)
+
+
 Json = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
 Actor = Annotated[str, typer.Option("--actor", help="who is acting (for the audit log)")]
 ViewGroup = Annotated[

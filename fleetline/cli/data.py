@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from fleetline.cli.common import Since, Until, parse_time_ms, print_tsv, settings
-from fleetline.errors import ConfigError
+from fleetline.errors import ConfigError, FleetlineError
 from fleetline.storage.tiers import DAY_MS, HOUR_MS, DataClass, TieredStore, wall_clock_ms
 
 
@@ -107,6 +107,42 @@ def query(
     print_tsv(result.columns, result.rows)
 
 
+def trace(
+    trace_id: Annotated[
+        str, typer.Argument(help="32 hex digits (printed by apply, returned by the API)")
+    ],
+) -> None:
+    """Follow one request across the fleet: where it entered (API or CLI), the scheduler's
+    decisions and GPU bindings, the cluster agents' workload events and the log lines of that
+    trace, with the time of each hop since the first and since the one before."""
+    from fleetline.storage.queries import trace_sql
+    from fleetline.storage.query_service import run_query
+    from fleetline.storage.tiers import expander
+
+    config = settings("clickhouse")
+    result = run_query(
+        config.clickhouse_url,
+        trace_sql(trace_id.strip().lower()),
+        expand=expander(config),
+        limits=config.query_limits,
+    )
+    if not result.rows:
+        raise FleetlineError(f"no rows under trace {trace_id} (yet: sinks store within seconds)")
+    first = previous = int(result.rows[0][0])
+    clusters = sorted({r[2] for r in result.rows if r[2]})
+    span_s = (int(result.rows[-1][0]) - first) / 1000
+    print(
+        f"trace {trace_id}: {len(result.rows)} hops over {span_s:.3f} s"
+        + (f" across {', '.join(clusters)}" if clusters else "")
+    )
+    for ts_ms, hop, cluster_id, what, job, _tenant, detail in result.rows:
+        print(
+            f"+{(int(ts_ms) - first) / 1000:8.3f}s ({(int(ts_ms) - previous) / 1000:+7.3f}) "
+            f"{hop:<14} {cluster_id or '-':<10} {what:<26} {job:<22} {detail}"
+        )
+        previous = int(ts_ms)
+
+
 tier = typer.Typer(help="Move closed data hot -> warm -> cold, by policy.", no_args_is_help=True)
 archive = typer.Typer(help="Rehydrate a cold range into ClickHouse.", no_args_is_help=True)
 
@@ -170,5 +206,6 @@ def archive_restore(since: Since = None, until: Until = None) -> None:
 def register(app: typer.Typer) -> None:
     app.command(name="sql")(sql)
     app.command(name="query")(query)
+    app.command(name="trace")(trace)
     app.add_typer(tier, name="tier")
     app.add_typer(archive, name="archive")

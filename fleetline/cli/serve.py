@@ -83,6 +83,7 @@ def serve(
 ) -> None:
     """Run the resource-view processor, the scheduler, the sinks and the HTTP API."""
     from fleetline.app import Options, build
+    from fleetline.observability import logs
     from fleetline.processors.scheduling.runtime import load_policy
 
     config = settings("kafka", "s3", "clickhouse")
@@ -109,6 +110,8 @@ def serve(
         data_mover=data_mover,
     )
     fleet = build(config, options)
+    fleet.register_metrics()
+    shipped = logs.ship(config.kafka, options.topics, f"serve/{instance_id}")
     signal.signal(signal.SIGTERM, lambda *_: fleet.stop.set())
     fleet.start(ready_timeout_s=None)  # the API answers while the loops join their groups
     try:
@@ -140,6 +143,7 @@ def serve(
         pass
     finally:
         fleet.close()
+        logs.unship(shipped)
 
 
 def register(app: typer.Typer) -> None:

@@ -43,22 +43,25 @@ def audit_requests(
     request_ids: list[str],
     tenant: str | None = None,
     fleet_wide: bool = False,
+    trace_id: str | None = None,
+    at_ms: int | None = None,
 ) -> None:
     """One AuditEvent per request the CLI appended, as the API does for its calls (a tenant's
-    own, unless `fleet_wide`)."""
+    own, unless `fleet_wide`), at `at_ms` (when the requests were made; default now)."""
     from fleetline.processors.audit.runtime import KafkaAuditEmitter, new_event
 
     emitter = KafkaAuditEmitter(config.kafka, topics)
     for target, request_id in zip(targets, request_ids, strict=True):
         emitter.emit(
             new_event(
-                ts=now_ms(),
+                ts=at_ms or now_ms(),
                 actor=actor,
                 actor_role="operator",
                 operation=operation,
                 target=target,
                 outcome="SUCCEEDED",
                 request_id=request_id,
+                trace_id=trace_id,
                 source="cli",
                 tenant=None
                 if fleet_wide
@@ -121,11 +124,20 @@ def apply(
     ] = None,
     actor: Actor = "cli",
     topic_prefix: TopicPrefix = "fleetline",
+    traceparent: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TRACEPARENT",
+            help="the W3C trace context to continue (a new trace is started without one); the "
+            "trace id is printed, for `fleetline trace`",
+        ),
+    ] = None,
 ) -> None:
     """Submit specs to the scheduler: every document is validated first (exit 1 with each bad
     field named), then the desired state is appended to the scheduler's request log (the
     scheduler runs in `fleetline serve`). Cluster documents declare a cluster's region, prices,
     PUE and latencies on the clusters topic, which the view folds and the scheduler scores."""
+    from fleetline.observability import tracing
     from fleetline.processors.scheduling.codec import datasets_first, submit_request
     from fleetline.processors.scheduling.runtime import submit
     from fleetline.processors.scheduling.specs import Cluster
@@ -146,8 +158,9 @@ def apply(
     jobs = [(s, d) for s, d in zip(specs, docs, strict=True) if not isinstance(s, Cluster)]
     if not jobs:
         return
+    trace, entered_ms = tracing.start(traceparent), now_ms()
     requests = [
-        submit_request(spec, doc, now_ms(), uuid.uuid4().hex, actor)
+        submit_request(spec, doc, entered_ms, uuid.uuid4().hex, actor, trace.traceparent)
         for spec, doc in datasets_first([s for s, _ in jobs], [d for _, d in jobs])
     ]
     offsets = submit(config.kafka, topics, requests)
@@ -158,9 +171,11 @@ def apply(
         "job.apply",
         [r["key"] for r in requests],
         [r["request_id"] for r in requests],
+        trace_id=trace.trace_id,
+        at_ms=entered_ms,
     )
     for request, offset in zip(requests, offsets, strict=True):
-        print(f"{request['key']}: submitted (request {offset})")
+        print(f"{request['key']}: submitted (request {offset}, trace {trace.trace_id})")
     if not wait:
         return
     decided = _wait_for_decisions(config, topics, [r["key"] for r in requests], offsets, wait)

@@ -271,6 +271,65 @@ MIGRATIONS: tuple[Migration, ...] = (
         "sample inserts write compact parts",
         ("ALTER TABLE {db}.gpu_samples MODIFY SETTING min_bytes_for_wide_part = 134217728",),
     ),
+    # Trace ids (issue 18) come from the messages' `traceparent` headers; '' where there was none.
+    Migration(
+        9,
+        "trace ids beside decisions and allocations; workload events; logs",
+        (
+            "ALTER TABLE {db}.scheduling_decisions ADD COLUMN IF NOT EXISTS trace_id String "
+            "DEFAULT ''",
+            "ALTER TABLE {db}.gpu_allocations ADD COLUMN IF NOT EXISTS trace_id String DEFAULT ''",
+            """
+        CREATE TABLE IF NOT EXISTS {db}.workload_events (
+            ts_ms Int64,
+            ts DateTime64(3, 'UTC') MATERIALIZED fromUnixTimestamp64Milli(ts_ms, 'UTC'),
+            job String,
+            tenant LowCardinality(String),
+            cluster_id LowCardinality(String),
+            epoch Int64,
+            attempt Int32,
+            event LowCardinality(String),
+            trace_id String,
+            pid Nullable(Int32),
+            step Nullable(Int64),
+            loss Nullable(Float64),
+            samples_per_s Nullable(Float64),
+            exit_code Nullable(Int32),
+            checkpoint_uri Nullable(String),
+            bytes Nullable(Int64),
+            seconds Nullable(Float64),
+            from_cluster Nullable(String),
+            detail Nullable(String),
+            source_partition UInt16,
+            source_offset UInt64,
+            source_topic LowCardinality(String)
+        )
+        ENGINE = MergeTree
+        PARTITION BY toYYYYMM(fromUnixTimestamp64Milli(ts_ms, 'UTC'))
+        ORDER BY (tenant, job, ts_ms)
+        """,
+            """
+        CREATE TABLE IF NOT EXISTS {db}.logs (
+            ts_ms Int64,
+            ts DateTime64(3, 'UTC') MATERIALIZED fromUnixTimestamp64Milli(ts_ms, 'UTC'),
+            level LowCardinality(String),
+            logger LowCardinality(String),
+            process LowCardinality(String),
+            host LowCardinality(String),
+            cluster_id LowCardinality(String),
+            message String,
+            trace_id String,
+            fields Map(String, String),
+            source_partition UInt16,
+            source_offset UInt64,
+            source_topic LowCardinality(String)
+        )
+        ENGINE = MergeTree
+        PARTITION BY toYYYYMMDD(fromUnixTimestamp64Milli(ts_ms, 'UTC'))
+        ORDER BY (process, ts_ms)
+        """,
+        ),
+    ),
 )
 
 

@@ -24,6 +24,7 @@ from clickhouse_connect.driver.client import Client
 from confluent_kafka import Message, TopicPartition
 
 from fleetline.errors import FleetlineError, InvalidEventError, StorageError
+from fleetline.observability import metrics
 from fleetline.storage.clickhouse import CLICKHOUSE_ERRORS
 from fleetline.storage.sinks import resume_positions, table_resume_offsets
 from fleetline.streams.columnar import TelemetryBatchDecoder
@@ -179,6 +180,9 @@ class SampleSinkStats:
 Prepared = tuple[pa.Table, int]  # the batch's new sample rows, and how many messages it had
 
 
+_ROWS = metrics.SINK_ROWS.labels("gpu_samples")
+
+
 @dataclass
 class HotSampleSink(Step[Prepared]):
     """NodeTelemetry -> GPU sample rows in ClickHouse (a stream-loop step; run it with
@@ -208,6 +212,7 @@ class HotSampleSink(Step[Prepared]):
     def store(self, payload: Prepared) -> None:
         table, messages = payload
         self.samples.store(table)
+        _ROWS.inc(table.num_rows)
         self.stats.batches += 1
         self.stats.messages += messages
         self.stats.rows += table.num_rows

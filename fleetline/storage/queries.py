@@ -10,6 +10,10 @@ decision (its submission) to its first placement.
 
 from __future__ import annotations
 
+import re
+
+from fleetline.errors import ConfigError
+
 
 def with_allocation(samples: str, allocations: str, ts: str = "ts") -> str:
     """`samples` (as s) ASOF-joined with the allocation record in force on each sample's GPU
@@ -91,4 +95,53 @@ def ready_sql(name: str, since: str, until: str | None) -> str:
         READY[name][1]
         .replace("$samples", f"$samples{span}")
         .replace("$decisions", f"$decisions{span}")
+    )
+
+
+_TRACE_ID = re.compile(r"^[0-9a-f]{32}$")
+TRACE_COLUMNS = ("ts_ms", "hop", "cluster_id", "what", "job", "tenant", "detail")
+
+
+def trace_sql(trace_id: str) -> str:
+    """Every row stored under one trace id, in time order: the request entering (the audit
+    log), the scheduler's decisions and GPU bindings, the cluster agents' workload events (not
+    each PROGRESS report) and log lines; columns TRACE_COLUMNS."""
+    if not _TRACE_ID.match(trace_id):
+        raise ConfigError(f"{trace_id!r} is not a trace id (32 lowercase hex digits)")
+    t = f"'{trace_id}'"
+    return (
+        "SELECT ts_ms, hop, cluster_id, what, job, tenant, detail FROM ("
+        "SELECT ts_ms, toString(source) AS hop, '' AS cluster_id, toString(operation) AS what, "
+        "target AS job, ifNull(tenant, '') AS tenant, concat(actor, ' ', toString(outcome), ' ', "
+        f"toString(status)) AS detail FROM $audit WHERE trace_id = {t} "
+        "UNION ALL SELECT ts_ms, 'scheduler', arrayStringConcat(clusters, ','), "
+        "concat('decision ', toString(outcome)), job, toString(tenant), reason FROM $decisions "
+        f"WHERE trace_id = {t} "
+        "UNION ALL SELECT min(ts_ms), 'scheduler', toString(cluster_id), "
+        "concat('allocation ', toString(kind)), job_id, toString(tenant), "
+        f"concat(toString(count()), ' GPUs') FROM $allocations WHERE trace_id = {t} "
+        "GROUP BY cluster_id, kind, seq, job_id, tenant "
+        "UNION ALL SELECT ts_ms, 'cluster-agent', toString(cluster_id), toString(event), job, "
+        "toString(tenant), concat('epoch ', toString(epoch), ' attempt ', toString(attempt), "
+        "if(isNull(detail), '', concat(': ', assumeNotNull(detail)))) FROM $workloads "
+        f"WHERE trace_id = {t} AND event != 'PROGRESS' "
+        "UNION ALL SELECT ts_ms, toString(process), toString(cluster_id), toString(level), '', '', "
+        f"message FROM $logs WHERE trace_id = {t}"
+        ") ORDER BY ts_ms, hop"
+    )
+
+
+_JOB_KEY = re.compile(r"^[A-Za-z0-9._-]+/[A-Za-z0-9._-]+$")
+
+
+def progress_sql(job: str) -> str:
+    """A job's PROGRESS and CHECKPOINTED workload events in time order (the loss curve and the
+    checkpoints of every placement)."""
+    if not _JOB_KEY.match(job):
+        raise ConfigError(f"{job!r} is not a job key (tenant/name)")
+    return (
+        "SELECT ts_ms, cluster_id, epoch, attempt, toString(event) AS event, step, loss, "
+        "samples_per_s, bytes, seconds, checkpoint_uri FROM $workloads "
+        f"WHERE job = '{job}' AND event IN ('PROGRESS', 'CHECKPOINTED', 'RESTORED') "
+        "ORDER BY ts_ms"
     )

@@ -1,6 +1,7 @@
-"""The scheduler's decisions and the GPU allocations in ClickHouse, for "how long did jobs wait"
-and "who used the GPUs" queries: one row per decision, one row per GPU bound or freed. Both
-resume after the highest source offset they hold (a record sink)."""
+"""The scheduler's decisions, the GPU allocations and the cluster agents' workload events in
+ClickHouse, for "how long did jobs wait", "who used the GPUs" and "how did the loss move"
+queries: one row per decision, per GPU bound or freed, per workload event, each with its trace
+id. Each resumes after the highest source offset it holds (a record sink)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from fleetline.storage.sinks import Destination, Sourced, table_resume_offsets
 
 DECISIONS = "scheduling_decisions"
 ALLOCATIONS = "gpu_allocations"
+WORKLOAD_EVENTS = "workload_events"
 _DECISION_COLUMNS = (
     "ts_ms",
     "decision_id",
@@ -36,6 +38,7 @@ _DECISION_COLUMNS = (
     "source_partition",
     "source_offset",
     "source_topic",
+    "trace_id",
 )
 _ALLOCATION_COLUMNS = (
     "ts_ms",
@@ -47,6 +50,30 @@ _ALLOCATION_COLUMNS = (
     "kind",
     "priority",
     "seq",
+    "source_partition",
+    "source_offset",
+    "source_topic",
+    "trace_id",
+)
+_WORKLOAD_EVENT_COLUMNS = (
+    "ts_ms",
+    "job",
+    "tenant",
+    "cluster_id",
+    "epoch",
+    "attempt",
+    "event",
+    "trace_id",
+    "pid",
+    "step",
+    "loss",
+    "samples_per_s",
+    "exit_code",
+    "checkpoint_uri",
+    "bytes",
+    "seconds",
+    "from_cluster",
+    "detail",
     "source_partition",
     "source_offset",
     "source_topic",
@@ -76,6 +103,7 @@ def decision_row(item: Sourced) -> list[Any]:
         item.partition,
         item.offset,
         item.topic,
+        item.trace_id,
     ]
 
 
@@ -95,12 +123,15 @@ def allocation_rows(item: Sourced) -> list[list[Any]]:
             item.partition,
             item.offset,
             item.topic,
+            item.trace_id,
         ]
         for g in a["gpus"]
     ]
 
 
-class _Table(Destination):
+class TableDestination(Destination):
+    """A ClickHouse table a record sink inserts `rows` of each batch into."""
+
     table = ""
     columns: tuple[str, ...] = ()
 
@@ -112,7 +143,13 @@ class _Table(Destination):
         return table_resume_offsets(self.client, f"{self.database}.{self.table}", topic)
 
     def rows(self, batch: Sequence[Sourced]) -> list[list[Any]]:
-        raise NotImplementedError
+        """One row per record, column for column (`ts_ms` is the record's `ts`), then where it
+        came from (`columns` end with source_partition, source_offset, source_topic)."""
+        fields = ("ts", *self.columns[1:-3])
+        return [
+            [*(item.record[f] for f in fields), item.partition, item.offset, item.topic]
+            for item in batch
+        ]
 
     def store(self, batch: Sequence[Sourced]) -> None:
         rows = self.rows(batch)
@@ -129,7 +166,7 @@ class _Table(Destination):
             raise StorageError(f"inserting {len(rows)} rows into {self.table}: {exc}") from None
 
 
-class DecisionTable(_Table):
+class DecisionTable(TableDestination):
     name = "decisions"
     table = DECISIONS
     columns = _DECISION_COLUMNS
@@ -138,10 +175,19 @@ class DecisionTable(_Table):
         return [decision_row(item) for item in batch]
 
 
-class AllocationTable(_Table):
+class AllocationTable(TableDestination):
     name = "allocations"
     table = ALLOCATIONS
     columns = _ALLOCATION_COLUMNS
 
     def rows(self, batch: Sequence[Sourced]) -> list[list[Any]]:
         return [row for item in batch for row in allocation_rows(item)]
+
+
+class WorkloadEventTable(TableDestination):
+    """What the cluster agents report of each workload (starts, progress with loss and
+    throughput, checkpoints, exits), one row per event, with its trace id."""
+
+    name = "workload-events"
+    table = WORKLOAD_EVENTS
+    columns = _WORKLOAD_EVENT_COLUMNS

@@ -18,6 +18,7 @@ from clickhouse_connect.driver.client import Client
 from confluent_kafka import OFFSET_BEGINNING, Message, TopicPartition
 
 from fleetline.errors import FleetlineError, StorageError
+from fleetline.observability import metrics, tracing
 from fleetline.storage.clickhouse import CLICKHOUSE_ERRORS
 from fleetline.streams.loop import Step, StepResult
 from fleetline.streams.records import where
@@ -60,6 +61,7 @@ class Sourced:
     offset: int
     record: dict[str, Any]
     topic: str = ""
+    trace_id: str = ""  # from the message's `traceparent` header
 
 
 class Destination(ABC):
@@ -112,12 +114,16 @@ class RecordSink(Step[list[Sourced]]):
                 result.dead_letters.append((msg, exc))
                 continue
             topic, partition, offset = where(msg)
-            result.payload.append(Sourced(partition, offset, record, topic))
+            trace = tracing.from_headers(msg.headers())
+            result.payload.append(
+                Sourced(partition, offset, record, topic, trace.trace_id if trace else "")
+            )
         self.stats.dead_letters += len(result.dead_letters)
         return result
 
     def store(self, payload: list[Sourced]) -> None:
         if payload:
             self.destination.store(payload)
+            metrics.SINK_ROWS.labels(type(self.destination).__name__).inc(len(payload))
         self.stats.batches += 1
         self.stats.records += len(payload)

@@ -48,6 +48,7 @@ from fleetline.errors import (
     QueryError,
     StorageError,
 )
+from fleetline.observability import metrics
 from fleetline.storage.clickhouse import CLICKHOUSE_ERRORS
 from fleetline.storage.objects import ObjectStore
 from fleetline.storage.queries import with_allocation
@@ -497,7 +498,8 @@ class TieredStore:
         query is checked against before it runs, see storage/query_service.py)."""
         if "$samples" not in sql and not _TABLE_MACRO.search(sql):
             raise ConfigError(
-                "a tiered query names its source as $samples (or $decisions, $allocations)"
+                "a tiered query names its source as $samples (or $decisions, $allocations, "
+                "$workloads, $logs, $audit)"
             )
         if not hot_only:  # the tiers' union reads it; the hot table alone does not
             self._command(f"CREATE TABLE IF NOT EXISTS {self.restored} AS {self.hot}")
@@ -514,9 +516,7 @@ class TieredStore:
             return f"({self._hot_sql(low, high) if hot_only else self._source_sql(low, high)})"
 
         def table(match: re.Match[str]) -> str:
-            name = {"decisions": "scheduling_decisions", "allocations": "gpu_allocations"}[
-                match["name"]
-            ]
+            name = HOT_TABLES[match["name"]]
             if match["args"] is None:
                 return f"{self.database}.{name}"
             parts = [p.strip() for p in match["args"].split(",")]
@@ -915,16 +915,35 @@ class TierLoop:
     def run(self, stop: threading.Event) -> None:
         self.ready.set()
         while not stop.wait(self.every_s):
+            stats = self.store.stats
+            before = (stats.to_warm, stats.to_cold, stats.rows_moved)
             try:
                 self.store.run_once(wall_clock_ms())
             except FleetlineError as exc:  # the next pass retries; every move is restartable
                 log.warning("tiering pass failed: %s", exc)
+                metrics.TIER_RUNS.labels("failed").inc()
+                continue
+            metrics.TIER_RUNS.labels("succeeded").inc()
+            metrics.TIER_LAST_SUCCESS.set(wall_clock_ms() / 1000)
+            metrics.TIER_PARTITIONS.labels("warm").inc(stats.to_warm - before[0])
+            metrics.TIER_PARTITIONS.labels("cold").inc(stats.to_cold - before[1])
+            metrics.TIER_ROWS.inc(stats.rows_moved - before[2])
 
 
 _MACRO = re.compile(r"\$samples(?:\((?P<args>[^)]*)\))?")
-# The scheduler's tables (hot only): $decisions(FROM, TO) is the decisions in a range,
-# $allocations every GPU binding (an ASOF JOIN needs those from before the range too).
-_TABLE_MACRO = re.compile(r"\$(?P<name>decisions|allocations)(?:\((?P<args>[^)]*)\))?")
+# Tables kept hot only: $decisions(FROM, TO) is the decisions in a range, $allocations every
+# GPU binding (an ASOF JOIN needs those from before the range too), $workloads the cluster
+# agents' workload events, $logs every process's log lines, $audit the audit log.
+HOT_TABLES = {
+    "decisions": "scheduling_decisions",
+    "allocations": "gpu_allocations",
+    "workloads": "workload_events",
+    "logs": "logs",
+    "audit": "audit_log",
+}
+_TABLE_MACRO = re.compile(
+    r"\$(?P<name>decisions|allocations|workloads|logs|audit)\b(?:\((?P<args>[^)]*)\))?"
+)
 _RELATIVE = re.compile(r"^-(?P<n>\d+)(?P<unit>[smhd])$")
 _UNITS = {"s": 1000, "m": 60_000, "h": HOUR_MS, "d": DAY_MS}
 

@@ -22,6 +22,7 @@ WORKLOAD_ORDER = "fleetline.cluster.WorkloadOrder"
 WORKLOAD_EVENT = "fleetline.cluster.WorkloadEvent"
 CLUSTER_SIGNAL = "fleetline.cluster.ClusterSignal"
 CLUSTER_HEALTH = "fleetline.cluster.ClusterHealth"
+LOG_RECORD = "fleetline.observability.LogRecord"
 
 
 def check_telemetry(record: Mapping[str, Any]) -> None:

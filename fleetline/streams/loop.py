@@ -46,6 +46,7 @@ from confluent_kafka import (
 
 from fleetline.config import KafkaSettings
 from fleetline.errors import FleetlineError, StreamError
+from fleetline.observability import metrics
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.deadletter import dead_letter_headers
 from fleetline.streams.records import Output
@@ -224,17 +225,49 @@ class StreamLoop:
     # Set once a receive after the assignment comes back empty: the loop has handled the log
     # as far as it went (readers that must not act on a half-restored state wait for it).
     caught_up: threading.Event = field(default_factory=threading.Event)
+    # Prometheus series for this loop (messages, batches, dead letters, step and store time,
+    # consumer lag); off only to measure what they cost.
+    metrics: bool = True
 
     def __post_init__(self) -> None:
         if self.global_inputs and self.exactly_once:
             raise ValueError("global inputs are read outside the group: effect-first loops only")
         # The next offset to hand over, per partition this loop holds.
         self._expected: dict[Partition, int] = {}
+        self._messages = metrics.STREAM_MESSAGES.labels(self.name)
+        self._batches = metrics.STREAM_BATCHES.labels(self.name)
+        self._process_seconds = metrics.STREAM_PROCESS_SECONDS.labels(self.name)
+        self._store_seconds = metrics.STREAM_STORE_SECONDS.labels(self.name)
+
+    def _consumer_config(self) -> Mapping[str, object]:
+        if not self.metrics:
+            return self.consumer_config
+        return {
+            "statistics.interval.ms": 5000,
+            "stats_cb": metrics.consumer_statistics(self.name),
+            **self.consumer_config,
+        }
+
+    def _process(self, messages: list[Message]) -> StepResult[Any]:
+        if not self.metrics:
+            return self.step.process(messages)
+        started = time.perf_counter()
+        result = self.step.process(messages)
+        self._process_seconds.observe(time.perf_counter() - started)
+        return result
+
+    def _timed_store(self, payload: Any) -> None:
+        if not self.metrics:
+            self.step.store(payload)
+            return
+        started = time.perf_counter()
+        self.step.store(payload)
+        self._store_seconds.observe(time.perf_counter() - started)
 
     def run(self, stop: threading.Event) -> None:
         producer = self._producer()
-        consumer = kafka_clients.consumer(self.kafka, self.name, self.consumer_config)
-        writer: _Writer[Any] = _Writer(self.step.store, self.overlap and not self.exactly_once)
+        consumer = kafka_clients.consumer(self.kafka, self.name, self._consumer_config())
+        writer: _Writer[Any] = _Writer(self._timed_store, self.overlap and not self.exactly_once)
         global_consumer = self._global_consumer()
 
         def on_assign(cons: Consumer, partitions: list[TopicPartition]) -> None:
@@ -354,7 +387,7 @@ class StreamLoop:
     # -- effect first -------------------------------------------------------------------------
 
     def _store(self, producer: Producer, writer: _Writer[Any], messages: list[Message]) -> None:
-        result = self.step.process(messages)
+        result = self._process(messages)
         for msg, exc in result.dead_letters:
             self._log_dead_letter(msg, exc)
             produce(producer, self._dead_letter(msg, exc))
@@ -394,7 +427,7 @@ class StreamLoop:
     def _transact(self, producer: Producer, consumer: Consumer, messages: list[Message]) -> None:
         producer.begin_transaction()
         try:
-            result = self.step.process(messages)
+            result = self._process(messages)
             for out in result.outputs:
                 produce(producer, out)
             for msg, exc in result.dead_letters:
@@ -415,6 +448,8 @@ class StreamLoop:
                 raise StreamError(f"{self.name}: fatal Kafka error: {error.str()}") from None
             log.warning("%s: aborting a batch after %s", self.name, error.str())
             self.stats.aborts += 1
+            if self.metrics:
+                metrics.STREAM_ABORTS.labels(self.name).inc()
             producer.abort_transaction(60)
             for store in self.step.stores:
                 store.abort()
@@ -457,6 +492,8 @@ class StreamLoop:
         )
 
     def _log_dead_letter(self, msg: Message, exc: FleetlineError) -> None:
+        if self.metrics:
+            metrics.STREAM_DEAD_LETTERS.labels(self.name, type(exc).__name__).inc()
         log.warning(
             "%s: dead-lettering %s[%s]@%s: %s",
             self.name,
@@ -470,6 +507,9 @@ class StreamLoop:
         self.stats.batches += 1
         self.stats.messages += len(messages)
         self.stats.dead_letters += len(result.dead_letters)
+        if self.metrics:
+            self._batches.inc()
+            self._messages.inc(len(messages))
 
 
 def produce(

@@ -76,6 +76,10 @@ class Topics:
         return f"{self.prefix}.cluster.orders"
 
     @property
+    def logs(self) -> str:
+        return f"{self.prefix}.logs"
+
+    @property
     def workloads(self) -> str:
         return f"{self.prefix}.cluster.workloads"
 
@@ -223,6 +227,12 @@ class Topics:
                 self.audit_partitions,
                 {"cleanup.policy": "delete", "retention.ms": "-1", "retention.bytes": "-1"},
                 "AuditRecord: one hash chain per partition; never compacted or expired",
+            ),
+            TopicSpec(
+                self.logs,
+                1,
+                {"cleanup.policy": "delete", "retention.ms": str(7 * DAY_MS)},
+                "LogRecord: structured log lines of every fleetline process, keyed by process",
             ),
             TopicSpec(
                 self.dead_letter,

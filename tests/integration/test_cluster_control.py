@@ -72,6 +72,11 @@ class Stack:
     def chaos(self, cluster: str) -> Path:
         return self.state_dir / f"chaos-{cluster}"
 
+    def metrics_url(self, cluster: str) -> str:
+        """Where the agent (started with --metrics-port 0) serves /metrics, from its log."""
+        log = (self.state_dir / f"agent-{cluster}.log").read_text()
+        return log.split("metrics at ", 1)[1].split()[0]
+
     def start_agent(self, cluster: str) -> None:
         env = {
             **os.environ,
@@ -95,6 +100,8 @@ class Stack:
                 "10",
                 "--chaos-file",
                 str(self.chaos(cluster)),
+                "--metrics-port",
+                "0",
             ],
             env=env,
             stdout=log,
@@ -138,7 +145,6 @@ def stack(services: Settings) -> Iterator[Stack]:
         Options(
             topics=topics,
             tick_interval_s=0.3,
-            audit=False,
             health_policy=POLICY,
             clock_interval_s=0.25,
         ),
@@ -273,6 +279,61 @@ def test_an_operator_cordons_a_whole_cluster_through_the_cli(stack, monkeypatch,
     assert health["clusters"]["cc"]["cordoned"] is True
     assert main(["cluster", "uncordon", "cc", *prefix]) == 0
     wait_until(lambda: cordoned()["health"] == "healthy", 30, "cc to take work again")
+
+
+def test_one_apply_is_traced_from_the_cli_through_the_decision_to_the_workload(
+    stack, monkeypatch, capsys
+):
+    """`fleetline apply` starts a trace; its id rides the request, the decision, the order and
+    the workload events, lands beside each row in ClickHouse, and `fleetline trace` prints
+    the chain with timings."""
+    for name, value in service_env(stack.settings).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("FLEETLINE_CLICKHOUSE_URL", stack.settings.clickhouse_url)
+    monkeypatch.setenv("FLEETLINE_CLICKHOUSE_DATABASE", stack.settings.clickhouse_database)
+    spec = stack.state_dir / "traced.yaml"
+    spec.write_text(json.dumps(training("traced", steps=20, checkpoint_every_steps=10)))
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    monkeypatch.setenv("TRACEPARENT", f"00-{trace_id}-b7ad6b7169203331-01")
+    capsys.readouterr()
+    assert main(["apply", "-f", str(spec), "--topic-prefix", stack.topics.prefix]) == 0
+    assert f"trace {trace_id}" in capsys.readouterr().out
+    wait_until(lambda: stack.phase("acme/traced") == "Succeeded", 90, "traced to finish")
+    # The trace travels in the Kafka headers of what the submission caused.
+    for topic in (stack.topics.decisions, stack.topics.orders, stack.topics.workloads):
+        traced = [m for m in read_topic(stack.settings.kafka, topic) if m.key() == b"acme/traced"]
+        assert traced and all(
+            dict(m.headers() or [])["traceparent"].decode().split("-")[1] == trace_id
+            for m in traced
+        ), topic
+    hops = ("job.apply", "decision PLACED", "STARTING", "RUNNING")
+    lines: list[str] = []
+
+    def traced() -> bool:
+        capsys.readouterr()
+        code = main(["trace", trace_id])
+        lines[:] = capsys.readouterr().out.splitlines() if code == 0 else []
+        return all(any(hop in line for line in lines) for hop in hops)
+
+    wait_until(traced, 60, "every hop of the trace in ClickHouse", every_s=1.0)
+    assert lines[0].startswith(f"trace {trace_id}:") and "across ca" in lines[0]
+    order = [next(i for i, line in enumerate(lines) if word in line) for word in hops]
+    assert order == sorted(order), "\n".join(lines)
+    assert all(line.startswith("+") for line in lines[1:])
+
+
+def test_a_cluster_agent_serves_prometheus_metrics(stack):
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urlopen(stack.metrics_url("ca"), timeout=10) as response:
+        text = response.read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    reserved = families["fleetline_cluster_agent_gpus_reserved"].samples
+    assert [s.labels for s in reserved] == [{"cluster": "ca"}]
+    assert "fleetline_cluster_agent_peer_reachable" in families
+    assert "fleetline_cluster_agent_workloads" in families
 
 
 def test_a_failing_start_is_retried_then_reported_failed(stack):

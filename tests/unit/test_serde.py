@@ -40,6 +40,7 @@ def test_registry_knows_the_shipped_schemas() -> None:
         "fleetline.commands.NodeCommand",
         "fleetline.fleet.ClusterInfo",
         "fleetline.fleet.DatasetState",
+        "fleetline.observability.LogRecord",
         "fleetline.scheduling.Allocation",
         "fleetline.scheduling.DatasetPrewarm",
         "fleetline.scheduling.SchedulerRequest",

@@ -41,6 +41,7 @@ from fleetline.agents.cluster.reconcile import Actual, Order, Start, Stop, plan
 from fleetline.agents.workloads.train import workload_env
 from fleetline.config import Settings
 from fleetline.errors import FleetlineError
+from fleetline.observability import tracing
 from fleetline.processors.health.runtime import signal as cluster_signal
 from fleetline.processors.health.runtime import signal_output
 from fleetline.processors.scheduling.codec import new_request
@@ -66,6 +67,12 @@ _LINE_EVENTS: dict[str, tuple[str, dict[str, str]]] = {
         {"step": "step", "checkpoint_uri": "uri", "bytes": "bytes", "seconds": "seconds"},
     ),
 }
+
+
+def _traceparent(order: Order, seed: str) -> str | None:
+    """The traceparent of a span of `order`'s trace (the submitting request's)."""
+    trace = tracing.of_trace(order.trace_id, f"{seed}/{order.epoch}/{order.attempt}")
+    return trace.traceparent if trace else None
 
 
 def _now_ms() -> int:
@@ -306,7 +313,7 @@ class ClusterAgent:
             "FLEETLINE_EPOCH": str(order.epoch),
             "FLEETLINE_ATTEMPT": str(order.attempt),
             "FLEETLINE_TRACE_ID": order.trace_id,
-            "TRACEPARENT": f"00-{order.trace_id}-{order.trace_id[:16]}-01",
+            "TRACEPARENT": _traceparent(order, "workload") or "",
             "FLEETLINE_WORKERS": json.dumps(workers),
             "FLEETLINE_WORLD_SIZE": str(len(workers)),
             "FLEETLINE_RANK": "0",
@@ -577,12 +584,14 @@ class ClusterAgent:
             "detail": None,
             **fields,
         }
+        trace = tracing.of_trace(order.trace_id, f"workload/{order.epoch}/{order.attempt}/{kind}")
         produce(
             self.producer,
             Output(
                 self.topics.workloads,
                 order.job.encode(),
                 self.codec.encode("WorkloadEvent", record),
+                headers=tracing.header(trace) or None,
             ),
         )
 
@@ -598,6 +607,7 @@ class ClusterAgent:
             cluster_id=self.cluster_id,
             epoch=order.epoch,
             attempt=order.attempt,
+            traceparent=_traceparent(order, f"report/{phase}"),
             **fields,
         )
         produce(self.producer, request_output(self.topics, request, self.codec))

@@ -12,6 +12,7 @@ from fleetline.api import models
 from fleetline.api.ports import Ports
 from fleetline.api.rbac import Principal, Rule
 from fleetline.api.routing import Routes
+from fleetline.observability.tracing import TraceContext
 from fleetline.processors.scheduling.codec import (
     canonical_json,
     datasets_first,
@@ -56,16 +57,20 @@ def register(route: Routes, ports: Ports) -> None:
         documents = [d for d in yaml.safe_load_all(text) if d is not None]
         principal: Principal = request.state.principal
         ordered = datasets_first(specs, documents)
+        trace: TraceContext = request.state.trace
         requests = [
-            submit_request(spec, doc, clock(), uuid.uuid4().hex, principal.subject)
+            submit_request(
+                spec, doc, clock(), uuid.uuid4().hex, principal.subject, trace.traceparent
+            )
             for spec, doc in ordered
         ]
         offsets = ports.scheduler().submit(requests)
         return {
+            "trace_id": trace.trace_id,
             "accepted": [
                 {"key": r["key"], "kind": spec.kind, "request_offset": o}
                 for r, (spec, _), o in zip(requests, ordered, offsets, strict=True)
-            ]
+            ],
         }
 
     @route(

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import HTTPException, Query
+from fastapi import HTTPException, Query, Request
 
 from fleetline.api import models
 from fleetline.api.ports import Ports
 from fleetline.api.rbac import Rule
 from fleetline.api.routing import Routes
-from fleetline.storage.queries import READY
+from fleetline.storage.queries import READY, progress_sql, trace_sql
 
 
 def register(route: Routes, ports: Ports) -> None:
@@ -22,9 +22,7 @@ def register(route: Routes, ports: Ports) -> None:
         summary="Raw read-only ClickHouse SQL: platform admins only",
     )
     def run_sql(body: models.SqlRequest) -> dict[str, Any]:
-        if ports.sql is None:
-            raise HTTPException(503, "no ClickHouse store is configured on this server")
-        return ports.sql(body.query)
+        return ports.sql_port()(body.query)
 
     @route(
         "GET",
@@ -43,3 +41,30 @@ def register(route: Routes, ports: Ports) -> None:
         if ports.ready_query is None:
             raise HTTPException(503, "no ClickHouse store is configured on this server")
         return ports.ready_query(name, since, until)
+
+    @route(
+        "GET",
+        "/v1/traces/{trace_id}",
+        Rule("jobs", "read"),
+        response_model=models.SqlResult,
+        summary="One request's trace across the API, the scheduler and the clusters, in time "
+        "order (a tenant's users see their tenant's rows)",
+    )
+    def trace(trace_id: str, request: Request) -> dict[str, Any]:
+        result = ports.sql_port()(trace_sql(trace_id))
+        scope = request.state.scope
+        if scope is not None:
+            tenant = result["columns"].index("tenant")
+            result["rows"] = [r for r in result["rows"] if r[tenant] == scope]
+        return result
+
+    @route(
+        "GET",
+        "/v1/jobs/{tenant}/{name}/progress",
+        Rule("jobs", "read"),
+        response_model=models.SqlResult,
+        summary="A training job's reported steps, loss, throughput and checkpoints, over "
+        "every placement (from the cluster agents' workload events in ClickHouse)",
+    )
+    def job_progress(tenant: str, name: str) -> dict[str, Any]:
+        return ports.sql_port()(progress_sql(f"{tenant}/{name}"))

@@ -46,6 +46,7 @@ def new_request(
     exit_code: int | None = None,
     step: int | None = None,
     detail: str | None = None,
+    traceparent: str | None = None,
 ) -> dict[str, Any]:
     """A SchedulerRequest record."""
     if kind not in tuple(RequestKind):
@@ -71,6 +72,7 @@ def new_request(
         "exit_code": exit_code,
         "step": step,
         "detail": detail,
+        "traceparent": traceparent,
     }
 
 
@@ -79,7 +81,12 @@ def canonical_json(document: Any) -> str:
 
 
 def submit_request(
-    spec: Spec, document: Mapping[str, Any], ts: int, request_id: str, actor: str = ""
+    spec: Spec,
+    document: Mapping[str, Any],
+    ts: int,
+    request_id: str,
+    actor: str = "",
+    traceparent: str | None = None,
 ) -> dict[str, Any]:
     return new_request(
         "SUBMIT",
@@ -89,6 +96,7 @@ def submit_request(
         request_id,
         actor=actor,
         spec_json=canonical_json(document),
+        traceparent=traceparent,
     )
 
 

@@ -67,6 +67,12 @@ class Progress(StrEnum):
     FAILED = "FAILED"
 
 
+def trace_of(request: Mapping[str, Any]) -> str | None:
+    """The trace id in a request's W3C traceparent (00-<trace id>-<span id>-<flags>), if any."""
+    parts = (request.get("traceparent") or "").split("-")
+    return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else None
+
+
 def submit(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> None:
     try:
         document = json.loads(request["spec_json"] or "null")
@@ -127,6 +133,7 @@ def submit(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> Non
             release(s, out, job, Outcome.RELEASED, "the spec changed; placing it again")
         job.set_spec(document, spec.spec, priority)
         job.phase, job.queued_reason = Phase.QUEUED, None
+        job.entered_trace = trace_of(request)
         s.dirty.add(f"job:{key}")
     else:
         before = s.jobs.get(key)
@@ -140,6 +147,7 @@ def submit(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> Non
             s.position,
             s.now_ms,
             alloc_seq=before.alloc_seq if before else 0,
+            entered_trace=trace_of(request),
             _spec=spec.spec,
         )
         s.jobs[key] = job

@@ -29,6 +29,7 @@ from confluent_kafka import OFFSET_BEGINNING, KafkaError, Message, TopicPartitio
 
 from fleetline.config import KafkaSettings
 from fleetline.errors import ConfigError, StreamError
+from fleetline.observability import metrics, tracing
 from fleetline.processors.scheduling.capacity import FleetFacts, observe
 from fleetline.processors.scheduling.codec import (
     canonical_json,
@@ -36,7 +37,7 @@ from fleetline.processors.scheduling.codec import (
     new_request,
     offsets_of,
 )
-from fleetline.processors.scheduling.effects import Decision, Effect
+from fleetline.processors.scheduling.effects import Decision, Effect, WorkloadOrder
 from fleetline.processors.scheduling.policy import SchedulingPolicy
 from fleetline.processors.scheduling.scheduler import Scheduler
 from fleetline.processors.view.model import ResourceView
@@ -163,7 +164,29 @@ class SchedulerStep(MessageStep):
             finally:
                 for key, value in self.scheduler.drain_dirty():
                     self.state.put(0, key.encode(), value)
-            return self._outputs(effects)
+            outputs = self._outputs(effects)
+            if any(isinstance(e, Decision) for e in effects):
+                appended_ms = message.timestamp()[1]
+                if appended_ms > 0:
+                    metrics.DECISION_LATENCY.observe(max(0.0, time.time() - appended_ms / 1000))
+            return outputs
+
+    def _trace(self, effect: Effect) -> tracing.TraceContext | None:
+        """The trace an effect belongs to: its job's (the submitting request's), with a span id
+        derived from the effect, so a replay stamps the same header."""
+        if isinstance(effect, WorkloadOrder):
+            trace_id: str | None = effect.trace_id
+            seed = f"order/{effect.job}/{effect.epoch}/{effect.attempt}/{effect.action}"
+        else:
+            job_key = getattr(effect, "job", None)
+            job = self.scheduler.jobs.get(job_key) if self.scheduler and job_key else None
+            trace_id = job.trace_id if job is not None else None
+            seed = (
+                f"decision/{effect.decision_id}"
+                if isinstance(effect, Decision)
+                else f"{type(effect).__name__}/{job_key}/{getattr(effect, 'seq', '')}"
+            )
+        return tracing.of_trace(trace_id, seed) if trace_id else None
 
     def _outputs(self, effects: Sequence[Effect]) -> list[Output]:
         topics = {
@@ -179,7 +202,13 @@ class SchedulerStep(MessageStep):
             topic = topics[name]
             if isinstance(effect, Decision):
                 self.decisions += 1
-            out.append(Output(topic, key.encode(), self.codec.encode(name, record)))
+                metrics.DECISIONS.labels(effect.outcome.value).inc()
+            headers = tracing.header(self._trace(effect))
+            out.append(
+                Output(
+                    topic, key.encode(), self.codec.encode(name, record), headers=headers or None
+                )
+            )
         return out
 
     def aborted(self) -> None:
@@ -301,6 +330,7 @@ def request_output(
         topics.scheduler_requests,
         request["key"].encode() or b"-",
         codec.encode("SchedulerRequest", request),
+        headers=tracing.header(tracing.parse(request.get("traceparent"))) or None,
     )
 
 

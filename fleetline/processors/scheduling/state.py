@@ -98,6 +98,8 @@ class Job:
     # What the cluster reports (actual state), beside the phase (desired state).
     actual: dict[str, Any] = field(default_factory=dict)
     stale_reports: int = 0
+    # The trace id of the request that submitted this spec (its W3C traceparent), if it had one.
+    entered_trace: str | None = None
     # The latest decision about the job, whole (for `explain`): a Decision, or its record once
     # read back from the store.
     explanation: Decision | dict[str, Any] | None = None
@@ -148,7 +150,10 @@ class Job:
 
     @property
     def trace_id(self) -> str:
-        """32 hex digits, the same for every placement of this submission."""
+        """32 hex digits, the same for every placement of this submission: the trace the
+        submitting request entered with, or one derived from the submission."""
+        if self.entered_trace is not None:
+            return self.entered_trace
         return hashlib.sha256(f"{self.key}#{self.order}".encode()).hexdigest()[:32]
 
     @property
@@ -193,6 +198,7 @@ class Job:
             "checkpoint_step": self.checkpoint_step,
             "actual": self.actual,
             "stale_reports": self.stale_reports,
+            "entered_trace": self.entered_trace,
             "explanation": (
                 self.explanation.as_record()
                 if isinstance(self.explanation, Decision)

@@ -19,6 +19,7 @@ from fleetline.processors.view.model import (
     NodeStatus,
     NodeView,
     ResourceView,
+    Sample,
 )
 
 T = TypeVar("T")
@@ -323,3 +324,13 @@ def allocations(view: ResourceView) -> list[dict[str, Any]]:
 
 def datasets(view: ResourceView) -> list[dict[str, Any]]:
     return [asdict(view.datasets[k]) for k in sorted(view.datasets)]
+
+
+def latest_samples(view: ResourceView) -> list[tuple[str, str, str, Sample]]:
+    """(node, cluster, region, latest GPU sample) of every GPU: references only, so a reader
+    holding the view's lock (a metrics scrape of 80,000 GPUs) lets go of it quickly."""
+    return [
+        (node.node_id, node.cluster_id, node.region, gpu.sample)
+        for node in view.nodes.values()
+        for gpu in node.gpus.values()
+    ]

@@ -1,0 +1,153 @@
+"""W3C trace context: one trace id from where a request enters to the workload it starts.
+
+A `traceparent` (`00-<32 hex trace id>-<16 hex parent span id>-<2 hex flags>`) is created
+where a request enters (an API call, `fleetline apply`) or taken from the caller, travels in
+the `traceparent` Kafka header of every message it causes (the scheduler request, the
+decisions, allocations and orders, the cluster agent's workload events, the audit record) and
+is stored as `trace_id` beside each such row in ClickHouse. Processors derive their own span
+ids from what they are handling (`child`), so a replay stamps the same headers.
+
+Spans also go to an OpenTelemetry collector when `OTEL_EXPORTER_OTLP_ENDPOINT` is set
+(`spans`); without it, nothing is exported and nothing is paid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import secrets
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+HEADER = "traceparent"
+_TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+_ZERO_TRACE = "0" * 32
+_ZERO_SPAN = "0" * 16
+
+
+@dataclass(frozen=True)
+class TraceContext:
+    trace_id: str
+    span_id: str
+    sampled: bool = True
+
+    @property
+    def traceparent(self) -> str:
+        return f"00-{self.trace_id}-{self.span_id}-{'01' if self.sampled else '00'}"
+
+    def child(self, seed: str) -> TraceContext:
+        """The context of a span this one causes, its id derived from `seed` (what is being
+        handled: a decision id, a workload event), so a replay derives the same one."""
+        return TraceContext(self.trace_id, derived_span_id(self.trace_id, seed), self.sampled)
+
+
+def derived_span_id(trace_id: str, seed: str) -> str:
+    span = hashlib.sha256(f"{trace_id}/{seed}".encode()).hexdigest()[:16]
+    return span if span != _ZERO_SPAN else "1".rjust(16, "0")
+
+
+def parse(traceparent: str | bytes | None) -> TraceContext | None:
+    """The context a `traceparent` value carries, or None when it is absent or not valid
+    (an invalid one is ignored and a new trace started, as the W3C spec says)."""
+    if traceparent is None:
+        return None
+    text = traceparent.decode("ascii", "replace") if isinstance(traceparent, bytes) else traceparent
+    match = _TRACEPARENT.match(text.strip().lower())
+    if not match or match[1] == _ZERO_TRACE or match[2] == _ZERO_SPAN:
+        return None
+    return TraceContext(match[1], match[2], bool(int(match[3], 16) & 1))
+
+
+def start(incoming: str | None = None) -> TraceContext:
+    """Where a request enters: a child of the caller's context, or a new trace."""
+    parent = parse(incoming)
+    span = secrets.token_hex(8)
+    if parent is not None:
+        return TraceContext(parent.trace_id, span, parent.sampled)
+    return TraceContext(secrets.token_hex(16), span)
+
+
+def of_trace(trace_id: str, seed: str) -> TraceContext | None:
+    """A context in the trace `trace_id` (32 hex) for the span handling `seed`."""
+    if len(trace_id) != 32 or trace_id == _ZERO_TRACE:
+        return None
+    return TraceContext(trace_id, derived_span_id(trace_id, seed))
+
+
+HeaderList = list[tuple[str, str | bytes | None]]
+
+
+def from_headers(
+    headers: Sequence[tuple[str, str | bytes | None]] | Mapping[str, str | bytes | None] | None,
+) -> TraceContext | None:
+    """The trace context in a Kafka message's headers, if it has one."""
+    items = headers.items() if isinstance(headers, Mapping) else headers or ()
+    for name, value in items:
+        if name == HEADER:
+            return parse(value)
+    return None
+
+
+def header(context: TraceContext | None) -> HeaderList:
+    """The Kafka header carrying `context` (none for no context)."""
+    return [] if context is None else [(HEADER, context.traceparent.encode())]
+
+
+# -- OpenTelemetry spans (exported only when an OTLP endpoint is configured) ------------------
+
+_tracer: Any = None
+_provider: Any = None
+
+
+def _otel_tracer() -> Any:
+    """The OTLP-exporting tracer, or None when no endpoint is configured."""
+    global _tracer, _provider
+    if _tracer is not None or not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        return _tracer
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    service = os.environ.get("OTEL_SERVICE_NAME", "fleetline")
+    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    _provider, _tracer = provider, provider.get_tracer("fleetline")
+    return _tracer
+
+
+@contextmanager
+def span(
+    name: str, context: TraceContext | None, attributes: Mapping[str, Any] | None = None
+) -> Iterator[None]:
+    """An OpenTelemetry span named `name`, a child of `context`, exported over OTLP when
+    `OTEL_EXPORTER_OTLP_ENDPOINT` is set; otherwise nothing."""
+    tracer = _otel_tracer() if context is not None else None
+    if tracer is None:
+        yield
+        return
+    from opentelemetry import trace as otel
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+    assert context is not None
+    parent = SpanContext(
+        int(context.trace_id, 16),
+        int(context.span_id, 16),
+        is_remote=True,
+        trace_flags=TraceFlags(0x01 if context.sampled else 0x00),
+    )
+    with tracer.start_as_current_span(
+        name,
+        context=otel.set_span_in_context(NonRecordingSpan(parent)),
+        attributes=dict(attributes or {}),
+    ):
+        yield
+
+
+def flush_spans(timeout_s: float = 5.0) -> None:
+    """Export the spans still buffered (a process about to exit)."""
+    if _provider is not None:
+        _provider.force_flush(int(timeout_s * 1000))
