@@ -243,3 +243,71 @@ def test_commands_round_trip_with_results(settings, tmp_path: Path) -> None:
     assert again.controls.get("c1-n0000").cordoned
     assert again.simulator.power_limit("c2-n0001") == 300.0
     again.close()
+
+
+def test_the_simulated_agents_serve_dcgm_metrics(settings, tmp_path) -> None:
+    """`fleetline agent simulator --metrics-port 0`: /metrics shows each GPU under the DCGM
+    exporter's names with a value the agent sent for it, and the spool's depth per cluster."""
+    import os
+    import subprocess
+    import sys
+    import uuid
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.services import service_env
+
+    topics = fresh_topics()
+    log = tmp_path / "agent.log"
+    command = [sys.executable, "-m", "fleetline.cli", "agent", "simulator", "--clusters", "1"]
+    command += ["--nodes", "2", "--ticks", "60", "--topic-prefix", topics.prefix]
+    command += ["--state-dir", str(tmp_path / "state"), "--metrics-port", "0"]
+    with open(log, "wb") as out:
+        agent = subprocess.Popen(
+            command, env={**os.environ, **service_env(settings)}, stdout=out, stderr=out
+        )
+    try:
+        wait_until(lambda: "metrics at " in log.read_text(), 30, "the metrics endpoint")
+        url = log.read_text().split("metrics at ", 1)[1].split()[0]
+
+        def scrape() -> dict:
+            with urlopen(url, timeout=10) as response:
+                text = response.read().decode()
+            return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+        wait_until(lambda: scrape().get("DCGM_FI_DEV_GPU_UTIL"), 30, "GPU gauges")
+        families = scrape()
+        shown = {
+            (s.labels["Hostname"], s.labels["gpu"]): s.value
+            for s in families["DCGM_FI_DEV_GPU_UTIL"]
+        }
+        assert len(shown) == 16  # two nodes of eight GPUs
+        sent: dict[tuple[str, str], list[float]] = {}
+
+        def delivered() -> bool:
+            sent.clear()
+            every = kafka_clients.partitions_of(settings.kafka, topics.telemetry)
+            reader = f"check-{uuid.uuid4().hex}"
+            for message in kafka_clients.read_to_end(
+                settings.kafka, topics.telemetry, every, reader, 30
+            ):
+                record = codec.decode(message.value()).record
+                for g in record["gpus"]:
+                    key = (record["node_id"], str(g["gpu_index"]))
+                    sent.setdefault(key, []).append(g["gpu_util_pct"])
+            # Avro floats are 32-bit: the gauge shows the reading before it was encoded.
+            return all(
+                any(abs(value - v) < 1e-3 for v in sent.get(gpu, ()))
+                for gpu, value in shown.items()
+            )
+
+        # Each gauge shows a sample the agent sent for that GPU (delivered within seconds).
+        wait_until(delivered, 30, "the samples shown to be on the telemetry topic", every_s=1)
+        assert set(shown) == set(sent)
+        clusters = {s.labels["cluster"] for s in families["DCGM_FI_DEV_GPU_UTIL"]}
+        depth = families["fleetline_agent_spool_depth"]
+        assert {s.labels["cluster"] for s in depth} == clusters and all(s.value >= 0 for s in depth)
+    finally:
+        agent.terminate()
+        agent.wait(30)

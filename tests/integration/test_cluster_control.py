@@ -306,7 +306,9 @@ def test_one_apply_is_traced_from_the_cli_through_the_decision_to_the_workload(
             dict(m.headers() or [])["traceparent"].decode().split("-")[1] == trace_id
             for m in traced
         ), topic
-    hops = ("job.apply", "decision PLACED", "STARTING", "RUNNING")
+    # Entered, decided, started (with the cluster agent's log line, shipped through the logs
+    # topic; in the same millisecond as STARTING, after it by name), running.
+    hops = ("job.apply", "decision PLACED", "STARTING", "started acme/traced", "RUNNING")
     lines: list[str] = []
 
     def traced() -> bool:

@@ -232,7 +232,9 @@ class ClusterAgent:
         executable): reported FAILED like a crash, so the retry policy applies, and recorded so
         that this (epoch, attempt) is not tried again."""
         reason = f"could not start: {exc}"
-        log.warning("%s: %s: %s", self.cluster_id, order.job, reason)
+        log.warning(
+            "%s: %s: %s", self.cluster_id, order.job, reason, extra={"trace_id": order.trace_id}
+        )
         workload = procs.record_failed_start(
             self.root, order.job, order.tenant, order.epoch, order.attempt, order.trace_id, reason
         )
@@ -290,6 +292,16 @@ class ClusterAgent:
         )
         with self.lock:
             self.running.setdefault(order.job, []).append(workload)
+        log.info(
+            "%s: started %s epoch %d attempt %d as pid %d (%s)",
+            self.cluster_id,
+            order.job,
+            order.epoch,
+            order.attempt,
+            workload.pid,
+            isolation,
+            extra={"trace_id": order.trace_id},
+        )
         self._event(
             order,
             "STARTING",
