@@ -20,10 +20,12 @@ from fastapi.routing import APIRoute
 
 from fleetline.api.auth import Authenticator
 from fleetline.api.body_limit import BodyLimit
+from fleetline.api.dashboard import mount_console
 from fleetline.api.ports import DeclareClusters, HistoryPort, JobsPort, Ports, ReadyQuery, Sql
 from fleetline.api.rbac import Principal
 from fleetline.api.routes import audit as audit_routes
 from fleetline.api.routes import clusters as cluster_routes
+from fleetline.api.routes import dashboard as dashboard_routes
 from fleetline.api.routes import jobs as job_routes
 from fleetline.api.routes import observability as observability_routes
 from fleetline.api.routes import queries as query_routes
@@ -41,7 +43,7 @@ from fleetline.processors.view.read import ViewSource
 from fleetline.storage.audit_store import AuditTable
 
 log = logging.getLogger(__name__)
-_UNAUDITED = ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc", "/metrics")
+_UNAUDITED = ("/", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc", "/metrics")
 # The dashboard's static files (code and styles, no data): served to anyone, not audited.
 UI_PREFIX = "/ui"
 
@@ -145,6 +147,7 @@ def create_app(
         query_routes,
         job_routes,
         observability_routes,
+        dashboard_routes,
     ):
         area.register(routes, ports)
 
@@ -158,6 +161,7 @@ def create_app(
         status = 503 if isinstance(exc, StorageError) and not isinstance(exc, QueryError) else 400
         return JSONResponse({"detail": str(exc)}, status_code=status)
 
+    mount_console(app, UI_PREFIX)
     missing = routes.unruled()
     if missing:
         raise RuntimeError(f"routes without an access rule: {missing}")

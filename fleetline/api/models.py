@@ -253,6 +253,7 @@ class Job(Body):
     conditions: dict[str, Any]
     allocation: dict[str, dict[str, int]] = Field(description="cluster -> node -> GPU mask")
     document: dict[str, Any] = Field(description="the spec as applied")
+    why: str | None = Field(default=None, description="the latest decision's reason")
 
 
 class JobPage(Body):
@@ -293,3 +294,10 @@ class ClusterDeclared(Body):
     cluster_id: str
     offset: int = Field(description="where the declaration landed on the clusters topic")
     record: dict[str, Any] = Field(description="the ClusterInfo record the view folds")
+
+
+class Me(Body):
+    subject: str
+    role: str
+    tenant: str | None
+    permissions: list[str] = Field(description="resource:verb pairs this principal holds")

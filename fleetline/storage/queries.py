@@ -28,6 +28,7 @@ def with_allocation(samples: str, allocations: str, ts: str = "ts") -> str:
     )
 
 
+_BUCKETS = (("hour", "toStartOfHour"), ("minute", "toStartOfMinute"))
 READY: dict[str, tuple[str, str]] = {
     "utilisation-by-cluster-hour": (
         "GPU utilisation per cluster per hour",
@@ -77,6 +78,34 @@ READY: dict[str, tuple[str, str]] = {
         "count() AS preemptions, round(sum(lost_gpu_s) / 3600, 3) AS lost_gpu_hours "
         "FROM $decisions WHERE outcome = 'PREEMPTED' GROUP BY tenant, cause "
         "ORDER BY tenant, cause",
+    ),
+    "job-wait-by-hour": (
+        "Jobs placed per hour (by their first placement) and their wait from submission: "
+        "p50 and p95 (s)",
+        "SELECT toStartOfHour(fromUnixTimestamp64Milli(placed_ms, 'UTC')) AS hour, count() AS "
+        "placed, round(quantile(0.5)((placed_ms - first_ms) / 1000), 3) AS p50_s, "
+        "round(quantile(0.95)((placed_ms - first_ms) / 1000), 3) AS p95_s FROM ("
+        "SELECT job, min(ts_ms) AS first_ms, minIf(ts_ms, outcome = 'PLACED') AS placed_ms "
+        "FROM $decisions WHERE kind != 'Dataset' GROUP BY job HAVING placed_ms > 0) "
+        "GROUP BY hour ORDER BY hour",
+    ),
+    **{
+        f"energy-by-cluster-{unit}": (
+            f"Energy drawn per cluster per {unit} (kWh, GPUs only: mean power x GPUs x the "
+            f"{unit} covered)",
+            "SELECT cluster_id, at, round(sum(kwh), 4) AS kwh FROM (SELECT cluster_id, "
+            f"{bucket}(ts) AS at, node_id, gpu_index, avg(power_w) * "
+            "(dateDiff('second', min(ts), max(ts)) + 1) / 3.6e6 AS kwh FROM $samples "
+            "GROUP BY cluster_id, at, node_id, gpu_index) GROUP BY cluster_id, at "
+            "ORDER BY cluster_id, at",
+        )
+        for unit, bucket in _BUCKETS
+    },
+    "utilisation-by-cluster-minute": (
+        "GPU utilisation per cluster per minute",
+        "SELECT cluster_id, toStartOfMinute(ts) AS minute, round(avg(gpu_util_pct), 2) AS "
+        "avg_util_pct, uniqExact(gpu_uuid) AS gpus, count() AS samples FROM $samples "
+        "GROUP BY cluster_id, minute ORDER BY cluster_id, minute",
     ),
     "top-energy-consumers": (
         "Nodes by energy drawn in the range (kWh, from mean power x time covered)",
@@ -144,4 +173,36 @@ def progress_sql(job: str) -> str:
         "samples_per_s, bytes, seconds, checkpoint_uri FROM $workloads "
         f"WHERE job = '{job}' AND event IN ('PROGRESS', 'CHECKPOINTED', 'RESTORED') "
         "ORDER BY ts_ms"
+    )
+
+
+def literal(text: str) -> str:
+    """`text` as a ClickHouse string literal."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def logs_sql(
+    since: str,
+    until: str | None = None,
+    text: str | None = None,
+    level: str | None = None,
+    process: str | None = None,
+    trace_id: str | None = None,
+    limit: int = 200,
+) -> str:
+    """The newest log lines of every process in a range, filtered by words in the message,
+    level, process and trace id."""
+    where = ["1"]
+    if text:
+        where.append(f"positionCaseInsensitive(message, {literal(text)}) > 0")
+    if level:
+        where.append(f"level = {literal(level.upper())}")
+    if process:
+        where.append(f"startsWith(process, {literal(process)})")
+    if trace_id:
+        where.append(f"trace_id = {literal(trace_id)}")
+    return (
+        "SELECT ts_ms, level, process, cluster_id, logger, message, trace_id "
+        f"FROM $logs({since}, {until or ''}) WHERE {' AND '.join(where)} "
+        f"ORDER BY ts_ms DESC LIMIT {int(limit)}"
     )

@@ -12,201 +12,44 @@ when the cluster comes back.
 
 from __future__ import annotations
 
-import base64
-import contextlib
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from fleetline.agents.fleet import FleetAgent
-from fleetline.agents.simulator import ClusterSpec, Fault, FleetSimulator
-from fleetline.app import Fleetline, Options, build
+from fleetline.agents.simulator import Fault
+from fleetline.app import Options
 from fleetline.cli import main
 from fleetline.config import Settings
 from fleetline.processors.health.fold import ClusterHealthPolicy
-from fleetline.processors.scheduling.codec import canonical_json, new_request
+from fleetline.processors.scheduling.codec import new_request
 from fleetline.processors.scheduling.runtime import read_topic, submit
 from fleetline.processors.view import read as view_read
 from fleetline.streams import kafka as kafka_clients
-from fleetline.streams.serde import default_codec
 from tests.services import service_env, submits
-from tests.support import fresh_topics, wait_until
+from tests.stack import Stack, codec, now_ms, running_stack
+from tests.support import wait_until
 
 pytestmark = pytest.mark.services
 CLUSTERS = ("ca", "cb", "cc")
 POLICY = ClusterHealthPolicy(
     suspect_after_ms=1_500, lost_after_ms=4_000, recover_after_ms=2_000, peer_report_fresh_ms=3_000
 )
-codec = default_codec()
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-@dataclass
-class Stack:
-    settings: Settings
-    fleet: Fleetline
-    simulator: FleetSimulator
-    state_dir: Path
-    agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-
-    @property
-    def topics(self):
-        return self.fleet.topics
-
-    def chaos(self, cluster: str) -> Path:
-        return self.state_dir / f"chaos-{cluster}"
-
-    def metrics_url(self, cluster: str) -> str:
-        """Where the agent (started with --metrics-port 0) serves /metrics, from its log."""
-        log = (self.state_dir / f"agent-{cluster}.log").read_text()
-        return log.split("metrics at ", 1)[1].split()[0]
-
-    def start_agent(self, cluster: str) -> None:
-        env = {
-            **os.environ,
-            **service_env(self.settings),
-            "FLEETLINE_OBJECT_ENCRYPTION_KEY": self.settings.object_encryption_key or "",
-        }
-        log = open(self.state_dir / f"agent-{cluster}.log", "ab")  # noqa: SIM115
-        self.agents[cluster] = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "fleetline.cli",
-                "cluster-agent",
-                "--cluster-id",
-                cluster,
-                "--topic-prefix",
-                self.topics.prefix,
-                "--state-dir",
-                str(self.state_dir / "agents"),
-                "--stop-grace-s",
-                "10",
-                "--chaos-file",
-                str(self.chaos(cluster)),
-                "--metrics-port",
-                "0",
-            ],
-            env=env,
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
-        )
-
-    def kill_agent(self, cluster: str) -> None:
-        agent = self.agents.pop(cluster)
-        agent.send_signal(signal.SIGKILL)
-        agent.wait(10)
-
-    def records(self, topic: str) -> list[dict[str, Any]]:
-        return [codec.decode(m.value()).record for m in read_topic(self.settings.kafka, topic)]
-
-    def events(self, job: str | None = None) -> list[dict[str, Any]]:
-        return [e for e in self.records(self.topics.workloads) if job is None or e["job"] == job]
-
-    def health(self) -> list[dict[str, Any]]:
-        return self.records(self.topics.emergency)
-
-    def job(self, key: str) -> dict[str, Any] | None:
-        assert self.fleet.scheduler is not None
-        return self.fleet.scheduler.store.committed(0, f"job:{key}".encode())
-
-    def phase(self, key: str) -> str | None:
-        job = self.job(key)
-        return None if job is None else job["phase"]
 
 
 @pytest.fixture(scope="module")
 def stack(services: Settings) -> Iterator[Stack]:
-    settings = dataclasses.replace(
-        services,
-        clickhouse_database=f"t_{uuid.uuid4().hex[:12]}",
-        object_encryption_key=base64.b64encode(os.urandom(32)).decode(),
-    )
-    topics = fresh_topics(partitions=2)
-    fleet = build(
-        settings,
-        Options(
-            topics=topics,
-            tick_interval_s=0.3,
-            health_policy=POLICY,
-            clock_interval_s=0.25,
-        ),
-    ).start()
-    simulator = FleetSimulator(
-        [ClusterSpec(c, f"region-{c}", 1) for c in CLUSTERS], seed=3, interval_ms=500
-    )
-    state_dir = Path(tempfile.mkdtemp(prefix="cluster-control-"))
-    nodes = FleetAgent.create(
-        settings, codec, topics, simulator, state_dir / "nodes", commands=False
-    )
-    stop = threading.Event()
-
-    def pump() -> None:
-        nodes.start(now_ms())
-        while not stop.is_set():
-            nodes.tick(now_ms())
-            stop.wait(0.5)
-
-    pumping = threading.Thread(target=pump, daemon=True)
-    pumping.start()
-    # The preference scorer outweighs the others: jobs go to ca while it is in the pool.
-    submit(
-        settings.kafka,
-        topics,
-        [
-            new_request(
-                "POLICY",
-                "",
-                "",
-                now_ms(),
-                uuid.uuid4().hex,
-                spec_json=canonical_json(
-                    {"cluster_preference": list(CLUSTERS), "weights": {"preference": 100}}
-                ),
-            )
-        ],
-    )
-    built = Stack(settings, fleet, simulator, state_dir)
-    for cluster in CLUSTERS:
-        built.chaos(cluster).write_text("")
-        built.start_agent(cluster)
-    wait_until(
-        lambda: (
-            {h["cluster_id"] for h in built.health() if h["state"] == "HEALTHY"} >= set(CLUSTERS)
-        ),
-        60,
-        "every cluster's first heartbeat",
-    )
-    try:
+    options = Options(tick_interval_s=0.3, health_policy=POLICY, clock_interval_s=0.25)
+    with running_stack(services, CLUSTERS, options, "cluster-control") as built:
         yield built
-    finally:
-        for cluster in list(built.agents):
-            built.kill_agent(cluster)
-        for pid_file in (state_dir / "agents").glob("*/*/*/pid"):
-            pid = int(pid_file.read_text().split()[0])
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-        stop.set()
-        pumping.join(10)
-        nodes.close()
-        fleet.close()
 
 
 def training(name: str, **workload: Any) -> dict[str, Any]:

@@ -117,6 +117,11 @@ def test_openapi_lists_every_route(setup):
         "/v1/jobs/{tenant}/{name}/explain",
         "/v1/tenants/{tenant}/policy",
         "/metrics",
+        "/v1/traces/{trace_id}",
+        "/v1/jobs/{tenant}/{name}/progress",
+        "/v1/logs",
+        "/v1/me",
+        "/v1/stream",
     }
 
 
@@ -177,8 +182,11 @@ def _request(client: TestClient, method: str, path: str, tenant: str | None = No
         .replace("{node_id}", "us-east-a-n0003")
         .replace("{name}", "utilisation-by-cluster")
         .replace("{tenant}", tenant or "acme")
+        .replace("{trace_id}", "4bf92f3577b34da6a3ce929d0e0e4736")
     )
     params = {"from": "0", "to": str(2**62)} if path == "/v1/audit/activity" else {}
+    if path == "/v1/stream":
+        params = {"max_s": "0.1", "every_s": "0.1"}  # one update, then the stream ends
     if tenant is not None and "{tenant}" not in path:
         params["tenant"] = tenant
     if method == "POST":
@@ -193,7 +201,7 @@ def _request(client: TestClient, method: str, path: str, tenant: str | None = No
 def test_every_route_with_every_role_and_no_route_escapes_the_rules(setup):
     app, _ = setup
     rules = app.state.rules
-    assert len(rules) == 22
+    assert len(rules) == 27
     for (method, path), rule in rules.items():
         anonymous = _request(TestClient(app), method, path)
         assert anonymous.status_code == 401, (method, path)

@@ -179,7 +179,7 @@ def test_json_log_lines_carry_the_trace_id_and_their_fields():
     record.job = "acme/t"
     with logs.traced("4bf92f3577b34da6a3ce929d0e0e4736"):
         line = json.loads(formatter.format(record))
-    assert line["message"] == "hi w" and line["level"] == "WARNING"
+    assert line["message"] == "hello w" and line["level"] == "WARNING"
     assert line["trace_id"] == "4bf92f3577b34da6a3ce929d0e0e4736"
     assert line["process"] == "serve/0" and line["job"] == "acme/t"
     assert json.loads(formatter.format(record))["trace_id"] == ""

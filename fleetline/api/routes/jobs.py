@@ -12,6 +12,7 @@ from fleetline.api import models
 from fleetline.api.ports import Ports
 from fleetline.api.rbac import Principal, Rule
 from fleetline.api.routing import Routes
+from fleetline.processors.scheduling.state import Job
 from fleetline.observability.tracing import TraceContext
 from fleetline.processors.scheduling.codec import (
     canonical_json,
@@ -24,7 +25,12 @@ from fleetline.processors.scheduling.tenancy import TenantPolicy, TenantTerms
 
 
 def _public(job: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in job.items() if k != "explanation"}
+    """A job as the API shows it: its latest decision summed up in `why` (the whole decision
+    is in /explain)."""
+    out = {k: v for k, v in job.items() if k != "explanation"}
+    explanation = job.get("explanation")
+    out["why"] = explanation.get("reason") if isinstance(explanation, dict) else None
+    return out
 
 
 def register(route: Routes, ports: Ports) -> None:
@@ -104,7 +110,9 @@ def register(route: Routes, ports: Ports) -> None:
         summary="One job's desired state, phase, conditions and GPUs",
     )
     def get_job(tenant: str, name: str) -> dict[str, Any]:
-        return _public(one_job(tenant, name))
+        job = one_job(tenant, name)
+        # The trace its decisions, orders and workload events carry (`fleetline trace`).
+        return {**_public(job), "trace_id": Job.from_data(job).trace_id}
 
     @route(
         "GET",

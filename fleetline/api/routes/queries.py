@@ -10,7 +10,9 @@ from fleetline.api import models
 from fleetline.api.ports import Ports
 from fleetline.api.rbac import Rule
 from fleetline.api.routing import Routes
-from fleetline.storage.queries import READY, progress_sql, trace_sql
+from fleetline.storage.queries import READY, logs_sql, progress_sql, trace_sql
+
+LEVELS = "(?i)^(debug|info|warning|error|critical)$"
 
 
 def register(route: Routes, ports: Ports) -> None:
@@ -54,8 +56,13 @@ def register(route: Routes, ports: Ports) -> None:
         result = ports.sql_port()(trace_sql(trace_id))
         scope = request.state.scope
         if scope is not None:
-            tenant = result["columns"].index("tenant")
-            result["rows"] = [r for r in result["rows"] if r[tenant] == scope]
+            # Only rows that name the caller's tenant (none when the store answered without
+            # a tenant column: a caller held to a tenant never sees unattributed rows).
+            columns = result["columns"]
+            tenant = columns.index("tenant") if "tenant" in columns else None
+            result["rows"] = [
+                r for r in result["rows"] if tenant is not None and r[tenant] == scope
+            ]
         return result
 
     @route(
@@ -68,3 +75,21 @@ def register(route: Routes, ports: Ports) -> None:
     )
     def job_progress(tenant: str, name: str) -> dict[str, Any]:
         return ports.sql_port()(progress_sql(f"{tenant}/{name}"))
+
+    @route(
+        "GET",
+        "/v1/logs",
+        Rule("sql", "run", tenant_scoped=False),
+        response_model=models.SqlResult,
+        summary="Log lines of every fleetline process (newest first): platform admins only",
+    )
+    def search_logs(
+        since: Annotated[str, Query(alias="from")] = "-1h",
+        until: Annotated[str | None, Query(alias="to")] = None,
+        q: str | None = None,
+        level: Annotated[str | None, Query(pattern=LEVELS)] = None,
+        process: str | None = None,
+        trace_id: Annotated[str | None, Query(pattern="^[0-9a-f]{32}$")] = None,
+        limit: Annotated[int, Query(ge=1, le=5000)] = 200,
+    ) -> dict[str, Any]:
+        return ports.sql_port()(logs_sql(since, until, q, level, process, trace_id, limit))

@@ -1,0 +1,304 @@
+"""The operators' console in a real browser: Debian's Chromium, headless, driven by Playwright,
+against the running stack (`tests/stack.py`: the serve services, a simulated fleet, one cluster
+agent process per cluster, the API on a free port).
+
+Every page loads without a console error and is screenshotted into tests/results/console/;
+the numbers on the fleet page equal the API's; a fault injected into the simulator shows on
+the open page within seconds without a reload; a job's page draws its loss curve from the
+cluster agents' reports; a tenant's user sees only the tenant's jobs.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.request import Request, urlopen
+
+import pytest
+import uvicorn
+from playwright.sync_api import ConsoleMessage, Page, sync_playwright
+
+from fleetline.agents.simulator import Fault
+from fleetline.api.auth import AuthConfig, Authenticator, token_digest
+from fleetline.app import Options
+from fleetline.config import Settings
+from fleetline.processors.audit.runtime import KafkaAuditEmitter
+from fleetline.processors.health.fold import ClusterHealthPolicy
+from fleetline.processors.scheduling.runtime import submit
+from tests.services import submits
+from tests.stack import Stack, now_ms, running_stack
+from tests.support import wait_until
+
+CHROMIUM = "/usr/bin/chromium"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "console"
+CLUSTERS = ("ca", "cb")
+TOKENS = {
+    "admin": ("platform-admin", None),
+    "acme": ("user", "acme"),
+    "globex": ("user", "globex"),
+}
+
+
+def token(name: str) -> str:
+    return f"fl_console_{name}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Console:
+    """The stack, its API served on a port, and a way to ask the API what a page should show."""
+
+    def __init__(self, stack: Stack, url: str) -> None:
+        self.stack = stack
+        self.url = url
+
+    def api(self, who: str, path: str) -> Any:
+        request = Request(f"{self.url}{path}", headers={"Authorization": f"Bearer {token(who)}"})
+        with urlopen(request, timeout=30) as response:
+            return json.loads(response.read())
+
+
+def training(name: str, tenant: str, steps: int) -> dict[str, Any]:
+    return {
+        "kind": "TrainingJob",
+        "metadata": {"name": name, "tenant": tenant},
+        "spec": {
+            "accelerator": "H100",
+            "gpus_per_worker": 2,
+            "workers": 1,
+            "checkpoint_interval_s": 60,
+            "workload": {"steps": steps, "checkpoint_every_steps": 100, "step_delay_ms": 50},
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def console(services: Settings) -> Iterator[Console]:
+    options = Options(
+        tick_interval_s=0.3,
+        clock_interval_s=0.25,
+        health_policy=ClusterHealthPolicy(suspect_after_ms=3_000, lost_after_ms=8_000),
+    )
+    with running_stack(services, CLUSTERS, options, "console") as stack:
+        auth = AuthConfig.from_data(
+            {
+                "tokens": [
+                    {"name": name, "sha256": token_digest(token(name)), "role": r, "tenant": t}
+                    for name, (r, t) in TOKENS.items()
+                ]
+            }
+        )
+        stack.fleet.register_metrics()
+        emitter = KafkaAuditEmitter(stack.settings.kafka, stack.topics)
+        app = stack.fleet.api(Authenticator(auth), emitter)
+        port = free_port()
+        server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+        )
+        serving = threading.Thread(target=server.run, daemon=True)
+        serving.start()
+        wait_until(lambda: server.started, 30, "the API to listen")
+        submit(
+            stack.settings.kafka,
+            stack.topics,
+            submits(
+                training("train", "acme", 4000),
+                training("secret", "globex", 4000),
+                {
+                    "kind": "InferenceService",
+                    "metadata": {"name": "chat", "tenant": "acme"},
+                    "spec": {
+                        "model": "llama",
+                        "accelerator": "H100",
+                        "gpus_per_replica": 1,
+                        "replicas": {"min": 1, "max": 2},
+                        "latency_target_ms": 200,
+                        "regions": ["region-ca", "region-cb"],
+                    },
+                },
+            ),
+        )
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        try:
+            yield Console(stack, f"http://127.0.0.1:{port}")
+        finally:
+            server.should_exit = True
+            serving.join(15)
+            emitter.flush()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(
+            executable_path=CHROMIUM, headless=True, args=["--no-sandbox"]
+        )
+        try:
+            yield launched
+        finally:
+            launched.close()
+
+
+class Session:
+    """A signed-in page that records every console error and failed request."""
+
+    def __init__(self, page: Page) -> None:
+        self.page = page
+        self.errors: list[str] = []
+        page.on("console", self._console)
+        page.on("pageerror", lambda exc: self.errors.append(f"page error: {exc}"))
+
+    def _console(self, message: ConsoleMessage) -> None:
+        if message.type == "error":
+            self.errors.append(message.text)
+
+    def open(self, console: Console, hash_route: str) -> None:
+        self.page.goto(f"{console.url}/ui/#/{hash_route}")
+        self.wait_rendered(hash_route.split("/")[0])
+
+    def wait_rendered(self, page_name: str) -> None:
+        self.page.wait_for_selector(f'#page[data-page="{page_name}"]', timeout=20_000)
+
+    def text(self, testid: str) -> str:
+        return self.page.get_by_test_id(testid).first.inner_text().strip()
+
+
+@pytest.fixture
+def signed_in(console: Console, browser: Any) -> Iterator[Any]:
+    contexts = []
+
+    def sign_in(who: str) -> Session:
+        context = browser.new_context(viewport={"width": 1400, "height": 900})
+        contexts.append(context)
+        session = Session(context.new_page())
+        session.page.goto(f"{console.url}/ui/")
+        session.page.fill("#token", token(who))
+        session.page.click("#login button")
+        session.wait_rendered("fleet")
+        return session
+
+    yield sign_in
+    for context in contexts:
+        context.close()
+
+
+def job_running(console: Console, key: str) -> bool:
+    job = console.stack.job(key)
+    return job is not None and job["phase"] == "Running" and job["checkpoint_step"] is not None
+
+
+def test_every_page_loads_without_errors_and_is_screenshotted(console, signed_in):
+    wait_until(lambda: job_running(console, "acme/train"), 90, "acme/train to checkpoint")
+    session = signed_in("admin")
+    pages = [
+        ("fleet", "fleet"),
+        ("cluster/ca", "cluster"),
+        ("jobs", "jobs"),
+        ("job/acme/train", "job"),
+        ("services", "services"),
+        ("history", "history"),
+        ("audit", "audit"),
+        ("logs", "logs"),
+    ]
+    for hash_route, name in pages:
+        session.open(console, hash_route)
+        assert not session.page.get_by_test_id("page-error").count(), hash_route
+        session.page.screenshot(path=str(RESULTS / f"{name}.png"), full_page=True)
+    assert session.errors == []
+    # The heatmap draws every GPU of the cluster, laid out under its node.
+    session.open(console, "cluster/ca")
+    gpus = console.api("admin", "/v1/gpus?cluster=ca")["items"]
+    assert session.page.locator("[data-testid^='gpu-ca-']").count() == len(gpus) > 0
+
+
+def test_the_fleet_page_shows_the_api_s_numbers(console, signed_in):
+    session = signed_in("admin")
+    fields = ("gpus", "idle", "allocated", "degraded", "failed", "unavailable")
+
+    def same() -> bool:
+        session.page.reload()
+        session.wait_rendered("fleet")
+        clusters = console.api("admin", "/v1/clusters")["items"]
+        shown = {
+            (c["cluster_id"], f): int(session.text(f"cluster-{c['cluster_id']}-{f}"))
+            for c in clusters
+            for f in fields
+        }
+        wanted = {(c["cluster_id"], f): c[f] for c in clusters for f in fields}
+        totals = {f: int(session.text(f"fleet-total-{f}")) for f in fields}
+        return shown == wanted and totals == {f: sum(c[f] for c in clusters) for f in fields}
+
+    # The fleet moves (jobs start, finish): the page and the API agree at one moment.
+    wait_until(same, 30, "the page and the API to agree", every_s=1)
+    assert session.errors == []
+
+
+def test_a_fault_in_the_simulator_shows_on_the_open_page_within_seconds(console, signed_in):
+    session = signed_in("admin")
+    node = next(n.node_id for n in console.stack.simulator.nodes if n.cluster_id == "cb")
+    session.page.evaluate("window.__sameDocument = true")
+    before = int(session.text("cluster-cb-failed"))
+    injected = time.monotonic()
+    console.stack.simulator.add_fault(Fault("xid", f"{node}/5", now_ms(), None, 79))
+    row = session.page.get_by_test_id(f"sick-{node}-5")
+    row.wait_for(timeout=15_000)
+    shown_after_s = time.monotonic() - injected
+    assert "xid 79" in row.inner_text()
+    wait_until(lambda: int(session.text("cluster-cb-failed")) == before + 1, 15, "the count")
+    # Updated in place, by the event stream: the document was never reloaded.
+    assert session.page.evaluate("window.__sameDocument") is True
+    assert shown_after_s < 10, shown_after_s
+    assert session.errors == []
+
+
+def test_a_job_page_draws_the_loss_curve_and_the_checkpoints(console, signed_in):
+    wait_until(lambda: job_running(console, "acme/train"), 90, "acme/train to checkpoint")
+    session = signed_in("acme")
+
+    def reported() -> bool:
+        session.open(console, "job/acme/train")
+        return session.page.get_by_test_id("loss-chart").count() == 1
+
+    wait_until(reported, 60, "progress reports in ClickHouse", every_s=1)
+    chart = session.page.get_by_test_id("loss-chart")
+    assert int(chart.get_attribute("data-points") or 0) >= 2
+    assert session.page.locator("#loss canvas").count() == 1
+    progress = console.api("acme", "/v1/jobs/acme/train/progress")
+    assert progress["rows"]
+    job = console.api("acme", "/v1/jobs/acme/train")
+    assert session.text("actual") == job["actual"]["state"]
+    assert session.errors == []
+
+
+def test_a_tenant_s_user_sees_only_the_tenant_s_jobs(console, signed_in):
+    wait_until(lambda: console.stack.job("globex/secret") is not None, 30, "globex's job")
+    session = signed_in("acme")
+    session.open(console, "jobs")
+    keys = {
+        row.get_attribute("data-testid").removeprefix("job-")
+        for row in session.page.locator("table[data-testid='jobs'] tr[data-testid^='job-']").all()
+    }
+    assert keys == {j["key"] for j in console.api("acme", "/v1/jobs")["items"]}
+    assert "acme/train" in keys and not any(k.startswith("globex/") for k in keys)
+    assert "globex" not in session.page.content()
+    # Another tenant's job page is refused by the API, and says so.
+    session.page.goto(f"{console.url}/ui/#/job/globex/secret")
+    session.page.get_by_test_id("page-error").wait_for(timeout=10_000)
+    assert "403" in session.text("page-error")
+    # The heatmap names no other tenant's job on a GPU.
+    session.open(console, "cluster/ca")
+    assert "globex" not in session.page.content()
+    # The Audit and Logs pages are not offered to a user.
+    assert session.page.locator("nav a[data-page='audit']").is_hidden()
+    assert session.page.locator("nav a[data-page='logs']").is_hidden()
+    # The 403 was logged by the browser as a failed resource load; nothing else was.
+    assert all("403" in e for e in session.errors), session.errors

@@ -1,0 +1,186 @@
+"""A running control plane for tests: the services of `fleetline serve` built in this process
+(`app.build`), a simulated fleet of one-node clusters whose agents send telemetry every half
+second, and one `fleetline cluster-agent` process per cluster running real workloads. Used by
+the cluster control tests and the console's browser tests."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fleetline.agents.fleet import FleetAgent
+from fleetline.agents.simulator import ClusterSpec, FleetSimulator
+from fleetline.app import Fleetline, Options, build
+from fleetline.config import Settings
+from fleetline.processors.scheduling.codec import canonical_json, new_request
+from fleetline.processors.scheduling.runtime import read_topic, submit
+from fleetline.streams.serde import default_codec
+from tests.services import service_env
+from tests.support import fresh_topics, wait_until
+
+codec = default_codec()
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass
+class Stack:
+    settings: Settings
+    fleet: Fleetline
+    simulator: FleetSimulator
+    state_dir: Path
+    agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def topics(self):
+        return self.fleet.topics
+
+    def chaos(self, cluster: str) -> Path:
+        return self.state_dir / f"chaos-{cluster}"
+
+    def metrics_url(self, cluster: str) -> str:
+        """Where the agent (started with --metrics-port 0) serves /metrics, from its log."""
+        log = (self.state_dir / f"agent-{cluster}.log").read_text()
+        return log.split("metrics at ", 1)[1].split()[0]
+
+    def start_agent(self, cluster: str) -> None:
+        env = {
+            **os.environ,
+            **service_env(self.settings),
+            "FLEETLINE_OBJECT_ENCRYPTION_KEY": self.settings.object_encryption_key or "",
+        }
+        log = open(self.state_dir / f"agent-{cluster}.log", "ab")  # noqa: SIM115
+        self.agents[cluster] = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "fleetline.cli",
+                "cluster-agent",
+                "--cluster-id",
+                cluster,
+                "--topic-prefix",
+                self.topics.prefix,
+                "--state-dir",
+                str(self.state_dir / "agents"),
+                "--stop-grace-s",
+                "10",
+                "--chaos-file",
+                str(self.chaos(cluster)),
+                "--metrics-port",
+                "0",
+            ],
+            env=env,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
+
+    def kill_agent(self, cluster: str) -> None:
+        agent = self.agents.pop(cluster)
+        agent.send_signal(signal.SIGKILL)
+        agent.wait(10)
+
+    def records(self, topic: str) -> list[dict[str, Any]]:
+        return [codec.decode(m.value()).record for m in read_topic(self.settings.kafka, topic)]
+
+    def events(self, job: str | None = None) -> list[dict[str, Any]]:
+        return [e for e in self.records(self.topics.workloads) if job is None or e["job"] == job]
+
+    def health(self) -> list[dict[str, Any]]:
+        return self.records(self.topics.emergency)
+
+    def job(self, key: str) -> dict[str, Any] | None:
+        assert self.fleet.scheduler is not None
+        return self.fleet.scheduler.store.committed(0, f"job:{key}".encode())
+
+    def phase(self, key: str) -> str | None:
+        job = self.job(key)
+        return None if job is None else job["phase"]
+
+
+@contextlib.contextmanager
+def running_stack(
+    services: Settings, clusters: Sequence[str], options: Options, prefix: str = "stack"
+) -> Iterator[Stack]:
+    """The stack up, every cluster's first heartbeat seen; jobs go to the clusters in the
+    order given while they are in the pool (the preference scorer outweighs the others)."""
+    settings = dataclasses.replace(
+        services,
+        clickhouse_database=f"t_{uuid.uuid4().hex[:12]}",
+        object_encryption_key=base64.b64encode(os.urandom(32)).decode(),
+    )
+    topics = fresh_topics(partitions=2)
+    fleet = build(settings, dataclasses.replace(options, topics=topics)).start()
+    simulator = FleetSimulator(
+        [ClusterSpec(c, f"region-{c}", 1) for c in clusters], seed=3, interval_ms=500
+    )
+    state_dir = Path(tempfile.mkdtemp(prefix=f"{prefix}-"))
+    nodes = FleetAgent.create(
+        settings, codec, topics, simulator, state_dir / "nodes", commands=False
+    )
+    stop = threading.Event()
+
+    def pump() -> None:
+        nodes.start(now_ms())
+        while not stop.is_set():
+            nodes.tick(now_ms())
+            stop.wait(0.5)
+
+    pumping = threading.Thread(target=pump, daemon=True)
+    pumping.start()
+    submit(
+        settings.kafka,
+        topics,
+        [
+            new_request(
+                "POLICY",
+                "",
+                "",
+                now_ms(),
+                uuid.uuid4().hex,
+                spec_json=canonical_json(
+                    {"cluster_preference": list(clusters), "weights": {"preference": 100}}
+                ),
+            )
+        ],
+    )
+    built = Stack(settings, fleet, simulator, state_dir)
+    try:
+        for cluster in clusters:
+            built.chaos(cluster).write_text("")
+            built.start_agent(cluster)
+        wait_until(
+            lambda: (
+                {h["cluster_id"] for h in built.health() if h["state"] == "HEALTHY"}
+                >= set(clusters)
+            ),
+            60,
+            "every cluster's first heartbeat",
+        )
+        yield built
+    finally:
+        for cluster in list(built.agents):
+            built.kill_agent(cluster)
+        for pid_file in (state_dir / "agents").glob("*/*/*/pid"):
+            pid = int(pid_file.read_text().split()[0])
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        stop.set()
+        pumping.join(10)
+        nodes.close()
+        fleet.close()
