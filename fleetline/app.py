@@ -40,7 +40,7 @@ from fleetline.processors.scheduling.capacity import FleetFacts, observe
 from fleetline.processors.scheduling.policy import SchedulingPolicy
 from fleetline.processors.scheduling.runtime import KafkaJobs, SchedulerService, scheduler_topics
 from fleetline.processors.view.runtime import APPLICATION_ID as VIEW_APP
-from fleetline.processors.view.runtime import ViewProcessor, declare_clusters
+from fleetline.processors.view.runtime import ViewProcessor, dcgm_readings, declare_clusters
 from fleetline.processors.view.snapshots import ViewSnapshots
 from fleetline.storage.audit_store import AuditArchive, AuditTable
 from fleetline.storage.clickhouse import connect, migrate
@@ -258,7 +258,7 @@ class Fleetline:
     def register_metrics(self) -> None:
         """The fleet's GPU gauges under DCGM names, from the view at each scrape (the loops'
         own series are counted as they run)."""
-        readings = metrics.view_readings(self.view)
+        readings = dcgm_readings(self.view)
         metrics.register_collector("dcgm", metrics.DcgmCollector(readings))
 
     def api(self, authenticator: Authenticator, emitter: AuditEmitter) -> FastAPI:

@@ -22,6 +22,7 @@ from fleetline.cli.common import (
     expose_metrics,
     pairs,
     settings,
+    ship_logs,
 )
 from fleetline.errors import FleetlineError
 
@@ -84,7 +85,7 @@ def nvml(
         metrics.DcgmCollector(metrics.telemetry_readings(lambda: node.latest_telemetry)),
         metrics.spool_collector(lambda: {cluster_id: node.publisher.figures()}),
     )
-    shipped = logs.ship(config.kafka, topics, f"agent/{identity.node_id}", cluster_id)
+    shipped = ship_logs(config, topics, f"agent/{identity.node_id}", cluster_id)
     try:
         sent = node.run(threading.Event(), max_ticks=ticks)
     finally:
@@ -137,7 +138,7 @@ def simulator(
         metrics.DcgmCollector(metrics.telemetry_readings(lambda: agents.latest_telemetry)),
         metrics.spool_collector(agents.spool_metrics),
     )
-    shipped = logs.ship(config.kafka, topics, "agent/simulator")
+    shipped = ship_logs(config, topics, "agent/simulator")
     tick = 0
     try:
         agents.start(start_ms)

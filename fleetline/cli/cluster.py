@@ -22,6 +22,7 @@ from fleetline.cli.common import (
     expose_metrics,
     now_ms,
     settings,
+    ship_logs,
 )
 
 cluster = typer.Typer(help="Operate whole clusters: cordon, uncordon, health", no_args_is_help=True)
@@ -73,7 +74,7 @@ def cluster_agent(
         f"cluster-agent/{cluster_id}",
         metrics.cluster_agent_collector(cluster_id, agent.status),
     )
-    shipped = logs.ship(config.kafka, topics, f"cluster-agent/{cluster_id}", cluster_id)
+    shipped = ship_logs(config, topics, f"cluster-agent/{cluster_id}", cluster_id)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:

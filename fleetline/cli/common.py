@@ -144,3 +144,26 @@ def fail_fields(source: str, errors_: Iterable[Any]) -> None:
     for error in errors_:
         print(f"{source}: {error}", file=sys.stderr)
     raise typer.Exit(1)
+
+
+def ship_logs(config: Settings, topics: Topics, process: str, cluster_id: str = "") -> Any:
+    """Ship this process's log lines to the logs topic (LogRecord); the handler, for
+    `logs.unship` when the process ends."""
+    import logging
+
+    from fleetline.observability import logs
+    from fleetline.streams import kafka as kafka_clients
+    from fleetline.streams.serde import default_codec
+
+    codec = default_codec()
+    producer = kafka_clients.producer(
+        config.kafka, {"linger.ms": 200, "logger": logging.getLogger("fleetline.logship")}
+    )
+    handler = logs.KafkaLogHandler(
+        producer,
+        lambda record: codec.encode("LogRecord", record),
+        topics.logs,
+        process,
+        cluster_id,
+    )
+    return logs.ship(handler)

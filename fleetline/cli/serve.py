@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from fleetline.cli.common import TopicPrefix, settings
+from fleetline.cli.common import TopicPrefix, settings, ship_logs
 from fleetline.cli.data import TierPolicy, tier_policy
 from fleetline.errors import ConfigError
 from fleetline.processors.view.runtime import APPLICATION_ID as VIEW_APP
@@ -111,7 +111,7 @@ def serve(
     )
     fleet = build(config, options)
     fleet.register_metrics()
-    shipped = logs.ship(config.kafka, options.topics, f"serve/{instance_id}")
+    shipped = ship_logs(config, options.topics, f"serve/{instance_id}")
     signal.signal(signal.SIGTERM, lambda *_: fleet.stop.set())
     fleet.start(ready_timeout_s=None)  # the API answers while the loops join their groups
     try:

@@ -14,13 +14,9 @@ import json
 import logging
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-
-from fleetline.config import KafkaSettings
-from fleetline.streams import kafka as kafka_clients
-from fleetline.streams.serde import AvroCodec, default_codec
-from fleetline.streams.topics import Topics
+from typing import Any
 
 _trace: contextvars.ContextVar[str] = contextvars.ContextVar("fleetline_trace_id", default="")
 # Attributes every LogRecord has; anything else a call passed in `extra` is a field of its own.
@@ -82,23 +78,22 @@ class KafkaLogHandler(logging.Handler):
 
     def __init__(
         self,
-        kafka: KafkaSettings,
-        topics: Topics,
+        producer: Any,
+        encode: Callable[[dict[str, Any]], bytes],
+        topic: str,
         process: str,
         cluster_id: str = "",
         level: int = logging.INFO,
-        codec: AvroCodec | None = None,
     ) -> None:
+        """`producer` (a confluent-kafka Producer) sends `encode(LogRecord)` to `topic`; its
+        own librdkafka lines must go to the `fleetline.logship` logger, which is not shipped."""
         super().__init__(level)
-        self.topic = topics.logs
+        self.producer = producer
+        self.encode = encode
+        self.topic = topic
         self.process = process
         self.cluster_id = cluster_id
         self.host = socket.gethostname()
-        self.codec = codec or default_codec()
-        # Its own librdkafka lines must not come back through this handler.
-        self.producer = kafka_clients.producer(
-            kafka, {"linger.ms": 200, "logger": logging.getLogger("fleetline.logship")}
-        )
         self.dropped = 0
         self._inside = threading.local()
 
@@ -107,8 +102,7 @@ class KafkaLogHandler(logging.Handler):
             return
         self._inside.on = True
         try:
-            value = self.codec.encode(
-                "LogRecord",
+            value = self.encode(
                 {
                     "ts": int(record.created * 1000),
                     "level": record.levelname,
@@ -144,12 +138,9 @@ def configure(process: str, json_lines: bool) -> None:
         handler.setFormatter(JsonFormatter(process))
 
 
-def ship(
-    kafka: KafkaSettings, topics: Topics, process: str, cluster_id: str = ""
-) -> KafkaLogHandler:
-    """Ship this process's log lines (INFO and above) to the logs topic; the handler, to
-    close when the process ends."""
-    handler = KafkaLogHandler(kafka, topics, process, cluster_id)
+def ship(handler: KafkaLogHandler) -> KafkaLogHandler:
+    """Ship this process's log lines (INFO and above) through `handler`; close it with
+    `unship` when the process ends."""
     root = logging.getLogger()
     root.addHandler(handler)
     # The handler ships INFO; the root level may be higher (WARNING without --verbose).

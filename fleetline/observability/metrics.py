@@ -28,9 +28,6 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from fleetline.processors.view.model import GPU_FIELDS
-from fleetline.processors.view.read import ViewSource, latest_samples
-
 log = logging.getLogger(__name__)
 
 # -- the stream loop (every processor and sink) ------------------------------------------------
@@ -188,17 +185,6 @@ def telemetry_readings(
         for record in records():
             for gpu in record["gpus"]:
                 yield gpu_reading(record["node_id"], record["cluster_id"], record["region"], gpu)
-
-    return readings
-
-
-def view_readings(source: ViewSource) -> Callable[[], Iterator[GpuReading]]:
-    """DCGM readings from the resource view: each GPU's latest sample as the view holds it."""
-
-    def readings() -> Iterator[GpuReading]:
-        for node_id, cluster, region, sample in source.read(latest_samples):
-            sample_fields = dict(zip(GPU_FIELDS, sample, strict=True))
-            yield gpu_reading(node_id, cluster, region, sample_fields)
 
     return readings
 

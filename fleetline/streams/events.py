@@ -23,6 +23,8 @@ WORKLOAD_EVENT = "fleetline.cluster.WorkloadEvent"
 CLUSTER_SIGNAL = "fleetline.cluster.ClusterSignal"
 CLUSTER_HEALTH = "fleetline.cluster.ClusterHealth"
 LOG_RECORD = "fleetline.observability.LogRecord"
+NODE_COMMAND = "fleetline.commands.NodeCommand"
+COMMAND_RESULT = "fleetline.commands.CommandResult"
 
 
 def check_telemetry(record: Mapping[str, Any]) -> None:

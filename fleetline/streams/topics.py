@@ -4,6 +4,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fleetline.streams.events import (
+    ALLOCATION,
+    AUDIT_EVENT,
+    AUDIT_RECORD,
+    CLUSTER_HEALTH,
+    CLUSTER_INFO,
+    CLUSTER_SIGNAL,
+    COMMAND_RESULT,
+    DATASET_PREWARM,
+    DATASET_STATE,
+    LOG_RECORD,
+    NODE_COMMAND,
+    NODE_STATE,
+    NODE_TELEMETRY,
+    SCHEDULER_REQUEST,
+    SCHEDULING_DECISION,
+    WORKLOAD_EVENT,
+    WORKLOAD_ORDER,
+)
+
 DAY_MS = 24 * 3600 * 1000
 # The topics the resource view folds are stamped by the broker when it appends, so a message's
 # timestamp says when the system saw it and `replay --at` can find that moment in the log.
@@ -16,6 +36,8 @@ class TopicSpec:
     partitions: int
     config: dict[str, str] = field(default_factory=dict)
     doc: str = ""
+    record: str | None = None  # the Avro record every message holds (None: not Avro)
+    key: str = ""  # what the message key is
 
 
 @dataclass(frozen=True)
@@ -128,6 +150,8 @@ class Topics:
                     **LOG_APPEND_TIME,
                 },
                 "NodeTelemetry, one record per node per interval, keyed by node id",
+                record=NODE_TELEMETRY,
+                key="node id",
             ),
             TopicSpec(
                 self.node_state,
@@ -138,36 +162,48 @@ class Topics:
                     **LOG_APPEND_TIME,
                 },
                 "NodeState, keyed by node id; compacted to the latest state of each node",
+                record=NODE_STATE,
+                key="node id",
             ),
             TopicSpec(
                 self.commands,
                 self.node_partitions,
                 {"cleanup.policy": "delete", "retention.ms": str(7 * DAY_MS)},
                 "NodeCommand, keyed by node id; each agent reads its nodes' partitions",
+                record=NODE_COMMAND,
+                key="node id",
             ),
             TopicSpec(
                 self.command_results,
                 self.node_partitions,
                 {"cleanup.policy": "delete", "retention.ms": str(30 * DAY_MS)},
                 "CommandResult, the agents' acknowledgements, keyed by node id",
+                record=COMMAND_RESULT,
+                key="node id",
             ),
             TopicSpec(
                 self.clusters,
                 1,
                 {"cleanup.policy": "compact", **LOG_APPEND_TIME},
                 "ClusterInfo, keyed by cluster id; compacted to each cluster's latest facts",
+                record=CLUSTER_INFO,
+                key="cluster id",
             ),
             TopicSpec(
                 self.datasets,
                 1,
                 {"cleanup.policy": "compact", **LOG_APPEND_TIME},
                 "DatasetState, keyed by dataset id; compacted to each dataset's replicas",
+                record=DATASET_STATE,
+                key="dataset id",
             ),
             TopicSpec(
                 self.allocations,
                 1,
                 {"cleanup.policy": "delete", "retention.ms": "-1", **LOG_APPEND_TIME},
                 "Allocation, keyed by job id; kept forever so replay sees every binding",
+                record=ALLOCATION,
+                key="job id (tenant/name)",
             ),
             TopicSpec(
                 self.scheduler_requests,
@@ -175,18 +211,25 @@ class Topics:
                 {"cleanup.policy": "delete", "retention.ms": "-1"},
                 "SchedulerRequest: desired state, reports and ticks, in one total order; "
                 "kept forever, it is what a replay of the decisions folds",
+                record=SCHEDULER_REQUEST,
+                key="job key (tenant/name), dataset:<name>, <dataset>@<cluster>, a tenant, "
+                "or - for POLICY and TICK",
             ),
             TopicSpec(
                 self.decisions,
                 1,
                 {"cleanup.policy": "delete", "retention.ms": "-1"},
                 "SchedulingDecision, keyed by job: every decision with its reasons",
+                record=SCHEDULING_DECISION,
+                key="job key (tenant/name)",
             ),
             TopicSpec(
                 self.prewarms,
                 1,
                 {"cleanup.policy": "delete", "retention.ms": str(30 * DAY_MS)},
                 "DatasetPrewarm orders for the data movers, keyed by dataset@cluster",
+                record=DATASET_PREWARM,
+                key="<dataset>@<cluster>",
             ),
             TopicSpec(
                 self.orders,
@@ -194,6 +237,8 @@ class Topics:
                 {"cleanup.policy": "compact", "min.compaction.lag.ms": str(3600 * 1000)},
                 "WorkloadOrder, keyed by job; compacted to each job's latest order, which is the "
                 "desired state the cluster agents reconcile",
+                record=WORKLOAD_ORDER,
+                key="job key (tenant/name)",
             ),
             TopicSpec(
                 self.workloads,
@@ -201,6 +246,8 @@ class Topics:
                 {"cleanup.policy": "delete", "retention.ms": str(30 * DAY_MS)},
                 "WorkloadEvent from the cluster agents (transitions, steps, checkpoints), "
                 "keyed by job",
+                record=WORKLOAD_EVENT,
+                key="job key (tenant/name)",
             ),
             TopicSpec(
                 self.cluster_signals,
@@ -208,6 +255,8 @@ class Topics:
                 {"cleanup.policy": "delete", "retention.ms": str(7 * DAY_MS)},
                 "ClusterSignal: cluster heartbeats, the control plane's clock ticks and cluster "
                 "cordons, in one total order for the health fold",
+                record=CLUSTER_SIGNAL,
+                key="cluster id",
             ),
             TopicSpec(
                 self.emergency,
@@ -215,30 +264,39 @@ class Topics:
                 {"cleanup.policy": "delete", "retention.ms": "-1", **LOG_APPEND_TIME},
                 "ClusterHealth: cluster health changes, cluster down, partitions and fences, "
                 "keyed by cluster; read by the view and every cluster agent",
+                record=CLUSTER_HEALTH,
+                key="cluster id",
             ),
             TopicSpec(
                 self.audit_requests,
                 self.audit_partitions,
                 {"cleanup.policy": "delete", "retention.ms": str(30 * DAY_MS)},
                 "AuditEvent as emitted by the API, CLI and processors, keyed by tenant",
+                record=AUDIT_EVENT,
+                key="tenant (_fleet for fleet-wide events)",
             ),
             TopicSpec(
                 self.audit_log,
                 self.audit_partitions,
                 {"cleanup.policy": "delete", "retention.ms": "-1", "retention.bytes": "-1"},
                 "AuditRecord: one hash chain per partition; never compacted or expired",
+                record=AUDIT_RECORD,
+                key="tenant (_fleet for fleet-wide events)",
             ),
             TopicSpec(
                 self.logs,
                 1,
                 {"cleanup.policy": "delete", "retention.ms": str(7 * DAY_MS)},
                 "LogRecord: structured log lines of every fleetline process, keyed by process",
+                record=LOG_RECORD,
+                key="process",
             ),
             TopicSpec(
                 self.dead_letter,
                 1,
                 {"cleanup.policy": "delete", "retention.ms": str(30 * DAY_MS)},
                 "messages no processor could handle: original bytes, reason in headers",
+                key="the original message's key",
             ),
         ]
 

@@ -13,6 +13,7 @@ from fleetline.api.app import create_app
 from fleetline.api.auth import AuthConfig, Authenticator, token_digest
 from fleetline.observability import logs, metrics, tracing
 from fleetline.processors.view.read import StaticView
+from fleetline.processors.view.runtime import dcgm_readings
 from tests.fleet_events import fold, scenario_events
 from tests.support import Recorder
 from tests.unit.test_api import SchedulerPort
@@ -88,7 +89,7 @@ def _metrics(client: TestClient) -> dict[str, list]:
 def test_metrics_are_prometheus_text_with_dcgm_gauges_equal_to_the_view():
     view = fold(scenario_events(seconds=5))
     source = StaticView(view)
-    metrics.register_collector("dcgm", metrics.DcgmCollector(metrics.view_readings(source)))
+    metrics.register_collector("dcgm", metrics.DcgmCollector(dcgm_readings(source)))
     app = create_app(source, _auth(), Recorder())
     anonymous = TestClient(app).get("/metrics")
     assert anonymous.status_code == 401  # the API's auth, like every route

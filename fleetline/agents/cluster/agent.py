@@ -292,6 +292,14 @@ class ClusterAgent:
         )
         with self.lock:
             self.running.setdefault(order.job, []).append(workload)
+        self._event(
+            order,
+            "STARTING",
+            pid=workload.pid,
+            seconds=round(time.perf_counter() - began, 4),
+            detail=f"{' '.join(command)}; {isolation}"
+            + (f"; resumes from {restored}" if restored else ""),
+        )
         log.info(
             "%s: started %s epoch %d attempt %d as pid %d (%s)",
             self.cluster_id,
@@ -301,14 +309,6 @@ class ClusterAgent:
             workload.pid,
             isolation,
             extra={"trace_id": order.trace_id},
-        )
-        self._event(
-            order,
-            "STARTING",
-            pid=workload.pid,
-            seconds=round(time.perf_counter() - began, 4),
-            detail=f"{' '.join(command)}; {isolation}"
-            + (f"; resumes from {restored}" if restored else ""),
         )
         self.producer.poll(0)
 

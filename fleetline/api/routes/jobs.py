@@ -12,7 +12,6 @@ from fleetline.api import models
 from fleetline.api.ports import Ports
 from fleetline.api.rbac import Principal, Rule
 from fleetline.api.routing import Routes
-from fleetline.processors.scheduling.state import Job
 from fleetline.observability.tracing import TraceContext
 from fleetline.processors.scheduling.codec import (
     canonical_json,
@@ -21,6 +20,7 @@ from fleetline.processors.scheduling.codec import (
     submit_request,
 )
 from fleetline.processors.scheduling.specs import SpecError, parse_specs
+from fleetline.processors.scheduling.state import Job
 from fleetline.processors.scheduling.tenancy import TenantPolicy, TenantTerms
 
 

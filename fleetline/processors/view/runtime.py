@@ -14,16 +14,18 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from confluent_kafka import OFFSET_BEGINNING, Message, TopicPartition
 
 from fleetline.config import KafkaSettings
+from fleetline.observability import metrics
 from fleetline.processors.view.fold import compose
 from fleetline.processors.view.folder import PartFolder
-from fleetline.processors.view.model import HealthPolicy, ResourceView
+from fleetline.processors.view.model import GPU_FIELDS, HealthPolicy, ResourceView
+from fleetline.processors.view.read import ViewSource, latest_samples
 from fleetline.processors.view.snapshots import ViewSnapshots
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.loop import Step, StepResult, StreamLoop, deliver
@@ -206,3 +208,15 @@ def declare_clusters(
     ]
     producer = kafka_clients.producer(kafka, {"linger.ms": 0})
     return deliver(producer, outputs, f"the clusters topic {topics.clusters}")
+
+
+def dcgm_readings(source: ViewSource) -> Callable[[], Iterator[metrics.GpuReading]]:
+    """The view's GPUs as DCGM exporter series: each GPU's latest sample, read at scrape time
+    (references under the view's lock, the series built after it is let go)."""
+
+    def readings() -> Iterator[metrics.GpuReading]:
+        for node_id, cluster, region, sample in source.read(latest_samples):
+            fields = dict(zip(GPU_FIELDS, sample, strict=True))
+            yield metrics.gpu_reading(node_id, cluster, region, fields)
+
+    return readings
