@@ -5,6 +5,11 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: run test test-unit lint bench services-start services-stop clean
+# The browser tests drive Debian's Chromium (Playwright's own browser download is not used).
+CHROMIUM := /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# The AsyncAPI CLI that validates contract/asyncapi.yaml (npm, pinned by package-lock.json).
+CONTRACT_TOOLS := contract/node_modules/.installed
 
 # The native decoder (fleetline/streams/_avrocols.c) is built by the install, so a change rebuilds it.
 $(STAMP): pyproject.toml fleetline/streams/_avrocols.c
@@ -17,16 +22,28 @@ $(STAMP): pyproject.toml fleetline/streams/_avrocols.c
 run: $(STAMP)
 	$(VENV)/bin/fleetline run
 
-# Starts (and afterwards stops) the services the tests need, from tests/conftest.py.
-test: $(STAMP)
+$(CHROMIUM):
+	$(SUDO) apt-get update -qq
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+
+$(CONTRACT_TOOLS): contract/package.json contract/package-lock.json
+	cd contract && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+# Starts (and afterwards stops) the services the tests need, from tests/conftest.py; the
+# browser tests start Chromium headless; the contract test builds the Go consumer.
+test: $(STAMP) $(CHROMIUM)
 	$(PY) -m pytest
 
-# Style, formatting, types (strict in processors/) and the layering contracts (pyproject.toml).
-lint: $(STAMP)
+# Style, formatting, types (strict in processors/), the layering contracts (pyproject.toml),
+# and the topics' AsyncAPI document: current with the code, and valid.
+lint: $(STAMP) $(CONTRACT_TOOLS)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/fleetline contract asyncapi --check
+	cd contract && SUPPRESS_NO_CONFIG_WARNING=1 npx --no-install asyncapi validate asyncapi.yaml --fail-severity=warn
 
 # The pure tests alone: no services, seconds.
 test-unit: $(STAMP)
@@ -48,4 +65,4 @@ services-stop: $(STAMP)
 
 clean:
 	-$(VENV)/bin/fleetline infra wipe
-	rm -rf $(VENV) .data
+	rm -rf $(VENV) .data contract/node_modules

@@ -14,7 +14,19 @@ from typing import Annotated
 
 import typer
 
-from fleetline.cli import agents, audit, cluster, data, infra, jobs, run, serve, specs, view
+from fleetline.cli import (
+    agents,
+    audit,
+    cluster,
+    contract,
+    data,
+    infra,
+    jobs,
+    run,
+    serve,
+    specs,
+    view,
+)
 from fleetline.errors import EXIT_UNAVAILABLE, FleetlineError, ServiceUnavailable
 
 
@@ -32,7 +44,7 @@ app = typer.Typer(
     help="Event-sourced control plane for multi-cluster GPU fleets. Settings come from "
     "FLEETLINE_* environment variables (see README).",
 )
-_GROUPS = (infra, run, agents, cluster, serve, audit, data, specs, jobs, view)
+_GROUPS = (infra, run, agents, cluster, serve, audit, data, specs, jobs, view, contract)
 
 
 @app.callback()
