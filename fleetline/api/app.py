@@ -55,11 +55,11 @@ def _audit_middleware(
         request: Request, call_next: Callable[[Request], Awaitable[Response]]
     ) -> Response:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        # The request enters here: continue the caller's trace or start one.
-        trace = tracing.start(request.headers.get(tracing.HEADER))
-        request.state.trace = trace
         started = time.perf_counter()
-        with tracing.span(f"{request.method} {request.url.path}", trace):
+        # The request enters here: a span in the caller's trace, or the root of a new one.
+        name = f"{request.method} {request.url.path}"
+        with tracing.entered(name, request.headers.get(tracing.HEADER)) as trace:
+            request.state.trace = trace
             response = await call_next(request)
         response.headers["X-Request-ID"] = request_id
         response.headers[tracing.HEADER] = trace.traceparent

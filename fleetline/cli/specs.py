@@ -16,6 +16,7 @@ import yaml
 from fleetline.cli.common import Actor, TopicPrefix, exit_with, fail_fields, now_ms, settings
 from fleetline.config import Settings
 from fleetline.errors import ConfigError, FleetlineError
+from fleetline.observability.tracing import TraceContext
 from fleetline.streams.topics import Topics
 
 SpecFile = Annotated[str, typer.Option("-f", "--file", help="a spec file, or - for stdin")]
@@ -138,8 +139,6 @@ def apply(
     scheduler runs in `fleetline serve`). Cluster documents declare a cluster's region, prices,
     PUE and latencies on the clusters topic, which the view folds and the scheduler scores."""
     from fleetline.observability import tracing
-    from fleetline.processors.scheduling.codec import datasets_first, submit_request
-    from fleetline.processors.scheduling.runtime import submit
     from fleetline.processors.scheduling.specs import Cluster
     from fleetline.processors.view.runtime import declare_clusters
 
@@ -158,7 +157,27 @@ def apply(
     jobs = [(s, d) for s, d in zip(specs, docs, strict=True) if not isinstance(s, Cluster)]
     if not jobs:
         return
-    trace, entered_ms = tracing.start(traceparent), now_ms()
+    try:
+        with tracing.entered("fleetline apply", traceparent) as trace:
+            _submit_jobs(config, topics, jobs, actor, trace, wait)
+    finally:
+        tracing.flush_spans()
+
+
+def _submit_jobs(
+    config: Settings,
+    topics: Topics,
+    jobs: list[tuple[Any, Any]],
+    actor: str,
+    trace: TraceContext,
+    wait: float | None,
+) -> None:
+    """Append the job and dataset specs under one trace, audit them, and (with `wait`) print
+    each one's decision."""
+    from fleetline.processors.scheduling.codec import datasets_first, submit_request
+    from fleetline.processors.scheduling.runtime import submit
+
+    entered_ms = now_ms()
     requests = [
         submit_request(spec, doc, entered_ms, uuid.uuid4().hex, actor, trace.traceparent)
         for spec, doc in datasets_first([s for s, _ in jobs], [d for _, d in jobs])

@@ -91,6 +91,31 @@ def from_headers(
     return None
 
 
+_TRACE_HEX = re.compile(rb"[0-9a-f]{32}")
+
+
+def trace_id_in(
+    headers: Sequence[tuple[str, str | bytes | None]] | Mapping[str, str | bytes | None] | None,
+) -> str:
+    """Only the trace id of a message's `traceparent` header ('' if none): what a sink stores
+    beside each row, read without building a context (a sink's hot path)."""
+    items = headers.items() if isinstance(headers, Mapping) else headers or ()
+    for name, value in items:
+        if name != HEADER:
+            continue
+        if (
+            isinstance(value, bytes)
+            and len(value) == 55
+            and value[:3] == b"00-"
+            and _TRACE_HEX.fullmatch(value, 3, 35)
+            and value[3:35] != b"0" * 32
+        ):
+            return value[3:35].decode()
+        context = parse(value)  # another version or spelling: the full parse
+        return context.trace_id if context else ""
+    return ""
+
+
 def header(context: TraceContext | None) -> HeaderList:
     """The Kafka header carrying `context` (none for no context)."""
     return [] if context is None else [(HEADER, context.traceparent.encode())]
@@ -145,6 +170,37 @@ def span(
         attributes=dict(attributes or {}),
     ):
         yield
+
+
+@contextmanager
+def entered(
+    name: str, incoming: str | None, attributes: Mapping[str, Any] | None = None
+) -> Iterator[TraceContext]:
+    """Where a request enters: the context of its span, a child of the caller's `incoming`
+    traceparent or the root of a new trace. With an OTLP endpoint configured the span is
+    exported and the context carries its ids, so what follows hangs under it."""
+    parent = parse(incoming)
+    tracer = _otel_tracer()
+    if tracer is None:
+        yield start(incoming)
+        return
+    from opentelemetry import trace as otel
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+    context = None
+    if parent is not None:
+        remote = SpanContext(
+            int(parent.trace_id, 16),
+            int(parent.span_id, 16),
+            is_remote=True,
+            trace_flags=TraceFlags(0x01 if parent.sampled else 0x00),
+        )
+        context = otel.set_span_in_context(NonRecordingSpan(remote))
+    with tracer.start_as_current_span(
+        name, context=context, attributes=dict(attributes or {})
+    ) as current:
+        ids = current.get_span_context()
+        yield TraceContext(f"{ids.trace_id:032x}", f"{ids.span_id:016x}", ids.trace_flags.sampled)
 
 
 def flush_spans(timeout_s: float = 5.0) -> None:

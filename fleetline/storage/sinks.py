@@ -114,10 +114,8 @@ class RecordSink(Step[list[Sourced]]):
                 result.dead_letters.append((msg, exc))
                 continue
             topic, partition, offset = where(msg)
-            trace = tracing.from_headers(msg.headers())
-            result.payload.append(
-                Sourced(partition, offset, record, topic, trace.trace_id if trace else "")
-            )
+            trace_id = tracing.trace_id_in(msg.headers())
+            result.payload.append(Sourced(partition, offset, record, topic, trace_id))
         self.stats.dead_letters += len(result.dead_letters)
         return result
 

@@ -184,3 +184,13 @@ def test_json_log_lines_carry_the_trace_id_and_their_fields():
     assert line["trace_id"] == "4bf92f3577b34da6a3ce929d0e0e4736"
     assert line["process"] == "serve/0" and line["job"] == "acme/t"
     assert json.loads(formatter.format(record))["trace_id"] == ""
+
+
+def test_a_sink_reads_the_trace_id_of_any_valid_traceparent_and_nothing_else():
+    context = tracing.start()
+    assert tracing.trace_id_in(tracing.header(context)) == context.trace_id
+    upper = [("traceparent", context.traceparent.upper().replace("00-", "00-", 1).encode())]
+    assert tracing.trace_id_in(upper) == context.trace_id  # the full parse takes it
+    for bad in (b"00-" + b"0" * 32 + b"-00f067aa0ba902b7-01", b"garbage", None):
+        assert tracing.trace_id_in([("traceparent", bad)]) == ""
+    assert tracing.trace_id_in([("other", b"x")]) == "" and tracing.trace_id_in(None) == ""

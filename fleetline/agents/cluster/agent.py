@@ -259,6 +259,12 @@ class ClusterAgent:
                 )
 
     def _start(self, order: Order) -> None:
+        parent = tracing.of_trace(order.trace_id, f"order/{order.epoch}/{order.attempt}")
+        attributes = {"job": order.job, "cluster": self.cluster_id, "epoch": order.epoch}
+        with tracing.span("cluster-agent start workload", parent, attributes):
+            self._launch(order)
+
+    def _launch(self, order: Order) -> None:
         spec = order.spec or {}
         body = spec.get("spec", {})
         workload_spec = body.get("workload") or {}
