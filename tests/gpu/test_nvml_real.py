@@ -92,3 +92,71 @@ def test_a_real_record_encodes(nvml) -> None:
     }
     codec = default_codec()
     assert len(codec.decode(codec.encode("NodeTelemetry", record)).record["gpus"]) == nvml.gpu_count
+
+
+def test_dcgm_named_gauges_equal_the_collector_s_readings(nvml) -> None:
+    """What an agent's /metrics shows under the DCGM exporter's names is what NVML read."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from fleetline.observability import metrics
+
+    record = {
+        "node_id": "this-node",
+        "cluster_id": "gpu-check",
+        "region": "local",
+        "gpus": nvml.sample(),
+    }
+    registry = CollectorRegistry()
+    collector = metrics.DcgmCollector(metrics.telemetry_readings(lambda: [record]))
+    metrics.register_collector("gpu-check", collector, registry)
+    text = metrics.exposition(registry)[0].decode()
+    families = {f.name: f.samples for f in text_string_to_metric_families(text)}
+    for name, field in (
+        ("DCGM_FI_DEV_GPU_UTIL", "gpu_util_pct"),
+        ("DCGM_FI_DEV_FB_USED", "fb_used_mib"),
+        ("DCGM_FI_DEV_POWER_USAGE", "power_w"),
+        ("DCGM_FI_DEV_GPU_TEMP", "temperature_c"),
+    ):
+        shown = {int(s.labels["gpu"]): s.value for s in families[name]}
+        assert shown == {g["gpu_index"]: float(g[field]) for g in record["gpus"]}, name
+    uuids = {s.labels["UUID"] for s in families["DCGM_FI_DEV_GPU_UTIL"]}
+    assert uuids == {g["gpu_uuid"] for g in record["gpus"]}
+    print("\n".join(line for line in text.splitlines() if line.startswith("DCGM_FI_DEV_")))
+
+
+def test_readings_follow_a_real_load(nvml) -> None:
+    """Under a matrix-multiply load (PyTorch, where installed) NVML's utilisation and power
+    rise, and the DCGM-named gauge follows them."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch sees no CUDA device")
+    import threading
+
+    idle = nvml.sample()[0]
+    stop = threading.Event()
+
+    def load() -> None:
+        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        while not stop.is_set():
+            for _ in range(20):
+                a = (a @ a).clamp_(-1, 1)
+            torch.cuda.synchronize()
+
+    worker = threading.Thread(target=load, daemon=True)
+    worker.start()
+    try:
+        time.sleep(3.0)
+        busy = [nvml.sample()[0] for _ in range(3) if not time.sleep(1.0)]
+    finally:
+        stop.set()
+        worker.join(30)
+    print(
+        f"idle: util {idle['gpu_util_pct']}% {idle['power_w']} W; busy: "
+        + ", ".join(
+            f"util {b['gpu_util_pct']}% {b['power_w']} W fb {b['fb_used_mib']} MiB" for b in busy
+        )
+    )
+    assert max(b["gpu_util_pct"] for b in busy) >= 50
+    assert max(b["power_w"] for b in busy) > idle["power_w"] + 20
+    assert max(b["fb_used_mib"] for b in busy) > idle["fb_used_mib"]
