@@ -56,6 +56,9 @@ bench: $(STAMP)
 	$(PY) benchmarks/audit.py
 	$(PY) benchmarks/tiers.py
 	$(PY) benchmarks/scheduler.py
+	$(PY) benchmarks/cluster_control.py
+	$(PY) benchmarks/console.py
+	$(PY) benchmarks/observability.py
 
 services-start: $(STAMP)
 	$(VENV)/bin/fleetline infra start

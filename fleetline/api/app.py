@@ -55,7 +55,7 @@ def _audit_middleware(
         request: Request, call_next: Callable[[Request], Awaitable[Response]]
     ) -> Response:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        started = time.perf_counter()
+        started, entered_ms = time.perf_counter(), clock()
         # The request enters here: a span in the caller's trace, or the root of a new one.
         name = f"{request.method} {request.url.path}"
         with tracing.entered(name, request.headers.get(tracing.HEADER)) as trace:
@@ -90,7 +90,7 @@ def _audit_middleware(
             details["reason"] = refusal
         audit.emit(
             new_event(
-                ts=clock(),
+                ts=entered_ms,  # when the call came in: it heads its trace
                 actor=principal.subject if principal else "anonymous",
                 actor_role=principal.role if principal else "none",
                 tenant=(

@@ -61,6 +61,15 @@ class Console:
         self.stack = stack
         self.url = url
 
+    def post(self, who: str, path: str, body: Any) -> Any:
+        request = Request(
+            f"{self.url}{path}",
+            data=json.dumps(body).encode(),
+            headers={"Authorization": f"Bearer {token(who)}", "Content-Type": "application/json"},
+        )
+        with urlopen(request, timeout=30) as response:
+            return json.loads(response.read())
+
     def api(self, who: str, path: str) -> Any:
         request = Request(f"{self.url}{path}", headers={"Authorization": f"Bearer {token(who)}"})
         with urlopen(request, timeout=30) as response:
@@ -107,11 +116,13 @@ def console(services: Settings) -> Iterator[Console]:
         serving = threading.Thread(target=server.run, daemon=True)
         serving.start()
         wait_until(lambda: server.started, 30, "the API to listen")
+        console = Console(stack, f"http://127.0.0.1:{port}")
+        # acme's job enters through the API, as a user's would: its trace starts there.
+        console.post("acme", "/v1/jobs", training("train", "acme", 4000))
         submit(
             stack.settings.kafka,
             stack.topics,
             submits(
-                training("train", "acme", 4000),
                 training("secret", "globex", 4000),
                 {
                     "kind": "InferenceService",
@@ -129,7 +140,7 @@ def console(services: Settings) -> Iterator[Console]:
         )
         RESULTS.mkdir(parents=True, exist_ok=True)
         try:
-            yield Console(stack, f"http://127.0.0.1:{port}")
+            yield console
         finally:
             server.should_exit = True
             serving.join(15)
@@ -257,6 +268,7 @@ def test_a_fault_in_the_simulator_shows_on_the_open_page_within_seconds(console,
     # Updated in place, by the event stream: the document was never reloaded.
     assert session.page.evaluate("window.__sameDocument") is True
     assert shown_after_s < 10, shown_after_s
+    print(f"the XID showed on the open page {shown_after_s:.1f} s after it was injected")
     assert session.errors == []
 
 
@@ -276,6 +288,12 @@ def test_a_job_page_draws_the_loss_curve_and_the_checkpoints(console, signed_in)
     assert progress["rows"]
     job = console.api("acme", "/v1/jobs/acme/train")
     assert session.text("actual") == job["actual"]["state"]
+    # The trace starts where the job entered, the API, and reaches the cluster agent.
+    assert session.text("trace-id") == job["trace_id"]
+    trace = session.text("trace")
+    hops = ("api.POST /v1/jobs", "decision PLACED", "STARTING", "RUNNING")
+    at = [trace.find(hop) for hop in hops]
+    assert -1 not in at and at == sorted(at), trace
     assert session.errors == []
 
 
