@@ -97,9 +97,9 @@ async function fleetPage() {
   const shown = sick.slice(0, 200);
   return `
     <h1>Fleet <span class="dim" ${tid("view-version")}>view ${esc(clusters.view_version)}</span></h1>
-    <div class="card"><dl class="kv">${fields
-      .map((f) => `<dt>${f}</dt><dd ${tid("fleet-total", f)}>${totals[f]}</dd>`)
-      .join("")}</dl></div>
+    <div class="totals">${fields
+      .map((f) => `<div class="stat"><b ${tid("fleet-total", f)}>${totals[f]}</b><span>${f === "gpus" ? "GPUs" : f}</span></div>`)
+      .join("")}</div>
     ${Object.entries(regions)
       .sort()
       .map(
