@@ -38,24 +38,38 @@ def local_services(settings: Settings) -> Iterator[None]:
             services.stop()
 
 
-@contextlib.contextmanager
-def running_sample_sink(
-    settings: Settings, store: HotSampleStore, topics: Topics, max_messages: int
-) -> Iterator[HotSampleSink]:
-    """The hot sample sink as `fleetline serve` runs it (decoding a batch while the previous
-    one is inserted), in a thread from its partitions' assignment until the block ends; the
-    group join is start-up, not throughput, so it is waited for before yielding."""
-    step = HotSampleSink(default_codec(), store, topics.telemetry)
-    sink = StreamLoop(
+def sample_sink_loop(
+    settings: Settings,
+    store: HotSampleStore,
+    topics: Topics,
+    max_messages: int,
+    group: str | None = None,
+    metrics: bool = True,
+) -> StreamLoop:
+    """The hot sample sink's loop as `fleetline serve` runs it (decoding a batch while the
+    previous one is inserted)."""
+    return StreamLoop(
         settings.kafka,
-        f"{topics.prefix}.sink",
+        group or f"{topics.prefix}.sink",
         [topics.telemetry],
-        step,
+        HotSampleSink(default_codec(), store, topics.telemetry),
         topics.dead_letter,
         max_messages=max_messages,
         max_wait_s=1.0,
         overlap=True,
+        metrics=metrics,
     )
+
+
+@contextlib.contextmanager
+def running_sample_sink(
+    settings: Settings, store: HotSampleStore, topics: Topics, max_messages: int
+) -> Iterator[HotSampleSink]:
+    """The hot sample sink in a thread from its partitions' assignment until the block ends;
+    the group join is start-up, not throughput, so it is waited for before yielding."""
+    sink = sample_sink_loop(settings, store, topics, max_messages)
+    step = sink.step
+    assert isinstance(step, HotSampleSink)
     stop = threading.Event()
     thread = threading.Thread(target=sink.run, args=(stop,), daemon=True)
     thread.start()

@@ -24,7 +24,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from _common import local_services, report
+from _common import local_services, report, sample_sink_loop
 from view import produce
 
 from fleetline.config import KafkaSettings, Settings
@@ -98,20 +98,11 @@ def fold_s(settings: Settings, topics: Topics, events: int, metrics_on: bool) ->
 
 
 def sink_s(settings: Settings, topics: Topics, rows: int, metrics_on: bool, db: str) -> float:
-    client = connect(settings.clickhouse_url)
-    store = HotSampleStore(client, db)
-    step = HotSampleSink(default_codec(), store, topics.telemetry)
-    loop = StreamLoop(
-        settings.kafka,
-        f"{topics.prefix}.sink.{uuid.uuid4().hex[:6]}",
-        [topics.telemetry],
-        step,
-        topics.dead_letter,
-        max_messages=50_000,
-        max_wait_s=1.0,
-        overlap=True,
-        metrics=metrics_on,
-    )
+    group = f"{topics.prefix}.sink.{uuid.uuid4().hex[:6]}"
+    store = HotSampleStore(connect(settings.clickhouse_url), db)
+    loop = sample_sink_loop(settings, store, topics, 50_000, group, metrics_on)
+    step = loop.step
+    assert isinstance(step, HotSampleSink)
     took = run_until(loop, lambda: step.stats.rows >= rows, "sample sink")
     BATCHES["sink"] = loop.stats.batches
     return took

@@ -13,6 +13,8 @@ from fleetline.api.routing import Routes
 from fleetline.storage.queries import READY, logs_sql, progress_sql, trace_sql
 
 LEVELS = "(?i)^(debug|info|warning|error|critical)$"
+Since = Annotated[str, Query(alias="from", description="-<n>s|m|h|d, epoch ms or ISO 8601")]
+Until = Annotated[str | None, Query(alias="to")]
 
 
 def register(route: Routes, ports: Ports) -> None:
@@ -35,8 +37,8 @@ def register(route: Routes, ports: Ports) -> None:
     )
     def run_ready_query(
         name: str,
-        since: Annotated[str, Query(alias="from")] = "-1h",
-        until: Annotated[str | None, Query(alias="to")] = None,
+        since: Since = "-1h",
+        until: Until = None,
     ) -> dict[str, Any]:
         if name not in READY:
             raise HTTPException(404, f"no ready query {name!r}; known: {sorted(READY)}")
@@ -84,8 +86,8 @@ def register(route: Routes, ports: Ports) -> None:
         summary="Log lines of every fleetline process (newest first): platform admins only",
     )
     def search_logs(
-        since: Annotated[str, Query(alias="from")] = "-1h",
-        until: Annotated[str | None, Query(alias="to")] = None,
+        since: Since = "-1h",
+        until: Until = None,
         q: str | None = None,
         level: Annotated[str | None, Query(pattern=LEVELS)] = None,
         process: str | None = None,
