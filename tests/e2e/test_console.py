@@ -320,3 +320,56 @@ def test_a_tenant_s_user_sees_only_the_tenant_s_jobs(console, signed_in):
     assert session.page.locator("nav a[data-page='logs']").is_hidden()
     # The 403 was logged by the browser as a failed resource load; nothing else was.
     assert all("403" in e for e in session.errors), session.errors
+
+
+def test_serve_s_metrics_have_the_loops_series_and_dcgm_gauges_equal_to_the_view(console):
+    """`/metrics` of the running services: valid Prometheus text with the stream loops'
+    series, the scheduler's and the API's, and GPU gauges under DCGM names that equal the
+    view's readings of the same moment."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def power(view) -> dict:
+        return {
+            (node.node_id, i): gpu.readings()["power_w"]
+            for node in view.nodes.values()
+            for i, gpu in node.gpus.items()
+        }
+
+    wait_until(lambda: console.stack.job("acme/train") is not None, 30, "a decision")
+    auth = {"Authorization": f"Bearer {token('admin')}"}
+    before = console.stack.fleet.view.read(power)
+    with urlopen(Request(f"{console.url}/metrics", headers=auth), timeout=30) as response:
+        text = response.read().decode()
+    after = console.stack.fleet.view.read(power)
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    prefix = console.stack.topics.prefix
+    messages = {
+        s.labels["loop"]: s.value
+        for s in families["fleetline_stream_messages"].samples
+        if s.name.endswith("_total")
+    }
+    assert messages[f"{prefix}.resource-view"] > 0
+    assert messages[f"{prefix}.hot-sink"] > 0
+    rows = {s.labels["sink"] for s in families["fleetline_sink_rows"].samples}
+    assert {"gpu_samples", "DecisionTable", "WorkloadEventTable"} <= rows
+    assert any(s.value >= 1 for s in families["fleetline_scheduler_decisions"].samples)
+    assert families["fleetline_scheduler_decision_seconds"].samples
+    assert families["fleetline_api_requests"].samples
+
+    # Consumer lag comes from librdkafka's statistics, every 5 s, for each loop's group.
+    def lag_groups() -> set[str]:
+        with urlopen(Request(f"{console.url}/metrics", headers=auth), timeout=30) as response:
+            scraped = text_string_to_metric_families(response.read().decode())
+        lag = next(f for f in scraped if f.name == "fleetline_consumer_lag")
+        return {s.labels["group"] for s in lag.samples}
+
+    groups = {f"{prefix}.hot-sink", f"{prefix}.resource-view", f"{prefix}.decisions-sink"}
+    wait_until(lambda: groups <= lag_groups(), 30, "every loop's consumer lag", every_s=1)
+    # The GPU gauges are the view's at scrape time: each equals the reading just before the
+    # scrape or the one just after (a sample may land in between).
+    shown = {
+        (s.labels["Hostname"], int(s.labels["gpu"])): s.value
+        for s in families["DCGM_FI_DEV_POWER_USAGE"].samples
+    }
+    assert set(shown) == set(before) and len(shown) == 16
+    assert all(shown[k] in (before[k], after[k]) for k in shown), (shown, before, after)

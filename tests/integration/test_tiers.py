@@ -311,7 +311,7 @@ def allocate(clickhouse, db: str, rows: list[tuple[int, str, str, int, str]]) ->
     clickhouse.insert(
         f"{db}.gpu_allocations",
         [
-            [ts, f"job-{tenant}", tenant, "c1", node, gpu, kind, 0, i, 0, i, "allocations"]
+            [ts, f"job-{tenant}", tenant, "c1", node, gpu, kind, 0, i, 0, i, "allocations", ""]
             for i, (ts, tenant, node, gpu, kind) in enumerate(rows)
         ],
         column_names=list(AllocationTable.columns),
