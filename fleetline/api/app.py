@@ -37,7 +37,7 @@ from fleetline.errors import (
     QueryError,
     StorageError,
 )
-from fleetline.observability import metrics, tracing
+from fleetline.observability import logs, metrics, tracing
 from fleetline.processors.audit.runtime import AuditEmitter, new_event
 from fleetline.processors.view.read import ViewSource
 from fleetline.storage.audit_store import AuditTable
@@ -60,7 +60,8 @@ def _audit_middleware(
         name = f"{request.method} {request.url.path}"
         with tracing.entered(name, request.headers.get(tracing.HEADER)) as trace:
             request.state.trace = trace
-            response = await call_next(request)
+            with logs.traced(trace.trace_id):  # what the call logs carries its trace id
+                response = await call_next(request)
         response.headers["X-Request-ID"] = request_id
         response.headers[tracing.HEADER] = trace.traceparent
         matched = request.scope.get("route")

@@ -33,10 +33,6 @@ def traced(trace_id: str | None) -> Iterator[None]:
         _trace.reset(token)
 
 
-def current_trace() -> str:
-    return _trace.get()
-
-
 def _fields(record: logging.LogRecord) -> dict[str, str]:
     fields = {k: str(v) for k, v in vars(record).items() if k not in _STANDARD and k != "trace_id"}
     fields["thread"] = record.threadName or ""

@@ -80,17 +80,6 @@ def of_trace(trace_id: str, seed: str) -> TraceContext | None:
 HeaderList = list[tuple[str, str | bytes | None]]
 
 
-def from_headers(
-    headers: Sequence[tuple[str, str | bytes | None]] | Mapping[str, str | bytes | None] | None,
-) -> TraceContext | None:
-    """The trace context in a Kafka message's headers, if it has one."""
-    items = headers.items() if isinstance(headers, Mapping) else headers or ()
-    for name, value in items:
-        if name == HEADER:
-            return parse(value)
-    return None
-
-
 _TRACE_HEX = re.compile(rb"[0-9a-f]{32}")
 
 

@@ -39,8 +39,8 @@ def test_a_traceparent_is_parsed_continued_and_a_bad_one_replaced():
     assert parsed.child("decision/7.0") == parsed.child("decision/7.0")
     assert parsed.child("decision/7.0") != parsed.child("decision/7.1")
     header = tracing.header(parsed.child("x"))
-    assert tracing.from_headers(header) == parsed.child("x")
-    assert tracing.from_headers(None) is None and tracing.header(None) == []
+    assert tracing.trace_id_in(header) == parsed.trace_id
+    assert tracing.parse(header[0][1]) == parsed.child("x") and tracing.header(None) == []
 
 
 def _auth() -> Authenticator:
@@ -194,3 +194,25 @@ def test_a_sink_reads_the_trace_id_of_any_valid_traceparent_and_nothing_else():
     for bad in (b"00-" + b"0" * 32 + b"-00f067aa0ba902b7-01", b"garbage", None):
         assert tracing.trace_id_in([("traceparent", bad)]) == ""
     assert tracing.trace_id_in([("other", b"x")]) == "" and tracing.trace_id_in(None) == ""
+
+
+def test_what_an_api_call_logs_carries_the_call_s_trace_id():
+    lines: list[dict] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(json.loads(logs.JsonFormatter("serve/0").format(record)))
+
+    handler = Capture(logging.WARNING)
+    logging.getLogger("fleetline.api").addHandler(handler)
+    try:
+        client = TestClient(create_app(StaticView(fold([])), _auth(), Recorder()))
+        trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+        refused = client.get(
+            "/v1/clusters", headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}
+        )
+    finally:
+        logging.getLogger("fleetline.api").removeHandler(handler)
+    assert refused.status_code == 401
+    (line,) = [line for line in lines if line["message"].startswith("refused GET /v1/clusters")]
+    assert line["trace_id"] == trace_id
