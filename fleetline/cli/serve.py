@@ -17,8 +17,10 @@ from fleetline.streams.topics import Topics
 HELP = (
     "Folds the fleet's topics into the resource view, snapshots it to object storage, runs "
     "the scheduler over it (and the cluster health fold with its clock), sinks telemetry, "
-    "node states, decisions, allocations and the audit log to ClickHouse, tiers them, and "
-    "serves it all over HTTP (OpenAPI at /openapi.json). Start several with the same --group "
+    "node states, decisions, allocations, workload events, logs and the audit log to "
+    "ClickHouse, tiers them, and serves it all over HTTP: the API (OpenAPI at /openapi.json), "
+    "the operators' console at /ui and Prometheus metrics at /metrics. Start several with the "
+    "same --group "
     "and different --instance-id to share the view (and --no-scheduler on all but one)."
 )
 
