@@ -164,3 +164,9 @@ def print_cluster_story(console: Console, story: dict[str, Any]) -> None:
         "parameters "
         + ("bit-identical to an uninterrupted run" if story["identical"] else "DIFFERENT")
     )
+    trace = story.get("trace")
+    if trace:
+        say(
+            f"its trace {trace['trace_id']}: {trace['hops']} hops over {trace['span_s']:.1f}s "
+            f"across {', '.join(trace['clusters'])} (`fleetline trace {trace['trace_id']}`)"
+        )

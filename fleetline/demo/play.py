@@ -46,7 +46,7 @@ from fleetline.processors.scheduling.specs import parse_spec
 from fleetline.processors.scheduling.state import spec_key
 from fleetline.processors.view import read as view_read
 from fleetline.processors.view.runtime import declare_clusters
-from fleetline.storage.queries import ready_sql
+from fleetline.storage.queries import ready_sql, trace_sql
 from fleetline.storage.tiers import TieredStore
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import default_codec
@@ -324,6 +324,36 @@ def ready_queries(fleet: Fleetline, decisions: int, since_ms: int) -> dict[str, 
     return out
 
 
+def job_trace(fleet: Fleetline, key: str, clusters: int, timeout_s: float = 20.0) -> dict[str, Any]:
+    """The trace of a job's submission as ClickHouse holds it (what `fleetline trace` prints),
+    once its rows from `clusters` clusters have been sunk."""
+    from fleetline.processors.scheduling.state import Job
+    from fleetline.storage.objects import ObjectStore
+
+    job = _job(fleet, key)
+    assert job is not None
+    trace_id = Job.from_data(job).trace_id
+    settings = fleet.settings
+    store = TieredStore(
+        fleet.clickhouse,
+        settings.clickhouse_database,
+        ObjectStore.from_settings(settings.s3),
+        settings.s3,
+    )
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rows = [
+            list(r)
+            for r in fleet.clickhouse.query(store.tiered_sql(trace_sql(trace_id))).result_rows
+        ]
+        seen = sorted({r[2] for r in rows if r[2] and "," not in r[2]})
+        if len(seen) >= clusters or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    span_s = (rows[-1][0] - rows[0][0]) / 1000 if rows else 0.0
+    return {"trace_id": trace_id, "hops": len(rows), "clusters": seen, "span_s": span_s}
+
+
 def _fault_note(kind: str, target: str, value: float) -> str:
     return {
         "node_down": f"{target} went DOWN",
@@ -440,6 +470,8 @@ def play(
                 progress,
             )
             timings["cluster_story_s"] = time.monotonic() - began
+            clusters = len({story["lost"], story["resumed_in"]})
+            story["trace"] = job_trace(fleet, scenario.lose_cluster_of, clusters)
         now = fleet.view.read(view_read.cluster_capacity)
         unhealthy = fleet.view.read(
             lambda v: [g for g in view_read.select_gpus(v) if g["health"] != "healthy"]

@@ -78,6 +78,9 @@ def test_the_default_scenario_flows_end_to_end(settings) -> None:
     assert story["resumed_at"] >= story["checkpoint_step"] > 0
     assert story["detected_s"] <= 5.0 and story["resumed_after_s"] <= 15.0, story
     assert story["last_step"] == 600 and story["reported_steps"] == 60
+    # One trace id follows the job from its submission through both clusters, in ClickHouse.
+    assert set(story["trace"]["clusters"]) >= {story["lost"], story["resumed_in"]}
+    assert story["trace"]["hops"] >= 8
     # The API, called as a tenant's viewer, and every call in a verified audit chain.
     assert result.api_calls == [
         ("/v1/clusters", 200),
