@@ -21,6 +21,8 @@ from fleetline.api.rbac import PERMISSIONS, Principal, Rule
 from fleetline.api.routing import Routes
 from fleetline.processors.view.model import ResourceView
 
+JOBS_EVERY_S = 2.0
+
 
 def _view_state(view: ResourceView) -> dict[str, Any]:
     return {"view_version": view.version, "watermark_ms": view.watermark_ms}
@@ -78,9 +80,15 @@ def register(route: Routes, ports: Ports) -> None:
             ends = time.monotonic() + max_s
             last: dict[str, Any] | None = None
             quiet_since = time.monotonic()
+            jobs_read_at, digest = 0.0, ""
+            phases: dict[str, int] = {}
             while time.monotonic() < ends and not await request.is_disconnected():
                 state = ports.view.read(_view_state)
-                digest, phases = await asyncio.to_thread(jobs_digest)
+                # The jobs are read at most every JOBS_EVERY_S: an instance without the
+                # scheduler reads them from its changelog topic.
+                if time.monotonic() - jobs_read_at >= max(every_s, JOBS_EVERY_S):
+                    digest, phases = await asyncio.to_thread(jobs_digest)
+                    jobs_read_at = time.monotonic()
                 now = {**state, "jobs_digest": digest, "phases": phases}
                 if now != last:
                     last, quiet_since = now, time.monotonic()
