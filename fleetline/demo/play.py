@@ -47,7 +47,7 @@ from fleetline.processors.scheduling.state import spec_key
 from fleetline.processors.view import read as view_read
 from fleetline.processors.view.runtime import declare_clusters
 from fleetline.storage.queries import ready_sql, trace_sql
-from fleetline.storage.tiers import TieredStore
+from fleetline.storage.tiers import expander
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import default_codec
 from fleetline.streams.topics import Topics
@@ -302,7 +302,6 @@ def scheduling_summary(fleet: Fleetline) -> dict[str, Any]:
 def ready_queries(fleet: Fleetline, decisions: int, since_ms: int) -> dict[str, Any]:
     """Job wait times and utilisation by tenant from ClickHouse, once the decision sink holds
     every decision (the two ready queries the scheduler's tables make possible)."""
-    from fleetline.storage.objects import ObjectStore
     from fleetline.storage.sinks import RecordSink
 
     step = fleet.sinks["decisions"].step
@@ -310,16 +309,11 @@ def ready_queries(fleet: Fleetline, decisions: int, since_ms: int) -> dict[str, 
     deadline = time.monotonic() + 30
     while step.stats.records < decisions and time.monotonic() < deadline:
         time.sleep(0.1)
-    settings = fleet.settings
-    store = TieredStore(
-        fleet.clickhouse,
-        settings.clickhouse_database,
-        ObjectStore.from_settings(settings.s3),
-        settings.s3,
-    )
+    expand = expander(fleet.settings)
     out = {}
     for name in ("job-wait-times", "utilisation-by-tenant"):
-        result = fleet.clickhouse.query(store.tiered_sql(ready_sql(name, str(since_ms), None)))
+        sql = expand(fleet.clickhouse, ready_sql(name, str(since_ms), None))
+        result = fleet.clickhouse.query(sql)
         out[name] = (list(result.column_names), [list(r) for r in result.result_rows])
     return out
 
@@ -328,24 +322,14 @@ def job_trace(fleet: Fleetline, key: str, clusters: int, timeout_s: float = 20.0
     """The trace of a job's submission as ClickHouse holds it (what `fleetline trace` prints),
     once its rows from `clusters` clusters have been sunk."""
     from fleetline.processors.scheduling.state import Job
-    from fleetline.storage.objects import ObjectStore
 
     job = _job(fleet, key)
     assert job is not None
     trace_id = Job.from_data(job).trace_id
-    settings = fleet.settings
-    store = TieredStore(
-        fleet.clickhouse,
-        settings.clickhouse_database,
-        ObjectStore.from_settings(settings.s3),
-        settings.s3,
-    )
+    sql = expander(fleet.settings)(fleet.clickhouse, trace_sql(trace_id))
     deadline = time.monotonic() + timeout_s
     while True:
-        rows = [
-            list(r)
-            for r in fleet.clickhouse.query(store.tiered_sql(trace_sql(trace_id))).result_rows
-        ]
+        rows = [list(r) for r in fleet.clickhouse.query(sql).result_rows]
         seen = sorted({r[2] for r in rows if r[2] and "," not in r[2]})
         if len(seen) >= clusters or time.monotonic() > deadline:
             break
