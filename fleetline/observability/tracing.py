@@ -13,52 +13,22 @@ Spans also go to an OpenTelemetry collector when `OTEL_EXPORTER_OTLP_ENDPOINT` i
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
-HEADER = "traceparent"
-_TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
-_ZERO_TRACE = "0" * 32
-_ZERO_SPAN = "0" * 16
+from fleetline.observability.traceparent import (
+    HEADER,
+    TraceContext,
+    derived_span_id,
+    of_trace,
+    parse,
+)
 
-
-@dataclass(frozen=True)
-class TraceContext:
-    trace_id: str
-    span_id: str
-    sampled: bool = True
-
-    @property
-    def traceparent(self) -> str:
-        return f"00-{self.trace_id}-{self.span_id}-{'01' if self.sampled else '00'}"
-
-    def child(self, seed: str) -> TraceContext:
-        """The context of a span this one causes, its id derived from `seed` (what is being
-        handled: a decision id, a workload event), so a replay derives the same one."""
-        return TraceContext(self.trace_id, derived_span_id(self.trace_id, seed), self.sampled)
-
-
-def derived_span_id(trace_id: str, seed: str) -> str:
-    span = hashlib.sha256(f"{trace_id}/{seed}".encode()).hexdigest()[:16]
-    return span if span != _ZERO_SPAN else "1".rjust(16, "0")
-
-
-def parse(traceparent: str | bytes | None) -> TraceContext | None:
-    """The context a `traceparent` value carries, or None when it is absent or not valid
-    (an invalid one is ignored and a new trace started, as the W3C spec says)."""
-    if traceparent is None:
-        return None
-    text = traceparent.decode("ascii", "replace") if isinstance(traceparent, bytes) else traceparent
-    match = _TRACEPARENT.match(text.strip().lower())
-    if not match or match[1] == _ZERO_TRACE or match[2] == _ZERO_SPAN:
-        return None
-    return TraceContext(match[1], match[2], bool(int(match[3], 16) & 1))
+__all__ = ["HEADER", "TraceContext", "derived_span_id", "of_trace", "parse"]
 
 
 def start(incoming: str | None = None) -> TraceContext:
@@ -68,13 +38,6 @@ def start(incoming: str | None = None) -> TraceContext:
     if parent is not None:
         return TraceContext(parent.trace_id, span, parent.sampled)
     return TraceContext(secrets.token_hex(16), span)
-
-
-def of_trace(trace_id: str, seed: str) -> TraceContext | None:
-    """A context in the trace `trace_id` (32 hex) for the span handling `seed`."""
-    if len(trace_id) != 32 or trace_id == _ZERO_TRACE:
-        return None
-    return TraceContext(trace_id, derived_span_id(trace_id, seed))
 
 
 HeaderList = list[tuple[str, str | bytes | None]]

@@ -69,9 +69,14 @@ _LINE_EVENTS: dict[str, tuple[str, dict[str, str]]] = {
 }
 
 
+def _trace(order: Order, seed: str) -> tracing.TraceContext | None:
+    """A span of `order`'s trace (the submitting request's), its id derived from `seed` and
+    the order's epoch and attempt."""
+    return tracing.of_trace(order.trace_id, f"{seed}/{order.epoch}/{order.attempt}")
+
+
 def _traceparent(order: Order, seed: str) -> str | None:
-    """The traceparent of a span of `order`'s trace (the submitting request's)."""
-    trace = tracing.of_trace(order.trace_id, f"{seed}/{order.epoch}/{order.attempt}")
+    trace = _trace(order, seed)
     return trace.traceparent if trace else None
 
 
@@ -259,9 +264,8 @@ class ClusterAgent:
                 )
 
     def _start(self, order: Order) -> None:
-        parent = tracing.of_trace(order.trace_id, f"order/{order.epoch}/{order.attempt}")
         attributes = {"job": order.job, "cluster": self.cluster_id, "epoch": order.epoch}
-        with tracing.span("cluster-agent start workload", parent, attributes):
+        with tracing.span("cluster-agent start workload", _trace(order, "order"), attributes):
             self._launch(order)
 
     def _launch(self, order: Order) -> None:
@@ -602,7 +606,7 @@ class ClusterAgent:
             "detail": None,
             **fields,
         }
-        trace = tracing.of_trace(order.trace_id, f"workload/{order.epoch}/{order.attempt}/{kind}")
+        trace = _trace(order, f"workload/{kind}")
         produce(
             self.producer,
             Output(

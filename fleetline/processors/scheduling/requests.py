@@ -14,6 +14,7 @@ from enum import StrEnum
 from typing import Any
 
 from fleetline.errors import FleetlineError, InvalidEventError
+from fleetline.observability import traceparent
 from fleetline.processors.scheduling.decide import (
     attempt,
     decide,
@@ -68,9 +69,9 @@ class Progress(StrEnum):
 
 
 def trace_of(request: Mapping[str, Any]) -> str | None:
-    """The trace id in a request's W3C traceparent (00-<trace id>-<span id>-<flags>), if any."""
-    parts = (request.get("traceparent") or "").split("-")
-    return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else None
+    """The trace id in a request's W3C traceparent, if it has a valid one."""
+    context = traceparent.parse(request.get("traceparent"))
+    return context.trace_id if context else None
 
 
 def submit(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> None:
