@@ -116,31 +116,28 @@ def consumer_statistics(group: str) -> Callable[[str], None]:
 
 # -- GPU gauges under the DCGM exporter's names ----------------------------------------------
 
-# (DCGM field name, help, our reading's name in a GPU sample, scale)
-DCGM_FIELDS: tuple[tuple[str, str, str, float], ...] = (
-    ("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %).", "gpu_util_pct", 1.0),
-    ("DCGM_FI_DEV_MEM_COPY_UTIL", "Memory utilization (in %).", "mem_copy_util_pct", 1.0),
-    ("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB).", "fb_used_mib", 1.0),
-    ("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C).", "temperature_c", 1.0),
-    ("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W).", "power_w", 1.0),
-    ("DCGM_FI_DEV_POWER_MGMT_LIMIT", "Power management limit (in W).", "power_limit_w", 1.0),
+# (DCGM field name, help, our reading's name in a GPU sample: the same unit as DCGM's)
+DCGM_FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %).", "gpu_util_pct"),
+    ("DCGM_FI_DEV_MEM_COPY_UTIL", "Memory utilization (in %).", "mem_copy_util_pct"),
+    ("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB).", "fb_used_mib"),
+    ("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C).", "temperature_c"),
+    ("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W).", "power_w"),
+    ("DCGM_FI_DEV_POWER_MGMT_LIMIT", "Power management limit (in W).", "power_limit_w"),
     (
         "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL",
         "Total number of single-bit volatile ECC errors.",
         "ecc_sbe_total",
-        1.0,
     ),
     (
         "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
         "Total number of double-bit volatile ECC errors.",
         "ecc_dbe_total",
-        1.0,
     ),
     (
         "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL",
         "Total number of NVLink bandwidth counters for all lanes (bytes/s, tx + rx).",
         "nvlink_bytes_per_s",
-        1.0,
     ),
 )
 DCGM_LABELS = ("gpu", "UUID", "modelName", "Hostname", "cluster", "region")
@@ -199,22 +196,22 @@ class DcgmCollector(Collector):
         return []  # collected lazily: the registry must not call `collect` on registration
 
     def collect(self) -> Iterator[Metric]:
-        families = {
-            name: (GaugeMetricFamily(name, doc, labels=DCGM_LABELS), field, scale)
-            for name, doc, field, scale in DCGM_FIELDS
-        }
+        families = [
+            (GaugeMetricFamily(name, doc, labels=DCGM_LABELS), field)
+            for name, doc, field in DCGM_FIELDS
+        ]
         xid = GaugeMetricFamily(
             "DCGM_FI_DEV_XID_ERRORS",
             "Value of the last XID error encountered.",
             labels=DCGM_LABELS,
         )
         for gpu in self.readings():
-            for family, field, scale in families.values():
+            for family, field in families:
                 value = gpu.readings.get(field)
                 if value is not None:
-                    family.add_metric(gpu.labels, float(value) * scale)
+                    family.add_metric(gpu.labels, float(value))
             xid.add_metric(gpu.labels, float(gpu.readings["xid_last"]))
-        for family, _, _ in families.values():
+        for family, _ in families:
             yield family
         yield xid
 
