@@ -35,6 +35,11 @@ from fleetline.processors.health.fold import ClusterHealthPolicy
 from fleetline.processors.health.runtime import APPLICATION_ID as HEALTH_APP
 from fleetline.processors.health.runtime import STORE as HEALTH_STORE
 from fleetline.processors.health.runtime import ClusterHealthService
+from fleetline.processors.operations.fold import OpsPolicy
+from fleetline.processors.operations.rules import HealingRules
+from fleetline.processors.operations.runtime import APPLICATION_ID as OPS_APP
+from fleetline.processors.operations.runtime import STORE as OPS_STORE
+from fleetline.processors.operations.runtime import KafkaOperations, OpsService
 from fleetline.processors.replay import ViewHistory, rebuild
 from fleetline.processors.scheduling.capacity import FleetFacts, observe
 from fleetline.processors.scheduling.policy import SchedulingPolicy
@@ -103,6 +108,12 @@ class Options:
     cluster_health: bool = True  # the health fold and the control plane's clock
     health_policy: ClusterHealthPolicy = field(default_factory=ClusterHealthPolicy)
     clock_interval_s: float = 0.5
+    # Automated operations: self-healing tickets and power caps (the fold's policy switches
+    # each part off; `operations=False` runs none of it).
+    operations: bool = True
+    ops_policy: OpsPolicy | None = None
+    healing_rules: HealingRules = field(default_factory=HealingRules)
+    ops_interval_s: float = 1.0
 
 
 def view_snapshots(settings: Settings, prefix: str, group: str = VIEW_APP) -> ViewSnapshots:
@@ -180,6 +191,7 @@ class Fleetline:
     signer: Signer | None = None
     mover: SimulatedDataMover | None = None
     health: ClusterHealthService | None = None
+    operations: OpsService | None = None
     tiering: TierLoop | None = None
     queries: QueryService | None = None
     stop: threading.Event = field(default_factory=threading.Event)
@@ -204,6 +216,7 @@ class Fleetline:
         optional: list[Service | None] = [
             self.scheduler,
             self.health,
+            self.operations,
             self.chainer,
             self.mover,
             self.tiering,
@@ -280,6 +293,7 @@ class Fleetline:
             sql,
             ready,
             jobs=KafkaJobs(self.settings.kafka, self.topics, self.scheduler),
+            operations=KafkaOperations(self.settings.kafka, self.topics, self.operations),
             max_body_bytes=self.settings.api_max_body_bytes,
             history=ViewHistory(self.settings.kafka, self.topics, self.snapshots),
             clusters=lambda records: declare_clusters(self.settings.kafka, self.topics, records),
@@ -296,6 +310,7 @@ def build(settings: Settings, options: Options) -> Fleetline:
             *scheduler_topics(topics),
             topics.changelog_spec(AUDIT_APP, "chain", partitions=topics.audit_partitions),
             topics.changelog_spec(HEALTH_APP, HEALTH_STORE, partitions=1),
+            topics.changelog_spec(OPS_APP, OPS_STORE, partitions=1),
         ],
     )
     client = connect(settings.clickhouse_url)
@@ -397,6 +412,16 @@ def build(settings: Settings, options: Options) -> Fleetline:
             topics,
             options.health_policy,
             tick_interval_s=options.clock_interval_s,
+            instance_id=options.instance_id,
+        )
+    if options.operations:
+        fleet.operations = OpsService(
+            kafka,
+            topics,
+            view,
+            options.healing_rules,
+            options.ops_policy,
+            tick_interval_s=options.ops_interval_s,
             instance_id=options.instance_id,
         )
     if options.data_mover:

@@ -21,13 +21,22 @@ from fastapi.routing import APIRoute
 from fleetline.api.auth import Authenticator
 from fleetline.api.body_limit import BodyLimit
 from fleetline.api.dashboard import mount_console
-from fleetline.api.ports import DeclareClusters, HistoryPort, JobsPort, Ports, ReadyQuery, Sql
+from fleetline.api.ports import (
+    DeclareClusters,
+    HistoryPort,
+    JobsPort,
+    OperationsPort,
+    Ports,
+    ReadyQuery,
+    Sql,
+)
 from fleetline.api.rbac import Principal
 from fleetline.api.routes import audit as audit_routes
 from fleetline.api.routes import clusters as cluster_routes
 from fleetline.api.routes import dashboard as dashboard_routes
 from fleetline.api.routes import jobs as job_routes
 from fleetline.api.routes import observability as observability_routes
+from fleetline.api.routes import operations as operations_routes
 from fleetline.api.routes import queries as query_routes
 from fleetline.api.routes import view as view_routes
 from fleetline.api.routing import Routes
@@ -125,6 +134,7 @@ def create_app(
     max_body_bytes: int = 1024 * 1024,
     history: HistoryPort | None = None,
     clusters: DeclareClusters | None = None,
+    operations: OperationsPort | None = None,
 ) -> FastAPI:
     """The API over a view, the audit store, ClickHouse and the scheduler (each optional but
     the view: a route whose port is missing answers 503). A request body over `max_body_bytes`
@@ -137,7 +147,7 @@ def create_app(
         "`Authorization: Bearer <token>`.",
     )
     routes = Routes(app, authenticator)
-    ports = Ports(source, audit_table, sql, ready_query, jobs, clock, history, clusters)
+    ports = Ports(source, audit_table, sql, ready_query, jobs, clock, history, clusters, operations)
     # Added first, so it runs inside the audit middleware: a refused body is audited too.
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.middleware("http")(_audit_middleware(audit, clock))
@@ -147,6 +157,7 @@ def create_app(
         audit_routes,
         query_routes,
         job_routes,
+        operations_routes,
         observability_routes,
         dashboard_routes,
     ):

@@ -32,6 +32,17 @@ class JobsPort(Protocol):
     def decisions(self, job: str) -> list[dict[str, Any]]: ...
 
 
+class OperationsPort(Protocol):
+    """Automated operations as the API reaches it: repair tickets, and moving one
+    (`processors/operations/runtime.KafkaOperations`)."""
+
+    def tickets(self) -> list[dict[str, Any]]: ...
+
+    def ticket(self, ticket_id: str) -> dict[str, Any] | None: ...
+
+    def move(self, ticket_id: str, state: str, note: str, actor: str, ts: int) -> int: ...
+
+
 class HistoryPort(Protocol):
     """The view as it stood at a moment (`processors/replay.ViewHistory`)."""
 
@@ -48,6 +59,7 @@ class Ports:
     clock: Callable[[], int]
     history: HistoryPort | None = None
     clusters: DeclareClusters | None = None
+    operations: OperationsPort | None = None
 
     def audit(self) -> AuditTable:
         if self.audit_table is None:
@@ -68,6 +80,11 @@ class Ports:
         if self.sql is None:
             raise HTTPException(503, "no ClickHouse store is configured on this server")
         return self.sql
+
+    def ops(self) -> OperationsPort:
+        if self.operations is None:
+            raise HTTPException(503, "automated operations do not run on this server")
+        return self.operations
 
     def scheduler(self) -> JobsPort:
         if self.jobs is None:

@@ -22,6 +22,7 @@ from fleetline.cli import (
     data,
     infra,
     jobs,
+    operations,
     run,
     serve,
     specs,
@@ -44,7 +45,20 @@ app = typer.Typer(
     help="Event-sourced control plane for multi-cluster GPU fleets. Settings come from "
     "FLEETLINE_* environment variables (see README).",
 )
-_GROUPS = (infra, run, agents, cluster, serve, audit, data, specs, jobs, view, contract)
+_GROUPS = (
+    infra,
+    run,
+    agents,
+    cluster,
+    serve,
+    audit,
+    data,
+    specs,
+    jobs,
+    operations,
+    view,
+    contract,
+)
 
 
 @app.callback()

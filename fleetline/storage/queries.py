@@ -131,6 +131,18 @@ _TRACE_ID = re.compile(r"^[0-9a-f]{32}$")
 TRACE_COLUMNS = ("ts_ms", "hop", "cluster_id", "what", "job", "tenant", "detail")
 
 
+def demand_sql(cluster_id: str, model: str) -> str:
+    """GPU demand of one cluster and GPU model per hour (GPUs busy: the sum over its GPUs of
+    their mean utilisation that hour), and the GPUs it had, over every tier."""
+    return (
+        "SELECT toUnixTimestamp(at) DIV 3600 AS hour, round(sum(busy), 3) AS demand, "
+        "count() AS gpus FROM (SELECT toStartOfHour(ts) AS at, gpu_uuid, "
+        "avg(gpu_util_pct) / 100 AS busy FROM $samples WHERE cluster_id = "
+        f"{literal(cluster_id)} AND positionCaseInsensitive(model, {literal(model)}) > 0 "
+        "GROUP BY at, gpu_uuid) GROUP BY at ORDER BY at"
+    )
+
+
 def trace_sql(trace_id: str) -> str:
     """Every row stored under one trace id, in time order: the request entering (the audit
     log), the scheduler's decisions and GPU bindings, the cluster agents' workload events (not

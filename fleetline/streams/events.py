@@ -25,6 +25,8 @@ CLUSTER_HEALTH = "fleetline.cluster.ClusterHealth"
 LOG_RECORD = "fleetline.observability.LogRecord"
 NODE_COMMAND = "fleetline.commands.NodeCommand"
 COMMAND_RESULT = "fleetline.commands.CommandResult"
+OPS_EVENT = "fleetline.operations.OpsEvent"
+REPAIR_TICKET = "fleetline.operations.RepairTicket"
 
 
 def check_telemetry(record: Mapping[str, Any]) -> None:

@@ -18,6 +18,8 @@ from fleetline.streams.events import (
     NODE_COMMAND,
     NODE_STATE,
     NODE_TELEMETRY,
+    OPS_EVENT,
+    REPAIR_TICKET,
     SCHEDULER_REQUEST,
     SCHEDULING_DECISION,
     WORKLOAD_EVENT,
@@ -96,6 +98,14 @@ class Topics:
     @property
     def orders(self) -> str:
         return f"{self.prefix}.cluster.orders"
+
+    @property
+    def ops(self) -> str:
+        return f"{self.prefix}.ops.events"
+
+    @property
+    def tickets(self) -> str:
+        return f"{self.prefix}.ops.tickets"
 
     @property
     def logs(self) -> str:
@@ -282,6 +292,24 @@ class Topics:
                 "AuditRecord: one hash chain per partition; never compacted or expired",
                 record=AUDIT_RECORD,
                 key="tenant (_fleet for fleet-wide events)",
+            ),
+            TopicSpec(
+                self.ops,
+                1,
+                {"cleanup.policy": "delete", "retention.ms": "-1"},
+                "OpsEvent: what the operations processor folds (observations of the view, "
+                "ticket moves, its policy, capacity requests) in one total order; kept forever, "
+                "it is what a replay of its actions folds",
+                record=OPS_EVENT,
+                key="ticket id, cluster/model, or - for OBSERVE and OPS_POLICY",
+            ),
+            TopicSpec(
+                self.tickets,
+                1,
+                {"cleanup.policy": "delete", "retention.ms": "-1"},
+                "RepairTicket: every change of every repair ticket, keyed by ticket id",
+                record=REPAIR_TICKET,
+                key="ticket id",
             ),
             TopicSpec(
                 self.logs,

@@ -16,8 +16,8 @@ under one leaf switch where they fit, the tightest nodes first (best fit).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
@@ -225,6 +225,18 @@ def observe(view: ResourceView, previous: FleetFacts | None = None) -> FleetFact
     )
 
 
+def fenced_facts(facts: FleetFacts, fenced: Mapping[str, str]) -> FleetFacts:
+    """The observation with the fenced nodes taking no new work (the same object when none of
+    them is in it, so an unfenced fleet costs nothing)."""
+    hit = [n for n in fenced if n in facts.nodes and facts.nodes[n].schedulable]
+    if not hit:
+        return facts
+    nodes = dict(facts.nodes)
+    for node_id in hit:
+        nodes[node_id] = replace(nodes[node_id], healthy=0, degraded=0, schedulable=False)
+    return replace(facts, nodes=nodes, memo={}, node_cache=facts.node_cache)
+
+
 def _node_facts(node: NodeView, status: NodeStatus) -> tuple[NodeFacts, int, str, int, int]:
     """(facts, GPUs jobs must leave, why, GPUs present, GPUs not usable) of one node."""
     healthy = degraded = present = failed = 0
@@ -248,7 +260,10 @@ def _node_facts(node: NodeView, status: NodeStatus) -> tuple[NodeFacts, int, str
         lost_mask = failed
         causes = sorted({node.gpus[i].failure or FAILED for i in indices_of(failed)})
         reason = f"{node.node_id} GPU(s) {list(indices_of(failed))} failed ({', '.join(causes)})"
-    if not takes_new_work(node, status):
+    # A node one of whose GPUs failed (XID, double-bit ECC) takes nothing new until it comes
+    # back UP: its other GPUs share its board, power and driver, and repair takes it down.
+    schedulable = takes_new_work(node, status) and not failed
+    if not schedulable:
         healthy = degraded = 0
     islands = tuple(mask_of(i) for i in node.islands) or (present,)
     facts = NodeFacts(
@@ -262,7 +277,7 @@ def _node_facts(node: NodeView, status: NodeStatus) -> tuple[NodeFacts, int, str
         healthy=healthy,
         degraded=degraded,
         status=status,
-        schedulable=takes_new_work(node, status),
+        schedulable=schedulable,
     )
     return facts, lost_mask, reason, present.bit_count(), bad
 

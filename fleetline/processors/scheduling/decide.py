@@ -24,6 +24,7 @@ from fleetline.processors.scheduling.effects import (
     PrewarmOrder,
     WorkloadOrder,
 )
+from fleetline.processors.scheduling.energy import best_start
 from fleetline.processors.scheduling.pipeline import (
     Attempt,
     ClusterScore,
@@ -77,7 +78,7 @@ def request_for(s: SchedulerState, job: Job, workers: int | None = None) -> JobR
 
 
 def context(s: SchedulerState, request: JobRequest) -> Context:
-    return Context(s.index, s.policy, s.tenants, s.usage, request)
+    return Context(s.index, s.policy, s.tenants, s.usage, request, now_ms=s.now_ms, energy=s.energy)
 
 
 def try_place(s: SchedulerState, job: Job) -> Attempt:
@@ -166,6 +167,8 @@ def attempt(
     keys = shape_keys(job)
     if failed_shapes is not None and any(k in failed_shapes for k in keys):
         return False
+    if defer(s, out, job):
+        return False
     placed = try_place(s, job)
     victims: list[Decision] = []
     may_preempt = failed_shapes is None or s.preemptions_left > 0
@@ -190,6 +193,41 @@ def attempt(
         return False
     bind(s, out, job, placed, tuple(v.job for v in victims))
     return True
+
+
+def defer(s: SchedulerState, out: EffectLog, job: Job) -> bool:
+    """Hold a deferrable job until the cheapest window before its deadline (chosen once, at its
+    first attempt, over the clusters that have its accelerator); True while it waits."""
+    spec = job.spec
+    if not isinstance(spec, TrainingJobSpec) or spec.deferrable is None:
+        return False
+    if job.deferred_until_ms is None:
+        shape = training_shape(spec, spec.workers)
+        candidates = [
+            c
+            for cluster_id, c in sorted(s.facts.clusters.items())
+            if c.health in ("healthy", "degraded")
+            and any(shape.matches(m) for m in s.index.models(cluster_id))
+        ]
+        deferral = best_start(
+            s.now_ms,
+            spec.deferrable.deadline_ms,
+            spec.deferrable.expected_runtime * 1000,
+            candidates,
+            s.energy,
+            s.policy.renewable_weight,
+            s.policy.energy_min_saving,
+            s.policy.deferral_slack_s * 1000,
+        )
+        job.deferred_until_ms = deferral.start_ms if deferral else s.now_ms
+        s.dirty.add(f"job:{job.key}")
+        if deferral is not None:
+            heapq.heappush(s.deferrals, (deferral.start_ms, job.key))
+            reason = deferral.reason()
+            job.queued_reason = reason
+            job.condition(Condition.PLACED, False, reason, s.now_ms)
+            decide(s, out, job, Outcome.QUEUED, reason)
+    return job.deferred_until_ms > s.now_ms
 
 
 def bind(

@@ -23,6 +23,7 @@ from fleetline.processors.scheduling.capacity import (
     Gang,
     GangShape,
 )
+from fleetline.processors.scheduling.energy import GPU_POWER_KW, EnergyProfile, effective_price
 from fleetline.processors.scheduling.placement import Placement, refs_by_node, to_placement
 from fleetline.processors.scheduling.policy import SchedulingPolicy
 from fleetline.processors.scheduling.tenancy import (
@@ -32,8 +33,6 @@ from fleetline.processors.scheduling.tenancy import (
     quota_block,
     reserved_for_others,
 )
-
-GPU_POWER_KW = 0.7  # an H100 SXM at full load, for the energy part of a GPU-hour's cost
 
 
 @dataclass(frozen=True)
@@ -79,6 +78,9 @@ class Context:
     usage: Mapping[str, TenantUsage]
     request: JobRequest
     cheapest: float = 0.0
+    now_ms: int = 0
+    energy: Mapping[str, EnergyProfile] = field(default_factory=dict)
+    greenest: float = 0.0  # the lowest effective energy price in the fleet now
 
     @property
     def tenant_policy(self) -> TenantPolicy | None:
@@ -221,6 +223,21 @@ def _cost(ctx: Context, cluster_id: str) -> float:
     return ctx.cheapest / cost if ctx.cheapest > 0 else 0.0
 
 
+def _energy(ctx: Context, cluster_id: str) -> float:
+    """The fleet's lowest effective energy price now over this cluster's (1: the cheapest or
+    greenest place to draw power this hour). Without any cluster's hourly profile every
+    cluster scores 1: the flat declared price is already part of `cost`."""
+    c = ctx.cluster(cluster_id)
+    if not ctx.energy:
+        return 1.0
+    if c is None:
+        return 0.0
+    price = effective_price(c, ctx.energy.get(cluster_id), ctx.now_ms, ctx.policy.renewable_weight)
+    if price <= 0:
+        return 1.0
+    return ctx.greenest / price
+
+
 def _fit(ctx: Context, cluster_id: str) -> float:
     return ctx.index.fill_after(cluster_id, ctx.request.shape)
 
@@ -242,14 +259,29 @@ SCORERS: dict[str, Scorer] = {
     "fit": _fit,
     "preference": _preference,
     "spread": _spread,
+    "energy": _energy,
 }
 
 
 def rank_clusters(ctx: Context) -> list[ClusterScore]:
     """Every cluster, feasible ones first by score, then the rejected with their reasons."""
     facts = ctx.index.facts
-    ctx.cheapest = _cheapest(facts)
     weights = ctx.policy.weights
+    ctx.cheapest = _cheapest(facts)
+    if weights.get("energy") and ctx.energy:
+        ctx.greenest = min(
+            (
+                p
+                for c in facts.clusters.values()
+                if (
+                    p := effective_price(
+                        c, ctx.energy.get(c.cluster_id), ctx.now_ms, ctx.policy.renewable_weight
+                    )
+                )
+                > 0
+            ),
+            default=0.0,
+        )
     scorers = [(name, SCORERS[name], weights[name]) for name in sorted(weights) if weights[name]]
     filters = [(name, FILTERS[name]) for name in ctx.policy.filters]
     out = []

@@ -22,7 +22,7 @@ FLEET_FILTERS = frozenset({"reachable", "accelerator", "region", "capacity"})
 FILTER_NAMES = frozenset(
     {"reachable", "accelerator", "region", "quota", "reservation", "capacity", "bandwidth"}
 )
-SCORER_NAMES = frozenset({"locality", "latency", "cost", "fit", "preference", "spread"})
+SCORER_NAMES = frozenset({"locality", "latency", "cost", "fit", "preference", "spread", "energy"})
 DEFAULT_FILTERS = (
     "reachable",
     "accelerator",
@@ -39,6 +39,7 @@ DEFAULT_WEIGHTS: Mapping[str, float] = {
     "fit": 0.5,
     "preference": 0.5,
     "spread": 1.0,
+    "energy": 1.0,
 }
 
 
@@ -62,6 +63,12 @@ class SchedulingPolicy:
     # ... of which at most this many may look for victims to preempt (each walks a cluster).
     pass_preemptions: int = 8
     default_tenant: TenantPolicy | None = None
+    # Energy: how much a fully renewable hour discounts a kWh's price (0: price alone), how
+    # much cheaper a later window must be for a deferrable job to wait for it, and the margin
+    # a deferred start keeps before the latest start that meets the deadline.
+    renewable_weight: float = 0.5
+    energy_min_saving: float = 0.05
+    deferral_slack_s: int = 900
 
     def __post_init__(self) -> None:
         unknown = [f for f in self.filters if f not in FILTER_NAMES]
@@ -88,6 +95,9 @@ class SchedulingPolicy:
             "pass_attempts": self.pass_attempts,
             "pass_preemptions": self.pass_preemptions,
             "default_tenant": (self.default_tenant.as_data() if self.default_tenant else None),
+            "renewable_weight": self.renewable_weight,
+            "energy_min_saving": self.energy_min_saving,
+            "deferral_slack_s": self.deferral_slack_s,
         }
 
     @classmethod
@@ -104,6 +114,9 @@ class SchedulingPolicy:
             "pass_attempts",
             "pass_preemptions",
             "default_tenant",
+            "renewable_weight",
+            "energy_min_saving",
+            "deferral_slack_s",
         }
         unknown = set(data) - known
         if unknown:
@@ -133,6 +146,9 @@ class SchedulingPolicy:
                     if default_tenant
                     else None
                 ),
+                renewable_weight=float(data.get("renewable_weight", base.renewable_weight)),
+                energy_min_saving=float(data.get("energy_min_saving", base.energy_min_saving)),
+                deferral_slack_s=int(data.get("deferral_slack_s", base.deferral_slack_s)),
             )
         except (TypeError, ValueError, FleetlineError) as exc:
             raise ConfigError(f"scheduling policy: {exc}") from None

@@ -23,13 +23,14 @@ from fleetline.processors.scheduling.tenancy import PRIORITIES, fair_share_key
 
 
 def tick(s: SchedulerState, out: EffectLog, facts: FleetFacts) -> None:
-    if _grew(s.facts, facts):
+    before = s.facts
+    s.observe(facts)
+    if _grew(before, s.facts):
         s.pass_wanted = True  # some cluster has more usable GPUs than before
-    s.facts = facts
-    s.index.refresh(facts)
     displaced = migrate_off_lost_clusters(s, out) + migrate_off_faults(s, out)
     stop_at_limits(s, out)
     order_retries(s, out)
+    wake_deferred(s)
     expire_prewarms(s)
     if (
         not s.pass_wanted
@@ -75,6 +76,37 @@ def order_retries(s: SchedulerState, out: EffectLog) -> None:
         job.retry_at_ms = None
         s.dirty.add(f"job:{key}")
         order_run(s, out, job)
+
+
+def wake_deferred(s: SchedulerState) -> None:
+    """A deferred job whose cheap window has come is tried in this TICK's pass."""
+    while s.deferrals and s.deferrals[0][0] <= s.now_ms:
+        due, key = heapq.heappop(s.deferrals)
+        job = s.jobs.get(key)
+        if job is not None and job.deferred_until_ms == due and job.phase == Phase.QUEUED:
+            s.pass_wanted = True
+
+
+def fence(s: SchedulerState, out: EffectLog, node_id: str, reason: str) -> None:
+    """Take a node out of placement and drain it: every job holding GPUs there is preempted
+    with a final checkpoint and placed again elsewhere."""
+    s.fenced[node_id] = reason
+    s.observe(s.observed)
+    for key in sorted(s.node_jobs.get(node_id, ())):
+        release(
+            s,
+            out,
+            s.jobs[key],
+            Outcome.PREEMPTED,
+            f"node {node_id} drained ({reason}); checkpointing and resuming elsewhere",
+        )
+
+
+def unfence(s: SchedulerState, node_id: str) -> None:
+    """Give a fenced node back to placement (what the view says of it counts again)."""
+    if s.fenced.pop(node_id, None) is not None:
+        s.observe(s.observed)
+        s.pass_wanted = True
 
 
 def migrate_off_faults(s: SchedulerState, out: EffectLog) -> int:

@@ -1,7 +1,8 @@
 """The scheduler's requests, one handler each: SUBMIT (a spec: the desired state), DELETE,
 PROGRESS (a job's checkpoint, finish or failure, from the cluster layer), TENANT_POLICY
-(quotas, reservations, share), POLICY (the scheduling pipeline) and DATASET_READY (a prewarm
-finished). TICK is the reconcile loop (`reconcile.py`).
+(quotas, reservations, share), POLICY (the scheduling pipeline), DATASET_READY (a prewarm
+finished), FENCE / UNFENCE (the operations processor drains a node and gives it back) and
+ENERGY (a cluster's electricity by the hour). TICK is the reconcile loop (`reconcile.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from fleetline.errors import FleetlineError, InvalidEventError
 from fleetline.observability import traceparent
+from fleetline.processors.scheduling import reconcile
 from fleetline.processors.scheduling.decide import (
     attempt,
     decide,
@@ -23,6 +25,7 @@ from fleetline.processors.scheduling.decide import (
     start,
 )
 from fleetline.processors.scheduling.effects import DatasetRecord, EffectLog, Outcome
+from fleetline.processors.scheduling.energy import EnergyProfile
 from fleetline.processors.scheduling.policy import SchedulingPolicy
 from fleetline.processors.scheduling.reconcile import schedule_queue
 from fleetline.processors.scheduling.specs import (
@@ -57,6 +60,9 @@ class RequestKind(StrEnum):
     POLICY = "POLICY"
     DATASET_READY = "DATASET_READY"
     TICK = "TICK"
+    FENCE = "FENCE"
+    UNFENCE = "UNFENCE"
+    ENERGY = "ENERGY"
 
 
 class Progress(StrEnum):
@@ -390,6 +396,30 @@ def delete_dataset(s: SchedulerState, out: EffectLog, name: str, tenant: str) ->
     usage.storage_bytes -= current.size_bytes * len(current.replicas)
     s.dirty.add(f"tenant:{tenant}")
     record_dataset(s, out, replace(current, deleted=True))
+
+
+def fence_node(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> None:
+    node_id = request["key"]
+    if not node_id:
+        raise InvalidEventError("FENCE needs the node as its key")
+    reconcile.fence(s, out, node_id, request.get("detail") or "fenced by operations")
+
+
+def unfence_node(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> None:
+    if not request["key"]:
+        raise InvalidEventError("UNFENCE needs the node as its key")
+    reconcile.unfence(s, request["key"])
+
+
+def energy_profile(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> None:
+    """A cluster's electricity by the hour; from now on placement and deferral price by it."""
+    profile = EnergyProfile.from_data(_payload(request, "an energy profile"))
+    if profile.cluster_id != request["key"]:
+        raise InvalidEventError(
+            f"ENERGY keyed {request['key']!r} carries the profile of {profile.cluster_id!r}"
+        )
+    s.energy[profile.cluster_id] = profile
+    s.pass_wanted = True
 
 
 def _payload(request: Mapping[str, Any], what: str) -> Any:

@@ -53,6 +53,12 @@ class Scheduler(SchedulerState):
                 requests.scheduling_policy(self, out, request)
             case RequestKind.DATASET_READY:
                 requests.dataset_ready(self, out, request)
+            case RequestKind.FENCE:
+                requests.fence_node(self, out, request)
+            case RequestKind.UNFENCE:
+                requests.unfence_node(self, out, request)
+            case RequestKind.ENERGY:
+                requests.energy_profile(self, out, request)
             case RequestKind.TICK:
                 if facts is None:
                     raise InvalidEventError("a TICK needs the view observed at its offsets")

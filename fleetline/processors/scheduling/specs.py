@@ -21,6 +21,7 @@ from typing import Annotated, Any, Final, Literal, cast, get_args
 
 import yaml
 from pydantic import (
+    AwareDatetime,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -207,6 +208,20 @@ class RetryPolicy(Model):
         return int(self.backoff_s * 1000 * 2 ** max(0, attempt - 1))
 
 
+class Deferrable(Model):
+    """A job that may wait for cheaper or greener hours: it starts when the energy it would
+    draw costs least, and no later than `deadline` less `expected_runtime`."""
+
+    deadline: AwareDatetime = Field(description="when it must be done (ISO 8601 with a zone)")
+    expected_runtime: Annotated[int, BeforeValidator(_duration)] = Field(
+        description="how long it runs (seconds or a duration like 6h)"
+    )
+
+    @property
+    def deadline_ms(self) -> int:
+        return int(self.deadline.timestamp() * 1000)
+
+
 class TrainingJobSpec(Model):
     accelerator: Text
     gpus_per_worker: Count
@@ -224,6 +239,9 @@ class TrainingJobSpec(Model):
     )
     workload: Workload = Workload()
     retry: RetryPolicy = RetryPolicy()
+    deferrable: Deferrable | None = Field(
+        default=None, description="may wait for cheaper or greener hours (a deadline)"
+    )
 
     @model_validator(mode="after")
     def _data_parallelism(self) -> TrainingJobSpec:

@@ -17,8 +17,14 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from fleetline.processors.scheduling.capacity import CapacityIndex, DatasetFacts, FleetFacts
+from fleetline.processors.scheduling.capacity import (
+    CapacityIndex,
+    DatasetFacts,
+    FleetFacts,
+    fenced_facts,
+)
 from fleetline.processors.scheduling.effects import DatasetRecord, Decision
+from fleetline.processors.scheduling.energy import EnergyProfile
 from fleetline.processors.scheduling.policy import SchedulingPolicy
 from fleetline.processors.scheduling.preemption import Victim
 from fleetline.processors.scheduling.specs import (
@@ -93,6 +99,8 @@ class Job:
     attempt: int = 0  # start attempt within the epoch
     ordered_cluster: str | None = None  # where the last RUN order went
     retry_at_ms: int | None = None  # when the next attempt is ordered
+    # A deferrable job's start, chosen once for the cheapest hours before its deadline.
+    deferred_until_ms: int | None = None
     ran_in: list[str] = field(default_factory=list)  # clusters of earlier epochs, newest first
     checkpoint_step: int | None = None
     # What the cluster reports (actual state), beside the phase (desired state).
@@ -194,6 +202,7 @@ class Job:
             "attempt": self.attempt,
             "ordered_cluster": self.ordered_cluster,
             "retry_at_ms": self.retry_at_ms,
+            "deferred_until_ms": self.deferred_until_ms,
             "ran_in": self.ran_in,
             "checkpoint_step": self.checkpoint_step,
             "actual": self.actual,
@@ -209,6 +218,7 @@ class Job:
     @classmethod
     def from_data(cls, data: Mapping[str, Any]) -> Job:
         fields = dict(data)
+        fields.setdefault("deferred_until_ms", None)  # a record from before deferral existed
         fields["phase"] = Phase(data["phase"])
         fields["allocation"] = {
             c: {n: int(m) for n, m in nodes.items()} for c, nodes in data["allocation"].items()
@@ -254,7 +264,14 @@ class SchedulerState:
     ) -> None:
         self.policy = policy or SchedulingPolicy()
         self.digest = self.policy.digest()
-        self.facts = facts or FleetFacts({}, {}, {}, {})
+        # Nodes the operations processor fenced (FENCE): no placement there, whatever the view
+        # says, until UNFENCE. `facts` is the observation with them taken out; `observed` as
+        # the view had it.
+        self.fenced: dict[str, str] = {}
+        self.observed = facts or FleetFacts({}, {}, {}, {})
+        self.facts = self.observed
+        # Each cluster's electricity by the hour (ENERGY requests).
+        self.energy: dict[str, EnergyProfile] = {}
         self.jobs: dict[str, Job] = {}
         self.tenants: dict[str, TenantPolicy] = {}
         self.usage: dict[str, TenantUsage] = {}
@@ -266,6 +283,7 @@ class SchedulerState:
         self.priority_gpus: dict[str, dict[int, int]] = {}  # cluster -> priority -> GPUs held
         self.limits: list[tuple[int, str]] = []  # (limit end, job) heap
         self.retries: list[tuple[int, str]] = []  # (next attempt due, job) heap
+        self.deferrals: list[tuple[int, str]] = []  # (deferred start, job) heap
         self.index = CapacityIndex(self.facts)
         self.victim_cache: dict[tuple[str, int, int, int], list[Victim]] = {}
         # Whether the next TICK must retry the queue: something freed capacity, changed a
@@ -309,6 +327,12 @@ class SchedulerState:
             key=lambda j: (-j.priority, j.order, j.key),
         )
 
+    def observe(self, facts: FleetFacts) -> None:
+        """Take a new observation of the view, fences applied (the index follows)."""
+        self.observed = facts
+        self.facts = fenced_facts(facts, self.fenced)
+        self.index.refresh(self.facts)
+
     def rebuild_index(self) -> None:
         taken: dict[str, int] = {}
         self.node_jobs = {}
@@ -316,6 +340,8 @@ class SchedulerState:
         self.priority_gpus = {}
         self.limits = []
         self.retries = []
+        self.deferrals = []
+        self.facts = fenced_facts(self.observed, self.fenced)
         for key in sorted(self.jobs):
             job = self.jobs[key]
             for cluster_id, nodes in job.allocation.items():
@@ -330,6 +356,8 @@ class SchedulerState:
                 heapq.heappush(self.limits, (job.limit_end_ms, key))
             if job.retry_at_ms is not None:
                 heapq.heappush(self.retries, (job.retry_at_ms, key))
+            if job.deferred_until_ms is not None and job.phase == Phase.QUEUED:
+                heapq.heappush(self.deferrals, (job.deferred_until_ms, key))
         self.index = CapacityIndex(self.facts, taken)
 
     # -- as changelog records -------------------------------------------------------------------
@@ -383,6 +411,8 @@ class SchedulerState:
                     key,
                     {
                         "policy": self.policy.as_data(),
+                        "fenced": dict(sorted(self.fenced.items())),
+                        "energy": {c: p.as_data() for c, p in sorted(self.energy.items())},
                         "now_ms": self.now_ms,
                         "position": self.position,
                         "view_offsets": {
@@ -403,6 +433,8 @@ class SchedulerState:
             self.policy = SchedulingPolicy.from_data(meta["policy"])
             self.digest = self.policy.digest()
         self.now_ms = meta.get("now_ms", 0)
+        self.fenced = dict(meta.get("fenced") or {})
+        self.energy = {c: EnergyProfile.from_data(p) for c, p in (meta.get("energy") or {}).items()}
         self.position = meta.get("position", -1)
         for key in sorted(records):
             value = records[key]

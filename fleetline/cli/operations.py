@@ -1,0 +1,293 @@
+"""`fleetline tickets` (repair tickets: list, show, move), `fleetline forecast` (GPU demand
+weeks ahead, its back-test, capacity requests) and `fleetline energy apply` (clusters'
+electricity by the hour, for placement and deferrable jobs)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from fleetline.cli.common import TopicPrefix, console, now_ms, settings
+from fleetline.cli.common import table as new_table
+from fleetline.errors import ConfigError, FleetlineError
+
+SIMULATED_MONDAY_H = 490_152  # 2025-12-01 00:00 UTC, a Monday, in hours since the epoch
+tickets = typer.Typer(help="Repair tickets opened by self-healing", no_args_is_help=True)
+energy = typer.Typer(
+    help="Electricity prices and renewable share per cluster", no_args_is_help=True
+)
+
+
+def _when(ms: int | None) -> str:
+    if ms is None:
+        return "-"
+    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _tickets(prefix: str) -> dict[str, dict[str, Any]]:
+    from fleetline.processors.operations.runtime import tickets_from_log
+    from fleetline.streams.topics import Topics
+
+    return tickets_from_log(settings("kafka").kafka, Topics(prefix))
+
+
+@tickets.command(name="list")
+def list_tickets(
+    state: Annotated[str | None, typer.Option(help="only tickets in this state")] = None,
+    topic_prefix: TopicPrefix = "fleetline",
+) -> None:
+    """Every repair ticket: node, rule, severity, state, when it opened and why it stands."""
+    out = new_table("TICKET", "NODE", "RULE", "SEVERITY", "STATE", "OPENED", "WHY")
+    for t in sorted(_tickets(topic_prefix).values(), key=lambda t: t["opened_ms"]):
+        if state is None or t["state"] == state:
+            out.add_row(
+                t["ticket_id"],
+                t["node_id"],
+                t["rule"],
+                t["severity"],
+                t["state"],
+                _when(t["opened_ms"]),
+                t["reason"],
+            )
+    console.print(out)
+
+
+@tickets.command()
+def show(ticket_id: str, topic_prefix: TopicPrefix = "fleetline") -> None:
+    """One ticket: why the node was cordoned (the evidence: readings and events that tripped
+    the rule) and every transition with who made it and why."""
+    ticket = _tickets(topic_prefix).get(ticket_id)
+    if ticket is None:
+        raise FleetlineError(f"no ticket {ticket_id!r}; `fleetline tickets list` names them")
+    print(
+        f"{ticket['ticket_id']}: {ticket['node_id']} in {ticket['cluster_id']} is "
+        f"{ticket['state']} ({ticket['severity']}, rule {ticket['rule']})"
+    )
+    print(f"  {ticket['reason']}")
+    if ticket["burn_in_until_ms"]:
+        print(f"  burn-in until {_when(ticket['burn_in_until_ms'])} UTC")
+    print("\nEvidence:")
+    for e in ticket["evidence"]:
+        readings = {
+            k: v
+            for k, v in e["evidence"].items()
+            if k not in ("gpu_uuid",) and v not in (None, [], "")
+        }
+        print(f"  {_when(e['ts'])}  {e['rule']:<13} {e['summary']}  {json.dumps(readings)}")
+    print("\nHistory:")
+    for h in ticket["history"]:
+        print(f"  {_when(h['ts'])}  {h['from'] or '-'} -> {h['to']} by {h['by']}: {h['why']}")
+
+
+@tickets.command()
+def move(
+    ticket_id: str,
+    state: Annotated[
+        str, typer.Argument(help="IN_REPAIR, REPAIRED (starts the burn-in), ESCALATED")
+    ],
+    note: Annotated[str, typer.Option(help="what was done")] = "",
+    actor: Annotated[str, typer.Option(help="who moves it")] = "operator",
+    topic_prefix: TopicPrefix = "fleetline",
+) -> None:
+    """Move a ticket (audited): a repaired node returns to the pool only after its burn-in."""
+    from fleetline.cli.specs import audit_requests
+    from fleetline.processors.operations.runtime import append, check_move, ops_event
+    from fleetline.streams.topics import Topics
+
+    config = settings("kafka")
+    topics = Topics(topic_prefix)
+    ticket = _tickets(topic_prefix).get(ticket_id)
+    if ticket is None:
+        raise FleetlineError(f"no ticket {ticket_id!r}; `fleetline tickets list` names them")
+    check_move(ticket, state)
+    event = ops_event(
+        "TICKET_UPDATE", now_ms(), {"state": state, "note": note}, key=ticket_id, actor=actor
+    )
+    (offset,) = append(config.kafka, topics, [event])
+    audit_requests(
+        config, topics, actor, f"ticket.{state}", [ticket_id], [event["event_id"]], fleet_wide=True
+    )
+    print(f"{ticket_id}: {state} appended to {topics.ops} at offset {offset}")
+
+
+def forecast(
+    cluster_id: Annotated[str | None, typer.Option(help="the cluster (with --model)")] = None,
+    model: Annotated[str | None, typer.Option(help="GPU model, e.g. H100")] = None,
+    weeks: Annotated[int, typer.Option(min=1, max=26, help="how far ahead")] = 4,
+    lead_weeks: Annotated[
+        int, typer.Option(min=0, help="how long adding capacity takes (a request is late after)")
+    ] = 4,
+    capacity_gpus: Annotated[int | None, typer.Option(help="default: GPUs seen lately")] = None,
+    simulated_weeks: Annotated[
+        int | None,
+        typer.Option(help="forecast a simulated demand history of this many weeks instead"),
+    ] = None,
+    seed: Annotated[int, typer.Option(help="--simulated-weeks: the noise's seed")] = 7,
+    request: Annotated[
+        bool, typer.Option(help="append a CAPACITY_REQUEST when the forecast crosses capacity")
+    ] = False,
+    topic_prefix: TopicPrefix = "fleetline",
+) -> None:
+    """GPU demand per cluster and model, weeks ahead, from ClickHouse history (daily and weekly
+    cycles plus trend, 90 % intervals), back-tested on held-out weeks against the seasonal-naive
+    baseline; says when demand crosses what the cluster has."""
+    import numpy as np
+
+    from fleetline.processors.operations.forecast import (
+        HOURS_PER_WEEK,
+        capacity_plan,
+        simulated_demand,
+    )
+
+    if simulated_weeks is not None:
+        series = simulated_demand(simulated_weeks, seed)
+        # The simulated history starts on a Monday (its weekends fall on weekends) and ends
+        # now, a whole number of weeks later.
+        monday = (now_ms() // 3_600_000 - SIMULATED_MONDAY_H) // HOURS_PER_WEEK * HOURS_PER_WEEK
+        start = SIMULATED_MONDAY_H + monday - len(series)
+        hours = list(range(start, start + len(series)))
+        demand = [float(v) for v in series]
+        capacity = capacity_gpus or int(np.ceil(series[-HOURS_PER_WEEK:].max() * 1.05))
+        cluster_id, model = cluster_id or "simulated", model or "H100"
+    else:
+        if cluster_id is None or model is None:
+            raise ConfigError("name --cluster-id and --model (or use --simulated-weeks)")
+        from fleetline.storage.queries import demand_sql
+        from fleetline.storage.query_service import run_query
+        from fleetline.storage.tiers import expander
+
+        config = settings("clickhouse")
+        rows = run_query(
+            config.clickhouse_url,
+            demand_sql(cluster_id, model),
+            expand=expander(config),
+            limits=config.query_limits,
+        ).rows
+        if not rows:
+            raise FleetlineError(f"no demand history for {model} in {cluster_id}")
+        hours = [int(r[0]) for r in rows]
+        demand = [float(r[1]) for r in rows]
+        capacity = capacity_gpus or int(rows[-1][2])
+    try:
+        plan = capacity_plan(hours, demand, capacity, weeks, lead_weeks * HOURS_PER_WEEK)
+    except ValueError as exc:
+        raise FleetlineError(f"forecast of {model} in {cluster_id}: {exc}") from None
+    print(
+        f"{model} in {cluster_id}: {plan['history_hours']} hours of history, "
+        f"capacity {capacity} GPUs, {weeks} weeks ahead ({plan['coverage']:.0%} intervals)"
+    )
+    test = plan["back_test"]
+    if isinstance(test, dict):
+        verdict = (
+            "beats" if test["model_smape_pct"] < test["seasonal_naive_smape_pct"] else "loses to"
+        )
+        print(
+            f"back-test ({test['folds']} folds x {test['weeks_held_out']} held-out weeks): "
+            f"sMAPE {test['model_smape_pct']:.2f} % vs seasonal-naive "
+            f"{test['seasonal_naive_smape_pct']:.2f} % ({verdict} the baseline); interval held "
+            f"{test['interval_coverage']:.1%} of hours"
+        )
+    out = new_table("DAY", "PEAK", "PEAK (UPPER)", "LOW (LOWER)", numeric=("PEAK",))
+    for day in plan["days"]:  # type: ignore[attr-defined]
+        out.add_row(
+            _when(day["day_start_hour"] * 3_600_000)[:10],
+            f"{day['peak_mean']:.0f}",
+            f"{day['peak_upper']:.0f}",
+            f"{day['low_lower']:.0f}",
+        )
+    console.print(out)
+    crossing = plan["crossing"]
+    if not isinstance(crossing, dict):
+        print(f"demand stays within {capacity} GPUs for {weeks} weeks")
+        return
+    print(
+        f"demand may need {crossing['needed_gpus']:.0f} GPUs at "
+        f"{_when(crossing['hour'] * 3_600_000)} UTC ({crossing['hours_ahead']} h ahead) > "
+        f"{capacity}" + (" - inside the lead time: late already" if crossing["late"] else "")
+    )
+    if request:
+        from fleetline.processors.operations.runtime import append, ops_event
+        from fleetline.streams.topics import Topics
+
+        config = settings("kafka")
+        event = ops_event(
+            "CAPACITY_REQUEST",
+            now_ms(),
+            {
+                "cluster_id": cluster_id,
+                "model": model,
+                "capacity_gpus": capacity,
+                "needed_gpus": crossing["needed_gpus"],
+                "at_hour": crossing["hour"],
+                "lead_weeks": lead_weeks,
+                "request_id": uuid.uuid4().hex,
+            },
+            key=f"{cluster_id}/{model}",
+            actor="forecast",
+        )
+        (offset,) = append(config.kafka, Topics(topic_prefix), [event])
+        print(f"capacity request appended to {Topics(topic_prefix).ops} at offset {offset}")
+
+
+@energy.command()
+def apply(
+    file: Annotated[
+        Path,
+        typer.Argument(
+            help="YAML: a list of {cluster_id, price_per_kwh: [24], renewable_share: [24]}"
+        ),
+    ],
+    topic_prefix: TopicPrefix = "fleetline",
+) -> None:
+    """Give clusters their electricity by the hour (UTC): placement's energy term and deferrable
+    jobs price by it from the scheduler's next request on."""
+    import yaml
+
+    from fleetline.cli.specs import audit_requests
+    from fleetline.processors.scheduling.codec import canonical_json, new_request
+    from fleetline.processors.scheduling.energy import EnergyProfile
+    from fleetline.processors.scheduling.runtime import submit
+    from fleetline.streams.topics import Topics
+
+    try:
+        items = yaml.safe_load(file.read_text())
+        profiles = [EnergyProfile.from_data(item) for item in items or []]
+    except (OSError, yaml.YAMLError, TypeError, FleetlineError) as exc:
+        raise ConfigError(f"{file}: {exc}") from None
+    config = settings("kafka")
+    topics = Topics(topic_prefix)
+    ts = now_ms()
+    requests = [
+        new_request(
+            "ENERGY",
+            p.cluster_id,
+            "",
+            ts,
+            uuid.uuid4().hex,
+            actor="cli",
+            spec_json=canonical_json(p.as_data()),
+        )
+        for p in profiles
+    ]
+    submit(config.kafka, topics, requests)
+    audit_requests(
+        config,
+        topics,
+        "cli",
+        "energy.apply",
+        [p.cluster_id for p in profiles],
+        [r["request_id"] for r in requests],
+        fleet_wide=True,
+    )
+    print(f"{len(profiles)} energy profiles sent to {topics.scheduler_requests}")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(tickets, name="tickets")
+    app.add_typer(energy, name="energy")
+    app.command(name="forecast")(forecast)

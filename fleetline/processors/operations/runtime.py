@@ -1,0 +1,362 @@
+"""The imperative shell around the operations fold: the operations log in; node commands,
+scheduler FENCE / UNFENCE requests, ticket changes and audit events out, exactly once.
+
+`OpsService` runs the fold in the stream loop over its single-partition log, its state in a
+store backed by a compacted changelog (written in the same transaction as its outputs), and a
+ticker that reads the live resource view every `tick_interval_s`, applies the healing rules
+(`rules.observe`) and appends what it saw as an OBSERVE event: the findings with their evidence
+and the node loads that changed since the last one. The fold decides on those events alone, so
+`fleetline replay` of the log would decide the same.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from confluent_kafka import Message
+
+from fleetline.config import KafkaSettings
+from fleetline.errors import FleetlineError, InvalidEventError
+from fleetline.processors.audit.runtime import new_event
+from fleetline.processors.operations.fold import (
+    OPERATOR_MOVES,
+    Audited,
+    Command,
+    Effect,
+    OpsFold,
+    OpsKind,
+    OpsPolicy,
+    SchedulerCall,
+    TicketChanged,
+)
+from fleetline.processors.operations.rules import HealingRules, NodeLoad, observe
+from fleetline.processors.scheduling.codec import new_request
+from fleetline.processors.scheduling.runtime import read_topic, request_output
+from fleetline.processors.view.read import ViewSource
+from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.events import AUDIT_EVENT, NODE_COMMAND, OPS_EVENT, REPAIR_TICKET
+from fleetline.streams.loop import MessageStep, StreamLoop, deliver, produce, run_beside
+from fleetline.streams.records import Output, where
+from fleetline.streams.serde import AvroCodec, default_codec
+from fleetline.streams.store import ChangelogStore, json_store
+from fleetline.streams.topics import Topics, TopicSpec
+
+log = logging.getLogger(__name__)
+
+APPLICATION_ID = "operations"
+STORE = "state"
+
+
+def ops_store(topics: Topics) -> ChangelogStore[Any]:
+    return json_store(STORE, topics.changelog(APPLICATION_ID, STORE))
+
+
+def ops_topics(topics: Topics) -> list[TopicSpec]:
+    return [*topics.specs(), topics.changelog_spec(APPLICATION_ID, STORE, partitions=1)]
+
+
+def ops_event(
+    kind: str, ts: int, payload: Mapping[str, Any], *, key: str = "", actor: str = ""
+) -> dict[str, Any]:
+    """An OpsEvent record."""
+    if kind not in tuple(OpsKind):
+        raise ValueError(f"unknown operations event kind {kind!r}")
+    return {
+        "event_id": uuid.uuid4().hex,
+        "kind": kind,
+        "ts": ts,
+        "key": key,
+        "actor": actor,
+        "payload_json": json.dumps(payload, sort_keys=True, separators=(",", ":")),
+    }
+
+
+def ops_output(topics: Topics, event: Mapping[str, Any], codec: AvroCodec) -> Output:
+    return Output(topics.ops, (event["key"] or "-").encode(), codec.encode("OpsEvent", event))
+
+
+def ticket_record(ticket: Mapping[str, Any]) -> dict[str, Any]:
+    """A ticket as the RepairTicket record on the tickets topic."""
+    return {
+        "ticket_id": ticket["ticket_id"],
+        "node_id": ticket["node_id"],
+        "cluster_id": ticket["cluster_id"],
+        "rule": ticket["rule"],
+        "severity": ticket["severity"],
+        "summary": ticket["summary"],
+        "state": ticket["state"],
+        "opened_ms": ticket["opened_ms"],
+        "updated_ms": ticket["updated_ms"],
+        "seq": ticket["seq"],
+        "reason": ticket["reason"],
+        "burn_in_until_ms": ticket["burn_in_until_ms"],
+        "evidence_json": json.dumps(ticket["evidence"], sort_keys=True),
+        "history_json": json.dumps(ticket["history"], sort_keys=True),
+    }
+
+
+def ticket_from_record(record: Mapping[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in record.items() if not k.endswith("_json")}
+    out["evidence"] = json.loads(record["evidence_json"])
+    out["history"] = json.loads(record["history_json"])
+    return out
+
+
+class OpsStep(MessageStep):
+    """Folds one operations event; its effects and the fold's changed records go out in one
+    transaction."""
+
+    def __init__(
+        self, topics: Topics, store: ChangelogStore[Any], codec: AvroCodec | None = None
+    ) -> None:
+        self.topics = topics
+        self.state = store
+        self.stores = [store]
+        self.codec = codec or default_codec()
+        self.fold: OpsFold | None = None
+        self.lock = threading.Lock()
+
+    def _restore(self, offset: int) -> OpsFold:
+        records = {key.decode(): value for key, value in self.state.items([0])}
+        fold = OpsFold.from_records(records) if records else OpsFold()
+        if fold.position != offset - 1:
+            log.warning(
+                "operations: state stands at %d, the log resumes at %d", fold.position, offset
+            )
+            fold.position = offset - 1
+        return fold
+
+    def handle(self, message: Message) -> Sequence[Output]:
+        _, _, offset = where(message)
+        with self.lock:
+            if self.fold is None or offset != self.fold.position + 1:
+                self.fold = self._restore(offset)
+            event = self.codec.decode(message.value(), expect=OPS_EVENT).record
+            try:
+                effects = self.fold.step(event, offset)
+            finally:
+                for key, value in self.fold.drain_dirty():
+                    self.state.put(0, key.encode(), value)
+            return [self._output(e) for e in effects]
+
+    def _output(self, effect: Effect) -> Output:
+        if isinstance(effect, Command):
+            record = {
+                "command_id": effect.command_id,
+                "cluster_id": effect.cluster_id,
+                "node_id": effect.node_id,
+                "ts": effect.ts,
+                "issued_by": "operations",
+                "kind": effect.kind,
+                "power_cap_w": effect.power_cap_w,
+                "config_version": None,
+                "config": {"reason": effect.reason},
+            }
+            return Output(
+                self.topics.commands,
+                effect.node_id.encode(),
+                self.codec.encode(NODE_COMMAND, record),
+            )
+        if isinstance(effect, SchedulerCall):
+            request = new_request(
+                effect.kind,
+                effect.node_id,
+                "",
+                effect.ts,
+                effect.request_id,
+                actor="operations",
+                detail=effect.reason,
+            )
+            return request_output(self.topics, request, self.codec)
+        if isinstance(effect, TicketChanged):
+            record = ticket_record(effect.ticket)
+            return Output(
+                self.topics.tickets,
+                str(record["ticket_id"]).encode(),
+                self.codec.encode(REPAIR_TICKET, record),
+            )
+        assert isinstance(effect, Audited)
+        event = new_event(
+            ts=effect.ts,
+            actor="operations",
+            actor_role="service",
+            operation=effect.operation,
+            target=effect.target,
+            outcome="SUCCEEDED",
+            request_id=effect.event_id,
+            source="operations",
+            details=effect.details,
+        )
+        # The id follows from the log position: a redelivered batch chains it once.
+        event["event_id"] = effect.event_id
+        return Output(self.topics.audit_requests, b"_fleet", self.codec.encode(AUDIT_EVENT, event))
+
+    def aborted(self) -> None:
+        with self.lock:
+            self.fold = None
+
+
+@dataclass
+class OpsService:
+    """The operations fold's loop plus its ticker over the view."""
+
+    kafka: KafkaSettings
+    topics: Topics
+    view: ViewSource
+    rules: HealingRules = field(default_factory=HealingRules)
+    policy: OpsPolicy | None = None
+    tick_interval_s: float = 1.0
+    instance_id: str = "0"
+    clock: Callable[[], int] = field(default=lambda: int(time.time() * 1000))
+    ticking: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.store = ops_store(self.topics)
+        self.step = OpsStep(self.topics, self.store)
+        self.name = f"{self.topics.prefix}.{APPLICATION_ID}"
+        self.loop = StreamLoop(
+            self.kafka,
+            self.name,
+            [self.topics.ops],
+            self.step,
+            self.topics.dead_letter,
+            exactly_once=True,
+            instance_id=self.instance_id,
+            max_messages=200,
+            max_wait_s=0.005,
+            producer_config={"linger.ms": 1},
+        )
+        self.ready = self.loop.ready
+        self.ticks = 0
+        self._sent: dict[str, NodeLoad] = {}
+        self.codec = default_codec()
+
+    def run(self, stop: threading.Event) -> None:
+        run_beside(self.loop, stop, self._tick_loop, "operations-tick")
+
+    def _tick_loop(self, stop: threading.Event) -> None:
+        producer = kafka_clients.producer(self.kafka, {"linger.ms": 0})
+        try:
+            self.loop.ready.wait(120)
+            caught_up = getattr(self.view, "caught_up", None)
+            if caught_up is not None and not caught_up.wait(300):
+                log.warning("operations: the view has not caught up in 300 s; observing anyway")
+            if self.policy is not None:
+                produce(
+                    producer,
+                    ops_output(
+                        self.topics,
+                        ops_event("OPS_POLICY", self.clock(), self.policy.as_data(), actor="serve"),
+                        self.codec,
+                    ),
+                )
+            self.ticking.set()
+            while not stop.is_set():
+                self.tick(producer)
+                stop.wait(self.tick_interval_s)
+        finally:
+            producer.flush(10)
+
+    def tick(self, producer: Any) -> None:
+        seen = self.view.read(lambda view: observe(view, self.rules))
+        changed = {n: load for n, load in seen.loads.items() if self._sent.get(n) != load}
+        payload = {
+            "findings": [f.as_data() for f in seen.findings],
+            "loads": {n: list(load) for n, load in sorted(changed.items())},
+            "skipped_clusters": seen.skipped_clusters,
+        }
+        produce(
+            producer,
+            ops_output(
+                self.topics, ops_event("OBSERVE", self.clock(), payload, actor="ticker"), self.codec
+            ),
+        )
+        producer.flush(10)
+        self._sent.update(changed)
+        self.ticks += 1
+
+    def fold(self) -> OpsFold:
+        """The committed state (what the API and `fleetline tickets` show)."""
+        records = {key.decode(): value for key, value in self.store.items([0])}
+        return OpsFold.from_records(records)
+
+
+def read_state(kafka: KafkaSettings, topics: Topics) -> OpsFold:
+    """The operations fold's committed state, restored from its changelog (for the CLI)."""
+    store = ops_store(topics)
+    store.restore(kafka, [0])
+    return OpsFold.from_records({key.decode(): value for key, value in store.items([0])})
+
+
+def tickets_from_log(kafka: KafkaSettings, topics: Topics) -> dict[str, dict[str, Any]]:
+    """Every ticket as it stands now, from the tickets topic (the latest change of each)."""
+    codec = default_codec()
+    out: dict[str, dict[str, Any]] = {}
+    for msg in read_topic(kafka, topics.tickets):
+        record = codec.decode(msg.value(), expect=REPAIR_TICKET).record
+        current = out.get(record["ticket_id"])
+        if current is None or record["seq"] > current["seq"]:
+            out[record["ticket_id"]] = ticket_from_record(record)
+    return out
+
+
+def check_move(ticket: Mapping[str, Any], state: str) -> None:
+    """Refuse a move the fold would dead-letter, with the same words, before appending it."""
+    allowed = OPERATOR_MOVES.get(state)
+    if allowed is None:
+        raise InvalidEventError(f"{state!r} is not one of {sorted(OPERATOR_MOVES)}")
+    if ticket["state"] not in allowed:
+        raise InvalidEventError(
+            f"ticket {ticket['ticket_id']} is {ticket['state']}; {state} needs one of "
+            f"{', '.join(s.value for s in allowed)}"
+        )
+
+
+def append(
+    kafka: KafkaSettings, topics: Topics, events: Sequence[Mapping[str, Any]], producer: Any = None
+) -> list[int]:
+    """Append events to the operations log; their offsets once the broker has them."""
+    codec = default_codec()
+    producer = producer or kafka_clients.producer(kafka, {"linger.ms": 0})
+    return deliver(
+        producer, [ops_output(topics, e, codec) for e in events], "the operations log", 30
+    )
+
+
+class KafkaOperations:
+    """What the API needs of operations: tickets (from the running service, else the log) and
+    appending ticket moves."""
+
+    def __init__(self, kafka: KafkaSettings, topics: Topics, service: OpsService | None) -> None:
+        self.kafka, self.topics, self.service = kafka, topics, service
+        self._producer = kafka_clients.producer(kafka, {"linger.ms": 0})
+        self._lock = threading.Lock()
+
+    def tickets(self) -> list[dict[str, Any]]:
+        if self.service is not None:
+            fold = self.service.fold()
+            found = [t.as_data() for t in fold.tickets.values()]
+        else:
+            found = list(tickets_from_log(self.kafka, self.topics).values())
+        return sorted(found, key=lambda t: (t["opened_ms"], t["ticket_id"]))
+
+    def ticket(self, ticket_id: str) -> dict[str, Any] | None:
+        return next((t for t in self.tickets() if t["ticket_id"] == ticket_id), None)
+
+    def move(self, ticket_id: str, state: str, note: str, actor: str, ts: int) -> int:
+        ticket = self.ticket(ticket_id)
+        if ticket is None:
+            raise FleetlineError(f"no ticket {ticket_id!r}")
+        check_move(ticket, state)
+        event = ops_event(
+            "TICKET_UPDATE", ts, {"state": state, "note": note}, key=ticket_id, actor=actor
+        )
+        with self._lock:
+            return append(self.kafka, self.topics, [event], self._producer)[0]

@@ -1,0 +1,325 @@
+"""Automated operations' pure cores: the ticket and power-cap fold, the healing rules over a
+view, the scheduler's fences, energy term and deferrable jobs, and the demand forecast."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from fleetline.agents.simulator import ClusterSpec, Fault
+from fleetline.errors import InvalidEventError
+from fleetline.processors.operations.fold import (
+    Audited,
+    Command,
+    OpsFold,
+    OpsPolicy,
+    SchedulerCall,
+    TicketChanged,
+)
+from fleetline.processors.operations.forecast import (
+    back_test,
+    capacity_plan,
+    simulated_demand,
+)
+from fleetline.processors.operations.rules import HealingRules, observe
+from fleetline.processors.scheduling.capacity import ClusterFacts
+from fleetline.processors.scheduling.codec import canonical_json
+from fleetline.processors.scheduling.effects import WorkloadOrder
+from fleetline.processors.scheduling.energy import HOUR_MS, EnergyProfile, best_start
+from tests.scheduling_support import THREE, Driver, fleet_view, training
+from tests.support import BASE_MS
+
+T0 = 1_000_000_000_000
+XID = {
+    "node_id": "n1",
+    "cluster_id": "c1",
+    "rule": "gpu_failed",
+    "severity": "CRITICAL",
+    "summary": "GPU 3 failed: xid 79",
+    "evidence": {"gpu": 3, "xid_codes": [79]},
+}
+
+
+class Ops:
+    """Feeds an OpsFold events at positions 0, 1, ... and keeps every effect."""
+
+    def __init__(self, policy: OpsPolicy | None = None) -> None:
+        self.fold = OpsFold()
+        self.position = 0
+        self.effects: list[Any] = []
+        if policy is not None:
+            self.feed("OPS_POLICY", T0, policy.as_data())
+
+    def feed(self, kind: str, ts: int, payload: dict[str, Any], key: str = "") -> list[Any]:
+        event = {
+            "event_id": f"e{self.position}",
+            "kind": kind,
+            "ts": ts,
+            "key": key,
+            "actor": "tester",
+            "payload_json": json.dumps(payload),
+        }
+        effects = self.fold.step(event, self.position)
+        self.position += 1
+        self.effects += effects
+        return effects
+
+    def observe(self, ts: int, findings=(), loads=None, skipped=()) -> list[Any]:
+        return self.feed(
+            "OBSERVE",
+            ts,
+            {"findings": list(findings), "loads": loads or {}, "skipped_clusters": list(skipped)},
+        )
+
+    def move(self, ts: int, ticket_id: str, state: str) -> list[Any]:
+        return self.feed("TICKET_UPDATE", ts, {"state": state, "note": "t"}, key=ticket_id)
+
+
+def kinds(effects: list[Any]) -> list[str]:
+    out = []
+    for e in effects:
+        if isinstance(e, Command):
+            out.append(e.kind)
+        elif isinstance(e, SchedulerCall):
+            out.append(e.kind)
+        elif isinstance(e, TicketChanged):
+            out.append(f"ticket:{e.ticket['state']}")
+        elif isinstance(e, Audited):
+            out.append(e.operation)
+    return out
+
+
+def test_a_failed_gpu_cordons_and_drains_its_node_and_opens_a_ticket_with_the_evidence():
+    ops = Ops(OpsPolicy(burn_in_ms=10_000))
+    effects = ops.observe(T0 + 1000, [XID])
+    assert kinds(effects) == ["ticket:OPEN", "CORDON", "FENCE", "ops.cordon"]
+    ticket = effects[0].ticket
+    assert ticket["node_id"] == "n1" and ticket["severity"] == "CRITICAL"
+    assert ticket["evidence"][0]["evidence"]["xid_codes"] == [79]
+    assert ticket["evidence"][0]["ts"] == T0 + 1000
+    # The same standing failure seen again adds nothing; a new reading is more evidence.
+    assert ops.observe(T0 + 2000, [XID]) == []
+    more = {**XID, "rule": "thermal", "summary": "GPU 3 at 95 C"}
+    (changed,) = ops.observe(T0 + 3000, [XID, more])
+    assert [e["rule"] for e in changed.ticket["evidence"]] == [
+        "gpu_failed",
+        "gpu_failed",
+        "thermal",
+    ]
+    # Command ids come from the log position: a replay issues the same ones.
+    cordon = next(e for e in ops.effects if isinstance(e, Command))
+    assert cordon.command_id == f"ops-1-CORDON-n1-{ticket['ticket_id']}"
+
+
+def test_a_repaired_node_returns_only_after_a_clean_burn_in_and_a_refailure_escalates():
+    ops = Ops(OpsPolicy(burn_in_ms=10_000, refail_window_ms=3_600_000))
+    ticket_id = ops.observe(T0, [XID])[0].ticket["ticket_id"]
+    with pytest.raises(InvalidEventError, match="'CLOSED' is not one of"):
+        ops.move(T0 + 1, ticket_id, "CLOSED")  # only a burn-in closes a ticket
+    assert kinds(ops.move(T0 + 10, ticket_id, "IN_REPAIR")) == [
+        "ticket:IN_REPAIR",
+        "ops.ticket.in_repair",
+    ]
+    with pytest.raises(InvalidEventError, match="is IN_REPAIR; IN_REPAIR needs one of OPEN"):
+        ops.move(T0 + 15, ticket_id, "IN_REPAIR")
+    ops.move(T0 + 20, ticket_id, "REPAIRED")
+    assert ops.fold.tickets[ticket_id].state == "VERIFYING"
+    # A finding during the burn-in sends it back to repair, with that evidence.
+    (back, _) = ops.observe(T0 + 1000, [{**XID, "summary": "GPU 3 failed: xid 48"}])
+    assert back.ticket["state"] == "IN_REPAIR" and "burn-in failed" in back.ticket["reason"]
+    ops.move(T0 + 2000, ticket_id, "REPAIRED")
+    assert ops.observe(T0 + 5000) == []  # clean, but the burn-in has not run its time
+    # Its cluster out of reach: no verdict.
+    assert ops.observe(T0 + 13_000, skipped=["c1"]) == []
+    returned = ops.observe(T0 + 13_000)
+    assert kinds(returned) == [
+        "ticket:CLOSED",
+        "ops.ticket.closed",
+        "UNCORDON",
+        "UNFENCE",
+        "ops.return",
+    ]
+    history = [(h["from"], h["to"]) for h in ops.fold.tickets[ticket_id].history]
+    assert history == [
+        (None, "OPEN"),
+        ("OPEN", "IN_REPAIR"),
+        ("IN_REPAIR", "VERIFYING"),
+        ("VERIFYING", "IN_REPAIR"),
+        ("IN_REPAIR", "VERIFYING"),
+        ("VERIFYING", "CLOSED"),
+    ]
+    # Failing again within the window of its return: escalated, not put back in the pool.
+    again = ops.observe(T0 + 60_000, [XID])
+    assert kinds(again)[:3] == ["ticket:ESCALATED", "CORDON", "FENCE"]
+    assert "failed again 47 s after it was returned" in again[0].ticket["reason"]
+
+
+def test_a_flapping_node_is_escalated():
+    ops = Ops(OpsPolicy(burn_in_ms=1000, flap_limit=3, refail_window_ms=1, flap_window_ms=600_000))
+    states, reasons = [], []
+    for n in range(3):
+        start = T0 + n * 100_000
+        ticket = ops.observe(start, [XID])[0].ticket
+        states.append(ticket["state"])
+        reasons.append(ticket["reason"])
+        ops.move(start + 10, ticket["ticket_id"], "REPAIRED")
+        ops.observe(start + 5_000)  # burn-in passes: returned
+    assert states == ["OPEN", "OPEN", "ESCALATED"]
+    assert "tripped 3 times in 600 s (flapping): escalated" in reasons[-1]
+
+
+def test_self_healing_and_power_capping_can_be_switched_off():
+    ops = Ops(OpsPolicy(self_healing=False, power_capping=False, idle_ms=0))
+    assert ops.observe(T0, [XID], {"n1": ["c1", 0, 8, 700.0]}) == []
+    assert ops.fold.tickets == {}
+
+
+def test_idle_nodes_are_capped_at_low_load_and_restored_when_work_returns():
+    ops = Ops(OpsPolicy(idle_ms=60_000, low_load=0.3, high_load=0.6, low_cap_w=300))
+    loads = {"n1": ["c1", 0, 8, 700.0], "n2": ["c1", 2, 8, 700.0]}
+    assert ops.observe(T0, loads=loads) == []  # idle, but not for long enough
+    capped = ops.observe(T0 + 60_000)
+    assert [(e.kind, e.node_id, e.power_cap_w) for e in capped] == [("SET_POWER_CAP", "n1", 300)]
+    assert "cluster c1 at 12%" in capped[0].reason
+    assert ops.observe(T0 + 61_000, loads={"n1": ["c1", 0, 8, 300.0]}) == []
+    restored = ops.observe(T0 + 62_000, loads={"n1": ["c1", 8, 8, 300.0]})
+    assert [(e.kind, e.node_id, e.power_cap_w) for e in restored] == [("SET_POWER_CAP", "n1", 700)]
+
+
+def test_the_fold_restored_from_its_records_decides_as_the_one_that_ran():
+    ops = Ops(OpsPolicy(burn_in_ms=1000, idle_ms=0))
+    ops.observe(T0, [XID], {"n2": ["c1", 0, 8, 700.0]})
+    restored = OpsFold.from_records(dict(ops.fold.records()))
+    event = {
+        "event_id": "x",
+        "kind": "OBSERVE",
+        "ts": T0 + 5,
+        "key": "",
+        "actor": "",
+        "payload_json": json.dumps({"findings": [{**XID, "node_id": "n3"}]}),
+    }
+    assert restored.step(dict(event), 9) == ops.fold.step(dict(event), 9)
+
+
+def test_rules_find_a_failed_gpu_with_its_xid_and_skip_a_lost_cluster():
+    view, _ = fleet_view(
+        [ClusterSpec("us-east-a", "us-east", 2)],
+        4,
+        [Fault("xid", "us-east-a-n0001/5", BASE_MS + 1500, None, 79)],
+    )
+    seen = observe(view, HealingRules())
+    failed = [f for f in seen.findings if f.rule == "gpu_failed"]
+    assert [(f.node_id, f.evidence["gpu"]) for f in failed] == [("us-east-a-n0001", 5)]
+    assert failed[0].evidence["xid_codes"] == [79] or failed[0].evidence["cause"]
+    assert set(seen.loads) == {"us-east-a-n0000", "us-east-a-n0001"}
+
+
+# -- the scheduler: fences, energy, deferral ---------------------------------------------------
+
+
+def test_a_fenced_node_is_drained_through_a_checkpoint_and_takes_no_new_work():
+    view, _ = fleet_view([ClusterSpec("us-east-a", "us-east", 2)], 2)
+    d = Driver(view)
+    d.submit(training("j"))
+    (node,) = d.nodes_of("acme/j")
+    effects = d.feed(d._request("FENCE", node, "", detail="ticket T1: GPU 3 failed"))
+    stop = next(e for e in effects if isinstance(e, WorkloadOrder) and e.action == "STOP")
+    assert stop.final_checkpoint, "a drain checkpoints on its way out"
+    assert "drained (ticket T1" in d.decisions("acme/j", "PREEMPTED")[-1].reason
+    d.tick()
+    assert d.last("acme/j").outcome == "PLACED" and d.nodes_of("acme/j") != {node}
+    d.submit(training("k"))
+    assert d.last("acme/k").outcome == "QUEUED"  # the only other node is fenced
+    d.feed(d._request("UNFENCE", node, ""))
+    d.tick()
+    assert d.nodes_of("acme/k") == {node}
+
+
+def _cluster(cluster_id: str, price: float = 0.1, pue: float = 1.2) -> ClusterFacts:
+    return ClusterFacts(cluster_id, "r", "ON_PREM", 2.0, price, pue, {}, "healthy")
+
+
+def test_best_start_waits_for_the_cheap_hours_and_keeps_the_deadline():
+    night = [0.05] * 6 + [0.30] * 18  # cheap from 00:00 to 06:00 UTC
+    profile = EnergyProfile("a", tuple(night), tuple([0.0] * 24))
+    day = 20 * HOUR_MS  # 20:00 UTC on day 0
+    deferral = best_start(
+        day, day + 12 * HOUR_MS, 2 * HOUR_MS, [_cluster("a")], {"a": profile}, 0.5, 0.05, 0
+    )
+    assert deferral is not None and deferral.start_ms == 24 * HOUR_MS
+    assert deferral.price_then == pytest.approx(0.05 * 1.2)
+    assert "starts at 00:00 UTC" in deferral.reason()
+    # A deadline that leaves no time to wait: start now.
+    assert (
+        best_start(
+            day, day + 2 * HOUR_MS, 2 * HOUR_MS, [_cluster("a")], {"a": profile}, 0.5, 0.05, 0
+        )
+        is None
+    )
+    # Flat prices: nothing to gain by waiting.
+    flat = EnergyProfile("a", tuple([0.1] * 24), tuple([0.0] * 24))
+    assert (
+        best_start(day, day + 12 * HOUR_MS, HOUR_MS, [_cluster("a")], {"a": flat}, 0.5, 0.05, 0)
+        is None
+    )
+    # A green hour counts: renewable share discounts the price by the policy's weight.
+    sunny = EnergyProfile(
+        "a", tuple([0.1] * 24), tuple([0.9 if 10 <= h < 14 else 0.0 for h in range(24)])
+    )
+    green = best_start(
+        8 * HOUR_MS, 20 * HOUR_MS, HOUR_MS, [_cluster("a")], {"a": sunny}, 0.5, 0.05, 0
+    )
+    assert green is not None and green.start_ms == 10 * HOUR_MS
+
+
+def test_a_deferrable_job_waits_for_the_cheap_window_then_places_and_says_why():
+    view, _ = fleet_view(THREE, 2)
+    d = Driver(view)
+    now = d.now_ms
+    windows = [{"from_ms": now + 600_000, "to_ms": now + 7_200_000, "price_per_kwh": 0.01}]
+    for cluster in ("us-east-a", "eu-west-a", "ap-south-a"):
+        profile = {"cluster_id": cluster, "price_per_kwh": [0.4] * 24, "windows": windows}
+        d.feed(d._request("ENERGY", cluster, "", spec_json=canonical_json(profile)))
+    deadline = datetime.fromtimestamp((now + 4 * 3_600_000) / 1000, UTC).isoformat()
+    d.submit(training("night", deferrable={"deadline": deadline, "expected_runtime": "1h"}))
+    waiting = d.last("acme/night")
+    assert waiting.outcome == "QUEUED" and "deferred to a cheaper window" in waiting.reason
+    assert d.job("acme/night").deferred_until_ms == now + 600_000
+    d.tick(seconds=300)
+    assert d.last("acme/night").outcome == "QUEUED"
+    d.tick(seconds=301)
+    assert d.last("acme/night").outcome == "PLACED"
+    # A job without the flag starts at once, priced by the energy term where it is cheapest.
+    d.submit(training("now"))
+    assert d.last("acme/now").outcome == "PLACED"
+    assert "energy" in d.last("acme/now").alternatives[0].parts
+
+
+# -- forecasting ------------------------------------------------------------------------------
+
+
+def test_the_forecast_beats_the_seasonal_naive_baseline_on_a_simulated_year():
+    year = simulated_demand(52, seed=11)
+    result = back_test(year, weeks_held_out=4, folds=4)
+    assert result.folds == 4
+    assert result.model_smape < result.baseline_smape, result
+    assert 0.8 <= result.coverage <= 0.97
+
+
+def test_a_capacity_plan_names_the_first_hour_demand_crosses_capacity():
+    year = simulated_demand(26, seed=3, growth_per_week=10.0)
+    hours = list(range(1000, 1000 + len(year)))
+    plan = capacity_plan(
+        hours, list(year), capacity_gpus=int(year.max()), horizon_weeks=8, lead_time_h=24 * 28
+    )
+    crossing = plan["crossing"]
+    assert isinstance(crossing, dict) and crossing["hours_ahead"] < 8 * 168
+    assert crossing["needed_gpus"] > year.max()
+    assert plan["back_test"] is not None
+    roomy = capacity_plan(hours, list(year), capacity_gpus=10_000, horizon_weeks=2, lead_time_h=0)
+    assert roomy["crossing"] is None
+    with pytest.raises(ValueError, match="two weeks"):
+        capacity_plan(hours[:100], list(year[:100]), 100, 1, 0)
