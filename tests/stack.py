@@ -26,7 +26,8 @@ from fleetline.agents.simulator import ClusterSpec, FleetSimulator
 from fleetline.app import Fleetline, Options, build
 from fleetline.config import Settings
 from fleetline.processors.scheduling.codec import canonical_json, new_request
-from fleetline.processors.scheduling.runtime import read_topic, submit
+from fleetline.processors.scheduling.runtime import submit
+from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import default_codec
 from tests.services import service_env
 from tests.support import fresh_topics, wait_until
@@ -95,8 +96,17 @@ class Stack:
         agent.send_signal(signal.SIGKILL)
         agent.wait(10)
 
-    def records(self, topic: str) -> list[dict[str, Any]]:
-        return [codec.decode(m.value()).record for m in read_topic(self.settings.kafka, topic)]
+    def records(self, topic: str, partitions: int = 1) -> list[dict[str, Any]]:
+        return [
+            codec.decode(m.value()).record
+            for m in kafka_clients.read_to_end(
+                self.settings.kafka,
+                topic,
+                list(range(partitions)),
+                f"stack-read-{uuid.uuid4().hex[:12]}",
+                30,
+            )
+        ]
 
     def events(self, job: str | None = None) -> list[dict[str, Any]]:
         return [e for e in self.records(self.topics.workloads) if job is None or e["job"] == job]
@@ -115,10 +125,15 @@ class Stack:
 
 @contextlib.contextmanager
 def running_stack(
-    services: Settings, clusters: Sequence[str], options: Options, prefix: str = "stack"
+    services: Settings,
+    clusters: Sequence[str],
+    options: Options,
+    prefix: str = "stack",
+    commands: bool = False,
 ) -> Iterator[Stack]:
     """The stack up, every cluster's first heartbeat seen; jobs go to the clusters in the
-    order given while they are in the pool (the preference scorer outweighs the others)."""
+    order given while they are in the pool (the preference scorer outweighs the others).
+    With `commands` the simulated node agents apply node commands (cordons, power caps)."""
     settings = dataclasses.replace(
         services,
         clickhouse_database=f"t_{uuid.uuid4().hex[:12]}",
@@ -131,7 +146,7 @@ def running_stack(
     )
     state_dir = Path(tempfile.mkdtemp(prefix=f"{prefix}-"))
     nodes = FleetAgent.create(
-        settings, codec, topics, simulator, state_dir / "nodes", commands=False
+        settings, codec, topics, simulator, state_dir / "nodes", commands=commands
     )
     stop = threading.Event()
 

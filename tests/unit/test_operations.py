@@ -81,9 +81,7 @@ class Ops:
 def kinds(effects: list[Any]) -> list[str]:
     out = []
     for e in effects:
-        if isinstance(e, Command):
-            out.append(e.kind)
-        elif isinstance(e, SchedulerCall):
+        if isinstance(e, (Command, SchedulerCall)):
             out.append(e.kind)
         elif isinstance(e, TicketChanged):
             out.append(f"ticket:{e.ticket['state']}")

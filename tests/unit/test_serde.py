@@ -42,6 +42,8 @@ def test_registry_knows_the_shipped_schemas() -> None:
         "fleetline.fleet.ClusterInfo",
         "fleetline.fleet.DatasetState",
         "fleetline.observability.LogRecord",
+        "fleetline.operations.OpsEvent",
+        "fleetline.operations.RepairTicket",
         "fleetline.scheduling.Allocation",
         "fleetline.scheduling.DatasetPrewarm",
         "fleetline.scheduling.SchedulerRequest",
