@@ -59,6 +59,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/cluster_control.py
 	$(PY) benchmarks/console.py
 	$(PY) benchmarks/observability.py
+	$(PY) benchmarks/operations.py
 
 services-start: $(STAMP)
 	$(VENV)/bin/fleetline infra start

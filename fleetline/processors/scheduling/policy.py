@@ -66,7 +66,7 @@ class SchedulingPolicy:
     # Energy: how much a fully renewable hour discounts a kWh's price (0: price alone), how
     # much cheaper a later window must be for a deferrable job to wait for it, and the margin
     # a deferred start keeps before the latest start that meets the deadline.
-    renewable_weight: float = 0.5
+    renewable_weight: float = 0.8
     energy_min_saving: float = 0.05
     deferral_slack_s: int = 900
 
