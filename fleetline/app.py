@@ -53,6 +53,7 @@ from fleetline.storage.crypto import ObjectCipher, SealedObjectStore
 from fleetline.storage.hot_sink import HotSampleSink, HotSampleStore
 from fleetline.storage.log_sink import LogTable
 from fleetline.storage.objects import ObjectStore
+from fleetline.storage.operations_sink import EnergyPriceTable, TicketTable
 from fleetline.storage.queries import ready_sql
 from fleetline.storage.query_service import QueryService, query_client
 from fleetline.storage.scheduling_sink import AllocationTable, DecisionTable, WorkloadEventTable
@@ -66,6 +67,8 @@ from fleetline.streams.events import (
     AUDIT_RECORD,
     LOG_RECORD,
     NODE_STATE,
+    REPAIR_TICKET,
+    SCHEDULER_REQUEST,
     SCHEDULING_DECISION,
     WORKLOAD_EVENT,
 )
@@ -365,6 +368,22 @@ def build(settings: Settings, options: Options) -> Fleetline:
             topics.logs,
             LOG_RECORD,
             LogTable(client, db),
+            topics.dead_letter,
+        ),
+        "repair-tickets": record_sink(
+            settings,
+            f"{topics.prefix}.repair-tickets-sink",
+            topics.tickets,
+            REPAIR_TICKET,
+            TicketTable(client, db),
+            topics.dead_letter,
+        ),
+        "energy-prices": record_sink(
+            settings,
+            f"{topics.prefix}.energy-prices-sink",
+            topics.scheduler_requests,
+            SCHEDULER_REQUEST,
+            EnergyPriceTable(client, db),
             topics.dead_letter,
         ),
     }

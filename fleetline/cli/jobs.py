@@ -215,7 +215,7 @@ def _print_alternatives(alternatives: Iterable[dict[str, Any]]) -> None:
 
 
 def explain(
-    job: Job,
+    job: Annotated[str, typer.Argument(help="TENANT/NAME of a job, or a node id")],
     history: Annotated[
         bool, typer.Option(help="every decision about the job, from the decision log")
     ] = False,
@@ -223,8 +223,15 @@ def explain(
 ) -> None:
     """Why a job is where it is, or why it is waiting: the latest decision, where it placed
     the job, every cluster's score or the reason it was ruled out, the view version and
-    offsets it read and the policy digest."""
+    offsets it read and the policy digest (a deferrable job says which cheaper window it waits
+    for). Given a node: why operations cordoned it, from its repair tickets' evidence."""
     from fleetline.processors.scheduling.runtime import decisions_of
+
+    if "/" not in job:
+        from fleetline.cli.operations import explain_node
+
+        explain_node(job, topic_prefix)
+        return
 
     config = settings("kafka")
     topics = Topics(topic_prefix)

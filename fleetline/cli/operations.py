@@ -84,6 +84,18 @@ def show(ticket_id: str, topic_prefix: TopicPrefix = "fleetline") -> None:
         print(f"  {_when(h['ts'])}  {h['from'] or '-'} -> {h['to']} by {h['by']}: {h['why']}")
 
 
+def explain_node(node_id: str, prefix: str) -> None:
+    """Why a node is out of the pool (or that operations never took it out)."""
+    found = [t for t in _tickets(prefix).values() if t["node_id"] == node_id]
+    if not found:
+        print(f"{node_id}: no repair ticket; operations never cordoned it")
+        return
+    found.sort(key=lambda t: t["opened_ms"])
+    for earlier in found[:-1]:
+        print(f"earlier: {earlier['ticket_id']} {earlier['state']} - {earlier['summary']}")
+    show(found[-1]["ticket_id"], prefix)
+
+
 @tickets.command()
 def move(
     ticket_id: str,
@@ -234,6 +246,85 @@ def forecast(
         print(f"capacity request appended to {Topics(topic_prefix).ops} at offset {offset}")
 
 
+def tune(
+    days: Annotated[int, typer.Option(min=1, help="how much history to learn from")] = 30,
+    append: Annotated[
+        bool,
+        typer.Option(
+            help="append each recommendation to the operations log (audited; applied there "
+            "when its policy says so)"
+        ),
+    ] = False,
+    topic_prefix: TopicPrefix = "fleetline",
+) -> None:
+    """Recommendations for the running training jobs, each with its inputs: the checkpoint
+    interval from the measured failure rate of the GPUs it runs on and its measured checkpoint
+    cost (Daly's optimum), and a batch-size factor from its GPUs' memory headroom."""
+    from fleetline.processors.operations.runtime import append as append_events
+    from fleetline.processors.operations.runtime import ops_event
+    from fleetline.processors.operations.tuning import batch_size, checkpoint_interval
+    from fleetline.processors.scheduling.runtime import job_records, read_state
+    from fleetline.storage.queries import (
+        checkpoint_costs_sql,
+        failure_history_sql,
+        memory_by_job_sql,
+    )
+    from fleetline.storage.query_service import run_query
+    from fleetline.storage.tiers import expander
+    from fleetline.streams.topics import Topics
+
+    config = settings("kafka", "clickhouse")
+    topics = Topics(topic_prefix)
+
+    def rows(sql: str) -> list[list[Any]]:
+        return run_query(
+            config.clickhouse_url, sql, expand=expander(config), limits=config.query_limits
+        ).rows
+
+    history: dict[str, tuple[int, float]] = {}
+    for cluster_id, _model, failures, hours in rows(failure_history_sql(days)):
+        seen = history.get(cluster_id, (0, 0.0))
+        history[cluster_id] = (seen[0] + int(failures), seen[1] + float(hours))
+    costs = {job: [float(s) for s in seconds] for job, seconds in rows(checkpoint_costs_sql(days))}
+    memory = {job: (float(p95), float(total)) for job, p95, total in rows(memory_by_job_sql(days))}
+    found = []
+    for job in job_records(read_state(config.kafka, topics)):
+        if job["phase"] != "Running" or job["kind"] != "TrainingJob":
+            continue
+        clusters = sorted(job["allocation"])
+        failures = sum(history.get(c, (0, 0.0))[0] for c in clusters)
+        hours = sum(history.get(c, (0, 0.0))[1] for c in clusters)
+        gpus = sum(int(m).bit_count() for n in job["allocation"].values() for m in n.values())
+        current = job["document"]["spec"].get("checkpoint_interval_s", 1800)
+        for rec in (
+            checkpoint_interval(
+                job["key"], gpus, current, failures, hours, costs.get(job["key"], [])
+            ),
+            batch_size(job["key"], *memory.get(job["key"], (0.0, 0.0))),
+        ):
+            if rec is not None:
+                found.append((rec, job["document"]))
+    if not found:
+        print("no recommendation: no running training job with measured checkpoints or memory")
+        return
+    for rec, _ in found:
+        print(f"{rec.job}: {rec.summary}")
+        print(f"    inputs: {json.dumps(rec.inputs, sort_keys=True)}")
+    if append:
+        events = [
+            ops_event(
+                "RECOMMENDATION",
+                now_ms(),
+                {**rec.as_data(), "document": document},
+                key=rec.job,
+                actor="tune",
+            )
+            for rec, document in found
+        ]
+        append_events(config.kafka, topics, events)
+        print(f"{len(events)} recommendations appended to {topics.ops}")
+
+
 @energy.command()
 def apply(
     file: Annotated[
@@ -291,3 +382,4 @@ def register(app: typer.Typer) -> None:
     app.add_typer(tickets, name="tickets")
     app.add_typer(energy, name="energy")
     app.command(name="forecast")(forecast)
+    app.command(name="tune")(tune)

@@ -64,6 +64,15 @@ def serve(
             "YAML or JSON); appended to the request log when it differs",
         ),
     ] = None,
+    ops_policy: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="FILE",
+            help="automated operations: OpsPolicy fields (self_healing, power_capping, "
+            "auto_tune_checkpoints, burn_in_ms, low_cap_w, ...) and `rules:` (healing "
+            "thresholds), YAML or JSON; appended to the operations log at start",
+        ),
+    ] = None,
     tick_interval: Annotated[
         float,
         typer.Option(
@@ -86,6 +95,7 @@ def serve(
     """Run the resource-view processor, the scheduler, the sinks and the HTTP API."""
     from fleetline.app import Options, build
     from fleetline.observability import logs
+    from fleetline.processors.operations.runtime import load_ops_policy
     from fleetline.processors.scheduling.runtime import load_policy
 
     config = settings("kafka", "s3", "clickhouse")
@@ -96,6 +106,7 @@ def serve(
         )
     if bool(tls_cert) != bool(tls_key):
         raise ConfigError("--tls-cert and --tls-key go together")
+    ops, rules = load_ops_policy(str(ops_policy) if ops_policy else None)
     options = Options(
         topics=Topics(topic_prefix),
         group=group,
@@ -104,6 +115,10 @@ def serve(
         scheduler=not no_scheduler,
         # The cluster health fold and its clock run beside the one active scheduler.
         cluster_health=not no_scheduler,
+        # Operations act on the whole fleet: beside the one scheduler, like health.
+        operations=not no_scheduler,
+        ops_policy=ops,
+        healing_rules=rules,
         scheduler_policy=load_policy(str(scheduler_policy) if scheduler_policy else None),
         tick_interval_s=tick_interval,
         audit=not no_audit,

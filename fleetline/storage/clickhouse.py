@@ -330,6 +330,50 @@ MIGRATIONS: tuple[Migration, ...] = (
         """,
         ),
     ),
+    Migration(
+        10,
+        "repair tickets; clusters' electricity by the hour",
+        (
+            """
+        CREATE TABLE IF NOT EXISTS {db}.repair_tickets (
+            ts_ms Int64,
+            ts DateTime64(3, 'UTC') MATERIALIZED fromUnixTimestamp64Milli(ts_ms, 'UTC'),
+            ticket_id String,
+            node_id LowCardinality(String),
+            cluster_id LowCardinality(String),
+            rule LowCardinality(String),
+            severity LowCardinality(String),
+            state LowCardinality(String),
+            seq UInt32,
+            opened_ms Int64,
+            summary String,
+            reason String,
+            evidence String,
+            source_partition UInt16,
+            source_offset UInt64,
+            source_topic LowCardinality(String)
+        )
+        ENGINE = MergeTree
+        PARTITION BY toYYYYMM(fromUnixTimestamp64Milli(ts_ms, 'UTC'))
+        ORDER BY (node_id, ticket_id, seq)
+        """,
+            """
+        CREATE TABLE IF NOT EXISTS {db}.energy_prices (
+            ts_ms Int64,
+            cluster_id LowCardinality(String),
+            hour UInt8,
+            price_per_kwh Float64,
+            renewable_share Float64,
+            pue Float64,
+            source_partition UInt16,
+            source_offset UInt64,
+            source_topic LowCardinality(String)
+        )
+        ENGINE = MergeTree
+        ORDER BY (cluster_id, hour, ts_ms)
+        """,
+        ),
+    ),
 )
 
 

@@ -11,6 +11,7 @@ decision (its submission) to its first placement.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from fleetline.errors import ConfigError
 
@@ -114,6 +115,31 @@ READY: dict[str, tuple[str, str]] = {
         "round(avg(power_w), 1) AS avg_gpu_power_w FROM $samples "
         "GROUP BY cluster_id, node_id ORDER BY kwh DESC LIMIT 20",
     ),
+    **{
+        f"energy-by-{who}": (
+            f"Energy and its cost per {who} in the range: GPU kWh (each sample's GPU counted "
+            "for the job its allocation names), facility kWh (x the profile's PUE, 1 without), "
+            "cost at the cluster's hourly price, and the renewable share of it",
+            "WITH prices AS (SELECT cluster_id, hour, argMax(price_per_kwh, ts_ms) AS price, "
+            "argMax(renewable_share, ts_ms) AS renewable, argMax(pue, ts_ms) AS pue FROM "
+            "$energy_prices GROUP BY cluster_id, hour), per AS (SELECT a.job_id AS job, "
+            "a.tenant AS tenant, s.cluster_id AS cluster_id, toHour(s.at) AS hour, "
+            "avg(s.power_w) * (dateDiff('second', min(s.ts), max(s.ts)) + 1) / 3.6e6 AS kwh "
+            "FROM (SELECT cluster_id, node_id, gpu_index, ts, toStartOfHour(ts) AS at, "
+            "toUnixTimestamp64Milli(ts) AS ts_ms, power_w FROM $samples) AS s ASOF INNER JOIN "
+            "(SELECT node_id, gpu_index, ts_ms, job_id, tenant, kind FROM $allocations) AS a "
+            "ON s.node_id = a.node_id AND s.gpu_index = a.gpu_index AND s.ts_ms >= a.ts_ms "
+            "WHERE a.kind = 'ALLOCATED' GROUP BY job, tenant, cluster_id, s.at, hour, "
+            "s.node_id, s.gpu_index) "
+            f"SELECT {key}, round(sum(kwh), 4) AS gpu_kwh, "
+            "round(sum(kwh * if(p.pue > 0, p.pue, 1)), 4) AS facility_kwh, "
+            "round(sum(kwh * if(p.pue > 0, p.pue, 1) * p.price), 4) AS energy_cost, "
+            "round(sum(kwh * p.renewable) / greatest(sum(kwh), 1e-9), 4) AS renewable_share "
+            f"FROM per LEFT JOIN prices AS p ON per.cluster_id = p.cluster_id AND per.hour = "
+            f"p.hour GROUP BY {key} ORDER BY energy_cost DESC, gpu_kwh DESC",
+        )
+        for who, key in (("job", "job, tenant"), ("tenant", "tenant"))
+    },
 }
 
 
@@ -140,6 +166,46 @@ def demand_sql(cluster_id: str, model: str) -> str:
         "avg(gpu_util_pct) / 100 AS busy FROM $samples WHERE cluster_id = "
         f"{literal(cluster_id)} AND positionCaseInsensitive(model, {literal(model)}) > 0 "
         "GROUP BY at, gpu_uuid) GROUP BY at ORDER BY at"
+    )
+
+
+# NVIDIA's XIDs that take a GPU out (the view's HealthPolicy.fail_xids by default).
+FATAL_XIDS = (48, 61, 62, 79, 95, 119, 120)
+
+
+def failure_history_sql(days: int, fatal_xids: Sequence[int] = FATAL_XIDS) -> str:
+    """Per cluster and GPU model: fatal XIDs seen and GPU-hours of service in the last `days`
+    (GPUs x the time they reported), the inputs of a failure rate."""
+    xids = ", ".join(str(int(x)) for x in fatal_xids)
+    return (
+        "SELECT cluster_id, model, sum(failures) AS failures, round(sum(hours), 3) AS "
+        "gpu_hours FROM (SELECT cluster_id, model, gpu_uuid, "
+        f"countIf(hasAny(xid_codes, [{xids}])) AS failures, "
+        "(dateDiff('second', min(ts), max(ts)) + 1) / 3600 AS hours "
+        f"FROM $samples(-{int(days)}d) GROUP BY cluster_id, model, gpu_uuid) "
+        "GROUP BY cluster_id, model ORDER BY cluster_id, model"
+    )
+
+
+def checkpoint_costs_sql(days: int) -> str:
+    """Per job: the seconds each checkpoint took, as its cluster agent measured them."""
+    return (
+        "SELECT job, groupArray(seconds) AS checkpoint_seconds FROM $workloads "
+        f"WHERE event = 'CHECKPOINTED' AND seconds IS NOT NULL AND ts_ms >= "
+        f"toUnixTimestamp64Milli(now64(3)) - {int(days) * 86_400_000} GROUP BY job ORDER BY job"
+    )
+
+
+def memory_by_job_sql(days: int) -> str:
+    """Per job: the 95th percentile of the GPU memory its GPUs used and their size, each
+    sample counted for the job its GPU's allocation named at the time."""
+    return (
+        "SELECT a.job_id AS job, quantile(0.95)(s.fb_used_mib) AS fb_used_p95_mib, "
+        "max(s.fb_total_mib) AS fb_total_mib FROM (SELECT node_id, gpu_index, fb_used_mib, "
+        f"fb_total_mib, toUnixTimestamp64Milli(ts) AS ts_ms FROM $samples(-{int(days)}d)) AS s "
+        "ASOF INNER JOIN (SELECT node_id, gpu_index, ts_ms, job_id, kind FROM $allocations) "
+        "AS a ON s.node_id = a.node_id AND s.gpu_index = a.gpu_index AND s.ts_ms >= a.ts_ms "
+        "WHERE a.kind = 'ALLOCATED' GROUP BY job ORDER BY job"
     )
 
 

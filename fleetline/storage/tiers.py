@@ -933,16 +933,20 @@ class TierLoop:
 _MACRO = re.compile(r"\$samples(?:\((?P<args>[^)]*)\))?")
 # Tables kept hot only: $decisions(FROM, TO) is the decisions in a range, $allocations every
 # GPU binding (an ASOF JOIN needs those from before the range too), $workloads the cluster
-# agents' workload events, $logs every process's log lines, $audit the audit log.
+# agents' workload events, $logs every process's log lines, $audit the audit log, $tickets
+# every repair ticket change, $energy_prices the clusters' electricity by the hour.
 HOT_TABLES = {
     "decisions": "scheduling_decisions",
     "allocations": "gpu_allocations",
     "workloads": "workload_events",
     "logs": "logs",
     "audit": "audit_log",
+    "tickets": "repair_tickets",
+    "energy_prices": "energy_prices",
 }
 _TABLE_MACRO = re.compile(
-    r"\$(?P<name>decisions|allocations|workloads|logs|audit)\b(?:\((?P<args>[^)]*)\))?"
+    r"\$(?P<name>decisions|allocations|workloads|logs|audit|tickets|energy_prices)\b"
+    r"(?:\((?P<args>[^)]*)\))?"
 )
 _RELATIVE = re.compile(r"^-(?P<n>\d+)(?P<unit>[smhd])$")
 _UNITS = {"s": 1000, "m": 60_000, "h": HOUR_MS, "d": DAY_MS}

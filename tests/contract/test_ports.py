@@ -7,6 +7,7 @@ changelog-backed store (Kafka). A backend passes by passing the port's case unch
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from collections.abc import Iterator
@@ -19,13 +20,16 @@ from fleetline.config import Settings
 from fleetline.errors import IntegrityError, StorageError
 from fleetline.processors.audit.chain import Signer, chain_event, export_entry
 from fleetline.processors.audit.runtime import new_event
-from fleetline.processors.scheduling.codec import effect_record
+from fleetline.processors.operations.fold import OpsFold, TicketChanged
+from fleetline.processors.operations.runtime import ticket_record
+from fleetline.processors.scheduling.codec import effect_record, new_request
 from fleetline.processors.scheduling.effects import AllocationChange, Decision
 from fleetline.processors.view import codec as view_codec
 from fleetline.storage.audit_store import AuditArchive, AuditTable
 from fleetline.storage.clickhouse import connect, migrate
 from fleetline.storage.crypto import MAGIC, ObjectCipher, SealedObjectStore
 from fleetline.storage.objects import ObjectStore
+from fleetline.storage.operations_sink import EnergyPriceTable, TicketTable
 from fleetline.storage.scheduling_sink import AllocationTable, DecisionTable
 from fleetline.storage.sinks import Destination, Sourced
 from fleetline.storage.state_sink import NodeStateTable
@@ -144,7 +148,56 @@ def _node_states() -> list[dict[str, Any]]:
     return small_fleet(nodes=2).initial_states(BASE_MS)
 
 
-DESTINATIONS = ["node-states", "decisions", "allocations", "audit-table", "audit-archive"]
+def _ticket_records() -> list[dict[str, Any]]:
+    """Every change of two tickets, as the operations fold writes them to the tickets topic."""
+    fold = OpsFold()
+    out = []
+    for i, node in enumerate(("n1", "n2", "n1", "n2", "n1", "n2")):
+        finding = {
+            "node_id": node,
+            "cluster_id": "c1",
+            "rule": "thermal",
+            "severity": "WARNING",
+            "summary": f"GPU 0 at {90 + i} C",
+            "evidence": {"gpu": 0},
+        }
+        event = {
+            "event_id": str(i),
+            "kind": "OBSERVE",
+            "ts": BASE_MS + i,
+            "key": "",
+            "actor": "",
+            "payload_json": json.dumps({"findings": [finding]}),
+        }
+        out += [
+            ticket_record(e.ticket) for e in fold.step(event, i) if isinstance(e, TicketChanged)
+        ]
+    return out
+
+
+def _energy_requests() -> list[dict[str, Any]]:
+    return [
+        new_request(
+            "ENERGY",
+            c,
+            "",
+            BASE_MS + i,
+            f"e{i}",
+            spec_json=json.dumps({"cluster_id": c, "price_per_kwh": [0.1 + i / 100] * 24}),
+        )
+        for i, c in enumerate(("c1", "c2", "c1", "c2", "c1", "c2"))
+    ]
+
+
+DESTINATIONS = [
+    "node-states",
+    "decisions",
+    "allocations",
+    "audit-table",
+    "audit-archive",
+    "repair-tickets",
+    "energy-prices",
+]
 
 
 @pytest.fixture(params=DESTINATIONS)
@@ -165,6 +218,10 @@ def destination(
             yield AllocationTable(client, db), changes, True
         case "audit-table":
             yield AuditTable(client, db), _audit_records(), True
+        case "repair-tickets":
+            yield TicketTable(client, db), _ticket_records(), True
+        case "energy-prices":
+            yield EnergyPriceTable(client, db), _energy_requests(), True
         case "audit-archive":
             store = ObjectStore.from_settings(settings.s3)
             store.ensure_bucket()

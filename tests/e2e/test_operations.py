@@ -20,6 +20,7 @@ import pytest
 
 from fleetline.agents.simulator import Fault
 from fleetline.app import Options
+from fleetline.cli import main
 from fleetline.config import Settings
 from fleetline.processors.health.fold import ClusterHealthPolicy
 from fleetline.processors.operations.fold import OpsPolicy
@@ -29,7 +30,7 @@ from fleetline.processors.operations.runtime import (
 )
 from fleetline.processors.scheduling.codec import canonical_json, new_request
 from fleetline.processors.scheduling.runtime import decisions_of, submit
-from tests.services import submits
+from tests.services import service_env, submits
 from tests.stack import Stack, now_ms, running_stack
 from tests.support import wait_until
 
@@ -134,7 +135,12 @@ def test_power_caps_go_down_at_low_load_and_back_up_under_load(stack):
     wait_until(lambda: stack.phase("acme/load") == "Deleted", 30, "the job deleted")
 
 
-def test_an_xid_cordons_the_node_its_job_resumes_elsewhere_and_a_repaired_node_returns(stack):
+def test_an_xid_cordons_the_node_its_job_resumes_elsewhere_and_a_repaired_node_returns(
+    stack, monkeypatch, capsys
+):
+    for name, value in service_env(stack.settings).items():
+        monkeypatch.setenv(name, value)
+    prefix = ["--topic-prefix", stack.topics.prefix]
     ops = KafkaOperations(stack.settings.kafka, stack.topics, stack.fleet.operations)
     workload = {
         "steps": 400,
@@ -174,11 +180,20 @@ def test_an_xid_cordons_the_node_its_job_resumes_elsewhere_and_a_repaired_node_r
     FIGURES["fault_to_running_elsewhere_s"] = (moved["ts"] - fault_ms) / 1000
     restored = [e for e in events if e["event"] == "RESTORED" and e["from_cluster"] == "oa"]
     assert restored and restored[0]["step"] >= 100
-    # Why: the audit log and the ticket say it, and `fleetline tickets show` prints both.
-    assert ops.ticket(ticket["ticket_id"])["state"] == "OPEN"
+    # Why: `fleetline explain NODE` prints the ticket's evidence and history.
+    capsys.readouterr()
+    assert main(["explain", NODE, *prefix]) == 0
+    why = capsys.readouterr().out
+    assert f"{ticket['ticket_id']}: {NODE} in oa is OPEN (CRITICAL, rule gpu_failed)" in why
+    assert '"xid_codes": [79]' in why or "xid 79" in why.lower(), why
 
     # Repair: someone takes it, reboots the node (which clears the failure) and marks it done.
-    ops.move(ticket["ticket_id"], "IN_REPAIR", "reseating GPU", "tester", now_ms())
+    move = ["tickets", "move", ticket["ticket_id"], "IN_REPAIR", "--note", "reseat", *prefix]
+    assert main(move) == 0
+    wait_until(lambda: tickets(stack, NODE)[0]["state"] == "IN_REPAIR", 10, "IN_REPAIR")
+    capsys.readouterr()
+    assert main(move) != 0  # twice: refused before it reaches the log, with the reason
+    assert "is IN_REPAIR; IN_REPAIR needs one of OPEN, ESCALATED" in capsys.readouterr().err
     reboot = Fault("node_down", NODE, now_ms(), now_ms() + 1_500)
     stack.simulator.add_fault(reboot)
     wait_until(

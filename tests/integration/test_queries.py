@@ -3,6 +3,9 @@ that the query itself cannot lift, over every tier."""
 
 from __future__ import annotations
 
+import time
+from datetime import UTC, datetime
+
 import pytest
 
 from fleetline.cli import main
@@ -70,3 +73,168 @@ def test_fleetline_sql_takes_its_limits_from_the_environment(settings, monkeypat
     monkeypatch.setenv("FLEETLINE_SQL_MAX_RESULT_ROWS", "many")
     assert main(["sql", "SELECT 1"]) == 1
     assert "FLEETLINE_SQL_MAX_RESULT_ROWS must be a int, got 'many'" in capsys.readouterr().err
+
+
+def test_energy_and_its_cost_per_job_and_tenant(settings, clickhouse):
+    """Samples are counted for the job whose allocation holds their GPU at the time, priced at
+    their cluster's hourly price (the latest profile), with its PUE and renewable share."""
+    from fleetline.storage.queries import ready_sql
+
+    db = settings.clickhouse_database
+    migrate(clickhouse, db)
+    hour = 1_796_000_000_000 // 3_600_000 * 3_600_000  # an hour's start; UTC hour-of-day h
+    h = hour // 3_600_000 % 24
+    samples = []
+    for gpu, power in ((0, 500.0), (1, 250.0)):
+        for at_s in (0, 1800, 3599):
+            samples.append(["c1", "n1", gpu, hour + at_s * 1000, power])
+    samples.append(["c1", "n1", 0, hour + 3_700_000, 700.0])  # after its release: no job's
+    clickhouse.insert(
+        f"{db}.gpu_samples",
+        [[c, n, g, datetime.fromtimestamp(t / 1000, UTC), p] for c, n, g, t, p in samples],
+        column_names=["cluster_id", "node_id", "gpu_index", "ts", "power_w"],
+    )
+    allocations = [
+        [hour - 1000, "acme/a", "acme", "c1", "n1", 0, "ALLOCATED", 1],
+        [hour - 1000, "globex/b", "globex", "c1", "n1", 1, "ALLOCATED", 1],
+        [hour + 3_650_000, "acme/a", "acme", "c1", "n1", 0, "RELEASED", 2],
+    ]
+    clickhouse.insert(
+        f"{db}.gpu_allocations",
+        allocations,
+        column_names=[
+            "ts_ms",
+            "job_id",
+            "tenant",
+            "cluster_id",
+            "node_id",
+            "gpu_index",
+            "kind",
+            "seq",
+        ],
+    )
+    prices = [[hour - 10, "c1", x, 0.9, 0.0, 1.5, 0, 1, "r"] for x in range(24)]  # superseded
+    prices += [[hour, "c1", x, 0.2 if x == h else 0.9, 0.4, 1.5, 0, 2, "r"] for x in range(24)]
+    clickhouse.insert(
+        f"{db}.energy_prices",
+        prices,
+        column_names=[
+            "ts_ms",
+            "cluster_id",
+            "hour",
+            "price_per_kwh",
+            "renewable_share",
+            "pue",
+            "source_partition",
+            "source_offset",
+            "source_topic",
+        ],
+    )
+    expand = expander(settings)
+    jobs = query_client(clickhouse, ready_sql("energy-by-job", "0", None), expand)
+    assert jobs.columns == [
+        "job",
+        "tenant",
+        "gpu_kwh",
+        "facility_kwh",
+        "energy_cost",
+        "renewable_share",
+    ]
+    assert jobs.rows == [
+        ["acme/a", "acme", 0.5, 0.75, 0.15, 0.4],
+        ["globex/b", "globex", 0.25, 0.375, 0.075, 0.4],
+    ]
+    tenants = query_client(clickhouse, ready_sql("energy-by-tenant", "0", None), expand)
+    assert [r[:4] for r in tenants.rows] == [
+        ["acme", 0.5, 0.75, 0.15],
+        ["globex", 0.25, 0.375, 0.075],
+    ]
+
+
+def test_the_tuning_inputs_come_from_the_samples_workload_events_and_allocations(
+    settings, clickhouse
+):
+    from fleetline.storage.queries import (
+        checkpoint_costs_sql,
+        failure_history_sql,
+        memory_by_job_sql,
+    )
+
+    db = settings.clickhouse_database
+    migrate(clickhouse, db)
+    now = int(time.time() * 1000) // 1000 * 1000
+    start = now - 2 * 3_600_000
+    rows = []
+    for gpu in range(2):
+        for minute in range(0, 121, 30):
+            at = start + minute * 60_000
+            xids = [79] if (gpu, minute) == (1, 60) else [63] if minute == 30 else []
+            rows.append(
+                [
+                    "c1",
+                    "H100",
+                    "n1",
+                    gpu,
+                    f"GPU-{gpu}",
+                    at,
+                    20_000 + 1000 * minute // 30,
+                    80_000,
+                    xids,
+                ]
+            )
+    clickhouse.insert(
+        f"{db}.gpu_samples",
+        [[*r[:5], datetime.fromtimestamp(r[5] / 1000, UTC), *r[6:]] for r in rows],
+        column_names=[
+            "cluster_id",
+            "model",
+            "node_id",
+            "gpu_index",
+            "gpu_uuid",
+            "ts",
+            "fb_used_mib",
+            "fb_total_mib",
+            "xid_codes",
+        ],
+    )
+    clickhouse.insert(
+        f"{db}.gpu_allocations",
+        [[start - 1, "acme/j", "acme", "c1", "n1", g, "ALLOCATED", 1] for g in range(2)],
+        column_names=[
+            "ts_ms",
+            "job_id",
+            "tenant",
+            "cluster_id",
+            "node_id",
+            "gpu_index",
+            "kind",
+            "seq",
+        ],
+    )
+    clickhouse.insert(
+        f"{db}.workload_events",
+        [
+            [now - 1000 * i, "acme/j", "acme", "c1", 1, 0, "CHECKPOINTED", "", s]
+            for i, s in enumerate((2.0, 3.0))
+        ],
+        column_names=[
+            "ts_ms",
+            "job",
+            "tenant",
+            "cluster_id",
+            "epoch",
+            "attempt",
+            "event",
+            "trace_id",
+            "seconds",
+        ],
+    )
+    expand = expander(settings)
+    history = query_client(clickhouse, failure_history_sql(7), expand).rows
+    # One fatal XID (79; 63 only degrades), two GPUs over two hours.
+    assert history == [["c1", "H100", 1, 4.001]]
+    costs = query_client(clickhouse, checkpoint_costs_sql(7), expand).rows
+    assert [(job, sorted(s)) for job, s in costs] == [("acme/j", [2.0, 3.0])]
+    memory = query_client(clickhouse, memory_by_job_sql(7), expand).rows
+    assert memory[0][0] == "acme/j" and memory[0][2] == 80_000
+    assert 22_000 < memory[0][1] <= 24_000

@@ -633,3 +633,82 @@ def test_platform_admins_declare_clusters_through_the_api(setup):
     )
     assert tenant_admin.put("/v1/clusters/eu-west-b", json=document).status_code == 403
     assert len(declared) == 1
+
+
+class TicketBook:
+    """The operations port over an OpsFold fed in memory (what KafkaOperations reads from the
+    running service's store), appending moves to that fold as the log would."""
+
+    def __init__(self) -> None:
+        from fleetline.processors.operations.fold import OpsFold
+
+        self.fold = OpsFold()
+        self.position = 0
+        self._feed(
+            "OBSERVE",
+            "",
+            {
+                "findings": [
+                    {
+                        "node_id": "n1",
+                        "cluster_id": "c1",
+                        "rule": "gpu_failed",
+                        "severity": "CRITICAL",
+                        "summary": "GPU 3 failed: xid 79",
+                        "evidence": {"gpu": 3},
+                    }
+                ]
+            },
+            "ticker",
+        )
+
+    def _feed(self, kind: str, key: str, payload: dict, actor: str) -> int:
+        event = {
+            "event_id": str(self.position),
+            "kind": kind,
+            "ts": 1000 + self.position,
+            "key": key,
+            "actor": actor,
+            "payload_json": json.dumps(payload),
+        }
+        self.fold.step(event, self.position)
+        self.position += 1
+        return self.position - 1
+
+    def tickets(self) -> list[dict]:
+        return [t.as_data() for t in self.fold.tickets.values()]
+
+    def ticket(self, ticket_id: str) -> dict | None:
+        t = self.fold.tickets.get(ticket_id)
+        return t.as_data() if t else None
+
+    def move(self, ticket_id: str, state: str, note: str, actor: str, ts: int) -> int:
+        from fleetline.processors.operations.runtime import check_move
+
+        check_move(self.ticket(ticket_id), state)
+        return self._feed("TICKET_UPDATE", ticket_id, {"state": state, "note": note}, actor)
+
+
+def test_tickets_are_listed_shown_and_moved_by_admins_only(setup):
+    app, recorder = setup
+    book = TicketBook()
+    ops_app = create_app(StaticView(fold([])), app.state.authenticator, recorder, operations=book)
+    viewer = TestClient(ops_app, headers={"Authorization": f"Bearer {token_for('viewer')}"})
+    admin = TestClient(ops_app, headers={"Authorization": f"Bearer {token_for('platform-admin')}"})
+    (listed,) = viewer.get("/v1/tickets").json()["tickets"]
+    assert listed["node_id"] == "n1" and listed["state"] == "OPEN"
+    assert viewer.get("/v1/tickets", params={"state": "CLOSED"}).json()["tickets"] == []
+    one = viewer.get(f"/v1/tickets/{listed['ticket_id']}").json()
+    assert one["evidence"][0]["evidence"] == {"gpu": 3}
+    assert viewer.get("/v1/tickets/nope").status_code == 404
+    move = {"state": "IN_REPAIR", "note": "reseating"}
+    assert viewer.post(f"/v1/tickets/{listed['ticket_id']}", json=move).status_code == 403
+    moved = admin.post(f"/v1/tickets/{listed['ticket_id']}", json=move)
+    assert moved.status_code == 202, moved.text
+    ticket = book.fold.tickets[listed["ticket_id"]]
+    assert ticket.state == "IN_REPAIR"
+    assert ticket.history[-1]["by"] == "platform-admin@acme"  # the caller, from its token
+    again = admin.post(f"/v1/tickets/{listed['ticket_id']}", json=move)
+    assert again.status_code == 400 and "is IN_REPAIR; IN_REPAIR needs one of" in again.text
+    bad = admin.post(f"/v1/tickets/{listed['ticket_id']}", json={"state": "CLOSED"})
+    assert bad.status_code == 422  # only a burn-in closes a ticket

@@ -215,6 +215,31 @@ def test_rules_find_a_failed_gpu_with_its_xid_and_skip_a_lost_cluster():
     assert set(seen.loads) == {"us-east-a-n0000", "us-east-a-n0001"}
 
 
+def test_a_lossy_leaf_needs_repair_only_past_the_rule_s_threshold():
+    def leaf(loss: float):
+        view, _ = fleet_view(
+            [ClusterSpec("eu-west-a", "eu-west", 2)],
+            3,
+            [Fault("rdma_loss", "eu-west-a-leaf000", BASE_MS, None, loss)],
+        )
+        return observe(view, HealingRules()).findings
+
+    # 2 %: degraded in the view (light jobs may still use it), no ticket.
+    assert leaf(0.02) == []
+    lossy = leaf(0.08)
+    assert {f.node_id for f in lossy} == {"eu-west-a-n0000", "eu-west-a-n0001"}
+    assert {f.rule for f in lossy} == {"rdma_loss"} and lossy[0].evidence[
+        "rdma_packet_loss_ratio"
+    ] == 0.08
+    strict = fleet_view(
+        [ClusterSpec("eu-west-a", "eu-west", 2)],
+        3,
+        [Fault("rdma_loss", "eu-west-a-leaf000", BASE_MS, None, 0.02)],
+    )[0]
+    tripped = observe(strict, HealingRules(degraded_trips=True)).findings
+    assert {f.rule for f in tripped} == {"gpu_degraded"}
+
+
 # -- the scheduler: fences, energy, deferral ---------------------------------------------------
 
 
@@ -321,3 +346,57 @@ def test_a_capacity_plan_names_the_first_hour_demand_crosses_capacity():
     assert roomy["crossing"] is None
     with pytest.raises(ValueError, match="two weeks"):
         capacity_plan(hours[:100], list(year[:100]), 100, 1, 0)
+
+
+# -- tuning -----------------------------------------------------------------------------------
+
+
+def test_daly_s_interval_is_young_s_to_first_order_and_caps_at_the_mtbf():
+    from fleetline.processors.operations.tuning import daly_interval_s
+
+    # C << M: sqrt(2CM) within a few per cent.
+    assert daly_interval_s(10, 36_000) == pytest.approx((2 * 10 * 36_000) ** 0.5, rel=0.02)
+    # A costlier checkpoint or a shorter MTBF moves it the way the formula says.
+    assert daly_interval_s(40, 36_000) > daly_interval_s(10, 36_000)
+    assert daly_interval_s(10, 9_000) < daly_interval_s(10, 36_000)
+    assert daly_interval_s(100, 40) == 40
+
+
+def test_a_checkpoint_recommendation_shows_its_inputs_and_a_tuned_spec_is_applied_by_policy():
+    from fleetline.processors.operations.tuning import batch_size, checkpoint_interval
+
+    rec = checkpoint_interval(
+        "acme/j", 64, 1800, failures=3, gpu_hours=50_000, checkpoint_seconds=[20, 30, 25]
+    )
+    assert rec is not None
+    assert rec.inputs["checkpoint_cost_s"] == 25 and rec.inputs["failures"] == 3
+    mtbf = 3600 / ((3 + 0.5) / 50_000 * 64)
+    assert rec.inputs["job_mtbf_s"] == pytest.approx(mtbf, rel=1e-3)
+    assert rec.recommended == pytest.approx((2 * 25 * mtbf) ** 0.5, rel=0.05)
+    assert checkpoint_interval("acme/j", 64, 1800, 3, 50_000, []) is None  # nothing measured
+    hint = batch_size("acme/j", fb_used_p95_mib=30_000, fb_total_mib=80_000)
+    assert hint is not None and hint.recommended == pytest.approx(2.4)
+    assert batch_size("acme/j", 60_000, 80_000) is None  # within 25 %: not worth saying
+    document = training("j")
+    payload = {**rec.as_data(), "document": document}
+    off = Ops()
+    assert kinds(off.feed("RECOMMENDATION", T0, payload, key="acme/j")) == ["ops.recommend"]
+    on = Ops(OpsPolicy(auto_tune_checkpoints=True))
+    effects = on.feed("RECOMMENDATION", T0, payload, key="acme/j")
+    (call,) = [e for e in effects if isinstance(e, SchedulerCall)]
+    assert (call.kind, call.key, call.tenant) == ("SUBMIT", "acme/j", "acme")
+    tuned = json.loads(call.spec_json)
+    assert tuned["spec"]["checkpoint_interval_s"] == round(rec.recommended)
+    assert on.fold.recommendations[-1]["applied"] is True
+    assert "document" not in on.fold.recommendations[-1]
+
+
+def test_a_tuned_checkpoint_interval_keeps_the_job_where_it_runs():
+    view, _ = fleet_view([ClusterSpec("us-east-a", "us-east", 2)], 2)
+    d = Driver(view)
+    d.submit(training("j", checkpoint_interval_s=1800))
+    before = d.nodes_of("acme/j")
+    d.submit(training("j", checkpoint_interval_s=600))
+    assert d.nodes_of("acme/j") == before and d.job("acme/j").phase == "Running"
+    assert d.job("acme/j").interval_ms == 600_000
+    assert d.last("acme/j").outcome == "PLACED"  # no release, no new placement

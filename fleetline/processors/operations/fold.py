@@ -51,6 +51,7 @@ class OpsKind(StrEnum):
     TICKET_UPDATE = "TICKET_UPDATE"
     OPS_POLICY = "OPS_POLICY"
     CAPACITY_REQUEST = "CAPACITY_REQUEST"
+    RECOMMENDATION = "RECOMMENDATION"
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,10 @@ class OpsPolicy:
     high_load: float = 0.6
     low_cap_w: float = 300.0
     idle_ms: int = 60_000
+    # Tuning: a checkpoint-interval recommendation is applied (the job's spec resubmitted with
+    # it) when it differs from the current interval by at least `tune_min_change`.
+    auto_tune_checkpoints: bool = False
+    tune_min_change: float = 0.2
 
     def as_data(self) -> dict[str, Any]:
         return asdict(self)
@@ -149,13 +154,16 @@ class Command:
 
 @dataclass(frozen=True)
 class SchedulerCall:
-    """A FENCE or UNFENCE request for the scheduler's log."""
+    """A request for the scheduler's log: FENCE or UNFENCE a node (`key`), or SUBMIT a job's
+    tuned spec (`key` tenant/name)."""
 
     request_id: str
     kind: str
-    node_id: str
+    key: str
     ts: int
     reason: str
+    tenant: str = ""
+    spec_json: str | None = None
 
 
 @dataclass(frozen=True)
@@ -183,6 +191,7 @@ class OpsFold:
     tickets: dict[str, Ticket] = field(default_factory=dict)
     nodes: dict[str, NodeOps] = field(default_factory=dict)
     capacity_requests: list[dict[str, Any]] = field(default_factory=list)
+    recommendations: list[dict[str, Any]] = field(default_factory=list)
     now_ms: int = 0
     position: int = -1
     dirty: set[str] = field(default_factory=set)
@@ -212,6 +221,8 @@ class OpsFold:
                         {k: str(v) for k, v in payload.items()},
                     )
                 )
+            case OpsKind.RECOMMENDATION:
+                self._recommend(payload, out)
             case other:
                 raise InvalidEventError(f"operations does not handle {other} events")
         return out
@@ -386,6 +397,49 @@ class OpsFold:
                 continue
             self.dirty.add(f"node:{node_id}")
 
+    # -- tuning ----------------------------------------------------------------------------
+
+    def _recommend(self, payload: Mapping[str, Any], out: list[Effect]) -> None:
+        """Keep a recommendation (with its inputs) and apply it when the policy says so: a
+        checkpoint interval far enough from the current one resubmits the job's spec."""
+        try:
+            job, kind = str(payload["job"]), str(payload["kind"])
+            recommended, current = float(payload["recommended"]), payload.get("current")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidEventError(f"RECOMMENDATION: {exc!r}") from None
+        document = payload.get("document")
+        applied = (
+            self.policy.auto_tune_checkpoints
+            and kind == "checkpoint_interval"
+            and isinstance(document, Mapping)
+            and (
+                current is None
+                or abs(recommended - float(current)) >= self.policy.tune_min_change * float(current)
+            )
+        )
+        kept = {k: v for k, v in payload.items() if k != "document"}
+        self.recommendations = [*self.recommendations, {**kept, "applied": applied}][-200:]
+        details = {"kind": kind, "recommended": str(recommended), "current": str(current)}
+        out.append(self._audit("recommend", job, {**details, "applied": str(applied)}))
+        if not applied:
+            return
+        assert isinstance(document, Mapping)
+        spec = {**document["spec"], "checkpoint_interval_s": max(1, round(recommended))}
+        tenant = str(document["metadata"]["tenant"])
+        out.append(
+            SchedulerCall(
+                f"ops-{self.position}-SUBMIT-{job}",
+                "SUBMIT",
+                job,
+                self.now_ms,
+                str(payload.get("summary") or "tuned checkpoint interval"),
+                tenant=tenant,
+                spec_json=json.dumps(
+                    {**document, "spec": spec}, sort_keys=True, separators=(",", ":")
+                ),
+            )
+        )
+
     # -- operator updates -------------------------------------------------------------------
 
     def _update(
@@ -498,6 +552,7 @@ class OpsFold:
             "now_ms": self.now_ms,
             "position": self.position,
             "capacity_requests": self.capacity_requests,
+            "recommendations": self.recommendations,
         }
 
     def records(self) -> list[tuple[str, Any]]:
@@ -513,6 +568,7 @@ class OpsFold:
         fold.now_ms = meta.get("now_ms", 0)
         fold.position = meta.get("position", -1)
         fold.capacity_requests = list(meta.get("capacity_requests") or [])
+        fold.recommendations = list(meta.get("recommendations") or [])
         for key, value in records.items():
             kind, _, name = key.partition(":")
             if value is None:

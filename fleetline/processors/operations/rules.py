@@ -19,16 +19,20 @@ WARNING = "WARNING"  # the node runs, but worse: cordon and drain before it fail
 
 @dataclass(frozen=True)
 class HealingRules:
-    """When a node trips a rule (thresholds per reading; GPU failures and degradations are the
-    view's own, from its HealthPolicy: XIDs, double-bit ECC, NVLink errors, RDMA loss)."""
+    """When a node trips a rule (thresholds per reading; GPU failures are the view's own, from
+    its HealthPolicy: fatal XIDs, double-bit ECC).
 
-    rdma_loss_ratio: float = 1e-3
+    A GPU the view calls degraded (RDMA loss past 0.1 %, NVLink errors) stays in service by
+    default: the scheduler keeps communication-heavy work off it and light work may use it.
+    Past `rdma_loss_ratio` (5 %) the fabric needs a repair, and the node is taken out."""
+
+    rdma_loss_ratio: float = 0.05
     max_temperature_c: float = 90.0
     # Drawing more than this share of its power limit is a sensor or regulator fault.
     power_over_limit: float = 1.10
     min_nvlink_links: int = 1  # fewer active links than this on a GPU that has links: down
     silent_after_ms: int = 30_000
-    degraded_trips: bool = True  # a degraded GPU (view) opens a ticket, not only a failed one
+    degraded_trips: bool = False  # a degraded GPU (view) opens a ticket, not only a failed one
 
     def as_data(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,7 +105,7 @@ def node_findings(view: ResourceView, node_id: str, rules: HealingRules) -> list
         if health == DEGRADED and rules.degraded_trips:
             found("gpu_degraded", WARNING, f"GPU {index} degraded: {cause}", cause=cause, **at)
         loss = readings.get("rdma_packet_loss_ratio") or 0.0
-        if loss > rules.rdma_loss_ratio and health != DEGRADED:
+        if loss > rules.rdma_loss_ratio and not (health == DEGRADED and rules.degraded_trips):
             found("rdma_loss", WARNING, f"GPU {index} RDMA loss {loss:.2e}", **at)
         links = readings.get("nvlink_links_active")
         if links is not None and rules.min_nvlink_links > 0 and links < rules.min_nvlink_links:

@@ -23,7 +23,7 @@ from typing import Any
 from confluent_kafka import Message
 
 from fleetline.config import KafkaSettings
-from fleetline.errors import FleetlineError, InvalidEventError
+from fleetline.errors import ConfigError, FleetlineError, InvalidEventError
 from fleetline.processors.audit.runtime import new_event
 from fleetline.processors.operations.fold import (
     OPERATOR_MOVES,
@@ -167,12 +167,13 @@ class OpsStep(MessageStep):
         if isinstance(effect, SchedulerCall):
             request = new_request(
                 effect.kind,
-                effect.node_id,
-                "",
+                effect.key,
+                effect.tenant,
                 effect.ts,
                 effect.request_id,
                 actor="operations",
                 detail=effect.reason,
+                spec_json=effect.spec_json,
             )
             return request_output(self.topics, request, self.codec)
         if isinstance(effect, TicketChanged):
@@ -286,6 +287,32 @@ class OpsService:
         """The committed state (what the API and `fleetline tickets` show)."""
         records = {key.decode(): value for key, value in self.store.items([0])}
         return OpsFold.from_records(records)
+
+
+def load_ops_policy(path: str | None) -> tuple[OpsPolicy | None, HealingRules]:
+    """The operations policy and healing rules from a YAML or JSON file (None: the defaults,
+    and the policy the log already holds)."""
+    if path is None:
+        return None, HealingRules()
+    import yaml
+
+    try:
+        with open(path) as handle:
+            data = yaml.safe_load(handle) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"operations policy {path}: {exc}") from None
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"operations policy {path}: must be a mapping")
+    fields = dict(data)
+    rules = fields.pop("rules", None) or {}
+    try:
+        known = set(HealingRules().as_data())
+        unknown = set(rules) - known
+        if unknown:
+            raise InvalidEventError(f"unknown rules {sorted(unknown)}; known: {sorted(known)}")
+        return OpsPolicy.from_data(fields), HealingRules.from_data(rules)
+    except (InvalidEventError, TypeError, ValueError) as exc:
+        raise ConfigError(f"operations policy {path}: {exc}") from None
 
 
 def read_state(kafka: KafkaSettings, topics: Topics) -> OpsFold:

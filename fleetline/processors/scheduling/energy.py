@@ -43,8 +43,11 @@ class EnergyProfile:
     price_per_kwh: tuple[float, ...]
     renewable_share: tuple[float, ...]
     windows: tuple[PriceWindow, ...] = ()
+    pue: float | None = None  # the facility's, when the profile says (else the cluster's)
 
     def __post_init__(self) -> None:
+        if self.pue is not None and self.pue < 1:
+            raise InvalidEventError(f"energy profile of {self.cluster_id}: pue {self.pue} < 1")
         for name, values in (
             ("price_per_kwh", self.price_per_kwh),
             ("renewable_share", self.renewable_share),
@@ -93,6 +96,7 @@ class EnergyProfile:
                 }
                 for w in self.windows
             ],
+            "pue": self.pue,
         }
 
     @classmethod
@@ -111,6 +115,7 @@ class EnergyProfile:
                     )
                     for w in data.get("windows") or ()
                 ),
+                None if data.get("pue") is None else float(data["pue"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidEventError(f"energy profile: {exc!r}") from None
@@ -126,10 +131,10 @@ def effective_price(
     (PUE) included, discounted by `renewable_weight` x the renewable share: the scheduler's
     single measure of "cheaper or greener"."""
     if profile is None:
-        price, renewable = cluster.energy_price_per_kwh, 0.0
+        price, renewable, pue = cluster.energy_price_per_kwh, 0.0, cluster.pue
     else:
-        price, renewable = profile.at(ts_ms)
-    return price * cluster.pue * (1.0 - renewable_weight * renewable)
+        (price, renewable), pue = profile.at(ts_ms), profile.pue or cluster.pue
+    return price * pue * (1.0 - renewable_weight * renewable)
 
 
 def mean_price(

@@ -431,8 +431,11 @@ def _payload(request: Mapping[str, Any], what: str) -> Any:
 
 
 def _same_shape(old: JobSpec, new: JobSpec) -> bool:
-    """True when only the priority changed (labels are metadata): the placement can stay."""
+    """True when only the priority or the checkpoint interval changed (labels are metadata;
+    a tuned interval counts from the job's next checkpoint): the placement can stay."""
     if type(old) is not type(new):
         return False
     strip: dict[str, Any] = {"priority_class": "normal"}
+    if isinstance(old, TrainingJobSpec):
+        strip["checkpoint_interval_s"] = 1800
     return old.model_copy(update=strip) == new.model_copy(update=strip)
