@@ -141,6 +141,18 @@ def print_scheduling(console: Console, scheduling: dict[str, Any]) -> None:
         for row in rows:
             query.add_row(*(str(v) for v in row))
         say(query)
+    operations = scheduling.get("operations") or {}
+    if operations.get("tickets"):
+        say(
+            "\nautomated operations: repair tickets (`fleetline tickets show ID`; the node is "
+            "cordoned and drained until a burn-in returns it):"
+        )
+        tickets = table("ticket", "node", "rule", "state", "why")
+        for ticket_id, node, rule, state, summary in operations["tickets"]:
+            tickets.add_row(ticket_id, node, rule, state, summary[:60])
+        say(tickets)
+    if operations.get("capped_nodes"):
+        say(f"power capped at low load: {', '.join(operations['capped_nodes'])}")
     replay = scheduling["replay"]
     say(
         f"\ndecision replay: {replay['requests']} requests ({replay['ticks']} ticks) refolded "

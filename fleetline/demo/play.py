@@ -481,6 +481,7 @@ def play(
         scheduling = scheduling_summary(fleet)
         scheduling["ready_queries"] = ready_queries(fleet, len(scheduling["decisions"]), start_ms)
         timings["decision_replay_s"] = time.monotonic() - began
+        scheduling["operations"] = operations_summary(fleet)
     finally:
         agents.close()
         agent.close()
@@ -510,6 +511,20 @@ def play(
         cluster_story=story,
         timings=timings,
     )
+
+
+def operations_summary(fleet: Fleetline) -> dict[str, Any]:
+    """What automated operations did during the run: its repair tickets and power caps."""
+    if fleet.operations is None:
+        return {}
+    fold = fleet.operations.fold()
+    return {
+        "tickets": [
+            (t.ticket_id, t.node_id, t.rule, t.state.value, t.summary)
+            for t in sorted(fold.tickets.values(), key=lambda t: (t.opened_ms, t.ticket_id))
+        ],
+        "capped_nodes": sorted(n for n, node in fold.nodes.items() if node.capped),
+    }
 
 
 def _job(fleet: Fleetline, key: str) -> dict[str, Any] | None:

@@ -65,6 +65,11 @@ def test_the_default_scenario_flows_end_to_end(settings) -> None:
     # Every job the slice submitted was decided, and the decision log replays byte for byte.
     decided = {d[1] for d in result.scheduling["decisions"]}
     assert {"acme/pretrain", "acme/chat", "ops/urgent", "dataset:web-corpus"} <= decided
+    # Self-healing: the GPU that fell off the bus and the node that lost power each opened a
+    # repair ticket (the node is cordoned and drained until a burn-in returns it).
+    tickets = {(t[1], t[2]) for t in result.scheduling["operations"]["tickets"]}
+    assert ("us-east-a-n0000", "gpu_failed") in tickets, tickets
+    assert ("ap-south-a-n0001", "node_silent") in tickets, tickets
     replay = result.scheduling["replay"]
     assert replay["ok"] and replay["matched"] == replay["decisions"] == len(
         result.scheduling["decisions"]

@@ -73,8 +73,9 @@ def node_findings(view: ResourceView, node_id: str, rules: HealingRules) -> list
         found(
             "node_silent",
             CRITICAL,
-            f"{node_id} is {status.value.lower()}, last heard {silent_ms} ms ago"
-            + (f" ({node.reason})" if node.reason else ""),
+            f"{node_id} is down" + (f" ({node.reason})" if node.reason else "")
+            if status == NodeStatus.DOWN
+            else f"{node_id} silent for {silent_ms / 1000:.1f} s",
             status=status.value,
             last_heard_ms=node.last_heard_ms,
             silent_ms=silent_ms,
