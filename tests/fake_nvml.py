@@ -65,6 +65,9 @@ class FakeNvml:
     def nvmlDeviceGetEnforcedPowerLimit(self, h):
         return self._gpu(h, "limit_mw")
 
+    def nvmlDeviceGetPowerManagementLimitConstraints(self, h):
+        return list(self._gpu(h, "limit_range_mw"))
+
     def nvmlDeviceGetTotalEccErrors(self, h, error_type, counter_type):
         sbe, dbe = self._gpu(h, "ecc")
         return sbe if error_type == pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED else dbe
@@ -138,6 +141,7 @@ def hgx_gpu(index: int, **overrides) -> dict:
         "temp": 61,
         "power_mw": 412_500,
         "limit_mw": 700_000,
+        "limit_range_mw": (200_000, 700_000),
         "ecc": (3, 0),
         "pcie_kbps": (1000, 2000),
         "clocks": (1980, 2619),

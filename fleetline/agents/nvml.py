@@ -299,8 +299,29 @@ class NvmlCollector:
             )
         return samples
 
+    def power_limit_range_w(self) -> list[tuple[float, float] | None]:
+        """Each GPU's allowed power limits (min, max) in watts, as NVML states them (None where
+        the GPU does not say)."""
+        out: list[tuple[float, float] | None] = []
+        for handle in self._handles:
+            try:
+                low, high = self.nvml.nvmlDeviceGetPowerManagementLimitConstraints(handle)
+            except self.nvml.NVMLError:
+                out.append(None)
+            else:
+                out.append((low / 1000, high / 1000))
+        return out
+
     def set_power_limit(self, watts: float) -> None:
-        """Cap every GPU's power; needs root. Raises CollectorError with NVML's reason."""
+        """Cap every GPU's power; needs root. A cap outside a GPU's allowed range is refused
+        before any GPU is touched (so a node never ends up half capped); otherwise NVML's
+        refusal is raised as a CollectorError with its reason."""
+        for index, allowed in enumerate(self.power_limit_range_w()):
+            if allowed is not None and not allowed[0] <= watts <= allowed[1]:
+                raise CollectorError(
+                    f"a {watts:.0f} W power cap is outside GPU {index}'s allowed "
+                    f"{allowed[0]:.0f}-{allowed[1]:.0f} W"
+                )
         for handle in self._handles:
             try:
                 self.nvml.nvmlDeviceSetPowerManagementLimit(handle, int(watts * 1000))

@@ -160,3 +160,26 @@ def test_readings_follow_a_real_load(nvml) -> None:
     assert max(b["gpu_util_pct"] for b in busy) >= 50
     assert max(b["power_w"] for b in busy) > idle["power_w"] + 20
     assert max(b["fb_used_mib"] for b in busy) > idle["fb_used_mib"]
+
+
+def test_a_power_cap_outside_the_gpu_s_range_is_refused_before_nvml_is_asked(nvml) -> None:
+    """Operations' SET_POWER_CAP on a real GPU: the allowed range comes from NVML, and a cap
+    outside it is refused with that range before any GPU is touched (this test changes no
+    setting: the one cap it asks for is below the minimum)."""
+    ranges = nvml.power_limit_range_w()
+    assert len(ranges) == nvml.gpu_count
+    before = [g["power_limit_w"] for g in nvml.sample()]
+    for allowed, limit in zip(ranges, before, strict=True):
+        if allowed is None:
+            continue
+        low, high = allowed
+        assert 0 < low < high < 2000
+        assert low <= limit <= high + 1  # the enforced limit lies in the allowed range
+        print(f"allowed power limits {low:.0f}-{high:.0f} W, enforced {limit} W")
+    known = [r for r in ranges if r is not None]
+    if not known:
+        pytest.skip("NVML states no power limit range for these GPUs")
+    too_low = min(low for low, _ in known) - 50
+    with pytest.raises(CollectorError, match=r"outside GPU \d+.s allowed"):
+        nvml.set_power_limit(too_low)
+    assert [g["power_limit_w"] for g in nvml.sample()] == before

@@ -127,6 +127,13 @@ def test_power_cap_goes_to_every_gpu_or_fails_clearly() -> None:
     fake.allow_set_power = False
     with pytest.raises(CollectorError, match="450 W power cap"):
         nvml.set_power_limit(450)
+    # Outside what a GPU allows: refused before any GPU is touched.
+    fake.allow_set_power = True
+    fake.gpus[1]["limit_range_mw"] = (300_000, 700_000)
+    with pytest.raises(CollectorError, match="250 W power cap is outside GPU 1's allowed 300-700"):
+        nvml.set_power_limit(250)
+    assert fake.power_limits_set == [(0, 450_000), (1, 450_000)]
+    assert nvml.power_limit_range_w() == [(200.0, 700.0), (300.0, 700.0)]
 
 
 def test_no_driver_is_a_collector_error() -> None:
