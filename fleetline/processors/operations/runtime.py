@@ -217,6 +217,9 @@ class OpsService:
     instance_id: str = "0"
     clock: Callable[[], int] = field(default=lambda: int(time.time() * 1000))
     ticking: threading.Event = field(default_factory=threading.Event)
+    # With no new finding and no load change, time still moves the fold (burn-ins, idle
+    # timers) through one OBSERVE this often; every OBSERVE carries every current finding.
+    quiet_every_s: float = 10.0
 
     def __post_init__(self) -> None:
         self.store = ops_store(self.topics)
@@ -237,6 +240,9 @@ class OpsService:
         self.ready = self.loop.ready
         self.ticks = 0
         self._sent: dict[str, NodeLoad] = {}
+        self._found: list[tuple[str, str, str]] = []
+        self._skipped: list[str] = []
+        self._observed_at = float("-inf")
         self.codec = default_codec()
 
     def run(self, stop: threading.Event) -> None:
@@ -268,6 +274,16 @@ class OpsService:
     def tick(self, producer: Any) -> None:
         seen = self.view.read(lambda view: observe(view, self.rules))
         changed = {n: load for n, load in seen.loads.items() if self._sent.get(n) != load}
+        found = sorted((f.node_id, f.rule, f.summary) for f in seen.findings)
+        now = time.monotonic()
+        if (
+            not changed
+            and found == self._found
+            and seen.skipped_clusters == self._skipped
+            and now - self._observed_at < self.quiet_every_s
+        ):
+            return  # nothing new: the log gets an OBSERVE only every `quiet_every_s`
+        self._found, self._skipped, self._observed_at = found, seen.skipped_clusters, now
         payload = {
             "findings": [f.as_data() for f in seen.findings],
             "loads": {n: list(load) for n, load in sorted(changed.items())},
