@@ -12,9 +12,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from fleetline.agents.simulator import ClusterSpec, FleetSimulator, cluster_info
 from fleetline.config import Settings
 from fleetline.infra import LocalServices
-from fleetline.processors.view.fold import fold_telemetry
+from fleetline.processors.view.fold import apply, fold_telemetry
 from fleetline.processors.view.model import GPU_FIELDS, ResourceView
 from fleetline.storage.hot_sink import HotSampleSink, HotSampleStore
 from fleetline.streams.loop import StreamLoop
@@ -110,3 +111,17 @@ def fold_telemetry_records(view: ResourceView, records: Iterable[dict[str, Any]]
             r["ts"],
             [tuple(g[f] for f in GPU_FIELDS) for g in r["gpus"]],
         )
+
+
+def simulated_view(clusters: list[ClusterSpec], base_ms: int, seed: int = 1) -> ResourceView:
+    """The view of a simulated fleet after its first interval: cluster facts, node states and
+    one telemetry record per node, folded as the processor would."""
+    codec = default_codec()
+    sim = FleetSimulator(clusters, seed=seed)
+    view = ResourceView()
+    for c in clusters:
+        apply(view, codec.decode(codec.encode("ClusterInfo", cluster_info(c, 1, base_ms))))
+    for record in sim.initial_states(base_ms):
+        apply(view, codec.decode(codec.encode("NodeState", record)))
+    fold_telemetry_records(view, sim.telemetry(base_ms + 1000))
+    return view

@@ -22,9 +22,9 @@ import time
 import uuid
 from collections import Counter
 
-from _common import fold_telemetry_records, local_services, report
+from _common import local_services, report, simulated_view
 
-from fleetline.agents.simulator import ClusterSpec, FleetSimulator, cluster_info
+from fleetline.agents.simulator import ClusterSpec
 from fleetline.config import Settings
 from fleetline.processors.health.fold import ClusterHealthPolicy, HealthFold
 from fleetline.processors.health.runtime import signal
@@ -48,14 +48,7 @@ def fleet(nodes: int) -> tuple[ResourceView, list[str]]:
         ClusterSpec(f"c{i:02d}", f"region-{i % 5}", per_cluster, nodes_per_leaf=16)
         for i in range(10)
     ]
-    sim = FleetSimulator(clusters, seed=1)
-    view = ResourceView()
-    for c in clusters:
-        apply(view, CODEC.decode(CODEC.encode("ClusterInfo", cluster_info(c, 1, BASE_MS))))
-    for record in sim.initial_states(BASE_MS):
-        apply(view, CODEC.decode(CODEC.encode("NodeState", record)))
-    fold_telemetry_records(view, sim.telemetry(BASE_MS + 1000))
-    return view, [c.cluster_id for c in clusters]
+    return simulated_view(clusters, BASE_MS), [c.cluster_id for c in clusters]
 
 
 def job(n: int) -> dict:

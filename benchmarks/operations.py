@@ -21,20 +21,17 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from _common import fold_telemetry_records, report
+from _common import report, simulated_view
 
-from fleetline.agents.simulator import ClusterSpec, FleetSimulator, cluster_info
+from fleetline.agents.simulator import ClusterSpec
 from fleetline.processors.operations.forecast import back_test, simulated_demand
 from fleetline.processors.scheduling.capacity import observe
 from fleetline.processors.scheduling.codec import canonical_json, new_request
 from fleetline.processors.scheduling.effects import WorkloadOrder
 from fleetline.processors.scheduling.energy import GPU_POWER_KW, HOUR_MS
 from fleetline.processors.scheduling.scheduler import Scheduler
-from fleetline.processors.view.fold import apply
 from fleetline.processors.view.model import ResourceView
-from fleetline.streams.serde import default_codec
 
-CODEC = default_codec()
 BASE_MS = 1_796_000_000_000
 STEP_MS = 15 * 60_000
 WEEK_H = 168
@@ -58,15 +55,7 @@ def _profile(cluster: str, offset: int) -> dict[str, Any]:
 
 
 def _view() -> ResourceView:
-    clusters = [ClusterSpec(c, r, 8) for c, r, _, _ in SITES]
-    sim = FleetSimulator(clusters, seed=1)
-    view = ResourceView()
-    for c in clusters:
-        apply(view, CODEC.decode(CODEC.encode("ClusterInfo", cluster_info(c, 1, BASE_MS))))
-    for record in sim.initial_states(BASE_MS):
-        apply(view, CODEC.decode(CODEC.encode("NodeState", record)))
-    fold_telemetry_records(view, sim.telemetry(BASE_MS + 1000))
-    return view
+    return simulated_view([ClusterSpec(c, r, 8) for c, r, _, _ in SITES], BASE_MS)
 
 
 def _workload(

@@ -16,6 +16,7 @@ from typing import Any, Generic, TypeVar
 from fleetline.config import KafkaSettings
 from fleetline.streams.kafka import read_to_end
 from fleetline.streams.records import where
+from fleetline.streams.topics import Topics
 
 V = TypeVar("V")
 _ABSENT = object()
@@ -116,3 +117,12 @@ def json_store(name: str, changelog_topic: str) -> ChangelogStore[Any]:
         lambda value: json.dumps(value, sort_keys=True).encode(),
         lambda data: json.loads(data),
     )
+
+
+FOLD_STORE = "state"
+
+
+def fold_store(topics: Topics, application_id: str) -> ChangelogStore[Any]:
+    """The JSON store of a fold over a single-partition log (the scheduler's, cluster
+    health's, operations'): partition 0 of `<prefix>.<application>.state.changelog`."""
+    return json_store(FOLD_STORE, topics.changelog(application_id, FOLD_STORE))

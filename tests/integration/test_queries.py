@@ -75,6 +75,13 @@ def test_fleetline_sql_takes_its_limits_from_the_environment(settings, monkeypat
     assert "FLEETLINE_SQL_MAX_RESULT_ROWS must be a int, got 'many'" in capsys.readouterr().err
 
 
+def _allocations(clickhouse, db: str, rows: list[list]) -> None:
+    """GPU bindings as the allocation sink stores them: ts_ms, job, tenant, cluster, node,
+    GPU index, ALLOCATED or RELEASED, seq."""
+    columns = ["ts_ms", "job_id", "tenant", "cluster_id", "node_id", "gpu_index", "kind", "seq"]
+    clickhouse.insert(f"{db}.gpu_allocations", rows, column_names=columns)
+
+
 def test_energy_and_its_cost_per_job_and_tenant(settings, clickhouse):
     """Samples are counted for the job whose allocation holds their GPU at the time, priced at
     their cluster's hourly price (the latest profile), with its PUE and renewable share."""
@@ -99,20 +106,7 @@ def test_energy_and_its_cost_per_job_and_tenant(settings, clickhouse):
         [hour - 1000, "globex/b", "globex", "c1", "n1", 1, "ALLOCATED", 1],
         [hour + 3_650_000, "acme/a", "acme", "c1", "n1", 0, "RELEASED", 2],
     ]
-    clickhouse.insert(
-        f"{db}.gpu_allocations",
-        allocations,
-        column_names=[
-            "ts_ms",
-            "job_id",
-            "tenant",
-            "cluster_id",
-            "node_id",
-            "gpu_index",
-            "kind",
-            "seq",
-        ],
-    )
+    _allocations(clickhouse, db, allocations)
     prices = [[hour - 10, "c1", x, 0.9, 0.0, 1.5, 0, 1, "r"] for x in range(24)]  # superseded
     prices += [[hour, "c1", x, 0.2 if x == h else 0.9, 0.4, 1.5, 0, 2, "r"] for x in range(24)]
     clickhouse.insert(
@@ -197,19 +191,10 @@ def test_the_tuning_inputs_come_from_the_samples_workload_events_and_allocations
             "xid_codes",
         ],
     )
-    clickhouse.insert(
-        f"{db}.gpu_allocations",
+    _allocations(
+        clickhouse,
+        db,
         [[start - 1, "acme/j", "acme", "c1", "n1", g, "ALLOCATED", 1] for g in range(2)],
-        column_names=[
-            "ts_ms",
-            "job_id",
-            "tenant",
-            "cluster_id",
-            "node_id",
-            "gpu_index",
-            "kind",
-            "seq",
-        ],
     )
     clickhouse.insert(
         f"{db}.workload_events",

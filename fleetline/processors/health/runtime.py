@@ -24,18 +24,18 @@ from fleetline.streams.events import CLUSTER_HEALTH, CLUSTER_SIGNAL
 from fleetline.streams.loop import MessageStep, StreamLoop, produce, run_beside
 from fleetline.streams.records import Output, where
 from fleetline.streams.serde import AvroCodec, default_codec
-from fleetline.streams.store import ChangelogStore, json_store
+from fleetline.streams.store import FOLD_STORE, ChangelogStore, fold_store
 from fleetline.streams.topics import Topics, TopicSpec
 
 log = logging.getLogger(__name__)
 
 APPLICATION_ID = "cluster-health"
-STORE = "state"
+STORE = FOLD_STORE
 _KEY = b"fold"
 
 
 def health_store(topics: Topics) -> ChangelogStore[Any]:
-    return json_store(STORE, topics.changelog(APPLICATION_ID, STORE))
+    return fold_store(topics, APPLICATION_ID)
 
 
 def health_topics(topics: Topics) -> list[TopicSpec]:

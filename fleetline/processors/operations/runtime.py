@@ -45,21 +45,13 @@ from fleetline.streams.events import AUDIT_EVENT, NODE_COMMAND, OPS_EVENT, REPAI
 from fleetline.streams.loop import MessageStep, StreamLoop, deliver, produce, run_beside
 from fleetline.streams.records import Output, where
 from fleetline.streams.serde import AvroCodec, default_codec
-from fleetline.streams.store import ChangelogStore, json_store
-from fleetline.streams.topics import Topics, TopicSpec
+from fleetline.streams.store import FOLD_STORE, ChangelogStore, fold_store
+from fleetline.streams.topics import Topics
 
 log = logging.getLogger(__name__)
 
 APPLICATION_ID = "operations"
-STORE = "state"
-
-
-def ops_store(topics: Topics) -> ChangelogStore[Any]:
-    return json_store(STORE, topics.changelog(APPLICATION_ID, STORE))
-
-
-def ops_topics(topics: Topics) -> list[TopicSpec]:
-    return [*topics.specs(), topics.changelog_spec(APPLICATION_ID, STORE, partitions=1)]
+STORE = FOLD_STORE
 
 
 def ops_event(
@@ -222,7 +214,7 @@ class OpsService:
     quiet_every_s: float = 10.0
 
     def __post_init__(self) -> None:
-        self.store = ops_store(self.topics)
+        self.store = fold_store(self.topics, APPLICATION_ID)
         self.step = OpsStep(self.topics, self.store)
         self.name = f"{self.topics.prefix}.{APPLICATION_ID}"
         self.loop = StreamLoop(
@@ -333,7 +325,7 @@ def load_ops_policy(path: str | None) -> tuple[OpsPolicy | None, HealingRules]:
 
 def read_state(kafka: KafkaSettings, topics: Topics) -> OpsFold:
     """The operations fold's committed state, restored from its changelog (for the CLI)."""
-    store = ops_store(topics)
+    store = fold_store(topics, APPLICATION_ID)
     store.restore(kafka, [0])
     return OpsFold.from_records({key.decode(): value for key, value in store.items([0])})
 

@@ -54,17 +54,17 @@ from fleetline.streams.events import (
 from fleetline.streams.loop import MessageStep, StreamLoop, deliver, produce, run_beside
 from fleetline.streams.records import Offsets, Output, where
 from fleetline.streams.serde import AvroCodec, default_codec
-from fleetline.streams.store import ChangelogStore, json_store
+from fleetline.streams.store import FOLD_STORE, ChangelogStore, fold_store
 from fleetline.streams.topics import Topics, TopicSpec
 
 log = logging.getLogger(__name__)
 
 APPLICATION_ID = "scheduler"
-STORE = "state"
+STORE = FOLD_STORE
 
 
 def state_store(topics: Topics) -> ChangelogStore[Any]:
-    return json_store(STORE, topics.changelog(APPLICATION_ID, STORE))
+    return fold_store(topics, APPLICATION_ID)
 
 
 def scheduler_topics(topics: Topics) -> list[TopicSpec]:
