@@ -211,8 +211,29 @@ def test_rules_find_a_failed_gpu_with_its_xid_and_skip_a_lost_cluster():
     seen = observe(view, HealingRules())
     failed = [f for f in seen.findings if f.rule == "gpu_failed"]
     assert [(f.node_id, f.evidence["gpu"]) for f in failed] == [("us-east-a-n0001", 5)]
-    assert failed[0].evidence["xid_codes"] == [79] or failed[0].evidence["cause"]
+    assert failed[0].evidence["cause"] == "xid 79" and failed[0].severity == "CRITICAL"
     assert set(seen.loads) == {"us-east-a-n0000", "us-east-a-n0001"}
+
+
+def test_a_cheap_observation_answers_from_the_node_epoch_and_sees_a_new_failure():
+    from tests.scheduling_support import advance
+
+    view, sim = fleet_view([ClusterSpec("us-east-a", "us-east", 2)], 2)
+    cache: dict = {}
+    first = observe(view, HealingRules(), readings=False, health_cache=cache)
+    assert first.findings == [] and set(cache) == {"us-east-a-n0000", "us-east-a-n0001"}
+    # A threshold on the readings is judged only by a full observation.
+    hot = HealingRules(max_temperature_c=0.0)
+    assert observe(view, hot, readings=False, health_cache=cache).findings == []
+    assert {f.rule for f in observe(view, hot).findings} == {"thermal"}
+    sim.add_fault(Fault("xid", "us-east-a-n0000/2", BASE_MS + 2500, None, 48))
+    advance(view, sim, 3, 3)
+    (failed,) = observe(view, HealingRules(), readings=False, health_cache=cache).findings
+    assert (failed.node_id, failed.rule, failed.evidence["gpu"]) == (
+        "us-east-a-n0000",
+        "gpu_failed",
+        2,
+    )
 
 
 def test_a_lossy_leaf_needs_repair_only_past_the_rule_s_threshold():

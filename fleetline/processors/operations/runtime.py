@@ -36,7 +36,14 @@ from fleetline.processors.operations.fold import (
     SchedulerCall,
     TicketChanged,
 )
-from fleetline.processors.operations.rules import HealingRules, NodeLoad, observe
+from fleetline.processors.operations.rules import (
+    READING_RULES,
+    Finding,
+    HealingRules,
+    NodeLoad,
+    Observation,
+    observe,
+)
 from fleetline.processors.scheduling.codec import new_request
 from fleetline.processors.scheduling.runtime import read_topic, request_output
 from fleetline.processors.view.read import ViewSource
@@ -212,6 +219,9 @@ class OpsService:
     # With no new finding and no load change, time still moves the fold (burn-ins, idle
     # timers) through one OBSERVE this often; every OBSERVE carries every current finding.
     quiet_every_s: float = 10.0
+    # Silence and GPU health are judged every tick (a node whose epoch has not moved costs a
+    # lookup); the thresholds on every GPU's readings, a scan of all samples, this often.
+    readings_every_s: float = 5.0
 
     def __post_init__(self) -> None:
         self.store = fold_store(self.topics, APPLICATION_ID)
@@ -235,6 +245,10 @@ class OpsService:
         self._found: list[tuple[str, str, str]] = []
         self._skipped: list[str] = []
         self._observed_at = float("-inf")
+        self._read_at = float("-inf")
+        self._limits: dict[str, float] = {}
+        self._from_readings: list[Finding] = []
+        self._health: dict[str, tuple[int, list[Finding]]] = {}
         self.codec = default_codec()
 
     def run(self, stop: threading.Event) -> None:
@@ -264,7 +278,20 @@ class OpsService:
             producer.flush(10)
 
     def tick(self, producer: Any) -> None:
-        seen = self.view.read(lambda view: observe(view, self.rules))
+        full = time.monotonic() - self._read_at >= self.readings_every_s
+        if full:
+            seen = self.view.read(lambda view: observe(view, self.rules))
+            self._read_at = time.monotonic()
+            self._limits = {n: load[3] for n, load in seen.loads.items()}
+            self._from_readings = [f for f in seen.findings if f.rule in READING_RULES]
+        else:
+            cheap = self.view.read(
+                lambda view: observe(view, self.rules, False, self._limits, self._health)
+            )
+            # What the last full scan found in the readings stands until the next one.
+            judged = {f.node_id for f in cheap.findings if f.rule == "node_silent"}
+            kept = [f for f in self._from_readings if f.node_id not in judged]
+            seen = Observation([*cheap.findings, *kept], cheap.loads, cheap.skipped_clusters)
         changed = {n: load for n, load in seen.loads.items() if self._sent.get(n) != load}
         found = sorted((f.node_id, f.rule, f.summary) for f in seen.findings)
         now = time.monotonic()

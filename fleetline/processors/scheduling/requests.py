@@ -140,6 +140,7 @@ def submit(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> Non
             release(s, out, job, Outcome.RELEASED, "the spec changed; placing it again")
         job.set_spec(document, spec.spec, priority)
         job.phase, job.queued_reason = Phase.QUEUED, None
+        job.deferred_until_ms = None  # a new spec (a new deadline) is deferred afresh
         job.entered_trace = trace_of(request)
         s.dirty.add(f"job:{key}")
     else:
