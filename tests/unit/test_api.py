@@ -712,3 +712,30 @@ def test_tickets_are_listed_shown_and_moved_by_admins_only(setup):
     assert again.status_code == 400 and "is IN_REPAIR; IN_REPAIR needs one of" in again.text
     bad = admin.post(f"/v1/tickets/{listed['ticket_id']}", json={"state": "CLOSED"})
     assert bad.status_code == 422  # only a burn-in closes a ticket
+
+
+def test_the_forecast_route_fits_the_demand_history_clickhouse_returns(setup):
+    from fleetline.processors.operations.forecast import simulated_demand
+
+    app, recorder = setup
+    demand = simulated_demand(12, seed=2)
+    rows = [[490_152 + h, round(float(v), 3), 900] for h, v in enumerate(demand)]
+    asked: list[str] = []
+
+    def sql(query: str) -> dict:
+        asked.append(query)
+        return {"columns": ["hour", "demand", "gpus"], "rows": rows}
+
+    forecast_app = create_app(StaticView(fold([])), app.state.authenticator, recorder, sql=sql)
+    viewer = TestClient(forecast_app, headers={"Authorization": f"Bearer {token_for('viewer')}"})
+    answer = viewer.get("/v1/forecast", params={"cluster_id": "c1", "model": "H100", "weeks": 2})
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert "cluster_id = 'c1'" in asked[0] and "'H100'" in asked[0]
+    assert body["capacity_gpus"] == 900 and len(body["days"]) == 14
+    test = body["back_test"]
+    assert test["model_smape_pct"] < test["seasonal_naive_smape_pct"]
+    assert viewer.get("/v1/forecast", params={"cluster_id": "c1"}).status_code == 422
+    rows[:] = rows[:100]  # under two weeks of history: said, not guessed
+    short = viewer.get("/v1/forecast", params={"cluster_id": "c1", "model": "H100"})
+    assert short.status_code == 422 and "two weeks" in short.text

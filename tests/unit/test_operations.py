@@ -421,3 +421,20 @@ def test_a_tuned_checkpoint_interval_keeps_the_job_where_it_runs():
     assert d.nodes_of("acme/j") == before and d.job("acme/j").phase == "Running"
     assert d.job("acme/j").interval_ms == 600_000
     assert d.last("acme/j").outcome == "PLACED"  # no release, no new placement
+
+
+def test_a_bad_energy_profile_is_refused_with_the_reason():
+    view, _ = fleet_view([ClusterSpec("us-east-a", "us-east", 1)], 2)
+    d = Driver(view)
+    for profile, reason in (
+        ({"cluster_id": "us-east-a", "price_per_kwh": [0.1] * 23}, "needs 24 hourly values"),
+        (
+            {"cluster_id": "us-east-a", "price_per_kwh": [0.1] * 24, "renewable_share": [2] * 24},
+            "renewable_share is a fraction",
+        ),
+        ({"cluster_id": "eu-west-a", "price_per_kwh": [0.1] * 24}, "carries the profile of"),
+        ({"cluster_id": "us-east-a", "price_per_kwh": [0.1] * 24, "pue": 0.5}, "pue 0.5 < 1"),
+    ):
+        with pytest.raises(InvalidEventError, match=reason):
+            d.feed(d._request("ENERGY", "us-east-a", "", spec_json=canonical_json(profile)))
+    assert d.scheduler.energy == {}
