@@ -216,6 +216,7 @@ def test_every_page_loads_without_errors_and_is_screenshotted(console, signed_in
         ("jobs", "jobs"),
         ("job/acme/train", "job"),
         ("services", "services"),
+        ("tickets", "tickets"),
         ("history", "history"),
         ("audit", "audit"),
         ("logs", "logs"),
@@ -269,6 +270,15 @@ def test_a_fault_in_the_simulator_shows_on_the_open_page_within_seconds(console,
     assert session.page.evaluate("window.__sameDocument") is True
     assert shown_after_s < 10, shown_after_s
     print(f"the XID showed on the open page {shown_after_s:.1f} s after it was injected")
+    # Self-healing opened a ticket for the node; the Tickets page lists it with the API's state.
+    wait_until(
+        lambda: any(t["node_id"] == node for t in console.api("admin", "/v1/tickets")["tickets"]),
+        20,
+        "a ticket for the node",
+    )
+    session.open(console, "tickets")
+    assert session.text(f"ticket-state-{node}") == "OPEN"
+    assert "xid 79" in session.page.get_by_test_id(f"ticket-{node}").inner_text()
     assert session.errors == []
 
 

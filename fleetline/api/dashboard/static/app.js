@@ -76,6 +76,7 @@ const PAGES = {
   jobs: { live: true, render: jobsPage },
   job: { live: true, render: jobPage },
   services: { live: true, render: servicesPage },
+  tickets: { live: true, render: ticketsPage },
   history: { live: false, render: historyPage },
   audit: { live: false, render: auditPage },
   logs: { live: false, render: logsPage },
@@ -354,6 +355,25 @@ async function historyPage() {
     <h2>Utilisation</h2>${block("util", util, "samples")}
     <h2>Energy</h2>${block("energy", energy, "samples")}
     <h2>Wait times</h2>${block("waits", waits, "placements")}`;
+}
+
+async function ticketsPage() {
+  const { tickets } = await api("/v1/tickets");
+  const open = tickets.filter((t) => t.state !== "CLOSED");
+  const newest = [...tickets].reverse();
+  return `
+    <h1>Repair tickets <span class="dim"><b ${tid("tickets-open")}>${open.length}</b> open of ${tickets.length}</span></h1>
+    <p class="dim">Opened by self-healing: the node is cordoned and drained until an operator marks it repaired
+    (<code>fleetline tickets move ID REPAIRED</code>) and its burn-in passes.</p>
+    <table ${tid("tickets")}><tr><th>opened</th><th>ticket</th><th>node</th><th>rule</th><th>severity</th><th>state</th><th>why</th><th>latest evidence</th></tr>
+    ${newest.map((t) => {
+      const last = t.evidence[t.evidence.length - 1] || {};
+      return `<tr ${tid("ticket", t.node_id)} class="${t.state === "CLOSED" ? "dim" : ""}"><td>${time(t.opened_ms)}</td>
+        <td>${esc(t.ticket_id)}</td><td><a href="#/cluster/${esc(t.cluster_id)}">${esc(t.node_id)}</a></td><td>${esc(t.rule)}</td>
+        <td>${esc(t.severity)}</td><td ${tid("ticket-state", t.node_id)}>${esc(t.state)}</td><td>${esc(t.reason)}</td>
+        <td class="dim">${esc(last.summary || "")}</td></tr>`;
+    }).join("")}
+    </table>`;
 }
 
 async function auditPage() {
