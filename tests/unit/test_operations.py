@@ -187,6 +187,17 @@ def test_idle_nodes_are_capped_at_low_load_and_restored_when_work_returns():
     assert [(e.kind, e.node_id, e.power_cap_w) for e in restored] == [("SET_POWER_CAP", "n1", 700)]
 
 
+def test_a_partial_observation_updates_loads_and_judges_nothing():
+    ops = Ops(OpsPolicy(burn_in_ms=1000, idle_ms=0))
+    ticket_id = ops.observe(T0, [XID])[0].ticket["ticket_id"]
+    ops.move(T0 + 1, ticket_id, "REPAIRED")
+    # Past the burn-in, but the findings are in the observation's last part, not this one.
+    partial = {"loads": {"n9": ["c1", 0, 8, 700.0]}, "partial": True}
+    assert ops.feed("OBSERVE", T0 + 5000, partial) == []
+    assert ops.fold.tickets[ticket_id].state == "VERIFYING" and "n9" in ops.fold.nodes
+    assert kinds(ops.observe(T0 + 5001))[:1] == ["ticket:CLOSED"]
+
+
 def test_the_fold_restored_from_its_records_decides_as_the_one_that_ran():
     ops = Ops(OpsPolicy(burn_in_ms=1000, idle_ms=0))
     ops.observe(T0, [XID], {"n2": ["c1", 0, 8, 700.0]})

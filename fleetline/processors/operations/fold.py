@@ -232,6 +232,8 @@ class OpsFold:
     def _observe(self, payload: Mapping[str, Any], out: list[Effect]) -> None:
         for node_id, load in sorted((payload.get("loads") or {}).items()):
             self._load(node_id, tuple(load))
+        if payload.get("partial"):
+            return  # loads only: the observation's findings come in its last part
         findings = [Finding.from_data(f) for f in payload.get("findings") or []]
         by_node: dict[str, list[Finding]] = {}
         for finding in findings:

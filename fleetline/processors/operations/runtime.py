@@ -58,6 +58,7 @@ from fleetline.streams.topics import Topics
 log = logging.getLogger(__name__)
 
 APPLICATION_ID = "operations"
+LOADS_PER_EVENT = 4000  # ~40 bytes of JSON a node
 STORE = FOLD_STORE
 
 
@@ -303,17 +304,20 @@ class OpsService:
         ):
             return  # nothing new: the log gets an OBSERVE only every `quiet_every_s`
         self._found, self._skipped, self._observed_at = found, seen.skipped_clusters, now
-        payload = {
-            "findings": [f.as_data() for f in seen.findings],
-            "loads": {n: list(load) for n, load in sorted(changed.items())},
-            "skipped_clusters": seen.skipped_clusters,
-        }
-        produce(
-            producer,
-            ops_output(
-                self.topics, ops_event("OBSERVE", self.clock(), payload, actor="ticker"), self.codec
-            ),
-        )
+        # Many changed loads (the first observation of a large fleet) go in parts, each well
+        # under a Kafka message's megabyte; only the last carries the findings and is judged.
+        loads = [(n, list(load)) for n, load in sorted(changed.items())]
+        parts = [loads[i : i + LOADS_PER_EVENT] for i in range(0, len(loads), LOADS_PER_EVENT)]
+        now_ms = self.clock()
+        for number, part in enumerate(parts or [[]], start=1):
+            payload: dict[str, Any] = {"loads": dict(part)}
+            if number < len(parts):
+                payload["partial"] = True
+            else:
+                payload["findings"] = [f.as_data() for f in seen.findings]
+                payload["skipped_clusters"] = seen.skipped_clusters
+            event = ops_event("OBSERVE", now_ms, payload, actor="ticker")
+            produce(producer, ops_output(self.topics, event, self.codec))
         producer.flush(10)
         self._sent.update(changed)
         self.ticks += 1
