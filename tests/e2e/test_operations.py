@@ -180,6 +180,20 @@ def test_an_xid_cordons_the_node_its_job_resumes_elsewhere_and_a_repaired_node_r
     FIGURES["fault_to_running_elsewhere_s"] = (moved["ts"] - fault_ms) / 1000
     restored = [e for e in events if e["event"] == "RESTORED" and e["from_cluster"] == "oa"]
     assert restored and restored[0]["step"] >= 100
+    # Tuning from the history ClickHouse now holds: the job's measured checkpoint times and
+    # its GPUs' failure rate give a checkpoint interval, with every input shown.
+    advice: list[str] = []
+
+    def tuned() -> bool:
+        capsys.readouterr()
+        code = main(["tune", "--days", "1", *prefix])
+        advice[:] = capsys.readouterr().out.splitlines() if code == 0 else []
+        return any(line.startswith("acme/heal: checkpoint every") for line in advice)
+
+    wait_until(tuned, 30, "a checkpoint recommendation for acme/heal", every_s=1.0)
+    inputs = next(line for line in advice if "checkpoints_measured" in line)
+    assert '"checkpoint_cost_s"' in inputs and '"failure_rate_per_gpu_hour"' in inputs
+
     # Why: `fleetline explain NODE` prints the ticket's evidence and history.
     capsys.readouterr()
     assert main(["explain", NODE, *prefix]) == 0
