@@ -353,6 +353,27 @@ def test_a_deferrable_job_waits_for_the_cheap_window_then_places_and_says_why():
     assert "energy" in d.last("acme/now").alternatives[0].parts
 
 
+def test_deferred_jobs_take_none_of_a_pass_s_attempts():
+    view, _ = fleet_view([ClusterSpec("us-east-a", "us-east", 1)], 2)
+    d = Driver(view)
+    now = d.now_ms
+    window = [{"from_ms": now + 3_600_000, "to_ms": now + 7_200_000, "price_per_kwh": 0.01}]
+    profile = {"cluster_id": "us-east-a", "price_per_kwh": [0.4] * 24, "windows": window}
+    d.feed(d._request("ENERGY", "us-east-a", "", spec_json=canonical_json(profile)))
+    d.submit(training("block"))  # the cluster's 8 GPUs
+    deadline = datetime.fromtimestamp((now + 6 * 3_600_000) / 1000, UTC).isoformat()
+    for n in range(d.scheduler.policy.pass_attempts + 1):
+        d.submit(
+            training(f"later-{n}", deferrable={"deadline": deadline, "expected_runtime": "1h"})
+        )
+    d.submit(training("waiting"))
+    assert d.last("acme/waiting").outcome == "QUEUED"
+    d.delete("acme/block")
+    d.tick(seconds=1)
+    # The pass went past the 65 deferred jobs ahead of it in the queue to the one that can run.
+    assert d.last("acme/waiting").outcome == "PLACED"
+
+
 # -- forecasting ------------------------------------------------------------------------------
 
 

@@ -186,6 +186,8 @@ def _pass(s: SchedulerState, out: EffectLog, extra_attempts: int = 0) -> None:
                 del queues[tenant]
             if job.phase != Phase.QUEUED or any(k in failed for k in shape_keys(job)):
                 continue
+            if job.deferred_until_ms is not None and job.deferred_until_ms > s.now_ms:
+                continue  # waits for its cheap window, and takes none of the pass's budget
             if budget <= 0:
                 s.pass_wanted = True
                 return
