@@ -166,6 +166,29 @@ def partitions_of(kafka: KafkaSettings, topic: str, timeout_s: float = 30.0) -> 
     return sorted(metadata.partitions)
 
 
+# While a new topic's partitions elect their leaders, the broker answers these; asking again
+# a moment later is the fix.
+_ELECTING = frozenset(
+    {
+        KafkaError.NOT_LEADER_FOR_PARTITION,
+        KafkaError.LEADER_NOT_AVAILABLE,
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+    }
+)
+
+
+def _watermarks(reader: Consumer, tp: TopicPartition, timeout_s: float) -> tuple[int, int]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            low, high = reader.get_watermark_offsets(tp, timeout=timeout_s, cached=False)
+            return int(low), int(high)
+        except KafkaException as exc:
+            if exc.args[0].code() not in _ELECTING or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def read_to_end(
     kafka: KafkaSettings,
     topic: str,
@@ -180,9 +203,7 @@ def read_to_end(
     try:
         ends: dict[int, int] = {}
         for p in sorted(set(partitions)):
-            low, high = reader.get_watermark_offsets(
-                TopicPartition(topic, p), timeout=timeout_s, cached=False
-            )
+            low, high = _watermarks(reader, TopicPartition(topic, p), timeout_s)
             if high > low:
                 ends[p] = high
         if not ends:

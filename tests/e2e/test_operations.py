@@ -140,6 +140,9 @@ def test_an_xid_cordons_the_node_its_job_resumes_elsewhere_and_a_repaired_node_r
 ):
     for name, value in service_env(stack.settings).items():
         monkeypatch.setenv(name, value)
+    # `fleetline tune` reads the stack's ClickHouse, the store this process owns.
+    monkeypatch.setenv("FLEETLINE_CLICKHOUSE_URL", stack.settings.clickhouse_url)
+    monkeypatch.setenv("FLEETLINE_CLICKHOUSE_DATABASE", stack.settings.clickhouse_database)
     prefix = ["--topic-prefix", stack.topics.prefix]
     ops = KafkaOperations(stack.settings.kafka, stack.topics, stack.fleet.operations)
     workload = {
