@@ -259,6 +259,14 @@ def replay(
             "difference)"
         ),
     ] = False,
+    operations: Annotated[
+        bool,
+        typer.Option(
+            help="refold the operations log and check every repair-ticket change and node "
+            "command it issued against what was published, byte for byte (exit 2 at the first "
+            "difference)"
+        ),
+    ] = False,
     topic_prefix: TopicPrefix = "fleetline",
     group: ViewGroup = VIEW_APP,
     at: At = None,
@@ -281,6 +289,25 @@ def replay(
     topics = Topics(topic_prefix)
     if decisions:
         exit_with(_replay_decisions(config, topics, group, no_snapshots))
+        return
+    if operations:
+        from fleetline.processors.replay import replay_operations
+
+        again = replay_operations(config.kafka, topics)
+        print(
+            json.dumps(
+                {
+                    "ok": again.ok,
+                    "events": again.events,
+                    "ticket_changes": again.tickets,
+                    "commands": again.commands,
+                    "first_difference": again.first_difference,
+                    "seconds": round(again.seconds, 3),
+                },
+                indent=2,
+            )
+        )
+        exit_with(0 if again.ok else 2)
         return
     if since or until:
         if not (since and until):

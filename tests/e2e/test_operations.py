@@ -11,6 +11,7 @@ returned; a deferrable job waits for the cheap window and still meets its deadli
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -227,7 +228,13 @@ def test_an_xid_cordons_the_node_its_job_resumes_elsewhere_and_a_repaired_node_r
     assert [h["to"] for h in closed["history"]] == ["OPEN", "IN_REPAIR", "VERIFYING", "CLOSED"]
     wait_until(lambda: not cordoned(stack, NODE), 20, "the node uncordoned")
     assert results(stack, NODE, "UNCORDON")[0]["outcome"] == "APPLIED"
-    # Back in the pool: the next job goes to oa, first in the preference order.
+    # Back in the pool once the scheduler has seen the uncordon (its next TICK): the next job
+    # goes to oa, first in the preference order.
+    scheduler = stack.fleet.scheduler
+    assert scheduler is not None
+    wait_until(
+        lambda: scheduler.step.scheduler.facts.nodes[NODE].schedulable, 10, "oa back in placement"
+    )
     submit(stack.settings.kafka, stack.topics, submits(training("after")))
     wait_until(lambda: stack.phase("acme/after") in ("Running", "Succeeded"), 60, "the next job")
     assert any(
@@ -275,3 +282,18 @@ def test_a_deferrable_job_waits_for_the_cheap_window_and_meets_its_deadline(stac
     finished = next(e for e in stack.events("acme/nightly") if e["event"] == "EXITED")
     assert finished["exit_code"] == 0 and finished["ts"] <= deadline_ms
     FIGURES["deferred_s"] = (placed["ts"] - waited["ts"]) / 1000
+
+
+def test_a_replay_of_the_operations_log_reissues_every_ticket_change_and_command(
+    stack, monkeypatch, capsys
+):
+    """What the fold decided live (tickets, cordons, power caps), decided again from its log
+    alone, byte for byte."""
+    for name, value in service_env(stack.settings).items():
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    code = main(["replay", "--operations", "--topic-prefix", stack.topics.prefix])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["ok"], result
+    # Two tickets and their changes, cordons, uncordon, power caps and their restores.
+    assert result["ticket_changes"] >= 6 and result["commands"] >= 6, result

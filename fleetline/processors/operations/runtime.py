@@ -82,6 +82,22 @@ def ops_output(topics: Topics, event: Mapping[str, Any], codec: AvroCodec) -> Ou
     return Output(topics.ops, (event["key"] or "-").encode(), codec.encode("OpsEvent", event))
 
 
+def command_record(command: Command) -> dict[str, Any]:
+    """A node command as the NodeCommand record its agent reads (the reason rides in the
+    config map, which only APPLY_CONFIG applies)."""
+    return {
+        "command_id": command.command_id,
+        "cluster_id": command.cluster_id,
+        "node_id": command.node_id,
+        "ts": command.ts,
+        "issued_by": "operations",
+        "kind": command.kind,
+        "power_cap_w": command.power_cap_w,
+        "config_version": None,
+        "config": {"reason": command.reason},
+    }
+
+
 def ticket_record(ticket: Mapping[str, Any]) -> dict[str, Any]:
     """A ticket as the RepairTicket record on the tickets topic."""
     return {
@@ -148,17 +164,7 @@ class OpsStep(MessageStep):
 
     def _output(self, effect: Effect) -> Output:
         if isinstance(effect, Command):
-            record = {
-                "command_id": effect.command_id,
-                "cluster_id": effect.cluster_id,
-                "node_id": effect.node_id,
-                "ts": effect.ts,
-                "issued_by": "operations",
-                "kind": effect.kind,
-                "power_cap_w": effect.power_cap_w,
-                "config_version": None,
-                "config": {"reason": effect.reason},
-            }
+            record = command_record(effect)
             return Output(
                 self.topics.commands,
                 effect.node_id.encode(),
