@@ -108,7 +108,8 @@ def move(
 ) -> None:
     """Move a ticket (audited): a repaired node returns to the pool only after its burn-in."""
     from fleetline.cli.specs import audit_requests
-    from fleetline.processors.operations.runtime import append, check_move, ops_event
+    from fleetline.processors.operations.fold import check_move
+    from fleetline.processors.operations.runtime import append, ops_event
     from fleetline.streams.topics import Topics
 
     config = settings("kafka")
@@ -116,7 +117,7 @@ def move(
     ticket = _tickets(topic_prefix).get(ticket_id)
     if ticket is None:
         raise FleetlineError(f"no ticket {ticket_id!r}; `fleetline tickets list` names them")
-    check_move(ticket, state)
+    check_move(ticket_id, ticket["state"], state)
     event = ops_event(
         "TICKET_UPDATE", now_ms(), {"state": state, "note": note}, key=ticket_id, actor=actor
     )
@@ -195,9 +196,7 @@ def forecast(
     )
     test = plan["back_test"]
     if isinstance(test, dict):
-        verdict = (
-            "beats" if test["model_smape_pct"] < test["seasonal_naive_smape_pct"] else "loses to"
-        )
+        verdict = "beats" if test["beats_baseline"] else "loses to"
         print(
             f"back-test ({test['folds']} folds x {test['weeks_held_out']} held-out weeks): "
             f"sMAPE {test['model_smape_pct']:.2f} % vs seasonal-naive "

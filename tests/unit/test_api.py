@@ -683,9 +683,9 @@ class TicketBook:
         return t.as_data() if t else None
 
     def move(self, ticket_id: str, state: str, note: str, actor: str, ts: int) -> int:
-        from fleetline.processors.operations.runtime import check_move
+        from fleetline.processors.operations.fold import check_move
 
-        check_move(self.ticket(ticket_id), state)
+        check_move(ticket_id, self.fold.tickets[ticket_id].state, state)
         return self._feed("TICKET_UPDATE", ticket_id, {"state": state, "note": note}, actor)
 
 

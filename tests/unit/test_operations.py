@@ -4,6 +4,7 @@ view, the scheduler's fences, energy term and deferrable jobs, and the demand fo
 from __future__ import annotations
 
 import json
+import re
 from datetime import UTC, datetime
 from typing import Any
 
@@ -470,3 +471,24 @@ def test_a_bad_energy_profile_is_refused_with_the_reason():
         with pytest.raises(InvalidEventError, match=reason):
             d.feed(d._request("ENERGY", "us-east-a", "", spec_json=canonical_json(profile)))
     assert d.scheduler.energy == {}
+
+
+def test_a_bad_operations_policy_file_names_what_is_wrong(tmp_path):
+    from fleetline.errors import ConfigError
+    from fleetline.processors.operations.runtime import load_ops_policy
+
+    good = tmp_path / "ops.yaml"
+    good.write_text("self_healing: false\nburn_in_ms: 5000\nrules: {max_temperature_c: 85}\n")
+    policy, rules = load_ops_policy(str(good))
+    assert policy is not None and not policy.self_healing and policy.burn_in_ms == 5000
+    assert rules.max_temperature_c == 85.0
+    for text, named in (
+        ("bogus: 1\n", "operations policy: unknown fields ['bogus']"),
+        ("rules: {nope: 2}\n", "healing rules: unknown fields ['nope']"),
+        ("burn_in_ms: soon\n", "operations policy: invalid literal"),
+        ("- a list\n", "must be a mapping"),
+    ):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=re.escape(named)):
+            load_ops_policy(str(bad))

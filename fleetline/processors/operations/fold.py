@@ -24,7 +24,7 @@ from enum import StrEnum
 from typing import Any
 
 from fleetline.errors import InvalidEventError
-from fleetline.processors.operations.rules import Finding
+from fleetline.processors.operations.rules import Finding, settings_from
 
 EVIDENCE_KEPT = 20  # findings kept on a ticket (the first ones and the latest)
 
@@ -44,6 +44,20 @@ OPERATOR_MOVES: dict[str, tuple[TicketState, ...]] = {
     "REPAIRED": (TicketState.OPEN, TicketState.IN_REPAIR, TicketState.ESCALATED),
     "ESCALATED": (TicketState.OPEN, TicketState.IN_REPAIR, TicketState.VERIFYING),
 }
+
+
+def check_move(ticket_id: str, state: str, move: str) -> None:
+    """Refuse an operator's move the ticket's state does not allow, saying which would."""
+    allowed = OPERATOR_MOVES.get(move)
+    if allowed is None:
+        raise InvalidEventError(
+            f"ticket {ticket_id}: {move!r} is not one of {sorted(OPERATOR_MOVES)}"
+        )
+    if state not in allowed:
+        raise InvalidEventError(
+            f"ticket {ticket_id} is {state}; {move} needs one of "
+            f"{', '.join(s.value for s in allowed)}"
+        )
 
 
 class OpsKind(StrEnum):
@@ -80,14 +94,7 @@ class OpsPolicy:
 
     @classmethod
     def from_data(cls, data: Mapping[str, Any]) -> OpsPolicy:
-        base = cls()
-        unknown = set(data) - set(asdict(base))
-        if unknown:
-            raise InvalidEventError(f"operations policy: unknown fields {sorted(unknown)}")
-        try:
-            return cls(**{k: type(getattr(base, k))(v) for k, v in data.items()})
-        except (TypeError, ValueError) as exc:
-            raise InvalidEventError(f"operations policy: {exc}") from None
+        return settings_from(cls, data, "operations policy")
 
 
 @dataclass
@@ -451,16 +458,7 @@ class OpsFold:
         if ticket is None:
             raise InvalidEventError(f"no ticket {event['key']!r}")
         move = str(payload.get("state", ""))
-        allowed = OPERATOR_MOVES.get(move)
-        if allowed is None:
-            raise InvalidEventError(
-                f"ticket {ticket.ticket_id}: {move!r} is not one of {sorted(OPERATOR_MOVES)}"
-            )
-        if ticket.state not in allowed:
-            raise InvalidEventError(
-                f"ticket {ticket.ticket_id} is {ticket.state.value}; {move} needs one of "
-                f"{', '.join(s.value for s in allowed)}"
-            )
+        check_move(ticket.ticket_id, ticket.state, move)
         note = str(payload.get("note") or "")
         actor = event.get("actor") or "operator"
         if move == "REPAIRED":

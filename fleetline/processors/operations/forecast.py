@@ -251,6 +251,7 @@ def capacity_plan(
             "folds": test.folds,
             "model_smape_pct": round(test.model_smape, 3),
             "seasonal_naive_smape_pct": round(test.baseline_smape, 3),
+            "beats_baseline": test.beats_baseline,
             "interval_coverage": round(test.coverage, 4),
         },
     }

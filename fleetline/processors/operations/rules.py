@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from fleetline.errors import InvalidEventError
 from fleetline.processors.view.fold import gpu_health, node_status
 from fleetline.processors.view.model import (
     DEGRADED,
@@ -21,6 +22,23 @@ from fleetline.processors.view.model import (
 
 # The rules judged on a GPU's latest readings (the rest on its health and its node's silence).
 READING_RULES = frozenset({"rdma_loss", "thermal", "power"})
+Settings = TypeVar("Settings")
+
+
+def settings_from(cls: type[Settings], data: Mapping[str, Any], what: str) -> Settings:
+    """A frozen settings dataclass from plain data: every key one of its fields, each value
+    converted to its default's type; InvalidEventError naming `what` otherwise."""
+    base = cls()
+    known = set(asdict(base))  # type: ignore[call-overload]
+    unknown = set(data) - known
+    if unknown:
+        raise InvalidEventError(f"{what}: unknown fields {sorted(unknown)}; known: {sorted(known)}")
+    try:
+        return cls(**{k: type(getattr(base, k))(v) for k, v in data.items()})
+    except (TypeError, ValueError) as exc:
+        raise InvalidEventError(f"{what}: {exc}") from None
+
+
 CRITICAL = "CRITICAL"  # the node's work is at risk now: cordon and drain
 WARNING = "WARNING"  # the node runs, but worse: cordon and drain before it fails
 
@@ -47,7 +65,7 @@ class HealingRules:
 
     @classmethod
     def from_data(cls, data: Mapping[str, Any]) -> HealingRules:
-        return cls(**{k: type(getattr(cls(), k))(v) for k, v in data.items()})
+        return settings_from(cls, data, "healing rules")
 
 
 @dataclass(frozen=True)

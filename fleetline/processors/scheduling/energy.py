@@ -3,7 +3,7 @@ by hour, what a GPU-hour's energy costs there at a given time, and when a deferr
 start so that it runs in the cheapest (greenest) hours and still meets its deadline.
 
 A cluster's `EnergyProfile` reaches the scheduler as an ENERGY request in its log (from
-`fleetline energy apply` or the operations processor), so a replay prices every hour as the
+`fleetline energy apply`), so a replay prices every hour as the
 decision did. Without a profile a cluster's energy costs its declared flat price (ClusterInfo)
 with no renewable share. Nothing here reads a clock: times are the requests' event times.
 """
