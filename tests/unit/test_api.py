@@ -448,6 +448,8 @@ spec: {model: m, accelerator: H100, gpus_per_replica: 2, replicas: {min: 2},
     assert {j["key"]: j["phase"] for j in listed} == {
         "acme/train": "Running",
         "acme/chat": "Running",
+        "acme/chat.r0": "Running",  # each replica is a job of its own
+        "acme/chat.r1": "Running",
     }
     explained = user.get("/v1/jobs/acme/train/explain").json()
     assert explained["decision"]["outcome"] == "PLACED"

@@ -283,17 +283,19 @@ def test_an_elastic_job_starts_with_fewer_workers_when_that_is_all_there_is():
     assert d.job("acme/e").workers == 4
 
 
-def test_inference_replicas_spread_over_the_allowed_regions():
+def test_a_service_places_each_replica_as_a_job_in_its_home_region_first():
     view, _ = fleet_view(THREE)
     d = Driver(view)
     d.submit(service("chat", replicas=4, per_replica=2, regions=("eu-west", "us-east")))
     decision = d.last("acme/chat")
-    assert decision.outcome == "PLACED"
-    assert {p.cluster_id for p in decision.placements} == {"eu-west-a", "us-east-a"}
-    assert sum(len(p.workers) for p in decision.placements) == 4
+    assert decision.outcome == "SCALED" and "4 serving replica(s)" in decision.reason
+    placed = [d.last(f"acme/chat.r{i}") for i in range(4)]
+    assert all(p.outcome == "PLACED" for p in placed)
+    assert {p.cluster_id for p in placed} == {"eu-west-a"}  # the home region had room
+    assert all(d.job(f"acme/chat.r{i}").service == "acme/chat" for i in range(4))
     d.submit(service("far", replicas=1, regions=("mars",)))
-    assert d.last("acme/far").outcome == "QUEUED"
-    assert "is not one of mars" in d.last("acme/far").reason
+    assert d.last("acme/far.r0").outcome == "QUEUED"
+    assert "is not one of mars" in d.last("acme/far.r0").reason
 
 
 def test_a_single_gpu_replica_may_use_a_degraded_gpu():
@@ -302,9 +304,9 @@ def test_a_single_gpu_replica_may_use_a_degraded_gpu():
     )
     d = Driver(view)
     d.submit(service("small", replicas=1, per_replica=1, regions=("us-east",)))
-    assert d.last("acme/small").outcome == "PLACED"
+    assert d.last("acme/small.r0").outcome == "PLACED"
     d.submit(service("sharded", replicas=1, per_replica=2, regions=("us-east",)))
-    assert d.last("acme/sharded").outcome == "QUEUED"
+    assert d.last("acme/sharded.r0").outcome == "QUEUED"
 
 
 def test_bad_specs_and_mismatched_keys_are_rejected_with_the_reason():

@@ -146,6 +146,23 @@ class FleetFacts:
         return self._lost_reasons.get(node_id, f"{node_id} is gone from the view")
 
 
+def usable_gpus(facts: FleetFacts) -> dict[str, int]:
+    """Usable GPUs per cluster (none in a cluster out of reach), once per observation."""
+    cached: dict[str, int] | None = facts.memo.get("room")
+    if cached is None:
+        cached = {}
+        for node in facts.nodes.values():
+            cached[node.cluster_id] = (
+                cached.get(node.cluster_id, 0) + (node.healthy | node.degraded).bit_count()
+            )
+        for cluster_id, cluster in facts.clusters.items():
+            if cluster.health not in ("healthy", "degraded"):
+                cached[cluster_id] = 0
+        facts.memo["room"] = cached
+    return cached
+
+
+
 def observe(view: ResourceView, previous: FleetFacts | None = None) -> FleetFacts:
     """The scheduler's facts from the view, the same whatever order the view's dicts are in.
 

@@ -13,7 +13,7 @@ import json
 from dataclasses import replace
 from typing import Any, TypedDict, Unpack
 
-from fleetline.processors.scheduling.capacity import indices_of
+from fleetline.processors.scheduling.capacity import indices_of, usable_gpus
 from fleetline.processors.scheduling.effects import (
     AllocationChange,
     AllocationKind,
@@ -60,7 +60,12 @@ from fleetline.processors.scheduling.tenancy import Request, quota_block
 ShapeKey = tuple[Any, ...]
 
 
-def request_for(s: SchedulerState, job: Job, workers: int | None = None) -> JobRequest:
+def request_for(
+    s: SchedulerState,
+    job: Job,
+    workers: int | None = None,
+    regions: tuple[str, ...] | None = None,
+) -> JobRequest:
     spec = job.spec
     if isinstance(spec, TrainingJobSpec):
         shape = training_shape(spec, workers)
@@ -72,19 +77,83 @@ def request_for(s: SchedulerState, job: Job, workers: int | None = None) -> JobR
             s.dataset(spec.dataset) if spec.dataset else None,
             user_region=spec.region,
             gpu_ms=shape.gpus * s.runtime_ms(spec),
+            pool_keep=_pool_keep(s),
         )
-    shape = inference_shape(spec, spec.min_replicas)
-    return JobRequest(job.key, job.tenant, shape, job.priority, regions=spec.regions)
+    # One replica: each replica of a service is a job of its own.
+    return JobRequest(
+        job.key,
+        job.tenant,
+        inference_shape(spec, 1),
+        job.priority,
+        regions=regions or spec.regions,
+        user_region=(regions or spec.regions)[0],
+        spread=_sibling_spread(s, job),
+        pool_room=_pool_room(s),
+    )
+
+
+def inference_gpus(s: SchedulerState) -> dict[str, int]:
+    """GPUs held by service replicas, per cluster: each cluster's inference pool as it is."""
+    held: dict[str, int] = {}
+    for cluster_id, keys in s.cluster_jobs.items():
+        for key in keys:
+            job = s.jobs[key]
+            if job.service is not None:
+                held[cluster_id] = held.get(cluster_id, 0) + sum(
+                    m.bit_count() for m in job.allocation.get(cluster_id, {}).values()
+                )
+    return held
+
+
+def _pool_room(s: SchedulerState) -> dict[str, int] | None:
+    """GPUs replicas may still take per cluster under its pool's max_share (None: unbounded)."""
+    if not s.policy.inference_pools:
+        return None
+    held = inference_gpus(s)
+    return {
+        c: int(s.policy.pool_of(c).max_share * total) - held.get(c, 0)
+        for c, total in usable_gpus(s.facts).items()
+    }
+
+
+def _pool_keep(s: SchedulerState) -> dict[str, int] | None:
+    """GPUs training must leave free per cluster for its pool's min_gpus (None: none kept)."""
+    if not s.policy.inference_pools:
+        return None
+    held = inference_gpus(s)
+    return {c: max(0, s.policy.pool_of(c).min_gpus - held.get(c, 0)) for c in usable_gpus(s.facts)}
+
+
+def _sibling_spread(s: SchedulerState, job: Job) -> dict[str, int]:
+    """The service's other replicas per cluster (the spread scorer keeps them apart)."""
+    service = s.jobs.get(job.service or "")
+    spread: dict[str, int] = {}
+    for key in service.scaling.get("replicas", ()) if service else ():
+        sibling = s.jobs.get(key)
+        if sibling is not None and key != job.key:
+            for cluster_id in sibling.allocation:
+                spread[cluster_id] = spread.get(cluster_id, 0) + 1
+    return spread
+
+
+def replica_regions(job: Job) -> list[tuple[str, ...] | None]:
+    """The regions a placement tries in turn: a replica its service's preference order (its
+    demand's region first), one region at a time; any other job, once, anywhere it may go."""
+    if job.service is None:
+        return [None]
+    spec = job.spec
+    assert isinstance(spec, InferenceServiceSpec)
+    return [(r,) for r in job.scaling.get("regions") or spec.regions]
 
 
 def context(s: SchedulerState, request: JobRequest) -> Context:
     return Context(s.index, s.policy, s.tenants, s.usage, request, now_ms=s.now_ms, energy=s.energy)
 
 
-def try_place(s: SchedulerState, job: Job) -> Attempt:
+def try_place(s: SchedulerState, job: Job, regions: tuple[str, ...] | None = None) -> Attempt:
     """Where the job would go now (reserved in the index when it fits), without preempting."""
     spec = job.spec
-    request = request_for(s, job)
+    request = request_for(s, job, regions=regions)
     ctx = context(s, request)
     block = quota_block(
         ctx.tenant_policy, ctx.usage_of(), Request(request.shape.gpus, {}, request.gpu_ms)
@@ -92,7 +161,7 @@ def try_place(s: SchedulerState, job: Job) -> Attempt:
     if isinstance(spec, InferenceServiceSpec):
         if block is not None:
             return Attempt((), block, tuple(rank_clusters(ctx)))
-        return place_replicas(ctx, spec.min_replicas)
+        return place_replicas(ctx, 1)
     if spec.dataset and request.dataset is None:
         return Attempt((), f"dataset {spec.dataset} is not registered (apply its Dataset spec)", ())
     attempt = place_gang(ctx) if block is None else Attempt((), block, ())
@@ -148,8 +217,7 @@ def shape_keys(job: Job) -> tuple[ShapeKey, ShapeKey]:
         job.priority,
         spec.accelerator,
         spec.gpus_per_replica,
-        spec.min_replicas,
-        spec.regions,
+        tuple(replica_regions(job)),
     )
     return fleet, (*fleet, job.tenant)
 
@@ -169,16 +237,24 @@ def attempt(
         return False
     if defer(s, out, job):
         return False
-    placed = try_place(s, job)
     victims: list[Decision] = []
-    may_preempt = failed_shapes is None or s.preemptions_left > 0
-    if not placed.placed and s.policy.preemption and job.priority > 0 and may_preempt:
-        if failed_shapes is not None:
-            s.preemptions_left -= 1
-        preempted = preempt_for(s, out, job)
-        if preempted is not None:
-            victims, placed = preempted
+    why: list[str] = []
+    # A replica tries its regions in turn, preempting in one before it looks at the next: a
+    # scale-out stays in the region its demand comes from until that region's pool is full.
+    for regions in replica_regions(job):
+        placed = try_place(s, job, regions)
+        may_preempt = failed_shapes is None or s.preemptions_left > 0
+        if not placed.placed and s.policy.preemption and job.priority > 0 and may_preempt:
+            if failed_shapes is not None:
+                s.preemptions_left -= 1
+            preempted = preempt_for(s, out, job, regions)
+            if preempted is not None:
+                victims, placed = preempted
+        if placed.placed:
+            break
+        why.append(f"{regions[0]}: {placed.reason}" if regions else placed.reason)
     if not placed.placed:
+        placed = replace(placed, reason="; ".join(why))
         if failed_shapes is not None:
             fleet_only = bool(placed.alternatives) and all(
                 score.by in FLEET_FILTERS for score in placed.alternatives if score.rejected
@@ -343,6 +419,7 @@ def order_run(s: SchedulerState, out: EffectLog, job: Job) -> None:
     """A RUN order for the job's current epoch and attempt (one cluster: the first placed)."""
     cluster_id = min(job.allocation)
     job.ordered_cluster = cluster_id
+    out.add(run_order(s, job))
     job.condition(
         Condition.RUNNING,
         False,
@@ -356,24 +433,28 @@ def order_run(s: SchedulerState, out: EffectLog, job: Job) -> None:
         "attempt": job.attempt,
         "since_ms": s.now_ms,
     }
-    out.add(
-        WorkloadOrder(
-            job.key,
-            job.tenant,
-            job.kind,
-            OrderAction.RUN,
-            cluster_id,
-            job.epoch,
-            job.attempt,
-            s.now_ms,
-            job.last_decision or "",
-            f"attempt {job.attempt} of epoch {job.epoch}",
-            job.trace_id,
-            spec_json=json.dumps(job.document, sort_keys=True, separators=(",", ":")),
-            workers=_ranked_workers(job, cluster_id),
-            resume_from=(cluster_id, *(c for c in job.ran_in if c != cluster_id)),
-            resume_step=job.checkpoint_step,
-        )
+
+
+def run_order(s: SchedulerState, job: Job, reason: str | None = None) -> WorkloadOrder:
+    """The RUN order of the job's current epoch and attempt in its ordered cluster (sent again
+    with a new document when only what the workload is told changes: a replica's role)."""
+    cluster_id = job.ordered_cluster or min(job.allocation)
+    return WorkloadOrder(
+        job.key,
+        job.tenant,
+        job.kind,
+        OrderAction.RUN,
+        cluster_id,
+        job.epoch,
+        job.attempt,
+        s.now_ms,
+        job.last_decision or "",
+        reason or f"attempt {job.attempt} of epoch {job.epoch}",
+        job.trace_id,
+        spec_json=json.dumps(job.document, sort_keys=True, separators=(",", ":")),
+        workers=_ranked_workers(job, cluster_id),
+        resume_from=(cluster_id, *(c for c in job.ran_in if c != cluster_id)),
+        resume_step=job.checkpoint_step,
     )
 
 
@@ -547,11 +628,11 @@ def victims_in(s: SchedulerState, cluster_id: str, below: int) -> list[Victim]:
 
 
 def preempt_for(
-    s: SchedulerState, out: EffectLog, job: Job
+    s: SchedulerState, out: EffectLog, job: Job, regions: tuple[str, ...] | None = None
 ) -> tuple[list[Decision], Attempt] | None:
     """Evict the lower-priority jobs that lose the least work so the job fits; None when no
     eviction makes room (nothing is evicted then)."""
-    request = request_for(s, job)
+    request = request_for(s, job, regions=regions)
     filters = tuple(f for f in s.policy.filters if f not in ("capacity", "reservation"))
     ranked = rank_clusters(
         Context(s.index, replace(s.policy, filters=filters), s.tenants, s.usage, request)
@@ -596,7 +677,7 @@ def preempt_for(
         s.index, replace(s.policy, filters=(*filters, "capacity")), s.tenants, s.usage, request
     )
     if isinstance(job.spec, InferenceServiceSpec):
-        placed = place_replicas(single, job.spec.min_replicas)
+        placed = place_replicas(single, 1)
     else:
         placed = place_gang(replace_request(single))
     # Were the plan and the placement ever to disagree, the victims stay queued and the queue

@@ -28,6 +28,7 @@ class Outcome(StrEnum):
     REJECTED = "REJECTED"  # a spec that can never fit, or a bad one
     RELEASED = "RELEASED"  # deleted, finished, timed out, or re-placed after a change
     ACCEPTED = "ACCEPTED"  # datasets
+    SCALED = "SCALED"  # a service's replica counts, with the load that moved them
 
 
 class AllocationKind(StrEnum):

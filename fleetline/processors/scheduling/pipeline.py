@@ -68,6 +68,10 @@ class JobRequest:
     user_region: str | None = None  # where latency is measured to
     gpu_ms: int = 0  # GPU-hour quota reservation, training only
     spread: Mapping[str, int] = field(default_factory=dict)  # replicas already per cluster
+    # Tidal pools (policy.inference_pools): a replica's GPUs left under each bounded cluster's
+    # inference share; a training job's GPUs each cluster keeps for inference.
+    pool_room: Mapping[str, int] | None = None
+    pool_keep: Mapping[str, int] | None = None
 
 
 @dataclass
@@ -183,6 +187,24 @@ def _prewarm_rate(ctx: Context) -> float:
     return max(rate, 0.0)
 
 
+def _pool(ctx: Context, cluster_id: str) -> str | None:
+    r, shape = ctx.request, ctx.request.shape
+    if r.pool_room is not None:
+        room = r.pool_room.get(cluster_id)
+        if room is not None and room < shape.gpus:
+            return f"inference pool full: {max(room, 0)} GPU(s) left under its bound"
+    if r.pool_keep:
+        keep = r.pool_keep.get(cluster_id, 0)
+        if keep:
+            free = ctx.index.free_gpus(cluster_id, shape.allow_degraded, shape.accelerator)
+            if free - keep < shape.gpus:
+                return (
+                    f"{free} free GPUs, {keep} of them kept for the inference pool; "
+                    f"needs {shape.gpus}"
+                )
+    return None
+
+
 FILTERS: dict[str, Filter] = {
     "reachable": _reachable,
     "accelerator": _accelerator,
@@ -191,6 +213,7 @@ FILTERS: dict[str, Filter] = {
     "reservation": _reservation,
     "capacity": _capacity,
     "bandwidth": _bandwidth,
+    "pool": _pool,
 }
 
 

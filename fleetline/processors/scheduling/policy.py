@@ -17,10 +17,10 @@ from fleetline.processors.scheduling.tenancy import TenantPolicy
 
 # Filters whose verdict does not depend on the tenant: a gang they rule out everywhere is ruled
 # out for every tenant until capacity changes.
-FLEET_FILTERS = frozenset({"reachable", "accelerator", "region", "capacity"})
+FLEET_FILTERS = frozenset({"reachable", "accelerator", "region", "capacity", "pool"})
 # Every filter and scorer the pipeline (pipeline.py) has, by the name a policy file uses.
 FILTER_NAMES = frozenset(
-    {"reachable", "accelerator", "region", "quota", "reservation", "capacity", "bandwidth"}
+    {"reachable", "accelerator", "region", "quota", "reservation", "capacity", "bandwidth", "pool"}
 )
 SCORER_NAMES = frozenset({"locality", "latency", "cost", "fit", "preference", "spread", "energy"})
 DEFAULT_FILTERS = (
@@ -31,6 +31,7 @@ DEFAULT_FILTERS = (
     "reservation",
     "capacity",
     "bandwidth",
+    "pool",
 )
 DEFAULT_WEIGHTS: Mapping[str, float] = {
     "locality": 1.0,
@@ -41,6 +42,30 @@ DEFAULT_WEIGHTS: Mapping[str, float] = {
     "spread": 1.0,
     "energy": 1.0,
 }
+
+
+@dataclass(frozen=True)
+class InferencePool:
+    """A cluster's tidal boundary: inference replicas may hold at most `max_share` of its GPUs
+    (the rest stays training's), and training leaves `min_gpus` of them to inference (free or
+    serving), so a scale-out always finds room there."""
+
+    max_share: float = 1.0
+    min_gpus: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.max_share <= 1 or self.min_gpus < 0:
+            raise ConfigError(
+                f"inference pool: max_share must be in [0, 1] and min_gpus >= 0, got "
+                f"{self.max_share}, {self.min_gpus}"
+            )
+
+    @classmethod
+    def from_data(cls, data: Mapping[str, Any]) -> InferencePool:
+        unknown = set(data) - {"max_share", "min_gpus"}
+        if unknown:
+            raise ConfigError(f"inference pool: unknown fields {sorted(unknown)}")
+        return cls(float(data.get("max_share", 1.0)), int(data.get("min_gpus", 0)))
 
 
 @dataclass(frozen=True)
@@ -69,6 +94,13 @@ class SchedulingPolicy:
     renewable_weight: float = 0.8
     energy_min_saving: float = 0.05
     deferral_slack_s: int = 900
+    # Tidal pools, by cluster ("*": every other cluster): see InferencePool.
+    inference_pools: Mapping[str, InferencePool] = field(default_factory=dict)
+
+    def pool_of(self, cluster_id: str) -> InferencePool:
+        return self.inference_pools.get(cluster_id) or self.inference_pools.get(
+            "*", _NO_POOL_BOUNDS
+        )
 
     def __post_init__(self) -> None:
         unknown = [f for f in self.filters if f not in FILTER_NAMES]
@@ -98,6 +130,16 @@ class SchedulingPolicy:
             "renewable_weight": self.renewable_weight,
             "energy_min_saving": self.energy_min_saving,
             "deferral_slack_s": self.deferral_slack_s,
+            **(
+                {
+                    "inference_pools": {
+                        c: {"max_share": p.max_share, "min_gpus": p.min_gpus}
+                        for c, p in sorted(self.inference_pools.items())
+                    }
+                }
+                if self.inference_pools
+                else {}
+            ),
         }
 
     @classmethod
@@ -117,6 +159,7 @@ class SchedulingPolicy:
             "renewable_weight",
             "energy_min_saving",
             "deferral_slack_s",
+            "inference_pools",
         }
         unknown = set(data) - known
         if unknown:
@@ -149,6 +192,10 @@ class SchedulingPolicy:
                 renewable_weight=float(data.get("renewable_weight", base.renewable_weight)),
                 energy_min_saving=float(data.get("energy_min_saving", base.energy_min_saving)),
                 deferral_slack_s=int(data.get("deferral_slack_s", base.deferral_slack_s)),
+                inference_pools={
+                    str(c): InferencePool.from_data(p)
+                    for c, p in (data.get("inference_pools") or {}).items()
+                },
             )
         except (TypeError, ValueError, FleetlineError) as exc:
             raise ConfigError(f"scheduling policy: {exc}") from None
@@ -156,3 +203,6 @@ class SchedulingPolicy:
     def digest(self) -> str:
         text = json.dumps(self.as_data(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+_NO_POOL_BOUNDS = InferencePool()

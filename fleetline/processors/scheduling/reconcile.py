@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import heapq
 
-from fleetline.processors.scheduling.capacity import FleetFacts
+from fleetline.processors.scheduling import services
+from fleetline.processors.scheduling.capacity import FleetFacts, usable_gpus
 from fleetline.processors.scheduling.decide import (
     ShapeKey,
     attempt,
@@ -30,6 +31,7 @@ def tick(s: SchedulerState, out: EffectLog, facts: FleetFacts) -> None:
     displaced = migrate_off_lost_clusters(s, out) + migrate_off_faults(s, out)
     stop_at_limits(s, out)
     order_retries(s, out)
+    services.tick(s, out)
     wake_deferred(s)
     expire_prewarms(s)
     if (
@@ -197,22 +199,6 @@ def _pass(s: SchedulerState, out: EffectLog, extra_attempts: int = 0) -> None:
             attempt(s, out, job, failed)
 
 
-def _room(facts: FleetFacts) -> dict[str, int]:
-    """Usable GPUs per cluster (none in a cluster out of reach), once per observation."""
-    cached: dict[str, int] | None = facts.memo.get("room")
-    if cached is None:
-        cached = {}
-        for node in facts.nodes.values():
-            cached[node.cluster_id] = (
-                cached.get(node.cluster_id, 0) + (node.healthy | node.degraded).bit_count()
-            )
-        for cluster_id, cluster in facts.clusters.items():
-            if cluster.health not in ("healthy", "degraded"):
-                cached[cluster_id] = 0
-        facts.memo["room"] = cached
-    return cached
-
-
 def _grew(before: FleetFacts, after: FleetFacts) -> bool:
-    old = _room(before)
-    return any(n > old.get(c, 0) for c, n in _room(after).items())
+    old = usable_gpus(before)
+    return any(n > old.get(c, 0) for c, n in usable_gpus(after).items())

@@ -16,7 +16,7 @@ from typing import Any
 
 from fleetline.errors import FleetlineError, InvalidEventError
 from fleetline.observability import traceparent
-from fleetline.processors.scheduling import reconcile
+from fleetline.processors.scheduling import reconcile, services
 from fleetline.processors.scheduling.decide import (
     attempt,
     decide,
@@ -30,6 +30,7 @@ from fleetline.processors.scheduling.policy import SchedulingPolicy
 from fleetline.processors.scheduling.reconcile import schedule_queue
 from fleetline.processors.scheduling.specs import (
     Dataset,
+    InferenceServiceSpec,
     JobSpec,
     SpecError,
     TrainingJobSpec,
@@ -63,6 +64,7 @@ class RequestKind(StrEnum):
     FENCE = "FENCE"
     UNFENCE = "UNFENCE"
     ENERGY = "ENERGY"
+    SERVICE_LOAD = "SERVICE_LOAD"
 
 
 class Progress(StrEnum):
@@ -128,6 +130,10 @@ def submit(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> Non
             return
         if job.document == document:
             return  # applied again unchanged: nothing to do
+        if job.is_service:
+            assert isinstance(spec.spec, InferenceServiceSpec)
+            services.update(s, out, job, document, spec.spec, priority)
+            return
         if job.holds and _same_shape(job.spec, spec.spec):
             for cluster_id, nodes in job.allocation.items():
                 held = sum(m.bit_count() for m in nodes.values())
@@ -166,6 +172,9 @@ def submit(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> Non
             job.condition(Condition.ADMITTED, False, never, s.now_ms)
             decide(s, out, job, Outcome.REJECTED, never)
             return
+        if job.is_service:
+            services.start(s, out, job)
+            return
     attempt(s, out, job, None)
 
 
@@ -194,6 +203,8 @@ def delete(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> Non
     if job is None or job.phase in TERMINAL:
         return
     who = request.get("actor") or "someone"
+    if job.is_service:
+        services.delete(s, out, job, f"its service was deleted by {who}")
     if job.holds:
         release(s, out, job, Outcome.RELEASED, f"deleted by {who}")
     job.phase = Phase.DELETED
@@ -245,6 +256,7 @@ def progress(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> N
                 "since_ms": s.now_ms,
                 "detail": request.get("detail"),
             }
+            _replica_moved(s, job)
         return
     code = request.get("exit_code")
     detail = request.get("detail") or ""
@@ -282,7 +294,18 @@ def progress(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> N
     job.actual = {**job.actual, "state": phase.title(), "since_ms": s.now_ms, "detail": reason}
     job.phase = Phase.SUCCEEDED if phase == Progress.SUCCEEDED else Phase.FAILED
     job.condition(Condition.FINISHED, True, f"{cluster} reports: {reason}", s.now_ms)
+    _replica_moved(s, job)
     schedule_queue(s, out)
+
+
+def _replica_moved(s: SchedulerState, job: Job) -> None:
+    service = s.jobs.get(job.service) if job.service else None
+    if service is not None:
+        services.refresh(s, service)
+
+
+def service_load(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> None:
+    services.service_load(s, out, request["key"], _payload(request, "a service load"))
 
 
 def tenant_policy(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> None:

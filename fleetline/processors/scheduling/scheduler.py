@@ -59,6 +59,8 @@ class Scheduler(SchedulerState):
                 requests.unfence_node(self, out, request)
             case RequestKind.ENERGY:
                 requests.energy_profile(self, out, request)
+            case RequestKind.SERVICE_LOAD:
+                requests.service_load(self, out, request)
             case RequestKind.TICK:
                 if facts is None:
                     raise InvalidEventError("a TICK needs the view observed at its offsets")

@@ -274,18 +274,55 @@ class Replicas(Model):
     max: Count | None = None
 
 
+Fraction = Annotated[float, Field(strict=False, gt=0, le=1, allow_inf_nan=False)]
+Positive = Annotated[float, Field(strict=False, gt=0, allow_inf_nan=False)]
+
+
+class Autoscaling(Model):
+    """When the scheduler adds or drains replicas, from the load the router reports: out as
+    soon as a target is passed (at most once per `scale_out_cooldown`), in only when every
+    measure is `hysteresis` under its target for `scale_in_cooldown`."""
+
+    target_utilisation: Fraction = Field(
+        default=0.7, description="busy share of a replica's request slots"
+    )
+    target_queue_per_replica: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 2.0
+    latency_percentile: Literal[50, 95, 99] = 95
+    scale_out_cooldown: Annotated[int, BeforeValidator(_duration)] = 5
+    scale_in_cooldown: Annotated[int, BeforeValidator(_duration)] = 30
+    hysteresis: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] = 0.3
+    warm_standby: Annotated[StrictInt, Field(ge=0)] = Field(
+        default=0, description="replicas kept loaded but not routed, promoted on a scale-out"
+    )
+
+
+class Serving(Model):
+    """What one replica of `fleetline workload serve` can do."""
+
+    concurrency: Count = Field(default=4, description="requests a replica works on at once")
+    compute_ms: Annotated[float, Field(ge=0, allow_inf_nan=False)] = Field(
+        default=20.0, description="accelerator time per request (simulated where no GPU)"
+    )
+
+
 class InferenceServiceSpec(Model):
     model: Text
     accelerator: Text
     gpus_per_replica: Count = 1
     replicas: Replicas = Replicas()
     latency_target_ms: Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)]
-    regions: Annotated[Names, Field(min_length=1)]
+    regions: Annotated[
+        Names, Field(min_length=1, description="where it may run, its home region first")
+    ]
     priority_class: PriorityClass = "high"
     workload: Workload | None = Field(
-        default=None, description="what serves a replica; without one no agent starts it"
+        default=None,
+        description="what serves a replica (default command: fleetline workload serve); "
+        "without one no agent starts it",
     )
     retry: RetryPolicy = RetryPolicy()
+    autoscaling: Autoscaling = Autoscaling()
+    serving: Serving = Serving()
 
     @property
     def min_replicas(self) -> int:

@@ -111,6 +111,14 @@ class Job:
     # The latest decision about the job, whole (for `explain`): a Decision, or its record once
     # read back from the store.
     explanation: Decision | dict[str, Any] | None = None
+    # A service's replicas are jobs of their own (one gang each, placed, ordered, retried and
+    # preempted like any job): `service` is the service a replica serves, `role` whether the
+    # router may send it requests ("serving") or it is kept loaded for a scale-out
+    # ("standby"). A service's own job holds no GPUs; `scaling` is its autoscaler's state
+    # (services.py), or a replica's region order.
+    service: str | None = None
+    role: str | None = None
+    scaling: dict[str, Any] = field(default_factory=dict)
     _spec: JobSpec | None = field(default=None, repr=False, compare=False)
     _interval: int | None = field(default=None, repr=False, compare=False)
     _held: int | None = field(default=None, repr=False, compare=False)
@@ -148,6 +156,11 @@ class Job:
 
     def set_spec(self, document: dict[str, Any], spec: JobSpec, priority: int) -> None:
         self.document, self._spec, self._interval, self.priority = document, spec, None, priority
+
+    @property
+    def is_service(self) -> bool:
+        """A service's own job: it holds no GPUs, its replicas do."""
+        return self.kind == "InferenceService"
 
     @property
     def carried_out(self) -> bool:
@@ -208,6 +221,9 @@ class Job:
             "actual": self.actual,
             "stale_reports": self.stale_reports,
             "entered_trace": self.entered_trace,
+            "service": self.service,
+            "role": self.role,
+            "scaling": self.scaling,
             "explanation": (
                 self.explanation.as_record()
                 if isinstance(self.explanation, Decision)
@@ -219,6 +235,9 @@ class Job:
     def from_data(cls, data: Mapping[str, Any]) -> Job:
         fields = dict(data)
         fields.setdefault("deferred_until_ms", None)  # a record from before deferral existed
+        fields.setdefault("service", None)  # ... or before services had replica jobs
+        fields.setdefault("role", None)
+        fields.setdefault("scaling", {})
         fields["phase"] = Phase(data["phase"])
         fields["allocation"] = {
             c: {n: int(m) for n, m in nodes.items()} for c, nodes in data["allocation"].items()
