@@ -104,6 +104,7 @@ def service(
     tenant: str = "acme",
     priority: str = "high",
     accelerator: str = "H100",
+    **extra: Any,
 ) -> dict:
     return {
         "apiVersion": "fleetline/v1",
@@ -117,6 +118,7 @@ def service(
             "latency_target_ms": 100,
             "regions": list(regions),
             "priority_class": priority,
+            **extra,
         },
     }
 
@@ -217,6 +219,25 @@ class Driver:
                 policy["tenant"],
                 policy["tenant"],
                 spec_json=canonical_json(policy),
+            )
+        )
+
+    def load(self, service: str, **measure: Any) -> list[Effect]:
+        """A router's SERVICE_LOAD: one second of `requests` (default 100) from eu-west."""
+        payload = {
+            "router": "r",
+            "window_ms": 1000,
+            "requests": 100,
+            "by_region": {"eu-west": measure.pop("requests", 100)},
+            "latency_ms": {"p50": 20.0, "p95": 40.0, "p99": 60.0},
+            "utilisation": 0.5,
+            "queue": 0,
+            **measure,
+        }
+        payload["requests"] = sum(payload["by_region"].values())
+        return self.feed(
+            self._request(
+                "SERVICE_LOAD", service, service.split("/")[0], spec_json=canonical_json(payload)
             )
         )
 

@@ -25,6 +25,7 @@ from fleetline.cli import (
     operations,
     run,
     serve,
+    serving,
     specs,
     view,
 )
@@ -51,6 +52,7 @@ _GROUPS = (
     agents,
     cluster,
     serve,
+    serving,
     audit,
     data,
     specs,

@@ -1,5 +1,6 @@
-"""The cluster control layer: `cluster-agent` (one per cluster), `workload train` (the built-in
-training workload) and `cluster cordon|uncordon|health` for operators."""
+"""The cluster control layer: `cluster-agent` (one per cluster), `workload train` and
+`workload serve` (the built-in training workload and inference replica) and
+`cluster cordon|uncordon|health` for operators."""
 
 from __future__ import annotations
 
@@ -91,6 +92,17 @@ def train() -> None:
     fleetline/agents/workloads/train.py). A cluster agent starts it for a TrainingJob whose
     spec names no command."""
     from fleetline.agents.workloads.train import main
+
+    raise typer.Exit(main())
+
+
+@workload.command()
+def serve() -> None:
+    """The built-in inference replica: an HTTP model server on loopback that loads its model
+    from the cluster's object store, answers POST /v1/infer and reports its load on /v1/load
+    (see fleetline/agents/workloads/serve.py). A cluster agent starts it for an
+    InferenceService replica whose spec names no command."""
+    from fleetline.agents.workloads.serve import main
 
     raise typer.Exit(main())
 

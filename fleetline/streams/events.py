@@ -27,6 +27,7 @@ NODE_COMMAND = "fleetline.commands.NodeCommand"
 COMMAND_RESULT = "fleetline.commands.CommandResult"
 OPS_EVENT = "fleetline.operations.OpsEvent"
 REPAIR_TICKET = "fleetline.operations.RepairTicket"
+REPLICA_ENDPOINT = "fleetline.serving.ReplicaEndpoint"
 
 
 def check_telemetry(record: Mapping[str, Any]) -> None:

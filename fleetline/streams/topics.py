@@ -20,6 +20,7 @@ from fleetline.streams.events import (
     NODE_TELEMETRY,
     OPS_EVENT,
     REPAIR_TICKET,
+    REPLICA_ENDPOINT,
     SCHEDULER_REQUEST,
     SCHEDULING_DECISION,
     WORKLOAD_EVENT,
@@ -106,6 +107,10 @@ class Topics:
     @property
     def tickets(self) -> str:
         return f"{self.prefix}.ops.tickets"
+
+    @property
+    def replicas(self) -> str:
+        return f"{self.prefix}.services.replicas"
 
     @property
     def logs(self) -> str:
@@ -249,6 +254,20 @@ class Topics:
                 "desired state the cluster agents reconcile",
                 record=WORKLOAD_ORDER,
                 key="job key (tenant/name)",
+            ),
+            TopicSpec(
+                self.replicas,
+                1,
+                {
+                    "cleanup.policy": "compact",
+                    "min.compaction.lag.ms": str(600 * 1000),
+                    "delete.retention.ms": str(600 * 1000),
+                },
+                "ReplicaEndpoint, keyed by replica: the global service registry (each "
+                "inference replica's endpoint, region, readiness and load), compacted to each "
+                "replica's latest record",
+                record=REPLICA_ENDPOINT,
+                key="replica (tenant/service.rN)",
             ),
             TopicSpec(
                 self.workloads,

@@ -28,6 +28,8 @@ import socket
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,10 +48,16 @@ from fleetline.processors.health.runtime import signal as cluster_signal
 from fleetline.processors.health.runtime import signal_output
 from fleetline.processors.scheduling.codec import new_request
 from fleetline.processors.scheduling.runtime import request_output
+from fleetline.processors.scheduling.services import REPLICA_KIND, ROLE_LABEL, SERVICE_LABEL
 from fleetline.storage.checkpoints import Checkpoints, best_of, cluster_bucket, tenant_key
 from fleetline.storage.objects import ObjectStore
 from fleetline.streams import kafka as kafka_clients
-from fleetline.streams.events import CLUSTER_HEALTH, CLUSTER_SIGNAL, WORKLOAD_ORDER
+from fleetline.streams.events import (
+    CLUSTER_HEALTH,
+    CLUSTER_INFO,
+    CLUSTER_SIGNAL,
+    WORKLOAD_ORDER,
+)
 from fleetline.streams.loop import produce
 from fleetline.streams.records import Output
 from fleetline.streams.serde import AvroCodec, default_codec
@@ -58,6 +66,7 @@ from fleetline.streams.topics import Topics
 log = logging.getLogger(__name__)
 
 DEFAULT_TRAINER = (sys.executable, "-m", "fleetline.agents.workloads.train")
+DEFAULT_SERVER = (sys.executable, "-m", "fleetline.agents.workloads.serve")
 # A progress line's kind -> the WorkloadEvent it is published as, and which of the line's fields
 # fill which of the event's.
 _LINE_EVENTS: dict[str, tuple[str, dict[str, str]]] = {
@@ -94,6 +103,7 @@ class ClusterAgent:
     stop_grace_s: float = 20.0
     running_after_s: float = 0.3
     probe_timeout_s: float = 0.3
+    registry_s: float = 0.5  # how often each replica's endpoint and load are published
     chaos_file: Path | None = None  # peers whose link is cut, one per line (fault injection)
     codec: AvroCodec = field(default_factory=default_codec)
     ready: threading.Event = field(default_factory=threading.Event)
@@ -106,6 +116,8 @@ class ClusterAgent:
         self.health: dict[str, dict[str, Any]] = {}  # cluster -> its last ClusterHealth record
         self.peers: dict[str, str] = {}  # cluster -> probe address
         self.reach: dict[str, tuple[bool, float | None]] = {}
+        self.region: str | None = None  # this cluster's, from its ClusterInfo
+        self.registry_wake = threading.Event()  # a replica changed: publish it now
         self.lock = threading.Lock()
         self.root = self.state_dir / self.cluster_id
         self.root.mkdir(parents=True, exist_ok=True)
@@ -127,6 +139,7 @@ class ClusterAgent:
             [
                 TopicPartition(self.topics.orders, 0, OFFSET_BEGINNING),
                 TopicPartition(self.topics.emergency, 0, OFFSET_BEGINNING),
+                TopicPartition(self.topics.clusters, 0, OFFSET_BEGINNING),
                 TopicPartition(
                     self.topics.cluster_signals,
                     0,
@@ -138,6 +151,7 @@ class ClusterAgent:
         threads = [
             threading.Thread(target=self._heartbeats, args=(stop,), daemon=True),
             threading.Thread(target=self._prober, args=(stop,), daemon=True),
+            threading.Thread(target=self._registry, args=(stop,), daemon=True),
         ]
         try:
             # The desired state first: read every order there is before acting on any.
@@ -197,6 +211,11 @@ class ClusterAgent:
                     current.ts,
                 ):
                     self.orders[order.job] = order
+                    if order.kind == REPLICA_KIND:
+                        self.registry_wake.set()  # a role may have changed
+            elif name == CLUSTER_INFO:
+                if record["cluster_id"] == self.cluster_id:
+                    self.region = record["region"]
             elif name == CLUSTER_HEALTH:
                 self.health[record["cluster_id"]] = record
             elif (
@@ -255,6 +274,7 @@ class ClusterAgent:
                 workload.stop_reason = action.reason
                 workload.fenced = action.fenced
                 procs.stop(workload, action.final_checkpoint, self.stop_grace_s)
+                self.registry_wake.set()  # a replica drains: out of the registry at once
                 log.info(
                     "%s: stopping %s %s: %s",
                     self.cluster_id,
@@ -274,8 +294,12 @@ class ClusterAgent:
         workload_spec = body.get("workload") or {}
         gpus = " ".join(f"{node}:{','.join(map(str, ids))}" for node, ids in order.workers)
         self._event(order, "RESERVED", detail=f"GPUs {gpus}")
-        checkpoints_env, restored = self._prepare(order)
-        command = workload_spec.get("command") or DEFAULT_TRAINER
+        if order.kind == REPLICA_KIND:
+            checkpoints_env, restored = self._serving_env(order, body), None
+            command = workload_spec.get("command") or DEFAULT_SERVER
+        else:
+            checkpoints_env, restored = self._prepare(order)
+            command = workload_spec.get("command") or DEFAULT_TRAINER
         group, isolation = procs.isolate(
             self.cluster_id,
             order.job,
@@ -363,6 +387,27 @@ class ClusterAgent:
         # submitted again under the same name starts afresh, and never reads another run's.
         prefix = f"checkpoints/{self.topics.prefix}/{order.tenant}/{name}/{order.trace_id}"
         return bucket, Checkpoints(store, prefix, key)
+
+    def _serving_env(self, order: Order, body: Mapping[str, Any]) -> dict[str, str]:
+        """A replica's storage and serving environment: its model's prefix in this cluster's
+        store (one per deployment, tenant and model: every replica serves the same bytes)."""
+        bucket = cluster_bucket(self.settings.s3.bucket, self.cluster_id)
+        ObjectStore.from_settings(self.settings.s3, bucket).ensure_bucket()
+        serving = body.get("serving") or {}
+        env = {
+            **self.settings.s3.as_env(),
+            "FLEETLINE_CHECKPOINT_BUCKET": bucket,
+            "FLEETLINE_MODEL": str(body.get("model", "model")),
+            "FLEETLINE_MODEL_PREFIX": f"models/{self.topics.prefix}/{order.tenant}/"
+            f"{body.get('model', 'model')}",
+            "FLEETLINE_SERVE_CONCURRENCY": str(serving.get("concurrency", 4)),
+            "FLEETLINE_SERVE_COMPUTE_MS": str(serving.get("compute_ms", 20.0)),
+        }
+        if self._master:
+            env["FLEETLINE_CHECKPOINT_KEY"] = base64.b64encode(
+                tenant_key(self._master, order.tenant)
+            ).decode()
+        return env
 
     def _prepare(self, order: Order) -> tuple[dict[str, str], str | None]:
         """Bring the job's newest complete checkpoint into this cluster's store (from any
@@ -514,6 +559,17 @@ class ClusterAgent:
                     )
                 elif kind == "done":
                     workload.done = line
+                elif kind in ("listening", "ready"):
+                    workload.serving[kind] = line
+                    self.registry_wake.set()
+                if kind == "ready":
+                    self._event(
+                        order,
+                        "PROGRESS",
+                        seconds=line.get("start_s"),
+                        detail=f"ready at {line.get('address')}, serving "
+                        f"{line.get('checkpoint')} (model loaded in {line.get('load_s')}s)",
+                    )
         # A fenced copy's lines are passed over, never published: it speaks for no epoch.
         self.producer.flush(10)
         workload.published_to(workload.published + len(lines))
@@ -561,6 +617,7 @@ class ClusterAgent:
         self.producer.flush(10)
         workload.mark("reported")
         workload.reported = True
+        self.registry_wake.set()
 
     def _order_of(self, workload: procs.Workload) -> Order:
         """An order shaped like the one the workload was started under (for its last events)."""
@@ -633,6 +690,99 @@ class ClusterAgent:
             **fields,
         )
         produce(self.producer, request_output(self.topics, request, self.codec))
+
+    # -- the service registry -------------------------------------------------------------------
+
+    def _registry(self, stop: threading.Event) -> None:
+        """Publish every replica this agent runs to the registry: at once when one changes
+        (ready, promoted, draining, gone), else every `registry_s` with its load."""
+        producer = kafka_clients.producer(self.settings.kafka, {"linger.ms": 0})
+        published: dict[str, str] = {}  # replica -> the state last published
+        try:
+            while not stop.is_set():
+                self.registry_wake.clear()
+                with self.lock:
+                    workloads = [w for runs in self.running.values() for w in runs]
+                seen = set()
+                for workload in workloads:
+                    order = self.orders.get(workload.job)
+                    if order is None or order.kind != REPLICA_KIND or workload.reported:
+                        continue
+                    if workload.job in seen:
+                        continue  # an older run of the replica: the current one speaks
+                    seen.add(workload.job)
+                    record = self._endpoint(workload, order)
+                    published[workload.job] = record["state"]
+                    produce(producer, self._endpoint_output(record))
+                for replica in sorted(set(published) - seen):
+                    if published.pop(replica) != "GONE":
+                        order = self.orders.get(replica)
+                        if order is not None:
+                            record = self._endpoint_record(order, "GONE", None, {})
+                            produce(producer, self._endpoint_output(record))
+                producer.poll(0)
+                self.registry_wake.wait(self.registry_s)
+        finally:
+            producer.flush(5)
+
+    def _endpoint(self, workload: procs.Workload, order: Order) -> dict[str, Any]:
+        lines = workload.serving_lines()
+        address = (lines.get("ready") or lines.get("listening") or {}).get("address")
+        load: dict[str, Any] = {}
+        if address and workload.alive:
+            load = _get_json(f"{address}/v1/load", self.probe_timeout_s) or {}
+        if not workload.alive:
+            state = "GONE"
+        elif workload.stop_deadline is not None or load.get("draining"):
+            state = "DRAINING"
+        elif "ready" in lines and load.get("ready"):
+            labels = ((order.spec or {}).get("metadata") or {}).get("labels") or {}
+            state = "WARM" if labels.get(ROLE_LABEL) == "standby" else "READY"
+        else:
+            state = "STARTING"
+        return self._endpoint_record(order, state, address, load, lines.get("ready") or {})
+
+    def _endpoint_record(
+        self,
+        order: Order,
+        state: str,
+        address: str | None,
+        load: Mapping[str, Any],
+        ready: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        labels = ((order.spec or {}).get("metadata") or {}).get("labels") or {}
+        latency = load.get("latency_ms") or {}
+        ready = ready or {}
+        return {
+            "replica": order.job,
+            "service": f"{order.tenant}/{labels.get(SERVICE_LABEL, order.job)}",
+            "tenant": order.tenant,
+            "cluster_id": self.cluster_id,
+            "region": self.region,
+            "epoch": order.epoch,
+            "attempt": order.attempt,
+            "ts": _now_ms(),
+            "state": state,
+            "address": address,
+            "heartbeat_ms": int(self.registry_s * 1000),
+            "concurrency": int(load.get("concurrency") or 0),
+            "inflight": int(load.get("inflight") or 0),
+            "queue": int(load.get("queue") or 0),
+            "served": int(load.get("served") or 0),
+            "errors": int(load.get("errors") or 0),
+            "refused": int(load.get("refused") or 0),
+            "latency_p50_ms": latency.get("p50"),
+            "latency_p95_ms": latency.get("p95"),
+            "start_s": ready.get("start_s"),
+            "checkpoint": ready.get("checkpoint"),
+        }
+
+    def _endpoint_output(self, record: Mapping[str, Any]) -> Output:
+        return Output(
+            self.topics.replicas,
+            str(record["replica"]).encode(),
+            self.codec.encode("ReplicaEndpoint", dict(record)),
+        )
 
     # -- status and peers -----------------------------------------------------------------------
 
@@ -745,6 +895,23 @@ class ClusterAgent:
         if not answer.startswith(b"PONG"):
             return False, None
         return True, round((time.perf_counter() - began) * 1000, 3)
+
+
+def _get_json(url: str, timeout_s: float) -> dict[str, Any] | None:
+    """A loopback GET's JSON body, or None when it does not answer in time (any status: a
+    draining replica says so with a 503 and its load)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as answer:
+            body = answer.read()
+    except urllib.error.HTTPError as exc:
+        body = exc.read()
+    except (OSError, ValueError):
+        return None
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def run_agents(agents: Sequence[ClusterAgent], stop: threading.Event) -> list[threading.Thread]:

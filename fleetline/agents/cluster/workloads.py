@@ -80,6 +80,8 @@ class Workload:
     fenced: bool = False
     reported: bool = False  # its end has been published
     done: dict[str, Any] = field(default_factory=dict)  # the workload's "done" line
+    # A serving replica's "listening" and "ready" lines (its address, what it loaded).
+    serving: dict[str, Any] = field(default_factory=dict)
 
     @property
     def run_id(self) -> tuple[int, int]:
@@ -104,18 +106,31 @@ class Workload:
 
     def new_progress(self) -> list[dict[str, Any]]:
         """Progress lines not yet published (complete lines only)."""
+        return self._progress(self.published)
+
+    def _progress(self, first: int) -> list[dict[str, Any]]:
         try:
             text = (self.directory / "progress.jsonl").read_text()
         except OSError:
             return []
         lines = text.split("\n")[:-1]  # the last piece is empty or a line being written
         out = []
-        for line in lines[self.published :]:
+        for line in lines[first:]:
             try:
                 out.append(json.loads(line))
             except ValueError:
                 out.append({"event": "unreadable", "line": line[:200]})
         return out
+
+    def serving_lines(self) -> dict[str, Any]:
+        """A replica's "listening" and "ready" lines (its address, what it loaded), read from
+        its whole progress file until it is ready (an adopted replica's lines were published
+        before the agent restarted)."""
+        if "ready" not in self.serving:
+            for line in self._progress(0):
+                if line.get("event") in ("listening", "ready"):
+                    self.serving[line["event"]] = line
+        return self.serving
 
     def published_to(self, count: int) -> None:
         self.published = count

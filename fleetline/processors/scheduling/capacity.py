@@ -162,7 +162,6 @@ def usable_gpus(facts: FleetFacts) -> dict[str, int]:
     return cached
 
 
-
 def observe(view: ResourceView, previous: FleetFacts | None = None) -> FleetFacts:
     """The scheduler's facts from the view, the same whatever order the view's dicts are in.
 

@@ -101,9 +101,7 @@ def _spec(service: Job) -> InferenceServiceSpec:
 def replicas_of(s: SchedulerState, service: Job, role: str | None = None) -> list[Job]:
     """The service's live replicas (of one role), in index order."""
     found = [s.jobs[k] for k in service.scaling.get("replicas", ()) if k in s.jobs]
-    return [
-        r for r in found if r.phase not in TERMINAL and (role is None or r.role == role)
-    ]
+    return [r for r in found if r.phase not in TERMINAL and (role is None or r.role == role)]
 
 
 def region_order(spec: InferenceServiceSpec, load: Mapping[str, Any] | None) -> list[str]:
@@ -194,7 +192,11 @@ def update(
     keep their GPUs; the serving count is brought within the new bounds."""
     old = _spec(service)
     service.set_spec(document, spec, priority)
-    scaling_only = {"priority_class": "high", "autoscaling": spec.autoscaling, "replicas": spec.replicas}
+    scaling_only = {
+        "priority_class": "high",
+        "autoscaling": spec.autoscaling,
+        "replicas": spec.replicas,
+    }
     keeps = old.model_copy(update=scaling_only) == spec.model_copy(update=scaling_only)
     for replica in replicas_of(s, service):
         replica.set_spec(_document(service, replica.role or SERVING), spec, priority)
@@ -329,7 +331,8 @@ def service_load(s: SchedulerState, out: EffectLog, key: str, payload: Any) -> N
             or (last is not None and s.now_ms - last < a.scale_out_cooldown * 1000)
         ):
             return
-        scale_out(s, out, service, want - len(serving), f"{' and '.join(over)} over target: {inputs}")
+        why = f"{' and '.join(over)} over target: {inputs}"
+        scale_out(s, out, service, want - len(serving), why)
         return
     h = 1 - a.hysteresis
     low = (
