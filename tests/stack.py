@@ -16,7 +16,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,10 +130,12 @@ def running_stack(
     options: Options,
     prefix: str = "stack",
     commands: bool = False,
+    regions: Mapping[str, str] | None = None,
 ) -> Iterator[Stack]:
     """The stack up, every cluster's first heartbeat seen; jobs go to the clusters in the
     order given while they are in the pool (the preference scorer outweighs the others).
-    With `commands` the simulated node agents apply node commands (cordons, power caps)."""
+    With `commands` the simulated node agents apply node commands (cordons, power caps);
+    `regions` names a cluster's region (default: one of its own, region-<cluster>)."""
     settings = dataclasses.replace(
         services,
         clickhouse_database=f"t_{uuid.uuid4().hex[:12]}",
@@ -142,7 +144,9 @@ def running_stack(
     topics = fresh_topics(partitions=2)
     fleet = build(settings, dataclasses.replace(options, topics=topics)).start()
     simulator = FleetSimulator(
-        [ClusterSpec(c, f"region-{c}", 1) for c in clusters], seed=3, interval_ms=500
+        [ClusterSpec(c, (regions or {}).get(c, f"region-{c}"), 1) for c in clusters],
+        seed=3,
+        interval_ms=500,
     )
     state_dir = Path(tempfile.mkdtemp(prefix=f"{prefix}-"))
     nodes = FleetAgent.create(

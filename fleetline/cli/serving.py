@@ -41,7 +41,13 @@ def router(
     router_ = Router(config, Topics(topic_prefix), load_policy(data), report=not no_report)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    console.print(f"router listening on http://{host}:{port}")
+
+    def announce() -> None:
+        while router_.address is None and not stop.is_set():
+            stop.wait(0.05)
+        console.print(f"router listening on {router_.address}")
+
+    threading.Thread(target=announce, daemon=True).start()
     with contextlib.suppress(KeyboardInterrupt):
         router_.run(host, port, stop)
 
@@ -60,6 +66,10 @@ def load(
     night: Annotated[
         float, typer.Option(min=0.0, max=1.0, help="the night's share of the peak")
     ] = 0.05,
+    steps: Annotated[
+        str | None,
+        typer.Option(help="a stepped curve instead of a day: AT_S:RPS,AT_S:RPS,... (x weight)"),
+    ] = None,
     duration_s: Annotated[float, typer.Option(min=0.1, help="stop after this long")] = 60.0,
     max_requests: Annotated[int, typer.Option(min=1, help="stop after this many")] = 100_000,
     json_: Json = False,
@@ -85,6 +95,12 @@ def load(
         day_s=day_s,
         night=night,
         offset_h=offsets,
+        steps=[
+            (float(at), float(rps))
+            for at, _, rps in (step.partition(":") for step in steps.split(","))
+        ]
+        if steps
+        else (),
         duration_s=duration_s,
         max_requests=max_requests,
     )
