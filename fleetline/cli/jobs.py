@@ -219,12 +219,18 @@ def explain(
     history: Annotated[
         bool, typer.Option(help="every decision about the job, from the decision log")
     ] = False,
+    region: Annotated[
+        str | None,
+        typer.Option(help="a service: the client region to show the router's weights for"),
+    ] = None,
     topic_prefix: TopicPrefix = "fleetline",
 ) -> None:
     """Why a job is where it is, or why it is waiting: the latest decision, where it placed
     the job, every cluster's score or the reason it was ruled out, the view version and
     offsets it read and the policy digest (a deferrable job says which cheaper window it waits
-    for). Given a node: why operations cordoned it, from its repair tickets' evidence."""
+    for). Given a service: its replicas, their load in the registry, the load the autoscaler
+    last saw and the router's weights for clients in each of its regions. Given a node: why
+    operations cordoned it, from its repair tickets' evidence."""
     from fleetline.processors.scheduling.runtime import decisions_of
 
     if "/" not in job:
@@ -246,6 +252,10 @@ def explain(
         )
     )
     print(f"its cluster reports: {actual_line(record)}")
+    if record["kind"] == "InferenceService" and not history:
+        from fleetline.cli.serving import explain_service
+
+        explain_service(config, topics, record, _state(config, topics), region)
     if history:
         print("\nEvery decision about it:")
         for decision in decisions_of(config.kafka, topics, job):

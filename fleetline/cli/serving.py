@@ -8,13 +8,16 @@ import contextlib
 import json
 import signal
 import threading
+import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 import yaml
 
 from fleetline.cli.common import Json, TopicPrefix, console, print_json, settings, table
+from fleetline.config import Settings
+from fleetline.streams.topics import Topics
 
 
 def router(
@@ -115,6 +118,66 @@ def load(
     console.print(out)
     totals = {k: v for k, v in summary.items() if k != "buckets"}
     console.print(json.dumps(totals))
+
+
+def explain_service(
+    config: Settings, topics: Topics, record: dict[str, Any], state: Any, region: str | None
+) -> None:
+    """A service's replicas (the scheduler's), their registry records, the load its autoscaler
+    last saw, and the router's weights (default policy) for its clients' regions."""
+    from fleetline.agents.router.routing import RoutingPolicy, weights
+    from fleetline.agents.router.server import read_registry
+
+    scaling = record.get("scaling") or {}
+    print("\nReplicas (the scheduler's):")
+    for key in scaling.get("replicas", []):
+        replica = state.committed(0, f"job:{key}".encode()) or {}
+        clusters = ", ".join(sorted(replica.get("allocation") or {})) or "-"
+        print(
+            f"  {key:<28} {replica.get('role', '?'):<8} {replica.get('phase', '?'):<9} {clusters}"
+        )
+    registry = read_registry(config, topics)
+    now = int(time.time() * 1000)
+    policy = RoutingPolicy()
+    mine = sorted(
+        (e for e in registry.endpoints.values() if e.service == record["key"]),
+        key=lambda e: e.replica,
+    )
+    print("\nThe registry (each replica's latest record):")
+    for e in mine:
+        age = (now - e.ts) / 1000
+        silent = "" if e.fresh(now, policy) else " (silent: not routed)"
+        print(
+            f"  {e.replica:<28} {e.state:<9} {e.cluster_id} ({e.region}) {e.address or '-'}: "
+            f"{e.inflight} in flight, {e.queue} queued of {e.concurrency} slots, "
+            f"p50 {e.latency_p50_ms} ms, {age:.1f}s ago{silent}"
+        )
+    load = scaling.get("load")
+    if load:
+        print(
+            f"\nThe autoscaler last saw ({load.get('router')}): {load['requests']} requests in "
+            f"{load['window_ms'] / 1000:g}s {load.get('by_region')}, "
+            f"latency {load.get('latency_ms')}, utilisation {load['utilisation']}, "
+            f"queue {load.get('queue')}"
+            + (
+                f"; under target since {scaling['low_since_ms']}"
+                if scaling.get("low_since_ms")
+                else ""
+            )
+        )
+    spec = record["document"]["spec"]
+    for client in [region] if region else spec.get("regions", []):
+        shown = weights(
+            registry, registry.routable(record["key"], now, policy), client, policy, {}, {}
+        )
+        print(f"\nThe router's weights for clients in {client} (best first):")
+        for w in shown:
+            print(
+                f"  {w.replica:<28} expected {w.expected_ms:.1f} ms = link {w.link_ms:g} ms + "
+                f"service {w.service_ms:.1f} ms x (1 + {w.waiting} waiting / {w.slots} slots)"
+            )
+        if not shown:
+            print("  no ready replica")
 
 
 def register(app: typer.Typer) -> None:

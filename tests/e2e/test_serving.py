@@ -116,8 +116,7 @@ def serving_jobs(stack: Stack) -> dict[str, dict[str, Any]]:
     return {
         j["key"]: j
         for j in stack.fleet.scheduler.jobs("acme")
-        if j.get("service") == "acme/chat"
-        and j["phase"] not in ("Deleted", "Failed", "Succeeded")
+        if j.get("service") == "acme/chat" and j["phase"] not in ("Deleted", "Failed", "Succeeded")
     }
 
 
@@ -234,9 +233,7 @@ def test_a_compressed_day_scales_out_by_region_fails_over_and_gives_training_bac
     # us-east; the standby promoted first.
     decisions = [d for d in decisions_of(stack.settings.kafka, stack.topics)]
     placed = [
-        d
-        for d in decisions
-        if d["job"].startswith("acme/chat.r") and d["outcome"] == "PLACED"
+        d for d in decisions if d["job"].startswith("acme/chat.r") and d["outcome"] == "PLACED"
     ]
     first = [d["placements"][0]["cluster_id"] for d in placed]
     assert "sb" in first and first.index("sb") > 0
@@ -244,9 +241,7 @@ def test_a_compressed_day_scales_out_by_region_fails_over_and_gives_training_bac
     scaled = [d for d in decisions if d["job"] == "acme/chat" and d["outcome"] == "SCALED"]
     outs = [d["reason"] for d in scaled if d["reason"].startswith("scale out")]
     assert "promoted acme/chat.r1 from warm standby" in outs[0]
-    assert max(
-        int(r.split(" -> ")[1].split()[0]) for r in outs
-    ) == 6, outs  # max_replicas reached
+    assert max(int(r.split(" -> ")[1].split()[0]) for r in outs) == 6, outs  # max_replicas reached
     preempted = [d for d in decisions if d["job"] == "acme/train" and d["outcome"] == "PREEMPTED"]
     assert preempted and "preempted by acme/chat.r" in preempted[0]["reason"]
 
@@ -265,9 +260,7 @@ def test_a_compressed_day_scales_out_by_region_fails_over_and_gives_training_bac
     # Night: drained back to the minimum, us-east first; the training resumed from its
     # checkpoint in eu-west.
     wait_until(
-        lambda: sum(
-            1 for j in serving_jobs(stack).values() if j["role"] == "serving"
-        ) == 1,
+        lambda: sum(1 for j in serving_jobs(stack).values() if j["role"] == "serving") == 1,
         60,
         "the service drained to its minimum",
     )

@@ -52,7 +52,9 @@ def serving(d: Driver) -> dict[str, str]:
     return {
         k: min(j.allocation)
         for k, j in d.scheduler.jobs.items()
-        if j.service == "acme/chat" and j.role == "serving" and j.holds
+        if j.service == "acme/chat"
+        and j.role == "serving"
+        and j.holds
         and j.phase.value == "Running"
     }
 
@@ -80,9 +82,7 @@ def test_load_over_target_promotes_the_standby_in_place_and_places_a_new_one():
     assert decision.reason.startswith("scale out 1 -> 2 serving replicas: utilisation")
     assert "promoted acme/chat.r1 from warm standby" in decision.reason
     # The standby's cluster is told its new role under the same epoch and attempt: no restart.
-    promoted = [
-        e for e in effects if isinstance(e, WorkloadOrder) and e.job == "acme/chat.r1"
-    ][0]
+    promoted = next(e for e in effects if isinstance(e, WorkloadOrder) and e.job == "acme/chat.r1")
     assert promoted.action == "RUN" and promoted.attempt == 1
     assert '"fleetline/role":"serving"' in promoted.spec_json
     assert d.job("acme/chat.r2").role == "standby"  # topped up behind it
@@ -116,9 +116,7 @@ def test_scale_out_fills_the_home_region_up_to_its_pool_then_the_next_region():
 def test_a_scale_out_preempts_lower_priority_training_through_a_checkpoint_and_gives_it_back():
     view, _ = fleet_view(TWO)
     d = Driver(view, pools(0.5))
-    d.submit(
-        training("train", per_worker=6, tensor=2, priority="low", checkpoint_interval_s=60)
-    )
+    d.submit(training("train", per_worker=6, tensor=2, priority="low", checkpoint_interval_s=60))
     d.submit(training("other", per_worker=4, tensor=4, priority="low"))
     assert min(d.job("acme/train").allocation) == "eu-a"
     assert min(d.job("acme/other").allocation) == "us-a"

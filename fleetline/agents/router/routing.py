@@ -53,14 +53,11 @@ class RoutingPolicy:
         unknown = set(data) - set(known)
         if unknown:
             raise ConfigError(f"routing policy: unknown fields {sorted(unknown)}")
+        values: dict[str, Any] = {}
         try:
-            return cls(
-                **{
-                    k: (int(v) if known[k] == "int" else float(v))
-                    for k, v in data.items()
-                    if v is not None
-                }
-            )
+            for k, v in data.items():
+                values[k] = int(v) if known[k] == "int" else float(v)
+            return cls(**values)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"routing policy: {exc}") from None
 

@@ -30,6 +30,7 @@ from typing import Any
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 from confluent_kafka import OFFSET_BEGINNING, KafkaError, TopicPartition
 
+from fleetline.agents.router.listen import listen
 from fleetline.agents.router.routing import Registry, RoutingPolicy, choose, load_report, weights
 from fleetline.config import Settings
 from fleetline.processors.scheduling.codec import new_request
@@ -315,14 +316,7 @@ class Router:
         app.router.add_post("/v1/services/{tenant}/{service}/infer", self.infer)
         app.router.add_get("/v1/routes", self.routes_handler)
         app.router.add_get("/healthz", self.healthz)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        server = site._server
-        assert server is not None and server.sockets, "the site listens"
-        bound_host, bound_port = server.sockets[0].getsockname()[:2]
-        self.address = f"http://{bound_host}:{bound_port}"
+        runner, self.address = await listen(app, host, port)
         producer = kafka_clients.producer(self.settings.kafka, {"linger.ms": 5})
         reporter = asyncio.create_task(self._reporter(producer)) if self.report else None
         try:
@@ -365,6 +359,22 @@ def start_router(
             raise RuntimeError("the router stopped while starting")
         time.sleep(0.05)
     return router, stop, thread
+
+
+def read_registry(settings: Settings, topics: Topics) -> Registry:
+    """The registry as it stands: the replicas topic and the clusters topic read to their end."""
+    registry = Registry()
+    codec = default_codec()
+    for topic in (topics.clusters, topics.replicas):
+        for msg in kafka_clients.read_to_end(
+            settings.kafka, topic, [0], f"fleetline-read-{uuid.uuid4().hex[:12]}", 30
+        ):
+            decoded = codec.decode(msg.value())
+            if decoded.schema.full_name == REPLICA_ENDPOINT:
+                registry.apply(decoded.record)
+            elif decoded.schema.full_name == CLUSTER_INFO:
+                registry.apply_cluster(decoded.record)
+    return registry
 
 
 def load_policy(data: Mapping[str, Any] | None) -> RoutingPolicy:

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 from aiohttp import ClientSession, ClientTimeout, web
 
+from fleetline.agents.router.listen import listen
 from fleetline.agents.router.routing import percentile
 from fleetline.agents.workloads.train import (
     Arrays,
@@ -193,14 +194,7 @@ async def serve(env: Mapping[str, str]) -> int:
     app.router.add_post("/v1/infer", replica.infer)
     app.router.add_get("/healthz", replica.healthz)
     app.router.add_get("/v1/load", replica.load_handler)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", int(env.get("FLEETLINE_SERVE_PORT", "0")))
-    await site.start()
-    server = site._server
-    assert server is not None and server.sockets, "the site listens"
-    host, port = server.sockets[0].getsockname()[:2]
-    address = f"http://{host}:{port}"
+    runner, address = await listen(app, "127.0.0.1", int(env.get("FLEETLINE_SERVE_PORT", "0")))
     progress.write(event="listening", address=address)
     stopping = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopping.set)

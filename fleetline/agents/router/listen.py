@@ -1,0 +1,22 @@
+"""Serve an aiohttp application on a socket of our own, so its address is known before the
+first request (port 0 picks a free one): the replica publishes it, the router prints it."""
+
+from __future__ import annotations
+
+import socket
+
+from aiohttp import web
+
+
+async def listen(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:
+    """(the runner to clean up, "http://host:port")."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.setblocking(False)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    bound_host, bound_port = sock.getsockname()[:2]
+    return runner, f"http://{bound_host}:{bound_port}"
