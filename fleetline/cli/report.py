@@ -110,6 +110,7 @@ def print_result(console: Console, result: SliceResult, clickhouse_url: str, pre
     )
     print_scheduling(console, result.scheduling)
     print_cluster_story(console, result.cluster_story)
+    print_serving_day(console, result.serving_day)
     say("timings: " + ", ".join(f"{k} {v:.1f}s" for k, v in result.timings.items()))
 
 
@@ -182,3 +183,19 @@ def print_cluster_story(console: Console, story: dict[str, Any]) -> None:
             f"its trace {trace['trace_id']}: {trace['hops']} hops over {trace['span_s']:.1f}s "
             f"across {', '.join(trace['clusters'])} (`fleetline trace {trace['trace_id']}`)"
         )
+
+
+def print_serving_day(console: Console, day: dict[str, Any]) -> None:
+    if not day:
+        return
+    load, router = day["load"], day["router"]
+    outs = sum(r.startswith("scale out") for r in day["scaled"])
+    ins = sum(r.startswith("scale in") for r in day["scaled"])
+    peak = max((sum(t["serving"].values()) for t in day["timeline"]), default=0)
+    console.print(
+        f"\nserving day: {day['service']} scaled out {outs}x and in {ins}x (at most {peak} "
+        f"serving replicas); {day['training']} paused {day['paused']}x for them and resumed "
+        f"{day['resumed']}x from its checkpoint; {load.get('requests')} requests, "
+        f"{load.get('failed')} failed, {router.get('retries')} retried by the router, p95 "
+        f"{load.get('p95_ms')} ms (`fleetline explain {day['service']}`)"
+    )

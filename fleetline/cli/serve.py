@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import threading
 from pathlib import Path
 from typing import Annotated
 
@@ -91,6 +92,12 @@ def serve(
         Path | None, typer.Option(help="serve HTTPS with this certificate (PEM)")
     ] = None,
     tls_key: Annotated[Path | None, typer.Option(help="... and this private key (PEM)")] = None,
+    router_port: Annotated[
+        int | None,
+        typer.Option(
+            help="also host the inference router (`fleetline router`) on this loopback port"
+        ),
+    ] = None,
 ) -> None:
     """Run the resource-view processor, the scheduler, the sinks and the HTTP API."""
     from fleetline.app import Options, build
@@ -131,6 +138,14 @@ def serve(
     shipped = ship_logs(config, options.topics, f"serve/{instance_id}")
     signal.signal(signal.SIGTERM, lambda *_: fleet.stop.set())
     fleet.start(ready_timeout_s=None)  # the API answers while the loops join their groups
+    router_stop = threading.Event()
+    if router_port is not None:
+        from fleetline.agents.router.server import Router
+
+        router = Router(config, options.topics)
+        threading.Thread(
+            target=router.run, args=("127.0.0.1", router_port, router_stop), daemon=True
+        ).start()
     try:
         if no_api:
             while not fleet.stop.wait(1.0):
@@ -159,6 +174,7 @@ def serve(
     except KeyboardInterrupt:
         pass
     finally:
+        router_stop.set()
         fleet.close()
         logs.unship(shipped)
 

@@ -31,6 +31,7 @@ from fleetline.app import Fleetline, Options, build
 from fleetline.config import Settings
 from fleetline.demo.cluster_story import ClusterAgents, lose_a_cluster
 from fleetline.demo.scenario import Scenario
+from fleetline.demo.serving_story import serving_day
 from fleetline.errors import StreamError
 from fleetline.processors.audit.chain import export_entry, verify
 from fleetline.processors.audit.runtime import KafkaAuditEmitter
@@ -71,6 +72,7 @@ class SliceResult:
     audit: dict[str, Any]
     scheduling: dict[str, Any] = field(default_factory=dict)
     cluster_story: dict[str, Any] = field(default_factory=dict)
+    serving_day: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -456,6 +458,11 @@ def play(
             timings["cluster_story_s"] = time.monotonic() - began
             clusters = len({story["lost"], story["resumed_in"]})
             story["trace"] = job_trace(fleet, scenario.lose_cluster_of, clusters)
+        serving: dict[str, Any] = {}
+        if scenario.serving_day:
+            began = time.monotonic()
+            serving = serving_day(fleet, settings, topics, scenario.serving_day, progress)
+            timings["serving_day_s"] = time.monotonic() - began
         now = fleet.view.read(view_read.cluster_capacity)
         unhealthy = fleet.view.read(
             lambda v: [g for g in view_read.select_gpus(v) if g["health"] != "healthy"]
@@ -509,6 +516,7 @@ def play(
         audit=audit,
         scheduling=scheduling,
         cluster_story=story,
+        serving_day=serving,
         timings=timings,
     )
 

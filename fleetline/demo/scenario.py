@@ -25,7 +25,7 @@ import yaml
 
 from fleetline.agents.simulator import FAULT_KINDS, ClusterSpec, Fault, FleetSimulator
 from fleetline.errors import ConfigError
-from fleetline.processors.scheduling.specs import Cluster, ClusterMetadata
+from fleetline.processors.scheduling.specs import Cluster, ClusterMetadata, parse_spec
 from fleetline.processors.scheduling.specs import ClusterSpec as ClusterDeclaration
 
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
@@ -77,6 +77,8 @@ class Scenario:
     events: tuple[Event, ...] = ()
     # After the timeline: the cluster this job runs in goes dark and the job moves (tenant/name).
     lose_cluster_of: str | None = None
+    # After that: a compressed day of an inference service (demo/serving_story.py).
+    serving_day: Mapping[str, Any] | None = None
     source: Path | None = field(default=None, compare=False)
 
     def sized(
@@ -298,6 +300,7 @@ def parse(data: Any, name: str = "scenario", source: Path | None = None) -> Scen
             "faults",
             "timeline",
             "lose_cluster_of",
+            "serving_day",
         },
         name,
     )
@@ -326,8 +329,25 @@ def parse(data: Any, name: str = "scenario", source: Path | None = None) -> Scen
         faults=tuple(_fault(f, i) for i, f in enumerate(_list(top.get("faults"), "faults"))),
         events=tuple(_event(e, i) for i, e in enumerate(_list(top.get("timeline"), "timeline"))),
         lose_cluster_of=str(top["lose_cluster_of"]) if top.get("lose_cluster_of") else None,
+        serving_day=_serving_day(top.get("serving_day")),
         source=source,
     )
+
+
+def _serving_day(data: Any) -> Mapping[str, Any] | None:
+    if data is None:
+        return None
+    day = _mapping(data, "serving_day")
+    _known(
+        day, {"policy", "apply", "day_s", "peak_rps", "night", "regions", "report_s"}, "serving_day"
+    )
+    documents = _list(day.get("apply"), "serving_day.apply")
+    kinds = sorted(str(_mapping(d, "serving_day.apply").get("kind")) for d in documents)
+    if kinds != ["InferenceService", "TrainingJob"]:
+        raise ConfigError("serving_day.apply: one TrainingJob and one InferenceService")
+    for document in documents:
+        parse_spec(document)
+    return day
 
 
 def available() -> list[str]:
