@@ -152,11 +152,7 @@ def serving_day(
                 + (f" (+{_per(now['standby'])} warm)" if now["standby"] else "")
                 + f" | inference pool {_per(now['pool']) or '-'} GPUs | {training} "
                 + f"{train['phase']} in {', '.join(train['clusters']) or '-'}"
-                + (
-                    f" (checkpoint step {train['checkpoint_step']})"
-                    if train["checkpoint_step"]
-                    else ""
-                )
+                + (f" (checkpoint step {step})" if step else "")
             )
     finally:
         stop.set()
