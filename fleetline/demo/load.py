@@ -108,6 +108,10 @@ class LoadResult:
             "ok": len(ok),
             "failed": sum(o.status != 200 for o in self.outcomes),
             "retried": sum(o.tries > 1 for o in self.outcomes),
+            "statuses": {
+                str(code): sum(o.status == code for o in self.outcomes)
+                for code in sorted({o.status for o in self.outcomes})
+            },
             "skipped": self.skipped,
             "seconds": round(self.seconds, 2),
             "p50_ms": round(percentile(ok, 50), 2) if ok else None,

@@ -123,7 +123,8 @@ def serving_day(
         day_s=day_s,
         night=float(day.get("night", 0.05)),
         offset_h=offsets,
-        duration_s=day_s,
+        # On into the next night, so that the replicas drain and training comes back.
+        duration_s=day_s * float(day.get("days", 1.25)),
     )
     result: list[LoadResult] = []
     loader = threading.Thread(target=lambda: result.append(asyncio.run(run_load(plan))))
@@ -171,7 +172,8 @@ def serving_day(
     say(
         f"{training}: paused {len(paused)}x for replicas, resumed {len(resumed)}x from its "
         f"checkpoint; requests: {load.get('requests')} sent, {load.get('failed')} failed, "
-        f"{load.get('retried')} retried, p50 {load.get('p50_ms')} ms, p95 {load.get('p95_ms')} ms"
+        f"{load.get('retried')} retried, p50 {load.get('p50_ms')} ms, p95 {load.get('p95_ms')} ms; "
+        f"statuses {load.get('statuses')}; router {router.counters.as_data()}"
     )
     return {
         "service": service,

@@ -317,8 +317,10 @@ class Router:
         app.router.add_get("/v1/routes", self.routes_handler)
         app.router.add_get("/healthz", self.healthz)
         runner, self.address = await listen(app, host, port)
-        producer = kafka_clients.producer(self.settings.kafka, {"linger.ms": 5})
-        reporter = asyncio.create_task(self._reporter(producer)) if self.report else None
+        producer = (
+            kafka_clients.producer(self.settings.kafka, {"linger.ms": 5}) if self.report else None
+        )
+        reporter = asyncio.create_task(self._reporter(producer)) if producer else None
         try:
             while not stop.is_set():
                 await asyncio.sleep(0.1)
@@ -327,7 +329,8 @@ class Router:
                 reporter.cancel()
             await runner.cleanup()
             await self.session.close()
-            producer.flush(5)
+            if producer is not None:
+                producer.flush(5)
 
     def run(self, host: str, port: int, stop: threading.Event) -> None:
         """Follow the registry and serve until `stop` is set."""

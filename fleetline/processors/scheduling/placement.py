@@ -61,10 +61,10 @@ def inference_shape(service: InferenceServiceSpec, replicas: int) -> GangShape:
     return GangShape(
         accelerator=service.accelerator,
         workers=replicas,
-        per_worker=service.gpus_per_replica,
-        tensor=service.gpus_per_replica,
+        per_worker=service.whole_gpus,
+        tensor=service.whole_gpus,
         replica_workers=1,
-        allow_degraded=service.gpus_per_replica == 1,
+        allow_degraded=service.whole_gpus == 1,
     )
 
 

@@ -189,7 +189,7 @@ def never_fits(s: SchedulerState, job: Job) -> str | None:
         if spec.dataset and dataset is not None and dataset.tenant != job.tenant:
             return f"dataset {spec.dataset} belongs to another tenant"
     else:
-        gpus, gpu_ms = spec.gpus_per_replica * spec.min_replicas, 0
+        gpus, gpu_ms = spec.whole_gpus * spec.min_replicas, 0
     block = quota_block(s.tenant_policy_of(job.tenant), TenantUsage(), Request(gpus, {}, gpu_ms))
     return None if block is None else f"can never fit: {block}"
 

@@ -404,16 +404,30 @@ def scale_out(s: SchedulerState, out: EffectLog, service: Job, more: int, why: s
 
 
 def scale_in(s: SchedulerState, out: EffectLog, service: Job, why: str) -> None:
-    """Drain one serving replica: one not running yet if any, else the one in the region with
-    the least of the service's demand, the newest there."""
+    """Drain one serving replica: one not running yet if any, else one in the region with the
+    least of the service's demand, there the one sharing its node least, then the newest."""
     serving = replicas_of(s, service, SERVING)
     load = service.scaling.get("load") or {}
     order = region_order(_spec(service), load)
 
-    def keep_score(r: Job) -> tuple[bool, int, int]:
+    def keep_score(r: Job) -> tuple[bool, int, int, int]:
         regions = [s.facts.clusters[c].region for c in r.allocation if c in s.facts.clusters]
         rank = min((order.index(g) for g in regions if g in order), default=len(order))
-        return (r.phase == Phase.RUNNING, -rank, -service.scaling["replicas"].index(r.key))
+        # GPUs others hold on its nodes: draining the replica that shares its node least gives
+        # training whole nodes back soonest.
+        shared = sum(
+            s.jobs[other].allocation.get(cluster, {}).get(node, 0).bit_count()
+            for cluster, nodes in r.allocation.items()
+            for node in nodes
+            for other in s.node_jobs.get(node, ())
+            if other != r.key
+        )
+        return (
+            r.phase == Phase.RUNNING,
+            -rank,
+            shared,
+            -service.scaling["replicas"].index(r.key),
+        )
 
     victim = min(serving, key=keep_score)
     decide(

@@ -305,10 +305,40 @@ class Serving(Model):
     )
 
 
+# The GPU shares a small replica may ask for: a whole GPU is split in eighths at most.
+GPU_SHARES = (0.125, 0.25, 0.5)
+
+
+def _gpus_per_replica(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise PydanticCustomError("gpus", "must be a number, got {value}", {"value": value})
+    if isinstance(value, float) and value < 1 and value not in GPU_SHARES:
+        raise PydanticCustomError(
+            "gpus",
+            "a share of one GPU must be 0.5, 0.25 or 0.125, got {value}",
+            {"value": value},
+        )
+    if isinstance(value, float) and value >= 1:
+        if not value.is_integer():
+            raise PydanticCustomError(
+                "gpus", "above one GPU must be whole GPUs, got {value}", {"value": value}
+            )
+        return int(value)
+    return value
+
+
+GpusPerReplica = Annotated[
+    float, BeforeValidator(_gpus_per_replica), Field(strict=False, gt=0, allow_inf_nan=False)
+]
+
+
 class InferenceServiceSpec(Model):
     model: Text
     accelerator: Text
-    gpus_per_replica: Count = 1
+    gpus_per_replica: GpusPerReplica = Field(
+        default=1,
+        description="whole GPUs, or a share of one (0.5, 0.25, 0.125) packed beside others",
+    )
     replicas: Replicas = Replicas()
     latency_target_ms: Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)]
     regions: Annotated[
@@ -323,6 +353,17 @@ class InferenceServiceSpec(Model):
     retry: RetryPolicy = RetryPolicy()
     autoscaling: Autoscaling = Autoscaling()
     serving: Serving = Serving()
+
+    @property
+    def whole_gpus(self) -> int:
+        """GPUs a replica's gang takes in the index: a shared replica's GPU is taken whole (for
+        the replicas sharing it)."""
+        return max(1, int(self.gpus_per_replica))
+
+    @property
+    def share_eighths(self) -> int | None:
+        """A shared replica's part of its GPU, in eighths (None: whole GPUs)."""
+        return int(self.gpus_per_replica * 8) if self.gpus_per_replica < 1 else None
 
     @property
     def min_replicas(self) -> int:
