@@ -48,6 +48,7 @@ def test_registry_knows_the_shipped_schemas() -> None:
         "fleetline.scheduling.DatasetPrewarm",
         "fleetline.scheduling.SchedulerRequest",
         "fleetline.scheduling.SchedulingDecision",
+        "fleetline.serving.ReplicaEndpoint",
         "fleetline.telemetry.GpuSample",
         "fleetline.telemetry.NodeState",
         "fleetline.telemetry.NodeTelemetry",

@@ -270,3 +270,103 @@ def test_a_load_report_says_utilisation_and_percentiles_of_the_window():
     assert report["requests"] == 4 and report["utilisation"] == 0.25
     assert report["latency_ms"] == {"p50": 20.0, "p95": 40.0, "p99": 40.0}
     assert ServiceLoad.from_data(report).queue == 3
+
+
+# -- GPU shares ------------------------------------------------------------------------------
+
+
+def small(replicas: int, share: float = 0.25) -> dict:
+    doc = service("small", replicas, regions=("eu-west",))
+    doc["spec"]["gpus_per_replica"] = share
+    return doc
+
+
+def gpu_of(d: Driver, key: str) -> tuple[str, int]:
+    ((node, mask),) = d.job(key).allocation["eu-a"].items()
+    return node, mask.bit_length() - 1
+
+
+def test_small_replicas_pack_into_shares_of_one_gpu_and_training_never_shares():
+    view, _ = fleet_view([ClusterSpec("eu-a", "eu-west", 1)])
+    d = Driver(view)
+    d.submit(small(6))
+    gpus = [gpu_of(d, f"acme/small.r{i}") for i in range(6)]
+    assert len(set(gpus[:4])) == 1 and gpus[4] == gpus[5] != gpus[0]  # 4 x 2/8, then the next
+    assert "beside acme/small.r0" in d.last("acme/small.r1").reason
+    # The two shared GPUs are taken whole for training: 6 left of the node's 8.
+    d.submit(training("t7", per_worker=7, tensor=1))
+    assert d.last("acme/t7").outcome == "QUEUED"
+    d.submit(training("t6", per_worker=6, tensor=2))
+    assert d.last("acme/t6").outcome == "PLACED"
+    assert not {gpu_of(d, "acme/t6")} & set(gpus)
+    # Shares record their eighths on the allocation log (for the view).
+    shares = [
+        e.share_eighths
+        for e in d.effects
+        if type(e).__name__ == "AllocationChange" and e.job.startswith("acme/small")
+    ]
+    assert shares == [2] * 6
+
+
+def test_a_shared_gpu_is_free_again_only_when_its_last_replica_leaves():
+    view, _ = fleet_view([ClusterSpec("eu-a", "eu-west", 1)])
+    d = Driver(view)
+    d.submit(small(2, 0.5))
+    assert gpu_of(d, "acme/small.r0") == gpu_of(d, "acme/small.r1")
+    d.submit(training("t7", per_worker=7, tensor=1))
+    assert d.last("acme/t7").outcome == "PLACED"  # 7 whole GPUs beside the shared one
+    d.delete("acme/t7")
+    d.delete("acme/small.r1")  # one replica leaves; its GPU stays the other's
+    d.submit(training("t8", per_worker=8, tensor=8))
+    assert d.last("acme/t8").outcome == "QUEUED"
+    d.delete("acme/small")  # the last one leaves
+    d.tick(1)
+    assert d.last("acme/t8").outcome == "PLACED"
+
+
+def test_the_view_holds_shares_of_a_gpu_up_to_the_whole_of_it():
+    from fleetline.processors.view.fold import apply
+    from fleetline.processors.view.model import ResourceView
+    from fleetline.streams.serde import default_codec
+
+    view, codec = ResourceView(), default_codec()
+
+    def alloc(job: str, kind: str, share: int | None, seq: int = 1) -> None:
+        record = {
+            "job_id": job,
+            "tenant": "acme",
+            "seq": seq,
+            "ts": 1,
+            "kind": kind,
+            "cluster_id": "c",
+            "gpus": [{"node_id": "n", "gpu_index": 0}],
+            "priority": 3,
+            "reason": None,
+            "share_eighths": share,
+        }
+        apply(view, codec.decode(codec.encode("Allocation", record)))
+
+    for job in ("a", "b", "c"):
+        alloc(job, "ALLOCATED", 2)
+    with pytest.raises(InvalidEventError, match="already allocated"):
+        alloc("whole", "ALLOCATED", None)  # a whole-GPU job never lands on a shared GPU
+    with pytest.raises(InvalidEventError, match="would pass eight eighths"):
+        alloc("d", "ALLOCATED", 4)
+    alloc("d", "ALLOCATED", 2)
+    alloc("a", "RELEASED", 2, seq=2)
+    assert view.gpu_owner[("n", 0)] == "b"  # still taken by the others
+    for job in ("b", "c", "d"):
+        alloc(job, "RELEASED", 2, seq=2)
+    assert ("n", 0) not in view.gpu_owner
+
+
+def test_a_replica_share_is_applied_as_mps_limits_or_time_slicing_and_said():
+    from fleetline.agents.cluster.agent import gpu_sharing
+
+    env, note = gpu_sharing([("n0", (3,))], 0.25, lambda index: 81_920, mps=False)
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20480M"
+    assert note.startswith("GPU share 0.25 of n0/3: time-sliced")
+    env, note = gpu_sharing([("n0", (3,))], 0.5, lambda index: None, mps=True)
+    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in env and "no memory limit" in note
+    assert gpu_sharing([("n0", (3, 4))], 2, lambda index: 1, mps=True) == ({}, "")

@@ -134,6 +134,7 @@ def effect_record(effect: Effect) -> tuple[str, str, dict[str, Any]]:
                     "gpus": [{"node_id": n, "gpu_index": i} for n, i in effect.gpus],
                     "priority": effect.priority,
                     "reason": effect.reason,
+                    "share_eighths": effect.share_eighths,
                 },
             )
         case PrewarmOrder():

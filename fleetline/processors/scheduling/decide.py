@@ -13,7 +13,7 @@ import json
 from dataclasses import replace
 from typing import Any, TypedDict, Unpack
 
-from fleetline.processors.scheduling.capacity import indices_of, usable_gpus
+from fleetline.processors.scheduling.capacity import Gang, indices_of, usable_gpus
 from fleetline.processors.scheduling.effects import (
     AllocationChange,
     AllocationKind,
@@ -41,6 +41,7 @@ from fleetline.processors.scheduling.placement import (
     Placement,
     inference_shape,
     refs_by_node,
+    to_placement,
     training_shape,
 )
 from fleetline.processors.scheduling.policy import FLEET_FILTERS
@@ -161,6 +162,10 @@ def try_place(s: SchedulerState, job: Job, regions: tuple[str, ...] | None = Non
     if isinstance(spec, InferenceServiceSpec):
         if block is not None:
             return Attempt((), block, tuple(rank_clusters(ctx)))
+        if spec.share_eighths is not None:
+            beside = place_share(s, ctx, spec.share_eighths)
+            if beside is not None:
+                return beside
         return place_replicas(ctx, 1)
     if spec.dataset and request.dataset is None:
         return Attempt((), f"dataset {spec.dataset} is not registered (apply its Dataset spec)", ())
@@ -193,6 +198,51 @@ def try_place(s: SchedulerState, job: Job, regions: tuple[str, ...] | None = Non
     if not attempt.alternatives and block is not None:
         attempt = Attempt((), block, tuple(rank_clusters(ctx)))
     return attempt
+
+
+def place_share(s: SchedulerState, ctx: Context, eighths: int) -> Attempt | None:
+    """A replica's share of a GPU other replicas already share, where it fits (the fullest such
+    GPU first, in the clusters the pipeline allows, best scored first); None when there is
+    none, and the replica takes a GPU of its own to share."""
+    scores = rank_clusters(ctx)
+    # A shared GPU adds nothing to a cluster's pool and needs no free GPU: those two filters'
+    # verdicts do not apply to it.
+    allowed = [c.cluster_id for c in scores if c.rejected is None or c.by in ("capacity", "pool")]
+    for cluster_id in allowed:
+        best: tuple[int, str, int] | None = None
+        for (cluster, node, gpu), holders in s.shared.items():
+            used = sum(holders.values())
+            facts = s.facts.nodes.get(node)
+            if (
+                cluster != cluster_id
+                or used + eighths > 8
+                or facts is None
+                or not facts.schedulable
+                or not (facts.healthy | facts.degraded) >> gpu & 1
+                or not ctx.request.shape.matches(facts.model)
+            ):
+                continue
+            if best is None or (-used, node, gpu) < (-best[0], best[1], best[2]):
+                best = (used, node, gpu)
+        if best is None:
+            continue
+        used, node, gpu = best
+        leaf = s.facts.nodes[node].leaf
+        gang = Gang(cluster_id, ((node, 1 << gpu),), (leaf,), 0)
+        placement = to_placement(gang, ctx.request.shape, ctx.index)
+        beside = ", ".join(sorted(s.shared[(cluster_id, node, gpu)]))
+        return Attempt(
+            (placement,),
+            f"{eighths}/8 of {node}/{gpu} in {cluster_id}, beside {beside} ({used}/8 taken)",
+            _shown_scores(ctx, scores),
+            (),
+            1,
+        )
+    return None
+
+
+def _shown_scores(ctx: Context, scores: list[ClusterScore]) -> tuple[ClusterScore, ...]:
+    return tuple(c for c in scores if c.rejected is None)[: ctx.policy.alternatives]
 
 
 def shape_keys(job: Job) -> tuple[ShapeKey, ShapeKey]:
@@ -316,9 +366,15 @@ def bind(
         s.bound_floor = job.priority
     usage = s.usage_of(job.tenant)
     seq = job.alloc_seq
+    share = spec.share_eighths if isinstance(spec, InferenceServiceSpec) else None
     for placement in placed.placements:
         nodes = refs_by_node(placement.gpus)
         job.allocation[placement.cluster_id] = nodes
+        if share is not None:
+            job.scaling["share"] = share
+            for node, mask in nodes.items():
+                key = (placement.cluster_id, node, mask.bit_length() - 1)
+                s.shared.setdefault(key, {})[job.key] = share
         job.allocation_changed()
         s.cluster_jobs.setdefault(placement.cluster_id, set()).add(job.key)
         s.count_priority(placement.cluster_id, job.priority, len(placement.gpus))
@@ -341,6 +397,7 @@ def bind(
                 seq,
                 s.now_ms,
                 f"placed by decision {out.next_id()}",
+                share,
             )
         )
     job.alloc_seq = seq
@@ -504,6 +561,20 @@ def order_stop(s: SchedulerState, out: EffectLog, job: Job, reason: str, final: 
     job.actual = {**job.actual, "state": "Stopping", "since_ms": s.now_ms, "detail": reason}
 
 
+def _unshared(s: SchedulerState, job: Job, cluster_id: str, node: str, mask: int) -> int:
+    """The GPUs of `mask` a releasing job frees: all of them, but a shared GPU only when the
+    job was the last replica holding a share of it."""
+    if job.scaling.get("share") is None:
+        return mask
+    key = (cluster_id, node, mask.bit_length() - 1)
+    holders = s.shared.get(key, {})
+    holders.pop(job.key, None)
+    if holders:
+        return 0
+    s.shared.pop(key, None)
+    return mask
+
+
 def release(
     s: SchedulerState,
     out: EffectLog,
@@ -527,7 +598,7 @@ def release(
             holding.discard(job.key)
         s.count_priority(cluster_id, job.priority, -sum(m.bit_count() for m in nodes.values()))
         for node, mask in sorted(nodes.items()):
-            s.index.release(node, mask)
+            s.index.release(node, _unshared(s, job, cluster_id, node, mask))
             holders = s.node_jobs.get(node)
             if holders is not None:
                 holders.discard(job.key)
@@ -570,8 +641,10 @@ def release(
             seq,
             s.now_ms,
             reason,
+            job.scaling.get("share"),
         )
     )
+    job.scaling.pop("share", None)
     for ticket in job.waiting_for:
         usage.prewarms.pop(ticket, None)
     job.allocation = {}
@@ -616,8 +689,8 @@ def victims_in(s: SchedulerState, cluster_id: str, below: int) -> list[Victim]:
     out: list[Victim] = []
     for job_key in s.cluster_jobs.get(cluster_id, ()):
         job = s.jobs[job_key]
-        if job.priority >= below:
-            continue
+        if job.priority >= below or job.scaling.get("share") is not None:
+            continue  # evicting one share of a GPU frees nothing while others hold it
         cost = lost_work_s(job, now) if job.phase == Phase.RUNNING else 0.0
         out.append((cost, job_key, job.allocation[cluster_id]))
     out.sort()  # by loss, then job key (unique), so the masks are never compared

@@ -142,6 +142,7 @@ class AllocationChange:
     seq: int
     ts: int
     reason: str
+    share_eighths: int | None = None  # a replica's share of the one GPU it names
 
 
 @dataclass(frozen=True)

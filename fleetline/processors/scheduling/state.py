@@ -304,6 +304,9 @@ class SchedulerState:
         self.retries: list[tuple[int, str]] = []  # (next attempt due, job) heap
         self.deferrals: list[tuple[int, str]] = []  # (deferred start, job) heap
         self.index = CapacityIndex(self.facts)
+        # GPUs small replicas share: (cluster, node, GPU) -> replica -> its eighths. The index
+        # holds such a GPU taken once, for all of them, until the last one leaves.
+        self.shared: dict[tuple[str, str, int], dict[str, int]] = {}
         self.victim_cache: dict[tuple[str, int, int, int], list[Victim]] = {}
         # Whether the next TICK must retry the queue: something freed capacity, changed a
         # quota or a policy, or started jobs below the priority of jobs still waiting. Not
@@ -360,9 +363,16 @@ class SchedulerState:
         self.limits = []
         self.retries = []
         self.deferrals = []
+        self.shared = {}
         self.facts = fenced_facts(self.observed, self.fenced)
         for key in sorted(self.jobs):
             job = self.jobs[key]
+            share = job.scaling.get("share")
+            if share is not None:
+                for cluster_id, nodes in job.allocation.items():
+                    for node, mask in nodes.items():
+                        gpu = mask.bit_length() - 1
+                        self.shared.setdefault((cluster_id, node, gpu), {})[key] = share
             for cluster_id, nodes in job.allocation.items():
                 self.cluster_jobs.setdefault(cluster_id, set()).add(key)
                 self.count_priority(

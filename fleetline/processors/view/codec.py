@@ -61,6 +61,8 @@ def _node_data(node: NodeView) -> dict[str, Any]:
 def _allocation_data(allocation: JobAllocation) -> dict[str, Any]:
     data = dict(vars(allocation))
     data["gpus"] = sorted([node_id, index] for node_id, index in allocation.gpus)
+    if data["share_eighths"] is None:
+        del data["share_eighths"]  # whole GPUs: as snapshots were before shares
     return data
 
 
@@ -96,7 +98,7 @@ def from_data(data: dict[str, Any]) -> ResourceView:
         gpus = {(node_id, index) for node_id, index in alloc["gpus"]}
         view.allocations[job_id] = JobAllocation(**{**alloc, "gpus": gpus})
         for ref in gpus:
-            view.gpu_owner[ref] = job_id
+            view.gpu_owner.setdefault(ref, job_id)  # a shared GPU: its first sharer by id
     return view
 
 

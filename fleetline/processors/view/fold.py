@@ -338,20 +338,45 @@ def _fold_dataset(view: ResourceView, record: Mapping[str, Any]) -> None:
     view.fleet_events += 1
 
 
+def _sharers(view: ResourceView, ref: tuple[str, int]) -> set[str]:
+    """The jobs holding a share of a GPU."""
+    return {
+        a.job_id for a in view.allocations.values() if a.share_eighths is not None and ref in a.gpus
+    }
+
+
+def _shares_with(view: ResourceView, ref: tuple[str, int], job_id: str, share: int | None) -> bool:
+    """Whether a replica asking for `share` eighths of a GPU fits beside those holding it: only
+    shares share, and never past the whole GPU."""
+    if share is None:
+        return False
+    held = [a for a in view.allocations.values() if ref in a.gpus and a.job_id != job_id]
+    if any(a.share_eighths is None for a in held):
+        return False
+    return sum(a.share_eighths or 0 for a in held) + share <= 8
+
+
 def _fold_allocation(view: ResourceView, record: Mapping[str, Any]) -> None:
     job_id = record["job_id"]
     current = view.allocations.get(job_id)
     if current is not None and record["seq"] <= current.seq:
         return
     refs = {(ref["node_id"], ref["gpu_index"]) for ref in record["gpus"]}
+    share = record.get("share_eighths")
     match record["kind"]:
         case "ALLOCATED":
-            taken = sorted(ref for ref in refs if view.gpu_owner.get(ref, job_id) != job_id)
+            taken = sorted(
+                ref
+                for ref in refs
+                if view.gpu_owner.get(ref, job_id) != job_id
+                and not _shares_with(view, ref, job_id, share)
+            )
             if taken:
                 node_id, index = taken[0]
                 raise InvalidEventError(
                     f"job {job_id}: {node_id}/{index} is already allocated to "
                     f"{view.gpu_owner[taken[0]]}"
+                    + (" (its shares of the GPU would pass eight eighths)" if share else "")
                 )
             if current is None:
                 current = view.allocations[job_id] = JobAllocation(
@@ -362,16 +387,26 @@ def _fold_allocation(view: ResourceView, record: Mapping[str, Any]) -> None:
                     set(),
                     record["seq"],
                     record["ts"],
+                    share,
                 )
             current.gpus |= refs
             for ref in refs:
-                view.gpu_owner[ref] = job_id
+                view.gpu_owner.setdefault(ref, job_id)
         case "RELEASED":
             if current is None:
                 raise InvalidEventError(f"job {job_id}: released but never allocated")
             freed = refs or set(current.gpus)
             for ref in freed & current.gpus:
-                view.gpu_owner.pop(ref, None)
+                if view.gpu_owner.get(ref) == job_id:
+                    view.gpu_owner.pop(ref)
+                    # A shared GPU stays taken while another replica holds a share of it.
+                    others = (
+                        sorted(_sharers(view, ref) - {job_id})
+                        if current.share_eighths is not None
+                        else []
+                    )
+                    if others:
+                        view.gpu_owner[ref] = others[0]
             current.gpus -= freed
             if not current.gpus:
                 del view.allocations[job_id]

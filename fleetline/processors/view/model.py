@@ -277,6 +277,9 @@ class JobAllocation:
     gpus: set[tuple[str, int]]
     seq: int
     since_ms: int
+    # A small inference replica's eighths of the one GPU it holds, beside other replicas'
+    # (None: its GPUs are its own).
+    share_eighths: int | None = None
 
 
 @dataclass(frozen=True)
