@@ -314,3 +314,54 @@ def start_times(decisions: list[dict[str, Any]], records: list[dict[str, Any]]) 
                 if replica in ready_at:
                     cold.append(ready_at[replica] - d["ts"])
     return {"cold_start_ms": sorted(cold), "warm_start_ms": sorted(warm)}
+
+
+def test_small_replicas_share_one_gpu_and_each_serves(stack):
+    small = {
+        "kind": "InferenceService",
+        "metadata": {"name": "small", "tenant": "acme"},
+        "spec": {
+            "model": "tiny",
+            "accelerator": "H100",
+            "gpus_per_replica": 0.5,
+            "replicas": {"min": 2, "max": 2},
+            "latency_target_ms": LATENCY_TARGET_MS,
+            "regions": ["eu-west", "us-east"],
+            "workload": {},
+            "serving": {"concurrency": 2, "compute_ms": 5},
+        },
+    }
+    submit(stack.settings.kafka, stack.topics, submits(small))
+
+    def ready() -> list[dict[str, Any]]:
+        return [
+            r
+            for r in latest(stack).values()
+            if r["service"] == "acme/small" and r["state"] == "READY"
+        ]
+
+    wait_until(lambda: len(ready()) == 2, 60, "both small replicas ready")
+    jobs = {j["key"]: j for j in stack.fleet.scheduler.jobs("acme")}
+    gpus = {
+        (cluster, node, mask)
+        for key in ("acme/small.r0", "acme/small.r1")
+        for cluster, nodes in jobs[key]["allocation"].items()
+        for node, mask in nodes.items()
+    }
+    assert len(gpus) == 1, gpus  # two halves of one GPU
+    started = [
+        e
+        for e in stack.events()
+        if e["job"].startswith("acme/small.r") and e["event"] == "STARTING"
+    ]
+    assert len(started) == 2
+    assert all("GPU share 0.5 of" in e["detail"] for e in started), started[0]["detail"]
+    assert all("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50" in e["detail"] for e in started)
+    # Each half answers (called directly: the router has gone with the first test).
+    for r in ready():
+        out = subprocess.run(
+            ["curl", "-s", "-XPOST", f"{r['address']}/v1/infer", "-d", '{"inputs": null}'],
+            capture_output=True,
+            check=True,
+        )
+        assert json.loads(out.stdout)["replica"] == r["replica"]
