@@ -521,6 +521,8 @@ class ClusterAgent:
                 and order is not None
                 and not workload.running_reported
                 and time.monotonic() - workload.started_at >= self.running_after_s
+                # A replica runs once it serves: its model loaded and its probe answered.
+                and (order.kind != REPLICA_KIND or "ready" in workload.serving_lines())
             ):
                 self._event(order, "RUNNING", pid=workload.pid)
                 self._report(order, "RUNNING", detail=f"pid {workload.pid}")
@@ -736,7 +738,11 @@ class ClusterAgent:
         address = (lines.get("ready") or lines.get("listening") or {}).get("address")
         load: dict[str, Any] = {}
         if address and workload.alive:
-            load = _get_json(f"{address}/v1/load", self.probe_timeout_s) or {}
+            answer = _get_json(f"{address}/v1/load", self.probe_timeout_s)
+            # A busy replica that is slow to say how busy it is keeps what it said last: only
+            # its exit, a stop or its own word takes it out of the registry.
+            load = answer if answer is not None else workload.serving.get("load", {})
+            workload.serving["load"] = load
         if not workload.alive:
             state = "GONE"
         elif workload.stop_deadline is not None or load.get("draining"):

@@ -80,7 +80,8 @@ class Workload:
     fenced: bool = False
     reported: bool = False  # its end has been published
     done: dict[str, Any] = field(default_factory=dict)  # the workload's "done" line
-    # A serving replica's "listening" and "ready" lines (its address, what it loaded).
+    # A serving replica's "listening" and "ready" lines (its address, what it loaded) and the
+    # load it last reported.
     serving: dict[str, Any] = field(default_factory=dict)
 
     @property
