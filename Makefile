@@ -60,6 +60,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/console.py
 	$(PY) benchmarks/observability.py
 	$(PY) benchmarks/operations.py
+	$(PY) benchmarks/serving.py
 
 services-start: $(STAMP)
 	$(VENV)/bin/fleetline infra start

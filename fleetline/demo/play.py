@@ -33,6 +33,7 @@ from fleetline.demo.cluster_story import ClusterAgents, lose_a_cluster
 from fleetline.demo.scenario import Scenario
 from fleetline.demo.serving_story import serving_day
 from fleetline.errors import StreamError
+from fleetline.observability import tracing
 from fleetline.processors.audit.chain import export_entry, verify
 from fleetline.processors.audit.runtime import KafkaAuditEmitter
 from fleetline.processors.replay import ViewFollower, offsets_at, rebuild, replay_decisions
@@ -103,7 +104,11 @@ def submit_specs(
         settings.kafka,
         topics,
         [
-            submit_request(spec, dict(doc), _now_ms(), uuid.uuid4().hex, actor)
+            # Each submission enters a trace of its own, as through `apply` or the API (a
+            # derived trace id would be the same in every run sharing a ClickHouse store).
+            submit_request(
+                spec, dict(doc), _now_ms(), uuid.uuid4().hex, actor, tracing.start().traceparent
+            )
             for spec, doc in datasets_first(specs, list(documents))
         ],
     )

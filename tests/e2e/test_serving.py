@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from fleetline.app import Options
+from fleetline.cli import main
 from fleetline.config import Settings
 from fleetline.processors.scheduling.codec import canonical_json, new_request
 from fleetline.processors.scheduling.runtime import decisions_of, submit
@@ -365,3 +366,18 @@ def test_small_replicas_share_one_gpu_and_each_serves(stack):
             check=True,
         )
         assert json.loads(out.stdout)["replica"] == r["replica"]
+
+
+def test_explain_on_a_service_shows_replicas_registry_load_and_weights(stack, monkeypatch, capsys):
+    for name, value in service_env(stack.settings).items():
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    assert main(["explain", "acme/chat", "--topic-prefix", stack.topics.prefix]) == 0
+    out = capsys.readouterr().out
+    assert "Replicas (the scheduler's):" in out and "acme/chat.r0" in out
+    assert "The registry (each replica's latest record):" in out and "READY" in out
+    assert "The autoscaler last saw (router-" in out
+    assert "The router's weights for clients in eu-west (best first):" in out
+    assert "expected" in out and "link" in out
+    # The scaling decisions replay byte for byte with the rest of the log.
+    assert main(["replay", "--decisions", "--topic-prefix", stack.topics.prefix]) == 0
