@@ -15,6 +15,8 @@ from typing import Any
 from fleetline.agents.simulator import ClusterSpec, FleetSimulator, cluster_info
 from fleetline.config import Settings
 from fleetline.infra import LocalServices
+from fleetline.processors.scheduling.codec import new_request
+from fleetline.processors.scheduling.effects import WorkloadOrder
 from fleetline.processors.view.fold import apply, fold_telemetry
 from fleetline.processors.view.model import GPU_FIELDS, ResourceView
 from fleetline.storage.hot_sink import HotSampleSink, HotSampleStore
@@ -125,3 +127,19 @@ def simulated_view(clusters: list[ClusterSpec], base_ms: int, seed: int = 1) -> 
         apply(view, codec.decode(codec.encode("NodeState", record)))
     fold_telemetry_records(view, sim.telemetry(base_ms + 1000))
     return view
+
+
+def progress_report(order: WorkloadOrder, phase: str, now: int) -> dict[str, Any]:
+    """A cluster agent's PROGRESS report on the run an order started (the benchmarks' agents
+    report every RUN at once)."""
+    return new_request(
+        "PROGRESS",
+        order.job,
+        order.tenant,
+        now,
+        f"p-{order.job}-{order.epoch}-{order.attempt}-{phase}",
+        phase=phase,
+        cluster_id=order.cluster_id,
+        epoch=order.epoch,
+        attempt=order.attempt,
+    )

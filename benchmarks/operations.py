@@ -25,7 +25,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from _common import report, simulated_view
+from _common import progress_report, report, simulated_view
 
 from fleetline.agents.simulator import ClusterSpec
 from fleetline.processors.operations import rules as healing
@@ -150,7 +150,7 @@ def run_week(
             if now - began >= runtime[name]:
                 del running[name]
                 finished[name] = now
-                effects = feed(_report(order, "SUCCEEDED", now))
+                effects = feed(progress_report(order, "SUCCEEDED", now))
                 _start(effects, running, now, feed)
         effects = feed(new_request("TICK", "", "", now, f"t{now}", view_offsets=facts.offsets))
         _start(effects, running, now, feed)
@@ -175,20 +175,6 @@ def run_week(
     }
 
 
-def _report(order: WorkloadOrder, phase: str, now: int) -> dict[str, Any]:
-    return new_request(
-        "PROGRESS",
-        order.job,
-        order.tenant,
-        now,
-        f"p-{order.job}-{order.epoch}-{phase}",
-        phase=phase,
-        cluster_id=order.cluster_id,
-        epoch=order.epoch,
-        attempt=order.attempt,
-    )
-
-
 def _start(
     effects: list[Any], running: dict[str, tuple[WorkloadOrder, int]], now: int, feed: Any
 ) -> None:
@@ -196,7 +182,7 @@ def _start(
     for e in effects:
         if isinstance(e, WorkloadOrder) and e.action == "RUN":
             running[e.job.split("/", 1)[1]] = (e, now)
-            _start(feed(_report(e, "RUNNING", now)), running, now, feed)
+            _start(feed(progress_report(e, "RUNNING", now)), running, now, feed)
 
 
 def observation_cost(nodes: int) -> dict[str, float]:

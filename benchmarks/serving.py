@@ -37,7 +37,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from _common import local_services, report, simulated_view
+from _common import local_services, progress_report, report, simulated_view
 from aiohttp import ClientSession, TCPConnector
 
 from fleetline.agents.router.routing import RoutingPolicy, percentile
@@ -234,7 +234,7 @@ def tidal_day(tidal: bool) -> dict[str, float]:
                     if e.job.startswith("acme/train") and e.job in stopped:
                         restarts += 1
                     running[e.job] = e
-                    pending.append(_progress(e, "RUNNING", r["ts"]))
+                    pending.append(progress_report(e, "RUNNING", r["ts"]))
                 elif isinstance(e, WorkloadOrder) and e.action == "STOP":
                     running.pop(e.job, None)
                     stopped.add(e.job)
@@ -335,20 +335,6 @@ def tidal_day(tidal: bool) -> dict[str, float]:
         "served_share": served / demanded,
         "training_restarts": restarts,
     }
-
-
-def _progress(order: WorkloadOrder, phase: str, now: int) -> dict[str, Any]:
-    return new_request(
-        "PROGRESS",
-        order.job,
-        order.tenant,
-        now,
-        f"p-{order.job}-{order.epoch}-{order.attempt}-{phase}",
-        phase=phase,
-        cluster_id=order.cluster_id,
-        epoch=order.epoch,
-        attempt=order.attempt,
-    )
 
 
 def main() -> None:

@@ -214,7 +214,7 @@ def read_to_end(
         while remaining:
             if time.monotonic() > deadline:
                 raise StreamError(
-                    f"reading {topic} took over {timeout_s:.0f}s; partitions "
+                    f"reading {topic}: nothing arrived for {timeout_s:.0f}s; partitions "
                     f"not at their end: {sorted(remaining)}"
                 )
             msg = reader.poll(0.2)
@@ -233,6 +233,9 @@ def read_to_end(
                 remaining.discard(partition)
                 continue  # appended after the read began
             yield msg
+            # The limit is on a stalled read, not on what the caller does with each message
+            # (a replay folds the scheduler's whole log as it reads it).
+            deadline = time.monotonic() + timeout_s
             if offset + 1 >= ends[partition]:
                 remaining.discard(partition)
     finally:

@@ -211,9 +211,10 @@ _children: dict[int, subprocess.Popen[bytes]] = {}
 
 
 def reap() -> None:
+    # Several agents may run in one process (`fleetline run`), each reaping from its thread.
     for pid, process in list(_children.items()):
         if process.poll() is not None:
-            del _children[pid]
+            _children.pop(pid, None)
 
 
 def adopt(root: Path) -> list[Workload]:
