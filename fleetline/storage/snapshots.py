@@ -97,9 +97,10 @@ class SnapshotStore:
                 m = json.loads(self.store.get(key))
             except ObjectMissing:
                 continue  # pruned by the live process since it was listed: no longer a snapshot
-            except IntegrityError as exc:
-                # Sealed under another key, or written before sealing was configured: a cache
-                # entry this reader cannot use; the log rebuilds what it held.
+            except (IntegrityError, ValueError) as exc:
+                # Sealed under another key, sealed and read with none (ciphertext is not JSON),
+                # or written before sealing was configured: a cache entry this reader cannot
+                # use; the log rebuilds what it held.
                 log.warning("snapshot manifest %s skipped: %s", key, exc)
                 continue
             try:

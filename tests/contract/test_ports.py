@@ -102,6 +102,8 @@ def test_the_snapshot_store_finds_the_newest_snapshot_within_offsets(settings, o
         assert raw.get(newest.blob_key).startswith(MAGIC)
         other = SealedObjectStore(raw, ObjectCipher(os.urandom(32)))
         assert snapshot_store(settings, blobs.root, other).list("shard-000") == []
+        # ... and so is it read with no key at all (a command run without the operator's key).
+        assert snapshot_store(settings, blobs.root, raw).list("shard-000") == []
 
 
 # -- sinks' destinations ------------------------------------------------------------------------

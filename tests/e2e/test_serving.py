@@ -45,7 +45,7 @@ FIGURES: dict[str, Any] = {}
 
 @pytest.fixture(scope="module")
 def stack(services: Settings) -> Iterator[Stack]:
-    options = Options(tick_interval_s=0.3, clock_interval_s=0.25)
+    options = Options(tick_interval_s=1.0, clock_interval_s=0.25)
     with running_stack(services, CLUSTERS, options, "serving", regions=REGIONS) as built:
         yield built
     print("serving figures:", json.dumps(FIGURES))
@@ -371,6 +371,8 @@ def test_small_replicas_share_one_gpu_and_each_serves(stack):
 def test_explain_on_a_service_shows_replicas_registry_load_and_weights(stack, monkeypatch, capsys):
     for name, value in service_env(stack.settings).items():
         monkeypatch.setenv(name, value)
+    # The operator's key: the view's snapshots are sealed under it.
+    monkeypatch.setenv("FLEETLINE_OBJECT_ENCRYPTION_KEY", stack.settings.object_encryption_key)
     capsys.readouterr()
     assert main(["explain", "acme/chat", "--topic-prefix", stack.topics.prefix]) == 0
     out = capsys.readouterr().out

@@ -79,7 +79,7 @@ def test_serve_schedules_what_the_cli_applies_through_a_sigkill(
         assert "dataset:web-corpus: ACCEPTED" in out
         # 8 workers of 8 GPUs do not fit on a 4-node cluster: elastic, 4 of them.
         assert "acme/llm-pretrain: PLACED - elastic: 4 of 8 workers" in out
-        assert "acme/chat: PLACED" in out
+        assert "acme/chat: SCALED - 2 serving replica(s) (min 2, max 8)" in out
         assert main(["quota", "set", "globex", "--gpus", "16", *common]) == 0
         # A stream of jobs; the server is killed while they arrive.
         keys = set()

@@ -131,10 +131,9 @@ def test_decisions_over_kafka_survive_a_restart_and_replay_byte_for_byte(setting
         def bound() -> dict[str, int]:
             return {a["job_id"]: len(a["gpus"]) for a in processor.read(view_read.allocations)}
 
-        wait_until(
-            lambda: bound() == {"acme/pretrain": 16, "acme/tp4": 8, "acme/chat": 4},
-            what=f"the view's allocations, now {bound()}",
-        )
+        # A service's GPUs are its replicas' (each a job of its own).
+        wanted = {"acme/pretrain": 16, "acme/tp4": 8, "acme/chat.r0": 2, "acme/chat.r1": 2}
+        wait_until(lambda: bound() == wanted, what=f"the view's allocations, now {bound()}")
 
         # A second scheduler process picks up the committed state and goes on.
         state = job_records(read_state(settings.kafka, topics))
@@ -144,6 +143,8 @@ def test_decisions_over_kafka_survive_a_restart_and_replay_byte_for_byte(setting
             "acme/pretrain": "Starting",
             "acme/tp4": "Starting",
             "acme/chat": "Running",
+            "acme/chat.r0": "Running",
+            "acme/chat.r1": "Running",
             "acme/toomuch": "Queued",
         }
         with scheduling(settings, topics, processor, snapshots) as scheduler:
