@@ -188,6 +188,9 @@ def print_cluster_story(console: Console, story: dict[str, Any]) -> None:
 def print_serving_day(console: Console, day: dict[str, Any]) -> None:
     if not day:
         return
+    if "skipped" in day:
+        console.print(f"\nserving day skipped: {day['skipped']}")
+        return
     load, router = day["load"], day["router"]
     outs = sum(r.startswith("scale out") for r in day["scaled"])
     ins = sum(r.startswith("scale in") for r in day["scaled"])

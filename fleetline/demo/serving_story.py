@@ -103,9 +103,20 @@ def serving_day(
         ],
     )
     submit_specs(settings, topics, [d for d in documents if d["kind"] == "TrainingJob"])
+    # A fleet too small for the day's training (`fleetline run --nodes 2`) skips the day.
+    placed = _until(
+        lambda: (_jobs(fleet).get(training) or {}).get("phase") in ("Running", "Queued"), 90
+    )
+    job = _jobs(fleet).get(training) or {}
+    if not placed or job.get("phase") == "Queued":
+        why = (job.get("conditions") or {}).get("Placed", {}).get("reason", "not placed in 90s")
+        say(f"no serving day: {training} does not fit this fleet ({why[:160]})")
+        return {"skipped": f"{training} does not fit: {why}"}
     _until(lambda: (_jobs(fleet).get(training) or {}).get("phase") == "Running", 90)
     submit_specs(settings, topics, [d for d in documents if d["kind"] != "TrainingJob"])
-    _until(lambda: snapshot(fleet, service, training)["serving"], 90)
+    if not _until(lambda: snapshot(fleet, service, training)["serving"], 90):
+        say(f"no serving day: no replica of {service} served within 90s")
+        return {"skipped": f"no replica of {service} served within 90s"}
     router, stop, thread = start_router(settings, topics)
     assert router.address is not None
     regions: dict[str, float] = {}
@@ -191,9 +202,10 @@ def _per(counts: Mapping[str, int]) -> str:
     return ", ".join(f"{c} {n}" for c, n in sorted(counts.items()))
 
 
-def _until(condition: Callable[[], Any], timeout_s: float) -> None:
+def _until(condition: Callable[[], Any], timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if condition():
-            return
+            return True
         time.sleep(0.2)
+    return False

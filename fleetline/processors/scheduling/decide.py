@@ -95,14 +95,23 @@ def request_for(
 
 def inference_gpus(s: SchedulerState) -> dict[str, int]:
     """GPUs held by service replicas, per cluster: each cluster's inference pool as it is."""
+    # Every bind and release moves the index's versions; a share beside others moves `shared`.
+    state = (
+        id(s.index),
+        tuple(sorted(s.index.version.items())),
+        sum(len(holders) for holders in s.shared.values()),
+    )
+    if s.inference_cache is not None and s.inference_cache[0] == state:
+        return s.inference_cache[1]
     held: dict[str, int] = {}
     for cluster_id, keys in s.cluster_jobs.items():
-        for key in keys:
-            job = s.jobs[key]
+        for job_key in keys:
+            job = s.jobs[job_key]
             if job.service is not None:
                 held[cluster_id] = held.get(cluster_id, 0) + sum(
                     m.bit_count() for m in job.allocation.get(cluster_id, {}).values()
                 )
+    s.inference_cache = (state, held)
     return held
 
 

@@ -307,6 +307,9 @@ class SchedulerState:
         # GPUs small replicas share: (cluster, node, GPU) -> replica -> its eighths. The index
         # holds such a GPU taken once, for all of them, until the last one leaves.
         self.shared: dict[tuple[str, str, int], dict[str, int]] = {}
+        # GPUs replicas hold per cluster, while the index and the shares stand still (a queue
+        # pass with tidal pools asks for it for every job it tries).
+        self.inference_cache: tuple[Any, dict[str, int]] | None = None
         self.victim_cache: dict[tuple[str, int, int, int], list[Victim]] = {}
         # Whether the next TICK must retry the queue: something freed capacity, changed a
         # quota or a policy, or started jobs below the priority of jobs still waiting. Not
