@@ -1,8 +1,10 @@
 """The scheduler's requests, one handler each: SUBMIT (a spec: the desired state), DELETE,
 PROGRESS (a job's checkpoint, finish or failure, from the cluster layer), TENANT_POLICY
 (quotas, reservations, share), POLICY (the scheduling pipeline), DATASET_READY (a prewarm
-finished), FENCE / UNFENCE (the operations processor drains a node and gives it back) and
-ENERGY (a cluster's electricity by the hour). TICK is the reconcile loop (`reconcile.py`).
+finished), FENCE / UNFENCE (the operations processor drains a node and gives it back),
+ENERGY (a cluster's electricity by the hour) and SERVICE_LOAD (a router's measure of a
+service, which the autoscaler in `services.py` folds; SUBMIT and DELETE of a service go there
+too). TICK is the reconcile loop (`reconcile.py`).
 """
 
 from __future__ import annotations
