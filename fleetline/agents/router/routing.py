@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from fleetline.errors import ConfigError
+from fleetline.streams.events import CLUSTER_INFO, REPLICA_ENDPOINT
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,13 @@ class Registry:
             current.ts,
         ):
             self.endpoints[endpoint.replica] = endpoint
+
+    def fold(self, name: str, record: Mapping[str, Any]) -> None:
+        """One record of the registry's topics (ReplicaEndpoint, ClusterInfo); others pass."""
+        if name == REPLICA_ENDPOINT:
+            self.apply(record)
+        elif name == CLUSTER_INFO:
+            self.apply_cluster(record)
 
     def apply_cluster(self, record: Mapping[str, Any]) -> None:
         self.links[record["cluster_id"]] = dict(record.get("link_latency_ms") or {})

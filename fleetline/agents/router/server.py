@@ -36,7 +36,6 @@ from fleetline.config import Settings
 from fleetline.processors.scheduling.codec import new_request
 from fleetline.processors.scheduling.runtime import request_output
 from fleetline.streams import kafka as kafka_clients
-from fleetline.streams.events import CLUSTER_INFO, REPLICA_ENDPOINT
 from fleetline.streams.loop import produce
 from fleetline.streams.serde import default_codec
 from fleetline.streams.topics import Topics
@@ -113,10 +112,7 @@ class Router:
                             log.warning("%s: %s", self.name, error.str())
                         continue
                     decoded = self.codec.decode(msg.value())
-                    if decoded.schema.full_name == REPLICA_ENDPOINT:
-                        self.registry.apply(decoded.record)
-                    elif decoded.schema.full_name == CLUSTER_INFO:
-                        self.registry.apply_cluster(decoded.record)
+                    self.registry.fold(decoded.schema.full_name, decoded.record)
                 if not self.synced.is_set():
                     positions = consumer.position(parts)
                     if all(p.offset >= ends[p.topic] or ends[p.topic] == 0 for p in positions):
@@ -373,10 +369,7 @@ def read_registry(settings: Settings, topics: Topics) -> Registry:
             settings.kafka, topic, [0], f"fleetline-read-{uuid.uuid4().hex[:12]}", 30
         ):
             decoded = codec.decode(msg.value())
-            if decoded.schema.full_name == REPLICA_ENDPOINT:
-                registry.apply(decoded.record)
-            elif decoded.schema.full_name == CLUSTER_INFO:
-                registry.apply_cluster(decoded.record)
+            registry.fold(decoded.schema.full_name, decoded.record)
     return registry
 
 
