@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-unit lint bench services-start services-stop clean
+.PHONY: run test test-unit chaos lint bench services-start services-stop clean
 # The browser tests drive Debian's Chromium (Playwright's own browser download is not used).
 CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -44,6 +44,11 @@ lint: $(STAMP) $(CONTRACT_TOOLS)
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/fleetline contract asyncapi --check
 	cd contract && SUPPRESS_NO_CONFIG_WARNING=1 npx --no-install asyncapi validate asyncapi.yaml --fail-severity=warn
+
+# The fault-injection suite in full: more rounds of each fault, and the long runs (`make test`
+# runs one round of each).
+chaos: $(STAMP) $(CHROMIUM)
+	FLEETLINE_CHAOS=full $(PY) -m pytest tests/chaos
 
 # The pure tests alone: no services, seconds.
 test-unit: $(STAMP)

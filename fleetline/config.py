@@ -20,6 +20,10 @@ class KafkaSettings:
     bootstrap_servers: str = "127.0.0.1:19092"
     # Passed through verbatim to every client, e.g. security.protocol, sasl.mechanism.
     client_overrides: Mapping[str, str] = field(default_factory=dict)
+    # The replication of every topic fleetline creates (-1: the cluster's
+    # default.replication.factor) and its min.insync.replicas (None: the cluster's default).
+    replication_factor: int = -1
+    min_insync_replicas: int | None = None
 
     def client_config(self, **extra: object) -> dict[str, object]:
         # librdkafka's own log lines go through Python logging, not straight to stderr.
@@ -125,6 +129,11 @@ class Settings:
                 "FLEETLINE_KAFKA_BOOTSTRAP", defaults.kafka.bootstrap_servers
             ),
             client_overrides=overrides,
+            # Unset: -1 and None, the cluster's defaults; set: a positive number.
+            replication_factor=_number(
+                env, "FLEETLINE_KAFKA_REPLICATION", defaults.kafka.replication_factor
+            ),
+            min_insync_replicas=_number(env, "FLEETLINE_KAFKA_MIN_INSYNC", 0) or None,
         )
         return cls(
             kafka=kafka,

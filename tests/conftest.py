@@ -2,9 +2,11 @@
 
 Tests are grouped by kind: `unit/` (pure, no services, the whole folder in seconds),
 `contract/` (one case per port, run against each real backend), `integration/` (real Kafka, S3
-and chdb) and `e2e/` (scenarios played on the whole stack). Every test outside `unit/` is
-marked `services`. Services run on their own ports (29092, 29000) so a `fleetline run` on the
-default ports and a test run never share a broker; they start only when a test asks for them.
+and chdb), `e2e/` (scenarios played on the whole stack) and `chaos/` (faults injected into a
+replicated Kafka cluster and the processes; `make chaos` runs more rounds of each). Every test
+outside `unit/` is marked `services`. Services run on their own ports (29092, 29000; the chaos
+suite's three brokers from 39092) so a `fleetline run` on the default ports and a test run never
+share a broker; they start only when a test asks for them.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ TEST_KAFKA = os.environ.get("FLEETLINE_TEST_KAFKA_BOOTSTRAP", "127.0.0.1:29092")
 TEST_S3 = os.environ.get("FLEETLINE_TEST_S3_ENDPOINT", "127.0.0.1:29000")
 
 
-_NEED_SERVICES = ("contract", "integration", "e2e")
+_NEED_SERVICES = ("contract", "integration", "e2e", "chaos")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -54,7 +56,7 @@ def services(chdb_path: Path) -> Iterator[Settings]:
     started = not all(local.status().values())
     if started:
         # Fresh data each session: no topic or object left from an earlier run can leak in.
-        local.broker.wipe()
+        local.kafka.wipe()
         local.object_store.wipe()
         local.start()
     yield settings

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Annotated
 
 import typer
 
@@ -20,16 +21,29 @@ def _status(services: LocalServices) -> None:
 
 
 @infra.command()
-def start() -> None:
-    """Start the broker and the S3 server (fetching and building them the first time)."""
-    services = LocalServices.from_settings(settings())
+def start(
+    brokers: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Kafka brokers to run (each next one two ports up, all in the KRaft quorum); "
+            "3 or more replicate every topic 3 times with min.insync.replicas=2. Default: as "
+            "many as FLEETLINE_KAFKA_BOOTSTRAP lists.",
+        ),
+    ] = None,
+) -> None:
+    """Start the broker(s) and the S3 server (fetching and building them the first time)."""
+    services = LocalServices.from_settings(settings(), brokers)
     print(json.dumps({k: round(v, 2) for k, v in services.start().items()}))
     _status(services)
+    if len(services.kafka.brokers) > 1:
+        # Clients bootstrap from every broker, so one that is down does not stop them starting.
+        print(f"export FLEETLINE_KAFKA_BOOTSTRAP={services.kafka.bootstrap_servers}")
 
 
 @infra.command()
 def stop() -> None:
-    """Stop both services."""
+    """Stop the broker(s) and the S3 server."""
     services = LocalServices.from_settings(settings())
     services.stop()
     _status(services)
@@ -45,7 +59,7 @@ def status() -> None:
 def wipe() -> None:
     """Stop the services and delete their data."""
     services = LocalServices.from_settings(settings())
-    services.broker.wipe()
+    services.kafka.wipe()
     services.object_store.wipe()
     _status(services)
 

@@ -1,14 +1,17 @@
-"""A real single-node Apache Kafka broker (KRaft, combined broker+controller) on loopback.
+"""Real Apache Kafka brokers (KRaft, each a combined broker+controller) on loopback: one, or a
+replicated cluster of several whose controllers form the quorum.
 
-The broker jars come from Maven Central through `mvn dependency:copy-dependencies` on
-`kafka-broker.pom.xml` and are cached under the repository's ignored cache folder; the broker
-then runs as `java -cp <jars> kafka.Kafka server.properties`.
+The broker jars come through `mvn dependency:copy-dependencies` on `kafka-broker.pom.xml` and are
+cached under the repository's ignored cache folder; each broker then runs as
+`java -cp <jars> kafka.Kafka server.properties`.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import shutil
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +32,12 @@ class KafkaBroker:
     controller_port: int = 19093
     host: str = "127.0.0.1"
     heap: str = "512m"
+    node_id: int = 1
+    # controller.quorum.voters: every member's id@host:controller_port ("" = this broker alone).
+    voters: str = ""
+    # How many brokers the cluster has: the replication of internal topics and the defaults a
+    # topic created without its own replication takes (at most 3, and min.insync.replicas 2).
+    cluster_size: int = 1
 
     @property
     def libs_dir(self) -> Path:
@@ -82,10 +91,13 @@ class KafkaBroker:
         return True
 
     def server_properties(self) -> str:
+        replicas = str(min(3, self.cluster_size))
+        in_sync = str(min(2, self.cluster_size))
         lines = {
             "process.roles": "broker,controller",
-            "node.id": "1",
-            "controller.quorum.voters": f"1@{self.host}:{self.controller_port}",
+            "node.id": str(self.node_id),
+            "controller.quorum.voters": self.voters
+            or f"{self.node_id}@{self.host}:{self.controller_port}",
             "listeners": (
                 f"PLAINTEXT://{self.host}:{self.port},CONTROLLER://{self.host}:{self.controller_port}"
             ),
@@ -94,14 +106,20 @@ class KafkaBroker:
             "inter.broker.listener.name": "PLAINTEXT",
             "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
             "log.dirs": str(self.data_dir),
-            # One broker: every internal topic has a single replica.
-            "offsets.topic.replication.factor": "1",
+            # Internal topics and topics created without a replication of their own take the
+            # cluster's: one replica on one broker; three, two of them in sync for a write to
+            # be acknowledged, on three or more (a broker can be lost without losing a write).
+            "default.replication.factor": replicas,
+            "min.insync.replicas": in_sync,
+            "offsets.topic.replication.factor": replicas,
             "offsets.topic.num.partitions": "8",
-            "transaction.state.log.replication.factor": "1",
-            "transaction.state.log.min.isr": "1",
+            "transaction.state.log.replication.factor": replicas,
+            "transaction.state.log.min.isr": in_sync,
             "transaction.state.log.num.partitions": "8",
-            "share.coordinator.state.topic.replication.factor": "1",
-            "share.coordinator.state.topic.min.isr": "1",
+            "share.coordinator.state.topic.replication.factor": replicas,
+            "share.coordinator.state.topic.min.isr": in_sync,
+            # No leader from outside the in-sync set: an acknowledged write is never dropped.
+            "unclean.leader.election.enable": "false",
             "group.initial.rebalance.delay.ms": "0",
             "auto.create.topics.enable": "false",
             "num.partitions": "1",
@@ -120,14 +138,15 @@ class KafkaBroker:
             *args,
         ]
 
-    def format(self) -> bool:
-        """Format KRaft storage once; True if it was formatted now."""
+    def format(self, cluster_id: str | None = None) -> bool:
+        """Format KRaft storage once (every member of a cluster with the same id); True if it
+        was formatted now."""
         if (self.data_dir / "meta.properties").exists():
             return False
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config = self.run_dir / "server.properties"
         config.write_text(self.server_properties())
-        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+        cluster_id = cluster_id or new_cluster_id()
         run_checked(
             # The = form: a base64 id may start with "-", which argparse would take for an option.
             self._java(
@@ -144,9 +163,13 @@ class KafkaBroker:
         """Fetch, format and start the broker; return seconds until it answered (0 if it ran)."""
         self.fetch()
         self.format()
+        return self.process.start(self.argv(), timeout_s=timeout_s)
+
+    def argv(self) -> list[str]:
+        """The broker's command, its configuration written afresh."""
         config = self.run_dir / "server.properties"
         config.write_text(self.server_properties())
-        return self.process.start(self._java("kafka.Kafka", str(config)), timeout_s=timeout_s)
+        return self._java("kafka.Kafka", str(config))
 
     def stop(self) -> bool:
         return self.process.stop(timeout_s=60.0)
@@ -155,3 +178,118 @@ class KafkaBroker:
         """Stop the broker and delete its data (topics, offsets)."""
         self.stop()
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def new_cluster_id() -> str:
+    return base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+
+
+@dataclass(frozen=True)
+class KafkaCluster:
+    """One or more brokers on loopback, each also a controller of the KRaft quorum: broker i
+    listens on `port + 2i` and its controller on the port after. The first broker's run folder
+    records the layout, so `fleetline infra stop` finds every member."""
+
+    brokers: tuple[KafkaBroker, ...]
+
+    @classmethod
+    def on_loopback(
+        cls, cache_dir: Path, host: str, port: int, size: int = 1, heap: str = "512m"
+    ) -> KafkaCluster:
+        if size < 1:
+            raise ServiceError(f"a Kafka cluster needs at least one broker, not {size}")
+        ports = [(port + 2 * i, port + 2 * i + 1) for i in range(size)]
+        voters = (
+            ",".join(f"{i + 1}@{host}:{c}" for i, (_, c) in enumerate(ports)) if size > 1 else ""
+        )
+        return cls(
+            tuple(
+                KafkaBroker(
+                    cache_dir,
+                    port=p,
+                    controller_port=c,
+                    host=host,
+                    heap=heap,
+                    node_id=i + 1,
+                    voters=voters,
+                    cluster_size=size,
+                )
+                for i, (p, c) in enumerate(ports)
+            )
+        )
+
+    @classmethod
+    def recorded(
+        cls, cache_dir: Path, host: str, port: int, size: int | None = None
+    ) -> KafkaCluster:
+        """The cluster whose first broker listens on `port`: `size` brokers, or as many as its
+        layout file says (one when there is none)."""
+        first = KafkaBroker(cache_dir, port=port, controller_port=port + 1, host=host)
+        if size is None:
+            try:
+                size = int(json.loads(_layout(first).read_text())["brokers"])
+            except (FileNotFoundError, ValueError, KeyError):
+                size = 1
+        return cls.on_loopback(cache_dir, host, port, size)
+
+    @property
+    def first(self) -> KafkaBroker:
+        return self.brokers[0]
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return ",".join(b.bootstrap_servers for b in self.brokers)
+
+    def fetch(self) -> bool:
+        return self.first.fetch()
+
+    def start(self, timeout_s: float = 180.0) -> float:
+        """Fetch, format and start every broker; seconds until all answered (0 if all ran).
+        They are spawned together: a member of a quorum does not serve before a majority runs."""
+        layout = _layout(self.first)
+        if layout.exists():
+            recorded = int(json.loads(layout.read_text())["brokers"])
+            if recorded != len(self.brokers):
+                raise ServiceError(
+                    f"the Kafka data under {self.first.run_dir} belongs to a cluster of {recorded} "
+                    f"broker(s), not {len(self.brokers)}; run `fleetline infra wipe` first"
+                )
+        self.fetch()
+        cluster_id = new_cluster_id()
+        for broker in self.brokers:
+            broker.format(cluster_id)
+        layout.parent.mkdir(parents=True, exist_ok=True)
+        layout.write_text(json.dumps({"brokers": len(self.brokers)}))
+        began = time.monotonic()
+        spawned = [(b, b.process.spawn(b.argv())) for b in self.brokers]
+        if all(proc is None for _, proc in spawned):
+            return 0.0
+        for broker, proc in spawned:
+            if proc is not None:
+                broker.process.await_port(proc, began, timeout_s)
+        return time.monotonic() - began
+
+    def stop(self) -> bool:
+        stopped = [b.stop() for b in self.brokers]
+        return any(stopped)
+
+    def wipe(self) -> None:
+        """Stop every broker and delete their data (topics, offsets) and the layout."""
+        for broker in self.brokers:
+            broker.wipe()
+
+    def answers(self) -> dict[str, bool]:
+        return {f"kafka {b.bootstrap_servers}": b.process.answers() for b in self.brokers}
+
+    def kill(self, index: int) -> bool:
+        """SIGKILL one broker (the fault-injection tests); True if it ran."""
+        return self.brokers[index].process.kill()
+
+    def restart(self, index: int, timeout_s: float = 120.0) -> float:
+        """Start one stopped or killed broker again on its data."""
+        broker = self.brokers[index]
+        return broker.process.start(broker.argv(), timeout_s=timeout_s)
+
+
+def _layout(first: KafkaBroker) -> Path:
+    return first.run_dir / "cluster.json"

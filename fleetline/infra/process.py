@@ -52,14 +52,22 @@ class ServiceProcess:
         self, argv: Sequence[str], *, env: dict[str, str] | None = None, timeout_s: float = 90.0
     ) -> float:
         """Start the service unless it already runs; return the seconds until its port answered."""
+        began = time.monotonic()
+        proc = self.spawn(argv, env=env)
+        return 0.0 if proc is None else self.await_port(proc, began, timeout_s)
+
+    def spawn(
+        self, argv: Sequence[str], *, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes] | None:
+        """Start the service without waiting for it; None if it already runs (members of a
+        cluster are spawned together, since none answers before a quorum of them is up)."""
         if self.pid() is not None and self.answers():
-            return 0.0
+            return None
         if self.answers():
             raise ServiceError(
                 f"{self.name}: port {self.host}:{self.port} is taken by a process we did not start"
             )
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        began = time.monotonic()
         with self.log_file.open("ab") as log:
             # A new session so the service outlives the command that started it (the README's
             # `fleetline infra start`) and a Ctrl-C in that terminal does not reach it.
@@ -72,6 +80,10 @@ class ServiceProcess:
                 start_new_session=True,
             )
         self.pid_file.write_text(str(proc.pid))
+        return proc
+
+    def await_port(self, proc: subprocess.Popen[bytes], began: float, timeout_s: float) -> float:
+        """Wait for a spawned service's port; the seconds since `began` when it answered."""
         deadline = began + timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
@@ -87,6 +99,19 @@ class ServiceProcess:
             f"{self.name} did not answer on {self.host}:{self.port} within {timeout_s:.0f}s; "
             f"last log lines:\n{tail(self.log_file)}"
         )
+
+    def kill(self) -> bool:
+        """SIGKILL the service at once (a crash, for the fault-injection tests); True if it ran."""
+        pid = self.pid()
+        self.pid_file.unlink(missing_ok=True)
+        if pid is None:
+            return False
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.05)
+        return True
 
     def stop(self, timeout_s: float = 30.0) -> bool:
         """Stop the service gracefully (SIGTERM), forcefully after `timeout_s`; True if it ran."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from fleetline.config import Settings
 from fleetline.errors import ConfigError
-from fleetline.infra.kafka import KafkaBroker
+from fleetline.infra.kafka import KafkaCluster
 from fleetline.infra.s3 import ObjectStoreServer
 
 
@@ -20,18 +20,32 @@ def _port(hostport: str, what: str) -> tuple[str, int]:
 
 @dataclass(frozen=True)
 class LocalServices:
-    broker: KafkaBroker
+    kafka: KafkaCluster
     object_store: ObjectStoreServer
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> LocalServices:
-        first = settings.kafka.bootstrap_servers.split(",")[0]
-        kafka_host, kafka_port = _port(first, "FLEETLINE_KAFKA_BOOTSTRAP")
+    def from_settings(cls, settings: Settings, brokers: int | None = None) -> LocalServices:
+        """The services the settings point at. Kafka is `brokers` brokers from the first
+        bootstrap server's port on (every other port: each broker's controller takes the next);
+        by default as many as the bootstrap list names, or as the running cluster recorded."""
+        servers = [
+            _port(s.strip(), "FLEETLINE_KAFKA_BOOTSTRAP")
+            for s in settings.kafka.bootstrap_servers.split(",")
+        ]
+        kafka_host, kafka_port = servers[0]
+        if brokers is None and len(servers) > 1:
+            brokers = len(servers)
+        kafka = KafkaCluster.recorded(settings.cache_dir, kafka_host, kafka_port, brokers)
+        if len(servers) > 1:
+            expected = [(b.host, b.port) for b in kafka.brokers]
+            if servers != expected:
+                raise ConfigError(
+                    f"FLEETLINE_KAFKA_BOOTSTRAP lists {settings.kafka.bootstrap_servers}; local "
+                    f"brokers run on {kafka.bootstrap_servers} (each next broker two ports up)"
+                )
         s3_host, s3_port = _port(settings.s3.endpoint, "FLEETLINE_S3_ENDPOINT")
         return cls(
-            broker=KafkaBroker(
-                settings.cache_dir, port=kafka_port, controller_port=kafka_port + 1, host=kafka_host
-            ),
+            kafka=kafka,
             object_store=ObjectStoreServer(
                 settings.cache_dir,
                 settings.s3.access_key,
@@ -46,9 +60,9 @@ class LocalServices:
         """Start both services (building/fetching first if needed); seconds each step took."""
         timings: dict[str, float] = {}
         steps = (
-            ("kafka_fetch_s", self.broker.fetch),
+            ("kafka_fetch_s", self.kafka.fetch),
             ("s3_build_s", self.object_store.build),
-            ("kafka_start_s", self.broker.start),
+            ("kafka_start_s", self.kafka.start),
             ("s3_start_s", self.object_store.start),
         )
         for name, step in steps:
@@ -59,11 +73,8 @@ class LocalServices:
 
     def stop(self) -> None:
         self.object_store.stop()
-        self.broker.stop()
+        self.kafka.stop()
 
     def status(self) -> dict[str, bool]:
         s3 = self.object_store
-        return {
-            f"kafka {self.broker.bootstrap_servers}": self.broker.process.answers(),
-            f"s3 {s3.host}:{s3.port}": s3.process.answers(),
-        }
+        return {**self.kafka.answers(), f"s3 {s3.host}:{s3.port}": s3.process.answers()}

@@ -65,11 +65,20 @@ def probe(kafka: KafkaSettings, timeout_s: float = 5.0) -> None:
 def ensure_topics(
     kafka: KafkaSettings, specs: Iterable[TopicSpec], timeout_s: float = 30.0
 ) -> None:
-    """Create the topics that do not exist yet; an existing topic is left as it is."""
+    """Create the topics that do not exist yet, replicated as the settings say (by default as
+    the cluster's defaults say); an existing topic is left as it is."""
     specs = list(specs)
+    durability = (
+        {"min.insync.replicas": str(kafka.min_insync_replicas)}
+        if kafka.min_insync_replicas is not None
+        else {}
+    )
     new = [
         NewTopic(
-            spec.name, num_partitions=spec.partitions, replication_factor=1, config=spec.config
+            spec.name,
+            num_partitions=spec.partitions,
+            replication_factor=kafka.replication_factor,
+            config={**durability, **spec.config},
         )
         for spec in specs
     ]

@@ -234,18 +234,23 @@ class StreamLoop:
             raise ValueError("global inputs are read outside the group: effect-first loops only")
         # The next offset to hand over, per partition this loop holds.
         self._expected: dict[Partition, int] = {}
+        # Stored offsets not yet committed (or whose commit failed: a coordinator that moved
+        # to another broker), and when to try them again: lag drains after a broker is lost.
+        self._uncommitted: dict[Partition, int] = {}
+        self._commit_retry_at = 0.0
         self._messages = metrics.STREAM_MESSAGES.labels(self.name)
         self._batches = metrics.STREAM_BATCHES.labels(self.name)
         self._process_seconds = metrics.STREAM_PROCESS_SECONDS.labels(self.name)
         self._store_seconds = metrics.STREAM_STORE_SECONDS.labels(self.name)
 
     def _consumer_config(self) -> Mapping[str, object]:
+        config: dict[str, object] = {"on_commit": self._on_commit, **self.consumer_config}
         if not self.metrics:
-            return self.consumer_config
+            return config
         return {
             "statistics.interval.ms": 5000,
             "stats_cb": metrics.consumer_statistics(self.name),
-            **self.consumer_config,
+            **config,
         }
 
     def _process(self, messages: list[Message]) -> StepResult[Any]:
@@ -304,12 +309,17 @@ class StreamLoop:
                         self._store(producer, writer, messages)
                 elif self.ready.is_set():
                     self.caught_up.set()
-                if not self.exactly_once and self.step.checkpoint(idle=not messages):
-                    self._commit(consumer, writer.take_stored())
+                if not self.exactly_once:
+                    if self.step.checkpoint(idle=not messages):
+                        self._uncommitted.update(writer.take_stored())
+                        self._commit(consumer)
+                    elif self._uncommitted and time.monotonic() >= self._commit_retry_at:
+                        self._commit(consumer)
             if not self.exactly_once:
                 writer.drain()
                 if self.step.checkpoint(idle=True):
-                    self._commit(consumer, writer.take_stored(), asynchronous=False)
+                    self._uncommitted.update(writer.take_stored())
+                self._commit(consumer, asynchronous=False)
         finally:
             writer.close()
             consumer.close()
@@ -403,24 +413,38 @@ class StreamLoop:
         writer.submit(result.payload, kafka_clients.next_offsets(messages))
         self._count(messages, result)
 
-    def _commit(
-        self, consumer: Consumer, stored: dict[Partition, int], asynchronous: bool = True
-    ) -> None:
+    def _commit(self, consumer: Consumer, asynchronous: bool = True) -> None:
+        """Commit the stored offsets not committed yet. For lag monitoring only (the step's own
+        durable state says where it resumes), so a failure is retried a second later, not
+        raised; an asynchronous commit's failure comes back through `_on_commit`."""
         offsets = [
             TopicPartition(topic, partition, offset)
-            for (topic, partition), offset in stored.items()
+            for (topic, partition), offset in self._uncommitted.items()
             if topic not in self.global_inputs and (topic, partition) in self._expected
         ]
+        self._uncommitted = {}
         if not offsets:
             return
         try:
             if asynchronous:
                 consumer.commit(offsets=offsets, asynchronous=True)
             else:
-                consumer.commit(offsets=offsets, asynchronous=False)
+                self._on_commit(None, consumer.commit(offsets=offsets, asynchronous=False))
         except KafkaException as exc:
-            # For lag monitoring only: the step's own durable state says where it resumes.
-            log.warning("%s: committing offsets: %s", self.name, exc.args[0].str())
+            self._on_commit(exc.args[0], offsets)
+
+    def _on_commit(self, error: KafkaError | None, offsets: list[TopicPartition]) -> None:
+        """Keep the offsets of a failed commit to commit again (unless newer ones are due)."""
+        failed = [tp for tp in offsets if error is not None or tp.error is not None]
+        if not failed:
+            return
+        reason = error or failed[0].error
+        log.warning("%s: committing offsets (retried in 1 s): %s", self.name, reason)
+        for tp in failed:
+            key = (tp.topic, tp.partition)
+            if key in self._expected:
+                self._uncommitted[key] = max(self._uncommitted.get(key, tp.offset), tp.offset)
+        self._commit_retry_at = time.monotonic() + 1.0
 
     # -- exactly once -------------------------------------------------------------------------
 

@@ -63,7 +63,7 @@ def test_spool_replays_in_order_after_a_broker_outage(settings, tmp_path: Path) 
         agent.tick(BASE_MS + tick * 1000)
     agent.flush()
 
-    broker = LocalServices.from_settings(settings).broker
+    broker = LocalServices.from_settings(settings).kafka
     broker.stop()
     try:
         for tick in range(4, 10):  # the broker is gone: collection goes on into the spool

@@ -58,3 +58,43 @@ def test_security_settings_come_from_the_environment(tmp_path) -> None:
         Settings.from_env({"FLEETLINE_CACHE_DIR": str(tmp_path)}).signing_key_path()
         == tmp_path / "audit" / "signing-key.pem"
     )
+
+
+def test_replication_comes_from_the_environment_or_the_cluster() -> None:
+    defaults = Settings.from_env({}).kafka
+    assert (defaults.replication_factor, defaults.min_insync_replicas) == (-1, None)
+    kafka = Settings.from_env(
+        {"FLEETLINE_KAFKA_REPLICATION": "3", "FLEETLINE_KAFKA_MIN_INSYNC": "2"}
+    ).kafka
+    assert (kafka.replication_factor, kafka.min_insync_replicas) == (3, 2)
+    with pytest.raises(ConfigError, match="FLEETLINE_KAFKA_REPLICATION must be above 0"):
+        Settings.from_env({"FLEETLINE_KAFKA_REPLICATION": "0"})
+
+
+def _properties(text: str) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in text.splitlines())
+
+
+def test_three_local_brokers_form_one_quorum_and_replicate_three_times(tmp_path) -> None:
+    env = {"FLEETLINE_CACHE_DIR": str(tmp_path), "FLEETLINE_KAFKA_BOOTSTRAP": "127.0.0.1:39092"}
+    cluster = LocalServices.from_settings(Settings.from_env(env), brokers=3).kafka
+    assert cluster.bootstrap_servers == "127.0.0.1:39092,127.0.0.1:39094,127.0.0.1:39096"
+    props = [_properties(b.server_properties()) for b in cluster.brokers]
+    assert [p["node.id"] for p in props] == ["1", "2", "3"]
+    voters = "1@127.0.0.1:39093,2@127.0.0.1:39095,3@127.0.0.1:39097"
+    assert all(p["controller.quorum.voters"] == voters for p in props)
+    for p in props:
+        assert p["default.replication.factor"] == p["offsets.topic.replication.factor"] == "3"
+        assert p["min.insync.replicas"] == p["transaction.state.log.min.isr"] == "2"
+        assert p["unclean.leader.election.enable"] == "false"
+    # The bootstrap list names the brokers just as well, and must match their ports.
+    listed = {**env, "FLEETLINE_KAFKA_BOOTSTRAP": cluster.bootstrap_servers}
+    assert len(LocalServices.from_settings(Settings.from_env(listed)).kafka.brokers) == 3
+    skewed = {**env, "FLEETLINE_KAFKA_BOOTSTRAP": "127.0.0.1:39092,127.0.0.1:39093"}
+    with pytest.raises(ConfigError, match="each next broker two ports up"):
+        LocalServices.from_settings(Settings.from_env(skewed))
+    alone = _properties(
+        LocalServices.from_settings(Settings.from_env(env)).kafka.first.server_properties()
+    )
+    assert alone["controller.quorum.voters"] == "1@127.0.0.1:39093"
+    assert alone["default.replication.factor"] == alone["min.insync.replicas"] == "1"
