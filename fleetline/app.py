@@ -29,6 +29,7 @@ from fleetline.processors.audit.runtime import (
 from fleetline.processors.audit.runtime import (
     AuditEmitter,
     audit_chainer,
+    audit_linker,
     load_signer,
 )
 from fleetline.processors.health.fold import ClusterHealthPolicy
@@ -190,6 +191,7 @@ class Fleetline:
     sinks: dict[str, StreamLoop]  # the other record sinks, by destination
     scheduler: SchedulerService | None = None
     chainer: StreamLoop | None = None
+    linker: StreamLoop | None = None  # decisions, orders, workload transitions -> the chainer
     audit_table: AuditTable | None = None
     signer: Signer | None = None
     mover: SimulatedDataMover | None = None
@@ -221,6 +223,7 @@ class Fleetline:
             self.health,
             self.operations,
             self.chainer,
+            self.linker,
             self.mover,
             self.tiering,
         ]
@@ -408,6 +411,7 @@ def build(settings: Settings, options: Options) -> Fleetline:
         fleet.chainer = audit_chainer(
             kafka, topics, fleet.signer, options.audit_digest_every, options.instance_id
         )
+        fleet.linker = audit_linker(kafka, topics, options.instance_id)
         sinks["audit-clickhouse"] = record_sink(
             settings,
             f"{topics.prefix}.audit-clickhouse",

@@ -7,6 +7,7 @@ saw, a replay of the half-way view, a call of the API and a replay of every deci
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import shutil
@@ -36,6 +37,7 @@ from fleetline.errors import StreamError
 from fleetline.observability import tracing
 from fleetline.processors.audit.chain import export_entry, verify
 from fleetline.processors.audit.runtime import KafkaAuditEmitter
+from fleetline.processors.audit.sources import unaudited_decisions
 from fleetline.processors.replay import ViewFollower, offsets_at, rebuild, replay_decisions
 from fleetline.processors.scheduling.codec import (
     canonical_json,
@@ -43,7 +45,12 @@ from fleetline.processors.scheduling.codec import (
     new_request,
     submit_request,
 )
-from fleetline.processors.scheduling.runtime import DecisionFollower, decisions_of, submit
+from fleetline.processors.scheduling.runtime import (
+    DecisionFollower,
+    decisions_of,
+    read_topic,
+    submit,
+)
 from fleetline.processors.scheduling.specs import parse_spec
 from fleetline.processors.scheduling.state import spec_key
 from fleetline.processors.view import read as view_read
@@ -264,6 +271,27 @@ FROM {db:Identifier}.gpu_samples
 WHERE ts >= fromUnixTimestamp64Milli({start_ms:Int64}, 'UTC')
 GROUP BY cluster_id ORDER BY cluster_id
 """
+
+
+def audited_decisions(fleet: Fleetline, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Whether every decision on its topic is in the audit chain (ClickHouse's copy) with the
+    digest of its exact bytes, waiting for the linker and the chainer to catch up."""
+    assert fleet.audit_table is not None
+    values = [
+        msg.value() or b"" for msg in read_topic(fleet.settings.kafka, fleet.topics.decisions)
+    ]
+    codec = default_codec()
+    published = {
+        codec.decode(v).record["decision_id"]: hashlib.sha256(v).hexdigest() for v in values
+    }
+    deadline = time.monotonic() + timeout_s
+    while True:
+        events = [r["event"] for r in fleet.audit_table.records() if r["event"]]
+        missing, changed = unaudited_decisions(events, published)
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    return {"decisions": len(published), "missing": missing, "changed": changed}
 
 
 def scheduling_summary(fleet: Fleetline) -> dict[str, Any]:
@@ -494,6 +522,7 @@ def play(
         scheduling["ready_queries"] = ready_queries(fleet, len(scheduling["decisions"]), start_ms)
         timings["decision_replay_s"] = time.monotonic() - began
         scheduling["operations"] = operations_summary(fleet)
+        scheduling["audited"] = audited_decisions(fleet)
     finally:
         agents.close()
         agent.close()

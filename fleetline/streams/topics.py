@@ -300,7 +300,8 @@ class Topics:
                 self.audit_requests,
                 self.audit_partitions,
                 {"cleanup.policy": "delete", "retention.ms": str(30 * DAY_MS)},
-                "AuditEvent as emitted by the API, CLI and processors, keyed by tenant",
+                "AuditEvent as emitted by the API, CLI and processors, and by the audit linker for "
+                "every decision, order and workload transition, keyed by tenant",
                 record=AUDIT_EVENT,
                 key="tenant (_fleet for fleet-wide events)",
             ),

@@ -93,6 +93,10 @@ def test_the_default_scenario_flows_end_to_end(settings) -> None:
         ("/v1/clusters", 401),
     ]
     assert result.audit["ok"] and result.audit["links"] >= 3
+    # Every decision is in the chain too, with the digest of its bytes on the decisions topic.
+    audited = result.scheduling["audited"]
+    assert audited["decisions"] == len(result.scheduling["decisions"])
+    assert audited["missing"] == audited["changed"] == [], audited
     # The compressed serving day needs 3 whole nodes for its training: on 2-node clusters it
     # says why it is skipped (tests/e2e/test_serving.py plays serving on the real stack).
     assert "acme/tidal does not fit" in result.serving_day["skipped"], result.serving_day

@@ -177,3 +177,94 @@ def test_an_unknown_signing_key_is_named():
     records = chain([event(i) for i in range(5)])
     report = verify(entries(records), {})
     assert "unknown key" in report.first_broken
+
+
+# --- the control plane's own actions in the chain ------------------------------------------
+
+
+def decision_record(n: int, outcome: str = "PLACED") -> dict:
+    return {
+        "decision_id": f"d{n}",
+        "job": f"acme/job{n}",
+        "tenant": "acme",
+        "kind": "TrainingJob",
+        "outcome": outcome,
+        "ts": BASE_MS + n,
+        "input_offset": n,
+        "view_version": 7,
+        "view_offsets": [],
+        "policy_digest": "p1",
+        "priority": 100,
+        "reason": "best score",
+        "placements": [],
+        "victims": ["acme/old"] if outcome == "PREEMPTED" else [],
+    }
+
+
+def test_decisions_orders_and_transitions_become_chained_events_once():
+    import hashlib
+    import os
+
+    from fleetline.processors.audit.sources import (
+        decision_event,
+        order_event,
+        unaudited_decisions,
+        workload_event,
+    )
+
+    codec = default_codec()
+    decisions = [decision_record(1), decision_record(2, "PREEMPTED"), decision_record(3)]
+    values = [codec.encode("SchedulingDecision", d) for d in decisions]
+    digests = {
+        d["decision_id"]: hashlib.sha256(v).hexdigest()
+        for d, v in zip(decisions, values, strict=True)
+    }
+    made = [decision_event(d, digests[d["decision_id"]]) for d in decisions]
+    # Derived from the record: the same decision read twice is the same event.
+    assert made[0] == decision_event(decisions[0], digests["d1"])
+    assert [e["operation"] for e in made] == [
+        "decision.PLACED",
+        "decision.PREEMPTED",
+        "decision.PLACED",
+    ]
+    assert made[1]["details"]["victims"] == "acme/old" and made[1]["actor"] == "scheduler"
+    order = {
+        "job": "acme/job1",
+        "tenant": "acme",
+        "kind": "TrainingJob",
+        "action": "RUN",
+        "cluster_id": "eu-west-a",
+        "epoch": 3,
+        "attempt": 1,
+        "ts": BASE_MS,
+        "decision_id": "d1",
+        "reason": "placed",
+        "trace_id": "t",
+        "workers": [{"node_id": "n1", "gpus": [0, 1]}],
+    }
+    transition = {
+        "job": "acme/job1",
+        "tenant": "acme",
+        "cluster_id": "eu-west-a",
+        "epoch": 3,
+        "attempt": 1,
+        "ts": BASE_MS + 5,
+        "event": "FAILED",
+        "trace_id": "t",
+        "exit_code": 137,
+    }
+    ordered = order_event(order, "x")
+    failed = workload_event(transition, "y")
+    assert ordered["operation"] == "order.RUN" and ordered["details"]["nodes"] == "n1"
+    assert failed is not None and failed["outcome"] == "FAILED"
+    assert failed["details"]["exit_code"] == "137" and failed["actor"] == "cluster-agent:eu-west-a"
+    # Progress reports are not transitions: not chained.
+    assert workload_event({**transition, "event": "PROGRESS"}, "z") is None
+    # Every event encodes as an AuditEvent and chains; the chain verifies.
+    events = [{**e, "salt": os.urandom(16)} for e in [*made, ordered, failed]]
+    decoded = [codec.decode(codec.encode("AuditEvent", e)).record for e in events]
+    assert verify(entries(chain(decoded)), KEYS).ok
+    # The chain holds decisions 1 and 3 (2 was never chained) and 3 with other bytes.
+    held = [decoded[0], {**decoded[2], "details": {**decoded[2]["details"], "record_sha256": "0"}}]
+    assert unaudited_decisions(held, digests) == (["d2"], ["d3"])
+    assert unaudited_decisions(decoded, digests) == ([], [])

@@ -9,6 +9,7 @@ transaction as the records, so a crash or an abort can neither fork nor skip a c
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import uuid
@@ -34,8 +35,14 @@ from fleetline.processors.audit.chain import (
     chain_event,
     key_id,
 )
+from fleetline.processors.audit.sources import decision_event, order_event, workload_event
 from fleetline.streams import kafka as kafka_clients
-from fleetline.streams.events import AUDIT_EVENT
+from fleetline.streams.events import (
+    AUDIT_EVENT,
+    SCHEDULING_DECISION,
+    WORKLOAD_EVENT,
+    WORKLOAD_ORDER,
+)
 from fleetline.streams.loop import MessageStep, StreamLoop
 from fleetline.streams.records import Output, where
 from fleetline.streams.serde import AvroCodec, default_codec
@@ -43,6 +50,7 @@ from fleetline.streams.store import ChangelogStore
 from fleetline.streams.topics import Topics
 
 APPLICATION_ID = "audit-chain"
+LINK_APPLICATION_ID = "audit-link"
 HEAD_KEY = b"head"
 FLEET_KEY = "_fleet"
 
@@ -112,6 +120,47 @@ def audit_chainer(
         f"{topics.prefix}.{APPLICATION_ID}",
         [topics.audit_requests],
         step,
+        topics.dead_letter,
+        exactly_once=True,
+        instance_id=instance_id,
+    )
+
+
+class AuditLinkStep(MessageStep):
+    """Turns the control plane's own actions (decisions, orders, workload transitions) into
+    AuditEvents for the chainer, in the same transaction as the offsets it read: each action is
+    audited once, and the event commits to the digest of the action's exact bytes."""
+
+    def __init__(self, codec: AvroCodec, topics: Topics) -> None:
+        self.codec = codec
+        self.output_topic = topics.audit_requests
+        self.sources = {
+            topics.decisions: (SCHEDULING_DECISION, decision_event),
+            topics.orders: (WORKLOAD_ORDER, order_event),
+            topics.workloads: (WORKLOAD_EVENT, workload_event),
+        }
+
+    def handle(self, message: Message) -> Sequence[Output]:
+        value = message.value()
+        if value is None:  # a compacted topic's tombstone: nothing was done
+            return []
+        expect, convert = self.sources[message.topic() or ""]
+        record = self.codec.decode(value, expect=expect).record
+        event = convert(record, hashlib.sha256(value).hexdigest())
+        if event is None:
+            return []
+        event = {**event, "salt": os.urandom(16)}
+        key = (event.get("tenant") or FLEET_KEY).encode()
+        return [Output(self.output_topic, key, self.codec.encode("AuditEvent", event))]
+
+
+def audit_linker(kafka: KafkaSettings, topics: Topics, instance_id: str = "0") -> StreamLoop:
+    """The linker, exactly once: what the scheduler and the cluster agents did, to the chainer."""
+    return StreamLoop(
+        kafka,
+        f"{topics.prefix}.{LINK_APPLICATION_ID}",
+        [topics.decisions, topics.orders, topics.workloads],
+        AuditLinkStep(default_codec(), topics),
         topics.dead_letter,
         exactly_once=True,
         instance_id=instance_id,
