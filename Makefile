@@ -66,6 +66,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/observability.py
 	$(PY) benchmarks/operations.py
 	$(PY) benchmarks/serving.py
+	$(PY) benchmarks/replay.py
 
 services-start: $(STAMP)
 	$(VENV)/bin/fleetline infra start

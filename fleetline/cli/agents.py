@@ -139,13 +139,16 @@ def simulator(
         metrics.spool_collector(agents.spool_metrics),
     )
     shipped = ship_logs(config, topics, "agent/simulator")
+    # SIGTERM ends collection like the last tick: what is spooled is sent before exiting.
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     tick = 0
     try:
         agents.start(start_ms)
-        while ticks is None or tick < ticks:
+        while (ticks is None or tick < ticks) and not stop.is_set():
             tick += 1
             agents.tick(start_ms + tick * interval_ms)
-            time.sleep(max(0.0, start_ms / 1000 + tick * interval_ms / 1000 - time.time()))
+            stop.wait(max(0.0, start_ms / 1000 + tick * interval_ms / 1000 - time.time()))
         agents.flush()
     finally:
         agents.close()

@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,9 @@ from fleetline.streams.serde import AvroCodec, default_codec
 from fleetline.streams.topics import Topics
 
 log = logging.getLogger(__name__)
+# Messages a view follower holds per partition past the position it was asked for before it
+# pauses that partition's fetching (it resumes once half of them are folded).
+AHEAD_LIMIT = 10_000
 
 
 def view_partitions(kafka: KafkaSettings, topics: Topics) -> list[TopicPartition]:
@@ -351,9 +355,82 @@ class ViewFollower:
         self.rebuilds = 0
         self.folded = 0
         self._consumer = _consumer(kafka)
+        # One assignment for the whole replay (assigning again per position restarts every
+        # fetch): what is fetched past a position waits here, its partition paused, until a
+        # later position takes it.
+        self._assigned: set[tuple[str, int]] = set()
+        self._paused: set[tuple[str, int]] = set()
+        self._ahead: dict[tuple[str, int], deque[Any]] = {}
 
     def close(self) -> None:
         self._consumer.close()
+
+    def _reset(self) -> None:
+        """Forget the assignment and what was fetched ahead (after a rebuild from snapshots)."""
+        if self._assigned:
+            self._consumer.unassign()
+        self._assigned.clear()
+        self._paused.clear()
+        self._ahead.clear()
+
+    def _fold_to(self, remaining: dict[tuple[str, int], int]) -> None:
+        """Fold each partition's messages up to its target offset (exclusive)."""
+        assert self.parts is not None
+        keep: list[Any] = []
+        for key, end in list(remaining.items()):
+            ahead = self._ahead.get(key)
+            while ahead and ahead[0].offset() < end:
+                keep.append(ahead.popleft())
+            if ahead:  # fetched past the target already: reached
+                del remaining[key]
+        new = [key for key in remaining if key not in self._assigned]
+        if new:
+            self._consumer.incremental_assign(
+                [TopicPartition(t, p, self.position.get(t, {}).get(p, 0)) for t, p in new]
+            )
+            self._assigned.update(new)
+        wanted = [k for k in self._paused if len(self._ahead.get(k) or ()) < AHEAD_LIMIT // 2]
+        if wanted:
+            self._consumer.resume([TopicPartition(*k) for k in wanted])
+            self._paused.difference_update(wanted)
+        if keep:
+            self.folder.fold(self.parts, keep)
+            self.folded += len(keep)
+        idle_since = time.monotonic()
+        while remaining:
+            keep = []
+            # What is fetched already, else a wait for the next message (not for a full batch:
+            # consume() waits its whole timeout unless the batch fills).
+            fetched = self._consumer.consume(5000, 0) or self._consumer.consume(1, 0.05)
+            for msg in fetched:
+                error = msg.error()
+                if error is not None:
+                    if error.code() == KafkaError._PARTITION_EOF:
+                        continue
+                    raise StreamError(f"replaying {msg.topic()}: {error.str()}")
+                key = (msg.topic() or "", msg.partition() or 0)
+                offset = msg.offset() or 0
+                stop_at = remaining.get(key)
+                if stop_at is not None and offset < stop_at:
+                    keep.append(msg)
+                    if offset + 1 >= stop_at:
+                        del remaining[key]
+                else:  # a later position's: kept for it (a long way ahead: fetching pauses)
+                    ahead = self._ahead.setdefault(key, deque())
+                    ahead.append(msg)
+                    remaining.pop(key, None)
+                    if len(ahead) >= AHEAD_LIMIT and key not in self._paused:
+                        self._consumer.pause([TopicPartition(*key)])
+                        self._paused.add(key)
+            if keep:
+                idle_since = time.monotonic()
+                self.folder.fold(self.parts, keep)
+                self.folded += len(keep)
+            # A target just past a transaction marker holds no message to stop on: the
+            # consumer's position (a local call) says when it is reached.
+            _drop_reached(self._consumer, remaining)
+            if remaining and time.monotonic() - idle_since > 60:
+                raise StreamError(f"view follower stalled short of {sorted(remaining)}")
 
     def at(self, target: Offsets) -> ResourceView:
         behind = any(
@@ -362,6 +439,7 @@ class ViewFollower:
             for p, offset in ps.items()
         )
         if self.parts is None or behind:
+            self._reset()
             result = rebuild(self.kafka, self.topics, target, self.snapshots, self.folder.policy)
             self.parts = result.parts
             self.rebuilds += 1
@@ -375,24 +453,7 @@ class ViewFollower:
             if end > self.position.get(t, {}).get(p, 0)
         }
         if remaining:
-            self._consumer.assign(
-                [TopicPartition(t, p, self.position.get(t, {}).get(p, 0)) for t, p in remaining]
-            )
-            idle_since = time.monotonic()
-            while remaining:
-                # Past a target a message is left: it is fetched again from there next time.
-                keep = _below_targets(
-                    self._consumer, self._consumer.consume(5000, 0.05), remaining, pause=False
-                )
-                if keep:
-                    idle_since = time.monotonic()
-                    self.folder.fold(self.parts, keep)
-                    self.folded += len(keep)
-                # A target just past a transaction marker holds no message to stop on: the
-                # consumer's position (a local call) says when it is reached.
-                _drop_reached(self._consumer, remaining)
-                if remaining and time.monotonic() - idle_since > 60:
-                    raise StreamError(f"view follower stalled short of {sorted(remaining)}")
+            self._fold_to(remaining)
         for topic, ps in target.items():
             for partition, end in ps.items():
                 name = self.folder.part_of(topic, partition)
