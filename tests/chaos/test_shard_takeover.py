@@ -1,0 +1,146 @@
+"""Two `fleetline serve` instances share the view's shards through their consumer group; one is
+SIGKILLed while the node agents stream, and the other takes its shards over: it resumes each
+from the dead instance's snapshots, folds on to the end of the log (the group's lag drains with
+a single member holding every partition), and its snapshots then equal a clean fold."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+import uuid
+
+from confluent_kafka import ConsumerGroupState
+
+from fleetline.agents.fleet import FleetAgent
+from fleetline.agents.simulator import ClusterSpec, FleetSimulator, cluster_info
+from fleetline.app import view_snapshots
+from fleetline.processors.replay import log_bounds, rebuild
+from fleetline.processors.view import codec as view_codec
+from fleetline.processors.view.folder import shard_part
+from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.serde import default_codec
+from tests.chaos.faults import Child, group_lag
+from tests.services import produce, service_env
+from tests.support import BASE_MS, fresh_topics, wait_until
+
+codec = default_codec()
+CLUSTERS = [ClusterSpec("us-east-a", "us-east", 6), ClusterSpec("eu-west-a", "eu-west", 6)]
+
+
+def view_instance(prefix: str, group: str, instance: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "fleetline.cli",
+        "serve",
+        "--no-api",
+        "--no-audit",
+        "--no-scheduler",
+        "--tier-every",
+        "0",
+        "--topic-prefix",
+        prefix,
+        "--group",
+        group,
+        "--instance-id",
+        str(instance),
+        "--snapshot-interval",
+        "1",
+    ]
+
+
+def members(settings, group: str) -> list[set[tuple[str, int]]]:
+    """The partitions each member of a stable consumer group holds."""
+    admin = kafka_clients.admin_client(settings.kafka)
+    described = admin.describe_consumer_groups([group])[group].result(timeout=30)
+    if described.state != ConsumerGroupState.STABLE:
+        return []
+    return [
+        {(tp.topic, tp.partition) for tp in m.assignment.topic_partitions}
+        for m in described.members
+    ]
+
+
+def test_a_killed_view_instance_s_shards_are_taken_over(replicated, tmp_path) -> None:
+    settings = dataclasses.replace(replicated)
+    topics = fresh_topics(partitions=6)
+    kafka_clients.ensure_topics(settings.kafka, topics.specs())
+    produce(settings, topics, [("ClusterInfo", cluster_info(c, 1, BASE_MS)) for c in CLUSTERS])
+    group = f"v-{uuid.uuid4().hex[:8]}"
+    consumer_group = f"{topics.prefix}.{group}"
+    # Each instance has a ClickHouse of its own (chdb admits one process per folder).
+    instances = [
+        Child(
+            view_instance(topics.prefix, group, i),
+            service_env(settings, tmp_path / f"chdb{i}"),
+            tmp_path / f"serve{i}.log",
+        )
+        for i in range(2)
+    ]
+    agent = FleetAgent.create(
+        settings,
+        codec,
+        topics,
+        FleetSimulator(CLUSTERS, seed=9),
+        tmp_path / "agent",
+        commands=False,
+    )
+    agent.start(BASE_MS)
+    shards = {(t, p) for t in topics.node_topics for p in range(6)}
+    tick = 0
+
+    def stream(ticks: int) -> None:
+        nonlocal tick
+        for _ in range(ticks):
+            tick += 1
+            agent.tick(BASE_MS + tick * 1000)
+            time.sleep(0.05)
+        agent.flush(60)
+
+    try:
+        # Both instances hold shards: the group splits the node topics' partitions between them.
+        def split() -> bool:
+            held = members(settings, consumer_group)
+            return len(held) == 2 and all(held) and set().union(*held) == shards
+
+        stream(10)
+        wait_until(split, 90, what="two members sharing the shards", every_s=1)
+        stream(20)
+        instances[0].proc.kill()
+        instances[0].proc.wait(30)
+        stream(30)  # the survivor takes over while the agents go on
+
+        def taken_over() -> bool:
+            held = members(settings, consumer_group)
+            return len(held) == 1 and held[0] == shards
+
+        wait_until(taken_over, 90, what="the survivor holding every shard", every_s=1)
+        wait_until(
+            lambda: group_lag(settings.kafka, consumer_group, topics.node_topics) == 0,
+            90,
+            what="the group's lag to drain",
+            every_s=1,
+        )
+        assert instances[1].alive(), instances[1].log()
+    finally:
+        for instance in instances:
+            instance.stop()
+        agent.close()
+
+    # Every shard's newest snapshot is at the log's end (the survivor's, from where the dead
+    # instance's left off), and they compose to the view a clean fold of the log makes.
+    _, end = log_bounds(settings.kafka, topics)
+    snapshots = view_snapshots(settings, topics.prefix, group)
+    busy = [p for p in range(6) if any(end[t][p] for t in topics.node_topics)]
+    assert len(busy) >= 3  # the nodes' keys spread over most shards
+    for partition in busy:
+        newest = snapshots.list(shard_part(partition))[-1]
+        assert all(
+            newest.offsets.get(t, {}).get(partition, 0) == end[t][partition]
+            for t in topics.node_topics
+        ), (partition, newest.offsets)
+    from_snapshots = rebuild(settings.kafka, topics, end, snapshots)
+    assert from_snapshots.folded < sum(sum(ps.values()) for ps in end.values())
+    clean = rebuild(settings.kafka, topics, end)
+    assert view_codec.to_data(from_snapshots.view) == view_codec.to_data(clean.view)
