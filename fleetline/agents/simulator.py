@@ -17,7 +17,7 @@ import math
 import random
 import zlib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -115,12 +115,17 @@ class SimNode:
     gpu_uuids: tuple[str, ...]
 
 
-def default_clusters(nodes_per_cluster: int = 4) -> list[ClusterSpec]:
-    return [
-        ClusterSpec("eu-west-a", "eu-west", nodes_per_cluster),
-        ClusterSpec("us-east-a", "us-east", nodes_per_cluster),
-        ClusterSpec("ap-south-a", "ap-south", nodes_per_cluster, model="NVIDIA H200"),
+def default_clusters(nodes_per_cluster: int = 4, count: int = 3) -> list[ClusterSpec]:
+    """`count` clusters over the three simulated regions: eu-west-a, us-east-a, ap-south-a
+    (H200), then eu-west-b, us-east-b, ... (up to 78)."""
+    if not 1 <= count <= 3 * 26:
+        raise ValueError(f"between 1 and 78 simulated clusters, not {count}")
+    regions = ("eu-west", "us-east", "ap-south")
+    specs = [
+        ClusterSpec(f"{regions[i % 3]}-{chr(ord('a') + i // 3)}", regions[i % 3], nodes_per_cluster)
+        for i in range(count)
     ]
+    return [replace(c, model="NVIDIA H200") if c.region == "ap-south" else c for c in specs]
 
 
 # Round-trip times between the simulated regions, ms, and what a GPU-hour and a kWh cost there.

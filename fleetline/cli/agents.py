@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -19,12 +22,13 @@ from fleetline.cli.common import (
     MetricsHost,
     MetricsPort,
     TopicPrefix,
+    exit_with,
     expose_metrics,
     pairs,
     settings,
     ship_logs,
 )
-from fleetline.errors import FleetlineError
+from fleetline.errors import ConfigError, FleetlineError
 
 agent = typer.Typer(
     help="Run a node agent: real GPUs through NVML, or a simulated fleet", no_args_is_help=True
@@ -96,8 +100,21 @@ def nvml(
 
 @agent.command()
 def simulator(
-    clusters: Annotated[int, typer.Option(min=1, max=3)] = 3,
+    clusters: Annotated[
+        int,
+        typer.Option(min=1, max=78, help="eu-west-a, us-east-a, ap-south-a, then eu-west-b, ..."),
+    ] = 3,
     nodes: Annotated[int, typer.Option(min=1, help="nodes per cluster")] = 4,
+    processes: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="agent processes sharing the clusters (each simulates every Nth cluster, with "
+            "its own spool and state under STATE_DIR/part-I): one process drives about 2,000 "
+            "nodes at 1 Hz",
+        ),
+    ] = 1,
+    part: Annotated[int, typer.Option(hidden=True, min=0)] = 0,
     seed: Annotated[int, typer.Option()] = 7,
     faults: Annotated[
         Path | None,
@@ -121,15 +138,25 @@ def simulator(
     config = settings("kafka")
     topics = Topics(topic_prefix)
     kafka_clients.ensure_topics(config.kafka, topics.specs())
+    state_dir = state_dir or config.cache_dir / "agent"
+    if processes > 1 and not _is_part():
+        exit_with(_run_parts(processes, clusters, state_dir))
+        return
     start_ms = (int(time.time() * 1000) // interval_ms) * interval_ms
     fleet = FleetSimulator(
-        default_clusters(nodes)[:clusters],
-        seed=seed,
+        default_clusters(nodes, clusters)[part::processes],
+        seed=seed + part,
         interval_ms=interval_ms,
         faults=load_faults(faults, start_ms) if faults else [],
     )
     agents = FleetAgent.create(
-        config, default_codec(), topics, fleet, state_dir or config.cache_dir / "agent"
+        config,
+        default_codec(),
+        topics,
+        fleet,
+        state_dir / f"part-{part}" if processes > 1 else state_dir,
+        # Its own command group: a node's commands reach the process that simulates it.
+        agent_id="sim" if processes == 1 else f"sim-{part}",
     )
     expose_metrics(
         metrics_host,
@@ -157,6 +184,40 @@ def simulator(
         f"{len(fleet.nodes)} simulated nodes: {tick} intervals sent to {topics.telemetry}; "
         f"spools: {agents.spool_metrics()}"
     )
+
+
+_PART_ENV = "FLEETLINE_SIMULATOR_PART"
+
+
+def _is_part() -> bool:
+    return os.environ.get(_PART_ENV) == "1"
+
+
+def _run_parts(processes: int, clusters: int, state_dir: Path) -> int:
+    """Run the simulator as `processes` children, each with every Nth cluster, until they all
+    end (SIGTERM and Ctrl-C are passed on); the worst exit status."""
+    if processes > clusters:
+        raise ConfigError(f"{processes} processes for {clusters} clusters: some would idle")
+    argv = [a for a in sys.argv[1:] if a != "--part" and not a.startswith("--part=")]
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-m", "fleetline.cli", *argv, "--part", str(i)],
+            env={**os.environ, _PART_ENV: "1"},
+        )
+        for i in range(processes)
+    ]
+
+    def forward(signum: int, _frame: object) -> None:
+        for child in children:
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    try:
+        return max(child.wait() for child in children)
+    except KeyboardInterrupt:
+        forward(signal.SIGINT, None)
+        return max(child.wait() for child in children)
 
 
 class CommandKind(StrEnum):

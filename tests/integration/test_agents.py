@@ -311,3 +311,33 @@ def test_the_simulated_agents_serve_dcgm_metrics(settings, tmp_path) -> None:
     finally:
         agent.terminate()
         agent.wait(30)
+
+
+def test_the_simulator_shares_its_clusters_among_processes(settings, tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    topics = fresh_topics()
+    command = [
+        sys.executable,
+        "-m",
+        "fleetline.cli",
+        "agent",
+        "simulator",
+        *("--clusters", "4", "--nodes", "2", "--processes", "2", "--ticks", "3"),
+        *("--interval-ms", "100", "--topic-prefix", topics.prefix, "--state-dir", str(tmp_path)),
+    ]
+    env = {**os.environ, "FLEETLINE_KAFKA_BOOTSTRAP": settings.kafka.bootstrap_servers}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    # Two processes, each with every other cluster and its own spool and state.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["part-0", "part-1"]
+    assert done.stdout.count("4 simulated nodes: 3 intervals") == 2, done.stdout
+    records = [codec.decode(m.value()).record for m in read_all(settings, topics.telemetry, 24)]
+    by_cluster: dict[str, set[str]] = {}
+    for record in records:
+        by_cluster.setdefault(record["cluster_id"], set()).add(record["node_id"])
+    assert sorted(by_cluster) == ["ap-south-a", "eu-west-a", "eu-west-b", "us-east-a"]
+    assert all(len(nodes) == 2 for nodes in by_cluster.values())
+    assert len(records) == 24  # 8 nodes x 3 intervals, each once
