@@ -74,23 +74,6 @@ def children(pid: int) -> list[int]:
         return []
 
 
-def lag(settings: Settings, group: str, topics: list[str]) -> int:
-    consumer = kafka_clients.consumer(settings.kafka, group)
-    try:
-        parts = [
-            TopicPartition(t, p)
-            for t in topics
-            for p in kafka_clients.partitions_of(settings.kafka, t)
-        ]
-        total = 0
-        for tp in consumer.committed(parts, timeout=30):
-            low, high = consumer.get_watermark_offsets(tp, timeout=30, cached=False)
-            total += high - (tp.offset if tp.offset >= 0 else low)
-        return total
-    finally:
-        consumer.close()
-
-
 def job(n: int) -> dict[str, Any]:
     gpus = (1, 2, 4, 8)[n % 4]
     return {
@@ -231,11 +214,11 @@ def main() -> None:
                                     for i, pid in enumerate(children(agents.pid))
                                 },
                             },
-                            "view_lag": lag(
-                                settings, f"{prefix}.{VIEW_APP}", list(topics.node_topics)
+                            "view_lag": kafka_clients.group_lag(
+                                settings.kafka, f"{prefix}.{VIEW_APP}", topics.node_topics
                             ),
-                            "scheduler_lag": lag(
-                                settings, f"{prefix}.scheduler", [topics.scheduler_requests]
+                            "scheduler_lag": kafka_clients.group_lag(
+                                settings.kafka, f"{prefix}.scheduler", [topics.scheduler_requests]
                             ),
                             "submitted": n,
                             "decided": len(decided),

@@ -116,16 +116,17 @@ def service_env(settings: Settings, chdb_dir: Path | None = None) -> dict[str, s
     return env
 
 
-def serve_command(prefix: str, group: str, *flags: str) -> list[str]:
-    """`fleetline serve` as a child process: the view and the scheduler, without the API, the
-    audit chain or tiering unless `flags` ask for more."""
+def serve_command(prefix: str, group: str, *flags: str, audit: bool = False) -> list[str]:
+    """`fleetline serve` as a child process: the view and the scheduler, without the API or
+    tiering unless `flags` ask for more, and without the audit linker and chainer unless
+    `audit`."""
     return [
         sys.executable,
         "-m",
         "fleetline.cli",
         "serve",
         "--no-api",
-        "--no-audit",
+        *(() if audit else ("--no-audit",)),
         "--tier-every",
         "0",
         "--topic-prefix",

@@ -175,6 +175,23 @@ def partitions_of(kafka: KafkaSettings, topic: str, timeout_s: float = 30.0) -> 
     return sorted(metadata.partitions)
 
 
+def group_lag(
+    kafka: KafkaSettings, group: str, topics: Iterable[str], timeout_s: float = 30.0
+) -> int:
+    """Messages in these topics that consumer `group` has not committed past (all of a
+    partition's retained log where it has committed nothing)."""
+    partitions = [TopicPartition(t, p) for t in topics for p in partitions_of(kafka, t, timeout_s)]
+    reader = Consumer(kafka.client_config(**{"group.id": group, "enable.auto.commit": False}))
+    try:
+        lag = 0
+        for tp in reader.committed(partitions, timeout=timeout_s):
+            low, high = _watermarks(reader, tp, timeout_s)
+            lag += high - (tp.offset if tp.offset >= 0 else low)
+        return lag
+    finally:
+        reader.close()
+
+
 # While a new topic's partitions elect their leaders, the broker answers these; asking again
 # a moment later is the fix.
 _ELECTING = frozenset(

@@ -27,6 +27,20 @@ class Record(Protocol):
     def value(self) -> bytes | None: ...
 
 
+# confluent_kafka.TIMESTAMP_LOG_APPEND_TIME: the broker stamped the message when it appended it.
+_LOG_APPEND_TIME = 2
+
+
+def appended_ms(record: Record) -> int | None:
+    """When the broker appended the record, if its topic stamps LogAppendTime (None for a
+    producer's own CreateTime, or a record that carries no timestamp)."""
+    stamp = getattr(record, "timestamp", None)
+    if stamp is None:
+        return None
+    kind, ms = stamp()
+    return int(ms) if kind == _LOG_APPEND_TIME else None
+
+
 def where(record: Record) -> tuple[str, int, int]:
     """(topic, partition, offset) of a record read from a topic (never None there)."""
     topic, partition, offset = record.topic(), record.partition(), record.offset()

@@ -3,18 +3,22 @@ group's lag, a child process that can be killed and started again."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
-import uuid
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from confluent_kafka import Consumer, TopicPartition
-
-from fleetline.config import KafkaSettings
+from fleetline.config import KafkaSettings, Settings
+from fleetline.processors.scheduling.runtime import read_topic
 from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.serde import default_codec
+from fleetline.streams.topics import Topics
+from tests.support import wait_until
+
+CODEC = default_codec()
 
 
 def leaders(kafka: KafkaSettings, topics: Iterable[str]) -> Counter[int]:
@@ -27,26 +31,33 @@ def leaders(kafka: KafkaSettings, topics: Iterable[str]) -> Counter[int]:
     )
 
 
-def group_lag(kafka: KafkaSettings, group: str, topics: Iterable[str]) -> int:
-    """Messages in these topics that `group` has not committed past (its whole log if it has
-    committed nothing in a partition)."""
-    metadata = kafka_clients.admin_client(kafka).list_topics(timeout=30)
-    partitions = [
-        TopicPartition(topic, p) for topic in topics for p in metadata.topics[topic].partitions
-    ]
-    probe = Consumer(kafka.client_config(**{"group.id": group, "enable.auto.commit": False}))
-    try:
-        lag = 0
-        for tp in probe.committed(partitions, timeout=30):
-            low, high = probe.get_watermark_offsets(tp, timeout=30, cached=False)
-            lag += high - (tp.offset if tp.offset >= 0 else low)
-        return lag
-    finally:
-        probe.close()
+def wait_lag_drained(settings: Settings, group: str, topics: Iterable[str]) -> None:
+    """Until consumer `group` has committed past every message of these topics."""
+    topics = list(topics)
+    wait_until(
+        lambda: kafka_clients.group_lag(settings.kafka, group, topics) == 0,
+        120,
+        what=f"{group}'s lag to drain",
+        every_s=1,
+    )
 
 
-def reader_group() -> str:
-    return f"chaos-reader-{uuid.uuid4().hex[:8]}"
+def wait_decided(settings: Settings, topics: Topics, jobs: set[str]) -> dict[str, str]:
+    """Until every job has a decision; then each decision's id -> the SHA-256 of its bytes."""
+    decided: dict[str, str] = {}
+
+    def all_decided() -> bool:
+        decided.clear()
+        seen = set()
+        for msg in read_topic(settings.kafka, topics.decisions):
+            value = msg.value() or b""
+            record = CODEC.decode(value).record
+            decided[record["decision_id"]] = hashlib.sha256(value).hexdigest()
+            seen.add(record["job"])
+        return jobs <= seen
+
+    wait_until(all_decided, 120, what="every job's decision", every_s=1)
+    return decided
 
 
 class Child:

@@ -8,7 +8,6 @@ decision is re-made byte for byte and is in the verified audit chain."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import sys
 import time
 import uuid
@@ -20,40 +19,20 @@ from fleetline.processors.audit.chain import export_entry, verify
 from fleetline.processors.audit.runtime import load_signer, read_chain
 from fleetline.processors.audit.sources import unaudited_decisions
 from fleetline.processors.replay import log_bounds, rebuild
-from fleetline.processors.scheduling.runtime import read_topic, scheduler_topics, submit
+from fleetline.processors.scheduling.runtime import scheduler_topics, submit
 from fleetline.processors.view import codec as view_codec
 from fleetline.storage.clickhouse import connect
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import default_codec
 from tests.chaos.conftest import rounds
-from tests.chaos.faults import Child, group_lag
+from tests.chaos.faults import Child, wait_decided, wait_lag_drained
 from tests.scheduling_support import training
-from tests.services import produce, service_env, submits
+from tests.services import produce, serve_command, service_env, submits
 from tests.support import BASE_MS, fresh_topics, read_all, wait_until
 
 codec = default_codec()
 CLUSTERS = default_clusters(3)[:2]
 NODES = 6
-
-
-def serve_with_everything(prefix: str, group: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "fleetline.cli",
-        "serve",
-        "--no-api",
-        "--tier-every",
-        "0",
-        "--topic-prefix",
-        prefix,
-        "--group",
-        group,
-        "--tick-interval",
-        "0.3",
-        "--snapshot-interval",
-        "1",
-    ]
 
 
 def node_agents(prefix: str, state_dir) -> list[str]:
@@ -89,7 +68,13 @@ def test_sigkill_loops_lose_repeat_and_change_nothing(replicated, tmp_path, monk
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     group = f"v-{uuid.uuid4().hex[:8]}"
-    serve = Child(serve_with_everything(topics.prefix, group), env, tmp_path / "serve.log")
+    serve = Child(
+        serve_command(
+            topics.prefix, group, "--tick-interval", "0.3", "--snapshot-interval", "1", audit=True
+        ),
+        env,
+        tmp_path / "serve.log",
+    )
     agents = Child(node_agents(topics.prefix, tmp_path / "agent"), env, tmp_path / "agents.log")
     submitted = 0
     try:
@@ -103,33 +88,8 @@ def test_sigkill_loops_lose_repeat_and_change_nothing(replicated, tmp_path, monk
         time.sleep(3)
         agents.stop()  # collection ends; the agents' spool has been handed over on the way
         assert agents.proc.returncode == 0, agents.log()
-        wait_until(
-            lambda: (
-                group_lag(
-                    settings.kafka,
-                    f"{topics.prefix}.{group}",
-                    [topics.telemetry, topics.node_state],
-                )
-                == 0
-            ),
-            120,
-            what="the view's lag to drain",
-            every_s=1,
-        )
-        decided = {}
-
-        def all_decided() -> bool:
-            for msg in read_topic(settings.kafka, topics.decisions):
-                decided[codec.decode(msg.value()).record["decision_id"]] = hashlib.sha256(
-                    msg.value()
-                ).hexdigest()
-            jobs = {
-                codec.decode(m.value()).record["job"]
-                for m in read_topic(settings.kafka, topics.decisions)
-            }
-            return {f"globex/j{i}" for i in range(1, submitted + 1)} <= jobs
-
-        wait_until(all_decided, 120, what="every job's decision", every_s=1)
+        wait_lag_drained(settings, f"{topics.prefix}.{group}", topics.node_topics)
+        decided = wait_decided(settings, topics, {f"globex/j{i}" for i in range(1, submitted + 1)})
 
         def chained() -> bool:
             events = [r["event"] for r in read_chain(settings.kafka, topics) if r["event"]]

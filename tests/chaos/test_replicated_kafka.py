@@ -14,10 +14,10 @@ from fleetline.processors.scheduling.runtime import decisions_of, scheduler_topi
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import default_codec
 from tests.chaos.conftest import rounds
-from tests.chaos.faults import Child, group_lag, leaders
+from tests.chaos.faults import Child, leaders, wait_decided, wait_lag_drained
 from tests.scheduling_support import training
 from tests.services import produce, serve_command, service_env, submits
-from tests.support import BASE_MS, fresh_topics, read_all, wait_until
+from tests.support import BASE_MS, fresh_topics, read_all
 
 codec = default_codec()
 CLUSTERS = [ClusterSpec("us-east-a", "us-east", 4), ClusterSpec("eu-west-a", "eu-west", 4)]
@@ -99,27 +99,10 @@ def test_a_broker_killed_under_load_loses_no_acknowledged_event(
             n: len(s) for n, s in by_node.items()
         }
         # The view caught up past the fault: its committed offsets reached the log's end.
-        wait_until(
-            lambda: (
-                group_lag(
-                    settings.kafka,
-                    f"{topics.prefix}.{group}",
-                    [topics.telemetry, topics.node_state],
-                )
-                == 0
-            ),
-            120,
-            what="the view's lag to drain",
-            every_s=1,
-        )
+        wait_lag_drained(settings, f"{topics.prefix}.{group}", topics.node_topics)
         # Every job was decided, once.
-        decisions: list[dict] = []
-
-        def decided() -> bool:
-            decisions[:] = decisions_of(settings.kafka, topics)
-            return submitted <= {d["job"] for d in decisions}
-
-        wait_until(decided, 120, what="every job's decision", every_s=0.5)
+        wait_decided(settings, topics, submitted)
+        decisions = decisions_of(settings.kafka, topics)
         ids = [d["decision_id"] for d in decisions]
         assert len(ids) == len(set(ids)), "a decision was written twice"
         assert sum(d["outcome"] == "PLACED" for d in decisions) >= 4, serve.log()

@@ -6,7 +6,6 @@ a single member holding every partition), and its snapshots then equal a clean f
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 import uuid
 
@@ -20,34 +19,12 @@ from fleetline.processors.view import codec as view_codec
 from fleetline.processors.view.folder import shard_part
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import default_codec
-from tests.chaos.faults import Child, group_lag
-from tests.services import produce, service_env
+from tests.chaos.faults import Child, wait_lag_drained
+from tests.services import produce, serve_command, service_env
 from tests.support import BASE_MS, fresh_topics, wait_until
 
 codec = default_codec()
 CLUSTERS = [ClusterSpec("us-east-a", "us-east", 6), ClusterSpec("eu-west-a", "eu-west", 6)]
-
-
-def view_instance(prefix: str, group: str, instance: int) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "fleetline.cli",
-        "serve",
-        "--no-api",
-        "--no-audit",
-        "--no-scheduler",
-        "--tier-every",
-        "0",
-        "--topic-prefix",
-        prefix,
-        "--group",
-        group,
-        "--instance-id",
-        str(instance),
-        "--snapshot-interval",
-        "1",
-    ]
 
 
 def members(settings, group: str) -> list[set[tuple[str, int]]]:
@@ -72,7 +49,11 @@ def test_a_killed_view_instance_s_shards_are_taken_over(replicated, tmp_path) ->
     # Each instance has a ClickHouse of its own (chdb admits one process per folder).
     instances = [
         Child(
-            view_instance(topics.prefix, group, i),
+            serve_command(
+                topics.prefix,
+                group,
+                *("--no-scheduler", "--instance-id", str(i), "--snapshot-interval", "1"),
+            ),
             service_env(settings, tmp_path / f"chdb{i}"),
             tmp_path / f"serve{i}.log",
         )
@@ -116,12 +97,7 @@ def test_a_killed_view_instance_s_shards_are_taken_over(replicated, tmp_path) ->
             return len(held) == 1 and held[0] == shards
 
         wait_until(taken_over, 90, what="the survivor holding every shard", every_s=1)
-        wait_until(
-            lambda: group_lag(settings.kafka, consumer_group, topics.node_topics) == 0,
-            90,
-            what="the group's lag to drain",
-            every_s=1,
-        )
+        wait_lag_drained(settings, consumer_group, topics.node_topics)
         assert instances[1].alive(), instances[1].log()
     finally:
         for instance in instances:

@@ -328,3 +328,47 @@ def test_fleet_topics_fold_into_the_fleet_part_and_tombstones_remove():
     PartFolder(TOPICS).fold(parts, msgs[1:])
     assert "c9" not in parts[FLEET_PART].clusters
     assert parts[FLEET_PART].offsets[TOPICS.clusters][0] == 2
+
+
+def test_an_agent_clock_running_ahead_does_not_make_the_others_unreachable():
+    # Every record appended by the broker at its own second; one node's agent stamps its
+    # events ten minutes ahead. The node topics carry LogAppendTime.
+    events = scenario_events(seconds=12)
+    ahead = next(r["node_id"] for name, r in events if name == "NodeTelemetry")
+    skewed = [
+        (name, {**r, "ts": r["ts"] + 600_000} if r["node_id"] == ahead else r) for name, r in events
+    ]
+
+    def stamped(kind: int) -> list[Message]:
+        return [
+            Message(
+                topic=m.topic(),
+                partition=m.partition(),
+                offset=m.offset(),
+                key=m.key(),
+                value=m.value(),
+                timestamp=(
+                    kind,
+                    record["ts"] if record["node_id"] != ahead else record["ts"] - 600_000,
+                ),
+            )
+            for m, (_, record) in zip(messages(skewed), skewed, strict=True)
+        ]
+
+    def statuses(parts: dict[str, ResourceView]) -> set[str]:
+        view = compose(parts.values())
+        return {node_status(view, n) for n in view.nodes.values()}
+
+    held: dict[str, ResourceView] = {}
+    assert PartFolder(TOPICS).fold(held, stamped(2)) == []  # LogAppendTime
+    view = compose(held.values())
+    last_append = BASE_MS + 12_000
+    assert view.watermark_ms <= last_append + 5_000
+    assert view.nodes[ahead].telemetry_ts <= last_append + 5_000
+    assert "UNREACHABLE" not in statuses(held)
+    # A producer's CreateTime says nothing about the broker's clock: nothing is held back,
+    # and the clock that runs ahead makes every other node look unreachable.
+    free: dict[str, ResourceView] = {}
+    assert PartFolder(TOPICS).fold(free, stamped(1)) == []
+    assert compose(free.values()).watermark_ms == last_append + 600_000
+    assert "UNREACHABLE" in statuses(free)

@@ -6,12 +6,17 @@ telemetry records from one partition goes through the columnar decoder; anything
 vouch for, and every other record, is decoded and folded one by one. A record that cannot be
 folded is returned with its error (to be dead-lettered) and still counts as consumed, so a bad
 message never stops the fold and is never silently lost.
+
+A node event's time is its agent's clock, but never more than `MAX_AHEAD_MS` past the moment
+the broker appended it (the node topics stamp LogAppendTime, so this is in the log and a replay
+folds the same). Without that bound one agent whose clock runs ahead would carry the view's
+event time with it, and every other node would look unheard-of and unreachable.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from fleetline.errors import FleetlineError, InvalidEventError
@@ -26,12 +31,20 @@ from fleetline.streams.events import (
     NODE_STATE,
     NODE_TELEMETRY,
 )
-from fleetline.streams.records import Record, where
+from fleetline.streams.records import Record, appended_ms, where
 from fleetline.streams.serde import AvroCodec, default_codec
 from fleetline.streams.topics import Topics
 
 FLEET_PART = "fleet"
+# How far an agent's clock may run ahead of the broker's before its events' times are held back.
+MAX_AHEAD_MS = 5_000
 R = TypeVar("R", bound=Record)
+
+
+def _latest_ts(record: Record) -> int | None:
+    """The latest event time a node record may carry: its append time plus `MAX_AHEAD_MS`."""
+    appended = appended_ms(record)
+    return None if appended is None else appended + MAX_AHEAD_MS
 
 
 def shard_part(partition: int) -> str:
@@ -110,6 +123,9 @@ class PartFolder:
             if row is None:  # the batch path could not read it: record by record, in order
                 self.fold_one(view, record, failed)
                 continue
+            latest = _latest_ts(record)
+            if latest is not None and row[4] > latest:
+                row = (*row[:4], latest, row[5])
             try:
                 fold_telemetry(view, *row)
             except FleetlineError as exc:
@@ -136,6 +152,9 @@ class PartFolder:
                     raise InvalidEventError(
                         f"message key {key!r} is not the record's {role.key_field} {entity!r}"
                     )
+                latest = _latest_ts(record) if topic in self.node_topics else None
+                if latest is not None and event.record["ts"] > latest:
+                    event = replace(event, record={**event.record, "ts": latest})
                 apply(view, event)
         except FleetlineError as exc:
             failed.append((record, exc))

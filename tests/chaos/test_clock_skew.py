@@ -1,0 +1,89 @@
+"""Agents with skewed clocks, on the live stack: one cluster's agents stamp their events ten
+minutes ahead, another's ten minutes behind. The view holds the fast clock back to the broker's
+(so the rest of the fleet does not look unheard-of), self-healing opens no ticket against a node
+that is heard every second, and the live view equals a clean fold of the log."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fleetline.agents.fleet import FleetAgent
+from fleetline.agents.simulator import ClusterSpec, FleetSimulator, cluster_info
+from fleetline.app import view_snapshots
+from fleetline.processors.operations.runtime import tickets_from_log
+from fleetline.processors.replay import log_bounds, rebuild
+from fleetline.processors.scheduling.runtime import scheduler_topics
+from fleetline.processors.view import codec as view_codec
+from fleetline.processors.view.fold import node_status
+from fleetline.processors.view.model import NodeStatus
+from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.serde import default_codec
+from tests.chaos.faults import Child, wait_lag_drained
+from tests.services import produce, serve_command, service_env
+from tests.support import fresh_topics
+
+codec = default_codec()
+SKEWS_MS = {"eu-west-a": 600_000, "us-east-a": -600_000, "ap-south-a": 0}
+
+
+def test_skewed_agent_clocks_neither_stall_nor_silence_the_fleet(replicated, tmp_path) -> None:
+    settings = replicated
+    topics = fresh_topics(partitions=6)
+    kafka_clients.ensure_topics(settings.kafka, scheduler_topics(topics))
+    clusters = [ClusterSpec(c, c.rsplit("-", 1)[0], 2) for c in SKEWS_MS]
+    now_ms = int(time.time() * 1000)
+    produce(settings, topics, [("ClusterInfo", cluster_info(c, 1, now_ms)) for c in clusters])
+    group = f"v-{uuid.uuid4().hex[:8]}"
+    serve = Child(
+        serve_command(topics.prefix, group, "--snapshot-interval", "1"),
+        service_env(settings, tmp_path / "chdb"),
+        tmp_path / "serve.log",
+    )
+    agents = {
+        c.cluster_id: FleetAgent.create(
+            settings,
+            codec,
+            topics,
+            FleetSimulator([c], seed=4),
+            tmp_path / c.cluster_id,
+            commands=False,
+        )
+        for c in clusters
+    }
+    try:
+        for cluster_id, agent in agents.items():
+            agent.start(now_ms + SKEWS_MS[cluster_id])
+        for _ in range(40):  # 40 s of one-second intervals, each agent on its own clock
+            now_ms = int(time.time() * 1000)
+            for cluster_id, agent in agents.items():
+                agent.tick(now_ms + SKEWS_MS[cluster_id])
+            time.sleep(max(0.0, 1.0 - (time.time() * 1000 - now_ms) / 1000))
+        for agent in agents.values():
+            agent.flush(60)
+        wait_lag_drained(settings, f"{topics.prefix}.{group}", topics.node_topics)
+        time.sleep(3)  # operations' last pass over the view
+    finally:
+        serve.stop()
+        for agent in agents.values():
+            agent.close()
+
+    _, end = log_bounds(settings.kafka, topics)
+    live = rebuild(settings.kafka, topics, end, view_snapshots(settings, topics.prefix, group))
+    clean = rebuild(settings.kafka, topics, end)
+    assert view_codec.to_data(live.view) == view_codec.to_data(clean.view)
+    view = clean.view
+    # The fast clock did not carry the view's time ten minutes ahead ...
+    assert view.watermark_ms < int(time.time() * 1000) + 60_000
+    # ... so the nodes on true and slow clocks, heard every second, are not unreachable; the
+    # slow clock's own nodes are (their events say ten minutes old), and that names them.
+    status = {n.node_id: node_status(view, n) for n in view.nodes.values()}
+    assert len(status) == 6
+    for node_id, state in status.items():
+        if node_id.startswith("us-east-a"):
+            assert state == NodeStatus.UNREACHABLE, (node_id, state)
+        else:
+            assert state == NodeStatus.UP, (node_id, state)
+    # Self-healing opened no ticket against the nodes on true or fast clocks.
+    tickets = tickets_from_log(settings.kafka, topics).values()
+    assert not [t for t in tickets if not t["node_id"].startswith("us-east-a")], serve.log()
