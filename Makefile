@@ -47,7 +47,7 @@ lint: $(STAMP) $(CONTRACT_TOOLS)
 
 # The fault-injection suite in full: more rounds of each fault, and the long runs (`make test`
 # runs one round of each).
-chaos: $(STAMP) $(CHROMIUM)
+chaos: $(STAMP)
 	FLEETLINE_CHAOS=full $(PY) -m pytest tests/chaos
 
 # The pure tests alone: no services, seconds.

@@ -120,6 +120,7 @@ def main() -> None:
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
         assert full.view.node_events == sent and full.dead_letters == 0
         figures["rebuild_from_log_s"] = wall
+        figures["rebuild_from_log_s_target"] = "< 60 for 10 M events, no snapshot"
         figures["fold_events_per_s"] = sent / wall
         figures["fold_gpu_samples_per_s"] = sent * 8 / wall
         figures["fold_cpu_s"] = cpu
