@@ -69,15 +69,18 @@ def _verify_keys(config: Settings) -> dict[str, Any]:
 
 
 def _records(config: Settings, source: Source, prefix: str) -> list[dict[str, Any]]:
+    from fleetline.streams.topics import Topics
+
     if source == Source.KAFKA:
         from fleetline.processors.audit.runtime import read_chain
-        from fleetline.streams.topics import Topics
 
         return read_chain(config.kafka, Topics(prefix))
     from fleetline.storage.audit_store import AuditTable
     from fleetline.storage.clickhouse import connect
 
-    return list(AuditTable(connect(config.clickhouse_url), config.clickhouse_database).records())
+    table = AuditTable(connect(config.clickhouse_url), config.clickhouse_database)
+    # The prefix's own chains: other deployments or runs may share the database.
+    return list(table.records(topic=Topics(prefix).audit_log))
 
 
 @audit.command()

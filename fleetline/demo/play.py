@@ -248,7 +248,7 @@ def verify_audit(fleet: Fleetline, events: int, timeout_s: float = 60.0) -> dict
     deadline = time.monotonic() + timeout_s
     records: list[dict[str, Any]] = []
     while time.monotonic() < deadline:
-        records = list(fleet.audit_table.records())
+        records = list(fleet.audit_table.records(topic=fleet.topics.audit_log))
         if sum(1 for r in records if r["event"]) >= events:
             break
         time.sleep(0.2)
@@ -286,7 +286,11 @@ def audited_decisions(fleet: Fleetline, timeout_s: float = 60.0) -> dict[str, An
     }
     deadline = time.monotonic() + timeout_s
     while True:
-        events = [r["event"] for r in fleet.audit_table.records() if r["event"]]
+        events = [
+            r["event"]
+            for r in fleet.audit_table.records(topic=fleet.topics.audit_log)
+            if r["event"]
+        ]
         missing, changed = unaudited_decisions(events, published)
         if not missing or time.monotonic() > deadline:
             break

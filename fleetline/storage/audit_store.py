@@ -143,11 +143,19 @@ class AuditTable(Destination):
             raise StorageError(f"inserting {len(batch)} audit records: {exc}") from None
 
     def records(
-        self, partition: int | None = None, from_seq: int = 0, to_seq: int | None = None
+        self,
+        partition: int | None = None,
+        from_seq: int = 0,
+        to_seq: int | None = None,
+        topic: str | None = None,
     ) -> Iterator[dict[str, Any]]:
-        """The chain(s) in order: partition by partition, seq by seq."""
+        """The chain(s) in order: partition by partition, seq by seq; with `topic`, only the
+        chains of that audit log (deployments or runs sharing a database each have their own)."""
         where = ["seq >= {from_seq:UInt64}"]
         params: dict[str, Any] = {"from_seq": from_seq}
+        if topic is not None:
+            where.append("source_topic = {topic:String}")
+            params["topic"] = topic
         if partition is not None:
             where.append("partition = {partition:UInt16}")
             params["partition"] = partition

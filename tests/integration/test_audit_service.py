@@ -199,7 +199,8 @@ def test_tampering_with_the_clickhouse_copy_is_caught_by_audit_verify(
 ):
     table = audit_env[2]
     chain_and_sink(settings, audit_env, 12)
-    assert main(["audit", "verify", "--source", "clickhouse"]) == 0
+    prefix = ["--topic-prefix", audit_env[0].prefix]
+    assert main(["audit", "verify", "--source", "clickhouse", *prefix]) == 0
     assert json.loads(capsys.readouterr().out)["ok"] is True
     db = f"{settings.clickhouse_database}.audit_log"
     victim = next(r for r in table.records() if r["event"] and r["seq"] == 2)
@@ -224,7 +225,7 @@ def test_tampering_with_the_clickhouse_copy_is_caught_by_audit_verify(
             f"ALTER TABLE {db} DELETE WHERE partition = {p} AND seq IN (1, 2) {sync}"
         )
         clickhouse.command(f"INSERT INTO {db} SELECT * FROM {tmp}")
-    assert main(["audit", "verify", "--source", "clickhouse"]) == 2
+    assert main(["audit", "verify", "--source", "clickhouse", *prefix]) == 2
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] is False
     assert report["first_broken"].startswith(f"partition {p} seq ")
@@ -259,6 +260,8 @@ def test_search_and_exports_are_tenant_scoped_and_masked(settings, audit_env, tm
                     str(out),
                     "--source",
                     "clickhouse",
+                    "--topic-prefix",
+                    topics.prefix,
                     "--to-s3",
                     f"exports/{topics.prefix}/a.{fmt}",
                 ]
@@ -309,3 +312,18 @@ def test_a_forged_chain_without_the_key_fails_against_the_pinned_key(
     # Signed by a key this verifier does not trust (the pinned one is the real signer's).
     assert main(["audit", "verify", "--topic-prefix", topics.prefix]) == 2
     assert "unknown key" in json.loads(capsys.readouterr().out)["first_broken"]
+
+
+def test_chains_of_another_deployment_in_the_same_table_are_kept_apart(
+    settings, audit_env, clickhouse, capsys
+):
+    topics, _, table, _ = audit_env
+    chain_and_sink(settings, audit_env, 6)
+    db = f"{settings.clickhouse_database}.audit_log"
+    # Another run's chain with the same partitions and seqs (as `fleetline run` leaves them).
+    clickhouse.command(
+        f"INSERT INTO {db} SELECT * REPLACE ('fleetline.other.audit.log' AS source_topic) FROM {db}"
+    )
+    assert len(list(table.records())) == 2 * len(list(table.records(topic=topics.audit_log)))
+    assert main(["audit", "verify", "--source", "clickhouse", "--topic-prefix", topics.prefix]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
