@@ -10,6 +10,7 @@ from confluent_kafka import Consumer, KafkaError
 
 from fleetline.agents.simulator import ClusterSpec, FleetSimulator
 from fleetline.config import Settings
+from fleetline.streams.serde import default_codec
 from fleetline.streams.topics import Topics
 
 BASE_MS = 1_796_000_000_000  # 2026-11-29T08:53:20Z, pinned so runs are comparable
@@ -141,3 +142,14 @@ class Recorder:
 
     def emit(self, event: dict) -> None:
         self.events.append(event)
+
+
+def first_occurrences(messages) -> dict[str, list[int]]:
+    """Each node's sequence numbers in the order first seen (a repeat after a retry is not)."""
+    by_node: dict[str, list[int]] = {}
+    for msg in messages:
+        record = default_codec().decode(msg.value()).record
+        seqs = by_node.setdefault(record["node_id"], [])
+        if record["seq"] not in seqs:
+            seqs.append(record["seq"])
+    return by_node

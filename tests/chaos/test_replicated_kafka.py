@@ -17,7 +17,7 @@ from tests.chaos.conftest import rounds
 from tests.chaos.faults import Child, leaders, wait_decided, wait_lag_drained
 from tests.scheduling_support import training
 from tests.services import produce, serve_command, service_env, submits
-from tests.support import BASE_MS, fresh_topics, read_all
+from tests.support import BASE_MS, first_occurrences, fresh_topics, read_all
 
 codec = default_codec()
 CLUSTERS = [ClusterSpec("us-east-a", "us-east", 4), ClusterSpec("eu-west-a", "eu-west", 4)]
@@ -87,13 +87,7 @@ def test_a_broker_killed_under_load_loses_no_acknowledged_event(
         # Every telemetry record the agents collected is in the log: each node's sequence
         # numbers, with its states', are 1..n without a gap (repeats only after a retry).
         ticks = tick
-        messages = read_all(settings, topics.telemetry, ticks * 8, timeout_s=90)
-        by_node: dict[str, list[int]] = {}
-        for msg in messages:
-            record = codec.decode(msg.value()).record
-            seqs = by_node.setdefault(record["node_id"], [])
-            if record["seq"] not in seqs:
-                seqs.append(record["seq"])
+        by_node = first_occurrences(read_all(settings, topics.telemetry, ticks * 8, timeout_s=90))
         assert len(by_node) == 8
         assert all(len(seqs) == ticks for seqs in by_node.values()), {
             n: len(s) for n, s in by_node.items()

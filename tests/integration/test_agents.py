@@ -14,7 +14,7 @@ from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.deadletter import read_dead_letter
 from fleetline.streams.partitioner import partition_for
 from fleetline.streams.serde import default_codec
-from tests.support import BASE_MS, fresh_topics, read_all, wait_until
+from tests.support import BASE_MS, first_occurrences, fresh_topics, read_all, wait_until
 
 codec = default_codec()
 
@@ -40,16 +40,6 @@ def test_our_partitioner_matches_the_clients(settings) -> None:
         producer.produce(topics.telemetry, key=key, value=b"x", on_delivery=report)
     producer.flush(30)
     assert {key: partition_for(key, 6) for key in keys} == seen
-
-
-def first_occurrences(messages) -> dict[str, list[int]]:
-    by_node: dict[str, list[int]] = {}
-    for msg in messages:
-        record = codec.decode(msg.value()).record
-        seqs = by_node.setdefault(record["node_id"], [])
-        if record["seq"] not in seqs:
-            seqs.append(record["seq"])
-    return by_node
 
 
 def test_spool_replays_in_order_after_a_broker_outage(settings, tmp_path: Path) -> None:
