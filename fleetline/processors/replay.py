@@ -299,10 +299,15 @@ def _statuses(view: ResourceView) -> dict[str, str]:
 
 
 def _below_targets(
-    consumer: Any, messages: list[Any], remaining: dict[tuple[str, int], int], pause: bool
+    consumer: Any,
+    messages: list[Any],
+    remaining: dict[tuple[str, int], int],
+    pause: bool,
+    past: Callable[[tuple[str, int], Any], None] | None = None,
 ) -> list[Any]:
     """The messages before their partition's target; a partition whose target is reached
-    leaves `remaining` (and is paused, if asked)."""
+    leaves `remaining` (and is paused, if asked). A message at or past its partition's target
+    (or of a partition without one) goes to `past`, or is dropped."""
     keep = []
     for msg in messages:
         error = msg.error()
@@ -313,6 +318,8 @@ def _below_targets(
         key = (msg.topic(), msg.partition())
         end = remaining.get(key)
         if end is None or msg.offset() >= end:
+            if past is not None:
+                past(key, msg)
             continue
         keep.append(msg)
         if msg.offset() + 1 >= end:
@@ -398,39 +405,30 @@ class ViewFollower:
             self.folded += len(keep)
         idle_since = time.monotonic()
         while remaining:
-            keep = []
             # What is fetched already, else a wait for the next message (not for a full batch:
             # consume() waits its whole timeout unless the batch fills).
             fetched = self._consumer.consume(5000, 0) or self._consumer.consume(1, 0.05)
-            for msg in fetched:
-                error = msg.error()
-                if error is not None:
-                    if error.code() == KafkaError._PARTITION_EOF:
-                        continue
-                    raise StreamError(f"replaying {msg.topic()}: {error.str()}")
-                key = (msg.topic() or "", msg.partition() or 0)
-                offset = msg.offset() or 0
-                stop_at = remaining.get(key)
-                if stop_at is not None and offset < stop_at:
-                    keep.append(msg)
-                    if offset + 1 >= stop_at:
-                        del remaining[key]
-                else:  # a later position's: kept for it (a long way ahead: fetching pauses)
-                    ahead = self._ahead.setdefault(key, deque())
-                    ahead.append(msg)
-                    remaining.pop(key, None)
-                    if len(ahead) >= AHEAD_LIMIT and key not in self._paused:
-                        self._consumer.pause([TopicPartition(*key)])
-                        self._paused.add(key)
+            keep = _below_targets(
+                self._consumer, fetched, remaining, pause=False, past=self._hold_for_later
+            )
             if keep:
                 idle_since = time.monotonic()
                 self.folder.fold(self.parts, keep)
                 self.folded += len(keep)
-            # A target just past a transaction marker holds no message to stop on: the
-            # consumer's position (a local call) says when it is reached.
+            # A target just past a transaction marker holds no message to stop on, and one a
+            # message past it was fetched for is reached too: the consumer's position (a local
+            # call) says when.
             _drop_reached(self._consumer, remaining)
             if remaining and time.monotonic() - idle_since > 60:
                 raise StreamError(f"view follower stalled short of {sorted(remaining)}")
+
+    def _hold_for_later(self, key: tuple[str, int], msg: Any) -> None:
+        """Keep a message a later position will fold (a long way ahead: fetching pauses)."""
+        ahead = self._ahead.setdefault(key, deque())
+        ahead.append(msg)
+        if len(ahead) >= AHEAD_LIMIT and key not in self._paused:
+            self._consumer.pause([TopicPartition(*key)])
+            self._paused.add(key)
 
     def at(self, target: Offsets) -> ResourceView:
         behind = any(
