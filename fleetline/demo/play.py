@@ -7,7 +7,6 @@ saw, a replay of the half-way view, a call of the API and a replay of every deci
 
 from __future__ import annotations
 
-import hashlib
 import json
 import secrets
 import shutil
@@ -36,7 +35,7 @@ from fleetline.demo.serving_story import serving_day
 from fleetline.errors import StreamError
 from fleetline.observability import tracing
 from fleetline.processors.audit.chain import export_entry, verify
-from fleetline.processors.audit.runtime import KafkaAuditEmitter
+from fleetline.processors.audit.runtime import KafkaAuditEmitter, published_decisions
 from fleetline.processors.audit.sources import unaudited_decisions
 from fleetline.processors.replay import ViewFollower, offsets_at, rebuild, replay_decisions
 from fleetline.processors.scheduling.codec import (
@@ -45,12 +44,7 @@ from fleetline.processors.scheduling.codec import (
     new_request,
     submit_request,
 )
-from fleetline.processors.scheduling.runtime import (
-    DecisionFollower,
-    decisions_of,
-    read_topic,
-    submit,
-)
+from fleetline.processors.scheduling.runtime import DecisionFollower, decisions_of, submit
 from fleetline.processors.scheduling.specs import parse_spec
 from fleetline.processors.scheduling.state import spec_key
 from fleetline.processors.view import read as view_read
@@ -277,12 +271,9 @@ def audited_decisions(fleet: Fleetline, timeout_s: float = 60.0) -> dict[str, An
     """Whether every decision on its topic is in the audit chain (ClickHouse's copy) with the
     digest of its exact bytes, waiting for the linker and the chainer to catch up."""
     assert fleet.audit_table is not None
-    values = [
-        msg.value() or b"" for msg in read_topic(fleet.settings.kafka, fleet.topics.decisions)
-    ]
-    codec = default_codec()
     published = {
-        codec.decode(v).record["decision_id"]: hashlib.sha256(v).hexdigest() for v in values
+        record["decision_id"]: digest
+        for record, digest in published_decisions(fleet.settings.kafka, fleet.topics)
     }
     deadline = time.monotonic() + timeout_s
     while True:

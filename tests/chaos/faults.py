@@ -3,7 +3,6 @@ group's lag, a child process that can be killed and started again."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import subprocess
@@ -12,13 +11,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from fleetline.config import KafkaSettings, Settings
-from fleetline.processors.scheduling.runtime import read_topic
+from fleetline.processors.audit.runtime import published_decisions
 from fleetline.streams import kafka as kafka_clients
-from fleetline.streams.serde import default_codec
 from fleetline.streams.topics import Topics
 from tests.support import wait_until
-
-CODEC = default_codec()
 
 
 def leaders(kafka: KafkaSettings, topics: Iterable[str]) -> Counter[int]:
@@ -44,20 +40,14 @@ def wait_lag_drained(settings: Settings, group: str, topics: Iterable[str]) -> N
 
 def wait_decided(settings: Settings, topics: Topics, jobs: set[str]) -> dict[str, str]:
     """Until every job has a decision; then each decision's id -> the SHA-256 of its bytes."""
-    decided: dict[str, str] = {}
+    published: list[tuple[dict, str]] = []
 
     def all_decided() -> bool:
-        decided.clear()
-        seen = set()
-        for msg in read_topic(settings.kafka, topics.decisions):
-            value = msg.value() or b""
-            record = CODEC.decode(value).record
-            decided[record["decision_id"]] = hashlib.sha256(value).hexdigest()
-            seen.add(record["job"])
-        return jobs <= seen
+        published[:] = published_decisions(settings.kafka, topics)
+        return jobs <= {record["job"] for record, _ in published}
 
     wait_until(all_decided, 120, what="every job's decision", every_s=1)
-    return decided
+    return {record["decision_id"]: digest for record, digest in published}
 
 
 class Child:

@@ -272,6 +272,26 @@ class KafkaAuditEmitter:
         return self.producer.flush(timeout_s)
 
 
+def published_decisions(
+    kafka: KafkaSettings, topics: Topics, timeout_s: float = 60.0
+) -> list[tuple[dict[str, Any], str]]:
+    """Every decision on its topic in log order, with the SHA-256 of its exact bytes (what the
+    linker chains, and `unaudited_decisions` compares)."""
+    codec = default_codec()
+    out = []
+    for msg in kafka_clients.read_to_end(
+        kafka, topics.decisions, [0], f"fleetline-audit-read-{uuid.uuid4().hex[:12]}", timeout_s
+    ):
+        value = msg.value() or b""
+        out.append(
+            (
+                codec.decode(value, expect=SCHEDULING_DECISION).record,
+                hashlib.sha256(value).hexdigest(),
+            )
+        )
+    return out
+
+
 def read_chain(
     kafka: KafkaSettings, topics: Topics, timeout_s: float = 60.0
 ) -> list[dict[str, Any]]:
