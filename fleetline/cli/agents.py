@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import socket
 import subprocess
@@ -114,7 +113,8 @@ def simulator(
             "nodes at 1 Hz",
         ),
     ] = 1,
-    part: Annotated[int, typer.Option(hidden=True, min=0)] = 0,
+    # Set only by the parent of several processes, for each child: which clusters are its.
+    part: Annotated[int | None, typer.Option(hidden=True, min=0)] = None,
     seed: Annotated[int, typer.Option()] = 7,
     faults: Annotated[
         Path | None,
@@ -139,9 +139,10 @@ def simulator(
     topics = Topics(topic_prefix)
     kafka_clients.ensure_topics(config.kafka, topics.specs())
     state_dir = state_dir or config.cache_dir / "agent"
-    if processes > 1 and not _is_part():
-        exit_with(_run_parts(processes, clusters, state_dir))
+    if processes > 1 and part is None:
+        exit_with(_run_parts(processes, clusters))
         return
+    part = part or 0
     start_ms = (int(time.time() * 1000) // interval_ms) * interval_ms
     fleet = FleetSimulator(
         default_clusters(nodes, clusters)[part::processes],
@@ -186,24 +187,13 @@ def simulator(
     )
 
 
-_PART_ENV = "FLEETLINE_SIMULATOR_PART"
-
-
-def _is_part() -> bool:
-    return os.environ.get(_PART_ENV) == "1"
-
-
-def _run_parts(processes: int, clusters: int, state_dir: Path) -> int:
+def _run_parts(processes: int, clusters: int) -> int:
     """Run the simulator as `processes` children, each with every Nth cluster, until they all
     end (SIGTERM and Ctrl-C are passed on); the worst exit status."""
     if processes > clusters:
         raise ConfigError(f"{processes} processes for {clusters} clusters: some would idle")
-    argv = [a for a in sys.argv[1:] if a != "--part" and not a.startswith("--part=")]
     children = [
-        subprocess.Popen(
-            [sys.executable, "-m", "fleetline.cli", *argv, "--part", str(i)],
-            env={**os.environ, _PART_ENV: "1"},
-        )
+        subprocess.Popen([sys.executable, "-m", "fleetline.cli", *sys.argv[1:], "--part", str(i)])
         for i in range(processes)
     ]
 
