@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from fleetline.agents.durable import write_atomically
 from fleetline.config import KafkaSettings
@@ -35,6 +35,14 @@ MIN_POWER_CAP_W = 100.0
 MAX_POWER_CAP_W = 1000.0
 CONFIG_KEYS = {"interval_ms": (100, 60_000)}
 REMEMBERED_COMMANDS = 1000
+# Answers while a group's coordinator is being found or loaded: asked again, they pass.
+_COORDINATOR_SETTLING = frozenset(
+    {
+        KafkaError.NOT_COORDINATOR,
+        KafkaError.COORDINATOR_NOT_AVAILABLE,
+        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -215,8 +223,11 @@ class CommandLoop:
                 committed = self._consumer.committed(wanted, timeout=30)
                 break
             except KafkaException as exc:
-                # A broker that just started is still loading its group coordinator.
-                if not exc.args[0].retriable() or time.monotonic() > deadline:
+                # A broker that just started is still loading its group coordinator, and a new
+                # group's coordinator may answer "not coordinator" until its metadata settles.
+                error = exc.args[0]
+                settling = error.retriable() or error.code() in _COORDINATOR_SETTLING
+                if not settling or time.monotonic() > deadline:
                     raise StreamError(f"reading the agent's command offsets: {exc}") from None
                 time.sleep(0.5)
         self._consumer.assign(committed)
