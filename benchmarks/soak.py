@@ -40,6 +40,7 @@ from fleetline.processors.scheduling.codec import new_request, submit_request
 from fleetline.processors.scheduling.runtime import scheduler_topics, submit
 from fleetline.processors.scheduling.specs import parse_spec
 from fleetline.processors.view.runtime import APPLICATION_ID as VIEW_APP
+from fleetline.processors.view.runtime import declare_clusters
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import default_codec
 from fleetline.streams.topics import Topics
@@ -114,14 +115,8 @@ def main() -> None:
         kafka_clients.ensure_topics(settings.kafka, scheduler_topics(topics))
         per_cluster = max(1, args.nodes // args.clusters)
         clusters = default_clusters(per_cluster, args.clusters)
-        producer = kafka_clients.producer(settings.kafka)
-        for c in clusters:
-            producer.produce(
-                topics.clusters,
-                key=c.cluster_id.encode(),
-                value=CODEC.encode("ClusterInfo", cluster_info(c, 1, int(time.time() * 1000))),
-            )
-        producer.flush(30)
+        now_ms = int(time.time() * 1000)
+        declare_clusters(settings.kafka, topics, [cluster_info(c, 1, now_ms) for c in clusters])
         logs = [open(work / name, "w") for name in ("serve.log", "agents.log")]  # noqa: SIM115
         processes: dict[str, subprocess.Popen[bytes]] = {
             "serve": subprocess.Popen(
