@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from fleetline.streams.events import (
     ALLOCATION,
     AUDIT_EVENT,
+    CAPACITY_SUMMARY,
     AUDIT_RECORD,
     CLUSTER_HEALTH,
     CLUSTER_INFO,
@@ -79,6 +80,10 @@ class Topics:
     @property
     def datasets(self) -> str:
         return f"{self.prefix}.state.dataset"
+
+    @property
+    def summaries(self) -> str:
+        return f"{self.prefix}.view.summaries"
 
     @property
     def allocations(self) -> str:
@@ -211,6 +216,21 @@ class Topics:
                 "DatasetState, keyed by dataset id; compacted to each dataset's replicas",
                 record=DATASET_STATE,
                 key="dataset id",
+            ),
+            TopicSpec(
+                self.summaries,
+                1,
+                {
+                    "cleanup.policy": "compact",
+                    # A TICK names an offset of this topic; a replay reads every summary below
+                    # it, so none is compacted away while the node topics still hold its week.
+                    "min.compaction.lag.ms": str(7 * DAY_MS),
+                },
+                "CapacitySummary, keyed by nodes/<cluster>/<shard>, cluster/<id> or "
+                "dataset/<id>: what the view shards publish of the fleet for a scheduler that "
+                "folds no view of its own",
+                record=CAPACITY_SUMMARY,
+                key="nodes/<cluster>/<shard>, cluster/<id> or dataset/<id>",
             ),
             TopicSpec(
                 self.allocations,

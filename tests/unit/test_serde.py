@@ -39,6 +39,7 @@ def test_registry_knows_the_shipped_schemas() -> None:
         "fleetline.cluster.WorkloadOrder",
         "fleetline.commands.CommandResult",
         "fleetline.commands.NodeCommand",
+        "fleetline.fleet.CapacitySummary",
         "fleetline.fleet.ClusterInfo",
         "fleetline.fleet.DatasetState",
         "fleetline.observability.LogRecord",

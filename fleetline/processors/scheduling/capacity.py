@@ -22,15 +22,22 @@ from functools import lru_cache
 from typing import Any
 
 from fleetline.errors import InvalidEventError
-from fleetline.processors.view.fold import node_status, takes_new_work
-from fleetline.processors.view.model import (
-    DEGRADED,
-    FAILED,
-    HEALTHY,
-    NodeStatus,
-    NodeView,
-    ResourceView,
+from fleetline.processors.view.fold import node_status
+from fleetline.processors.view.model import NodeStatus, NodeView, ResourceView
+from fleetline.processors.view.summary import (
+    CLUSTER,
+    DATASET,
+    NODES,
+    ClusterTerms,
+    NodeCapacity,
+    NodeFacts,
+    capacity_of,
+    cluster_terms,
+    node_capacity,
+    terms_of,
 )
+
+__all__ = ["NodeFacts"]  # its home is the view's summary; the scheduler's code names it here
 
 GpuRef = tuple[str, int]
 Offsets = dict[str, dict[int, int]]
@@ -84,21 +91,6 @@ def pick(islands: tuple[int, ...], free: int, need: int, tensor: int) -> int:
 
 
 @dataclass(frozen=True)
-class NodeFacts:
-    node_id: str
-    cluster_id: str
-    leaf: str
-    spine: str
-    model: str  # the accelerator label, lower case
-    islands: tuple[int, ...]  # NVLink islands as GPU masks
-    present: int  # every GPU the node reports
-    healthy: int  # free-able for any job (node UP, GPU healthy)
-    degraded: int  # only for jobs that tolerate degraded GPUs
-    status: str  # UP, DRAINING, DOWN, UNREACHABLE
-    schedulable: bool  # new work may land here (fold.takes_new_work)
-
-
-@dataclass(frozen=True)
 class ClusterFacts:
     cluster_id: str
     region: str
@@ -121,8 +113,8 @@ class DatasetFacts:
     replicas: tuple[str, ...]
 
 
-# (the view's node object, its epoch, status, facts, GPUs lost, why, GPUs present, GPUs bad)
-NodeEntry = tuple[NodeView, int, NodeStatus, NodeFacts, int, str, int, int]
+# (the view's node object, its epoch, its status, its capacity)
+NodeEntry = tuple[NodeView, int, NodeStatus, NodeCapacity]
 
 
 @dataclass
@@ -141,6 +133,10 @@ class FleetFacts:
     memo: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     # What the next observation of the same view may reuse, per node.
     node_cache: dict[str, NodeEntry] = field(default_factory=dict, repr=False, compare=False)
+    # What the next observation of the same summaries may reuse: key -> (record, capacities).
+    summary_cache: dict[str, tuple[Mapping[str, Any], list[NodeCapacity]]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     def lost_reason(self, node_id: str) -> str:
         return self._lost_reasons.get(node_id, f"{node_id} is gone from the view")
@@ -162,6 +158,61 @@ def usable_gpus(facts: FleetFacts) -> dict[str, int]:
     return cached
 
 
+@dataclass
+class _Fleet:
+    """Facts being gathered, node by node, then cluster by cluster."""
+
+    nodes: dict[str, NodeFacts] = field(default_factory=dict)
+    lost: dict[str, int] = field(default_factory=dict)
+    reasons: dict[str, str] = field(default_factory=dict)
+    counts: dict[str, list[int]] = field(default_factory=dict)  # [nodes, unreachable, gpus, bad]
+    regions: dict[str, str] = field(default_factory=dict)
+
+    def add(self, capacity: NodeCapacity, region: str) -> None:
+        facts = capacity.facts
+        self.nodes[facts.node_id] = facts
+        if capacity.lost:
+            self.lost[facts.node_id] = capacity.lost
+            self.reasons[facts.node_id] = capacity.lost_reason
+        c = self.counts.setdefault(facts.cluster_id, [0, 0, 0, 0])
+        self.regions.setdefault(facts.cluster_id, region)
+        c[0] += 1
+        c[1] += facts.status == "UNREACHABLE"
+        c[2] += facts.present.bit_count()
+        c[3] += capacity.bad
+
+    def clusters(self, terms: Mapping[str, ClusterTerms]) -> dict[str, ClusterFacts]:
+        out: dict[str, ClusterFacts] = {}
+        for cluster_id in sorted(set(self.counts) | set(terms)):
+            t = terms.get(cluster_id)
+            n, unreachable, gpus, bad = self.counts.get(cluster_id, [0, 0, 0, 0])
+            if t is not None and t.retired:
+                health = "retired"
+            elif t is not None and t.health is not None:
+                health = t.health
+            elif n == 0:
+                health = "empty"
+            elif unreachable == n:
+                health = "unreachable"
+            elif unreachable or (gpus and bad / gpus > 0.1):
+                health = "degraded"
+            else:
+                health = "healthy"
+            declared = t is not None and t.declared
+            out[cluster_id] = ClusterFacts(
+                cluster_id=cluster_id,
+                region=t.region if t is not None and declared else self.regions.get(cluster_id, ""),
+                kind=t.kind if t is not None else "UNKNOWN",
+                price_per_gpu_hour=t.price_per_gpu_hour if t is not None else 0.0,
+                energy_price_per_kwh=t.energy_price_per_kwh if t is not None else 0.0,
+                pue=t.pue if t is not None else 1.0,
+                link_latency_ms=dict(t.link_latency_ms) if t is not None else {},
+                health=health,
+                health_reason=t.health_reason if t is not None else "",
+            )
+        return out
+
+
 def observe(view: ResourceView, previous: FleetFacts | None = None) -> FleetFacts:
     """The scheduler's facts from the view, the same whatever order the view's dicts are in.
 
@@ -169,11 +220,7 @@ def observe(view: ResourceView, previous: FleetFacts | None = None) -> FleetFact
     and status are unchanged keeps its facts object: observing 10,000 nodes then costs a
     dictionary lookup each, and `CapacityIndex.refresh` re-buckets only the nodes that moved.
     """
-    nodes: dict[str, NodeFacts] = {}
-    lost: dict[str, int] = {}
-    reasons: dict[str, str] = {}
-    counts: dict[str, list[int]] = {}  # cluster -> [nodes, unreachable, gpus, bad gpus]
-    regions: dict[str, str] = {}
+    fleet = _Fleet()
     cache = previous.node_cache if previous is not None else {}
     fresh: dict[str, NodeEntry] = {}
     for node_id in sorted(view.nodes):
@@ -181,63 +228,70 @@ def observe(view: ResourceView, previous: FleetFacts | None = None) -> FleetFact
         status = node_status(view, node)
         entry = cache.get(node_id)
         if entry is None or entry[0] is not node or entry[1] != node.epoch or entry[2] != status:
-            entry = (node, node.epoch, status, *_node_facts(node, status))
+            entry = (node, node.epoch, status, node_capacity(node, status))
         fresh[node_id] = entry
-        _, _, _, facts, lost_mask, reason, present, bad = entry
-        nodes[node_id] = facts
-        if lost_mask:
-            lost[node_id] = lost_mask
-            reasons[node_id] = reason
-        c = counts.setdefault(node.cluster_id, [0, 0, 0, 0])
-        regions.setdefault(node.cluster_id, node.region)
-        c[0] += 1
-        c[1] += status == "UNREACHABLE"
-        c[2] += present
-        c[3] += bad
-    clusters: dict[str, ClusterFacts] = {}
-    for cluster_id in sorted(set(counts) | set(view.clusters) | set(view.cluster_health)):
-        info = view.clusters.get(cluster_id)
-        declared = view.cluster_health.get(cluster_id)
-        n, unreachable, gpus, bad = counts.get(cluster_id, [0, 0, 0, 0])
-        why = declared.reason if declared is not None else ""
-        if info is not None and info.retired:
-            health = "retired"
-        elif declared is not None and declared.word is not None:
-            health = declared.word
-        elif n == 0:
-            health = "empty"
-        elif unreachable == n:
-            health = "unreachable"
-        elif unreachable or (gpus and bad / gpus > 0.1):
-            health = "degraded"
-        else:
-            health = "healthy"
-        region = info.region if info else regions.get(cluster_id, "")
-        clusters[cluster_id] = ClusterFacts(
-            cluster_id=cluster_id,
-            region=region,
-            kind=info.kind if info else "UNKNOWN",
-            price_per_gpu_hour=(info.price_per_gpu_hour or 0.0) if info else 0.0,
-            energy_price_per_kwh=(info.energy_price_per_kwh or 0.0) if info else 0.0,
-            pue=(info.pue or 1.0) if info else 1.0,
-            link_latency_ms=dict(info.link_latency_ms) if info else {},
-            health=health,
-            health_reason=why,
-        )
+        fleet.add(entry[3], node.region)
     datasets = {
         d: DatasetFacts(d, info.tenant, info.size_bytes, tuple(info.replicas))
         for d, info in sorted(view.datasets.items())
     }
     return FleetFacts(
-        nodes,
-        lost,
-        clusters,
+        fleet.nodes,
+        fleet.lost,
+        fleet.clusters(cluster_terms(view)),
         datasets,
         view.version,
         {t: dict(sorted(ps.items())) for t, ps in sorted(view.offsets.items())},
         view.watermark_ms,
-        reasons,
+        fleet.reasons,
         node_cache=fresh,
+    )
+
+
+def observe_summaries(
+    summaries: Mapping[str, Mapping[str, Any]],
+    offsets: Offsets,
+    previous: FleetFacts | None = None,
+) -> FleetFacts:
+    """The scheduler's facts from the view shards' capacity summaries (by key, as read up to
+    `offsets` of the summaries topic): what `observe` makes of the view they summarise. With
+    `previous`, a summary record that is the same object as before is not read again."""
+    fleet = _Fleet()
+    cache = previous.summary_cache if previous is not None else {}
+    fresh: dict[str, tuple[Mapping[str, Any], list[NodeCapacity]]] = {}
+    terms: dict[str, ClusterTerms] = {}
+    datasets: dict[str, DatasetFacts] = {}
+    capacities: list[tuple[NodeCapacity, str]] = []
+    for key in sorted(summaries):
+        record = summaries[key]
+        kind = record["kind"]
+        if kind == NODES:
+            seen = cache.get(key)
+            if seen is None or seen[0] is not record:
+                cluster_id = record["cluster_id"]
+                seen = (record, [capacity_of(cluster_id, n) for n in record["nodes"]])
+            fresh[key] = seen
+            capacities.extend((c, record["region"]) for c in seen[1])
+        elif kind == CLUSTER and record["cluster"] is not None:
+            terms[record["cluster_id"]] = terms_of(record["region"], record["cluster"])
+        elif kind == DATASET and record["dataset"] is not None:
+            d = record["dataset"]
+            datasets[d["dataset_id"]] = DatasetFacts(
+                d["dataset_id"], d["tenant"], d["size_bytes"], tuple(d["replicas"])
+            )
+    # Node by node in id order, as a whole view is observed, whichever shards hold them.
+    for capacity, region in sorted(capacities, key=lambda c: c[0].facts.node_id):
+        fleet.add(capacity, region)
+    return FleetFacts(
+        fleet.nodes,
+        fleet.lost,
+        fleet.clusters(terms),
+        dict(sorted(datasets.items())),
+        sum(o for ps in offsets.values() for o in ps.values()),
+        {t: dict(sorted(ps.items())) for t, ps in sorted(offsets.items())},
+        0,
+        fleet.reasons,
+        summary_cache=fresh,
     )
 
 
@@ -251,51 +305,6 @@ def fenced_facts(facts: FleetFacts, fenced: Mapping[str, str]) -> FleetFacts:
     for node_id in hit:
         nodes[node_id] = replace(nodes[node_id], healthy=0, degraded=0, schedulable=False)
     return replace(facts, nodes=nodes, memo={}, node_cache=facts.node_cache)
-
-
-def _node_facts(node: NodeView, status: NodeStatus) -> tuple[NodeFacts, int, str, int, int]:
-    """(facts, GPUs jobs must leave, why, GPUs present, GPUs not usable) of one node."""
-    healthy = degraded = present = failed = 0
-    for index, gpu in node.gpus.items():
-        bit = 1 << index
-        present |= bit
-        if gpu.failed_at_ms is not None and gpu.failed_at_ms >= node.up_since_ms:
-            failed |= bit
-        elif gpu.health == HEALTHY:
-            healthy |= bit
-        elif gpu.health == DEGRADED:
-            degraded |= bit
-    bad = (present if status != "UP" else failed | degraded).bit_count()
-    lost_mask, reason = 0, ""
-    if status in ("DOWN", "UNREACHABLE"):
-        lost_mask = present
-        reason = f"{node.node_id} is {status}" + (
-            f" ({node.reason})" if status == "DOWN" and node.reason else ""
-        )
-    elif failed:
-        lost_mask = failed
-        causes = sorted({node.gpus[i].failure or FAILED for i in indices_of(failed)})
-        reason = f"{node.node_id} GPU(s) {list(indices_of(failed))} failed ({', '.join(causes)})"
-    # A node one of whose GPUs failed (XID, double-bit ECC) takes nothing new until it comes
-    # back UP: its other GPUs share its board, power and driver, and repair takes it down.
-    schedulable = takes_new_work(node, status) and not failed
-    if not schedulable:
-        healthy = degraded = 0
-    islands = tuple(mask_of(i) for i in node.islands) or (present,)
-    facts = NodeFacts(
-        node_id=node.node_id,
-        cluster_id=node.cluster_id,
-        leaf=node.leaf_switch or "unknown",
-        spine=node.spine_switch or "unknown",
-        model=node.labels.get("accelerator", "").lower(),
-        islands=islands,
-        present=present,
-        healthy=healthy,
-        degraded=degraded,
-        status=status,
-        schedulable=schedulable,
-    )
-    return facts, lost_mask, reason, present.bit_count(), bad
 
 
 BucketKey = tuple[str, tuple[int, ...], int, int]  # model, islands, free healthy, free degraded
