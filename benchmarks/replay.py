@@ -157,7 +157,7 @@ def main() -> None:
         made, make_s = make_log(settings, topics, args.nodes, args.ticks, args.jobs_per_tick)
         follower = ViewFollower(settings.kafka, topics)
         try:
-            replayed = replay_decisions(settings.kafka, topics, follower.at)
+            replayed = replay_decisions(settings.kafka, topics, follower.facts)
         finally:
             follower.close()
     assert replayed.ok, replayed.first_difference

@@ -41,8 +41,8 @@ from fleetline.processors.operations.rules import HealingRules
 from fleetline.processors.operations.runtime import APPLICATION_ID as OPS_APP
 from fleetline.processors.operations.runtime import STORE as OPS_STORE
 from fleetline.processors.operations.runtime import KafkaOperations, OpsService
-from fleetline.processors.replay import ViewHistory, rebuild
-from fleetline.processors.scheduling.capacity import FleetFacts, observe
+from fleetline.processors.replay import ViewHistory, observe_at
+from fleetline.processors.scheduling.capacity import FleetFacts
 from fleetline.processors.scheduling.policy import SchedulingPolicy
 from fleetline.processors.scheduling.runtime import KafkaJobs, SchedulerService, scheduler_topics
 from fleetline.processors.view.runtime import APPLICATION_ID as VIEW_APP
@@ -104,6 +104,10 @@ class Options:
     scheduler: bool = True
     scheduler_policy: SchedulingPolicy | None = None
     tick_interval_s: float = 1.0
+    # The view is split over several instances: each publishes its shards' capacity summaries
+    # and the scheduler observes those (`serve --sharded`).
+    sharded: bool = False
+    summary_interval_s: float = 1.0
     audit: bool = True
     audit_digest_every: int = 100
     tier_every_s: float = 0.0  # 0: no tiering in this process
@@ -330,6 +334,7 @@ def build(settings: Settings, options: Options) -> Fleetline:
         group_id=f"{topics.prefix}.{options.group}",
         instance_id=options.instance_id,
         snapshot_interval_s=options.snapshot_interval_s,
+        summary_interval_s=options.summary_interval_s if options.sharded else None,
     )
     samples = sample_sink(settings, client, topics)
     sinks = {
@@ -394,7 +399,7 @@ def build(settings: Settings, options: Options) -> Fleetline:
     if options.scheduler:
 
         def facts_at(offsets: Offsets) -> FleetFacts:
-            return observe(rebuild(kafka, topics, offsets, snapshots).view)
+            return observe_at(kafka, topics, offsets, snapshots)
 
         fleet.scheduler = SchedulerService(
             kafka,
@@ -404,6 +409,7 @@ def build(settings: Settings, options: Options) -> Fleetline:
             options.scheduler_policy,
             tick_interval_s=options.tick_interval_s,
             instance_id=options.instance_id,
+            sharded=options.sharded,
         )
     if options.audit:
         fleet.signer = load_signer(settings.signing_key_path(), create=True)

@@ -21,8 +21,9 @@ HELP = (
     "node states, decisions, allocations, workload events, logs and the audit log to "
     "ClickHouse, tiers them, and serves it all over HTTP: the API (OpenAPI at /openapi.json), "
     "the operators' console at /ui and Prometheus metrics at /metrics. Start several with the "
-    "same --group "
-    "and different --instance-id to share the view (and --no-scheduler on all but one)."
+    "same --group, different --instance-id and --sharded to share the view: each publishes its "
+    "shards' capacity summaries and the one scheduler (--no-scheduler on all but one) "
+    "observes those."
 )
 
 
@@ -53,8 +54,17 @@ def serve(
         bool,
         typer.Option(
             "--no-scheduler",
-            help="no scheduler and no cluster health fold in this process (run them in the "
-            "one instance that holds every shard of the view)",
+            help="no scheduler and no cluster health fold in this process (run them in "
+            "one instance: the one that holds every shard of the view, or any with --sharded)",
+        ),
+    ] = False,
+    sharded: Annotated[
+        bool,
+        typer.Option(
+            "--sharded",
+            help="the view is split over several instances: publish this instance's shards' "
+            "capacity summaries, and let its scheduler observe the summaries of every shard "
+            "instead of its own view (give every instance of the group this flag)",
         ),
     ] = False,
     scheduler_policy: Annotated[
@@ -120,6 +130,7 @@ def serve(
         instance_id=instance_id,
         snapshot_interval_s=snapshot_interval,
         scheduler=not no_scheduler,
+        sharded=sharded,
         # The cluster health fold and its clock run beside the one active scheduler.
         cluster_health=not no_scheduler,
         # Operations act on the whole fleet: beside the one scheduler, like health.

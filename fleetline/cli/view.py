@@ -371,7 +371,7 @@ def _replay_decisions(config: Settings, topics: Topics, group: str, no_snapshots
     snapshots = None if no_snapshots else view_snapshots(config, topics.prefix, group)
     follower = ViewFollower(config.kafka, topics, snapshots)
     try:
-        result = replay_decisions(config.kafka, topics, follower.at)
+        result = replay_decisions(config.kafka, topics, follower.facts)
     finally:
         follower.close()
     print(

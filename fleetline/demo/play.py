@@ -299,7 +299,7 @@ def scheduling_summary(fleet: Fleetline) -> dict[str, Any]:
     waiting = next((j for j in reversed(jobs) if j["phase"] == "Queued"), None)
     follower = ViewFollower(settings.kafka, topics, fleet.snapshots)
     try:
-        replayed = replay_decisions(settings.kafka, topics, follower.at)
+        replayed = replay_decisions(settings.kafka, topics, follower.facts)
     finally:
         follower.close()
     return {

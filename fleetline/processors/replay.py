@@ -24,7 +24,7 @@ from fleetline.config import KafkaSettings
 from fleetline.errors import InvalidEventError, StreamError
 from fleetline.processors.operations.fold import Command, OpsFold, TicketChanged
 from fleetline.processors.operations.runtime import command_record, ticket_record
-from fleetline.processors.scheduling.capacity import FleetFacts, observe
+from fleetline.processors.scheduling.capacity import FleetFacts, observe, observe_summaries
 from fleetline.processors.scheduling.codec import effect_record, offsets_of
 from fleetline.processors.scheduling.effects import Decision
 from fleetline.processors.scheduling.policy import SchedulingPolicy
@@ -34,6 +34,7 @@ from fleetline.processors.view.fold import compose, node_status
 from fleetline.processors.view.folder import PartFolder
 from fleetline.processors.view.model import Change, HealthPolicy, ResourceView
 from fleetline.processors.view.read import StaticView
+from fleetline.processors.view.runtime import SummaryFollower
 from fleetline.processors.view.snapshots import ViewSnapshots
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.events import NODE_COMMAND, OPS_EVENT, REPAIR_TICKET, SCHEDULER_REQUEST
@@ -45,6 +46,24 @@ log = logging.getLogger(__name__)
 # Messages a view follower holds per partition past the position it was asked for before it
 # pauses that partition's fetching (it resumes once half of them are folded).
 AHEAD_LIMIT = 10_000
+
+
+def observe_at(
+    kafka: KafkaSettings,
+    topics: Topics,
+    target: Offsets,
+    snapshots: ViewSnapshots | None = None,
+) -> FleetFacts:
+    """What a scheduler observed at a TICK's offsets, read once (a scheduler restoring its
+    state); `ViewFollower.facts` does the same for a replay's many ticks."""
+    summaries = target.get(topics.summaries)
+    if summaries is None:
+        return observe(rebuild(kafka, topics, target, snapshots).view)
+    follower = SummaryFollower(kafka, topics)
+    try:
+        return observe_summaries(follower.at(summaries.get(0, 0)), target)
+    finally:
+        follower.close()
 
 
 def view_partitions(kafka: KafkaSettings, topics: Topics) -> list[TopicPartition]:
@@ -368,9 +387,22 @@ class ViewFollower:
         self._assigned: set[tuple[str, int]] = set()
         self._paused: set[tuple[str, int]] = set()
         self._ahead: dict[tuple[str, int], deque[Any]] = {}
+        self._summaries: SummaryFollower | None = None
 
     def close(self) -> None:
         self._consumer.close()
+        if self._summaries is not None:
+            self._summaries.close()
+
+    def facts(self, target: Offsets, last: FleetFacts | None = None) -> FleetFacts:
+        """What a scheduler observed at a TICK's offsets: the view shards' summaries when the
+        TICK names the summaries topic (a sharded deployment), else the view folded there."""
+        summaries = target.get(self.topics.summaries)
+        if summaries is None:
+            return observe(self.at(target), last)
+        if self._summaries is None:
+            self._summaries = SummaryFollower(self.kafka, self.topics)
+        return observe_summaries(self._summaries.at(summaries.get(0, 0)), target, last)
 
     def _reset(self) -> None:
         """Forget the assignment and what was fetched ahead (after a rebuild from snapshots)."""
@@ -483,12 +515,13 @@ class DecisionReplay:
 def replay_decisions(
     kafka: KafkaSettings,
     topics: Topics,
-    view_at: Callable[[Offsets], ResourceView],
+    facts_at: Callable[[Offsets, FleetFacts | None], FleetFacts],
     policy: SchedulingPolicy | None = None,
     codec: AvroCodec | None = None,
 ) -> DecisionReplay:
-    """Fold the whole request log again, observing the view at every TICK's offsets, and
-    compare each decision with the one the log holds, byte for byte."""
+    """Fold the whole request log again, observing what each TICK names (the view at its
+    offsets, or the shards' summaries: `ViewFollower.facts`), and compare each decision with
+    the one the log holds, byte for byte."""
     began = time.perf_counter()
     codec = codec or default_codec()
     recorded = iter(read_topic(kafka, topics.decisions))
@@ -502,7 +535,7 @@ def replay_decisions(
             facts = None
             if request["kind"] == "TICK":
                 result.ticks += 1
-                facts = last = observe(view_at(offsets_of(request)), last)
+                facts = last = facts_at(offsets_of(request), last)
             effects = scheduler.step(request, where(msg)[2], facts)
         except InvalidEventError:
             continue  # dead-lettered live, skipped here alike

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from fleetline.streams.events import (
     ALLOCATION,
     AUDIT_EVENT,
-    CAPACITY_SUMMARY,
     AUDIT_RECORD,
+    CAPACITY_SUMMARY,
     CLUSTER_HEALTH,
     CLUSTER_INFO,
     CLUSTER_SIGNAL,

@@ -181,7 +181,7 @@ def test_decisions_over_kafka_survive_a_restart_and_replay_byte_for_byte(setting
 
     follower = ViewFollower(settings.kafka, topics, snapshots)
     try:
-        replayed = replay_decisions(settings.kafka, topics, follower.at)
+        replayed = replay_decisions(settings.kafka, topics, follower.facts)
     finally:
         follower.close()
     assert replayed.ok, replayed.first_difference

@@ -30,7 +30,7 @@ from confluent_kafka import OFFSET_BEGINNING, KafkaError, Message, TopicPartitio
 from fleetline.config import KafkaSettings
 from fleetline.errors import ConfigError, StreamError
 from fleetline.observability import metrics, tracing
-from fleetline.processors.scheduling.capacity import FleetFacts, observe
+from fleetline.processors.scheduling.capacity import FleetFacts, observe, observe_summaries
 from fleetline.processors.scheduling.codec import (
     canonical_json,
     effect_record,
@@ -42,6 +42,7 @@ from fleetline.processors.scheduling.policy import SchedulingPolicy
 from fleetline.processors.scheduling.scheduler import Scheduler
 from fleetline.processors.view.model import ResourceView
 from fleetline.processors.view.read import ViewSource
+from fleetline.processors.view.runtime import SummaryFollower
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.events import (
     ALLOCATION,
@@ -235,6 +236,9 @@ class SchedulerService:
     clock: Callable[[], int] = field(default=lambda: int(time.time() * 1000))
     # Set once the ticker has started (the loop has its partition, the view has caught up).
     ticking: threading.Event = field(default_factory=threading.Event)
+    # Observe the view shards' capacity summaries, not `view` (a sharded deployment, where no
+    # process folds every shard): each TICK then names the summaries topic's offset.
+    sharded: bool = False
 
     def __post_init__(self) -> None:
         self.store = state_store(self.topics)
@@ -256,6 +260,7 @@ class SchedulerService:
         self.ready = self.loop.ready
         self.ticks = 0
         self._last_facts: FleetFacts | None = None
+        self._summaries: SummaryFollower | None = None
 
     def run(self, stop: threading.Event) -> None:
         run_beside(self.loop, stop, self._tick_loop, "scheduler-tick")
@@ -265,11 +270,15 @@ class SchedulerService:
         try:
             if not self.loop.ready.wait(120):
                 log.warning("scheduler: no partition assigned in 120 s; ticking anyway")
-            # Observing a view still restoring its snapshots would make the fleet look smaller
-            # than it is; the first tick waits for the view to catch up with the log.
-            caught_up = getattr(self.view, "caught_up", None)
-            if caught_up is not None and not caught_up.wait(300):
-                log.warning("scheduler: the view has not caught up in 300 s; ticking anyway")
+            if self.sharded:
+                self._summaries = SummaryFollower(self.kafka, self.topics)
+                self._summaries.to_end(300)
+            else:
+                # Observing a view still restoring its snapshots would make the fleet look
+                # smaller than it is; the first tick waits for the view to catch up.
+                caught_up = getattr(self.view, "caught_up", None)
+                if caught_up is not None and not caught_up.wait(300):
+                    log.warning("scheduler: the view has not caught up in 300 s; ticking anyway")
             self._send_policy(producer)
             self.ticking.set()
             while not stop.is_set():
@@ -277,6 +286,8 @@ class SchedulerService:
                 stop.wait(self.tick_interval_s)
         finally:
             producer.flush(10)
+            if self._summaries is not None:
+                self._summaries.close()
 
     def _send_policy(self, producer: Any) -> None:
         if self.policy is None:
@@ -303,9 +314,16 @@ class SchedulerService:
             ),
         )
 
-    def tick(self, producer: Any) -> None:
+    def observe_now(self) -> FleetFacts:
+        """What the next TICK names: the view now, or the summaries read so far."""
         last = self._last_facts
-        facts = self.view.read(lambda view: observe(view, last))
+        if self._summaries is not None:
+            self._summaries.poll()
+            return observe_summaries(self._summaries.records, self._summaries.offsets, last)
+        return self.view.read(lambda view: observe(view, last))
+
+    def tick(self, producer: Any) -> None:
+        facts = self.observe_now()
         self._last_facts = facts
         self.observations.put(facts)
         send(
