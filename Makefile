@@ -67,6 +67,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/operations.py
 	$(PY) benchmarks/serving.py
 	$(PY) benchmarks/replay.py
+	$(PY) benchmarks/sharded.py
 
 services-start: $(STAMP)
 	$(VENV)/bin/fleetline infra start

@@ -7,7 +7,12 @@ folded to its offsets) and its decisions, allocations and orders are published. 
 view follower and scheduler re-make every decision from the log and compare it byte for byte;
 that part is timed. Target: >= 1,000 decisions/s re-made.
 
+With `--sharded` the log is the one a sharded deployment (`serve --sharded`) makes: after each
+interval the view's shards publish their capacity summaries where they changed, and the TICK
+names the summaries topic's end, so the replay reads summaries instead of folding telemetry.
+
     .venv/bin/python benchmarks/replay.py [--nodes 48] [--ticks 300] [--jobs-per-tick 4]
+        [--sharded]
 """
 
 from __future__ import annotations
@@ -22,14 +27,16 @@ from _common import local_services, report
 from fleetline.agents.simulator import ClusterSpec, FleetSimulator, cluster_info
 from fleetline.config import Settings
 from fleetline.processors.replay import ViewFollower, replay_decisions
-from fleetline.processors.scheduling.capacity import FleetFacts, observe
+from fleetline.processors.scheduling.capacity import FleetFacts, observe, observe_summaries
 from fleetline.processors.scheduling.codec import effect_record, new_request, submit_request
 from fleetline.processors.scheduling.runtime import scheduler_topics
 from fleetline.processors.scheduling.scheduler import Scheduler
 from fleetline.processors.scheduling.specs import parse_spec
+from fleetline.processors.view.summary import summarize
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.events import (
     ALLOCATION,
+    CAPACITY_SUMMARY,
     DATASET_PREWARM,
     DATASET_STATE,
     SCHEDULING_DECISION,
@@ -88,7 +95,12 @@ class Log:
 
 
 def make_log(
-    settings: Settings, topics: Topics, nodes: int, ticks: int, jobs_per_tick: int
+    settings: Settings,
+    topics: Topics,
+    nodes: int,
+    ticks: int,
+    jobs_per_tick: int,
+    sharded: bool = False,
 ) -> tuple[int, float]:
     """Write the log; the decisions made and the seconds it took."""
     clusters = [ClusterSpec(f"c{i}", f"region-{i}", nodes // 4) for i in range(4)]
@@ -104,6 +116,7 @@ def make_log(
     follower = ViewFollower(settings.kafka, topics)
     last: FleetFacts | None = None
     decisions = 0
+    published: dict[str, dict[str, Any]] = {}  # the summaries topic's latest, by key
     began = time.perf_counter()
 
     def step(request: dict[str, Any], facts: FleetFacts | None = None) -> None:
@@ -136,7 +149,18 @@ def make_log(
                     step(new_request("DELETE", f"acme/j{old}", "acme", ts, f"d{old}"))
             log.flush()
             offsets = log.view_offsets()
-            last = observe(follower.at(offsets), last)
+            view = follower.at(offsets)
+            if sharded:
+                assert follower.parts is not None
+                for key, record in summarize(follower.parts).items():
+                    if published.get(key) != record:
+                        published[key] = record
+                        log.send(topics.summaries, key, CAPACITY_SUMMARY, record)
+                log.flush()
+                offsets = {topics.summaries: dict(log.ends.get(topics.summaries, {0: 0}))}
+                last = observe_summaries(published, offsets, last)
+            else:
+                last = observe(view, last)
             step(new_request("TICK", "", "", ts, f"t{tick}", view_offsets=offsets), last)
         log.flush()
     finally:
@@ -149,12 +173,15 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=48)
     parser.add_argument("--ticks", type=int, default=300)
     parser.add_argument("--jobs-per-tick", type=int, default=4)
+    parser.add_argument("--sharded", action="store_true", help="TICKs name shard summaries")
     args = parser.parse_args()
     settings = Settings.from_env()
     with local_services(settings):
         topics = Topics(prefix=f"bench.replay.{uuid.uuid4().hex[:8]}")
         kafka_clients.ensure_topics(settings.kafka, scheduler_topics(topics))
-        made, make_s = make_log(settings, topics, args.nodes, args.ticks, args.jobs_per_tick)
+        made, make_s = make_log(
+            settings, topics, args.nodes, args.ticks, args.jobs_per_tick, args.sharded
+        )
         follower = ViewFollower(settings.kafka, topics)
         try:
             replayed = replay_decisions(settings.kafka, topics, follower.facts)
@@ -164,9 +191,10 @@ def main() -> None:
     assert replayed.matched == made
     rate = replayed.decisions / replayed.seconds
     report(
-        "replay",
+        "replay-sharded" if args.sharded else "replay",
         {
             "nodes": args.nodes,
+            "ticks_observe": "shard summaries" if args.sharded else "the view",
             "requests": replayed.requests,
             "ticks": replayed.ticks,
             "decisions": replayed.decisions,

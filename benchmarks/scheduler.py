@@ -22,11 +22,12 @@ import random
 import statistics
 import time
 import uuid
+from collections.abc import Callable
 
 from _common import fold_telemetry_records, report
 
 from fleetline.agents.simulator import ClusterSpec, Fault, FleetSimulator, cluster_info
-from fleetline.processors.scheduling.capacity import indices_of, observe
+from fleetline.processors.scheduling.capacity import FleetFacts, indices_of, observe
 from fleetline.processors.scheduling.codec import canonical_json, new_request, submit_request
 from fleetline.processors.scheduling.effects import Decision, WorkloadOrder
 from fleetline.processors.scheduling.scheduler import Scheduler
@@ -51,17 +52,24 @@ SHAPES = [  # (weight, workers, gpus per worker, tensor, pipeline)
 PRIORITIES = [(5, "critical"), (20, "high"), (50, "normal"), (20, "low"), (5, "best-effort")]
 
 
-def build_view(nodes: int, seed: int = 1) -> ResourceView:
-    per_cluster = nodes // 8
+def build_view(
+    nodes: int,
+    seed: int = 1,
+    clusters_count: int = 8,
+    keep: Callable[[str], bool] | None = None,
+) -> ResourceView:
+    """The fleet after two intervals (`keep`: only the nodes it accepts, as a view shard
+    instance folds them)."""
+    per_cluster = nodes // clusters_count
     clusters = [
         ClusterSpec(
             f"{REGIONS[i % 4]}-{chr(97 + i // 4)}",
             REGIONS[i % 4],
             per_cluster,
-            model="NVIDIA H200" if i == 7 else "NVIDIA H100 80GB HBM3",
+            model="NVIDIA H200" if i % 8 == 7 else "NVIDIA H100 80GB HBM3",
             nodes_per_leaf=16,
         )
-        for i in range(8)
+        for i in range(clusters_count)
     ]
     # The full-size fleet's fault targets, folded into a smaller fleet's range.
     leaf = min(3, (per_cluster - 1) // 16)
@@ -76,13 +84,16 @@ def build_view(nodes: int, seed: int = 1) -> ResourceView:
     view = ResourceView()
     for c in clusters:
         apply(view, codec.decode(codec.encode("ClusterInfo", cluster_info(c, 1, BASE_MS, REGIONS))))
+    wanted = keep or (lambda _: True)
     for record in sim.initial_states(BASE_MS):
-        apply(view, codec.decode(codec.encode("NodeState", record)))
+        if wanted(record["node_id"]):
+            apply(view, codec.decode(codec.encode("NodeState", record)))
     for t in (1, 2):
         ts = BASE_MS + t * 1000
         for record in sim.state_changes(ts):
-            apply(view, codec.decode(codec.encode("NodeState", record)))
-        fold_telemetry_records(view, sim.telemetry(ts))
+            if wanted(record["node_id"]):
+                apply(view, codec.decode(codec.encode("NodeState", record)))
+        fold_telemetry_records(view, (r for r in sim.telemetry(ts) if wanted(r["node_id"])))
     return view
 
 
@@ -264,13 +275,20 @@ def running_report(order: WorkloadOrder, ts: int) -> dict:
     )
 
 
-def core(nodes: int, jobs: int) -> dict[str, object]:
+def core(
+    nodes: int,
+    jobs: int,
+    clusters: int = 8,
+    observe_with: Callable[[ResourceView], FleetFacts] = observe,
+) -> dict[str, object]:
+    """The pure core over the fleet, observed by `observe_with` (the view itself, or the
+    summaries its shards would publish)."""
     tune_gc_for_large_state()
     began = time.perf_counter()
-    view = build_view(nodes)
+    view = build_view(nodes, clusters_count=clusters)
     built = time.perf_counter() - began
     began = time.perf_counter()
-    facts = observe(view)
+    facts = observe_with(view)
     observed = time.perf_counter() - began
     scheduler = Scheduler()
     position = 0
@@ -340,6 +358,7 @@ def core(nodes: int, jobs: int) -> dict[str, object]:
     figures: dict[str, object] = {
         "nodes": nodes,
         "gpus": nodes * 8,
+        "clusters": clusters,
         "requests": len(latencies),
         "build_view_s": round(built, 2),
         "observe_view_s": round(observed, 3),
