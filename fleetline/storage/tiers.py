@@ -61,6 +61,10 @@ HOT, WARM, COLD = "hot", "warm", "cold"
 
 
 ARCHIVE_GROUP_ROWS = 1_000_000
+# ClickHouse retries a failing S3 request 500 times by default (with backoff), so a tiering pass
+# against an object store that went away hung for many minutes (the chaos suite's S3 outage
+# found it); a pass should fail within seconds instead and leave the retry to the next one.
+S3_SETTINGS = {"s3_retry_attempts": 5}
 # Rows an archive's column encodings are chosen on.
 ARCHIVE_SAMPLE_ROWS = 100_000
 
@@ -344,7 +348,9 @@ class TieredStore:
             return [
                 tuple(row)
                 for row in self.client.query(
-                    sql, parameters={**self._parameters(sql), **(parameters or {})}
+                    sql,
+                    parameters={**self._parameters(sql), **(parameters or {})},
+                    settings=S3_SETTINGS,
                 ).result_rows
             ]
         except CLICKHOUSE_ERRORS as exc:
@@ -352,7 +358,7 @@ class TieredStore:
 
     def _command(self, sql: str) -> None:
         try:
-            self.client.command(sql, parameters=self._parameters(sql) or None)
+            self.client.command(sql, parameters=self._parameters(sql) or None, settings=S3_SETTINGS)
         except CLICKHOUSE_ERRORS as exc:
             raise StorageError(f"{sql.split()[0]} on {self.data.table}: {exc}") from None
 
@@ -741,7 +747,9 @@ class TieredStore:
                 for select in selects:
                     try:
                         pending.append(
-                            self.client.query_arrow(select, parameters=self._parameters(select))
+                            self.client.query_arrow(
+                                select, parameters=self._parameters(select), settings=S3_SETTINGS
+                            )
                         )
                     except CLICKHOUSE_ERRORS as exc:
                         raise QueryError(f"reading rows for {key}: {exc}") from None
