@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetline.agents.commands import CommandLoop, ControlStore, NodeControl, control_labels
-from fleetline.agents.durable import write_atomically
+from fleetline.agents.durable import write_if_room
 from fleetline.agents.runtime import TelemetryPublisher
 from fleetline.agents.simulator import FleetSimulator, SimNode
 from fleetline.agents.spool import DiskSpool
@@ -160,15 +160,22 @@ class FleetAgent:
 
 @dataclass
 class SequenceStore:
-    """The last seq of each node, on disk (written after every interval)."""
+    """The last seq of each node, on disk (written after every interval).
+
+    With the disk full the file keeps its last content and the agent goes on: an agent that
+    then dies and restarts before there is room again numbers some records again from the
+    older mark, and consumers drop those as repeats (the one loss a full disk can cause,
+    counted in `unsaved`)."""
 
     path: Path
+    unsaved: int = 0
 
     def load(self) -> dict[str, int]:
         return json.loads(self.path.read_text()) if self.path.exists() else {}
 
     def save(self, sequences: dict[str, int]) -> None:
-        write_atomically(self.path, json.dumps(sequences))
+        if not write_if_room(self.path, json.dumps(sequences)):
+            self.unsaved += 1
 
 
 @dataclass

@@ -62,6 +62,7 @@ class TelemetryPublisher:
             "bytes": self.spool.size_bytes,
             "records": len(self.spool),
             "dropped": self.spool.dropped,
+            "unspooled": self.spool.unspooled,
             "resent": self.metrics.resent,
             "rewinds": self.metrics.rewinds,
         }

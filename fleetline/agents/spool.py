@@ -5,6 +5,11 @@ payload) and an `acked` file says how far Kafka has acknowledged. After a broker
 agent restart the unacknowledged tail is sent again, in order. When the spool outgrows its bound
 the oldest segment is deleted, acknowledged or not, and the records lost that way are counted:
 the agent never blocks collection and never grows without bound.
+
+A full disk (or quota) does not stop the agent either: a record that cannot be written is kept in
+memory only (counted in `unspooled`; it is still sent and acknowledged, and lost only if the
+agent dies before that), a torn frame is cut off, and writing resumes in a new segment starting
+at its own offset once a later attempt finds room, so offsets on disk stay consistent.
 """
 
 from __future__ import annotations
@@ -19,10 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from fleetline.agents.durable import write_atomically
+from fleetline.agents.durable import DISK_FULL, write_if_room
 from fleetline.errors import FleetlineError
 
 _FRAME = struct.Struct("<II")  # payload length, CRC32 of payload
+# While the disk is full, one append in this many tries the disk again (the rest go straight to
+# memory: a failing write costs a system call and a truncation).
+RETRY_DISK_EVERY = 64
 _STRINGS = struct.Struct("<HH")  # topic length, key length
 
 
@@ -67,6 +75,8 @@ class DiskSpool:
         self.fsync = fsync
         self.dropped = 0  # records deleted unacknowledged because of the bound
         self.corrupt_tail = 0  # torn entries found at the end of a segment on open
+        self.unspooled = 0  # records kept in memory only: the disk was full
+        self.disk_full = False  # the last write found no room
         try:
             directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -112,29 +122,68 @@ class DiskSpool:
 
     def append(self, topic: str, key: bytes, value: bytes) -> SpoolEntry:
         entry = SpoolEntry(self.next_offset, topic, key, value)
-        frame = entry.encode()
-        if not self._segments or self._segments[-1][2] + len(frame) > self.segment_bytes:
-            self._roll(entry.offset)
-        elif self._writer is None:  # reopened: continue the newest segment
-            self._writer = self._segments[-1][1].open("ab")
-        first, path, size = self._segments[-1]
-        assert self._writer is not None
-        self._writer.write(frame)
-        self._writer.flush()
-        if self.fsync:
-            os.fsync(self._writer.fileno())
-        self._segments[-1] = (first, path, size + len(frame))
+        if not self.disk_full or self.unspooled % RETRY_DISK_EVERY == 0:
+            self.disk_full = not self._write(entry)
+        if self.disk_full:
+            self.unspooled += 1
         self._unacked.append(entry)
         self.next_offset += 1
         self._enforce_bound()
         return entry
 
+    def _write(self, entry: SpoolEntry) -> bool:
+        """Append the entry's frame to the newest segment (a new one when it is full or the
+        last write failed); False when the disk has no room for it."""
+        frame = entry.encode()
+        rolled = False
+        try:
+            if (
+                self.disk_full
+                or not self._segments
+                or self._segments[-1][2] + len(frame) > self.segment_bytes
+            ):
+                self._roll(entry.offset)
+                rolled = True
+            elif self._writer is None:  # reopened: continue the newest segment
+                self._writer = self._segments[-1][1].open("ab", buffering=0)
+            assert self._writer is not None
+            view = memoryview(frame)
+            while view:
+                view = view[self._writer.write(view) or 0 :]
+            if self.fsync:
+                os.fsync(self._writer.fileno())
+        except OSError as exc:
+            if exc.errno not in DISK_FULL:
+                raise SpoolError(f"spool folder {self.directory}: {exc}") from None
+            self._give_up_segment(rolled)
+            return False
+        first, path, size = self._segments[-1]
+        self._segments[-1] = (first, path, size + len(frame))
+        return True
+
+    def _give_up_segment(self, rolled: bool) -> None:
+        """After a write found no room: cut the torn frame off (or drop the segment just begun),
+        so the next write starts a new segment at its own offset."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if not self._segments:
+            return
+        _, path, size = self._segments[-1]
+        if rolled or size == 0:
+            self._segments.pop()
+            path.unlink(missing_ok=True)
+        else:
+            with path.open("r+b") as handle:  # shrinking needs no room
+                handle.truncate(size)
+
     def _roll(self, first: int) -> None:
         if self._writer is not None:
             self._writer.close()
+            self._writer = None
         path = self.directory / f"{first:020d}.seg"
-        self._writer = path.open("ab")
         self._segments.append((first, path, 0))
+        self._writer = path.open("ab", buffering=0)
 
     def _enforce_bound(self) -> None:
         while self.size_bytes > self.max_bytes and len(self._segments) > 1:
@@ -171,7 +220,12 @@ class DiskSpool:
 
     def _set_acked(self, offset: int) -> None:
         self.acked = offset
-        write_atomically(self._acked_file, str(offset))
+        try:
+            # With the disk full the mark on disk stays behind: after a restart the agent
+            # sends again what Kafka already has, which consumers drop by its seq.
+            write_if_room(self._acked_file, str(offset))
+        except OSError as exc:
+            raise SpoolError(f"spool folder {self.directory}: {exc}") from None
 
     def close(self) -> None:
         if self._writer is not None:

@@ -353,6 +353,13 @@ _SPOOL = (
         "dropped",
     ),
     (
+        "fleetline_agent_spool_unspooled",
+        "Records kept in memory only because the spool's disk was full (since the agent "
+        "started); lost only if the agent dies before Kafka acknowledges them.",
+        "gauge",
+        "unspooled",
+    ),
+    (
         "fleetline_agent_resent",
         "Records sent again after a failed delivery (since the agent started).",
         "gauge",

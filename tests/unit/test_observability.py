@@ -119,7 +119,16 @@ def test_metrics_are_prometheus_text_with_dcgm_gauges_equal_to_the_view():
 
 def test_callback_collectors_read_their_source_at_scrape_time():
     registry = CollectorRegistry()
-    spools = {"eu-1": {"records": 3, "bytes": 300, "dropped": 1, "resent": 0, "rewinds": 0}}
+    spools = {
+        "eu-1": {
+            "records": 3,
+            "bytes": 300,
+            "dropped": 1,
+            "unspooled": 2,
+            "resent": 0,
+            "rewinds": 0,
+        }
+    }
     status = {
         "gpus_reserved": 8,
         "workloads": [{"job": "acme/t", "state": "Running", "step": 40}],
@@ -138,6 +147,7 @@ def test_callback_collectors_read_their_source_at_scrape_time():
     }
     assert samples[("fleetline_agent_spool_depth", (("cluster", "eu-1"),))] == 5
     assert samples[("fleetline_agent_spool_dropped", (("cluster", "eu-1"),))] == 1
+    assert samples[("fleetline_agent_spool_unspooled", (("cluster", "eu-1"),))] == 2
     assert samples[("fleetline_cluster_agent_gpus_reserved", (("cluster", "eu-1"),))] == 8
     assert (
         samples[("fleetline_cluster_agent_workloads", (("cluster", "eu-1"), ("state", "Running")))]

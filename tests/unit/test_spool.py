@@ -74,3 +74,53 @@ def test_bad_settings_are_refused(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(SpoolError, match="spool folder"):
         DiskSpool(tmp_path / "file" / "sub")
+
+
+def test_a_full_disk_keeps_records_in_memory_and_writing_resumes_in_a_new_segment(
+    tmp_path: Path,
+) -> None:
+    # The next segment's file is /dev/full: every write to it fails with ENOSPC, as on a disk
+    # with no room left (a real small filesystem is in tests/chaos/test_spool_disk_full.py).
+    spool = DiskSpool(tmp_path, segment_bytes=1000)
+    fill(spool, 8)  # frames of 119 bytes: 8 fill the first segment, the 9th begins another
+    (tmp_path / f"{8:020d}.seg").symlink_to("/dev/full")
+    fill(spool, 64, start=8)
+    assert spool.disk_full and spool.unspooled == 64
+    assert [e.offset for e in spool.unacked()] == list(range(72))  # still sent from memory
+    assert not (tmp_path / f"{8:020d}.seg").exists()  # the segment it could not write
+    fill(spool, 5, start=72)  # the 64th failure tried again: room now
+    assert not spool.disk_full and spool.unspooled == 64
+    assert (tmp_path / f"{72:020d}.seg").exists()
+    spool.ack(40)  # Kafka has the first 41 (most of them never on disk)
+    spool.close()
+    reopened = DiskSpool(tmp_path, segment_bytes=1000)
+    # What was on disk and not acknowledged comes back; the memory-only records between are
+    # gone with the process unless acknowledged (41-71 were not: `unspooled` counted them).
+    assert [e.offset for e in reopened.unacked()] == list(range(72, 77))
+    assert reopened.corrupt_tail == 0
+    fill(reopened, 1, start=77)
+    assert reopened.unacked()[-1].offset == 77
+
+
+def test_a_write_torn_by_a_full_disk_is_cut_off(tmp_path: Path, monkeypatch) -> None:
+    import errno
+
+    spool = DiskSpool(tmp_path, segment_bytes=10_000)
+    fill(spool, 3)
+    writer = spool._writer
+    assert writer is not None
+    real_write = writer.write
+    calls = {"n": 0}
+
+    def half_then_full(data):  # the disk fills in the middle of a frame
+        calls["n"] += 1
+        if calls["n"] == 1:
+            return real_write(bytes(data)[:50])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(writer, "write", half_then_full, raising=False)
+    fill(spool, 1, start=3)
+    assert spool.disk_full and spool.unspooled == 1
+    assert (tmp_path / f"{0:020d}.seg").stat().st_size == 3 * 119  # the torn half is gone
+    spool.close()
+    assert [e.offset for e in DiskSpool(tmp_path).unacked()] == [0, 1, 2]
