@@ -383,6 +383,7 @@ def _replay_decisions(config: Settings, topics: Topics, group: str, no_snapshots
                 "decisions": result.decisions,
                 "matched": result.matched,
                 "first_difference": result.first_difference,
+                "requests_not_yet_decided": result.unprocessed,
                 "view_rebuilds": follower.rebuilds,
                 "view_events_folded": follower.folded,
                 "seconds": round(result.seconds, 3),

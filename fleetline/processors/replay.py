@@ -28,6 +28,7 @@ from fleetline.processors.scheduling.capacity import FleetFacts, observe, observ
 from fleetline.processors.scheduling.codec import effect_record, offsets_of
 from fleetline.processors.scheduling.effects import Decision
 from fleetline.processors.scheduling.policy import SchedulingPolicy
+from fleetline.processors.scheduling.runtime import APPLICATION_ID as SCHEDULER_APP
 from fleetline.processors.scheduling.runtime import read_topic
 from fleetline.processors.scheduling.scheduler import Scheduler
 from fleetline.processors.view.fold import compose, node_status
@@ -504,6 +505,8 @@ class DecisionReplay:
     matched: int = 0
     first_difference: str | None = None
     view_rebuilds: int = 0
+    # Requests past the scheduler's committed offset: not yet decided live, so not replayed.
+    unprocessed: int = 0
     seconds: float = 0.0
     scheduler: Scheduler | None = None
 
@@ -519,16 +522,26 @@ def replay_decisions(
     policy: SchedulingPolicy | None = None,
     codec: AvroCodec | None = None,
 ) -> DecisionReplay:
-    """Fold the whole request log again, observing what each TICK names (the view at its
-    offsets, or the shards' summaries: `ViewFollower.facts`), and compare each decision with
-    the one the log holds, byte for byte."""
+    """Fold the request log again, observing what each TICK names (the view at its offsets, or
+    the shards' summaries: `ViewFollower.facts`), and compare each decision with the one the
+    log holds, byte for byte.
+
+    The log is folded as far as the scheduler has committed (its decisions and its consumed
+    offset go in one transaction): requests appended after it stopped have no decisions yet,
+    and a replay that made them would report a difference that is not one."""
     began = time.perf_counter()
     codec = codec or default_codec()
     recorded = iter(read_topic(kafka, topics.decisions))
     result = DecisionReplay()
     scheduler = Scheduler(policy)
     last: FleetFacts | None = None
+    committed = kafka_clients.committed_offsets(
+        kafka, f"{topics.prefix}.{SCHEDULER_APP}", topics.scheduler_requests
+    ).get(0)
     for msg in read_topic(kafka, topics.scheduler_requests):
+        if committed is not None and where(msg)[2] >= committed:
+            result.unprocessed += 1
+            continue
         result.requests += 1
         try:
             request = codec.decode(msg.value(), expect=SCHEDULER_REQUEST).record

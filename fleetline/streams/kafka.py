@@ -175,6 +175,22 @@ def partitions_of(kafka: KafkaSettings, topic: str, timeout_s: float = 30.0) -> 
     return sorted(metadata.partitions)
 
 
+def committed_offsets(
+    kafka: KafkaSettings, group: str, topic: str, timeout_s: float = 30.0
+) -> dict[int, int]:
+    """The offsets consumer `group` has committed in `topic`, by partition (none: absent)."""
+    partitions = [TopicPartition(topic, p) for p in partitions_of(kafka, topic, timeout_s)]
+    reader = Consumer(kafka.client_config(**{"group.id": group, "enable.auto.commit": False}))
+    try:
+        return {
+            tp.partition: tp.offset
+            for tp in reader.committed(partitions, timeout=timeout_s)
+            if tp.offset >= 0
+        }
+    finally:
+        reader.close()
+
+
 def group_lag(
     kafka: KafkaSettings, group: str, topics: Iterable[str], timeout_s: float = 30.0
 ) -> int:

@@ -84,3 +84,22 @@ class Child:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
+
+
+def scalars_from_clickhouse(url: str, queries: Sequence[str]) -> list[int]:
+    """One number per query, asked of an embedded ClickHouse folder from a process of its own
+    (chdb admits one folder per process, and the test's may already have opened another)."""
+    import json
+    import sys
+
+    script = (
+        "import json, sys\n"
+        "from fleetline.storage.clickhouse import connect\n"
+        "client = connect(sys.argv[1])\n"
+        "print(json.dumps([int(client.query(q).result_rows[0][0]) for q in sys.argv[2:]]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, url, *queries], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return [int(v) for v in json.loads(done.stdout.strip().splitlines()[-1])]

@@ -21,11 +21,10 @@ from fleetline.processors.audit.sources import unaudited_decisions
 from fleetline.processors.replay import log_bounds, rebuild
 from fleetline.processors.scheduling.runtime import scheduler_topics, submit
 from fleetline.processors.view import codec as view_codec
-from fleetline.storage.clickhouse import connect
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import default_codec
 from tests.chaos.conftest import rounds
-from tests.chaos.faults import Child, wait_decided, wait_lag_drained
+from tests.chaos.faults import Child, scalars_from_clickhouse, wait_decided, wait_lag_drained
 from tests.scheduling_support import training
 from tests.services import produce, serve_command, service_env, submits
 from tests.support import BASE_MS, fresh_topics, read_all, wait_until
@@ -123,7 +122,6 @@ def test_sigkill_loops_lose_repeat_and_change_nothing(replicated, tmp_path, monk
     assert view_codec.to_data(from_snapshots.view) == view_codec.to_data(clean.view)
 
     # No row twice in ClickHouse by its natural key.
-    client = connect(settings.clickhouse_url)
     db = settings.clickhouse_database
     natural_keys = {
         "gpu_samples": "node_id, gpu_index, seq",
@@ -131,19 +129,19 @@ def test_sigkill_loops_lose_repeat_and_change_nothing(replicated, tmp_path, monk
         "audit_log": "partition, seq",
         "node_states": "node_id, seq",
     }
-    duplicated = {
-        table: client.query(f"SELECT count() - uniqExact({key}) FROM {db}.{table}").result_rows[0][
-            0
+    figures = scalars_from_clickhouse(
+        settings.clickhouse_url,
+        [
+            f"SELECT count() - uniqExact({key}) FROM {db}.{table}"
+            for table, key in natural_keys.items()
         ]
-        for table, key in natural_keys.items()
-    }
+        + [f"SELECT count() FROM {db}.{table}" for table in natural_keys],
+    )
+    duplicated = dict(zip(natural_keys, figures[: len(natural_keys)], strict=True))
     assert duplicated == dict.fromkeys(natural_keys, 0)
-
-    def count(table: str) -> int:
-        return int(client.query(f"SELECT count() FROM {db}.{table}").result_rows[0][0])
-
-    assert count("scheduling_decisions") == len(decided)
-    assert count("gpu_samples") >= 8 * len(by_node) and count("audit_log") >= len(decided)
+    count = dict(zip(natural_keys, figures[len(natural_keys) :], strict=True))
+    assert count["scheduling_decisions"] == len(decided)
+    assert count["gpu_samples"] >= 8 * len(by_node) and count["audit_log"] >= len(decided)
 
     # Every decision re-made byte for byte; the audit chain verifies with the signing key.
     prefix = ["--topic-prefix", topics.prefix]
