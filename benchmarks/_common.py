@@ -85,6 +85,17 @@ def running_sample_sink(
         thread.join(30)
 
 
+def rss_mib(pid: int | str = "self") -> float | None:
+    """A process's resident memory now (None when it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except FileNotFoundError:
+        return None
+    return None
+
+
 def report(name: str, figures: dict[str, object]) -> None:
     rounded = {k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}
     full = {

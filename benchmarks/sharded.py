@@ -22,7 +22,7 @@ import multiprocessing
 import time
 from typing import Any
 
-from _common import report
+from _common import report, rss_mib
 from scheduler import build_view, core
 
 from fleetline.processors.scheduling.capacity import FleetFacts, observe, observe_summaries
@@ -36,14 +36,6 @@ from fleetline.streams.serde import default_codec
 from fleetline.streams.topics import Topics
 
 GIB = 1024.0
-
-
-def rss_mib() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def shards_of(instance: int, instances: int, partitions: int) -> list[int]:
@@ -83,7 +75,7 @@ def instance(nodes: int, clusters: int, partitions: int, shards: list[int], out:
     parts = split(view, partitions, shards)
     del view
     gc.collect()
-    rss = rss_mib()
+    rss = rss_mib() or 0.0
     cache: dict[str, Any] = {}
     began = time.perf_counter()
     records = summarize(parts, cache=cache)

@@ -31,7 +31,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from _common import local_services, report
+from _common import local_services, report, rss_mib
 from confluent_kafka import KafkaError, TopicPartition
 
 from fleetline.agents.simulator import cluster_info, default_clusters
@@ -46,16 +46,6 @@ from fleetline.streams.serde import default_codec
 from fleetline.streams.topics import Topics
 
 CODEC = default_codec()
-
-
-def rss_mib(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except FileNotFoundError:
-        return None
-    return None
 
 
 def slope_mib_per_min(points: list[tuple[float, float]]) -> float:

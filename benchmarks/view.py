@@ -17,7 +17,7 @@ import gc
 import time
 import uuid
 
-from _common import local_services, report
+from _common import local_services, report, rss_mib
 
 from fleetline.agents.simulator import ClusterSpec, FleetSimulator
 from fleetline.config import Settings
@@ -86,14 +86,6 @@ def produce(settings: Settings, topics: Topics, nodes: int, ticks: int) -> tuple
         producer.poll(0)
     assert producer.flush(120) == 0
     return sent, time.perf_counter() - began
-
-
-def rss_mib() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def main() -> None:
