@@ -5,7 +5,7 @@ Tests are grouped by kind: `unit/` (pure, no services, the whole folder in secon
 and chdb), `e2e/` (scenarios played on the whole stack) and `chaos/` (faults injected into a
 replicated Kafka cluster and the processes; `make chaos` runs more rounds of each). Every test
 outside `unit/` is marked `services`. Services run on their own ports (29092, 29000; the chaos
-suite's three brokers from 39092) so a `fleetline run` on the default ports and a test run never
+suite's three brokers from 28092) so a `fleetline run` on the default ports and a test run never
 share a broker; they start only when a test asks for them.
 """
 

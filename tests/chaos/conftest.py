@@ -17,7 +17,7 @@ import pytest
 from fleetline.config import KafkaSettings, Settings
 from fleetline.infra import KafkaCluster
 
-CLUSTER_PORT = int(os.environ.get("FLEETLINE_TEST_KAFKA_CLUSTER_PORT", "39092"))
+CLUSTER_PORT = int(os.environ.get("FLEETLINE_TEST_KAFKA_CLUSTER_PORT", "28092"))
 FULL = os.environ.get("FLEETLINE_CHAOS", "").lower() == "full"
 
 

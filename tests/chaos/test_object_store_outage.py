@@ -21,7 +21,7 @@ from fleetline.infra.s3 import ObjectStoreServer
 from fleetline.storage.tiers import COLD, WARM
 from tests.support import wait_until
 
-PORT = int(os.environ.get("FLEETLINE_TEST_S3_CHAOS_PORT", "39000"))
+PORT = int(os.environ.get("FLEETLINE_TEST_S3_CHAOS_PORT", "28000"))
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
