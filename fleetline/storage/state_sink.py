@@ -1,5 +1,10 @@
 """NodeState history in ClickHouse: every state a node declared, for "when was it down" queries
-(the compacted state topic keeps only each node's latest)."""
+(the compacted state topic keeps only each node's latest).
+
+A state an agent sends again after a crash or an outage (acknowledged by Kafka but not yet in
+its spool's mark) has the seq of the one already stored, at another offset: it is dropped by its
+per-node seq, as the sample sink drops repeated telemetry (the chaos suite's SIGKILL loops
+found such repeats stored twice)."""
 
 from __future__ import annotations
 
@@ -64,17 +69,47 @@ class NodeStateTable(Destination):
     def __init__(self, client: Client, database: str) -> None:
         self.client = client
         self.database = database
+        # The highest seq stored per (topic, node): read from the table when a topic is first
+        # stored after a (re)start, then kept up as batches are stored.
+        self._seen: dict[str, dict[str, int]] = {}
 
     def resume_offsets(self, topic: str) -> dict[int, int]:
+        self._seen.pop(topic, None)  # a restart or rebalance: the table is the truth
         return table_resume_offsets(self.client, f"{self.database}.{TABLE}", topic)
 
+    def _highest_seqs(self, topic: str) -> dict[str, int]:
+        seen = self._seen.get(topic)
+        if seen is None:
+            try:
+                rows = self.client.query(
+                    f"SELECT node_id, max(seq) FROM {self.database}.{TABLE} "
+                    "WHERE source_topic = {topic:String} GROUP BY node_id",
+                    parameters={"topic": topic},
+                ).result_rows
+            except CLICKHOUSE_ERRORS as exc:
+                raise StorageError(f"reading node seqs from {TABLE}: {exc}") from None
+            seen = self._seen[topic] = {str(node): int(seq) for node, seq in rows}
+        return seen
+
     def store(self, batch: Sequence[Sourced]) -> None:
+        fresh = []
+        highest: dict[tuple[str, str], int] = {}  # what this batch adds, kept once it is stored
+        for item in batch:
+            node_id, seq = item.record["node_id"], item.record["seq"]
+            key = (item.topic, node_id)
+            if seq > highest.get(key, self._highest_seqs(item.topic).get(node_id, 0)):
+                highest[key] = seq
+                fresh.append(item)
+        if not fresh:
+            return
         try:
             self.client.insert(
                 f"{self.database}.{TABLE}",
-                [_row(i) for i in batch],
+                [_row(i) for i in fresh],
                 column_names=list(_COLUMNS),
                 settings={"max_partitions_per_insert_block": 1000},
             )
         except CLICKHOUSE_ERRORS as exc:
-            raise StorageError(f"inserting {len(batch)} node states: {exc}") from None
+            raise StorageError(f"inserting {len(fresh)} node states: {exc}") from None
+        for (topic, node_id), seq in highest.items():
+            self._seen[topic][node_id] = seq

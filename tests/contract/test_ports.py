@@ -258,6 +258,29 @@ def test_a_destination_resumes_after_what_it_stored(destination) -> None:
         assert store.resume_offsets(topic) == expected
 
 
+def test_node_states_an_agent_sends_again_are_stored_once(settings) -> None:
+    client = connect(settings.clickhouse_url)
+    migrate(client, settings.clickhouse_database)
+    db = settings.clickhouse_database
+    topic = f"contract.{uuid.uuid4().hex[:8]}"
+    states = _node_states()
+    table = NodeStateTable(client, db)
+    table.store([Sourced(0, i, r, topic) for i, r in enumerate(states)])
+    # The agent was killed before its spool's mark moved: it sends the last two again (same
+    # seq, later offsets), to this sink and, after a restart, to a new one.
+    table.store([Sourced(0, 10 + i, r, topic) for i, r in enumerate(states[-2:])])
+    NodeStateTable(client, db).store([Sourced(0, 20 + i, r, topic) for i, r in enumerate(states)])
+    newer = {**states[0], "seq": states[0]["seq"] + 1}
+    NodeStateTable(client, db).store([Sourced(0, 30, newer, topic)])
+    rows = client.query(
+        f"SELECT node_id, seq FROM {db}.node_states WHERE source_topic = {{t:String}}",
+        parameters={"t": topic},
+    ).result_rows
+    assert sorted(rows) == sorted(
+        [(r["node_id"], r["seq"]) for r in states] + [(newer["node_id"], newer["seq"])]
+    )
+
+
 # -- changelog-backed state ---------------------------------------------------------------------
 
 
