@@ -26,7 +26,7 @@ from confluent_kafka import Message, TopicPartition
 from fleetline.errors import FleetlineError, InvalidEventError, StorageError
 from fleetline.observability import metrics
 from fleetline.storage.clickhouse import CLICKHOUSE_ERRORS
-from fleetline.storage.sinks import resume_positions, table_resume_offsets
+from fleetline.storage.sinks import resume_positions, table_node_seqs, table_resume_offsets
 from fleetline.streams.columnar import TelemetryBatchDecoder
 from fleetline.streams.events import NODE_TELEMETRY, check_telemetry
 from fleetline.streams.loop import Step, StepResult
@@ -123,18 +123,8 @@ class HotSampleStore:
         return table_resume_offsets(self.client, f"{self.database}.{TABLE}", topic)
 
     def node_watermarks(self, topic: str) -> dict[str, int]:
-        """The highest seq stored for each node from `topic`: an agent that re-sends after an
-        outage repeats records the table already has, and those are recognised by their seq
-        (another topic prefix is another fleet, whose agents count from 1)."""
-        try:
-            rows = self.client.query(
-                f"SELECT node_id, max(seq) FROM {self.database}.{TABLE} "
-                "WHERE source_topic IN ({topic:String}, '') GROUP BY node_id",
-                parameters={"topic": topic},
-            ).result_rows
-        except CLICKHOUSE_ERRORS as exc:
-            raise StorageError(f"reading node watermarks from {TABLE}: {exc}") from None
-        return {str(node): int(seq) for node, seq in rows}
+        """The highest seq stored for each node from `topic` (`table_node_seqs`)."""
+        return table_node_seqs(self.client, f"{self.database}.{TABLE}", topic)
 
     def store(self, table: pa.Table) -> None:
         if table.num_rows == 0:

@@ -43,6 +43,22 @@ def table_resume_offsets(
     return {int(p): int(o) for p, o in rows}
 
 
+def table_node_seqs(client: Client, table: str, topic: str) -> dict[str, int]:
+    """node -> the highest `seq` a ClickHouse table holds from `topic`: an agent that sends
+    again after an outage or a crash repeats records the table has, recognised by their seq
+    (another topic prefix is another fleet, whose agents count from 1; rows written before
+    tables named their topic count for any)."""
+    try:
+        rows = client.query(
+            f"SELECT node_id, max(seq) FROM {table} "
+            "WHERE source_topic IN ({topic:String}, '') GROUP BY node_id",
+            parameters={"topic": topic},
+        ).result_rows
+    except CLICKHOUSE_ERRORS as exc:
+        raise StorageError(f"reading node seqs from {table}: {exc}") from None
+    return {str(node): int(seq) for node, seq in rows}
+
+
 def resume_positions(
     partitions: list[TopicPartition], stored: dict[int, int]
 ) -> list[TopicPartition]:

@@ -15,7 +15,7 @@ from clickhouse_connect.driver.client import Client
 
 from fleetline.errors import StorageError
 from fleetline.storage.clickhouse import CLICKHOUSE_ERRORS
-from fleetline.storage.sinks import Destination, Sourced, table_resume_offsets
+from fleetline.storage.sinks import Destination, Sourced, table_node_seqs, table_resume_offsets
 
 TABLE = "node_states"
 _COLUMNS = (
@@ -80,15 +80,9 @@ class NodeStateTable(Destination):
     def _highest_seqs(self, topic: str) -> dict[str, int]:
         seen = self._seen.get(topic)
         if seen is None:
-            try:
-                rows = self.client.query(
-                    f"SELECT node_id, max(seq) FROM {self.database}.{TABLE} "
-                    "WHERE source_topic = {topic:String} GROUP BY node_id",
-                    parameters={"topic": topic},
-                ).result_rows
-            except CLICKHOUSE_ERRORS as exc:
-                raise StorageError(f"reading node seqs from {TABLE}: {exc}") from None
-            seen = self._seen[topic] = {str(node): int(seq) for node, seq in rows}
+            seen = self._seen[topic] = table_node_seqs(
+                self.client, f"{self.database}.{TABLE}", topic
+            )
         return seen
 
     def store(self, batch: Sequence[Sourced]) -> None:
