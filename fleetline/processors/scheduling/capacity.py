@@ -16,7 +16,7 @@ under one leaf switch where they fit, the tightest nodes first (best fit).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
@@ -30,24 +30,18 @@ from fleetline.processors.view.summary import (
     NODES,
     ClusterTerms,
     NodeCapacity,
-    NodeFacts,
     capacity_of,
     cluster_terms,
     node_capacity,
     terms_of,
 )
 
-__all__ = ["NodeFacts"]  # its home is the view's summary; the scheduler's code names it here
+# At home in the view's summary (what a shard publishes); the scheduler's code names them here.
+from fleetline.processors.view.summary import NodeFacts as NodeFacts
+from fleetline.processors.view.summary import mask_of as mask_of
 
 GpuRef = tuple[str, int]
 Offsets = dict[str, dict[int, int]]
-
-
-def mask_of(indices: Iterable[int]) -> int:
-    out = 0
-    for i in indices:
-        out |= 1 << i
-    return out
 
 
 def indices_of(mask: int) -> tuple[int, ...]:

@@ -33,7 +33,8 @@ DATASET = "DATASET"
 FLEET_PUBLISHER = "shard-000"
 
 
-def _mask(indices: Iterable[int]) -> int:
+def mask_of(indices: Iterable[int]) -> int:
+    """GPU indices as a bit mask."""
     out = 0
     for i in indices:
         out |= 1 << i
@@ -109,7 +110,7 @@ def node_capacity(node: NodeView, status: NodeStatus) -> NodeCapacity:
     schedulable = takes_new_work(node, status) and not failed
     if not schedulable:
         healthy = degraded = 0
-    islands = tuple(_mask(i) for i in node.islands) or (present,)
+    islands = tuple(mask_of(i) for i in node.islands) or (present,)
     facts = NodeFacts(
         node_id=node.node_id,
         cluster_id=node.cluster_id,
