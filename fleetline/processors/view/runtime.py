@@ -250,10 +250,18 @@ class SummaryFollower:
     """The summaries topic read from its start, by key: what the shards last published as of a
     position of the log (the next offset to read), for a scheduler's ticks and their replay."""
 
-    def __init__(self, kafka: KafkaSettings, topics: Topics, codec: AvroCodec | None = None):
+    def __init__(
+        self,
+        kafka: KafkaSettings,
+        topics: Topics,
+        codec: AvroCodec | None = None,
+        decode: bool = True,
+    ):
         self.kafka = kafka
         self.topic = topics.summaries
         self.codec = codec or default_codec()
+        # Without `decode` only `raw` is kept (a publisher compares bytes, it reads no record).
+        self.decode = decode
         self.records: dict[str, dict[str, Any]] = {}
         self.raw: dict[str, tuple[int, bytes | None]] = {}  # key -> (offset, value)
         self.position = 0
@@ -273,7 +281,7 @@ class SummaryFollower:
         value = msg.value()
         if value is None:
             self.records.pop(key, None)
-        else:
+        elif self.decode:
             self.records[key] = self.codec.decode(value, expect=CAPACITY_SUMMARY).record
         offset = where(msg)[2]
         self.raw[key] = (offset, value)
@@ -352,7 +360,7 @@ class SummaryPublisher:
         self.codec = default_codec()
         self.cache: SummaryCache = {}
         self.published = 0
-        self._seen = SummaryFollower(kafka, topics, self.codec)
+        self._seen = SummaryFollower(kafka, topics, self.codec, decode=False)
         self._mine: dict[str, tuple[int, bytes | None]] = {}
         self._producer = kafka_clients.producer(kafka, {"linger.ms": 5})
 
