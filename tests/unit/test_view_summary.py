@@ -23,7 +23,7 @@ def fleet_messages() -> list[Message]:
     """Two clusters declared (one retired), a third cordoned by the health processor, and a
     dataset with a replica."""
     specs = scenario_fleet().clusters
-    infos = [cluster_info(specs[0], 1, BASE_MS), {**cluster_info(specs[1], 1, BASE_MS)}]
+    infos = [cluster_info(specs[0], 1, BASE_MS), cluster_info(specs[1], 1, BASE_MS)]
     infos[1]["retired"] = True
     health = {
         "event": "CORDON",
