@@ -9,13 +9,14 @@ from collections.abc import Iterable, Iterator, Mapping
 from confluent_kafka import (
     OFFSET_BEGINNING,
     Consumer,
+    IsolationLevel,
     KafkaError,
     KafkaException,
     Message,
     Producer,
     TopicPartition,
 )
-from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec  # type: ignore[attr-defined]
 
 from fleetline.config import KafkaSettings
 from fleetline.errors import ServiceUnavailable, StreamError
@@ -208,15 +209,32 @@ def group_lag(
         reader.close()
 
 
-# While a new topic's partitions elect their leaders, the broker answers these; asking again
-# a moment later is the fix.
-_ELECTING = frozenset(
+# What a broker answers while a partition's leadership or a coordinator moves to another broker
+# (a new topic electing its leaders, a broker killed, a new leader whose high watermark has not
+# caught up yet): asked again a moment later, the new one answers.
+_MOVING = frozenset(
     {
         KafkaError.NOT_LEADER_FOR_PARTITION,
         KafkaError.LEADER_NOT_AVAILABLE,
         KafkaError.UNKNOWN_TOPIC_OR_PART,
+        KafkaError.OFFSET_NOT_AVAILABLE,
+        KafkaError.FENCED_LEADER_EPOCH,
+        KafkaError.UNKNOWN_LEADER_EPOCH,
+        KafkaError.NOT_COORDINATOR,
+        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+        KafkaError.COORDINATOR_NOT_AVAILABLE,
+        KafkaError.UNSTABLE_OFFSET_COMMIT,
+        KafkaError.REQUEST_TIMED_OUT,
+        KafkaError._TIMED_OUT,
+        KafkaError._TRANSPORT,
+        KafkaError._WAIT_COORD,
     }
 )
+
+
+def moving(error: KafkaError) -> bool:
+    """Whether `error` is one that asking again, a moment later, may answer."""
+    return error.code() in _MOVING or bool(error.retriable())
 
 
 def _watermarks(reader: Consumer, tp: TopicPartition, timeout_s: float) -> tuple[int, int]:
@@ -226,8 +244,59 @@ def _watermarks(reader: Consumer, tp: TopicPartition, timeout_s: float) -> tuple
             low, high = reader.get_watermark_offsets(tp, timeout=timeout_s, cached=False)
             return int(low), int(high)
         except KafkaException as exc:
-            if exc.args[0].code() not in _ELECTING or time.monotonic() > deadline:
+            if not moving(exc.args[0]) or time.monotonic() > deadline:
                 raise
+            time.sleep(0.2)
+
+
+def stable_bounds(
+    kafka: KafkaSettings,
+    topic: str,
+    partitions: Iterable[int],
+    timeout_s: float = 30.0,
+    admin: AdminClient | None = None,
+) -> dict[int, tuple[int, int]]:
+    """Each partition's first offset and its last stable offset, as its leader answers now: the
+    end a read_committed reader reaches (past every decided transaction, before the first one
+    still open). While leadership moves it asks again; a partition whose bounds cannot be had
+    within `timeout_s` is a StreamError, so that no caller takes a short log for the whole."""
+    admin = admin or admin_client(kafka)
+    wanted = sorted(set(partitions))
+    bounds: dict[int, tuple[int, int]] = {}
+    deadline = time.monotonic() + timeout_s
+    why = ""
+    while True:
+        pending = [p for p in wanted if p not in bounds]
+        if not pending:
+            return bounds
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise StreamError(
+                f"the end of {topic} partition(s) {pending} could not be established in "
+                f"{timeout_s:.0f} s (last answer: {why or 'none'})"
+            )
+        first, last = (
+            admin.list_offsets(
+                {TopicPartition(topic, p): spec for p in pending},
+                isolation_level=IsolationLevel.READ_COMMITTED,
+                request_timeout=max(1.0, min(10.0, left)),
+            )
+            for spec in (OffsetSpec.earliest(), OffsetSpec.latest())  # type: ignore[no-untyped-call]
+        )
+        for tp, future in first.items():
+            try:
+                low = future.result().offset
+                high = last[tp].result().offset
+            except KafkaException as exc:
+                error: KafkaError = exc.args[0]
+                if not moving(error):
+                    raise StreamError(
+                        f"the end of {topic}[{tp.partition}]: {error.str()}"
+                    ) from None
+                why = error.str()
+                continue
+            bounds[tp.partition] = (int(low), int(high))
+        if len(bounds) < len(wanted):
             time.sleep(0.2)
 
 
@@ -237,48 +306,82 @@ def read_to_end(
     partitions: Iterable[int],
     group_id: str,
     timeout_s: float = 60.0,
+    settle: bool = False,
 ) -> Iterator[Message]:
-    """The committed messages of `partitions` of `topic`, from the start up to each one's end
-    as it was when the read began (its position past the last transaction marker). Waiting for
-    end-of-partition instead would never finish while a live writer keeps appending."""
+    """The committed messages of `partitions` of `topic`, from the start up to each one's last
+    stable offset as its leader gave it when the read began. Waiting for end-of-partition
+    instead would never finish while a live writer keeps appending.
+
+    With `settle` (a store restoring partitions that no one else writes), the ends are asked
+    again once reached, and reading goes on until they stop moving: a transaction that was
+    still being decided when the read began (its markers in flight to a new leader) is read
+    too once it commits. A read that cannot establish an end, or stalls for `timeout_s`, is a
+    StreamError: never a short read returned as whole."""
+    admin = admin_client(kafka)
+    bounds = stable_bounds(kafka, topic, partitions, timeout_s, admin)
+    ends = {p: high for p, (low, high) in bounds.items()}
+    remaining = {p for p, (low, high) in bounds.items() if high > low}
+    if not remaining and not settle:
+        return
     reader = consumer(kafka, group_id)
     try:
-        ends: dict[int, int] = {}
-        for p in sorted(set(partitions)):
-            low, high = _watermarks(reader, TopicPartition(topic, p), timeout_s)
-            if high > low:
+        reader.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in sorted(bounds)])
+        while True:
+            yield from _read_until(reader, topic, ends, remaining, timeout_s)
+            if not settle:
+                return
+            again = stable_bounds(kafka, topic, bounds, timeout_s, admin)
+            grown = {p: high for p, (_, high) in again.items() if high > ends[p]}
+            if not grown:
+                return
+            for p, high in sorted(grown.items()):
+                # Messages past the old end may have been fetched and passed over: read them
+                # again from there.
+                _seek(reader, TopicPartition(topic, p, ends[p]))
                 ends[p] = high
-        if not ends:
-            return
-        reader.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in ends])
-        remaining = set(ends)
-        deadline = time.monotonic() + timeout_s
-        while remaining:
-            if time.monotonic() > deadline:
-                raise StreamError(
-                    f"reading {topic}: nothing arrived for {timeout_s:.0f}s; partitions "
-                    f"not at their end: {sorted(remaining)}"
-                )
-            msg = reader.poll(0.2)
-            if msg is None:
-                for tp in reader.position([TopicPartition(topic, p) for p in remaining]):
-                    if tp.offset >= ends[tp.partition]:
-                        remaining.discard(tp.partition)
-                continue
-            error = msg.error()
-            if error is not None:
-                if error.code() == KafkaError._PARTITION_EOF:
-                    continue
-                raise StreamError(f"reading {topic}: {error.str()}")
-            _, partition, offset = where(msg)
-            if offset >= ends[partition]:
-                remaining.discard(partition)
-                continue  # appended after the read began
-            yield msg
-            # The limit is on a stalled read, not on what the caller does with each message
-            # (a replay folds the scheduler's whole log as it reads it).
-            deadline = time.monotonic() + timeout_s
-            if offset + 1 >= ends[partition]:
-                remaining.discard(partition)
+                remaining.add(p)
     finally:
         reader.close()
+
+
+def _seek(reader: Consumer, tp: TopicPartition) -> None:
+    try:
+        reader.seek(tp)
+    except KafkaException:
+        # seek() needs a partition already being fetched; assigning it again works in any state.
+        reader.incremental_unassign([TopicPartition(tp.topic, tp.partition)])
+        reader.incremental_assign([tp])
+
+
+def _read_until(
+    reader: Consumer, topic: str, ends: dict[int, int], remaining: set[int], timeout_s: float
+) -> Iterator[Message]:
+    """Yield what `reader` fetches below `ends` until every partition in `remaining` is there."""
+    deadline = time.monotonic() + timeout_s
+    while remaining:
+        if time.monotonic() > deadline:
+            raise StreamError(
+                f"reading {topic}: nothing arrived for {timeout_s:.0f}s; partitions "
+                f"not at their end: {sorted(remaining)}"
+            )
+        msg = reader.poll(0.2)
+        if msg is None:
+            for tp in reader.position([TopicPartition(topic, p) for p in remaining]):
+                if tp.offset >= ends[tp.partition]:
+                    remaining.discard(tp.partition)
+            continue
+        error = msg.error()
+        if error is not None:
+            if error.code() == KafkaError._PARTITION_EOF or moving(error):
+                continue  # a leader moving: the fetcher follows it, the deadline bounds it
+            raise StreamError(f"reading {topic}: {error.str()}")
+        _, partition, offset = where(msg)
+        if offset >= ends[partition]:
+            remaining.discard(partition)
+            continue  # appended after the read began
+        yield msg
+        # The limit is on a stalled read, not on what the caller does with each message
+        # (a replay folds the scheduler's whole log as it reads it).
+        deadline = time.monotonic() + timeout_s
+        if offset + 1 >= ends[partition]:
+            remaining.discard(partition)

@@ -7,9 +7,15 @@ A `Step` is the processor's own part (its pure fold behind a small adapter); the
 Kafka. It commits in one of two ways, as Kafka Streams does:
 
 - **Exactly once** (`exactly_once=True`): outputs, dead letters, the step's changelog records
-  and the consumed offsets go in one transaction. An abortable error aborts it, drops the
-  stores' pending writes, tells the step (`aborted`) and rewinds to the committed offsets; a
-  fatal one stops the loop loudly (`StreamError`); a retriable commit is retried.
+  (with the input position they reflect) and the consumed offsets go in one transaction. An
+  abortable error aborts it, drops the stores' pending writes, tells the step (`aborted`) and
+  rewinds to the committed offsets; a fatal one stops the loop loudly (`StreamError`); a
+  retriable commit is retried. After every restore of the stores (an assignment, or an abort
+  whose state no longer matches the group's offsets) the loop checks the position the state
+  reflects against the group's committed offsets and processes nothing until they agree:
+  restored again while they differ, a `StreamError` naming both once `restore_timeout_s` has
+  passed. A restore that stopped short (a changelog whose transaction markers have not reached
+  its new leader yet) is caught there, not taken for the whole state.
 - **Effect first** (`exactly_once=False`): dead letters are flushed, the step stores the batch
   (`store`; with `overlap`, in a writer thread while the next batch is received and prepared,
   stores still in order), and only then are offsets committed. Such steps say where each
@@ -117,6 +123,45 @@ class MessageStep(Step[None]):
             except FleetlineError as exc:
                 result.dead_letters.append((message, exc))
         return result
+
+
+F = TypeVar("F")
+
+
+class FoldStep(MessageStep, Generic[F]):
+    """A message step whose fold lives in memory beside its changelog store. The fold is built
+    from the committed store when first needed after the store was restored (an assignment) or
+    a batch was aborted, and at no other time: the loop hands every message of a partition in
+    order and once, so a gap between two offsets is transaction markers (any transactional
+    producer leaves them), never a lost state."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._fold: F | None = None
+
+    @abstractmethod
+    def restore_fold(self) -> F:
+        """The fold as the committed store holds it."""
+
+    def fold(self) -> F:
+        """The live fold (call with `lock` held)."""
+        if self._fold is None:
+            self._fold = self.restore_fold()
+        return self._fold
+
+    def forget(self) -> None:
+        with self.lock:
+            self._fold = None
+
+    def assigned(self, partitions: list[TopicPartition]) -> list[TopicPartition]:
+        self.forget()
+        return partitions
+
+    def revoked(self, partitions: list[TopicPartition]) -> None:
+        self.forget()
+
+    def aborted(self) -> None:
+        self.forget()
 
 
 @dataclass
@@ -228,6 +273,9 @@ class StreamLoop:
     # Prometheus series for this loop (messages, batches, dead letters, step and store time,
     # consumer lag); off only to measure what they cost.
     metrics: bool = True
+    # How long a restored state may take to reach the group's committed offsets (restored
+    # again meanwhile) before the loop stops rather than process from a stale state.
+    restore_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.global_inputs and self.exactly_once:
@@ -277,10 +325,8 @@ class StreamLoop:
 
         def on_assign(cons: Consumer, partitions: list[TopicPartition]) -> None:
             writer.drain()
-            if self.exactly_once:
-                numbers = {tp.partition for tp in partitions}
-                for store in self.step.stores:
-                    self.stats.restored += store.restore(self.kafka, numbers)
+            if self.exactly_once and self.step.stores:
+                partitions = self._restore(cons, partitions)
             positions = self.step.assigned(partitions)
             for tp in positions:
                 self._expected[(tp.topic, tp.partition)] = tp.offset if tp.offset >= 0 else _ANY
@@ -452,6 +498,10 @@ class StreamLoop:
         producer.begin_transaction()
         try:
             result = self._process(messages)
+            consumed = kafka_clients.next_offsets(messages)
+            for store in self.step.stores:
+                for (topic, partition), offset in consumed.items():
+                    store.advance(partition, topic, offset)
             for out in result.outputs:
                 produce(producer, out)
             for msg, exc in result.dead_letters:
@@ -461,7 +511,7 @@ class StreamLoop:
                 for partition, key, value in store.pending_changelog():
                     produce(producer, Output(store.changelog_topic, key, value, partition))
             producer.send_offsets_to_transaction(
-                kafka_clients.topic_partitions(kafka_clients.next_offsets(messages)),
+                kafka_clients.topic_partitions(consumed),
                 consumer.consumer_group_metadata(),
                 30,
             )
@@ -486,24 +536,132 @@ class StreamLoop:
 
     def _rewind(self, consumer: Consumer) -> None:
         """Seek every assigned partition back to its committed offset (the aborted batch's
-        start), and hand its messages over again from there."""
+        start), and hand its messages over again from there. The stores hold what the last
+        committed transaction left; should that not be where the group's offsets stand (a
+        commit that failed after it took effect), they are restored and checked first."""
         assignment = consumer.assignment()
         if not assignment:
             return
-        positions = [
-            TopicPartition(
-                tp.topic, tp.partition, tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
-            )
-            for tp in consumer.committed(assignment, timeout=30)
-        ]
+        committed = self._committed(consumer, assignment, time.monotonic() + 30)
+        positions = self._agreeing(assignment, committed)
+        if self._differences(committed):
+            positions = self._restore(consumer, assignment)
         for tp in positions:
             self._expected[(tp.topic, tp.partition)] = tp.offset if tp.offset >= 0 else _ANY
         try:
             for tp in positions:
-                consumer.seek(tp)
+                consumer.seek(
+                    TopicPartition(
+                        tp.topic, tp.partition, tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
+                    )
+                )
         except KafkaException:
             # seek() needs a partition already being fetched; reassigning works in any state.
-            consumer.assign(positions)
+            consumer.assign(
+                [
+                    TopicPartition(
+                        tp.topic, tp.partition, tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
+                    )
+                    for tp in positions
+                ]
+            )
+
+    # -- restoring ----------------------------------------------------------------------------
+
+    def _restore(
+        self, consumer: Consumer, partitions: list[TopicPartition]
+    ) -> list[TopicPartition]:
+        """Restore the stores' partitions and check the positions they reflect against the
+        group's committed offsets; the partitions at the offsets where both stand. While they
+        differ (a transaction's offsets readable before its markers reached the changelog's
+        new leader) the stores are restored again; after `restore_timeout_s`, StreamError."""
+        numbers = sorted({tp.partition for tp in partitions})
+        deadline = time.monotonic() + self.restore_timeout_s
+        attempt = 0
+        while True:
+            attempt += 1
+            committed = self._committed(consumer, partitions, deadline)
+            began = time.monotonic()
+            for store in self.step.stores:
+                self.stats.restored += store.restore(
+                    self.kafka, numbers, max(5.0, deadline - time.monotonic())
+                )
+            differences = self._differences(committed)
+            if not differences:
+                log.info(
+                    "%s: restored %s partition(s) %s in %.2f s (attempt %d), at the committed "
+                    "offsets",
+                    self.name,
+                    ", ".join(store.changelog_topic for store in self.step.stores),
+                    numbers,
+                    time.monotonic() - began,
+                    attempt,
+                )
+                return self._agreeing(partitions, committed)
+            if time.monotonic() >= deadline:
+                raise StreamError(
+                    f"{self.name}: the state restored from its changelog does not stand where "
+                    f"the group committed after {attempt} restore(s) in "
+                    f"{self.restore_timeout_s:.0f} s ({'; '.join(differences)}); refusing to "
+                    "process from it"
+                )
+            log.warning(
+                "%s: restored state differs from the group's committed offsets (%s); "
+                "restoring again",
+                self.name,
+                "; ".join(differences),
+            )
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+    def _committed(
+        self, consumer: Consumer, partitions: Sequence[TopicPartition], deadline: float
+    ) -> dict[Partition, int | None]:
+        """The group's committed offset of each partition (None: nothing committed), asked
+        again while the group's coordinator moves."""
+        asked = [TopicPartition(tp.topic, tp.partition) for tp in partitions]
+        while True:
+            try:
+                found = consumer.committed(asked, timeout=max(1.0, deadline - time.monotonic()))
+                error = next((tp.error for tp in found if tp.error is not None), None)
+                if error is None:
+                    return {
+                        (tp.topic, tp.partition): tp.offset if tp.offset >= 0 else None
+                        for tp in found
+                    }
+            except KafkaException as exc:
+                error = exc.args[0]
+            if not kafka_clients.moving(error) or time.monotonic() >= deadline:
+                raise StreamError(
+                    f"{self.name}: reading the group's committed offsets: {error.str()}"
+                )
+            log.warning("%s: reading committed offsets (asked again): %s", self.name, error)
+            time.sleep(0.5)
+
+    def _differences(self, committed: Mapping[Partition, int | None]) -> list[str]:
+        """Where a store's state does not stand at the group's committed offset."""
+        out = []
+        for store in self.step.stores:
+            for (topic, partition), offset in sorted(committed.items()):
+                stands = store.positions(partition).get(topic)
+                if stands != offset:
+                    out.append(
+                        f"{store.changelog_topic}[{partition}] reflects {topic}[{partition}] "
+                        f"up to {_offset_text(stands)}, the group committed "
+                        f"{_offset_text(offset)}"
+                    )
+        return out
+
+    @staticmethod
+    def _agreeing(
+        partitions: Sequence[TopicPartition], committed: Mapping[Partition, int | None]
+    ) -> list[TopicPartition]:
+        out = []
+        for tp in partitions:
+            offset = committed.get((tp.topic, tp.partition))
+            out.append(
+                TopicPartition(tp.topic, tp.partition, OFFSET_INVALID if offset is None else offset)
+            )
+        return out
 
     # -- shared -------------------------------------------------------------------------------
 
@@ -534,6 +692,10 @@ class StreamLoop:
         if self.metrics:
             self._batches.inc()
             self._messages.inc(len(messages))
+
+
+def _offset_text(offset: int | None) -> str:
+    return "nothing" if offset is None else f"offset {offset}"
 
 
 def produce(
@@ -571,6 +733,7 @@ def _commit_transaction(producer: Producer, attempts: int = 5) -> None:
 
 __all__ = [
     "OFFSET_INVALID",
+    "FoldStep",
     "LoopStats",
     "MessageStep",
     "Output",

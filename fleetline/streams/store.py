@@ -3,6 +3,12 @@
 The store is partitioned like the processor's input. Writes made while a batch is processed are
 pending: they go to the changelog inside the batch's transaction and become committed state only
 when that transaction commits, so an aborted batch leaves no trace in memory either.
+
+Each partition of the changelog also says which input it reflects: one record per input topic,
+keyed `POSITION_KEY + topic`, holding the next input offset, written by the stream loop in every
+transaction beside the state it changed. The group's committed offset goes in the same
+transaction, so a state restored whole stands exactly where the group committed; the loop checks
+that after every restore (`streams/loop.py`) instead of trusting that a read reached the end.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from fleetline.streams.topics import Topics
 
 V = TypeVar("V")
 _ABSENT = object()
+# The key prefix of a changelog's position records (no state key starts with a NUL byte).
+POSITION_KEY = b"\x00position\x00"
 
 
 @dataclass
@@ -30,6 +38,9 @@ class ChangelogStore(Generic[V]):
     decode: Callable[[bytes], V]
     _committed: dict[int, dict[bytes, V]] = field(default_factory=dict)
     _pending: dict[int, dict[bytes, V | None]] = field(default_factory=dict)
+    # partition -> input topic -> the next input offset the partition's state reflects.
+    _positions: dict[int, dict[str, int]] = field(default_factory=dict)
+    _pending_positions: dict[int, dict[str, int]] = field(default_factory=dict)
     # Readers in other threads (the slice's live printout) see whole commits only.
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -48,6 +59,16 @@ class ChangelogStore(Generic[V]):
         """Stage a write (None deletes); it is durable once the batch's transaction commits."""
         self._pending.setdefault(partition, {})[key] = value
 
+    def advance(self, partition: int, topic: str, next_offset: int) -> None:
+        """Stage where the partition's state stands in input `topic` once this batch commits."""
+        self._pending_positions.setdefault(partition, {})[topic] = next_offset
+
+    def positions(self, partition: int) -> dict[str, int]:
+        """The committed input positions of a partition's state (input topic -> next offset;
+        empty for a partition that has folded nothing)."""
+        with self._lock:
+            return dict(self._positions.get(partition, {}))
+
     def items(self, partitions: Iterable[int] | None = None) -> Iterator[tuple[bytes, V]]:
         """Committed state of the given partitions (all owned ones by default), as of now."""
         with self._lock:
@@ -62,6 +83,9 @@ class ChangelogStore(Generic[V]):
         for partition, writes in self._pending.items():
             for key, value in writes.items():
                 yield partition, key, None if value is None else self.encode(value)
+        for partition, moved in self._pending_positions.items():
+            for topic, offset in moved.items():
+                yield partition, POSITION_KEY + topic.encode(), str(offset).encode()
 
     def commit(self) -> None:
         with self._lock:
@@ -72,40 +96,62 @@ class ChangelogStore(Generic[V]):
                         target.pop(key, None)
                     else:
                         target[key] = value
+            for partition, moved in self._pending_positions.items():
+                self._positions.setdefault(partition, {}).update(moved)
         self._pending.clear()
+        self._pending_positions.clear()
 
     def abort(self) -> None:
         self._pending.clear()
+        self._pending_positions.clear()
 
     def drop(self, partitions: Iterable[int]) -> None:
         with self._lock:
             for partition in partitions:
                 self._committed.pop(partition, None)
                 self._pending.pop(partition, None)
+                self._positions.pop(partition, None)
+                self._pending_positions.pop(partition, None)
 
     def restore(
         self, kafka: KafkaSettings, partitions: Iterable[int], timeout_s: float = 60.0
     ) -> int:
-        """Rebuild the given partitions from the changelog's committed records, up to its end
-        when the restore began; count them."""
+        """Rebuild the given partitions from the changelog's committed records, read until its
+        ends stop moving; count the state's records. Whether that is the whole state is for the
+        caller to check against `positions` (the loop compares them with the group's offsets)."""
         partitions = sorted(set(partitions))
         self.drop(partitions)
         restored: dict[int, dict[bytes, V]] = {p: {} for p in partitions}
+        positions: dict[int, dict[str, int]] = {p: {} for p in partitions}
         count = 0
         for msg in read_to_end(
-            kafka, self.changelog_topic, partitions, f"{self.changelog_topic}.restore", timeout_s
+            kafka,
+            self.changelog_topic,
+            partitions,
+            f"{self.changelog_topic}.restore",
+            timeout_s,
+            settle=True,
         ):
-            target = restored[where(msg)[1]]
+            _, partition, _ = where(msg)
             key, value = msg.key(), msg.value()
             if key is None:
                 continue  # a changelog record always has its key
+            if key.startswith(POSITION_KEY):
+                topic = key[len(POSITION_KEY) :].decode()
+                if value is None:
+                    positions[partition].pop(topic, None)
+                else:
+                    positions[partition][topic] = int(value)
+                continue
+            count += 1
+            target = restored[partition]
             if value is None:
                 target.pop(key, None)
             else:
                 target[key] = self.decode(value)
-            count += 1
         with self._lock:
             self._committed.update(restored)
+            self._positions.update(positions)
         return count
 
 

@@ -1,16 +1,20 @@
 """The stream loop against the real broker, exactly once: a stateful step folds, dead-letters
-bad input, restores its store after a restart, and leaves no trace of an aborted batch."""
+bad input, restores its store after a restart, leaves no trace of an aborted batch, and never
+processes from a restored state that does not stand where the group committed."""
 
 from __future__ import annotations
 
 import json
+import logging
+import threading
+import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
 import pytest
 from confluent_kafka import Message
 
-from fleetline.errors import InvalidEventError
+from fleetline.errors import InvalidEventError, StreamError
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.deadletter import read_dead_letter
 from fleetline.streams.events import NODE_STATE, NODE_TELEMETRY, check_telemetry
@@ -78,7 +82,7 @@ class SummaryStep(MessageStep):
         return {key.decode(): value for key, value in self.nodes.items()}
 
 
-def make_loop(settings, topics: Topics) -> StreamLoop:
+def make_loop(settings, topics: Topics, restore_timeout_s: float = 60.0) -> StreamLoop:
     store = ChangelogStore(
         APP,
         topics.changelog(APP, "nodes"),
@@ -92,6 +96,7 @@ def make_loop(settings, topics: Topics) -> StreamLoop:
         SummaryStep(store),
         topics.dead_letter,
         exactly_once=True,
+        restore_timeout_s=restore_timeout_s,
     )
 
 
@@ -236,3 +241,68 @@ def test_an_aborted_batch_leaves_no_trace_and_is_processed_again(settings) -> No
     assert step.summaries() == reference(events)  # nothing folded twice
     committed = read_all(settings, out_topic, len(events))
     assert len(committed) == len(events)  # each input's output once
+
+
+def hold_changelog_open(settings, topics: Topics):
+    """A transaction left open on every partition of the store's changelog: a read_committed
+    reader stops before it, as it does before a committed transaction whose markers have not
+    reached a new leader yet. The producer aborts it when asked."""
+    changelog = topics.changelog(APP, "nodes")
+    held = kafka_clients.producer(settings.kafka, transactional_id=f"held-{uuid.uuid4().hex[:8]}")
+    held.init_transactions(30)
+    held.begin_transaction()
+    for partition in kafka_clients.partitions_of(settings.kafka, changelog):
+        held.produce(changelog, key=b"held", value=b"{}", partition=partition)
+    held.flush(30)
+    return held
+
+
+def stale_changelog(settings):
+    """Two runs of the loop, the second committing behind an open transaction: the group's
+    offsets stand past everything, the changelog's last stable offsets at the first run."""
+    topics = setup_topics(settings)
+    fleet = small_fleet(nodes=2)
+    first = publish_run(settings, topics, fleet, ticks=2)
+    run_until(make_loop(settings, topics), len(first), "the first loop")
+    held = hold_changelog_open(settings, topics)
+    second = publish_run(settings, topics, fleet, ticks=2, start_tick=3)
+    run_until(make_loop(settings, topics), len(second), "the second loop")
+    return topics, held, first + second
+
+
+def test_a_restore_that_stops_short_is_restored_again_until_it_stands_at_the_commit(
+    settings, caplog
+) -> None:
+    topics, held, events = stale_changelog(settings)
+    release = threading.Timer(3.0, lambda: held.abort_transaction(30))
+    release.start()
+    loop = make_loop(settings, topics, restore_timeout_s=60)
+    with caplog.at_level(logging.WARNING, logger="fleetline.streams.loop"):
+        background = Background(loop.run)
+        try:
+            wait_until(loop.ready.is_set, 60, "the loop to restore and be assigned")
+            wait_until(loop.caught_up.is_set, 30, "the loop to catch up")
+        finally:
+            background.stop()
+            release.join()
+    assert loop.stats.messages == 0  # nothing was folded again
+    step = loop.step
+    assert isinstance(step, SummaryStep)
+    assert step.summaries() == reference(events)
+    assert any("restoring again" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_a_restored_state_that_never_reaches_the_commit_stops_the_loop(settings) -> None:
+    topics, held, _ = stale_changelog(settings)
+    loop = make_loop(settings, topics, restore_timeout_s=4)
+    background = Background(loop.run)
+    try:
+        wait_until(lambda: not background.thread.is_alive(), 60, "the loop to stop")
+    finally:
+        held.abort_transaction(30)
+    with pytest.raises(StreamError) as stopped:
+        background.stop()
+    message = str(stopped.value)
+    assert "does not stand where the group committed" in message
+    assert f"reflects {topics.telemetry}[" in message and "the group committed offset" in message
+    assert loop.stats.messages == 0  # nothing processed from the stale state

@@ -21,7 +21,7 @@ from fleetline.config import KafkaSettings
 from fleetline.processors.health.fold import ClusterHealthPolicy, HealthFold
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.events import CLUSTER_HEALTH, CLUSTER_SIGNAL
-from fleetline.streams.loop import MessageStep, StreamLoop, produce, run_beside
+from fleetline.streams.loop import FoldStep, StreamLoop, produce, run_beside
 from fleetline.streams.records import Output, where
 from fleetline.streams.serde import AvroCodec, default_codec
 from fleetline.streams.store import FOLD_STORE, ChangelogStore, fold_store
@@ -80,7 +80,7 @@ def signal_output(topics: Topics, record: Mapping[str, Any], codec: AvroCodec) -
     )
 
 
-class HealthStep(MessageStep):
+class HealthStep(FoldStep[HealthFold]):
     """Folds one signal; its health records and the fold's new state go out in one
     transaction."""
 
@@ -91,15 +91,14 @@ class HealthStep(MessageStep):
         policy: ClusterHealthPolicy,
         codec: AvroCodec | None = None,
     ) -> None:
+        super().__init__()
         self.topics = topics
         self.state = store
         self.stores = [store]
         self.policy = policy
         self.codec = codec or default_codec()
-        self.fold: HealthFold | None = None
-        self.lock = threading.Lock()
 
-    def _restore(self) -> HealthFold:
+    def restore_fold(self) -> HealthFold:
         data = self.state.get(0, _KEY)
         # The configured policy wins over the stored one: thresholds are operator settings.
         fold = HealthFold.from_data(data) if data else HealthFold()
@@ -109,11 +108,10 @@ class HealthStep(MessageStep):
     def handle(self, message: Message) -> Sequence[Output]:
         _, _, offset = where(message)
         with self.lock:
-            if self.fold is None or offset != self.fold.position + 1:
-                self.fold = self._restore()
+            fold = self.fold()
             record = self.codec.decode(message.value(), expect=CLUSTER_SIGNAL).record
-            events = self.fold.step(record, offset)
-            self.state.put(0, _KEY, self.fold.as_data())
+            events = fold.step(record, offset)
+            self.state.put(0, _KEY, fold.as_data())
         return [
             Output(
                 self.topics.emergency,
@@ -122,10 +120,6 @@ class HealthStep(MessageStep):
             )
             for e in events
         ]
-
-    def aborted(self) -> None:
-        with self.lock:
-            self.fold = None
 
 
 @dataclass

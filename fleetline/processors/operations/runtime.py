@@ -49,7 +49,7 @@ from fleetline.processors.scheduling.runtime import read_topic, request_output
 from fleetline.processors.view.read import ViewSource
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.events import AUDIT_EVENT, NODE_COMMAND, OPS_EVENT, REPAIR_TICKET
-from fleetline.streams.loop import MessageStep, StreamLoop, deliver, produce, run_beside
+from fleetline.streams.loop import FoldStep, StreamLoop, deliver, produce, run_beside
 from fleetline.streams.records import Output, where
 from fleetline.streams.serde import AvroCodec, default_codec
 from fleetline.streams.store import FOLD_STORE, ChangelogStore, fold_store
@@ -130,39 +130,31 @@ def committed(store: ChangelogStore[Any]) -> OpsFold:
     return OpsFold.from_records({key.decode(): value for key, value in store.items([0])})
 
 
-class OpsStep(MessageStep):
+class OpsStep(FoldStep[OpsFold]):
     """Folds one operations event; its effects and the fold's changed records go out in one
     transaction."""
 
     def __init__(
         self, topics: Topics, store: ChangelogStore[Any], codec: AvroCodec | None = None
     ) -> None:
+        super().__init__()
         self.topics = topics
         self.state = store
         self.stores = [store]
         self.codec = codec or default_codec()
-        self.fold: OpsFold | None = None
-        self.lock = threading.Lock()
 
-    def _restore(self, offset: int) -> OpsFold:
-        fold = committed(self.state)
-        if fold.position != offset - 1:
-            log.warning(
-                "operations: state stands at %d, the log resumes at %d", fold.position, offset
-            )
-            fold.position = offset - 1
-        return fold
+    def restore_fold(self) -> OpsFold:
+        return committed(self.state)
 
     def handle(self, message: Message) -> Sequence[Output]:
         _, _, offset = where(message)
         with self.lock:
-            if self.fold is None or offset != self.fold.position + 1:
-                self.fold = self._restore(offset)
+            fold = self.fold()
             event = self.codec.decode(message.value(), expect=OPS_EVENT).record
             try:
-                effects = self.fold.step(event, offset)
+                effects = fold.step(event, offset)
             finally:
-                for key, value in self.fold.drain_dirty():
+                for key, value in fold.drain_dirty():
                     self.state.put(0, key.encode(), value)
             return [self._output(e) for e in effects]
 
@@ -208,10 +200,6 @@ class OpsStep(MessageStep):
         # The id follows from the log position: a redelivered batch chains it once.
         event["event_id"] = effect.event_id
         return Output(self.topics.audit_requests, b"_fleet", self.codec.encode(AUDIT_EVENT, event))
-
-    def aborted(self) -> None:
-        with self.lock:
-            self.fold = None
 
 
 @dataclass

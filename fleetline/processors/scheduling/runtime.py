@@ -52,7 +52,7 @@ from fleetline.streams.events import (
     SCHEDULING_DECISION,
     WORKLOAD_ORDER,
 )
-from fleetline.streams.loop import MessageStep, StreamLoop, deliver, produce, run_beside
+from fleetline.streams.loop import FoldStep, StreamLoop, deliver, produce, run_beside
 from fleetline.streams.records import Offsets, Output, where
 from fleetline.streams.serde import AvroCodec, default_codec
 from fleetline.streams.store import FOLD_STORE, ChangelogStore, fold_store
@@ -98,7 +98,7 @@ class Observations:
             return self._seen.get(_offsets_key(offsets))
 
 
-class SchedulerStep(MessageStep):
+class SchedulerStep(FoldStep[Scheduler]):
     """Folds one request into the scheduler; its effects become the transaction's outputs and
     its changed state the store's changelog records, in the same transaction."""
 
@@ -110,38 +110,27 @@ class SchedulerStep(MessageStep):
         observations: Observations,
         codec: AvroCodec | None = None,
     ) -> None:
+        super().__init__()
         self.topics = topics
         self.state = store  # the scheduler's state as changelog records
         self.stores = [store]
         self.facts_at = facts_at
         self.observations = observations
         self.codec = codec or default_codec()
-        self.scheduler: Scheduler | None = None
         self.decisions = 0
-        self.lock = threading.Lock()
 
-    def _restore(self, offset: int) -> Scheduler:
+    @property
+    def scheduler(self) -> Scheduler | None:
+        """The live scheduler (None until the first request after a restore)."""
+        return self._fold
+
+    def restore_fold(self) -> Scheduler:
         records = {key.decode(): value for key, value in self.state.items([0])}
         if not records:
             # The default policy: a configured one reaches the state only through a POLICY
             # request in the log, so a replay, which folds the same log, uses it from there too.
-            scheduler = Scheduler()
-            if offset > 0:
-                log.warning(
-                    "scheduler: no state in the store but the log resumes at %d; starting empty",
-                    offset,
-                )
-            scheduler.position = offset - 1
-            return scheduler
-        facts = self._facts(Scheduler.view_offsets_of(records))
-        scheduler = Scheduler.from_records(records, facts)
-        if scheduler.position != offset - 1:
-            log.warning(
-                "scheduler: state stands at request %d, the log resumes at %d",
-                scheduler.position,
-                offset,
-            )
-        return scheduler
+            return Scheduler()
+        return Scheduler.from_records(records, self._facts(Scheduler.view_offsets_of(records)))
 
     def _facts(self, offsets: Offsets) -> FleetFacts:
         seen = self.observations.get(offsets)
@@ -152,18 +141,15 @@ class SchedulerStep(MessageStep):
     def handle(self, message: Message) -> Sequence[Output]:
         _, _, offset = where(message)
         with self.lock:
-            if self.scheduler is None or offset != self.scheduler.position + 1:
-                # A fresh start, a rebalance or an aborted batch: the committed store is the
-                # truth, and the in-memory state is rebuilt from it.
-                self.scheduler = self._restore(offset)
+            scheduler = self.fold()
             request = self.codec.decode(message.value(), expect=SCHEDULER_REQUEST).record
             facts = None
             if request["kind"] == "TICK":
                 facts = self._facts(offsets_of(request))
             try:
-                effects = self.scheduler.step(request, offset, facts)
+                effects = scheduler.step(request, offset, facts)
             finally:
-                for key, value in self.scheduler.drain_dirty():
+                for key, value in scheduler.drain_dirty():
                     self.state.put(0, key.encode(), value)
             outputs = self._outputs(effects)
             if any(isinstance(e, Decision) for e in effects):
@@ -180,7 +166,7 @@ class SchedulerStep(MessageStep):
             seed = f"order/{effect.job}/{effect.epoch}/{effect.attempt}/{effect.action}"
         else:
             job_key = getattr(effect, "job", None)
-            job = self.scheduler.jobs.get(job_key) if self.scheduler and job_key else None
+            job = self._fold.jobs.get(job_key) if self._fold and job_key else None
             trace_id = job.trace_id if job is not None else None
             seed = (
                 f"decision/{effect.decision_id}"
@@ -211,11 +197,6 @@ class SchedulerStep(MessageStep):
                 )
             )
         return out
-
-    def aborted(self) -> None:
-        """Forget the in-memory state (the next message rebuilds it from the store)."""
-        with self.lock:
-            self.scheduler = None
 
 
 @dataclass
