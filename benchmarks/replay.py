@@ -184,7 +184,7 @@ def main() -> None:
         )
         follower = ViewFollower(settings.kafka, topics)
         try:
-            replayed = replay_decisions(settings.kafka, topics, follower.facts)
+            replayed = replay_decisions(settings.kafka, topics, follower.facts, compare_state=False)
         finally:
             follower.close()
     assert replayed.ok, replayed.first_difference

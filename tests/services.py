@@ -116,14 +116,17 @@ def service_env(settings: Settings, chdb_dir: Path | None = None) -> dict[str, s
     return env
 
 
-def serve_command(prefix: str, group: str, *flags: str, audit: bool = False) -> list[str]:
+def serve_command(
+    prefix: str, group: str, *flags: str, audit: bool = False, verbose: bool = False
+) -> list[str]:
     """`fleetline serve` as a child process: the view and the scheduler, without the API or
     tiering unless `flags` ask for more, and without the audit linker and chainer unless
-    `audit`."""
+    `audit`; logging at INFO with `verbose`."""
     return [
         sys.executable,
         "-m",
         "fleetline.cli",
+        *(("-v",) if verbose else ()),
         "serve",
         "--no-api",
         *(() if audit else ("--no-audit",)),

@@ -255,8 +255,9 @@ def replay(
         bool,
         typer.Option(
             help="refold the scheduler's request log, observing the view at every TICK's "
-            "offsets, and check each decision against the log byte for byte (exit 2 at the first "
-            "difference)"
+            "offsets, and check each decision against the log byte for byte, then the "
+            "scheduler's committed state against the refolded one record by record (exit 2 at "
+            "the first difference)"
         ),
     ] = False,
     operations: Annotated[
@@ -384,6 +385,9 @@ def _replay_decisions(config: Settings, topics: Topics, group: str, no_snapshots
                 "matched": result.matched,
                 "first_difference": result.first_difference,
                 "requests_not_yet_decided": result.unprocessed,
+                "state": result.state,
+                "state_records": result.state_records,
+                "state_difference": result.state_difference,
                 "view_rebuilds": follower.rebuilds,
                 "view_events_folded": follower.folded,
                 "seconds": round(result.seconds, 3),

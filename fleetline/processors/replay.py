@@ -25,11 +25,11 @@ from fleetline.errors import InvalidEventError, StreamError
 from fleetline.processors.operations.fold import Command, OpsFold, TicketChanged
 from fleetline.processors.operations.runtime import command_record, ticket_record
 from fleetline.processors.scheduling.capacity import FleetFacts, observe, observe_summaries
-from fleetline.processors.scheduling.codec import effect_record, offsets_of
+from fleetline.processors.scheduling.codec import canonical_json, effect_record, offsets_of
 from fleetline.processors.scheduling.effects import Decision
 from fleetline.processors.scheduling.policy import SchedulingPolicy
 from fleetline.processors.scheduling.runtime import APPLICATION_ID as SCHEDULER_APP
-from fleetline.processors.scheduling.runtime import read_topic
+from fleetline.processors.scheduling.runtime import read_state, read_topic
 from fleetline.processors.scheduling.scheduler import Scheduler
 from fleetline.processors.view.fold import compose, node_status
 from fleetline.processors.view.folder import PartFolder
@@ -509,10 +509,15 @@ class DecisionReplay:
     unprocessed: int = 0
     seconds: float = 0.0
     scheduler: Scheduler | None = None
+    # The live scheduler's committed state (its changelog) against the replayed one: "equal",
+    # "differs" (`state_difference` says where) or "not compared" (why, in `state_difference`).
+    state: str = "not compared"
+    state_records: int = 0
+    state_difference: str | None = None
 
     @property
     def ok(self) -> bool:
-        return self.first_difference is None
+        return self.first_difference is None and self.state != "differs"
 
 
 def replay_decisions(
@@ -521,10 +526,12 @@ def replay_decisions(
     facts_at: Callable[[Offsets, FleetFacts | None], FleetFacts],
     policy: SchedulingPolicy | None = None,
     codec: AvroCodec | None = None,
+    compare_state: bool = True,
 ) -> DecisionReplay:
     """Fold the request log again, observing what each TICK names (the view at its offsets, or
     the shards' summaries: `ViewFollower.facts`), and compare each decision with the one the
-    log holds, byte for byte.
+    log holds, byte for byte; with `compare_state`, then the replayed scheduler's state with
+    the live one's committed state, record by record.
 
     The log is folded as far as the scheduler has committed (its decisions and its consumed
     offset go in one transaction): requests appended after it stopped have no decisions yet,
@@ -583,8 +590,42 @@ def replay_decisions(
                 f"the log has decision {was['decision_id']} that the replay did not make"
             )
     result.scheduler = scheduler
+    if compare_state and result.first_difference is None:
+        _compare_state(kafka, topics, scheduler, committed, result)
     result.seconds = time.perf_counter() - began
     return result
+
+
+def _compare_state(
+    kafka: KafkaSettings,
+    topics: Topics,
+    replayed: Scheduler,
+    committed: int | None,
+    result: DecisionReplay,
+) -> None:
+    """The live scheduler's changelog against the replayed state, where the changelog stands at
+    the offset the replay folded to (a scheduler still running may have moved on since)."""
+    live = read_state(kafka, topics)
+    stands = live.positions(0).get(topics.scheduler_requests)
+    if stands != committed:
+        result.state_difference = (
+            f"the scheduler's changelog reflects its log up to {stands}, its group committed "
+            f"{committed} when the replay began (a running scheduler moves on)"
+        )
+        return
+    theirs = {key.decode(): canonical_json(value) for key, value in live.items([0])}
+    ours = {key: canonical_json(value) for key, value in replayed.records() if value is not None}
+    result.state_records = len(theirs)
+    for key in sorted(set(theirs) | set(ours)):
+        if theirs.get(key) != ours.get(key):
+            result.state = "differs"
+            result.state_difference = (
+                f"record {key}: the live scheduler has "
+                f"{(theirs.get(key) or 'none')[:200]}, the replay has "
+                f"{(ours.get(key) or 'none')[:200]}"
+            )
+            return
+    result.state = "equal"
 
 
 @dataclass

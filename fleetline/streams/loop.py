@@ -15,7 +15,10 @@ Kafka. It commits in one of two ways, as Kafka Streams does:
   reflects against the group's committed offsets and processes nothing until they agree:
   restored again while they differ, a `StreamError` naming both once `restore_timeout_s` has
   passed. A restore that stopped short (a changelog whose transaction markers have not reached
-  its new leader yet) is caught there, not taken for the whole state.
+  its new leader yet) is caught there, not taken for the whole state. A transactional call
+  that stalls past `transaction_call_timeout_s` (librdkafka can block in one after the group
+  coordinator's broker died) is treated as an abort: a new producer with the same
+  transactional id fences the stalled one and the batch is processed again.
 - **Effect first** (`exactly_once=False`): dead letters are flushed, the step stores the batch
   (`store`; with `overlap`, in a writer thread while the next batch is received and prepared,
   stores still in order), and only then are offsets committed. Such steps say where each
@@ -276,6 +279,11 @@ class StreamLoop:
     # How long a restored state may take to reach the group's committed offsets (restored
     # again meanwhile) before the loop stops rather than process from a stale state.
     restore_timeout_s: float = 60.0
+    # The longest a transaction's offsets or commit may take. librdkafka can leave
+    # send_offsets_to_transaction blocked past its own timeout when the group's coordinator
+    # broker died (confluentinc/librdkafka issues 5456 and 5511); past this the producer is
+    # fenced by a new one with the same transactional id and the batch is processed again.
+    transaction_call_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.global_inputs and self.exactly_once:
@@ -288,6 +296,9 @@ class StreamLoop:
         self._commit_retry_at = 0.0
         self._messages = metrics.STREAM_MESSAGES.labels(self.name)
         self._batches = metrics.STREAM_BATCHES.labels(self.name)
+        # Producers fenced after a transactional call stalled, kept so that the call still
+        # blocked in one is never left with a freed client.
+        self._fenced: list[Producer] = []
         self._process_seconds = metrics.STREAM_PROCESS_SECONDS.labels(self.name)
         self._store_seconds = metrics.STREAM_STORE_SECONDS.labels(self.name)
 
@@ -350,7 +361,7 @@ class StreamLoop:
                 messages = self._receive(consumer, global_consumer, stop)
                 if messages:
                     if self.exactly_once:
-                        self._transact(producer, consumer, messages)
+                        producer = self._transact(producer, consumer, messages)
                     else:
                         self._store(producer, writer, messages)
                 elif self.ready.is_set():
@@ -494,7 +505,11 @@ class StreamLoop:
 
     # -- exactly once -------------------------------------------------------------------------
 
-    def _transact(self, producer: Producer, consumer: Consumer, messages: list[Message]) -> None:
+    def _transact(
+        self, producer: Producer, consumer: Consumer, messages: list[Message]
+    ) -> Producer:
+        """Process a batch in one transaction; the producer for the next one (a new one when
+        this one's transactional call stalled)."""
         producer.begin_transaction()
         try:
             result = self._process(messages)
@@ -510,29 +525,74 @@ class StreamLoop:
             for store in self.step.stores:
                 for partition, key, value in store.pending_changelog():
                     produce(producer, Output(store.changelog_topic, key, value, partition))
-            producer.send_offsets_to_transaction(
-                kafka_clients.topic_partitions(consumed),
-                consumer.consumer_group_metadata(),
-                30,
+            timeout_s = self.transaction_call_timeout_s
+            self._within(
+                "sending the batch's offsets to its transaction",
+                timeout_s,
+                lambda: producer.send_offsets_to_transaction(
+                    kafka_clients.topic_partitions(consumed),
+                    consumer.consumer_group_metadata(),
+                    max(1.0, timeout_s - 5),
+                ),
             )
-            _commit_transaction(producer)
+            self._within(
+                "committing the batch's transaction",
+                timeout_s * 5,
+                lambda: _commit_transaction(producer, timeout_s),
+            )
+        except _Stalled as stalled:
+            log.warning(
+                "%s: %s; a new producer with the same transactional id fences this one (its "
+                "transaction is aborted unless it committed) and the batch is processed again",
+                self.name,
+                stalled,
+            )
+            self._fenced.append(producer)
+            producer = self._producer()
+            self._abandon_batch(consumer)
         except KafkaException as exc:
             error: KafkaError = exc.args[0]
             if error.fatal():
                 raise StreamError(f"{self.name}: fatal Kafka error: {error.str()}") from None
             log.warning("%s: aborting a batch after %s", self.name, error.str())
-            self.stats.aborts += 1
-            if self.metrics:
-                metrics.STREAM_ABORTS.labels(self.name).inc()
             producer.abort_transaction(60)
+            self._abandon_batch(consumer)
+        else:
             for store in self.step.stores:
-                store.abort()
-            self.step.aborted()
-            self._rewind(consumer)
-            return
+                store.commit()
+            self._count(messages, result)
+        return producer
+
+    def _abandon_batch(self, consumer: Consumer) -> None:
+        """After an aborted transaction: forget its writes and hand its messages over again."""
+        self.stats.aborts += 1
+        if self.metrics:
+            metrics.STREAM_ABORTS.labels(self.name).inc()
         for store in self.step.stores:
-            store.commit()
-        self._count(messages, result)
+            store.abort()
+        self.step.aborted()
+        self._rewind(consumer)
+
+    def _within(self, what: str, timeout_s: float, call: Callable[[], object]) -> None:
+        """Make a transactional call that may block past its own timeout, in a thread of its
+        own; _Stalled if it has not returned after `timeout_s`, its error if it raised."""
+        raised: list[BaseException] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                call()
+            # Thread boundary: the error is raised again in the loop's thread below.
+            except BaseException as exc:
+                raised.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name=f"{self.name}-txn", daemon=True).start()
+        if not done.wait(timeout_s):
+            raise _Stalled(f"{what} did not return within {timeout_s:.0f} s")
+        if raised:
+            raise raised[0]
 
     def _rewind(self, consumer: Consumer) -> None:
         """Seek every assigned partition back to its committed offset (the aborted batch's
@@ -580,6 +640,12 @@ class StreamLoop:
         attempt = 0
         while True:
             attempt += 1
+            log.info(
+                "%s: restoring partition(s) %s of %s",
+                self.name,
+                numbers,
+                ", ".join(store.changelog_topic for store in self.step.stores),
+            )
             committed = self._committed(consumer, partitions, deadline)
             began = time.monotonic()
             for store in self.step.stores:
@@ -589,11 +655,9 @@ class StreamLoop:
             differences = self._differences(committed)
             if not differences:
                 log.info(
-                    "%s: restored %s partition(s) %s in %.2f s (attempt %d), at the committed "
-                    "offsets",
+                    "%s: restored in %.2f s (attempt %d); the state stands at the group's "
+                    "committed offsets",
                     self.name,
-                    ", ".join(store.changelog_topic for store in self.step.stores),
-                    numbers,
                     time.monotonic() - began,
                     attempt,
                 )
@@ -719,11 +783,15 @@ def produce(
             producer.poll(0.1)  # local queue full: let librdkafka deliver, then try again
 
 
-def _commit_transaction(producer: Producer, attempts: int = 5) -> None:
+class _Stalled(Exception):
+    """A transactional call did not return in time (see `transaction_call_timeout_s`)."""
+
+
+def _commit_transaction(producer: Producer, timeout_s: float = 60.0, attempts: int = 5) -> None:
     """Commit, retrying what librdkafka calls retriable (a commit timeout)."""
     for attempt in range(attempts):
         try:
-            producer.commit_transaction(60)
+            producer.commit_transaction(timeout_s)
             return
         except KafkaException as exc:
             error: KafkaError = exc.args[0]

@@ -190,3 +190,6 @@ def test_decisions_over_kafka_survive_a_restart_and_replay_byte_for_byte(setting
     assert replayed.ok, replayed.first_difference
     assert replayed.matched == len(decisions_of(settings.kafka, topics)) > 10
     assert replayed.ticks > 5 and replayed.unprocessed == 1
+    # The state the scheduler committed across its restart is the state the log folds to.
+    assert replayed.state == "equal", replayed.state_difference
+    assert replayed.state_records > 3

@@ -306,3 +306,57 @@ def test_a_restored_state_that_never_reaches_the_commit_stops_the_loop(settings)
     assert "does not stand where the group committed" in message
     assert f"reflects {topics.telemetry}[" in message and "the group committed offset" in message
     assert loop.stats.messages == 0  # nothing processed from the stale state
+
+
+class StallingProducer:
+    """A transactional producer whose first send_offsets_to_transaction does not return until
+    released, as librdkafka's may not when the group coordinator's broker has died."""
+
+    def __init__(self, real, release: threading.Event) -> None:
+        self.real = real
+        self.release = release
+        self.stalled = False
+
+    def send_offsets_to_transaction(self, *args):
+        if not self.stalled:
+            self.stalled = True
+            self.release.wait(120)
+        return self.real.send_offsets_to_transaction(*args)
+
+    def __getattr__(self, name: str):
+        return getattr(self.real, name)
+
+
+def test_a_stalled_transactional_call_is_fenced_and_its_batch_processed_again(settings) -> None:
+    topics = setup_topics(settings)
+    out_topic = f"{topics.prefix}.out"
+    kafka_clients.ensure_topics(settings.kafka, [TopicSpec(out_topic, 1)])
+    events = publish_run(settings, topics, small_fleet(nodes=1), ticks=3)
+    loop = make_loop(settings, topics)
+    loop.transaction_call_timeout_s = 3
+    step = loop.step
+    assert isinstance(step, SummaryStep)
+    fold = step.handle
+
+    def echoed(message: Message) -> list[Output]:
+        fold(message)
+        return [Output(out_topic, message.key(), message.value())]
+
+    step.handle = echoed  # type: ignore[method-assign]
+    new_producer = loop._producer
+    made = []
+    release = threading.Event()
+
+    def producer():
+        made.append(new_producer())
+        return StallingProducer(made[-1], release) if len(made) == 1 else made[-1]
+
+    loop._producer = producer  # type: ignore[method-assign]
+    try:
+        run_until(loop, len(events), "the loop")
+    finally:
+        release.set()
+    assert loop.stats.aborts == 1 and len(made) == 2
+    assert step.summaries() == reference(events)  # nothing folded twice, nothing lost
+    # The stalled transaction was aborted by the fence: each input's output once.
+    assert len(read_all(settings, out_topic, len(events))) == len(events)
