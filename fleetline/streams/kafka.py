@@ -24,6 +24,7 @@ from fleetline.probe import refusal
 from fleetline.streams.records import where
 from fleetline.streams.topics import TopicSpec
 
+log = logging.getLogger(__name__)
 # The Java clients' default partitioner, so every client maps a key to the same partition.
 PARTITIONER = "murmur2_random"
 
@@ -64,41 +65,61 @@ def probe(kafka: KafkaSettings, timeout_s: float = 5.0) -> None:
 
 
 def ensure_topics(
-    kafka: KafkaSettings, specs: Iterable[TopicSpec], timeout_s: float = 30.0
+    kafka: KafkaSettings, specs: Iterable[TopicSpec], timeout_s: float = 60.0
 ) -> None:
     """Create the topics that do not exist yet, replicated as the settings say (by default as
-    the cluster's defaults say); an existing topic is left as it is."""
+    the cluster's defaults say); an existing topic is left as it is. While the cluster's
+    controller moves (a broker lost: "Timed out waiting for controller") the creation is asked
+    again, with fresh metadata, until `timeout_s`."""
     specs = list(specs)
     durability = (
         {"min.insync.replicas": str(kafka.min_insync_replicas)}
         if kafka.min_insync_replicas is not None
         else {}
     )
-    new = [
-        NewTopic(
-            spec.name,
-            num_partitions=spec.partitions,
-            replication_factor=kafka.replication_factor,
-            config={**durability, **spec.config},
-        )
-        for spec in specs
-    ]
-    if not new:
+    if not specs:
         return
-    # Keep the client referenced until every future resolves: collecting it cancels them.
-    admin = admin_client(kafka)
-    futures = admin.create_topics(new, operation_timeout=timeout_s, request_timeout=timeout_s)
-    for name, future in futures.items():
-        try:
-            future.result(timeout=timeout_s)
-        except KafkaException as exc:
-            if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
-                raise StreamError(f"creating topic {name}: {exc.args[0].str()}") from None
+    deadline = time.monotonic() + timeout_s
+    pending = {spec.name: spec for spec in specs}
+    while pending:
+        left = max(1.0, deadline - time.monotonic())
+        # Keep the client referenced until every future resolves: collecting it cancels them.
+        admin = admin_client(kafka)
+        futures = admin.create_topics(
+            [
+                NewTopic(
+                    spec.name,
+                    num_partitions=spec.partitions,
+                    replication_factor=kafka.replication_factor,
+                    config={**durability, **spec.config},
+                )
+                for spec in pending.values()
+            ],
+            operation_timeout=min(left, 30.0),
+            request_timeout=min(left, 30.0),
+        )
+        why = ""
+        for name, future in futures.items():
+            try:
+                future.result(timeout=left + 5)
+            except KafkaException as exc:
+                error: KafkaError = exc.args[0]
+                if error.code() == KafkaError.TOPIC_ALREADY_EXISTS:
+                    pass
+                elif moving(error) and time.monotonic() < deadline:
+                    why = error.str()
+                    continue
+                else:
+                    raise StreamError(f"creating topic {name}: {error.str()}") from None
+            pending.pop(name)
+        if pending:
+            log.warning("creating %d topic(s) (asked again): %s", len(pending), why)
+            time.sleep(1.0)
     # Created is not yet visible: a consumer subscribing before the broker's metadata has the
     # topic gets "Subscribed topic not available". Return once every topic is listed.
-    deadline = time.monotonic() + timeout_s
+    admin = admin_client(kafka)
     while True:
-        listed = admin.list_topics(timeout=timeout_s).topics
+        listed = admin.list_topics(timeout=max(1.0, deadline - time.monotonic())).topics
         missing = [
             spec.name
             for spec in specs

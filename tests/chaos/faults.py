@@ -72,8 +72,9 @@ def group_coordinator(kafka: KafkaSettings, group: str) -> int:
     by_hash = coordinator(kafka, "__consumer_offsets", group)
     # The broker's own answer, to keep the hash above honest (it is what the next helper
     # relies on for transactional ids, which no admin call of this client describes).
-    described = kafka_clients.admin_client(kafka).describe_consumer_groups([group])[group]
-    assert described.result(30).coordinator.id == by_hash, (group, by_hash)
+    admin = kafka_clients.admin_client(kafka)  # referenced until its future resolves
+    described = admin.describe_consumer_groups([group], request_timeout=30)[group].result(60)
+    assert described.coordinator.id == by_hash, (group, by_hash)
     return by_hash
 
 

@@ -67,3 +67,50 @@ def test_transactions_hide_aborted_records_from_read_committed_consumers(setting
     assert committed == [b"committed-1", b"committed-2"]
     everything = [m.value() for m in read_all(settings, topics.telemetry, 3, committed_only=False)]
     assert everything == [b"committed-1", b"aborted", b"committed-2"]
+
+
+def test_a_read_to_the_end_stops_at_the_last_stable_offset_and_settles_past_it(settings) -> None:
+    """The end a read_committed reader reaches is the last stable offset, not the high
+    watermark: a transaction still open holds it back. With `settle`, the ends are asked again
+    once reached, so a transaction that commits during the read is read too."""
+    import threading
+    import uuid
+
+    from fleetline.streams.topics import TopicSpec
+
+    topic = f"{fresh_topics().prefix}.log"
+    kafka_clients.ensure_topics(settings.kafka, [TopicSpec(topic, 1)])
+    plain = kafka_clients.producer(settings.kafka)
+    plain.produce(topic, key=b"k", value=b"before")
+    plain.flush(30)
+    held = kafka_clients.producer(settings.kafka, transactional_id=f"t-{uuid.uuid4().hex[:8]}")
+    held.init_transactions(30)
+    held.begin_transaction()
+    held.produce(topic, key=b"k", value=b"held")
+    held.flush(30)
+
+    ((low, end),) = kafka_clients.stable_bounds(settings.kafka, topic, [0]).values()
+    assert (low, end) == (0, 1)  # the open transaction's record is at 1: the end stays at 1
+
+    def values(settle: bool) -> list[bytes]:
+        return [
+            m.value()
+            for m in kafka_clients.read_to_end(
+                settings.kafka, topic, [0], f"r-{uuid.uuid4().hex}", 30, settle=settle
+            )
+        ]
+
+    assert values(settle=False) == [b"before"]
+    # A reader that settles meets the end again once it reached it; the commit lands between.
+    reached = threading.Event()
+    reader = kafka_clients.read_to_end(
+        settings.kafka, topic, [0], f"r-{uuid.uuid4().hex}", 30, settle=True
+    )
+    first = next(reader)
+    assert first.value() == b"before"
+    committer = threading.Thread(target=lambda: (held.commit_transaction(30), reached.set()))
+    committer.start()
+    committer.join(30)
+    assert reached.is_set()
+    assert [m.value() for m in reader] == [b"held"]
+    assert values(settle=False) == [b"before", b"held"]

@@ -274,22 +274,32 @@ def test_a_restore_that_stops_short_is_restored_again_until_it_stands_at_the_com
     settings, caplog
 ) -> None:
     topics, held, events = stale_changelog(settings)
-    release = threading.Timer(3.0, lambda: held.abort_transaction(30))
-    release.start()
     loop = make_loop(settings, topics, restore_timeout_s=60)
+
+    def restored_again() -> bool:
+        return any("restoring again" in r.getMessage() for r in caplog.records)
+
+    def release_once_refused() -> None:
+        # The transaction ends (as a late marker lands) only after the loop refused the
+        # state it first restored.
+        wait_until(restored_again, 60, "the loop to refuse its first restore")
+        held.abort_transaction(30)
+
     with caplog.at_level(logging.WARNING, logger="fleetline.streams.loop"):
+        release = threading.Thread(target=release_once_refused, daemon=True)
+        release.start()
         background = Background(loop.run)
         try:
             wait_until(loop.ready.is_set, 60, "the loop to restore and be assigned")
             wait_until(loop.caught_up.is_set, 30, "the loop to catch up")
         finally:
             background.stop()
-            release.join()
+            release.join(60)
+    assert restored_again()
     assert loop.stats.messages == 0  # nothing was folded again
     step = loop.step
     assert isinstance(step, SummaryStep)
     assert step.summaries() == reference(events)
-    assert any("restoring again" in r.getMessage() for r in caplog.records), caplog.text
 
 
 def test_a_restored_state_that_never_reaches_the_commit_stops_the_loop(settings) -> None:
