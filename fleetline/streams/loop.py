@@ -9,16 +9,18 @@ Kafka. It commits in one of two ways, as Kafka Streams does:
 - **Exactly once** (`exactly_once=True`): outputs, dead letters, the step's changelog records
   (with the input position they reflect) and the consumed offsets go in one transaction. An
   abortable error aborts it, drops the stores' pending writes, tells the step (`aborted`) and
-  rewinds to the committed offsets; a fatal one stops the loop loudly (`StreamError`); a
-  retriable commit is retried. After every restore of the stores (an assignment, or an abort
-  whose state no longer matches the group's offsets) the loop checks the position the state
-  reflects against the group's committed offsets and processes nothing until they agree:
-  restored again while they differ, a `StreamError` naming both once `restore_timeout_s` has
-  passed. A restore that stopped short (a changelog whose transaction markers have not reached
-  its new leader yet) is caught there, not taken for the whole state. A transactional call
-  that stalls past `transaction_call_timeout_s` (librdkafka can block in one after the group
-  coordinator's broker died) is treated as an abort: a new producer with the same
-  transactional id fences the stalled one and the batch is processed again.
+  rewinds to the committed offsets; a retriable commit is retried. A producer that cannot
+  abort (a fatal error, a failed abort, a transactional call stalled past
+  `transaction_call_timeout_s`: librdkafka can block in one after the group coordinator's
+  broker died) is fenced by a new one with the same transactional id and the batch redone the
+  same way, up to 5 times in 5 minutes; a producer fenced by another (a second instance with
+  the same id) stops the loop loudly (`StreamError`).
+  After every restore of the stores (an assignment, or an abort whose state no longer matches
+  the group's offsets) the loop checks the position the state reflects against the group's
+  committed offsets and processes nothing until they agree: restored again while they differ,
+  a `StreamError` naming both once `restore_timeout_s` has passed. A restore that stopped
+  short (a changelog whose transaction markers have not reached its new leader yet) is caught
+  there, not taken for the whole state.
 - **Effect first** (`exactly_once=False`): dead letters are flushed, the step stores the batch
   (`store`; with `overlap`, in a writer thread while the next batch is received and prepared,
   stores still in order), and only then are offsets committed. Such steps say where each
@@ -299,6 +301,7 @@ class StreamLoop:
         # Producers fenced after a transactional call stalled, kept so that the call still
         # blocked in one is never left with a freed client.
         self._fenced: list[Producer] = []
+        self._replaced: list[float] = []  # when a producer was last replaced
         self._process_seconds = metrics.STREAM_PROCESS_SECONDS.labels(self.name)
         self._store_seconds = metrics.STREAM_STORE_SECONDS.labels(self.name)
 
@@ -382,7 +385,12 @@ class StreamLoop:
             consumer.close()
             if global_consumer is not None:
                 global_consumer.close()
-            producer.flush(10)
+            try:
+                producer.flush(10)
+            except KafkaException as exc:
+                # A producer that failed for good has nothing left to deliver; its error is
+                # not to hide the one that stopped the loop.
+                log.warning("%s: flushing the producer at the end: %s", self.name, exc)
 
     # -- receiving ----------------------------------------------------------------------------
 
@@ -392,12 +400,28 @@ class StreamLoop:
         producer = kafka_clients.producer(
             self.kafka,
             {"transaction.timeout.ms": 60000, **self.producer_config},
-            transactional_id=f"{self.name}-{self.instance_id}",
+            transactional_id=self.transactional_id,
         )
         # Fence any zombie with our transactional id first, so its open transaction is aborted
-        # before the stores are restored from their changelogs.
-        producer.init_transactions(60)
-        return producer
+        # before the stores are restored from their changelogs. While the transaction
+        # coordinator cannot answer (its log short of in-sync replicas) this is asked again.
+        deadline = time.monotonic() + INIT_TRANSACTIONS_TIMEOUT_S
+        while True:
+            try:
+                producer.init_transactions(60)
+                return producer
+            except KafkaException as exc:
+                error: KafkaError = exc.args[0]
+                if not error.retriable() or time.monotonic() >= deadline:
+                    raise StreamError(
+                        f"{self.name}: initialising transactional id {self.transactional_id}: "
+                        f"{error.str()}"
+                    ) from None
+                log.warning("%s: initialising transactions (asked again): %s", self.name, error)
+
+    @property
+    def transactional_id(self) -> str:
+        return f"{self.name}-{self.instance_id}"
 
     def _global_consumer(self) -> Consumer | None:
         if not self.global_inputs:
@@ -509,9 +533,9 @@ class StreamLoop:
         self, producer: Producer, consumer: Consumer, messages: list[Message]
     ) -> Producer:
         """Process a batch in one transaction; the producer for the next one (a new one when
-        this one's transactional call stalled)."""
-        producer.begin_transaction()
+        this one could not end a failed transaction)."""
         try:
+            producer.begin_transaction()
             result = self._process(messages)
             consumed = kafka_clients.next_offsets(messages)
             for store in self.step.stores:
@@ -540,28 +564,59 @@ class StreamLoop:
                 timeout_s * 5,
                 lambda: _commit_transaction(producer, timeout_s),
             )
-        except _Stalled as stalled:
-            log.warning(
-                "%s: %s; a new producer with the same transactional id fences this one (its "
-                "transaction is aborted unless it committed) and the batch is processed again",
-                self.name,
-                stalled,
-            )
-            self._fenced.append(producer)
-            producer = self._producer()
-            self._abandon_batch(consumer)
-        except KafkaException as exc:
-            error: KafkaError = exc.args[0]
-            if error.fatal():
-                raise StreamError(f"{self.name}: fatal Kafka error: {error.str()}") from None
-            log.warning("%s: aborting a batch after %s", self.name, error.str())
-            producer.abort_transaction(60)
+        except (_Stalled, KafkaException) as failed:
+            producer = self._end_failed_transaction(producer, failed)
             self._abandon_batch(consumer)
         else:
             for store in self.step.stores:
                 store.commit()
             self._count(messages, result)
         return producer
+
+    def _end_failed_transaction(
+        self, producer: Producer, failure: _Stalled | KafkaException
+    ) -> Producer:
+        """End a transaction that failed: abort it, or, where this producer cannot (a call of
+        its stalled, it failed for good, the abort failed), fence it with a new producer of
+        the same transactional id, which aborts the transaction unless it committed. The
+        producer for the next batch. Fenced by another producer: StreamError."""
+        while True:
+            if isinstance(failure, KafkaException):
+                error: KafkaError = failure.args[0]
+                if error.code() in _FENCED:
+                    raise StreamError(
+                        f"{self.name}: another producer took transactional id "
+                        f"{self.transactional_id} over ({error.str()}); is a second instance "
+                        f"running with --instance-id {self.instance_id}?"
+                    ) from None
+                if not error.fatal():
+                    log.warning("%s: aborting a batch after %s", self.name, error.str())
+                    try:
+                        self._within(
+                            "aborting the batch's transaction",
+                            self.transaction_call_timeout_s * 2,
+                            lambda: producer.abort_transaction(self.transaction_call_timeout_s),
+                        )
+                        return producer
+                    except (_Stalled, KafkaException) as abort_failed:
+                        failure = abort_failed
+                        continue
+            now = time.monotonic()
+            self._replaced = [at for at in self._replaced if now - at < REPLACEMENT_WINDOW_S]
+            if len(self._replaced) >= MAX_REPLACEMENTS:
+                raise StreamError(
+                    f"{self.name}: the transactional producer failed {MAX_REPLACEMENTS + 1} "
+                    f"times in {REPLACEMENT_WINDOW_S:.0f} s, the last: {failure}"
+                )
+            self._replaced.append(now)
+            log.warning(
+                "%s: %s; a new producer with the same transactional id fences this one (its "
+                "transaction is aborted unless it committed) and the batch is processed again",
+                self.name,
+                failure.args[0].str() if isinstance(failure, KafkaException) else failure,
+            )
+            self._fenced.append(producer)
+            return self._producer()
 
     def _abandon_batch(self, consumer: Consumer) -> None:
         """After an aborted transaction: forget its writes and hand its messages over again."""
@@ -781,6 +836,18 @@ def produce(
             return
         except BufferError:
             producer.poll(0.1)  # local queue full: let librdkafka deliver, then try again
+
+
+# A producer fenced by another with its transactional id: a second instance with this one's
+# id runs, and replacing the producer would only fence that one back.
+_FENCED = frozenset(
+    {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH}
+)
+# How many times in how long a loop replaces a failed transactional producer before stopping.
+MAX_REPLACEMENTS = 5
+REPLACEMENT_WINDOW_S = 300.0
+# How long a new transactional producer may wait for the transaction coordinator.
+INIT_TRANSACTIONS_TIMEOUT_S = 300.0
 
 
 class _Stalled(Exception):

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
 import pytest
-from confluent_kafka import Message
+from confluent_kafka import KafkaError, KafkaException, Message
 
 from fleetline.errors import InvalidEventError, StreamError
 from fleetline.streams import kafka as kafka_clients
@@ -318,18 +318,22 @@ def test_a_restored_state_that_never_reaches_the_commit_stops_the_loop(settings)
     assert loop.stats.messages == 0  # nothing processed from the stale state
 
 
-class StallingProducer:
-    """A transactional producer whose first send_offsets_to_transaction does not return until
-    released, as librdkafka's may not when the group coordinator's broker has died."""
+class FailingProducer:
+    """A transactional producer whose first send_offsets_to_transaction fails as told: it
+    stalls until released (as librdkafka's may once the group coordinator's broker died), or
+    raises the given error."""
 
-    def __init__(self, real, release: threading.Event) -> None:
+    def __init__(self, real, release: threading.Event, error: KafkaError | None) -> None:
         self.real = real
         self.release = release
-        self.stalled = False
+        self.error = error
+        self.failed = False
 
     def send_offsets_to_transaction(self, *args):
-        if not self.stalled:
-            self.stalled = True
+        if not self.failed:
+            self.failed = True
+            if self.error is not None:
+                raise KafkaException(self.error)
             self.release.wait(120)
         return self.real.send_offsets_to_transaction(*args)
 
@@ -337,7 +341,34 @@ class StallingProducer:
         return getattr(self.real, name)
 
 
-def test_a_stalled_transactional_call_is_fenced_and_its_batch_processed_again(settings) -> None:
+def failing_first_producer(
+    loop: StreamLoop, error: KafkaError | None
+) -> tuple[list, threading.Event]:
+    """Make the loop's first producer fail once as `FailingProducer` says; the producers the
+    loop made, and the event that releases a stalled call."""
+    new_producer = loop._producer
+    made: list = []
+    release = threading.Event()
+
+    def producer():
+        made.append(new_producer())
+        return FailingProducer(made[-1], release, error) if len(made) == 1 else made[-1]
+
+    loop._producer = producer  # type: ignore[method-assign]
+    return made, release
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        None,
+        KafkaError(KafkaError.INVALID_TXN_STATE, "failed for good", fatal=True),
+    ],
+    ids=["stalled", "fatal"],
+)
+def test_a_producer_that_cannot_abort_is_fenced_and_its_batch_processed_again(
+    settings, failure
+) -> None:
     topics = setup_topics(settings)
     out_topic = f"{topics.prefix}.out"
     kafka_clients.ensure_topics(settings.kafka, [TopicSpec(out_topic, 1)])
@@ -353,20 +384,24 @@ def test_a_stalled_transactional_call_is_fenced_and_its_batch_processed_again(se
         return [Output(out_topic, message.key(), message.value())]
 
     step.handle = echoed  # type: ignore[method-assign]
-    new_producer = loop._producer
-    made = []
-    release = threading.Event()
-
-    def producer():
-        made.append(new_producer())
-        return StallingProducer(made[-1], release) if len(made) == 1 else made[-1]
-
-    loop._producer = producer  # type: ignore[method-assign]
+    made, release = failing_first_producer(loop, failure)
     try:
         run_until(loop, len(events), "the loop")
     finally:
         release.set()
     assert loop.stats.aborts == 1 and len(made) == 2
     assert step.summaries() == reference(events)  # nothing folded twice, nothing lost
-    # The stalled transaction was aborted by the fence: each input's output once.
+    # The failed transaction was aborted by the fence: each input's output once.
     assert len(read_all(settings, out_topic, len(events))) == len(events)
+
+
+def test_a_producer_fenced_by_another_stops_the_loop(settings) -> None:
+    topics = setup_topics(settings)
+    publish_run(settings, topics, small_fleet(nodes=1), ticks=1)
+    loop = make_loop(settings, topics)
+    failing_first_producer(loop, KafkaError(KafkaError.PRODUCER_FENCED, "fenced", fatal=True))
+    background = Background(loop.run)
+    wait_until(lambda: not background.thread.is_alive(), 60, "the loop to stop")
+    with pytest.raises(StreamError, match="is a second instance running with --instance-id 0"):
+        background.stop()
+    assert loop.stats.messages == 0
