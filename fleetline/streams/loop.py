@@ -904,6 +904,16 @@ def deliver(
     return [o for o in offsets if o is not None]
 
 
+def wait_for(event: threading.Event, stop: threading.Event, timeout_s: float) -> bool:
+    """Wait until `event` is set (True), or `stop` is set or `timeout_s` has passed (False): a
+    thread beside a loop waits so, and stops with it instead of after its timeout."""
+    deadline = time.monotonic() + timeout_s
+    while not event.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
+        if stop.is_set() or time.monotonic() >= deadline:
+            return event.is_set()
+    return True
+
+
 def run_beside(
     loop: StreamLoop, stop: threading.Event, side: Callable[[threading.Event], None], name: str
 ) -> None:

@@ -49,7 +49,14 @@ from fleetline.processors.scheduling.runtime import read_topic, request_output
 from fleetline.processors.view.read import ViewSource
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.events import AUDIT_EVENT, NODE_COMMAND, OPS_EVENT, REPAIR_TICKET
-from fleetline.streams.loop import FoldStep, StreamLoop, deliver, produce, run_beside
+from fleetline.streams.loop import (
+    FoldStep,
+    StreamLoop,
+    deliver,
+    produce,
+    run_beside,
+    wait_for,
+)
 from fleetline.streams.records import Output, where
 from fleetline.streams.serde import AvroCodec, default_codec
 from fleetline.streams.store import FOLD_STORE, ChangelogStore, fold_store
@@ -256,9 +263,11 @@ class OpsService:
     def _tick_loop(self, stop: threading.Event) -> None:
         producer = kafka_clients.producer(self.kafka, {"linger.ms": 0})
         try:
-            self.loop.ready.wait(120)
+            wait_for(self.loop.ready, stop, 120)
             caught_up = getattr(self.view, "caught_up", None)
-            if caught_up is not None and not caught_up.wait(300):
+            if caught_up is not None and not wait_for(caught_up, stop, 300):
+                if stop.is_set():
+                    return
                 log.warning("operations: the view has not caught up in 300 s; observing anyway")
             if self.policy is not None:
                 produce(

@@ -52,7 +52,14 @@ from fleetline.streams.events import (
     SCHEDULING_DECISION,
     WORKLOAD_ORDER,
 )
-from fleetline.streams.loop import FoldStep, StreamLoop, deliver, produce, run_beside
+from fleetline.streams.loop import (
+    FoldStep,
+    StreamLoop,
+    deliver,
+    produce,
+    run_beside,
+    wait_for,
+)
 from fleetline.streams.records import Offsets, Output, where
 from fleetline.streams.serde import AvroCodec, default_codec
 from fleetline.streams.store import FOLD_STORE, ChangelogStore, fold_store
@@ -249,7 +256,9 @@ class SchedulerService:
     def _tick_loop(self, stop: threading.Event) -> None:
         producer = kafka_clients.producer(self.kafka, {"linger.ms": 0})
         try:
-            if not self.loop.ready.wait(120):
+            if not wait_for(self.loop.ready, stop, 120):
+                if stop.is_set():
+                    return
                 log.warning("scheduler: no partition assigned in 120 s; ticking anyway")
             if self.sharded:
                 self._summaries = SummaryFollower(self.kafka, self.topics)
@@ -258,7 +267,9 @@ class SchedulerService:
                 # Observing a view still restoring its snapshots would make the fleet look
                 # smaller than it is; the first tick waits for the view to catch up.
                 caught_up = getattr(self.view, "caught_up", None)
-                if caught_up is not None and not caught_up.wait(300):
+                if caught_up is not None and not wait_for(caught_up, stop, 300):
+                    if stop.is_set():
+                        return
                     log.warning("scheduler: the view has not caught up in 300 s; ticking anyway")
             self._send_policy(producer)
             self.ticking.set()
