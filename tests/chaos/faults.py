@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import uuid
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -190,9 +191,7 @@ class Child:
 
     def __init__(self, command: Sequence[str], env: dict[str, str], log: Path) -> None:
         self.command = list(command)
-        # A child that does not stop in time is aborted: faulthandler prints where each of its
-        # threads stood into its log.
-        self.env = {**os.environ, "PYTHONFAULTHANDLER": "1", **env}
+        self.env = {**os.environ, **env}
         self.log_path = log
         self.kills = 0
         self.proc = self._start()
@@ -214,6 +213,21 @@ class Child:
         assert self.proc.poll() is not None, "still running"
         self.proc = self._start()
 
+    def _dump_threads(self) -> None:
+        """Where each thread of a child that does not stop stands, into its log (py-spy,
+        a dev dependency, reads a process's Python and native stacks from outside)."""
+        spy = Path(sys.executable).with_name("py-spy")
+        if not spy.exists():
+            return
+        with self.log_path.open("ab") as log:
+            subprocess.run(
+                [str(spy), "dump", "--native", "--pid", str(self.proc.pid)],
+                stdout=log,
+                stderr=log,
+                timeout=60,
+                check=False,
+            )
+
     def alive(self) -> bool:
         return self.proc.poll() is None
 
@@ -223,22 +237,9 @@ class Child:
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
-                import shutil
-
-                spy = shutil.which("py-spy") or "/work/main/.venv/bin/py-spy"
-                with self.log_path.open("ab") as log:
-                    subprocess.run(
-                        [spy, "dump", "--native", "--pid", str(self.proc.pid)],
-                        stdout=log,
-                        stderr=log,
-                        timeout=60,
-                    )
-                self.proc.send_signal(signal.SIGABRT)
-                try:
-                    self.proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait(10)
+                self._dump_threads()
+                self.proc.kill()
+                self.proc.wait(10)
 
     def log(self) -> str:
         return self.log_text()[-4000:]
