@@ -663,23 +663,18 @@ class StreamLoop:
             positions = self._restore(consumer, assignment)
         for tp in positions:
             self._expected[(tp.topic, tp.partition)] = tp.offset if tp.offset >= 0 else _ANY
+        starts = [
+            TopicPartition(
+                tp.topic, tp.partition, tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
+            )
+            for tp in positions
+        ]
         try:
-            for tp in positions:
-                consumer.seek(
-                    TopicPartition(
-                        tp.topic, tp.partition, tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
-                    )
-                )
+            for tp in starts:
+                consumer.seek(tp)
         except KafkaException:
             # seek() needs a partition already being fetched; reassigning works in any state.
-            consumer.assign(
-                [
-                    TopicPartition(
-                        tp.topic, tp.partition, tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
-                    )
-                    for tp in positions
-                ]
-            )
+            consumer.assign(starts)
 
     # -- restoring ----------------------------------------------------------------------------
 
