@@ -321,6 +321,10 @@ def stable_bounds(
             time.sleep(0.2)
 
 
+# How many times a settling read asks for the ends again once it reached them.
+SETTLE_ROUNDS = 3
+
+
 def read_to_end(
     kafka: KafkaSettings,
     topic: str,
@@ -334,7 +338,8 @@ def read_to_end(
     instead would never finish while a live writer keeps appending.
 
     With `settle` (a store restoring partitions that no one else writes), the ends are asked
-    again once reached, and reading goes on until they stop moving: a transaction that was
+    again once reached, and reading goes on to the new ones, until they stop moving or
+    `SETTLE_ROUNDS` times (a live writer would move them for ever): a transaction that was
     still being decided when the read began (its markers in flight to a new leader) is read
     too once it commits. A read that cannot establish an end, or stalls for `timeout_s`, is a
     StreamError: never a short read returned as whole."""
@@ -347,9 +352,9 @@ def read_to_end(
     reader = consumer(kafka, group_id)
     try:
         reader.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in sorted(bounds)])
-        while True:
+        for round_ in range(SETTLE_ROUNDS + 1):
             yield from _read_until(reader, topic, ends, remaining, timeout_s)
-            if not settle:
+            if not settle or round_ == SETTLE_ROUNDS:
                 return
             again = stable_bounds(kafka, topic, bounds, timeout_s, admin)
             grown = {p: high for p, (_, high) in again.items() if high > ends[p]}

@@ -700,7 +700,7 @@ class StreamLoop:
             began = time.monotonic()
             for store in self.step.stores:
                 self.stats.restored += store.restore(
-                    self.kafka, numbers, max(5.0, deadline - time.monotonic())
+                    self.kafka, numbers, max(5.0, deadline - time.monotonic()), settle=True
                 )
             differences = self._differences(committed)
             if not differences:

@@ -114,11 +114,17 @@ class ChangelogStore(Generic[V]):
                 self._pending_positions.pop(partition, None)
 
     def restore(
-        self, kafka: KafkaSettings, partitions: Iterable[int], timeout_s: float = 60.0
+        self,
+        kafka: KafkaSettings,
+        partitions: Iterable[int],
+        timeout_s: float = 60.0,
+        settle: bool = False,
     ) -> int:
-        """Rebuild the given partitions from the changelog's committed records, read until its
-        ends stop moving; count the state's records. Whether that is the whole state is for the
-        caller to check against `positions` (the loop compares them with the group's offsets)."""
+        """Rebuild the given partitions from the changelog's committed records, read to its end
+        (with `settle`, as the processor that owns them restores: until the end stops moving);
+        count the state's records. Whether that is the whole state is for the caller to check
+        against `positions` (the loop compares them with the group's offsets). A reader beside
+        a live processor (the CLI, the API) gets the state as of about when it read."""
         partitions = sorted(set(partitions))
         self.drop(partitions)
         restored: dict[int, dict[bytes, V]] = {p: {} for p in partitions}
@@ -130,7 +136,7 @@ class ChangelogStore(Generic[V]):
             partitions,
             f"{self.changelog_topic}.restore",
             timeout_s,
-            settle=True,
+            settle=settle,
         ):
             _, partition, _ = where(msg)
             key, value = msg.key(), msg.value()

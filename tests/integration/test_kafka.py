@@ -6,7 +6,14 @@ from confluent_kafka.admin import AdminClient
 
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import default_codec
-from tests.support import BASE_MS, fresh_topics, make_publisher, read_all, small_fleet
+from tests.support import (
+    BASE_MS,
+    fresh_topics,
+    make_publisher,
+    read_all,
+    small_fleet,
+    wait_until,
+)
 
 codec = default_codec()
 
@@ -112,5 +119,47 @@ def test_a_read_to_the_end_stops_at_the_last_stable_offset_and_settles_past_it(s
     committer.start()
     committer.join(30)
     assert reached.is_set()
+    # The commit returns once it is decided; its marker reaches the partition a moment later.
+    wait_until(
+        lambda: kafka_clients.stable_bounds(settings.kafka, topic, [0])[0][1] > 1,
+        10,
+        "the commit's marker",
+    )
     assert [m.value() for m in reader] == [b"held"]
     assert values(settle=False) == [b"before", b"held"]
+
+
+def test_a_settling_read_ends_while_a_live_writer_keeps_appending(settings) -> None:
+    """Readers beside a live processor (the CLI reading the scheduler's state) get the log as of
+    about when they read: asking for the ends again is bounded, not repeated until they rest."""
+    import threading
+    import uuid
+
+    from fleetline.streams.topics import TopicSpec
+
+    topic = f"{fresh_topics().prefix}.live"
+    kafka_clients.ensure_topics(settings.kafka, [TopicSpec(topic, 1)])
+    writer = kafka_clients.producer(settings.kafka, {"linger.ms": 0})
+    stop = threading.Event()
+    written = threading.Event()
+
+    def append() -> None:
+        while not stop.is_set():
+            writer.produce(topic, key=b"k", value=b"v")
+            writer.flush(10)
+            written.set()
+
+    appending = threading.Thread(target=append, daemon=True)
+    appending.start()
+    assert written.wait(30)
+    try:
+        read = list(
+            kafka_clients.read_to_end(
+                settings.kafka, topic, [0], f"r-{uuid.uuid4().hex}", 30, settle=True
+            )
+        )
+        assert appending.is_alive()  # the read ended while the log was still growing
+    finally:
+        stop.set()
+        appending.join(30)
+    assert read
