@@ -4,9 +4,9 @@ exactly once; a ticker that observes the resource view; requests from the CLI an
 The scheduler runs in the stream loop (`streams/loop.py`), exactly once, over its
 single-partition request topic. Its state lives in a store backed by a compacted changelog,
 written in the same transaction as its outputs and the consumed offset, so a crash or an abort
-neither repeats nor loses a decision. After an abort the loop rewinds; the handler sees the log
-position go back and rebuilds the scheduler from the committed store (and the view at the
-offsets the state last observed).
+neither repeats nor loses a decision. After a restore (checked against the group's committed
+offset) or an abort the step rebuilds the scheduler from the committed store (and the view at
+the offsets the state last observed), and at no other time (`FoldStep`).
 
 The ticker reads the live view every `tick_interval_s`, keeps what it observed under the view's
 offsets and appends a TICK naming them; when the TICK comes round in the log, the handler uses
