@@ -64,6 +64,11 @@ class Decision:
     message: str
 
 
+def reserved_labels() -> frozenset[str]:
+    """The label keys `control_labels` writes: no one else may set them."""
+    return frozenset({CORDONED_LABEL, "config_version"})
+
+
 def control_labels(control: NodeControl) -> dict[str, str]:
     """The NodeState labels that say what commands set: cordoned (read by the view and the
     scheduler: no new work) and the applied config version."""

@@ -3,22 +3,53 @@ and its node's commands applied to the GPUs."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fleetline.agents.commands import CommandLoop, ControlStore, NodeControl, control_labels
+from fleetline.agents.commands import (
+    CommandLoop,
+    ControlStore,
+    NodeControl,
+    control_labels,
+    reserved_labels,
+)
 from fleetline.agents.fleet import SequenceStore
 from fleetline.agents.nvml import NvmlCollector
 from fleetline.agents.runtime import TelemetryPublisher
 from fleetline.agents.simulator import AGENT_VERSION
 from fleetline.agents.spool import DiskSpool
 from fleetline.config import Settings
+from fleetline.errors import ConfigError
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import AvroCodec
 from fleetline.streams.topics import Topics
+
+_LABEL_KEY = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,61}[A-Za-z0-9])?$")
+
+
+def operator_labels(labels: Mapping[str, str]) -> dict[str, str]:
+    """The labels an operator gives a node, checked: a key the agent itself sets (`cordoned`,
+    `config_version`: what commands did) or the old `accelerator` label (the hardware says
+    that now) is refused, as is a key that is not label-shaped."""
+    for key in labels:
+        if key in reserved_labels() or key == "accelerator":
+            why = (
+                "the agent reads the GPUs' model from the driver"
+                if key == "accelerator"
+                else "the agent sets it from the commands it applied"
+            )
+            raise ConfigError(f"--label {key}=...: {key!r} is not the operator's to set ({why})")
+        if not _LABEL_KEY.match(key):
+            raise ConfigError(
+                f"--label {key!r}: a key is letters, digits, '.', '_', '-' and '/', "
+                "at most 63, starting and ending with a letter or digit"
+            )
+    return dict(labels)
 
 
 @dataclass(frozen=True)
@@ -119,6 +150,7 @@ class NodeAgent:
             "agent_version": AGENT_VERSION,
             "agent_spool_bytes": spool.size_bytes,
             "agent_spool_dropped": spool.dropped,
+            "accelerator": self.collector.accelerator().as_record(),
         }
 
     def telemetry(self, ts_ms: int) -> dict[str, Any]:

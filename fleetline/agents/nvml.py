@@ -20,6 +20,7 @@ from types import ModuleType
 from typing import Any
 
 from fleetline.errors import FleetlineError
+from fleetline.processors.view.accelerators import Accelerator
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +176,22 @@ class NvmlCollector:
             "gpu_numa_nodes": numa,
             "nvlink_peers": peers,
         }
+
+    def accelerator(self) -> Accelerator:
+        """What the node's GPUs are, from the driver: GPU 0's name and the smallest memory (a
+        node of mixed GPUs is rare and is scheduled as its weakest; its names are logged)."""
+        nv = self.nvml
+        names = []
+        memory = []
+        for handle in self._handles:
+            name = self._try(nv.nvmlDeviceGetName, handle)
+            names.append(_text(name) if name is not None else "")
+            info = self._try(nv.nvmlDeviceGetMemoryInfo, handle)
+            if info is not None:
+                memory.append(int(info.total) // MIB)
+        if len(set(names)) > 1:
+            log.warning("mixed GPU models on one node: %s; scheduled as %s", names, names[0])
+        return Accelerator.of_device(self.vendor, names[0] if names else "", min(memory, default=0))
 
     def _xids(self) -> dict[int, list[int]]:
         found: dict[int, list[int]] = {}

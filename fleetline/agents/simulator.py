@@ -24,11 +24,14 @@ from typing import Any
 import yaml
 
 from fleetline.errors import ConfigError
+from fleetline.processors.view.accelerators import Accelerator
 
 GPUS_PER_NODE = 8
 ISLAND_SIZE = 4
 NODES_PER_LEAF = 2
 H100_FB_MIB = 81559
+# What NVML reports as the memory total of the devices the simulator plays, MiB.
+DEVICE_FB_MIB = {"NVIDIA H100 80GB HBM3": H100_FB_MIB, "NVIDIA H200": 143771}
 DEFAULT_POWER_LIMIT_W = 700.0
 NVLINK_LINKS = 18
 DAY_MS = 24 * 3600 * 1000
@@ -183,6 +186,12 @@ def _uuid(seed: int, node_id: str, index: int) -> str:
     return f"GPU-{digest}-{index:04x}-{seed & 0xFFFF:04x}-{len(node_id):04x}-{digest}{index:04x}"
 
 
+def device_memory_mib(device_name: str) -> int:
+    """The memory total NVML reports for a simulated device (a name it does not know plays an
+    80 GB part)."""
+    return DEVICE_FB_MIB.get(device_name, H100_FB_MIB)
+
+
 def _islands() -> list[list[int]]:
     return [list(range(i, i + ISLAND_SIZE)) for i in range(0, GPUS_PER_NODE, ISLAND_SIZE)]
 
@@ -272,7 +281,7 @@ class FleetSimulator:
             "ts": ts_ms,
             "state": state,
             "reason": reason,
-            "labels": {"accelerator": node.model, "pool": "training", **(labels or {})},
+            "labels": {"pool": "training", **(labels or {})},
             "topology": {
                 "gpu_count": GPUS_PER_NODE,
                 "nvlink_islands": _islands(),
@@ -284,6 +293,9 @@ class FleetSimulator:
             "agent_version": AGENT_VERSION,
             "agent_spool_bytes": None if spool is None else spool[0],
             "agent_spool_dropped": None if spool is None else spool[1],
+            "accelerator": Accelerator.of_device(
+                "nvidia", node.model, device_memory_mib(node.model)
+            ).as_record(),
         }
 
     def initial_states(self, ts_ms: int) -> list[dict[str, Any]]:
@@ -364,6 +376,7 @@ class FleetSimulator:
                 continue
             limit = self.power_limit(node.node_id)
             loss = rdma_faults.get(node.leaf_switch)
+            memory_mib = device_memory_mib(node.model)
             gpus = []
             for index in range(GPUS_PER_NODE):
                 bias = node.load_bias[index]
@@ -393,8 +406,8 @@ class FleetSimulator:
                         # NVML reports utilisation and temperature in whole percent and degrees.
                         "gpu_util_pct": float(round(util)),
                         "mem_copy_util_pct": float(round(util * 0.7)),
-                        "fb_used_mib": int(H100_FB_MIB * min(0.98, 0.05 + 0.9 * bias)),
-                        "fb_total_mib": H100_FB_MIB,
+                        "fb_used_mib": int(memory_mib * min(0.98, 0.05 + 0.9 * bias)),
+                        "fb_total_mib": memory_mib,
                         # NVML counts throughput in KiB, packets in whole packets: the readings
                         # have the resolution real collectors report, not float noise.
                         "nvlink_tx_bytes_per_s": _kib(link_bytes * (0.9 + 0.2 * rng.random())),

@@ -138,6 +138,14 @@ class Gpu(Body):
     last_ts: int
 
 
+class NodeAccelerator(Body):
+    vendor: str
+    model: str = Field(description="normalised device name, e.g. h100-80gb-hbm3")
+    family: str = Field(description="the model's first word, e.g. h100")
+    name: str = Field(description="the device's own name, as its driver reports it")
+    memory_mib: int = Field(description="memory of the node's smallest GPU; 0: not reported")
+
+
 class Node(Body):
     node_id: str
     cluster_id: str
@@ -146,6 +154,7 @@ class Node(Body):
     declared_state: str
     reason: str | None
     labels: dict[str, str]
+    accelerator: NodeAccelerator
     gpu_count: int
     leaf_switch: str | None
     spine_switch: str | None

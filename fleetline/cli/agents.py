@@ -50,6 +50,16 @@ def nvml(
     leaf_switch: Annotated[
         str | None, typer.Option(help="the node's leaf switch, if known")
     ] = None,
+    spine_switch: Annotated[
+        str | None, typer.Option(help="the spine switch above its leaf, if known")
+    ] = None,
+    label: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="KEY=VALUE",
+            help="a label on the node (repeatable), e.g. --label pool=training",
+        ),
+    ] = None,
     topic_prefix: TopicPrefix = "fleetline",
     interval_ms: IntervalMs = 1000,
     ticks: Ticks = None,
@@ -58,19 +68,27 @@ def nvml(
     metrics_host: MetricsHost = "127.0.0.1",
 ) -> None:
     """The node agent on a real GPU server: NodeTelemetry every interval and NodeState
-    heartbeats through an on-disk spool; applies the node's commands."""
-    from fleetline.agents.node import NodeAgent, NodeIdentity
+    heartbeats through an on-disk spool; applies the node's commands. The GPUs' vendor, model
+    and memory and their NVLink islands are read from the driver; labels and switches are the
+    operator's."""
+    from fleetline.agents.node import NodeAgent, NodeIdentity, operator_labels
     from fleetline.agents.nvml import NvmlCollector
     from fleetline.observability import logs, metrics
     from fleetline.streams import kafka as kafka_clients
     from fleetline.streams.serde import default_codec
     from fleetline.streams.topics import Topics
 
+    labels = operator_labels(pairs(label, "--label"))  # before anything is opened
     config = settings("kafka")
     topics = Topics(topic_prefix)
     kafka_clients.ensure_topics(config.kafka, topics.specs())
     identity = NodeIdentity(
-        cluster_id, region, node_id or socket.gethostname(), leaf_switch=leaf_switch
+        cluster_id,
+        region,
+        node_id or socket.gethostname(),
+        leaf_switch=leaf_switch,
+        spine_switch=spine_switch,
+        labels=labels,
     )
     node = NodeAgent.create(
         config,

@@ -68,7 +68,7 @@ def test_partly_used_nodes_are_filled_first():
 def test_wrong_accelerator_and_unknown_cluster_are_refused_with_the_reason():
     view = fold(scenario_events(seconds=2))
     refused = place_training(view, "eu-west-a", job(1, 8, 8, accelerator="MI300X"))
-    assert isinstance(refused, Unplaceable) and "MI300X" in refused.reason
+    assert isinstance(refused, Unplaceable) and "mi300x GPUs" in refused.reason
     assert "no nodes" in place_training(view, "mars-1", job(1, 8, 8)).reason
 
 

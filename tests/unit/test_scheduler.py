@@ -33,7 +33,7 @@ def test_a_communication_heavy_job_avoids_the_sixteen_gpus_of_a_lossy_leaf():
     assert "no degraded GPUs (communication-heavy)" in placed.reason
     d.submit(training("heavy2", workers=2))
     queued = d.last("acme/heavy2")
-    assert queued.outcome == "QUEUED" and "healthy H100 GPUs" in queued.reason
+    assert queued.outcome == "QUEUED" and "healthy h100 GPUs" in queued.reason
     # A light job may use the degraded GPUs.
     d.submit(training("light", workers=2, communication="light"))
     assert d.last("acme/light").outcome == "PLACED"

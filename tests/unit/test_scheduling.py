@@ -45,10 +45,10 @@ def ranked(
 
 def test_every_cluster_is_scored_or_rejected_with_its_reason():
     scores = {s.cluster_id: s for s in ranked(SchedulingPolicy(), workers=4)}
-    assert scores["ap-south-a"].rejected == "has no H100 GPUs"
+    assert scores["ap-south-a"].rejected == "has no h100 GPUs (it has nvidia h200 140 GiB)"
     assert scores["us-east-a"].rejected is None and scores["eu-west-a"].rejected is None
     too_big = {s.cluster_id: s.rejected for s in ranked(SchedulingPolicy(), workers=5)}
-    assert too_big["us-east-a"].startswith("needs 5 nodes with 8 free healthy H100 GPUs")
+    assert too_big["us-east-a"].startswith("needs 5 nodes with 8 free healthy h100 GPUs")
 
 
 def test_the_policy_chooses_the_filters_and_the_weights():

@@ -22,6 +22,7 @@ from functools import lru_cache
 from typing import Any
 
 from fleetline.errors import InvalidEventError
+from fleetline.processors.view.accelerators import MIB_PER_GB, Accelerator, suits
 from fleetline.processors.view.fold import node_status
 from fleetline.processors.view.model import NodeStatus, NodeView, ResourceView
 from fleetline.processors.view.summary import (
@@ -301,7 +302,8 @@ def fenced_facts(facts: FleetFacts, fenced: Mapping[str, str]) -> FleetFacts:
     return replace(facts, nodes=nodes, memo={}, node_cache=facts.node_cache)
 
 
-BucketKey = tuple[str, tuple[int, ...], int, int]  # model, islands, free healthy, free degraded
+# accelerator, islands, free healthy, free degraded
+BucketKey = tuple[Accelerator, tuple[int, ...], int, int]
 
 
 @dataclass(frozen=True)
@@ -310,19 +312,26 @@ class GangShape:
     `tensor`, `replica_workers` consecutive workers forming one pipeline (a data-parallel
     replica)."""
 
-    accelerator: str
+    accelerators: tuple[str, ...]  # normalised models or families; empty: any
     workers: int
     per_worker: int
     tensor: int
     replica_workers: int
     allow_degraded: bool
+    min_memory_mib: int = 0
 
     @property
     def gpus(self) -> int:
         return self.workers * self.per_worker
 
-    def matches(self, model: str) -> bool:
-        return not self.accelerator or self.accelerator.lower() in model
+    def matches(self, accelerator: Accelerator) -> bool:
+        return suits(accelerator, self.accelerators, self.min_memory_mib)
+
+    def wants(self) -> str:
+        """What GPUs it asks for, in words: `h100 or h200 GPUs with 80+ GB`, `GPUs`."""
+        models = " or ".join(self.accelerators)
+        memory = f" with {self.min_memory_mib / MIB_PER_GB:g}+ GB" if self.min_memory_mib else ""
+        return f"{models} GPUs{memory}".strip()
 
 
 @dataclass(frozen=True)
@@ -351,7 +360,7 @@ class CapacityIndex:
         self.buckets: dict[str, dict[BucketKey, dict[str, set[str]]]] = {}
         self.counts: dict[str, dict[BucketKey, int]] = {}
         self.version: dict[str, int] = {}
-        self._models: dict[str, set[str]] = {}
+        self._models: dict[str, set[Accelerator]] = {}
         self._fits: dict[tuple[str, GangShape], tuple[int, list[tuple[int, BucketKey, int]]]] = {}
         for node in facts.nodes.values():
             self._enter(node)
@@ -361,13 +370,13 @@ class CapacityIndex:
         self.buckets.setdefault(node.cluster_id, {})
         self.counts.setdefault(node.cluster_id, {})
         self.version.setdefault(node.cluster_id, 0)
-        self._models.setdefault(node.cluster_id, set()).add(node.model)
+        self._models.setdefault(node.cluster_id, set()).add(node.accelerator)
         if node.schedulable:
             self._add(node)
 
     def _key(self, node: NodeFacts) -> BucketKey:
         taken = self.taken.get(node.node_id, 0)
-        return (node.model, node.islands, node.healthy & ~taken, node.degraded & ~taken)
+        return (node.accelerator, node.islands, node.healthy & ~taken, node.degraded & ~taken)
 
     def _add(self, node: NodeFacts) -> None:
         key = self._key(node)
@@ -437,7 +446,7 @@ class CapacityIndex:
             # Nodes left the fleet: models and clusters are recounted from what is there.
             self._models = {}
             for node in new.values():
-                self._models.setdefault(node.cluster_id, set()).add(node.model)
+                self._models.setdefault(node.cluster_id, set()).add(node.accelerator)
             for cluster_id in [c for c in self.buckets if c not in self._models]:
                 del self.buckets[cluster_id]
                 del self.counts[cluster_id]
@@ -455,8 +464,8 @@ class CapacityIndex:
         need, tensor = shape.per_worker, min(shape.tensor, shape.per_worker)
         out = []
         for key in self.counts.get(cluster_id, {}):
-            model, islands, free_h, free_d = key
-            if not shape.matches(model):
+            accelerator, islands, free_h, free_d = key
+            if not shape.matches(accelerator):
                 continue
             free = free_h | free_d if shape.allow_degraded else free_h
             if free.bit_count() < need:
@@ -502,7 +511,7 @@ class CapacityIndex:
             kind = "" if shape.allow_degraded else "healthy "
             return (
                 f"needs {need} nodes with {shape.per_worker} free {kind}"
-                f"{shape.accelerator or 'any'} GPUs in NVLink groups of "
+                f"{shape.wants()} in NVLink groups of "
                 f"{min(shape.tensor, shape.per_worker)}; {available} have them"
             )
         if need == 1:
@@ -583,17 +592,21 @@ class CapacityIndex:
                 for node_id in nodes:
                     yield leaf, node_id
 
-    def free_gpus(
-        self, cluster_id: str, allow_degraded: bool = False, accelerator: str = ""
-    ) -> int:
+    def free_gpus(self, cluster_id: str, shape: GangShape) -> int:
+        """Free GPUs in the cluster of the kind the shape asks for."""
         total = 0
-        for (model, _, free_h, free_d), count in self.counts.get(cluster_id, {}).items():
-            if accelerator and accelerator.lower() not in model:
+        for (accelerator, _, free_h, free_d), count in self.counts.get(cluster_id, {}).items():
+            if not shape.matches(accelerator):
                 continue
-            total += (free_h | free_d if allow_degraded else free_h).bit_count() * count
+            total += (free_h | free_d if shape.allow_degraded else free_h).bit_count() * count
         return total
 
-    def models(self, cluster_id: str) -> set[str]:
+    def all_models(self) -> set[Accelerator]:
+        """The kinds of GPU anywhere in the fleet."""
+        return set().union(*self._models.values())
+
+    def models(self, cluster_id: str) -> set[Accelerator]:
+        """The kinds of GPU the cluster's nodes have (schedulable now or not)."""
         return self._models.get(cluster_id, set())
 
     def fragmentation(self, cluster_id: str | None = None) -> dict[str, Any]:

@@ -228,7 +228,7 @@ def place_share(s: SchedulerState, ctx: Context, eighths: int) -> Attempt | None
                 or facts is None
                 or not facts.schedulable
                 or not (facts.healthy | facts.degraded) >> gpu & 1
-                or not ctx.request.shape.matches(facts.model)
+                or not ctx.request.shape.matches(facts.accelerator)
             ):
                 continue
             if best is None or (-used, node, gpu) < (-best[0], best[1], best[2]):
@@ -262,7 +262,8 @@ def shape_keys(job: Job) -> tuple[ShapeKey, ShapeKey]:
         fleet: ShapeKey = (
             "T",
             job.priority,
-            spec.accelerator,
+            spec.accelerators,
+            spec.min_gpu_memory_mib,
             spec.workers,
             spec.min_workers,
             spec.gpus_per_worker,
@@ -274,7 +275,8 @@ def shape_keys(job: Job) -> tuple[ShapeKey, ShapeKey]:
     fleet = (
         "I",
         job.priority,
-        spec.accelerator,
+        spec.accelerators,
+        spec.min_gpu_memory_mib,
         spec.gpus_per_replica,
         tuple(replica_regions(job)),
     )
@@ -727,7 +729,7 @@ def preempt_for(
             break
         held = s.priority_gpus.get(score.cluster_id, {})
         below = sum(n for p, n in held.items() if p < job.priority)
-        free = s.index.free_gpus(score.cluster_id, shape.allow_degraded, shape.accelerator)
+        free = s.index.free_gpus(score.cluster_id, shape)
         if below + free < shape.gpus:
             continue  # even evicting every lower priority would not make room
         plan = plan_eviction(

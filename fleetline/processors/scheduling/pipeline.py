@@ -33,6 +33,7 @@ from fleetline.processors.scheduling.tenancy import (
     quota_block,
     reserved_for_others,
 )
+from fleetline.processors.view.accelerators import did_you_mean
 
 
 @dataclass(frozen=True)
@@ -124,9 +125,20 @@ def _reachable(ctx: Context, cluster_id: str) -> str | None:
 
 def _accelerator(ctx: Context, cluster_id: str) -> str | None:
     shape = ctx.request.shape
-    if any(shape.matches(m) for m in ctx.index.models(cluster_id)):
+    models = ctx.index.models(cluster_id)
+    if any(shape.matches(m) for m in models):
         return None
-    return f"has no {shape.accelerator} GPUs"
+    if not models:
+        return "has no GPUs"
+    present = " and ".join(sorted(m.describe() for m in models))
+    # A name no node anywhere has is a typo more often than a model yet to arrive.
+    fleet = ctx.index.all_models()
+    hints = "".join(
+        did_you_mean(name, fleet)
+        for name in shape.accelerators
+        if not any(name in m.names for m in fleet)
+    )
+    return f"has no {shape.wants()} (it has {present}){hints}"
 
 
 def _region(ctx: Context, cluster_id: str) -> str | None:
@@ -151,7 +163,7 @@ def _reservation(ctx: Context, cluster_id: str) -> str | None:
     if not held:
         return None
     shape = ctx.request.shape
-    free = ctx.index.free_gpus(cluster_id, shape.allow_degraded, shape.accelerator)
+    free = ctx.index.free_gpus(cluster_id, shape)
     if free - held < shape.gpus:
         return f"{free} free GPUs, {held} of them reserved for other tenants; needs {shape.gpus}"
     return None
@@ -196,7 +208,7 @@ def _pool(ctx: Context, cluster_id: str) -> str | None:
     if r.pool_keep:
         keep = r.pool_keep.get(cluster_id, 0)
         if keep:
-            free = ctx.index.free_gpus(cluster_id, shape.allow_degraded, shape.accelerator)
+            free = ctx.index.free_gpus(cluster_id, shape)
             if free - keep < shape.gpus:
                 return (
                     f"{free} free GPUs, {keep} of them kept for the inference pool; "

@@ -46,12 +46,13 @@ class Unplaceable:
 def training_shape(job: TrainingJobSpec, workers: int | None = None) -> GangShape:
     per_replica_gpus = job.parallelism.tensor * job.parallelism.pipeline
     return GangShape(
-        accelerator=job.accelerator,
+        accelerators=job.accelerators,
         workers=workers or job.workers,
         per_worker=job.gpus_per_worker,
         tensor=min(job.parallelism.tensor, job.gpus_per_worker),
         replica_workers=max(1, per_replica_gpus // job.gpus_per_worker),
         allow_degraded=job.communication == "light",
+        min_memory_mib=job.min_gpu_memory_mib,
     )
 
 
@@ -59,20 +60,23 @@ def inference_shape(service: InferenceServiceSpec, replicas: int) -> GangShape:
     # A replica serves from one node; a single-GPU replica may use a degraded GPU (its
     # collective traffic is nil), a sharded one may not.
     return GangShape(
-        accelerator=service.accelerator,
+        accelerators=service.accelerators,
         workers=replicas,
         per_worker=service.whole_gpus,
         tensor=service.whole_gpus,
         replica_workers=1,
         allow_degraded=service.whole_gpus == 1,
+        min_memory_mib=service.min_gpu_memory_mib,
     )
 
 
 def to_placement(gang: Gang, shape: GangShape, index: CapacityIndex) -> Placement:
     workers = tuple(tuple((node, i) for i in indices_of(mask)) for node, mask in gang.workers)
+    kinds = sorted({index.facts.nodes[n].accelerator for n, _ in gang.workers})
     reasons = [
         f"{shape.workers} workers x {shape.per_worker} GPUs under {len(gang.leaves)} "
-        "leaf switch(es)"
+        "leaf switch(es)",
+        "on " + " and ".join(k.describe() for k in kinds),
     ]
     tensor = min(shape.tensor, shape.per_worker)
     if tensor > 1:

@@ -14,6 +14,7 @@ silently fall back to a default), with the nearest known name suggested.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from fleetline.errors import FleetlineError
+from fleetline.processors.view.accelerators import MIB_PER_GB, normalise_model, wanted
 
 API_VERSION: Final = "fleetline/v1"
 PriorityClass = Literal["critical", "high", "normal", "low", "best-effort"]
@@ -140,6 +142,7 @@ Seconds = Annotated[int | None, BeforeValidator(_duration)]
 Count = Annotated[StrictInt, Field(ge=1)]
 Text = Annotated[str, Field(strict=True, min_length=1, pattern=r"\S")]
 Names = Annotated[tuple[Text, ...], Field(description="cluster or region names")]
+Positive = Annotated[float, Field(strict=False, gt=0, allow_inf_nan=False)]
 
 
 class Model(BaseModel):
@@ -222,8 +225,44 @@ class Deferrable(Model):
         return int(self.deadline.timestamp() * 1000)
 
 
-class TrainingJobSpec(Model):
-    accelerator: Text
+def _models(value: Any) -> Any:
+    names = [value] if isinstance(value, str) else value
+    if isinstance(names, list | tuple):
+        if not names:
+            raise PydanticCustomError("models", "an empty list: leave it out for any model", {})
+        for name in names:
+            if isinstance(name, str) and name.strip() and not normalise_model(name):
+                raise PydanticCustomError(
+                    "models", "is not a model name: {value}", {"value": repr(name)}
+                )
+    return value
+
+
+class GpuKind(Model):
+    """Which GPUs the work may run on: a model or family by name, or any, with at least so much
+    memory per GPU (names are matched as `processors/view/accelerators.py` says)."""
+
+    accelerator: Annotated[Text | tuple[Text, ...] | None, BeforeValidator(_models)] = Field(
+        default=None,
+        description="a GPU model or family (H100, h100-80gb-hbm3) or a list of them; default: any",
+    )
+    min_gpu_memory_gb: Positive | None = Field(
+        default=None, description="memory each GPU must have, GB (10^9 bytes, as vendors count)"
+    )
+
+    @property
+    def accelerators(self) -> tuple[str, ...]:
+        """The models it names, normalised and sorted; empty: any model."""
+        return wanted(self.accelerator)
+
+    @property
+    def min_gpu_memory_mib(self) -> int:
+        if self.min_gpu_memory_gb is None:
+            return 0
+        return math.ceil(self.min_gpu_memory_gb * MIB_PER_GB)
+
+
+class TrainingJobSpec(GpuKind):
     gpus_per_worker: Count
     workers: Count
     parallelism: Parallelism = Parallelism()
@@ -275,7 +314,6 @@ class Replicas(Model):
 
 
 Fraction = Annotated[float, Field(strict=False, gt=0, le=1, allow_inf_nan=False)]
-Positive = Annotated[float, Field(strict=False, gt=0, allow_inf_nan=False)]
 
 
 class Autoscaling(Model):
@@ -332,9 +370,8 @@ GpusPerReplica = Annotated[
 ]
 
 
-class InferenceServiceSpec(Model):
+class InferenceServiceSpec(GpuKind):
     model: Text
-    accelerator: Text
     gpus_per_replica: GpusPerReplica = Field(
         default=1,
         description="whole GPUs, or a share of one (0.5, 0.25, 0.125) packed beside others",

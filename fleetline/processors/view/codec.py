@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from fleetline.errors import IntegrityError
+from fleetline.processors.view.accelerators import of_node_state
 from fleetline.processors.view.model import (
     ClusterHealthInfo,
     ClusterInfo,
@@ -52,6 +53,7 @@ def to_data(view: ResourceView) -> dict[str, Any]:
 
 def _node_data(node: NodeView) -> dict[str, Any]:
     data = {slot: getattr(node, slot) for slot in _NODE_SLOTS}
+    data["accelerator"] = node.accelerator.as_record()
     data["gpus"] = [
         [getattr(node.gpus[i], slot) for slot in _GPU_SLOTS] for i in sorted(node.gpus)
     ]  # `sample` first: a list in the JSON
@@ -79,8 +81,11 @@ def from_data(data: dict[str, Any]) -> ResourceView:
     for node_id, node_data in data["nodes"].items():
         node = NodeView(node_id, node_data["cluster_id"], node_data["region"])
         for slot in _NODE_SLOTS:
-            setattr(node, slot, node_data[slot])
+            if slot != "accelerator":
+                setattr(node, slot, node_data[slot])
         node.state = NodeStatus(node.state)
+        # Snapshots written before NodeState v3 have no accelerator: the label, as the fold.
+        node.accelerator = of_node_state(node_data)
         for values in node_data["gpus"]:
             gpu = GpuState(tuple(values[0]))
             for slot, value in zip(_GPU_SLOTS[1:], values[1:], strict=True):

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from fleetline.errors import InvalidEventError
+from fleetline.processors.view.accelerators import of_node_state
 from fleetline.processors.view.model import (
     DEGRADED,
     FAILED,
@@ -246,6 +247,7 @@ def _fold_node_state(view: ResourceView, record: Mapping[str, Any]) -> None:
     node.state = state
     node.reason = record["reason"]
     node.labels = dict(record["labels"])
+    node.accelerator = of_node_state(record)
     node.gpu_count = topology["gpu_count"]
     node.islands = [list(island) for island in topology["nvlink_islands"]]
     node.leaf_switch = topology["leaf_switch"]

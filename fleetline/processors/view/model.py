@@ -13,6 +13,8 @@ from enum import StrEnum
 from operator import itemgetter
 from typing import Any
 
+from fleetline.processors.view.accelerators import UNKNOWN, Accelerator
+
 
 class Health(StrEnum):
     """What a GPU's telemetry says of it (joined with its node's reboots by `gpu_health`)."""
@@ -147,6 +149,7 @@ class NodeView:
     """One node: what its state stream declares and what its telemetry stream last said."""
 
     __slots__ = (
+        "accelerator",
         "agent_version",
         "cluster_id",
         "epoch",
@@ -178,6 +181,8 @@ class NodeView:
         self.state = NodeStatus.UP
         self.reason: str | None = None
         self.labels: dict[str, str] = {}
+        # What its GPUs are, as its agent read them from the hardware (NodeState v3).
+        self.accelerator: Accelerator = UNKNOWN
         self.gpu_count = 0
         self.islands: list[list[int]] = []
         self.leaf_switch: str | None = None
@@ -210,7 +215,7 @@ class NodeView:
             self.state,
             self.reason,
             self.up_since_ms,
-            self.labels.get("accelerator"),
+            self.accelerator,
             self.cordoned,
             self.islands,
             self.leaf_switch,

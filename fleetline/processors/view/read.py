@@ -204,6 +204,7 @@ def node_data(view: ResourceView, node: NodeView, with_gpus: bool = True) -> dic
         "declared_state": node.state,
         "reason": node.reason,
         "labels": dict(node.labels),
+        "accelerator": {**node.accelerator.as_record(), "family": node.accelerator.family},
         "gpu_count": node.gpu_count or len(node.gpus),
         "leaf_switch": node.leaf_switch,
         "spine_switch": node.spine_switch,

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from fleetline.processors.view.accelerators import Accelerator, normalise_model
 from fleetline.processors.view.fold import node_status, takes_new_work
 from fleetline.processors.view.model import (
     DEGRADED,
@@ -47,7 +48,7 @@ class NodeFacts:
     cluster_id: str
     leaf: str
     spine: str
-    model: str  # the accelerator label, lower case
+    accelerator: Accelerator  # what its GPUs are (vendor, normalised model, memory)
     islands: tuple[int, ...]  # NVLink islands as GPU masks
     present: int  # every GPU the node reports
     healthy: int  # free-able for any job (node UP, GPU healthy)
@@ -116,7 +117,7 @@ def node_capacity(node: NodeView, status: NodeStatus) -> NodeCapacity:
         cluster_id=node.cluster_id,
         leaf=node.leaf_switch or "unknown",
         spine=node.spine_switch or "unknown",
-        model=node.labels.get("accelerator", "").lower(),
+        accelerator=node.accelerator,
         islands=islands,
         present=present,
         healthy=healthy,
@@ -176,7 +177,9 @@ def capacity_record(capacity: NodeCapacity) -> dict[str, Any]:
         "node_id": f.node_id,
         "leaf": f.leaf,
         "spine": f.spine,
-        "model": f.model,
+        "model": f.accelerator.model,
+        "vendor": f.accelerator.vendor,
+        "gpu_memory_mib": f.accelerator.memory_mib,
         "islands": list(f.islands),
         "present": f.present,
         "healthy": f.healthy,
@@ -195,7 +198,11 @@ def capacity_of(cluster_id: str, record: Mapping[str, Any]) -> NodeCapacity:
         cluster_id=cluster_id,
         leaf=record["leaf"],
         spine=record["spine"],
-        model=record["model"],
+        accelerator=Accelerator(
+            vendor=record["vendor"],
+            model=normalise_model(record["model"]),  # a v1 summary's is the label, lower case
+            memory_mib=record["gpu_memory_mib"],
+        ),
         islands=tuple(record["islands"]),
         present=record["present"],
         healthy=record["healthy"],
