@@ -152,3 +152,33 @@ def hgx_gpu(index: int, **overrides) -> dict:
     }
     gpu.update(overrides)
     return gpu
+
+
+def hgx_collector(device: str = "NVIDIA H100 80GB HBM3", memory_gib: int = 80, count: int = 8):
+    """An opened NvmlCollector over `count` GPUs of one kind (an HGX board: two NVLink islands
+    of four), as `fleetline agent nvml` would open one on such a node."""
+    from pathlib import Path
+
+    from fleetline.agents.nvml import NvmlCollector, RdmaCounters
+
+    gpus = [hgx_gpu(i, name=device.encode(), memory=(0, memory_gib * 2**30)) for i in range(count)]
+    return NvmlCollector(nvml=FakeNvml(gpus), rdma=RdmaCounters(Path("/nonexistent"))).open()
+
+
+def node_agent_offline(collector, node_id: str, state_dir, cluster_id: str = "lab-a", **identity):
+    """A NodeAgent over `collector` whose records are read, not sent: its publisher is only the
+    spool that `state` reports on (for folding what an agent would send, without Kafka)."""
+    from types import SimpleNamespace
+
+    from fleetline.agents.commands import ControlStore
+    from fleetline.agents.fleet import SequenceStore
+    from fleetline.agents.node import NodeAgent, NodeIdentity
+    from fleetline.agents.spool import DiskSpool
+
+    return NodeAgent(
+        NodeIdentity(cluster_id, "eu-west", node_id, **identity),
+        collector,
+        SimpleNamespace(spool=DiskSpool(state_dir / node_id / "spool")),
+        ControlStore(state_dir / node_id / "controls.json"),
+        SequenceStore(state_dir / node_id / "sequences.json"),
+    )

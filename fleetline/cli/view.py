@@ -163,12 +163,16 @@ def nodes(
     _show(
         items,
         json_,
-        ("node", "cluster", "status", "healthy GPUs"),
+        ("node", "cluster", "status", "healthy GPUs", "GPU model", "GPU memory"),
         lambda n: (
             n["node_id"],
             n["cluster_id"],
             n["status"],
             f"{n['gpus_healthy']}/{n['gpu_count']}",
+            f"{n['accelerator']['vendor']} {n['accelerator']['model']}",
+            f"{n['accelerator']['memory_mib'] / 1024:.0f} GiB"
+            if n["accelerator"]["memory_mib"]
+            else "-",
         ),
     )
 

@@ -183,3 +183,54 @@ def test_a_power_cap_outside_the_gpu_s_range_is_refused_before_nvml_is_asked(nvm
     with pytest.raises(CollectorError, match=r"outside GPU \d+.s allowed"):
         nvml.set_power_limit(too_low)
     assert [g["power_limit_w"] for g in nvml.sample()] == before
+
+
+def test_the_real_node_receives_a_job(nvml, tmp_path) -> None:
+    """What `fleetline agent nvml` states of this node (no simulator label anywhere), folded by
+    the view, takes a job that names its GPUs' family and memory, and one that names no model."""
+    from fleetline.agents.simulator import ClusterSpec, cluster_info
+    from fleetline.processors.scheduling.specs import parse_spec
+    from tests.fake_nvml import node_agent_offline
+    from tests.fleet_events import fold
+    from tests.scheduling_support import Driver, training
+
+    agent = node_agent_offline(nvml, "this-node", tmp_path)
+    now = int(time.time() * 1000)
+    state = agent.state(now)
+    accelerator = state["accelerator"]
+    print(f"this node's accelerator: {accelerator}")
+    assert accelerator["vendor"] == "nvidia" and accelerator["model"] not in ("", "unknown")
+    assert accelerator["memory_mib"] > 0
+    view = fold(
+        [
+            ("ClusterInfo", cluster_info(ClusterSpec("lab-a", "eu-west", 1), 1, now)),
+            ("NodeState", state),
+            ("NodeTelemetry", agent.telemetry(now + 1000)),
+        ]
+    )
+    family = accelerator["model"].split("-")[0]
+    memory_gb = int(accelerator["memory_mib"] * 2**20 / 1e9)
+    driver = Driver(view, now_ms=now + 2000)
+    jobs = {
+        "acme/named": training(
+            "named",
+            per_worker=nvml.gpu_count,
+            tensor=nvml.gpu_count,
+            accelerator=family.upper(),
+            min_gpu_memory_gb=memory_gb,
+        ),
+        "acme/any": training(
+            "any", per_worker=nvml.gpu_count, tensor=nvml.gpu_count, accelerator=None
+        ),
+    }
+    named = jobs["acme/named"]
+    assert parse_spec(named).spec.accelerators == (family,)
+    driver.submit(named)
+    placed = driver.last("acme/named")
+    assert placed.outcome == "PLACED", placed.reason
+    assert driver.nodes_of("acme/named") == {"this-node"}
+    print(f"placed: {placed.reason}")
+    # The node is full now; deleting the first job frees it for the one that names no model.
+    driver.delete("acme/named")
+    driver.submit(jobs["acme/any"])
+    assert driver.last("acme/any").outcome == "PLACED", driver.last("acme/any").reason

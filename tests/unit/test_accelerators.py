@@ -5,14 +5,12 @@ and the reasons a person reads when nothing matches."""
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
-from fleetline.agents.node import NodeAgent, NodeIdentity, operator_labels
+from fleetline.agents.node import NodeAgent, operator_labels
 from fleetline.agents.nvml import NvmlCollector, RdmaCounters
 from fleetline.agents.simulator import ClusterSpec, FleetSimulator, cluster_info
-from fleetline.agents.spool import DiskSpool
 from fleetline.errors import ConfigError
 from fleetline.processors.scheduling.capacity import CapacityIndex, observe
 from fleetline.processors.scheduling.pipeline import Context, JobRequest, rank_clusters
@@ -28,7 +26,7 @@ from fleetline.processors.view.accelerators import (
 from fleetline.processors.view.read import node_data
 from fleetline.processors.view.summary import capacity_of, capacity_record, node_capacity
 from fleetline.streams.serde import default_codec
-from tests.fake_nvml import FakeNvml, hgx_gpu
+from tests.fake_nvml import FakeNvml, hgx_collector, hgx_gpu, node_agent_offline
 from tests.fleet_events import fold
 from tests.scheduling_support import training
 from tests.support import BASE_MS
@@ -97,27 +95,13 @@ def test_accelerator_is_optional_and_may_be_a_list() -> None:
 def nvml_agent(
     tmp_path: Path, node_id: str, device: str = "NVIDIA H100 80GB HBM3", memory_gib: int = 80
 ) -> NodeAgent:
-    gpus = [hgx_gpu(i, name=device.encode(), memory=(0, memory_gib * 2**30)) for i in range(8)]
-    collector = NvmlCollector(nvml=FakeNvml(gpus), rdma=RdmaCounters(Path("/nonexistent"))).open()
-    identity = NodeIdentity(
-        "lab-a",
-        "eu-west",
+    return node_agent_offline(
+        hgx_collector(device, memory_gib),
         node_id,
+        tmp_path,
         leaf_switch="lab-a-leaf0",
         spine_switch="lab-a-spine0",
         labels=operator_labels({"pool": "training", "rack": "r7"}),
-    )
-    # The publisher's spool is all `state` reads of it; nothing is sent here.
-    publisher = SimpleNamespace(spool=DiskSpool(tmp_path / node_id / "spool"))
-    from fleetline.agents.commands import ControlStore
-    from fleetline.agents.fleet import SequenceStore
-
-    return NodeAgent(
-        identity,
-        collector,
-        publisher,  # type: ignore[arg-type]
-        ControlStore(tmp_path / node_id / "controls.json"),
-        SequenceStore(tmp_path / node_id / "sequences.json"),
     )
 
 
