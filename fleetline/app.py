@@ -464,6 +464,10 @@ def build(settings: Settings, options: Options) -> Fleetline:
         )
     # This process owns the embedded store; other processes (`fleetline sql`) query through it.
     fleet.queries = QueryService(
-        client, settings.clickhouse_url, expand=expander(settings), limits=settings.query_limits
+        client,
+        settings.clickhouse_url,
+        host=settings.advertise_host,
+        expand=expander(settings),
+        limits=settings.query_limits,
     )
     return fleet

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,6 +112,10 @@ class Settings:
     query_limits: QueryLimits = field(default_factory=QueryLimits)
     # The largest request body the API reads (a spec file, a policy, a query); larger: 413.
     api_max_body_bytes: int = 1024 * 1024
+    # The address this host's processes listen on and tell others to reach them at: the API,
+    # the router, inference replicas, the cluster agent's peer probe, the query service and
+    # /metrics (each command's own --host flag overrides it). Loopback suits one host only.
+    advertise_host: str = "127.0.0.1"
 
     def signing_key_path(self) -> Path:
         return self.audit_signing_key or self.cache_dir / "audit" / "signing-key.pem"
@@ -168,7 +174,34 @@ class Settings:
             api_max_body_bytes=_number(
                 env, "FLEETLINE_API_MAX_BODY_BYTES", defaults.api_max_body_bytes
             ),
+            advertise_host=host_address(
+                env.get("FLEETLINE_ADVERTISE_HOST") or defaults.advertise_host,
+                "FLEETLINE_ADVERTISE_HOST",
+            ),
         )
+
+
+_HOST_NAME = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.?)+$")
+
+
+def host_address(value: str, what: str) -> str:
+    """An address to listen on and be reached at: an IP address or a host name. Not a wildcard:
+    others must be able to reach what is advertised, and 0.0.0.0 reaches no one."""
+    text = value.strip()
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        if not _HOST_NAME.match(text) or text.replace(".", "").isdigit():
+            raise ConfigError(
+                f"{what} must be an IP address or a host name, got {value!r}"
+            ) from None
+        return text
+    if address.is_unspecified:
+        raise ConfigError(
+            f"{what} must be an address others can reach, not the wildcard {text} "
+            "(give this host's address on the network they share)"
+        )
+    return text
 
 
 def _flag(value: str, name: str) -> bool:

@@ -65,7 +65,7 @@ def nvml(
     ticks: Ticks = None,
     state_dir: StateDir = None,
     metrics_port: MetricsPort = None,
-    metrics_host: MetricsHost = "127.0.0.1",
+    metrics_host: MetricsHost = None,
 ) -> None:
     """The node agent on a real GPU server: NodeTelemetry every interval and NodeState
     heartbeats through an on-disk spool; applies the node's commands. The GPUs' vendor, model
@@ -143,7 +143,7 @@ def simulator(
     ticks: Ticks = None,
     state_dir: StateDir = None,
     metrics_port: MetricsPort = None,
-    metrics_host: MetricsHost = "127.0.0.1",
+    metrics_host: MetricsHost = None,
 ) -> None:
     """A simulated fleet's agents, paced in real time."""
     from fleetline.agents.fleet import FleetAgent

@@ -47,7 +47,7 @@ def cluster_agent(
         typer.Option(help="fault injection: peers (one per line) this agent cannot reach"),
     ] = None,
     metrics_port: MetricsPort = None,
-    metrics_host: MetricsHost = "127.0.0.1",
+    metrics_host: MetricsHost = None,
 ) -> None:
     """Run the cluster agent: reconcile the scheduler's workload orders for this cluster with
     the workloads it runs (real processes), report their transitions and the cluster's status

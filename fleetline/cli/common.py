@@ -30,13 +30,27 @@ MetricsPort = Annotated[
         "stderr); without it, no endpoint",
     ),
 ]
-MetricsHost = Annotated[str, typer.Option(help="the address /metrics listens on")]
+MetricsHost = Annotated[
+    str | None,
+    typer.Option(help="the address /metrics listens on (default: FLEETLINE_ADVERTISE_HOST)"),
+]
+ListenHost = Annotated[
+    str | None,
+    typer.Option(help="the address it listens on (default: FLEETLINE_ADVERTISE_HOST)"),
+]
 
 
-def expose_metrics(host: str, port: int | None, process: str, *collectors: Any) -> None:
+def listen_host(host: str | None) -> str:
+    """A --host flag's address, or this host's advertised one (FLEETLINE_ADVERTISE_HOST,
+    127.0.0.1 unset)."""
+    return host or Settings.from_env().advertise_host
+
+
+def expose_metrics(host: str | None, port: int | None, process: str, *collectors: Any) -> None:
     """Serve /metrics for this process (with `collectors` registered), if a port was given."""
     if port is None:
         return
+    host = listen_host(host)
     from fleetline.observability import metrics
 
     for i, collector in enumerate(collectors):

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from fleetline.cli.common import settings
+from fleetline.config import host_address
 from fleetline.infra import LocalServices
 
 infra = typer.Typer(
@@ -31,14 +32,25 @@ def start(
             "many as FLEETLINE_KAFKA_BOOTSTRAP lists.",
         ),
     ] = None,
+    listen: Annotated[
+        str | None,
+        typer.Option(
+            metavar="ADDR",
+            help="the address Kafka (listeners and advertised listeners) and the S3 server "
+            "listen on, for clients on other hosts (default: FLEETLINE_KAFKA_BOOTSTRAP's and "
+            "FLEETLINE_S3_ENDPOINT's hosts, 127.0.0.1)",
+        ),
+    ] = None,
 ) -> None:
     """Start the broker(s) and the S3 server (fetching and building them the first time)."""
-    services = LocalServices.from_settings(settings(), brokers)
+    address = host_address(listen, "--listen") if listen is not None else None
+    services = LocalServices.from_settings(settings(), brokers, address)
     print(json.dumps({k: round(v, 2) for k, v in services.start().items()}))
     _status(services)
-    if len(services.kafka.brokers) > 1:
+    if len(services.kafka.brokers) > 1 or address is not None:
         # Clients bootstrap from every broker, so one that is down does not stop them starting.
-        print(f"export FLEETLINE_KAFKA_BOOTSTRAP={services.kafka.bootstrap_servers}")
+        for name, value in services.client_env().items():
+            print(f"export {name}={value}")
 
 
 @infra.command()

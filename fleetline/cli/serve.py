@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from fleetline.cli.common import TopicPrefix, settings, ship_logs
+from fleetline.cli.common import ListenHost, TopicPrefix, listen_host, settings, ship_logs
 from fleetline.cli.data import TierPolicy, tier_policy
 from fleetline.errors import ConfigError
 from fleetline.processors.view.runtime import APPLICATION_ID as VIEW_APP
@@ -31,7 +31,7 @@ def serve(
     topic_prefix: TopicPrefix = "fleetline",
     group: Annotated[str, typer.Option(help="the view's instances (and snapshots)")] = VIEW_APP,
     instance_id: Annotated[str, typer.Option()] = "0",
-    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    host: ListenHost = None,
     port: Annotated[int, typer.Option()] = 8080,
     snapshot_interval: Annotated[float, typer.Option(metavar="SECONDS")] = 30.0,
     no_api: Annotated[bool, typer.Option("--no-api", help="no HTTP API")] = False,
@@ -105,7 +105,8 @@ def serve(
     router_port: Annotated[
         int | None,
         typer.Option(
-            help="also host the inference router (`fleetline router`) on this loopback port"
+            help="also host the inference router (`fleetline router`) on this port, at "
+            "FLEETLINE_ADVERTISE_HOST"
         ),
     ] = None,
 ) -> None:
@@ -155,7 +156,7 @@ def serve(
 
         router = Router(config, options.topics)
         threading.Thread(
-            target=router.run, args=("127.0.0.1", router_port, router_stop), daemon=True
+            target=router.run, args=(config.advertise_host, router_port, router_stop), daemon=True
         ).start()
     try:
         if no_api:
@@ -173,7 +174,7 @@ def serve(
             server = uvicorn.Server(
                 uvicorn.Config(
                     app,
-                    host=host,
+                    host=listen_host(host),
                     port=port,
                     log_level="warning",
                     ssl_certfile=str(tls_cert) if tls_cert else None,

@@ -15,14 +15,23 @@ from typing import Annotated, Any
 import typer
 import yaml
 
-from fleetline.cli.common import Json, TopicPrefix, console, print_json, settings, table
+from fleetline.cli.common import (
+    Json,
+    ListenHost,
+    TopicPrefix,
+    console,
+    listen_host,
+    print_json,
+    settings,
+    table,
+)
 from fleetline.config import Settings
 from fleetline.streams.topics import Topics
 
 
 def router(
     port: Annotated[int, typer.Option(help="the port it listens on (0: any free one)")] = 8090,
-    host: Annotated[str, typer.Option(help="the address it listens on")] = "127.0.0.1",
+    host: ListenHost = None,
     policy: Annotated[
         Path | None,
         typer.Option(help="a YAML routing policy: weights, retries, retry budget, report_ms"),
@@ -52,7 +61,7 @@ def router(
 
     threading.Thread(target=announce, daemon=True).start()
     with contextlib.suppress(KeyboardInterrupt):
-        router_.run(host, port, stop)
+        router_.run(listen_host(host), port, stop)
 
 
 def load(

@@ -24,14 +24,20 @@ class LocalServices:
     object_store: ObjectStoreServer
 
     @classmethod
-    def from_settings(cls, settings: Settings, brokers: int | None = None) -> LocalServices:
+    def from_settings(
+        cls, settings: Settings, brokers: int | None = None, listen: str | None = None
+    ) -> LocalServices:
         """The services the settings point at. Kafka is `brokers` brokers from the first
         bootstrap server's port on (every other port: each broker's controller takes the next);
-        by default as many as the bootstrap list names, or as the running cluster recorded."""
+        by default as many as the bootstrap list names, or as the running cluster recorded.
+        With `listen`, Kafka (its listeners and the address it advertises) and the S3 server
+        run on that address instead of the settings' host, at the settings' ports."""
         servers = [
             _port(s.strip(), "FLEETLINE_KAFKA_BOOTSTRAP")
             for s in settings.kafka.bootstrap_servers.split(",")
         ]
+        if listen is not None:
+            servers = [(listen, port) for _, port in servers]
         kafka_host, kafka_port = servers[0]
         if brokers is None and len(servers) > 1:
             brokers = len(servers)
@@ -44,6 +50,7 @@ class LocalServices:
                     f"brokers run on {kafka.bootstrap_servers} (each next broker two ports up)"
                 )
         s3_host, s3_port = _port(settings.s3.endpoint, "FLEETLINE_S3_ENDPOINT")
+        s3_host = listen or s3_host
         return cls(
             kafka=kafka,
             object_store=ObjectStoreServer(
@@ -74,6 +81,14 @@ class LocalServices:
     def stop(self) -> None:
         self.object_store.stop()
         self.kafka.stop()
+
+    def client_env(self) -> dict[str, str]:
+        """The FLEETLINE_* variables that point clients at these services."""
+        s3 = self.object_store
+        return {
+            "FLEETLINE_KAFKA_BOOTSTRAP": self.kafka.bootstrap_servers,
+            "FLEETLINE_S3_ENDPOINT": f"{s3.host}:{s3.port}",
+        }
 
     def status(self) -> dict[str, bool]:
         s3 = self.object_store

@@ -118,7 +118,8 @@ def _chdb_path(url: str) -> Path | None:
 
 
 class QueryService:
-    """Serves POST /query (body: SQL) on loopback for the process that owns a chdb store."""
+    """Serves POST /query (body: SQL) for the process that owns a chdb store, on the host's
+    advertised address (loopback unless FLEETLINE_ADVERTISE_HOST says otherwise)."""
 
     def __init__(
         self,

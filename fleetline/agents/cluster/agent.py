@@ -376,6 +376,8 @@ class ClusterAgent:
             "OPENBLAS_NUM_THREADS": "1",
             "OMP_NUM_THREADS": "1",
             "MKL_NUM_THREADS": "1",
+            # Where a workload that listens (an inference replica) binds and is reached.
+            "FLEETLINE_ADVERTISE_HOST": self.settings.advertise_host,
         }
         return env | workload_env(workload_spec)
 
@@ -860,7 +862,7 @@ class ClusterAgent:
     def _probe_server(self, stop: threading.Event) -> socket.socket:
         server = socket.socket()
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        server.bind(("127.0.0.1", 0))
+        server.bind((self.settings.advertise_host, 0))
         server.listen(16)
         server.settimeout(0.2)
         host, port = server.getsockname()[:2]

@@ -20,7 +20,8 @@ runs in numpy); requests beyond the slots wait in the queue. SIGTERM drains: new
 
 Environment (besides the workload contract's): FLEETLINE_MODEL (the model's name),
 FLEETLINE_MODEL_PREFIX, FLEETLINE_SERVE_CONCURRENCY, FLEETLINE_SERVE_COMPUTE_MS,
-FLEETLINE_SERVE_PORT (0: any free port).
+FLEETLINE_SERVE_PORT (0: any free port), FLEETLINE_ADVERTISE_HOST (the address it listens on and is
+reached at; the cluster agent passes its own, 127.0.0.1 unset).
 """
 
 from __future__ import annotations
@@ -194,7 +195,8 @@ async def serve(env: Mapping[str, str]) -> int:
     app.router.add_post("/v1/infer", replica.infer)
     app.router.add_get("/healthz", replica.healthz)
     app.router.add_get("/v1/load", replica.load_handler)
-    runner, address = await listen(app, "127.0.0.1", int(env.get("FLEETLINE_SERVE_PORT", "0")))
+    host = env.get("FLEETLINE_ADVERTISE_HOST") or "127.0.0.1"
+    runner, address = await listen(app, host, int(env.get("FLEETLINE_SERVE_PORT", "0")))
     progress.write(event="listening", address=address)
     stopping = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopping.set)
