@@ -57,6 +57,15 @@ class ServiceUnavailable(FleetlineError):
 EXIT_UNAVAILABLE = 69
 
 
+class NotPermitted(FleetlineError):
+    """The command needs a privilege this process lacks (root, for the lab's namespaces and
+    links). Commands exit with EXIT_NOPERM."""
+
+
+# sysexits.h EX_NOPERM.
+EXIT_NOPERM = 77
+
+
 class ServiceError(FleetlineError):
     """A local service (broker, object store) could not be fetched, built, started or stopped."""
 

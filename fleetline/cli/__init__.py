@@ -22,6 +22,7 @@ from fleetline.cli import (
     data,
     infra,
     jobs,
+    lab,
     operations,
     run,
     serve,
@@ -29,7 +30,13 @@ from fleetline.cli import (
     specs,
     view,
 )
-from fleetline.errors import EXIT_UNAVAILABLE, FleetlineError, ServiceUnavailable
+from fleetline.errors import (
+    EXIT_NOPERM,
+    EXIT_UNAVAILABLE,
+    FleetlineError,
+    NotPermitted,
+    ServiceUnavailable,
+)
 
 
 class LogFormat(StrEnum):
@@ -48,6 +55,7 @@ app = typer.Typer(
 )
 _GROUPS = (
     infra,
+    lab,
     run,
     agents,
     cluster,
@@ -105,6 +113,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ServiceUnavailable as exc:
         print(f"fleetline: unavailable: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
+    except NotPermitted as exc:
+        print(f"fleetline: not permitted: {exc}", file=sys.stderr)
+        return EXIT_NOPERM
     except FleetlineError as exc:
         print(f"fleetline: error: {exc}", file=sys.stderr)
         return 1
