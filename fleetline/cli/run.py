@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from fleetline.cli.common import console, settings
+from fleetline.config import Settings
+from fleetline.errors import ConfigError
 from fleetline.infra import LocalServices
 from fleetline.streams.topics import Topics
+
+if TYPE_CHECKING:
+    from fleetline.infra.lab import Lab
 
 
 def run(
@@ -52,6 +57,16 @@ def run(
             "--external-services", help="use the Kafka and S3 named in the settings; start nothing"
         ),
     ] = False,
+    lab: Annotated[
+        bool,
+        typer.Option(
+            "--lab",
+            help="play it in the lab (`sudo fleetline lab up` first; root): the control plane "
+            "on the lab's address, each cluster's agent and workloads on its cluster's host, "
+            "the cluster lost by a real link cut",
+        ),
+    ] = False,
+    lab_name: Annotated[str, typer.Option(help="with --lab: the lab's name")] = "fl",
 ) -> None:
     """Run a simulated fleet end to end from a scenario and print what it saw."""
     from dataclasses import replace
@@ -61,7 +76,23 @@ def run(
     from fleetline.demo.play import play
 
     config = settings("kafka", "s3") if external_services else settings()
+    the_lab = None
+    if lab:
+        config, the_lab = _in_lab(config, lab_name)
     story = scenarios.load(scenario).sized(nodes=nodes, clusters=clusters, ticks=ticks)
+    if the_lab is not None:
+        missing = [
+            c.spec.cluster_id
+            for c in story.clusters
+            if c.spec.cluster_id not in {h.cluster_id for h in the_lab.clusters}
+        ]
+        if missing:
+            raise ConfigError(
+                f"the lab has no host for cluster(s) {missing}: `fleetline lab down` and "
+                f"`fleetline lab up --clusters {len(story.clusters)}`"
+            )
+        for host in the_lab.clusters:
+            console.print(f"lab: {host.cluster_id} on {host.address} ({host.namespace})")
     story = replace(
         story,
         interval_ms=interval_ms or story.interval_ms,
@@ -94,11 +125,41 @@ def run(
             realtime=realtime,
             topics=Topics(prefix),
             progress=lambda line: console.print("  " + line),
+            lab=the_lab,
         )
     finally:
         if not external_services and not keep_services and not already_up:
             services.stop()
     report.print_result(console, result, config.clickhouse_url, prefix)
+
+
+def _in_lab(config: Settings, name: str) -> tuple[Settings, Lab]:
+    """The settings that put the control plane on the lab's address, and the lab."""
+    from dataclasses import replace
+
+    from fleetline.infra.lab import LabError, LabHost, require_root
+
+    require_root()
+    lab = LabHost(config.cache_dir, name).current()
+    if lab is None:
+        raise LabError(f"no lab named {name!r} is up: `sudo fleetline lab up --clusters 3` first")
+    if any(LocalServices.from_settings(config).status().values()):
+        raise ConfigError(
+            "Kafka or the S3 server already runs on "
+            f"{config.kafka.bootstrap_servers} / {config.s3.endpoint}; the lab's are started "
+            "on the lab's address with the same data: `fleetline infra stop` first"
+        )
+    port = config.kafka.bootstrap_servers.split(",")[0].rsplit(":", 1)[1]
+    s3_port = config.s3.endpoint.rsplit(":", 1)[1]
+    return (
+        replace(
+            config,
+            kafka=replace(config.kafka, bootstrap_servers=f"{lab.control}:{port}"),
+            s3=replace(config.s3, endpoint=f"{lab.control}:{s3_port}"),
+            advertise_host=lab.control,
+        ),
+        lab,
+    )
 
 
 def register(app: typer.Typer) -> None:

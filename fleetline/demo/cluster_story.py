@@ -29,6 +29,7 @@ from fleetline.agents.cluster.agent import ClusterAgent
 from fleetline.agents.workloads.train import workload_env
 from fleetline.config import Settings
 from fleetline.errors import StreamError
+from fleetline.infra.lab import Lab, LabHost, exec_argv
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.events import CLUSTER_HEALTH, CLUSTER_SIGNAL, WORKLOAD_EVENT
 from fleetline.streams.serde import default_codec
@@ -110,6 +111,9 @@ class ClusterAgents:
             if not agent.ready.wait(60):
                 raise StreamError(f"cluster agent {agent.cluster_id} did not start in 60s")
 
+    def describe_dark(self, cluster: str) -> str:
+        return "its cluster agent stops, its workload runs on cut off"
+
     def go_dark(self, cluster: str) -> None:
         """Stop a cluster's agent as if its cluster vanished: its workloads run on, cut off."""
         _, stop, thread = self.running.pop(cluster)
@@ -122,6 +126,75 @@ class ClusterAgents:
         for pid_file in self.state_dir.glob("*/*/*/pid"):
             with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
                 os.killpg(int(pid_file.read_text().split()[0]), signal.SIGKILL)
+
+
+class LabClusterAgents(ClusterAgents):
+    """One `fleetline cluster-agent` process per cluster, each on its cluster's host in the
+    lab (`fleetline lab`); a cluster goes dark by a real cut of its links, and comes back when
+    they are healed. The workloads run where their agent runs: inside its namespace."""
+
+    def __init__(self, settings: Settings, topics: Topics, clusters: list[str], lab: Lab) -> None:
+        super().__init__(settings, topics, clusters)
+        self.lab = lab
+        self.host = LabHost(settings.cache_dir, lab.name)
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.dark: set[str] = set()
+
+    def describe_dark(self, cluster: str) -> str:
+        return f"its links are cut (`fleetline lab cut {cluster}`), its workload runs on cut off"
+
+    def start(self, cluster: str | None = None) -> None:
+        if cluster is not None and cluster in self.dark:
+            self.host.heal()
+            self.dark.discard(cluster)
+            return
+        env = {
+            **os.environ,
+            **self.settings.s3.as_env(),
+            "FLEETLINE_KAFKA_BOOTSTRAP": self.settings.kafka.bootstrap_servers,
+            "FLEETLINE_OBJECT_ENCRYPTION_KEY": self.settings.object_encryption_key or "",
+        }
+        for cluster_id in [cluster] if cluster else self.clusters:
+            command = [
+                sys.executable, "-m", "fleetline.cli", "cluster-agent",
+                "--cluster-id", cluster_id, "--topic-prefix", self.topics.prefix,
+                "--state-dir", str(self.state_dir),
+            ]  # fmt: skip
+            log = (self.state_dir / f"{cluster_id}.log").open("ab")
+            self.processes[cluster_id] = subprocess.Popen(
+                exec_argv(self.lab, cluster_id, command, env),
+                env=env,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
+        follower = Follower(self.settings, self.topics)
+        try:
+            deadline = time.monotonic() + 60
+            while not set(self.processes) <= set(follower.heartbeats):
+                if time.monotonic() > deadline:
+                    silent = sorted(set(self.processes) - set(follower.heartbeats))
+                    raise StreamError(f"cluster agent(s) {silent} sent no heartbeat in 60s")
+                follower.poll()
+        finally:
+            follower.close()
+
+    def go_dark(self, cluster: str) -> None:
+        self.host.cut(cluster)
+        self.dark.add(cluster)
+
+    def close(self) -> None:
+        if self.dark:
+            self.host.heal()
+        for process in self.processes.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in self.processes.values():
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+        super().close()
 
 
 def _reference(settings: Settings, workload: dict[str, Any]) -> tuple[str, float]:
@@ -188,7 +261,7 @@ def lose_a_cluster(
         )
         agents.go_dark(lost)
         dark = time.monotonic()
-        say(f"{at()}: {lost} goes dark: its cluster agent stops, its workload runs on cut off")
+        say(f"{at()}: {lost} goes dark: {agents.describe_dark(lost)}")
         down = until(
             "the cluster to be lost",
             lambda: [

@@ -29,10 +29,11 @@ from fleetline.agents.simulator import FleetSimulator
 from fleetline.api.auth import AuthConfig, Authenticator, token_digest
 from fleetline.app import Fleetline, Options, build
 from fleetline.config import Settings
-from fleetline.demo.cluster_story import ClusterAgents, lose_a_cluster
+from fleetline.demo.cluster_story import ClusterAgents, LabClusterAgents, lose_a_cluster
 from fleetline.demo.scenario import Scenario
 from fleetline.demo.serving_story import serving_day
 from fleetline.errors import StreamError
+from fleetline.infra.lab import Lab
 from fleetline.observability import tracing
 from fleetline.processors.audit.chain import export_entry, verify
 from fleetline.processors.audit.runtime import KafkaAuditEmitter, published_decisions
@@ -387,15 +388,23 @@ def play(
     realtime: bool,
     topics: Topics | None = None,
     progress: Callable[[str], None] = lambda line: None,
+    lab: Lab | None = None,
 ) -> SliceResult:
-    """Run the scenario for its intervals of event time and return what every stage saw."""
+    """Run the scenario for its intervals of event time and return what every stage saw. With a
+    `lab`, each cluster's agent (and so its workloads) runs on its cluster's host in the lab,
+    and the cluster is lost by a real cut of its links."""
     topics = topics or Topics()
     interval = scenario.interval_ms
     timings: dict[str, float] = {}
     began = time.monotonic()
     fleet = build(settings, demo_options(topics)).start()
     # One cluster agent per cluster: the training jobs run as processes, reported back.
-    agents = ClusterAgents(settings, topics, [c.spec.cluster_id for c in scenario.clusters])
+    cluster_ids = [c.spec.cluster_id for c in scenario.clusters]
+    agents = (
+        LabClusterAgents(settings, topics, cluster_ids, lab)
+        if lab is not None
+        else ClusterAgents(settings, topics, cluster_ids)
+    )
     agents.start()
     timings["pipeline_start_s"] = time.monotonic() - began
     simulator = FleetSimulator(

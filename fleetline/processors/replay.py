@@ -573,10 +573,16 @@ def replay_decisions(
                 break
             if live.value() != again or live.key() != key.encode():
                 was = codec.decode(live.value()).record
+                mine = codec.decode(again).record
+                fields = sorted(f for f in mine if mine[f] != was.get(f))
                 result.first_difference = (
                     f"decision {effect.decision_id} for {effect.job}: replayed "
                     f"{record['outcome']} ({record['reason'][:120]}), the log has "
-                    f"{was['decision_id']} {was['outcome']} ({was['reason'][:120]})"
+                    f"{was['decision_id']} {was['outcome']} ({was['reason'][:120]}); "
+                    + "; ".join(
+                        f"{f}: replayed {str(mine[f])[:300]}, logged {str(was.get(f))[:300]}"
+                        for f in fields
+                    )
                 )
                 break
             result.matched += 1
