@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -25,6 +26,7 @@ from fleetline.agents.fleet import FleetAgent
 from fleetline.agents.simulator import ClusterSpec, FleetSimulator
 from fleetline.app import Fleetline, Options, build
 from fleetline.config import Settings
+from fleetline.infra.lab import Lab, exec_argv
 from fleetline.processors.scheduling.codec import canonical_json, new_request
 from fleetline.processors.scheduling.runtime import submit
 from fleetline.streams import kafka as kafka_clients
@@ -43,9 +45,12 @@ def now_ms() -> int:
 class Stack:
     settings: Settings
     fleet: Fleetline
-    simulator: FleetSimulator
+    simulator: FleetSimulator | None  # None in a lab: each cluster's nodes run on its host
     state_dir: Path
     agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    # In a lab, each cluster agent (and each cluster's node agents) runs on its cluster's host.
+    lab: Lab | None = None
+    node_agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     @property
     def topics(self):
@@ -59,14 +64,39 @@ class Stack:
         log = (self.state_dir / f"agent-{cluster}.log").read_text()
         return log.split("metrics at ", 1)[1].split()[0]
 
-    def start_agent(self, cluster: str) -> None:
-        env = {
+    def _env(self) -> dict[str, str]:
+        return {
             **os.environ,
             **service_env(self.settings),
             "FLEETLINE_OBJECT_ENCRYPTION_KEY": self.settings.object_encryption_key or "",
         }
-        log = open(self.state_dir / f"agent-{cluster}.log", "ab")  # noqa: SIM115
-        self.agents[cluster] = subprocess.Popen(
+
+    def _spawn(self, cluster: str, argv: list[str], log_name: str) -> subprocess.Popen[bytes]:
+        """A process of `cluster`'s: on its lab host when there is a lab."""
+        env = self._env()
+        if self.lab is not None:
+            argv = exec_argv(self.lab, cluster, argv, env)
+        log = open(self.state_dir / log_name, "ab")  # noqa: SIM115
+        return subprocess.Popen(argv, env=env, stdout=log, stderr=log, start_new_session=True)
+
+    def start_nodes(self, cluster: str, part: int, parts: int) -> None:
+        """The node agents of one simulated cluster (one node, every 500 ms) as their own
+        process, on the cluster's host: `fleetline agent simulator --part`."""
+        self.node_agents[cluster] = self._spawn(
+            cluster,
+            [
+                sys.executable, "-m", "fleetline.cli", "agent", "simulator",
+                "--clusters", str(parts), "--processes", str(parts), "--part", str(part),
+                "--nodes", "1", "--interval-ms", "500", "--seed", "3",
+                "--topic-prefix", self.topics.prefix,
+                "--state-dir", str(self.state_dir / "nodes"),
+            ],
+            f"nodes-{cluster}.log",
+        )  # fmt: skip
+
+    def start_agent(self, cluster: str) -> None:
+        self.agents[cluster] = self._spawn(
+            cluster,
             [
                 sys.executable,
                 "-m",
@@ -85,10 +115,7 @@ class Stack:
                 "--metrics-port",
                 "0",
             ],
-            env=env,
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
+            f"agent-{cluster}.log",
         )
 
     def kill_agent(self, cluster: str) -> None:
@@ -131,11 +158,15 @@ def running_stack(
     prefix: str = "stack",
     commands: bool = False,
     regions: Mapping[str, str] | None = None,
+    lab: Lab | None = None,
 ) -> Iterator[Stack]:
     """The stack up, every cluster's first heartbeat seen; jobs go to the clusters in the
     order given while they are in the pool (the preference scorer outweighs the others).
     With `commands` the simulated node agents apply node commands (cordons, power caps);
-    `regions` names a cluster's region (default: one of its own, region-<cluster>)."""
+    `regions` names a cluster's region (default: one of its own, region-<cluster>). In a `lab`,
+    `clusters` are the simulator's first clusters by name (eu-west-a, us-east-a, ...), and
+    each one's cluster agent and node agents run on its host there (`settings` must point at
+    Kafka and S3 on the lab's control address)."""
     settings = dataclasses.replace(
         services,
         clickhouse_database=f"t_{uuid.uuid4().hex[:12]}",
@@ -143,25 +174,29 @@ def running_stack(
     )
     topics = fresh_topics(partitions=2)
     fleet = build(settings, dataclasses.replace(options, topics=topics)).start()
-    simulator = FleetSimulator(
-        [ClusterSpec(c, (regions or {}).get(c, f"region-{c}"), 1) for c in clusters],
-        seed=3,
-        interval_ms=500,
-    )
     state_dir = Path(tempfile.mkdtemp(prefix=f"{prefix}-"))
-    nodes = FleetAgent.create(
-        settings, codec, topics, simulator, state_dir / "nodes", commands=commands
-    )
     stop = threading.Event()
+    simulator: FleetSimulator | None = None
+    nodes: FleetAgent | None = None
+    pumping: threading.Thread | None = None
+    if lab is None:
+        simulator = FleetSimulator(
+            [ClusterSpec(c, (regions or {}).get(c, f"region-{c}"), 1) for c in clusters],
+            seed=3,
+            interval_ms=500,
+        )
+        nodes = FleetAgent.create(
+            settings, codec, topics, simulator, state_dir / "nodes", commands=commands
+        )
 
-    def pump() -> None:
-        nodes.start(now_ms())
-        while not stop.is_set():
-            nodes.tick(now_ms())
-            stop.wait(0.5)
+        def pump(agent: FleetAgent = nodes) -> None:
+            agent.start(now_ms())
+            while not stop.is_set():
+                agent.tick(now_ms())
+                stop.wait(0.5)
 
-    pumping = threading.Thread(target=pump, daemon=True)
-    pumping.start()
+        pumping = threading.Thread(target=pump, daemon=True)
+        pumping.start()
     submit(
         settings.kafka,
         topics,
@@ -178,11 +213,13 @@ def running_stack(
             )
         ],
     )
-    built = Stack(settings, fleet, simulator, state_dir)
+    built = Stack(settings, fleet, simulator, state_dir, lab=lab)
     try:
-        for cluster in clusters:
+        for part, cluster in enumerate(clusters):
             built.chaos(cluster).write_text("")
             built.start_agent(cluster)
+            if lab is not None:
+                built.start_nodes(cluster, part, len(clusters))
         wait_until(
             lambda: (
                 {h["cluster_id"] for h in built.health() if h["state"] == "HEALTHY"}
@@ -195,11 +232,39 @@ def running_stack(
     finally:
         for cluster in list(built.agents):
             built.kill_agent(cluster)
+        for process in built.node_agents.values():
+            process.terminate()  # what it spooled is sent first
+        for process in built.node_agents.values():
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
         for pid_file in (state_dir / "agents").glob("*/*/*/pid"):
             pid = int(pid_file.read_text().split()[0])
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
         stop.set()
-        pumping.join(10)
-        nodes.close()
+        if pumping is not None and nodes is not None:
+            pumping.join(10)
+            nodes.close()
         fleet.close()
+
+
+def reference_run(stack: Stack, tmp: Path, **workload: Any) -> list[dict[str, Any]]:
+    """The built-in trainer run once, never interrupted, with `workload`: its progress lines
+    (the last one has the final parameters' digest)."""
+    progress = tmp / "reference.jsonl"
+    env = {
+        **os.environ,
+        **service_env(stack.settings),
+        "FLEETLINE_CHECKPOINT_BUCKET": f"reference-{uuid.uuid4().hex[:8]}",
+        "FLEETLINE_CHECKPOINT_PREFIX": "checkpoints/reference",
+        "FLEETLINE_PROGRESS_FILE": str(progress),
+        "FLEETLINE_STEPS": str(workload["steps"]),
+        "FLEETLINE_CHECKPOINT_EVERY": str(workload["checkpoint_every_steps"]),
+        "FLEETLINE_REPORT_EVERY": str(workload["report_every_steps"]),
+        "FLEETLINE_SEED": str(workload["seed"]),
+        "OPENBLAS_NUM_THREADS": "1",
+    }
+    subprocess.run([sys.executable, "-m", "fleetline.agents.workloads.train"], env=env, check=True)
+    return [json.loads(line) for line in progress.read_text().splitlines()]

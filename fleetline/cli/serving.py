@@ -1,5 +1,5 @@
 """Inference traffic: `router` (the traffic entry layer) and `load` (a bounded diurnal load
-against it, loopback only)."""
+against it, loopback or a lab's addresses only)."""
 
 from __future__ import annotations
 
@@ -67,7 +67,10 @@ def router(
 def load(
     service: Annotated[str, typer.Argument(help="tenant/name of the InferenceService")],
     router_url: Annotated[
-        str, typer.Option("--router", help="the router's address (loopback only)")
+        str,
+        typer.Option(
+            "--router", help="the router's address (loopback, or a lab's on this machine)"
+        ),
     ] = "http://127.0.0.1:8090",
     region: Annotated[
         list[str] | None,
@@ -87,9 +90,10 @@ def load(
     json_: Json = False,
 ) -> None:
     """Send a diurnal curve of requests per region to the router (bounded in count and time,
-    loopback only) and print what came back: requests, failures, retries, latency percentiles
-    by time slice."""
+    loopback or a lab's addresses only) and print what came back: requests, failures,
+    retries, latency percentiles by time slice."""
     from fleetline.demo.load import LoadPlan, run_load
+    from fleetline.infra.lab import lab_subnets
 
     weights: dict[str, float] = {}
     offsets: dict[str, float] = {}
@@ -115,6 +119,7 @@ def load(
         else (),
         duration_s=duration_s,
         max_requests=max_requests,
+        labs=tuple(lab_subnets(Settings.from_env().cache_dir)),
     )
     result = asyncio.run(run_load(plan))
     summary = result.summary(span_s=duration_s)

@@ -29,14 +29,19 @@ from fleetline.errors import ConfigError
 TICK_S = 0.01
 
 
-def check_loopback(url: str) -> None:
+def check_target(url: str, labs: Sequence[str] = ()) -> None:
+    """Load goes to this machine only: loopback, or an address of a lab up on it (`labs`:
+    their subnets)."""
     host = urlparse(url).hostname or ""
     try:
-        ok = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        address = ipaddress.ip_address(host)
+        ok = address.is_loopback or any(address in ipaddress.ip_network(n) for n in labs)
     except ValueError:
-        ok = False
+        ok = host == "localhost"
     if not ok:
-        raise ConfigError(f"fleetline load targets loopback addresses only, not {host!r}")
+        raise ConfigError(
+            f"fleetline load targets loopback or a lab's addresses only, not {host!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class LoadPlan:
     max_requests: int = 100_000
     max_inflight: int = 512
     timeout_s: float = 10.0
+    labs: tuple[str, ...] = ()  # subnets of the labs up on this machine: targets allowed
 
     def rate(self, region: str, t: float) -> float:
         """Requests per second from `region` at `t` seconds into the run."""
@@ -126,7 +132,7 @@ class LoadResult:
 
 
 async def run_load(plan: LoadPlan) -> LoadResult:
-    check_loopback(plan.router)
+    check_target(plan.router, plan.labs)
     tenant, _, name = plan.service.partition("/")
     url = f"{plan.router.rstrip('/')}/v1/services/{tenant}/{name}/infer"
     body = json.dumps({"inputs": [[0.1] * 16]}).encode()

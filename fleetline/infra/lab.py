@@ -368,6 +368,17 @@ class LabHost:
         return removed
 
 
+def lab_subnets(state_dir: Path) -> list[str]:
+    """The subnets of the labs up on this machine (their state files under `state_dir`)."""
+    out = []
+    for state in sorted((state_dir / "lab").glob("*.json")):
+        try:
+            out.append(str(json.loads(state.read_text())["subnet"]))
+        except (OSError, ValueError, KeyError):
+            continue
+    return out
+
+
 def namespace_pids(namespace: str) -> list[int]:
     return [int(p) for p in ip("netns", "pids", namespace, check=False).split() if p.isdigit()]
 

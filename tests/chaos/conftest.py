@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 from collections.abc import Iterator
 
 import pytest
 
-from fleetline.config import KafkaSettings, Settings
-from fleetline.infra import KafkaCluster
+from fleetline.agents.simulator import default_clusters
+from fleetline.config import KafkaSettings, S3Settings, Settings
+from fleetline.infra import KafkaCluster, LocalServices
+from fleetline.infra.lab import Lab, LabHost
 
 CLUSTER_PORT = int(os.environ.get("FLEETLINE_TEST_KAFKA_CLUSTER_PORT", "28092"))
 FULL = os.environ.get("FLEETLINE_CHAOS", "").lower() == "full"
@@ -56,3 +59,45 @@ def replicated(settings: Settings, kafka_cluster: KafkaCluster) -> Iterator[Sett
         settings,
         kafka=KafkaSettings(kafka_cluster.bootstrap_servers, settings.kafka.client_overrides),
     )
+
+
+# The lab's own: a test's lab never touches an operator's ("fl", 10.77/16), nor test_lab.py's.
+LAB_NAME, LAB_SUBNET = "flc", "10.78.0.0/16"
+LAB_KAFKA_PORT, LAB_S3_PORT = 27092, 27000
+
+
+@dataclasses.dataclass(frozen=True)
+class LabServices:
+    """A lab up, with Kafka and S3 on its control address, and the settings that reach them."""
+
+    settings: Settings
+    host: LabHost
+    lab: Lab
+
+
+@pytest.fixture(scope="module")
+def lab(services: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServices]:
+    """A lab of three cluster hosts (eu-west-a, us-east-a, ap-south-a: the simulator's first
+    three) with a Kafka broker and the S3 server of its own on the lab's control address.
+    Needs root (skipped without)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("the lab needs root and iproute2")
+    host = LabHost(tmp_path_factory.mktemp("lab"), LAB_NAME)
+    made = host.up(Lab.plan([c.cluster_id for c in default_clusters(1, 3)], LAB_SUBNET, LAB_NAME))
+    settings = dataclasses.replace(
+        services,
+        kafka=KafkaSettings(f"{made.control}:{LAB_KAFKA_PORT}", services.kafka.client_overrides),
+        s3=S3Settings(endpoint=f"{made.control}:{LAB_S3_PORT}", bucket="fleetline-lab"),
+        advertise_host=made.control,
+    )
+    local = LocalServices.from_settings(settings)
+    try:
+        local.kafka.wipe()
+        local.object_store.wipe()
+        local.start()
+        yield LabServices(settings, host, made)
+    finally:
+        host.down(grace_s=5)
+        local.stop()
+        local.kafka.wipe()
+        local.object_store.wipe()

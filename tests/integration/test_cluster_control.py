@@ -15,12 +15,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,7 +33,7 @@ from fleetline.processors.scheduling.runtime import read_topic, submit
 from fleetline.processors.view import read as view_read
 from fleetline.streams import kafka as kafka_clients
 from tests.services import service_env, submits
-from tests.stack import Stack, codec, now_ms, running_stack
+from tests.stack import Stack, codec, now_ms, reference_run, running_stack
 from tests.support import wait_until
 
 pytestmark = pytest.mark.services
@@ -276,24 +274,6 @@ def test_a_deleted_job_checkpoints_on_its_way_out(stack):
     assert "deleted by tester" in stopped["detail"]
     assert [e["exit_code"] for e in events if e["event"] == "EXITED"] == [0]
     assert stack.phase(key) == "Deleted"
-
-
-def reference_run(stack: Stack, tmp: Path, **workload: Any) -> list[dict[str, Any]]:
-    progress = tmp / "reference.jsonl"
-    env = {
-        **os.environ,
-        **service_env(stack.settings),
-        "FLEETLINE_CHECKPOINT_BUCKET": f"reference-{uuid.uuid4().hex[:8]}",
-        "FLEETLINE_CHECKPOINT_PREFIX": "checkpoints/reference",
-        "FLEETLINE_PROGRESS_FILE": str(progress),
-        "FLEETLINE_STEPS": str(workload["steps"]),
-        "FLEETLINE_CHECKPOINT_EVERY": str(workload["checkpoint_every_steps"]),
-        "FLEETLINE_REPORT_EVERY": str(workload["report_every_steps"]),
-        "FLEETLINE_SEED": str(workload["seed"]),
-        "OPENBLAS_NUM_THREADS": "1",
-    }
-    subprocess.run([sys.executable, "-m", "fleetline.agents.workloads.train"], env=env, check=True)
-    return [json.loads(line) for line in progress.read_text().splitlines()]
 
 
 def test_a_lost_cluster_s_job_resumes_elsewhere_bit_identical_and_its_copy_is_fenced(

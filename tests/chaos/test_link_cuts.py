@@ -1,0 +1,184 @@
+"""Faults on real links: the lab's namespaces (`fleetline lab`), each cluster's agent and node
+agents on its own host, the control plane on the lab's address, and links cut with `ip link set
+... down` (no process is frozen or killed).
+
+- A cluster's links cut for 30 s mid-training: it is declared lost, its job resumes elsewhere
+  from its last checkpoint, once; the copy left running there, cut off, is fenced when the link
+  returns; the node agents' telemetry spooled during the cut arrives late, is folded, and moves
+  nothing back; the parameters are bit-identical to a run never interrupted.
+- One pair's link cut: the two report each other unreachable (PARTITION), both still heartbeat
+  through the control plane, and nobody is evicted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from fleetline.app import Options
+from fleetline.processors.health.fold import ClusterHealthPolicy
+from fleetline.processors.scheduling.runtime import submit
+from fleetline.processors.view.model import NodeStatus
+from tests.chaos.conftest import LabServices
+from tests.services import submits
+from tests.stack import Stack, now_ms, reference_run, running_stack
+from tests.support import wait_until
+
+CLUSTERS = ("eu-west-a", "us-east-a", "ap-south-a")  # the lab's, in the simulator's order
+CUT_S = 30
+POLICY = ClusterHealthPolicy(
+    suspect_after_ms=1_500, lost_after_ms=4_000, recover_after_ms=2_000, peer_report_fresh_ms=3_000
+)
+
+
+@pytest.fixture(scope="module")
+def stack(lab: LabServices) -> Iterator[Stack]:
+    options = Options(tick_interval_s=0.3, health_policy=POLICY, clock_interval_s=0.25)
+    with running_stack(lab.settings, CLUSTERS, options, "link-cuts", lab=lab.lab) as built:
+        yield built
+
+
+def training(name: str, **workload) -> dict:
+    # ap-south-a has H200s: an H100 job runs in eu-west-a (preferred) or moves to us-east-a.
+    return {
+        "kind": "TrainingJob",
+        "metadata": {"name": name, "tenant": "acme"},
+        "spec": {"accelerator": "H100", "gpus_per_worker": 2, "workers": 1, "workload": workload},
+    }
+
+
+def test_a_cluster_cut_for_30_s_mid_training_is_lost_resumed_once_and_fenced(
+    stack: Stack, lab: LabServices, tmp_path
+) -> None:
+    workload = {
+        "steps": 900,
+        "checkpoint_every_steps": 50,
+        "report_every_steps": 10,
+        "seed": 11,
+        "step_delay_ms": 40,
+    }
+    key = "acme/cut"
+    submit(stack.settings.kafka, stack.topics, submits(training("cut", **workload)))
+    wait_until(
+        lambda: any(e["event"] == "CHECKPOINTED" and e["step"] >= 100 for e in stack.events(key)),
+        120,
+        "two checkpoints in eu-west-a",
+    )
+    first = next(e for e in stack.events(key) if e["event"] == "STARTING")
+    assert first["cluster_id"] == "eu-west-a"
+    node = "eu-west-a-n0000"
+    lab.host.cut("eu-west-a")
+    cut_ms = now_ms()
+    try:
+        wait_until(
+            lambda: any(
+                h["event"] == "CLUSTER_DOWN" and h["cluster_id"] == "eu-west-a"
+                for h in stack.health()
+            ),
+            30,
+            "eu-west-a to be lost",
+        )
+        wait_until(
+            lambda: any(
+                e["event"] == "RUNNING" and e["cluster_id"] != "eu-west-a"
+                for e in stack.events(key)
+            ),
+            60,
+            "the job to run elsewhere",
+        )
+        # The stale copy runs on, cut off: its agent cannot tell anyone yet.
+        assert not any(e["event"] == "FENCED" for e in stack.events(key))
+        time.sleep(max(0.0, cut_ms / 1000 + CUT_S - time.time()))
+    finally:
+        lab.host.heal()
+    healed_ms = now_ms()
+    moved = next(
+        e for e in stack.events(key) if e["event"] == "RUNNING" and e["cluster_id"] != "eu-west-a"
+    )
+    assert moved["epoch"] > first["epoch"]
+    wait_until(
+        lambda: any(
+            e["event"] == "FENCED" and e["cluster_id"] == "eu-west-a" for e in stack.events(key)
+        ),
+        60,
+        "the stale copy in eu-west-a to be fenced",
+    )
+    wait_until(lambda: stack.phase(key) == "Succeeded", 180, "the job to finish")
+    events = stack.events(key)
+    # Resumed once: two runs, the first in eu-west-a, the second where it moved.
+    runs = sorted({(e["epoch"], e["cluster_id"]) for e in events if e["event"] == "RUNNING"})
+    assert runs == [(first["epoch"], "eu-west-a"), (moved["epoch"], moved["cluster_id"])], runs
+    done = [e for e in events if e["event"] == "EXITED" and e["epoch"] == moved["epoch"]]
+    assert len(done) == 1 and done[0]["exit_code"] == 0
+    reference = reference_run(stack, tmp_path, **workload)
+    assert done[0]["detail"] == f"params sha256 {reference[-1]['params_sha256']}"
+    job = stack.job(key)
+    assert job is not None and job["epoch"] == moved["epoch"]
+    # The node's telemetry from the cut was spooled on its host and arrives late, in order,
+    # with no gap; the view folds it and the node is UP again, and nothing moved back.
+
+    def caught_up() -> bool:
+        view = stack.fleet.view.read(lambda v: v.nodes.get(node))
+        return view is not None and view.telemetry_ts > healed_ms
+
+    wait_until(caught_up, 60, "the cut node's spooled telemetry")
+    samples = [
+        r for r in stack.records(stack.topics.telemetry, partitions=2) if r["node_id"] == node
+    ]
+    during = [r for r in samples if cut_ms + 2_000 < r["ts"] < healed_ms - 2_000]
+    assert len(during) >= (CUT_S - 6) * 2, len(during)  # every 500 ms of the cut
+    # In the order the node made them, none twice (its NodeStates take seq numbers too).
+    seqs = [r["seq"] for r in samples]
+    assert seqs == sorted(set(seqs)), "telemetry out of order or repeated"
+    status = stack.fleet.view.read(lambda v: v.nodes[node].state)
+    assert status == NodeStatus.UP
+    assert stack.job(key)["epoch"] == moved["epoch"]
+    assert not [
+        e for e in stack.events(key) if e["event"] == "RUNNING" and e["epoch"] > moved["epoch"]
+    ]
+
+
+def test_one_pair_s_link_cut_evicts_nobody(stack: Stack, lab: LabServices) -> None:
+    wait_until(
+        lambda: (
+            {h["cluster_id"]: h["state"] for h in stack.health()}
+            == dict.fromkeys(CLUSTERS, "HEALTHY")
+        ),
+        60,
+        "every cluster healthy",
+    )
+    before = len(stack.health())
+    lab.host.cut("eu-west-a", "us-east-a")
+    try:
+        wait_until(
+            lambda: (
+                {
+                    (h["cluster_id"], h["peer"])
+                    for h in stack.health()[before:]
+                    if h["event"] == "PARTITION" and not h["link_up"]
+                }
+                >= {("eu-west-a", "us-east-a"), ("us-east-a", "eu-west-a")}
+            ),
+            30,
+            "both ends of the cut link to be reported",
+        )
+        time.sleep(POLICY.lost_after_ms / 1000 + 3)
+        after = stack.health()[before:]
+        assert not [h for h in after if h["event"] in ("CLUSTER_DOWN", "FENCE")], after
+        latest = {h["cluster_id"]: h["state"] for h in stack.health()}
+        assert latest == dict.fromkeys(CLUSTERS, "HEALTHY")
+        # Neither lost the third cluster.
+        assert not [
+            h
+            for h in after
+            if h["event"] == "PARTITION" and "ap-south-a" in (h["cluster_id"], h["peer"])
+        ]
+    finally:
+        lab.host.heal()
+    wait_until(
+        lambda: any(h["event"] == "PARTITION" and h["link_up"] for h in stack.health()[before:]),
+        30,
+        "the link to heal",
+    )
