@@ -9,6 +9,7 @@ from typing import Any
 from confluent_kafka import Message
 
 from fleetline.agents.simulator import cluster_info
+from fleetline.config import KafkaSettings
 from fleetline.processors.scheduling.capacity import FleetFacts, observe, observe_summaries
 from fleetline.processors.view.fold import compose
 from fleetline.processors.view.folder import FLEET_PART, PartFolder, shard_part
@@ -138,3 +139,62 @@ def test_an_unchanged_fleet_summarises_to_the_same_records_and_a_change_shows() 
     late = summarize(parts, watermark_ms=BASE_MS + 10**6, cache=cache)
     statuses = {n["status"] for r in late.values() for n in r["nodes"]}
     assert "UNREACHABLE" in statuses and statuses <= {"UNREACHABLE", "DOWN"}
+
+
+class _Log:
+    """A one-partition topic as a consumer reads it: batches in order, the end it reports
+    taken when asked (what `to_end` aims at), and records appended in between."""
+
+    def __init__(self, messages: list[Message], end: int) -> None:
+        self.messages, self.end, self.next = messages, end, 0
+
+    def assign(self, partitions: Any) -> None:
+        self.next = 0
+
+    def consume(self, count: int, timeout: float) -> list[Message]:
+        batch = self.messages[self.next : self.next + count]
+        self.next += len(batch)
+        return batch
+
+    def seek(self, partition: Any) -> None:
+        self.next = partition.offset
+
+    def get_watermark_offsets(self, partition: Any, timeout: float) -> tuple[int, int]:
+        return 0, self.end
+
+    def close(self) -> None: ...
+
+
+def test_a_summary_appended_while_the_ticker_reads_to_the_end_is_not_lost(monkeypatch) -> None:
+    """`to_end` asks for the end, then reads: a record appended in between comes in the same
+    batch, past the end it aimed at. The follower holds it back for `to_end`, and the next
+    `poll` must apply it: the consumer has moved on, so skipped there it would be lost, the
+    ticker's facts would lack it while a replay at the same offset has it."""
+    from fleetline.processors.view import runtime as view_runtime
+
+    summaries = summarize(folded(2))
+    keys = sorted(summaries)[:3]
+    assert len(keys) == 3
+    log = _Log(
+        [
+            Message(
+                topic=TOPICS.summaries,
+                partition=0,
+                offset=offset,
+                key=key.encode(),
+                value=CODEC.encode(CAPACITY_SUMMARY, summaries[key]),
+            )
+            for offset, key in enumerate(keys)
+        ],
+        end=2,  # the third record was appended after the end was asked for
+    )
+    monkeypatch.setattr(view_runtime.kafka_clients, "consumer", lambda *args, **kwargs: log)
+    follower = view_runtime.SummaryFollower(KafkaSettings(), TOPICS)
+    follower.to_end()
+    assert (sorted(follower.records), follower.position) == (keys[:2], 2)
+    log.end = 3
+    assert follower.poll() == 1
+    assert (sorted(follower.records), follower.position) == (keys, 3)
+    # What a replay reads at that position: the same records.
+    again = view_runtime.SummaryFollower(KafkaSettings(), TOPICS)
+    assert again.at(3) == follower.records

@@ -300,6 +300,12 @@ class SummaryFollower:
     def poll(self, timeout_s: float = 0.0) -> int:
         """Apply what has been appended since; how many records."""
         applied = 0
+        if self._held is not None:
+            # Read past the target of an `at` (a record appended after `to_end` took the end):
+            # the consumer has moved on from it, so it is applied here or never.
+            held, self._held = self._held, None
+            self._apply(held)
+            applied += 1
         while True:
             batch = self._receive(timeout_s if not applied else 0.0)
             for msg in batch:
