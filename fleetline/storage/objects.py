@@ -4,12 +4,17 @@ in production, chosen by endpoint and credentials alone)."""
 from __future__ import annotations
 
 import io
+import os
+import socket
 from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit
 
+import certifi
+import urllib3
 from minio import Minio
 from minio.error import S3Error
+from urllib3.connection import HTTPConnection
 from urllib3.exceptions import HTTPError
 
 from fleetline.config import S3Settings
@@ -57,6 +62,33 @@ def probe(s3: S3Settings, timeout_s: float = 5.0) -> None:
         )
 
 
+# minio's own pool waits 5 minutes to connect and 5 minutes for each read, per try: across a
+# cut link a call hung for most of an hour. These give up on a silent server in seconds (a
+# read waits longer: a large part may take a while to be acknowledged), and keepalive probes
+# find a connection that died under a cut instead of waiting on it.
+CONNECT_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 120.0
+_KEEPALIVE = [
+    (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+    (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 10),
+    (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 5),
+    (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3),
+]
+
+
+def _http_pool(s3: S3Settings) -> urllib3.PoolManager:
+    """minio's connection pool with our timeouts; its retries and certificate checks as they
+    are (a retry of an idempotent S3 call on 500, 502, 503, 504, five times)."""
+    return urllib3.PoolManager(
+        timeout=urllib3.Timeout(connect=CONNECT_TIMEOUT_S, read=READ_TIMEOUT_S),
+        maxsize=10,
+        cert_reqs="CERT_REQUIRED" if s3.secure else "CERT_NONE",
+        ca_certs=os.environ.get("SSL_CERT_FILE") or certifi.where(),
+        retries=urllib3.Retry(total=5, backoff_factor=0.2, status_forcelist=[500, 502, 503, 504]),
+        socket_options=[*HTTPConnection.default_socket_options, *_KEEPALIVE],
+    )
+
+
 @dataclass
 class ObjectStore:
     client: Minio
@@ -70,6 +102,7 @@ class ObjectStore:
             secret_key=s3.secret_key,
             secure=s3.secure,
             region=s3.region,
+            http_client=_http_pool(s3),
         )
         return cls(client, bucket or s3.bucket)
 
