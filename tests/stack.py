@@ -101,6 +101,8 @@ class Stack:
                 sys.executable,
                 "-m",
                 "fleetline.cli",
+                # In a lab, at INFO: what it stops and why is the evidence of a cut.
+                *(["-v"] if self.lab is not None else []),
                 "cluster-agent",
                 "--cluster-id",
                 cluster,

@@ -214,19 +214,7 @@ class Child:
         self.proc = self._start()
 
     def _dump_threads(self) -> None:
-        """Where each thread of a child that does not stop stands, into its log (py-spy,
-        a dev dependency, reads a process's Python and native stacks from outside)."""
-        spy = Path(sys.executable).with_name("py-spy")
-        if not spy.exists():
-            return
-        with self.log_path.open("ab") as log:
-            subprocess.run(
-                [str(spy), "dump", "--native", "--pid", str(self.proc.pid)],
-                stdout=log,
-                stderr=log,
-                timeout=60,
-                check=False,
-            )
+        dump_threads(self.proc.pid, self.log_path)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -265,3 +253,20 @@ def scalars_from_clickhouse(url: str, queries: Sequence[str]) -> list[int]:
     )
     assert done.returncode == 0, done.stderr
     return [int(v) for v in json.loads(done.stdout.strip().splitlines()[-1])]
+
+
+def dump_threads(pid: int, log_path: Path) -> None:
+    """Where each thread of a process stands, appended to `log_path` (py-spy, a dev dependency,
+    reads a process's Python and native stacks from outside): for a child that does not stop,
+    or does not do what it should."""
+    spy = Path(sys.executable).with_name("py-spy")
+    if not spy.exists():
+        return
+    with log_path.open("ab") as log:
+        subprocess.run(
+            [str(spy), "dump", "--native", "--pid", str(pid)],
+            stdout=log,
+            stderr=log,
+            timeout=60,
+            check=False,
+        )

@@ -22,6 +22,7 @@ from fleetline.processors.health.fold import ClusterHealthPolicy
 from fleetline.processors.scheduling.runtime import submit
 from fleetline.processors.view.model import NodeStatus
 from tests.chaos.conftest import LabServices
+from tests.chaos.faults import dump_threads
 from tests.services import submits
 from tests.stack import Stack, now_ms, reference_run, running_stack
 from tests.support import wait_until
@@ -98,13 +99,22 @@ def test_a_cluster_cut_for_30_s_mid_training_is_lost_resumed_once_and_fenced(
         e for e in stack.events(key) if e["event"] == "RUNNING" and e["cluster_id"] != "eu-west-a"
     )
     assert moved["epoch"] > first["epoch"]
-    wait_until(
-        lambda: any(
-            e["event"] == "FENCED" and e["cluster_id"] == "eu-west-a" for e in stack.events(key)
-        ),
-        60,
-        "the stale copy in eu-west-a to be fenced",
-    )
+    try:
+        wait_until(
+            lambda: any(
+                e["event"] == "FENCED" and e["cluster_id"] == "eu-west-a" for e in stack.events(key)
+            ),
+            60,
+            "the stale copy in eu-west-a to be fenced",
+        )
+    except AssertionError:
+        log = stack.state_dir / "agent-eu-west-a.log"
+        dump_threads(stack.agents["eu-west-a"].pid, log)
+        seen = [(e["event"], e["cluster_id"], e["epoch"]) for e in stack.events(key)]
+        raise AssertionError(
+            f"not fenced; events {seen}; health {[h['event'] for h in stack.health()]}; "
+            f"agent log: {log.read_text(errors='replace')[-6000:]}"
+        ) from None
     wait_until(lambda: stack.phase(key) == "Succeeded", 180, "the job to finish")
     events = stack.events(key)
     # Resumed once: two runs, the first in eu-west-a, the second where it moved.
