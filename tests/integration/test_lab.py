@@ -171,6 +171,7 @@ def test_bad_lab_commands_get_one_line_and_make_nothing(
             (["lab", "up", "--subnet", "8.8.0.0/16", "--name", "flu"], "not a private network"),
             (["lab", "cut", "mars", *common], "no cluster 'mars' in the lab"),
             (["lab", "exec", "eu-west-a", *common], "no command given"),
+            (["run", "--lab", "--lab-name", "flz"], "no lab named 'flz' is up"),
         ):
             assert main(argv) == 1, argv
             err = capsys.readouterr().err.strip()
