@@ -465,6 +465,12 @@ class StreamLoop:
             if error is not None:
                 if error.code() == KafkaError._PARTITION_EOF:
                     continue
+                if not error.fatal() and kafka_clients.moving(error):
+                    # librdkafka tells of what it is already retrying: the group's coordinator
+                    # moved ("Failed to fetch committed offsets ...: Not coordinator" after a
+                    # broker was killed), a leader changed. Stopping for it stopped the loop.
+                    log.warning("%s: consuming %s: %s", self.name, msg.topic(), error.str())
+                    continue
                 raise StreamError(f"{self.name}: consuming {msg.topic()}: {error.str()}")
             key = (msg.topic() or "", msg.partition() or 0)
             offset = msg.offset() or 0

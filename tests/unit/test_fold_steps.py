@@ -125,3 +125,47 @@ def test_positions_are_staged_with_the_state_and_committed_or_dropped_with_it() 
     assert store.positions(0) == {"t.in": 9, "t.other": 2}
     store.drop([0])
     assert store.positions(0) == {} and dict(store.items()) == {}
+
+
+class _Scripted:
+    """A consumer whose `consume` returns one scripted batch, then nothing."""
+
+    def __init__(self, batch: list) -> None:
+        self.batch = batch
+
+    def consume(self, count: int, timeout: float) -> list:
+        batch, self.batch = self.batch, []
+        return batch
+
+
+def test_a_coordinator_moving_is_logged_and_the_loop_goes_on_a_fatal_error_stops_it() -> None:
+    """After a broker is killed librdkafka reports errors it is already retrying (a group's
+    coordinator moved while its committed offsets were fetched): the loop goes on. It stopped,
+    and `serve`'s cluster health with it, in a `make chaos` run."""
+    import threading
+
+    import pytest
+    from confluent_kafka import KafkaError, Message
+
+    from fleetline.config import KafkaSettings
+    from fleetline.errors import StreamError
+    from fleetline.streams.loop import StreamLoop
+
+    step = SchedulerStep(
+        Topics("unit"), state_store(Topics("unit")), observe_at_nothing, Observations()
+    )
+    loop = StreamLoop(KafkaSettings(), "unit.loop", ["unit.in"], step, "unit.dlq", metrics=False)
+    loop._expected[("unit.in", 0)] = 0
+    moved = Message(
+        error=KafkaError(KafkaError.NOT_COORDINATOR, "Failed to fetch committed offsets")
+    )
+    record = Message(topic="unit.in", partition=0, offset=0, value=b"x")
+    handed = loop._receive(_Scripted([moved, record]), None, threading.Event())
+    assert [m.offset() for m in handed] == [0]
+    fatal = Message(error=KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED, "not allowed"))
+    with pytest.raises(StreamError, match="not allowed"):
+        loop._receive(_Scripted([fatal]), None, threading.Event())
+
+
+def observe_at_nothing(offsets):
+    return observe(ResourceView())
