@@ -52,7 +52,10 @@ class FleetAgent:
     ) -> FleetAgent:
         publishers = {
             cluster.cluster_id: TelemetryPublisher(
-                kafka_clients.producer(settings.kafka, {"message.timeout.ms": message_timeout_ms}),
+                kafka_clients.producer(
+                    settings.kafka,
+                    {"message.timeout.ms": message_timeout_ms, **kafka_clients.ACROSS_LINKS},
+                ),
                 codec,
                 topics,
                 DiskSpool(

@@ -88,7 +88,10 @@ class NodeAgent:
         commands: bool = True,
     ) -> NodeAgent:
         publisher = TelemetryPublisher(
-            kafka_clients.producer(settings.kafka), codec, topics, DiskSpool(state_dir / "spool")
+            kafka_clients.producer(settings.kafka, kafka_clients.ACROSS_LINKS),
+            codec,
+            topics,
+            DiskSpool(state_dir / "spool"),
         )
         agent = cls(
             identity,

@@ -157,6 +157,13 @@ def producer(
     return Producer(conf)
 
 
+# For the clients of processes on the far side of links that can be cut (cluster agents, node
+# agents): a request on a connection that went silent is given up after 10 s, not librdkafka's
+# 60 s, and idle connections are probed. After a 30 s cut healed, a cluster agent's fetch sat on
+# its dead connection and it learnt nothing of the orders for a minute more.
+ACROSS_LINKS: Mapping[str, object] = {"socket.timeout.ms": 10_000, "socket.keepalive.enable": True}
+
+
 def consumer(
     kafka: KafkaSettings, group_id: str, config: Mapping[str, object] | None = None
 ) -> Consumer:

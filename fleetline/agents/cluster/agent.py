@@ -128,8 +128,12 @@ class ClusterAgent:
 
     def run(self, stop: threading.Event) -> None:
         kafka = self.settings.kafka
-        self.producer = kafka_clients.producer(kafka, {"linger.ms": 5})
-        consumer = kafka_clients.consumer(kafka, f"{self.name}.{self.incarnation}")
+        self.producer = kafka_clients.producer(
+            kafka, {"linger.ms": 5, **kafka_clients.ACROSS_LINKS}
+        )
+        consumer = kafka_clients.consumer(
+            kafka, f"{self.name}.{self.incarnation}", kafka_clients.ACROSS_LINKS
+        )
         # Orders and health from their start (the compacted desired state, every declaration);
         # the busy signal log only from a minute ago, enough to learn where the peers listen.
         recent = consumer.offsets_for_times(
@@ -706,7 +710,9 @@ class ClusterAgent:
     def _registry(self, stop: threading.Event) -> None:
         """Publish every replica this agent runs to the registry: at once when one changes
         (ready, promoted, draining, gone), else every `registry_s` with its load."""
-        producer = kafka_clients.producer(self.settings.kafka, {"linger.ms": 0})
+        producer = kafka_clients.producer(
+            self.settings.kafka, {"linger.ms": 0, **kafka_clients.ACROSS_LINKS}
+        )
         published: dict[str, str] = {}  # replica -> the state last published
         try:
             while not stop.is_set():
@@ -828,7 +834,9 @@ class ClusterAgent:
         }
 
     def _heartbeats(self, stop: threading.Event) -> None:
-        producer = kafka_clients.producer(self.settings.kafka, {"linger.ms": 0})
+        producer = kafka_clients.producer(
+            self.settings.kafka, {"linger.ms": 0, **kafka_clients.ACROSS_LINKS}
+        )
         seq = 0
         try:
             while not stop.is_set():
