@@ -292,6 +292,7 @@ class StreamLoop:
             raise ValueError("global inputs are read outside the group: effect-first loops only")
         # The next offset to hand over, per partition this loop holds.
         self._expected: dict[Partition, int] = {}
+        self._catch_up_to: dict[Partition, int] = {}
         # Stored offsets not yet committed (or whose commit failed: a coordinator that moved
         # to another broker), and when to try them again: lag drains after a broker is lost.
         self._uncommitted: dict[Partition, int] = {}
@@ -345,6 +346,7 @@ class StreamLoop:
             for tp in positions:
                 self._expected[(tp.topic, tp.partition)] = tp.offset if tp.offset >= 0 else _ANY
             cons.assign(positions)
+            self._catch_up_to = self._ends(cons, positions)
             self.ready.set()
 
         def on_revoke(cons: Consumer, partitions: list[TopicPartition]) -> None:
@@ -367,7 +369,7 @@ class StreamLoop:
                         producer = self._transact(producer, consumer, messages)
                     else:
                         self._store(producer, writer, messages)
-                elif self.ready.is_set():
+                if self.ready.is_set() and not self.caught_up.is_set() and self._reached(messages):
                     self.caught_up.set()
                 if not self.exactly_once:
                     if self.step.checkpoint(idle=not messages):
@@ -444,6 +446,32 @@ class StreamLoop:
             ]
         )
         return consumer
+
+    def _ends(self, consumer: Consumer, positions: list[TopicPartition]) -> dict[Partition, int]:
+        """Where each assigned partition ended at the assignment: caught up once all are
+        reached (an empty receive alone never comes while agents stream without pause)."""
+        ends: dict[Partition, int] = {}
+        for tp in positions:
+            try:
+                _, high = consumer.get_watermark_offsets(
+                    TopicPartition(tp.topic, tp.partition), timeout=10, cached=False
+                )
+            except KafkaException as exc:
+                log.warning("%s: the end of %s[%d]: %s", self.name, tp.topic, tp.partition, exc)
+                return {}  # caught up at the first empty receive, as before
+            ends[(tp.topic, tp.partition)] = int(high)
+        return ends
+
+    def _reached(self, messages: list[Message]) -> bool:
+        """Caught up: nothing came, or every partition's position has reached its end as of
+        the assignment."""
+        if not messages:
+            return True
+        if not self._catch_up_to:
+            return False
+        return all(
+            self._expected.get(key, -1) >= end for key, end in self._catch_up_to.items() if end
+        )
 
     def _receive(
         self, consumer: Consumer, global_consumer: Consumer | None, stop: threading.Event
