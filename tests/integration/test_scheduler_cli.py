@@ -156,7 +156,7 @@ def test_serve_schedules_what_the_cli_applies_through_a_sigkill(
         explained = capsys.readouterr().out
         assert "CLUSTER" in explained and "prewarm web-corpus eu-west-a -> " in explained
         (eu,) = [line for line in explained.splitlines() if line.strip().startswith("eu-west-a")]
-        assert "needs 4 nodes with 8 free healthy H100 GPUs" in eu
+        assert "needs 4 nodes with 8 free healthy h100 GPUs" in eu
         assert main(["delete", "globex/batch0", "globex/batch2", *common]) == 0
         capsys.readouterr()
         wait_decided(settings, topics, keys)
