@@ -31,7 +31,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,6 +121,10 @@ class Lab:
         low, high = sorted((a.index, b.index))
         return f"{self.name}-b{low}x{high}"
 
+    def pair_ports(self, a: LabCluster, b: LabCluster) -> tuple[str, str]:
+        """The pair bridge's two ports: what a cut of that pair takes down."""
+        return self.pair_port(a, b), self.pair_port(b, a)
+
     def pair_port(self, here: LabCluster, there: LabCluster) -> str:
         """The pair bridge's port for `here`'s end of its link to `there` (host's namespace)."""
         return f"{self.name}-p{here.index}x{there.index}"
@@ -154,8 +158,8 @@ def ip(*args: str, namespace: str | None = None, check: bool = True) -> str:
     return done.stdout
 
 
-def require_root(euid: int | None = None) -> None:
-    if (os.geteuid() if euid is None else euid) != 0:
+def require_root() -> None:
+    if os.geteuid() != 0:
         raise NeedsRoot("the lab makes network namespaces, links and routes: run it as root (sudo)")
 
 
@@ -239,7 +243,7 @@ class LabHost:
             raise
         return lab
 
-    def _make(self, lab: Lab, record: Any) -> None:
+    def _make(self, lab: Lab, record: Callable[[str, str], None]) -> None:
         ip("link", "add", lab.bridge, "type", "bridge")
         record("link", lab.bridge)
         ip("addr", "add", f"{lab.control}/24", "dev", lab.bridge)
@@ -299,15 +303,15 @@ class LabHost:
             there = lab.cluster(peer)
             if there == here:
                 raise ConfigError(f"--from {peer}: a cluster has no link to itself")
-            for a, b in ((here, there), (there, here)):
-                ip("link", "set", lab.pair_port(a, b), "down")
+            for port in lab.pair_ports(here, there):
+                ip("link", "set", port, "down")
             key = "|".join(sorted((here.cluster_id, there.cluster_id)))
         else:
             ip("link", "set", lab.control_end(here), "down")
             for other in lab.clusters:
                 if other != here:
-                    for a, b in ((here, other), (other, here)):
-                        ip("link", "set", lab.pair_port(a, b), "down")
+                    for port in lab.pair_ports(here, other):
+                        ip("link", "set", port, "down")
             key = here.cluster_id
         if key not in lab.cut_links:
             lab.cut_links.append(key)
@@ -321,8 +325,8 @@ class LabHost:
         for c in lab.clusters:
             ip("link", "set", lab.control_end(c), "up")
         for a, b in lab.pairs():
-            for here, there in ((a, b), (b, a)):
-                ip("link", "set", lab.pair_port(here, there), "up")
+            for port in lab.pair_ports(a, b):
+                ip("link", "set", port, "up")
         lab.cut_links = []
         self._peer_routes(lab)
         # Addresses that failed to resolve while cut would answer "no route to host" for a
