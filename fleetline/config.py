@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from fleetline.errors import ConfigError
+from fleetline.tls import TlsSettings
 
 # The checkout this package is installed from (editable), where .data/ and .cache/ live.
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -116,6 +117,9 @@ class Settings:
     # the router, inference replicas, the cluster agent's peer probe, the query service and
     # /metrics (each command's own --host flag overrides it). Loopback suits one host only.
     advertise_host: str = "127.0.0.1"
+    # TLS between the router and the inference replicas, with the deployment's CA (see tls.py);
+    # None: plain HTTP.
+    tls: TlsSettings | None = None
 
     def signing_key_path(self) -> Path:
         return self.audit_signing_key or self.cache_dir / "audit" / "signing-key.pem"
@@ -178,6 +182,7 @@ class Settings:
                 env.get("FLEETLINE_ADVERTISE_HOST") or defaults.advertise_host,
                 "FLEETLINE_ADVERTISE_HOST",
             ),
+            tls=TlsSettings.from_env(env),
         )
 
 

@@ -51,6 +51,8 @@ class Stack:
     # In a lab, each cluster agent (and each cluster's node agents) runs on its cluster's host.
     lab: Lab | None = None
     node_agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    # What one cluster's processes get besides the stack's settings (its host's certificate).
+    cluster_env: dict[str, dict[str, str]] = field(default_factory=dict)
 
     @property
     def topics(self):
@@ -71,9 +73,15 @@ class Stack:
             "FLEETLINE_OBJECT_ENCRYPTION_KEY": self.settings.object_encryption_key or "",
         }
 
-    def _spawn(self, cluster: str, argv: list[str], log_name: str) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self,
+        cluster: str,
+        argv: list[str],
+        log_name: str,
+        extra_env: Mapping[str, str] | None = None,
+    ) -> subprocess.Popen[bytes]:
         """A process of `cluster`'s: on its lab host when there is a lab."""
-        env = self._env()
+        env = {**self._env(), **self.cluster_env.get(cluster, {}), **(extra_env or {})}
         if self.lab is not None:
             argv = exec_argv(self.lab, cluster, argv, env)
         log = open(self.state_dir / log_name, "ab")  # noqa: SIM115
@@ -161,6 +169,7 @@ def running_stack(
     commands: bool = False,
     regions: Mapping[str, str] | None = None,
     lab: Lab | None = None,
+    cluster_env: Mapping[str, dict[str, str]] | None = None,
 ) -> Iterator[Stack]:
     """The stack up, every cluster's first heartbeat seen; jobs go to the clusters in the
     order given while they are in the pool (the preference scorer outweighs the others).
@@ -168,7 +177,8 @@ def running_stack(
     `regions` names a cluster's region (default: one of its own, region-<cluster>). In a `lab`,
     `clusters` are the simulator's first clusters by name (eu-west-a, us-east-a, ...), and
     each one's cluster agent and node agents run on its host there (`settings` must point at
-    Kafka and S3 on the lab's control address)."""
+    Kafka and S3 on the lab's control address). `cluster_env` adds to one cluster's processes'
+    environment."""
     settings = dataclasses.replace(
         services,
         clickhouse_database=f"t_{uuid.uuid4().hex[:12]}",
@@ -215,7 +225,9 @@ def running_stack(
             )
         ],
     )
-    built = Stack(settings, fleet, simulator, state_dir, lab=lab)
+    built = Stack(
+        settings, fleet, simulator, state_dir, lab=lab, cluster_env=dict(cluster_env or {})
+    )
     try:
         for part, cluster in enumerate(clusters):
             built.chaos(cluster).write_text("")

@@ -26,7 +26,7 @@ import hmac
 import json
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ from typing import Any
 import jwt
 import yaml
 
-from fleetline.api.rbac import ROLES, Principal
+from fleetline.api.rbac import ROLES, SERVICES_INFER, Principal, Rule, authorize
 from fleetline.errors import AuthenticationError, ConfigError
 
 _CREDENTIAL = re.compile(r"(?i)(bearer\s+)[A-Za-z0-9._~+/=-]+|\bfl_[A-Za-z0-9_-]+")
@@ -178,3 +178,14 @@ class Authenticator:
             raise AuthenticationError(f"role {role} requires a second factor (amr has no mfa)")
         tenant = claims.get(config.tenant_claim)
         return Principal(str(claims["sub"]), role, str(tenant) if tenant else None, "jwt", amr)
+
+
+def inference_admission(authenticator: Authenticator) -> Callable[[str | None, str], None]:
+    """The router's check on `POST /v1/services/TENANT/NAME/infer`: a valid token (an API
+    token or a JWT, as for the API) whose role may call services, held to its tenant."""
+    rule = Rule(*SERVICES_INFER)
+
+    def admit(authorization: str | None, tenant: str) -> None:
+        authorize(authenticator.authenticate(authorization), rule, tenant)
+
+    return admit

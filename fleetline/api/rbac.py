@@ -25,6 +25,7 @@ class Role(StrEnum):
 ROLES = tuple(role.value for role in Role)
 
 FLEET_READ = ("fleet", "read")  # clusters, nodes, GPUs, topology: shared infrastructure
+SERVICES_INFER = ("services", "infer")  # a tenant's inference services, through the router
 PERMISSIONS: dict[str, frozenset[tuple[str, str]]] = {
     "platform-admin": frozenset(
         {
@@ -38,6 +39,7 @@ PERMISSIONS: dict[str, frozenset[tuple[str, str]]] = {
             ("audit", "export"),
             ("sql", "run"),
             ("quotas", "write"),
+            SERVICES_INFER,
         }
     ),
     "tenant-admin": frozenset(
@@ -49,10 +51,18 @@ PERMISSIONS: dict[str, frozenset[tuple[str, str]]] = {
             ("datasets", "read"),
             ("audit", "read"),
             ("audit", "export"),
+            SERVICES_INFER,
         }
     ),
     "user": frozenset(
-        {FLEET_READ, ("jobs", "read"), ("jobs", "write"), ("usage", "read"), ("datasets", "read")}
+        {
+            FLEET_READ,
+            ("jobs", "read"),
+            ("jobs", "write"),
+            ("usage", "read"),
+            ("datasets", "read"),
+            SERVICES_INFER,
+        }
     ),
     "viewer": frozenset({FLEET_READ, ("jobs", "read"), ("usage", "read"), ("datasets", "read")}),
     "auditor": frozenset({FLEET_READ, ("audit", "read"), ("audit", "export")}),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -74,6 +75,56 @@ def wipe() -> None:
     services.kafka.wipe()
     services.object_store.wipe()
     _status(services)
+
+
+ca = typer.Typer(
+    help="A deployment CA for a lab or a test: the certificates the router and the inference "
+    "replicas speak mutual TLS with (FLEETLINE_TLS_CA, _CERT, _KEY).",
+    no_args_is_help=True,
+)
+CaDir = Annotated[
+    Path | None,
+    typer.Option("--dir", help="where the CA and the certificates live (default: .cache/tls)"),
+]
+
+
+def _ca_dir(directory: Path | None) -> Path:
+    return directory or settings().cache_dir / "tls"
+
+
+@ca.command("init")
+def ca_init(directory: CaDir = None) -> None:
+    """Make the CA (kept when there is one already)."""
+    from fleetline.infra import ca as authority
+
+    print(authority.init(_ca_dir(directory)))
+
+
+@ca.command("issue")
+def ca_issue(
+    identity: Annotated[
+        str,
+        typer.Argument(
+            help="who holds it: `router` for a router, a cluster's name for its host "
+            "(its agent and replicas)"
+        ),
+    ],
+    host: Annotated[
+        list[str],
+        typer.Option(help="an address or host name it is reached at (repeatable, at least one)"),
+    ],
+    directory: CaDir = None,
+) -> None:
+    """Issue IDENTITY a certificate from the CA and print the variables that hand it to a
+    process on that host."""
+    from fleetline.infra import ca as authority
+
+    issued = authority.issue(_ca_dir(directory), identity, host)
+    for name, value in issued.env().items():
+        print(f"export {name}={value}")
+
+
+infra.add_typer(ca, name="ca")
 
 
 def register(app: typer.Typer) -> None:

@@ -106,7 +106,8 @@ def serve(
         int | None,
         typer.Option(
             help="also host the inference router (`fleetline router`) on this port, at "
-            "FLEETLINE_ADVERTISE_HOST"
+            "FLEETLINE_ADVERTISE_HOST; its callers need tokens from FLEETLINE_AUTH_CONFIG "
+            "(with --no-api and none set, it is open)"
         ),
     ] = None,
 ) -> None:
@@ -153,8 +154,9 @@ def serve(
     router_stop = threading.Event()
     if router_port is not None:
         from fleetline.agents.router.server import Router
+        from fleetline.cli.serving import inference_admission
 
-        router = Router(config, options.topics)
+        router = Router(config, options.topics, admit=inference_admission(config, no_api))
         threading.Thread(
             target=router.run, args=(config.advertise_host, router_port, router_stop), daemon=True
         ).start()

@@ -26,6 +26,7 @@ from fleetline.cli.common import (
     table,
 )
 from fleetline.config import Settings
+from fleetline.errors import ConfigError
 from fleetline.streams.topics import Topics
 
 
@@ -40,17 +41,35 @@ def router(
         bool, typer.Option("--no-report", help="do not send load reports to the autoscaler")
     ] = False,
     topic_prefix: TopicPrefix = "fleetline",
+    open_: Annotated[
+        bool,
+        typer.Option(
+            "--open",
+            help="serve inference to anyone who reaches it, without FLEETLINE_AUTH_CONFIG "
+            "(one host, tests)",
+        ),
+    ] = False,
 ) -> None:
     """Run the router: forward POST /v1/services/TENANT/NAME/infer to the ready replica with
     the lowest expected latency for the client's region (header X-Fleetline-Region), fail over
     on an error within a retry budget, and report each service's load to the scheduler's
-    autoscaler every second (until interrupted). GET /v1/routes shows the weights."""
+    autoscaler every second (until interrupted). GET /v1/routes shows the weights.
+
+    Callers need a bearer token from FLEETLINE_AUTH_CONFIG (an API token or a JWT whose role
+    may call the tenant's services); with FLEETLINE_TLS_* set it serves HTTPS and reaches the
+    replicas over mutual TLS."""
     from fleetline.agents.router.server import Router, load_policy
     from fleetline.streams.topics import Topics
 
     config = settings("kafka")
     data = yaml.safe_load(policy.read_text()) if policy else None
-    router_ = Router(config, Topics(topic_prefix), load_policy(data), report=not no_report)
+    router_ = Router(
+        config,
+        Topics(topic_prefix),
+        load_policy(data),
+        report=not no_report,
+        admit=inference_admission(config, open_),
+    )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
 
@@ -62,6 +81,20 @@ def router(
     threading.Thread(target=announce, daemon=True).start()
     with contextlib.suppress(KeyboardInterrupt):
         router_.run(listen_host(host), port, stop)
+
+
+def inference_admission(config: Settings, open_: bool) -> Any:
+    """The router's token check from FLEETLINE_AUTH_CONFIG; None (no check) only when asked."""
+    from fleetline.api.auth import AuthConfig, Authenticator, inference_admission
+
+    if config.auth_config is None:
+        if not open_:
+            raise ConfigError(
+                "the router checks callers' tokens: set FLEETLINE_AUTH_CONFIG (see `fleetline "
+                "auth token`), or run it with --open"
+            )
+        return None
+    return inference_admission(Authenticator(AuthConfig.from_file(config.auth_config)))
 
 
 def load(
@@ -87,6 +120,12 @@ def load(
     ] = None,
     duration_s: Annotated[float, typer.Option(min=0.1, help="stop after this long")] = 60.0,
     max_requests: Annotated[int, typer.Option(min=1, help="stop after this many")] = 100_000,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="FLEETLINE_TOKEN", help="the bearer token the router asks for (an API token)"
+        ),
+    ] = None,
     json_: Json = False,
 ) -> None:
     """Send a diurnal curve of requests per region to the router (bounded in count and time,
@@ -94,6 +133,8 @@ def load(
     retries, latency percentiles by time slice."""
     from fleetline.demo.load import LoadPlan, run_load
     from fleetline.infra.lab import lab_subnets
+
+    config = Settings.from_env()
 
     weights: dict[str, float] = {}
     offsets: dict[str, float] = {}
@@ -119,7 +160,9 @@ def load(
         else (),
         duration_s=duration_s,
         max_requests=max_requests,
-        labs=tuple(lab_subnets(Settings.from_env().cache_dir)),
+        labs=tuple(lab_subnets(config.cache_dir)),
+        token=token,
+        ca_file=str(config.tls.ca) if config.tls else None,
     )
     result = asyncio.run(run_load(plan))
     summary = result.summary(span_s=duration_s)

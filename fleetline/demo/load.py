@@ -15,6 +15,7 @@ import asyncio
 import ipaddress
 import json
 import math
+import ssl
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -59,6 +60,8 @@ class LoadPlan:
     max_inflight: int = 512
     timeout_s: float = 10.0
     labs: tuple[str, ...] = ()  # subnets of the labs up on this machine: targets allowed
+    token: str | None = None  # the bearer token the router asks for
+    ca_file: str | None = None  # the CA an https:// router's certificate is checked against
 
     def rate(self, region: str, t: float) -> float:
         """Requests per second from `region` at `t` seconds into the run."""
@@ -141,8 +144,12 @@ async def run_load(plan: LoadPlan) -> LoadResult:
     inflight = 0
     skipped = 0
     tasks: set[asyncio.Task[None]] = set()
+    headers = {"Content-Type": "application/json"}
+    if plan.token:
+        headers["Authorization"] = f"Bearer {plan.token}"
+    trust = ssl.create_default_context(cafile=plan.ca_file) if plan.ca_file else True
     async with ClientSession(
-        connector=TCPConnector(limit=0), timeout=ClientTimeout(total=plan.timeout_s)
+        connector=TCPConnector(limit=0, ssl=trust), timeout=ClientTimeout(total=plan.timeout_s)
     ) as session:
 
         async def one(region: str, at: float) -> None:
@@ -153,7 +160,7 @@ async def run_load(plan: LoadPlan) -> LoadResult:
                 async with session.post(
                     url,
                     data=body,
-                    headers={"X-Fleetline-Region": region, "Content-Type": "application/json"},
+                    headers={**headers, "X-Fleetline-Region": region},
                 ) as answer:
                     await answer.read()
                     status = answer.status

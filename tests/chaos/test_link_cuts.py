@@ -8,16 +8,32 @@ agents on its own host, the control plane on the lab's address, and links cut wi
   nothing back; the parameters are bit-identical to a run never interrupted.
 - One pair's link cut: the two report each other unreachable (PARTITION), both still heartbeat
   through the control plane, and nobody is evicted.
+- The router on one host, a service's replicas on two others, all over mutual TLS with the
+  deployment's CA and the router asking callers for a token: when one replica's host is cut
+  off mid-load, the router's tries there time out and go to the other; no request is lost
+  beyond the retry budget.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import ssl
+import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
+from fleetline.agents.router.routing import percentile
+from fleetline.api.auth import token_digest
 from fleetline.app import Options
+from fleetline.demo.load import LoadPlan, run_load
+from fleetline.infra import ca
 from fleetline.processors.health.fold import ClusterHealthPolicy
 from fleetline.processors.scheduling.runtime import submit
 from fleetline.processors.view.model import NodeStatus
@@ -29,15 +45,34 @@ from tests.support import wait_until
 
 CLUSTERS = ("eu-west-a", "us-east-a", "ap-south-a")  # the lab's, in the simulator's order
 CUT_S = 30
+ROUTER_HOST = "ap-south-a"  # where the router runs: its H200s serve none of the H100 replicas
 POLICY = ClusterHealthPolicy(
     suspect_after_ms=1_500, lost_after_ms=4_000, recover_after_ms=2_000, peer_report_fresh_ms=3_000
 )
 
 
 @pytest.fixture(scope="module")
-def stack(lab: LabServices) -> Iterator[Stack]:
+def pki(lab: LabServices, tmp_path_factory: pytest.TempPathFactory) -> dict[str, ca.Issued]:
+    """The deployment's CA, a certificate for each cluster's host (its agent and replicas) at
+    its lab address, and the router's, on the host it runs on (ap-south-a's)."""
+    directory = tmp_path_factory.mktemp("tls")
+    ca.init(directory)
+    issued = {c: ca.issue(directory, c, [lab.lab.cluster(c).address]) for c in CLUSTERS}
+    issued["router"] = ca.issue(directory, "router", [lab.lab.cluster(ROUTER_HOST).address])
+    return issued
+
+
+@pytest.fixture(scope="module")
+def stack(lab: LabServices, pki: dict[str, ca.Issued]) -> Iterator[Stack]:
     options = Options(tick_interval_s=0.3, health_policy=POLICY, clock_interval_s=0.25)
-    with running_stack(lab.settings, CLUSTERS, options, "link-cuts", lab=lab.lab) as built:
+    with running_stack(
+        lab.settings,
+        CLUSTERS,
+        options,
+        "link-cuts",
+        lab=lab.lab,
+        cluster_env={c: pki[c].env() for c in CLUSTERS},
+    ) as built:
         yield built
 
 
@@ -199,4 +234,155 @@ def test_one_pair_s_link_cut_evicts_nobody(stack: Stack, lab: LabServices) -> No
         lambda: any(h["event"] == "PARTITION" and h["link_up"] for h in stack.health()[before:]),
         30,
         "the link to heal",
+    )
+
+
+CHAT = {
+    "kind": "InferenceService",
+    "metadata": {"name": "chat", "tenant": "acme"},
+    "spec": {
+        "model": "tiny",
+        "accelerator": "H100",
+        # A whole node each: one replica in eu-west-a, the other in us-east-a.
+        "gpus_per_replica": 8,
+        "replicas": {"min": 2, "max": 2},
+        "latency_target_ms": 500,
+        "regions": ["eu-west", "us-east"],
+        "workload": {},
+        "serving": {"concurrency": 4, "compute_ms": 5},
+    },
+}
+TOKEN = "fl_acme_load"
+# Inference answers in milliseconds here: a try that hears nothing for a second is given up.
+ROUTER_POLICY = {"timeout_ms": 1000, "retry_budget_min": 20}
+LOAD_S, CUT_AT_S, RPS = 24.0, 8.0, 10.0
+
+
+def serving_replicas(stack: Stack) -> dict[str, dict[str, Any]]:
+    """The service's replicas that the registry has READY, by cluster."""
+    latest: dict[str, dict[str, Any]] = {}
+    for r in stack.records(stack.topics.replicas):
+        known = latest.get(r["replica"])
+        if known is None or (r["epoch"], r["attempt"], r["ts"]) >= (
+            known["epoch"],
+            known["attempt"],
+            known["ts"],
+        ):
+            latest[r["replica"]] = r
+    return {r["cluster_id"]: r for r in latest.values() if r["state"] == "READY"}
+
+
+def test_the_router_fails_over_when_a_replicas_host_is_cut_off(
+    stack: Stack, lab: LabServices, pki: dict[str, ca.Issued], tmp_path
+) -> None:
+    submit(stack.settings.kafka, stack.topics, submits(CHAT))
+    wait_until(
+        lambda: set(serving_replicas(stack)) == {"eu-west-a", "us-east-a"},
+        120,
+        "a ready replica in eu-west-a and one in us-east-a",
+    )
+    replicas = serving_replicas(stack)
+    for cluster, record in replicas.items():
+        assert record["address"].startswith(f"https://{lab.lab.cluster(cluster).address}:")
+    auth = tmp_path / "auth.yaml"
+    auth.write_text(
+        json.dumps(
+            {"tokens": [{"name": "acme-load", "sha256": token_digest(TOKEN), "role": "user",
+                         "tenant": "acme"}]}
+        )
+    )  # fmt: skip
+    policy = tmp_path / "routing.json"
+    policy.write_text(json.dumps(ROUTER_POLICY))
+    address = lab.lab.cluster(ROUTER_HOST).address
+    port = 8443
+    router = stack._spawn(
+        ROUTER_HOST,
+        [
+            sys.executable, "-m", "fleetline.cli", "router", "--port", str(port), "--no-report",
+            "--policy", str(policy), "--topic-prefix", stack.topics.prefix,
+        ],
+        "router.log",
+        {**pki["router"].env(), "FLEETLINE_AUTH_CONFIG": str(auth)},
+    )  # fmt: skip
+    url = f"https://{address}:{port}"
+    trust = ssl.create_default_context(cafile=str(pki["router"].ca))
+
+    def routes() -> dict[str, Any]:
+        with urllib.request.urlopen(f"{url}/v1/routes", timeout=5, context=trust) as answer:
+            return json.loads(answer.read())
+
+    def routed() -> bool:
+        try:
+            services = routes()["services"]
+        except OSError:
+            return False
+        return len(services.get("acme/chat", {}).get("weights", [])) == 2
+
+    try:
+        wait_until(routed, 60, "the router to route to both replicas")
+        # No token: refused before any replica is tried.
+        request = urllib.request.Request(
+            f"{url}/v1/services/acme/chat/infer", data=b"{}", method="POST"
+        )
+        try:
+            urllib.request.urlopen(request, timeout=5, context=trust)
+            raise AssertionError("a request without a token was served")
+        except urllib.error.HTTPError as refused:
+            assert refused.code == 401
+        plan = LoadPlan(
+            url,
+            "acme/chat",
+            {"eu-west": 1.0},
+            steps=[(0.0, RPS)],
+            duration_s=LOAD_S,
+            timeout_s=10.0,
+            labs=(str(lab.lab.subnet),),
+            token=TOKEN,
+            ca_file=str(pki["router"].ca),
+        )
+        cut_at: list[float] = []
+
+        def cut_mid_load() -> None:
+            time.sleep(CUT_AT_S)
+            lab.host.cut("eu-west-a")
+            cut_at.append(CUT_AT_S)
+
+        cutter = threading.Thread(target=cut_mid_load, daemon=True)
+        cutter.start()
+        try:
+            result = asyncio.run(run_load(plan))
+        finally:
+            cutter.join()
+            counters = routes()["counters"]
+            lab.host.heal()
+    finally:
+        router.terminate()
+        router.wait(10)
+    outcomes = result.outcomes
+    assert cut_at and len(outcomes) >= LOAD_S * RPS * 0.9, len(outcomes)
+    failed = [o for o in outcomes if o.status != 200]
+    # eu-west's clients were served in eu-west-a until the cut, in us-east-a after it.
+    before = {o.replica for o in outcomes if o.at_s < CUT_AT_S - 1 and o.status == 200}
+    after = {o.replica for o in outcomes if o.at_s > CUT_AT_S + 6 and o.status == 200}
+    assert before == {replicas["eu-west-a"]["replica"]}, before
+    assert after == {replicas["us-east-a"]["replica"]}, after
+    # The tries that went to the cut host timed out and were retried elsewhere: nothing lost
+    # but what the retry budget refused.
+    assert counters["retries"] > 0, counters
+    assert len(failed) == counters["budget_exhausted"] == counters["failed"], (failed, counters)
+    assert counters["unauthenticated"] == 1 and counters["forbidden"] == 0
+    retried = [o for o in outcomes if o.tries > 1]
+    print(
+        "router failover:",
+        json.dumps(
+            {
+                "requests": len(outcomes),
+                "failed": len(failed),
+                "retried": len(retried),
+                "retried_p50_ms": round(percentile(sorted(o.ms for o in retried), 50), 1)
+                if retried
+                else None,
+                "counters": counters,
+            }
+        ),
     )

@@ -190,6 +190,7 @@ def test_a_compressed_day_scales_out_by_region_fails_over_and_gives_training_bac
     router = fleetline(
         stack,
         "router",
+        "--open",
         "--port",
         str(port),
         "--topic-prefix",

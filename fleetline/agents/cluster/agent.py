@@ -25,6 +25,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -123,6 +124,9 @@ class ClusterAgent:
         self.root.mkdir(parents=True, exist_ok=True)
         master = self.settings.object_encryption_key
         self._master = base64.b64decode(master) if master else None
+        # This host's certificate, shown to its replicas when it reads their load.
+        tls = self.settings.tls
+        self._tls_client = tls.client_context() if tls else None
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -380,8 +384,10 @@ class ClusterAgent:
             "OPENBLAS_NUM_THREADS": "1",
             "OMP_NUM_THREADS": "1",
             "MKL_NUM_THREADS": "1",
-            # Where a workload that listens (an inference replica) binds and is reached.
+            # Where a workload that listens (an inference replica) binds and is reached, and
+            # the certificate it shows there (this host's).
             "FLEETLINE_ADVERTISE_HOST": self.settings.advertise_host,
+            **(self.settings.tls.as_env() if self.settings.tls else {}),
         }
         return env | workload_env(workload_spec)
 
@@ -746,7 +752,7 @@ class ClusterAgent:
         address = (lines.get("ready") or lines.get("listening") or {}).get("address")
         load: dict[str, Any] = {}
         if address and workload.alive:
-            answer = _get_json(f"{address}/v1/load", self.probe_timeout_s)
+            answer = _get_json(f"{address}/v1/load", self.probe_timeout_s, self._tls_client)
             # A busy replica that is slow to say how busy it is keeps what it said last: only
             # its exit, a stop or its own word takes it out of the registry.
             load = answer if answer is not None else workload.serving.get("load", {})
@@ -978,11 +984,13 @@ def _mps_running() -> bool:
     return Path(pipe, "control").exists()
 
 
-def _get_json(url: str, timeout_s: float) -> dict[str, Any] | None:
-    """A loopback GET's JSON body, or None when it does not answer in time (any status: a
-    draining replica says so with a 503 and its load)."""
+def _get_json(
+    url: str, timeout_s: float, tls: ssl.SSLContext | None = None
+) -> dict[str, Any] | None:
+    """A GET's JSON body, or None when it does not answer in time (any status: a draining
+    replica says so with a 503 and its load)."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as answer:
+        with urllib.request.urlopen(url, timeout=timeout_s, context=tls) as answer:
             body = answer.read()
     except urllib.error.HTTPError as exc:
         body = exc.read()

@@ -4,12 +4,15 @@ first request (port 0 picks a free one): the replica publishes it, the router pr
 from __future__ import annotations
 
 import socket
+import ssl
 
 from aiohttp import web
 
 
-async def listen(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:
-    """(the runner to clean up, "http://host:port")."""
+async def listen(
+    app: web.Application, host: str, port: int, tls: ssl.SSLContext | None = None
+) -> tuple[web.AppRunner, str]:
+    """(the runner to clean up, "http://host:port", or https:// with a TLS context)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
@@ -17,6 +20,6 @@ async def listen(app: web.Application, host: str, port: int) -> tuple[web.AppRun
     sock.setblocking(False)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.SockSite(runner, sock).start()
+    await web.SockSite(runner, sock, ssl_context=tls).start()
     bound_host, bound_port = sock.getsockname()[:2]
-    return runner, f"http://{bound_host}:{bound_port}"
+    return runner, f"{'https' if tls else 'http'}://{bound_host}:{bound_port}"

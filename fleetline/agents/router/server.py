@@ -1,4 +1,4 @@
-"""`fleetline router`: the traffic entry layer, on loopback.
+"""`fleetline router`: the traffic entry layer.
 
     POST /v1/services/{tenant}/{service}/infer   (header X-Fleetline-Region: the client's)
     GET  /v1/routes[?region=R]                   every service's ready replicas and weights
@@ -13,6 +13,12 @@ per request, `retry_budget_min` at least) lasts; the reply says which replica an
 many tries it took. Every `report_ms` it appends each service's load over the window (requests
 by client region, latency percentiles, slot utilisation, queues) to the scheduler's log as a
 SERVICE_LOAD request, which the autoscaler folds.
+
+With an admission check (`admit`: the API's tokens and roles, built where the command is) a
+request without a valid bearer token gets 401 and one for a tenant its token may not reach
+403, before any replica is tried. With TLS settings (tls.py) it listens for HTTPS and calls
+the replicas over mutual TLS, showing its own certificate: the replicas serve only its
+identity.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +39,7 @@ from confluent_kafka import OFFSET_BEGINNING, KafkaError, TopicPartition
 from fleetline.agents.router.listen import listen
 from fleetline.agents.router.routing import Registry, RoutingPolicy, choose, load_report, weights
 from fleetline.config import Settings
+from fleetline.errors import AuthenticationError, PermissionDenied
 from fleetline.processors.scheduling.codec import new_request
 from fleetline.processors.scheduling.runtime import request_output
 from fleetline.streams import kafka as kafka_clients
@@ -41,6 +48,10 @@ from fleetline.streams.serde import default_codec
 from fleetline.streams.topics import Topics
 
 log = logging.getLogger(__name__)
+
+# Whether a caller may ask a tenant's services for inference: (the Authorization header, the
+# tenant) -> None, or AuthenticationError / PermissionDenied saying why not.
+Admit = Callable[[str | None, str], None]
 
 
 def _now_ms() -> int:
@@ -66,6 +77,8 @@ class Counters:
     retries: int = 0
     budget_exhausted: int = 0
     no_replica: int = 0
+    unauthenticated: int = 0  # no or an unknown token: 401
+    forbidden: int = 0  # a token that may not reach the tenant's services: 403
 
     def as_data(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -79,8 +92,10 @@ class Router:
         policy: RoutingPolicy | None = None,
         name: str | None = None,
         report: bool = True,
+        admit: Admit | None = None,
     ) -> None:
         self.settings = settings
+        self.admit = admit
         self.topics = topics
         self.policy = policy or RoutingPolicy()
         self.name = name or f"router-{uuid.uuid4().hex[:8]}"
@@ -122,8 +137,27 @@ class Router:
 
     # -- requests -----------------------------------------------------------------------------
 
+    def _refused(self, request: web.Request, tenant: str) -> web.Response | None:
+        if self.admit is None:
+            return None
+        try:
+            self.admit(request.headers.get("Authorization"), tenant)
+        except AuthenticationError as exc:
+            self.counters.unauthenticated += 1
+            return web.json_response(
+                {"error": str(exc)}, status=401, headers={"WWW-Authenticate": "Bearer"}
+            )
+        except PermissionDenied as exc:
+            self.counters.forbidden += 1
+            return web.json_response({"error": str(exc)}, status=403)
+        return None
+
     async def infer(self, request: web.Request) -> web.Response:
-        service = f"{request.match_info['tenant']}/{request.match_info['service']}"
+        tenant = request.match_info["tenant"]
+        refused = self._refused(request, tenant)
+        if refused is not None:
+            return refused
+        service = f"{tenant}/{request.match_info['service']}"
         region = request.headers.get("X-Fleetline-Region") or request.query.get("region")
         body = await request.read()
         began = time.perf_counter()
@@ -304,15 +338,20 @@ class Router:
     # -- the server ---------------------------------------------------------------------------
 
     async def serve(self, host: str, port: int, stop: threading.Event) -> None:
+        tls = self.settings.tls
         self.session = ClientSession(
-            connector=TCPConnector(limit=0, keepalive_timeout=30),
+            connector=TCPConnector(
+                limit=0, keepalive_timeout=30, ssl=tls.client_context() if tls else True
+            ),
             timeout=ClientTimeout(total=self.policy.timeout_ms / 1000),
         )
         app = web.Application()
         app.router.add_post("/v1/services/{tenant}/{service}/infer", self.infer)
         app.router.add_get("/v1/routes", self.routes_handler)
         app.router.add_get("/healthz", self.healthz)
-        runner, self.address = await listen(app, host, port)
+        runner, self.address = await listen(
+            app, host, port, tls.server_context(verify_clients=False) if tls else None
+        )
         producer = (
             kafka_clients.producer(self.settings.kafka, {"linger.ms": 5}) if self.report else None
         )
@@ -346,9 +385,10 @@ def start_router(
     host: str = "127.0.0.1",
     port: int = 0,
     report: bool = True,
+    admit: Admit | None = None,
 ) -> tuple[Router, threading.Event, threading.Thread]:
     """A router on a thread of its own, once it listens and has read the registry."""
-    router = Router(settings, topics, policy, report=report)
+    router = Router(settings, topics, policy, report=report, admit=admit)
     stop = threading.Event()
     thread = threading.Thread(target=router.run, args=(host, port, stop), daemon=True)
     thread.start()

@@ -21,7 +21,10 @@ runs in numpy); requests beyond the slots wait in the queue. SIGTERM drains: new
 Environment (besides the workload contract's): FLEETLINE_MODEL (the model's name),
 FLEETLINE_MODEL_PREFIX, FLEETLINE_SERVE_CONCURRENCY, FLEETLINE_SERVE_COMPUTE_MS,
 FLEETLINE_SERVE_PORT (0: any free port), FLEETLINE_ADVERTISE_HOST (the address it listens on and is
-reached at; the cluster agent passes its own, 127.0.0.1 unset).
+reached at; the cluster agent passes its own, 127.0.0.1 unset), FLEETLINE_TLS_* (see tls.py;
+the cluster agent passes its host's): with them it speaks TLS only, every caller must show a
+certificate from the deployment's CA, and only the router's identity is served inference (its
+own host's identity may also probe it and read its load); anyone else gets 403.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from aiohttp import ClientSession, ClientTimeout, web
+from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
+from aiohttp.typedefs import Handler, Middleware
 
 from fleetline.agents.router.listen import listen
 from fleetline.agents.router.routing import percentile
@@ -52,6 +56,7 @@ from fleetline.agents.workloads.train import (
     state_parts,
 )
 from fleetline.storage.checkpoints import params_digest
+from fleetline.tls import TlsSettings, peer_identity
 
 # Latencies kept for the percentiles /v1/load reports: the last window of requests.
 LATENCY_WINDOW_S = 10.0
@@ -108,6 +113,7 @@ class Replica:
         self.errors = 0
         self.refused = 0  # requests that came before it was ready (the router sends none)
         self.turned_away = 0  # requests that came while it was draining (the router retries)
+        self.forbidden = 0  # requests from an identity that may not ask (TLS only)
         self.latencies: deque[tuple[float, float]] = deque()  # (when, ms)
 
     def percentiles(self) -> dict[str, float | None]:
@@ -131,6 +137,7 @@ class Replica:
             "errors": self.errors,
             "refused": self.refused,
             "turned_away": self.turned_away,
+            "forbidden": self.forbidden,
             "latency_ms": self.percentiles(),
         }
 
@@ -179,6 +186,32 @@ class Replica:
     async def load_handler(self, request: web.Request) -> web.Response:
         return web.json_response(self.load())
 
+    def admission(self, tls: TlsSettings, own: str) -> Middleware:
+        """Who may ask what, by the identity in the caller's verified certificate: inference
+        from the router only (and the replica's own probe), the rest from the router or this
+        host."""
+
+        @web.middleware
+        async def admit(request: web.Request, handler: Handler) -> web.StreamResponse:
+            transport = request.transport
+            peer = peer_identity(transport.get_extra_info("peercert") if transport else None)
+            probe = request.headers.get("X-Fleetline-Probe") == "self"
+            allowed = {tls.router_identity}
+            if request.path != "/v1/infer" or probe:
+                allowed.add(own)
+            if peer not in allowed:
+                self.forbidden += 1
+                return web.json_response(
+                    {
+                        "error": f"{peer or 'a caller with no certificate'} may not "
+                        f"{request.method} {request.path} here; only {tls.router_identity} may"
+                    },
+                    status=403,
+                )
+            return await handler(request)
+
+        return admit
+
 
 async def serve(env: Mapping[str, str]) -> int:
     progress = Progress(env.get("FLEETLINE_PROGRESS_FILE"))
@@ -191,18 +224,27 @@ async def serve(env: Mapping[str, str]) -> int:
         int(env.get("FLEETLINE_SERVE_CONCURRENCY", "4")),
         float(env.get("FLEETLINE_SERVE_COMPUTE_MS", "20")) / 1000,
     )
-    app = web.Application()
+    tls = TlsSettings.from_env(env)
+    app = web.Application(middlewares=[replica.admission(tls, tls.identity())] if tls else [])
     app.router.add_post("/v1/infer", replica.infer)
     app.router.add_get("/healthz", replica.healthz)
     app.router.add_get("/v1/load", replica.load_handler)
     host = env.get("FLEETLINE_ADVERTISE_HOST") or "127.0.0.1"
-    runner, address = await listen(app, host, int(env.get("FLEETLINE_SERVE_PORT", "0")))
+    runner, address = await listen(
+        app,
+        host,
+        int(env.get("FLEETLINE_SERVE_PORT", "0")),
+        tls.server_context(verify_clients=True) if tls else None,
+    )
     progress.write(event="listening", address=address)
     stopping = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopping.set)
     # Ready only once a request has gone all the way through: the model answers.
     async with (
-        ClientSession(timeout=ClientTimeout(total=5)) as session,
+        ClientSession(
+            timeout=ClientTimeout(total=5),
+            connector=TCPConnector(ssl=tls.client_context() if tls else True),
+        ) as session,
         session.post(
             f"{address}/v1/infer",
             data=json.dumps({"inputs": [[0.0] * replica.features]}),
