@@ -148,6 +148,19 @@ class Stack:
     def events(self, job: str | None = None) -> list[dict[str, Any]]:
         return [e for e in self.records(self.topics.workloads) if job is None or e["job"] == job]
 
+    def replicas(self) -> dict[str, dict[str, Any]]:
+        """The service registry: each replica's latest record (the newest run's newest)."""
+        latest: dict[str, dict[str, Any]] = {}
+        for r in self.records(self.topics.replicas):
+            known = latest.get(r["replica"])
+            if known is None or (r["epoch"], r["attempt"], r["ts"]) >= (
+                known["epoch"],
+                known["attempt"],
+                known["ts"],
+            ):
+                latest[r["replica"]] = r
+        return latest
+
     def health(self) -> list[dict[str, Any]]:
         return self.records(self.topics.emergency)
 

@@ -260,16 +260,7 @@ LOAD_S, CUT_AT_S, RPS = 24.0, 8.0, 10.0
 
 def serving_replicas(stack: Stack) -> dict[str, dict[str, Any]]:
     """The service's replicas that the registry has READY, by cluster."""
-    latest: dict[str, dict[str, Any]] = {}
-    for r in stack.records(stack.topics.replicas):
-        known = latest.get(r["replica"])
-        if known is None or (r["epoch"], r["attempt"], r["ts"]) >= (
-            known["epoch"],
-            known["attempt"],
-            known["ts"],
-        ):
-            latest[r["replica"]] = r
-    return {r["cluster_id"]: r for r in latest.values() if r["state"] == "READY"}
+    return {r["cluster_id"]: r for r in stack.replicas().values() if r["state"] == "READY"}
 
 
 def test_the_router_fails_over_when_a_replicas_host_is_cut_off(

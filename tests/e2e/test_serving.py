@@ -98,19 +98,6 @@ def endpoints(stack: Stack) -> list[dict[str, Any]]:
     return stack.records(stack.topics.replicas)
 
 
-def latest(stack: Stack) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
-    for r in endpoints(stack):
-        key = r["replica"]
-        if key not in out or (r["epoch"], r["attempt"], r["ts"]) >= (
-            out[key]["epoch"],
-            out[key]["attempt"],
-            out[key]["ts"],
-        ):
-            out[key] = r
-    return out
-
-
 def serving_jobs(stack: Stack) -> dict[str, dict[str, Any]]:
     """The service's live replicas, as the scheduler committed them."""
     assert stack.fleet.scheduler is not None
@@ -135,9 +122,9 @@ def fleetline(stack: Stack, *args: str, **kwargs: Any) -> subprocess.Popen[bytes
 
 
 def kill_one_ready_replica(stack: Stack) -> str:
-    ready = sorted(k for k, r in latest(stack).items() if r["state"] == "READY")
+    ready = sorted(k for k, r in stack.replicas().items() if r["state"] == "READY")
     victim = ready[-1]
-    record = latest(stack)[victim]
+    record = stack.replicas()[victim]
     run = (
         stack.state_dir
         / "agents"
@@ -179,11 +166,11 @@ def test_a_compressed_day_scales_out_by_region_fails_over_and_gives_training_bac
 
     submit(stack.settings.kafka, stack.topics, submits(CHAT))
     wait_until(
-        lambda: {r["state"] for r in latest(stack).values()} == {"READY", "WARM"},
+        lambda: {r["state"] for r in stack.replicas().values()} == {"READY", "WARM"},
         60,
         "a serving replica ready and a warm standby loaded",
     )
-    assert {r["cluster_id"] for r in latest(stack).values()} == {"sa"}  # home region
+    assert {r["cluster_id"] for r in stack.replicas().values()} == {"sa"}  # home region
 
     port = free_port()
     router_log = open(stack.state_dir / "router.log", "wb")  # noqa: SIM115
@@ -338,7 +325,7 @@ def test_small_replicas_share_one_gpu_and_each_serves(stack):
     def ready() -> list[dict[str, Any]]:
         return [
             r
-            for r in latest(stack).values()
+            for r in stack.replicas().values()
             if r["service"] == "acme/small" and r["state"] == "READY"
         ]
 

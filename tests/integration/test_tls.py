@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import json
 import socket
 import ssl
@@ -12,48 +11,13 @@ import urllib.request
 
 import pytest
 import uvicorn
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from fleetline.api.app import create_app
 from fleetline.api.auth import AuthConfig, Authenticator, token_digest
+from fleetline.infra import ca
 from fleetline.processors.view.read import StaticView
 from tests.fleet_events import fold, scenario_events
 from tests.support import Recorder, wait_until
-
-
-def self_signed(tmp_path):
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.UTC)
-    import ipaddress
-
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return cert_path, key_path
 
 
 def free_port() -> int:
@@ -63,7 +27,8 @@ def free_port() -> int:
 
 
 def test_the_api_serves_https_and_refuses_plain_http(tmp_path):
-    cert, key = self_signed(tmp_path)
+    ca.init(tmp_path)
+    issued = ca.issue(tmp_path, "api", ["127.0.0.1"])
     auth = Authenticator(
         AuthConfig.from_data(
             {
@@ -86,15 +51,15 @@ def test_the_api_serves_https_and_refuses_plain_http(tmp_path):
             host="127.0.0.1",
             port=port,
             log_level="error",
-            ssl_certfile=str(cert),
-            ssl_keyfile=str(key),
+            ssl_certfile=str(issued.cert),
+            ssl_keyfile=str(issued.key),
         )
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
         wait_until(lambda: server.started, 20, what="the TLS server")
-        context = ssl.create_default_context(cafile=str(cert))
+        context = ssl.create_default_context(cafile=str(issued.ca))
         request = urllib.request.Request(
             f"https://127.0.0.1:{port}/v1/clusters", headers={"Authorization": "Bearer fl_v"}
         )
