@@ -357,6 +357,17 @@ def _drop_reached(consumer: Any, remaining: dict[tuple[str, int], int]) -> None:
                 del remaining[(tp.topic, tp.partition)]
 
 
+def behind(target: Offsets, position: Offsets) -> bool:
+    """Whether `target` lies before `position` in any partition. A partition the target does
+    not name stands at 0 there: a scheduler whose view had not read it yet (restarted, its
+    view still restoring) observed nothing of it, not everything."""
+    return any(
+        offset > target.get(topic, {}).get(partition, 0)
+        for topic, parts in position.items()
+        for partition, offset in parts.items()
+    )
+
+
 class ViewFollower:
     """The view folded forward to one log position after another, with one consumer: a replay
     of the scheduler asks for the view at every TICK's offsets, in log order.
@@ -464,12 +475,7 @@ class ViewFollower:
             self._paused.add(key)
 
     def at(self, target: Offsets) -> ResourceView:
-        behind = any(
-            offset < self.position.get(t, {}).get(p, 0)
-            for t, ps in target.items()
-            for p, offset in ps.items()
-        )
-        if self.parts is None or behind:
+        if self.parts is None or behind(target, self.position):
             self._reset()
             result = rebuild(self.kafka, self.topics, target, self.snapshots, self.folder.policy)
             self.parts = result.parts

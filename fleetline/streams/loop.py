@@ -272,8 +272,8 @@ class StreamLoop:
     stats: LoopStats = field(default_factory=LoopStats)
     # Set once partitions are assigned (and stores restored); services wait on it.
     ready: threading.Event = field(default_factory=threading.Event)
-    # Set once a receive after the assignment comes back empty: the loop has handled the log
-    # as far as it went (readers that must not act on a half-restored state wait for it).
+    # Set once the loop has handled its partitions as far as they went when it was assigned
+    # them (readers that must not act on a half-restored state wait for it).
     caught_up: threading.Event = field(default_factory=threading.Event)
     # Prometheus series for this loop (messages, batches, dead letters, step and store time,
     # consumer lag); off only to measure what they cost.
@@ -293,6 +293,7 @@ class StreamLoop:
         # The next offset to hand over, per partition this loop holds.
         self._expected: dict[Partition, int] = {}
         self._catch_up_to: dict[Partition, int] = {}
+        self._admin: Any = None  # asks the partitions' leaders where they end; made once
         # Stored offsets not yet committed (or whose commit failed: a coordinator that moved
         # to another broker), and when to try them again: lag drains after a broker is lost.
         self._uncommitted: dict[Partition, int] = {}
@@ -346,7 +347,7 @@ class StreamLoop:
             for tp in positions:
                 self._expected[(tp.topic, tp.partition)] = tp.offset if tp.offset >= 0 else _ANY
             cons.assign(positions)
-            self._catch_up_to = self._ends(cons, positions)
+            self._catch_up_to = self._ends(positions)
             self.ready.set()
 
         def on_revoke(cons: Consumer, partitions: list[TopicPartition]) -> None:
@@ -369,7 +370,11 @@ class StreamLoop:
                         producer = self._transact(producer, consumer, messages)
                     else:
                         self._store(producer, writer, messages)
-                if self.ready.is_set() and not self.caught_up.is_set() and self._reached(messages):
+                if (
+                    self.ready.is_set()
+                    and not self.caught_up.is_set()
+                    and self._reached(consumer, messages)
+                ):
                     self.caught_up.set()
                 if not self.exactly_once:
                     if self.step.checkpoint(idle=not messages):
@@ -447,30 +452,40 @@ class StreamLoop:
         )
         return consumer
 
-    def _ends(self, consumer: Consumer, positions: list[TopicPartition]) -> dict[Partition, int]:
-        """Where each assigned partition ended at the assignment: caught up once all are
-        reached (an empty receive alone never comes while agents stream without pause)."""
+    def _ends(self, positions: list[TopicPartition]) -> dict[Partition, int]:
+        """Where each assigned partition ended at the assignment, for a read_committed reader
+        (its last stable offset): caught up once all are reached. An empty receive alone is no
+        proof: it never comes while agents stream without pause, and it does come while a
+        partition's broker is down."""
         ends: dict[Partition, int] = {}
+        by_topic: dict[str, list[int]] = {}
         for tp in positions:
-            try:
-                _, high = consumer.get_watermark_offsets(
-                    TopicPartition(tp.topic, tp.partition), timeout=10, cached=False
+            by_topic.setdefault(tp.topic, []).append(tp.partition)
+        try:
+            if self._admin is None:
+                self._admin = kafka_clients.admin_client(self.kafka)
+            for topic, partitions in by_topic.items():
+                bounds = kafka_clients.stable_bounds(
+                    self.kafka, topic, partitions, timeout_s=10, admin=self._admin
                 )
-            except KafkaException as exc:
-                log.warning("%s: the end of %s[%d]: %s", self.name, tp.topic, tp.partition, exc)
-                return {}  # caught up at the first empty receive, as before
-            ends[(tp.topic, tp.partition)] = int(high)
+                ends.update({(topic, p): high for p, (_, high) in bounds.items()})
+        except (KafkaException, StreamError) as exc:
+            log.warning("%s: the ends of its partitions: %s", self.name, exc)
+            return {}  # caught up at the first empty receive, as before
         return ends
 
-    def _reached(self, messages: list[Message]) -> bool:
-        """Caught up: nothing came, or every partition's position has reached its end as of
-        the assignment."""
-        if not messages:
-            return True
+    def _reached(self, consumer: Consumer, messages: list[Message]) -> bool:
+        """Caught up: every assigned partition's position (which passes transaction markers,
+        though they hold no message) has reached its end as of the assignment; where those
+        ends could not be read, the first receive that brings nothing."""
         if not self._catch_up_to:
-            return False
+            return not messages
+        wanted = [TopicPartition(t, p) for (t, p), end in self._catch_up_to.items() if end]
+        if not wanted:
+            return True
         return all(
-            self._expected.get(key, -1) >= end for key, end in self._catch_up_to.items() if end
+            tp.offset >= self._catch_up_to[(tp.topic, tp.partition)]
+            for tp in consumer.position(wanted)
         )
 
     def _receive(

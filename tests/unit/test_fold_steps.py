@@ -167,5 +167,63 @@ def test_a_coordinator_moving_is_logged_and_the_loop_goes_on_a_fatal_error_stops
         loop._receive(_Scripted([fatal]), None, threading.Event())
 
 
+class _Positions:
+    """A consumer whose positions are given."""
+
+    def __init__(self, positions: dict) -> None:
+        self.positions = positions
+
+    def position(self, partitions: list) -> list:
+        from confluent_kafka import TopicPartition
+
+        return [
+            TopicPartition(
+                tp.topic, tp.partition, self.positions.get((tp.topic, tp.partition), -1001)
+            )
+            for tp in partitions
+        ]
+
+
+def test_caught_up_means_every_partition_reached_its_end_not_an_empty_receive() -> None:
+    """A receive that brings nothing while a partition's broker is down is not the end of the
+    log: in a `make chaos` run the scheduler ticked after two brokers were lost, its view
+    holding no node yet, and queued a job as if its clusters were empty."""
+    from confluent_kafka import Message
+
+    from fleetline.config import KafkaSettings
+    from fleetline.streams.loop import StreamLoop
+
+    step = SchedulerStep(
+        Topics("unit"), state_store(Topics("unit")), observe_at_nothing, Observations()
+    )
+    loop = StreamLoop(KafkaSettings(), "unit.loop", ["unit.in"], step, "unit.dlq", metrics=False)
+    loop._catch_up_to = {("unit.in", 0): 40, ("unit.in", 1): 7, ("unit.in", 2): 0}
+    record = Message(topic="unit.in", partition=0, offset=38, value=b"x")
+    behind = _Positions({("unit.in", 0): 12, ("unit.in", 1): 7})
+    assert not loop._reached(behind, [])
+    assert not loop._reached(behind, [record])
+    # Past the last record and the transaction marker after it; an empty partition counts as
+    # reached however far its position is.
+    there = _Positions({("unit.in", 0): 40, ("unit.in", 1): 7})
+    assert loop._reached(there, [record]) and loop._reached(there, [])
+    # Where the ends could not be read, the first empty receive, as before.
+    loop._catch_up_to = {}
+    assert not loop._reached(behind, [record]) and loop._reached(behind, [])
+
+
+def test_a_view_position_that_names_no_partition_stands_before_one_that_read_it() -> None:
+    """A replayed TICK whose scheduler had read nothing of a partition yet (its view still
+    restoring after a restart) is behind a follower that folded that partition already: the
+    view is rebuilt, not reused with what the scheduler never saw."""
+    from fleetline.processors.replay import behind
+
+    position = {"node": {0: 18, 2: 4}, "cluster": {0: 2}}
+    assert behind({"cluster": {0: 2}}, position)
+    assert behind({"node": {0: 18, 2: 3}, "cluster": {0: 2}}, position)
+    assert not behind({"node": {0: 18, 2: 4}, "cluster": {0: 2}}, position)
+    assert not behind({"node": {0: 20, 1: 5, 2: 4}, "cluster": {0: 3}}, position)
+    assert not behind({"node": {0: 1}}, {})
+
+
 def observe_at_nothing(offsets):
     return observe(ResourceView())
