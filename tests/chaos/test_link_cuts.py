@@ -9,14 +9,15 @@ agents on its own host, the control plane on the lab's address, and links cut wi
 - One pair's link cut: the two report each other unreachable (PARTITION), both still heartbeat
   through the control plane, and nobody is evicted.
 - The router on one host, a service's replicas on two others, all over mutual TLS with the
-  deployment's CA and the router asking callers for a token: when one replica's host is cut
-  off mid-load, the router's tries there time out and go to the other; no request is lost
-  beyond the retry budget.
+  deployment's CA and the router asking callers for a token: when the host of the replica it
+  prefers is cut off mid-load, the router's tries there time out and go to the other; no
+  request is lost beyond the retry budget.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import ssl
 import sys
@@ -24,6 +25,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -255,7 +257,7 @@ CHAT = {
 TOKEN = "fl_acme_load"
 # Inference answers in milliseconds here: a try that hears nothing for a second is given up.
 ROUTER_POLICY = {"timeout_ms": 1000, "retry_budget_min": 20}
-LOAD_S, CUT_AT_S, RPS = 24.0, 8.0, 10.0
+WARM_S, LOAD_S, CUT_AT_S, RPS = 3.0, 24.0, 8.0, 10.0
 
 
 def serving_replicas(stack: Stack) -> dict[str, dict[str, Any]]:
@@ -325,23 +327,29 @@ def test_the_router_fails_over_when_a_replicas_host_is_cut_off(
             "acme/chat",
             {"eu-west": 1.0},
             steps=[(0.0, RPS)],
-            duration_s=LOAD_S,
+            duration_s=WARM_S,
             timeout_s=10.0,
             labs=(str(lab.lab.subnet),),
             token=TOKEN,
             ca_file=str(pki["router"].ca),
         )
+        # Which replica the router prefers is its measure (no region is nearer here): warm it
+        # up, then cut off the host of the one it sends most to.
+        warm = Counter(o.replica for o in asyncio.run(run_load(plan)).outcomes)
+        preferred = warm.most_common(1)[0][0]
+        cut = next(c for c, r in replicas.items() if r["replica"] == preferred)
+        survivor = next(r["replica"] for c, r in replicas.items() if c != cut)
         cut_at: list[float] = []
 
         def cut_mid_load() -> None:
             time.sleep(CUT_AT_S)
-            lab.host.cut("eu-west-a")
+            lab.host.cut(cut)
             cut_at.append(CUT_AT_S)
 
         cutter = threading.Thread(target=cut_mid_load, daemon=True)
         cutter.start()
         try:
-            result = asyncio.run(run_load(plan))
+            result = asyncio.run(run_load(dataclasses.replace(plan, duration_s=LOAD_S)))
         finally:
             cutter.join()
             counters = routes()["counters"]
@@ -352,11 +360,11 @@ def test_the_router_fails_over_when_a_replicas_host_is_cut_off(
     outcomes = result.outcomes
     assert cut_at and len(outcomes) >= LOAD_S * RPS * 0.9, len(outcomes)
     failed = [o for o in outcomes if o.status != 200]
-    # eu-west's clients were served in eu-west-a until the cut, in us-east-a after it.
-    before = {o.replica for o in outcomes if o.at_s < CUT_AT_S - 1 and o.status == 200}
+    # Served by the preferred replica until the cut, by the other alone after it.
+    before = [o.replica for o in outcomes if o.at_s < CUT_AT_S - 1 and o.status == 200]
     after = {o.replica for o in outcomes if o.at_s > CUT_AT_S + 6 and o.status == 200}
-    assert before == {replicas["eu-west-a"]["replica"]}, before
-    assert after == {replicas["us-east-a"]["replica"]}, after
+    assert preferred in before, (warm, before)
+    assert after == {survivor}, after
     # The tries that went to the cut host timed out and were retried elsewhere: nothing lost
     # but what the retry budget refused.
     assert counters["retries"] > 0, counters
