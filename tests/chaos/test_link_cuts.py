@@ -88,11 +88,6 @@ def training(name: str, **workload) -> dict:
     }
 
 
-@pytest.mark.skip(
-    reason="not passing yet (issue 32): after the 30 s cut heals, the cut cluster's agent "
-    "neither delivers what it buffered nor reads the orders that moved its job (no FENCED "
-    "within 90 s; its thread dump shows it consuming); under investigation"
-)
 def test_a_cluster_cut_for_30_s_mid_training_is_lost_resumed_once_and_fenced(
     stack: Stack, lab: LabServices, tmp_path
 ) -> None:
@@ -185,9 +180,21 @@ def test_a_cluster_cut_for_30_s_mid_training_is_lost_resumed_once_and_fenced(
     ]
     during = [r for r in samples if cut_ms + 2_000 < r["ts"] < healed_ms - 2_000]
     assert len(during) >= (CUT_S - 6) * 2, len(during)  # every 500 ms of the cut
-    # In the order the node made them, none twice (its NodeStates take seq numbers too).
+    # In the order the node made them, none missing (its NodeStates take seq numbers too). A
+    # send whose acknowledgement the cut swallowed is sent again from the spool: at least once
+    # on the topic, and the view folds a seq it has seen once only.
     seqs = [r["seq"] for r in samples]
-    assert seqs == sorted(set(seqs)), "telemetry out of order or repeated"
+    firsts = list(dict.fromkeys(seqs))
+    assert firsts == sorted(firsts), "telemetry out of order"
+    repeats = len(seqs) - len(firsts)
+    assert repeats <= len(during) // 10, f"{repeats} repeats"
+    states = {
+        r["seq"]
+        for r in stack.records(stack.topics.node_state, partitions=2)
+        if r["node_id"] == node
+    }
+    made = set(firsts) | states
+    assert made >= set(range(firsts[0], firsts[-1] + 1)), "telemetry missing"
     status = stack.fleet.view.read(lambda v: v.nodes[node].state)
     assert status == NodeStatus.UP
     assert stack.job(key)["epoch"] == moved["epoch"]

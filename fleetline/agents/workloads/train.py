@@ -6,14 +6,19 @@ writes a checkpoint to the cluster's object store (`storage/checkpoints.py`): pa
 optimizer state (moments and step count), the random generator's state (which draws each
 batch, so it is the data position too) and the step. On start it resumes from the newest
 complete checkpoint of its own store, so a run stopped anywhere and resumed elsewhere ends
-with parameters bit-identical to a run never stopped. SIGTERM: checkpoint, then exit 0.
+with parameters bit-identical to a run never stopped. SIGTERM: checkpoint, then exit 0. A
+periodic checkpoint that cannot be written (the store unreachable: its host's links cut) is
+reported and training goes on, to try again at the next, so a copy cut off from its store is
+still running when the link returns (and is fenced then, if its job has moved); one on SIGTERM
+or at the end that cannot be written is an exit 1.
 
 The contract, which any other command can keep (a PyTorch job, say): environment in
 (FLEETLINE_JOB, _TENANT, _CLUSTER, _EPOCH, _ATTEMPT, _TRACE_ID, _WORKERS, _RANK, _WORLD_SIZE,
 CUDA_VISIBLE_DEVICES, the S3 endpoint and credentials, FLEETLINE_CHECKPOINT_BUCKET and _PREFIX,
 _CHECKPOINT_KEY when sealed, FLEETLINE_RESUME_CHECKPOINT (the checkpoint to resume from; empty:
 start afresh; unset: the newest complete one), FLEETLINE_PROGRESS_FILE); out: JSON lines
-appended to the progress file (`resumed`, `progress`, `checkpoint`, `done`, `stopped`) and
+appended to the progress file (`resumed`, `progress`, `checkpoint`, `checkpoint_failed`,
+`done`, `stopped`) and
 checkpoints with a manifest written last.
 """
 
@@ -34,6 +39,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from fleetline.config import S3Settings
+from fleetline.errors import FleetlineError
 from fleetline.storage.checkpoints import Checkpoints, params_digest
 from fleetline.storage.objects import ObjectStore
 
@@ -219,13 +225,23 @@ def main(env: Mapping[str, str] | None = None) -> int:
         step = 0
     began, done_before = time.perf_counter(), step
 
-    def checkpoint() -> None:
-        manifest, seconds = store.save(
-            epoch,
-            step,
-            state_parts(params, optimizer, rng, step),
-            {"params_sha256": params_digest(params)},
-        )
+    def checkpoint(required: bool) -> bool:
+        """Save one; a periodic one that fails (the store unreachable: the host's links cut)
+        is reported and training goes on, to try again at the next. A required one (on a stop,
+        at the end) that fails stops the workload: what it did since its last checkpoint is
+        not saved."""
+        try:
+            manifest, seconds = store.save(
+                epoch,
+                step,
+                state_parts(params, optimizer, rng, step),
+                {"params_sha256": params_digest(params)},
+            )
+        except (FleetlineError, OSError) as exc:
+            progress.write(event="checkpoint_failed", step=step, error=str(exc)[:500])
+            if required:
+                raise
+            return False
         progress.write(
             event="checkpoint",
             step=step,
@@ -233,10 +249,11 @@ def main(env: Mapping[str, str] | None = None) -> int:
             bytes=manifest.bytes,
             seconds=round(seconds, 4),
         )
+        return True
 
     while step < config.steps:
         if stopping:
-            checkpoint()
+            checkpoint(required=True)
             progress.write(event="stopped", step=step)
             return 0
         loss = train_step(config, params, optimizer, rng, x, y)
@@ -252,7 +269,7 @@ def main(env: Mapping[str, str] | None = None) -> int:
                 else None,
             )
         if step % config.checkpoint_every == 0 or step == config.steps:
-            checkpoint()
+            checkpoint(required=step == config.steps)
         if config.step_delay_s:
             time.sleep(config.step_delay_s)
     progress.write(event="done", step=step, params_sha256=params_digest(params))
