@@ -475,12 +475,17 @@ class StreamLoop:
         return ends
 
     def _reached(self, consumer: Consumer, messages: list[Message]) -> bool:
-        """Caught up: every assigned partition's position (which passes transaction markers,
-        though they hold no message) has reached its end as of the assignment; where those
-        ends could not be read, the first receive that brings nothing."""
+        """Caught up: every assigned partition has reached its end as of the assignment, by
+        the next offset this loop hands over (assigned there, or past what it handled) or by
+        the consumer's position (which passes transaction markers, though they hold no
+        message); where those ends could not be read, the first receive that brings nothing."""
         if not self._catch_up_to:
             return not messages
-        wanted = [TopicPartition(t, p) for (t, p), end in self._catch_up_to.items() if end]
+        wanted = [
+            TopicPartition(t, p)
+            for (t, p), end in self._catch_up_to.items()
+            if end and self._expected.get((t, p), -1) < end
+        ]
         if not wanted:
             return True
         return all(
