@@ -121,9 +121,26 @@ def fleetline(stack: Stack, *args: str, **kwargs: Any) -> subprocess.Popen[bytes
     )
 
 
-def kill_one_ready_replica(stack: Stack) -> str:
-    ready = sorted(k for k, r in stack.replicas().items() if r["state"] == "READY")
-    victim = ready[-1]
+def routes_of(url: str, region: str) -> dict[str, Any]:
+    return json.loads(
+        subprocess.run(
+            ["curl", "-s", f"{url}/v1/routes?region={region}"], capture_output=True, check=True
+        ).stdout
+    )
+
+
+def kill_the_preferred_replica(stack: Stack, url: str) -> str:
+    """SIGKILL the ready replica the router ranks first for eu-west clients: the one the next
+    requests go to, so its death is met by the router (a replica it seldom picks might see no
+    request before the registry learns it is gone)."""
+    ready = {k for k, r in stack.replicas().items() if r["state"] == "READY"}
+    ranked = [
+        w["replica"]
+        for w in routes_of(url, "eu-west")["services"]["acme/chat"]["weights"]
+        if w["replica"] in ready
+    ]
+    assert ranked, (ready, "the router ranks no ready replica")
+    victim = ranked[0]
     record = stack.replicas()[victim]
     run = (
         stack.state_dir
@@ -206,14 +223,10 @@ def test_a_compressed_day_scales_out_by_region_fails_over_and_gives_training_bac
         )
         # Mid-morning, at full load: a replica dies under the router's feet.
         wait_until(lambda: time.monotonic() - began > 26, 40)
-        killed = kill_one_ready_replica(stack)
+        killed = kill_the_preferred_replica(stack, url)
         out, _ = load.communicate(timeout=150)
         summary = json.loads(out)
-        routes = json.loads(
-            subprocess.run(
-                ["curl", "-s", f"{url}/v1/routes?region=eu-west"], capture_output=True, check=True
-            ).stdout
-        )
+        routes = routes_of(url, "eu-west")
     finally:
         router.send_signal(signal.SIGTERM)
         router.wait(20)
