@@ -10,8 +10,8 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fleetline.processors.view.model import Health, NodeStatus
-from fleetline.processors.view.read import CapacityState, ClusterHealth
+from fleetline.processors.view.model import ClusterHealth, Health, NodeStatus
+from fleetline.processors.view.read import CapacityState
 
 T = TypeVar("T")
 

@@ -30,6 +30,7 @@ from fleetline.processors.scheduling.capacity import ClusterFacts
 from fleetline.processors.scheduling.codec import canonical_json
 from fleetline.processors.scheduling.effects import WorkloadOrder
 from fleetline.processors.scheduling.energy import HOUR_MS, EnergyProfile, best_start
+from fleetline.processors.view.model import ClusterHealth
 from tests.scheduling_support import THREE, Driver, fleet_view, training
 from tests.support import BASE_MS
 
@@ -295,7 +296,7 @@ def test_a_fenced_node_is_drained_through_a_checkpoint_and_takes_no_new_work():
 
 
 def _cluster(cluster_id: str, price: float = 0.1, pue: float = 1.2) -> ClusterFacts:
-    return ClusterFacts(cluster_id, "r", "ON_PREM", 2.0, price, pue, {}, "healthy")
+    return ClusterFacts(cluster_id, "r", "ON_PREM", 2.0, price, pue, {}, ClusterHealth.HEALTHY)
 
 
 def test_best_start_waits_for_the_cheap_hours_and_keeps_the_deadline():

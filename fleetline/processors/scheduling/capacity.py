@@ -24,7 +24,7 @@ from typing import Any
 from fleetline.errors import InvalidEventError
 from fleetline.processors.view.accelerators import MIB_PER_GB, Accelerator, suits
 from fleetline.processors.view.fold import node_status
-from fleetline.processors.view.model import NodeStatus, NodeView, ResourceView
+from fleetline.processors.view.model import ClusterHealth, NodeStatus, NodeView, ResourceView
 from fleetline.processors.view.summary import (
     CLUSTER,
     DATASET,
@@ -32,6 +32,7 @@ from fleetline.processors.view.summary import (
     ClusterTerms,
     NodeCapacity,
     capacity_of,
+    cluster_health,
     cluster_terms,
     node_capacity,
     terms_of,
@@ -96,7 +97,7 @@ class ClusterFacts:
     link_latency_ms: dict[str, float]
     # healthy, degraded: takes new work; suspect, recovering, cordoned: keeps what it runs,
     # takes nothing new; lost: its jobs move; unreachable, retired, empty.
-    health: str
+    health: ClusterHealth
     health_reason: str = ""
 
 
@@ -147,7 +148,7 @@ def usable_gpus(facts: FleetFacts) -> dict[str, int]:
                 cached.get(node.cluster_id, 0) + (node.healthy | node.degraded).bit_count()
             )
         for cluster_id, cluster in facts.clusters.items():
-            if cluster.health not in ("healthy", "degraded"):
+            if not cluster.health.takes_work:
                 cached[cluster_id] = 0
         facts.memo["room"] = cached
     return cached
@@ -181,18 +182,14 @@ class _Fleet:
         for cluster_id in sorted(set(self.counts) | set(terms)):
             t = terms.get(cluster_id)
             n, unreachable, gpus, bad = self.counts.get(cluster_id, [0, 0, 0, 0])
-            if t is not None and t.retired:
-                health = "retired"
-            elif t is not None and t.health is not None:
-                health = t.health
-            elif n == 0:
-                health = "empty"
-            elif unreachable == n:
-                health = "unreachable"
-            elif unreachable or (gpus and bad / gpus > 0.1):
-                health = "degraded"
-            else:
-                health = "healthy"
+            health = cluster_health(
+                nodes=n,
+                unreachable=unreachable,
+                gpus=gpus,
+                unusable=bad,
+                retired=t is not None and t.retired,
+                declared=t.health if t is not None else None,
+            )
             declared = t is not None and t.declared
             out[cluster_id] = ClusterFacts(
                 cluster_id=cluster_id,

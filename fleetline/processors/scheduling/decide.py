@@ -343,8 +343,7 @@ def defer(s: SchedulerState, out: EffectLog, job: Job) -> bool:
         candidates = [
             c
             for cluster_id, c in sorted(s.facts.clusters.items())
-            if c.health in ("healthy", "degraded")
-            and any(shape.matches(m) for m in s.index.models(cluster_id))
+            if c.health.takes_work and any(shape.matches(m) for m in s.index.models(cluster_id))
         ]
         deferral = best_start(
             s.now_ms,

@@ -118,7 +118,7 @@ def _reachable(ctx: Context, cluster_id: str) -> str | None:
     c = ctx.cluster(cluster_id)
     if c is None:
         return "the cluster is not in the view"
-    if c.health not in ("healthy", "degraded"):
+    if not c.health.takes_work:
         return f"cluster is {c.health}" + (f" ({c.health_reason})" if c.health_reason else "")
     return None
 

@@ -21,6 +21,7 @@ from fleetline.processors.scheduling.decide import (
 from fleetline.processors.scheduling.effects import EffectLog, Outcome
 from fleetline.processors.scheduling.state import Condition, Job, Phase, SchedulerState
 from fleetline.processors.scheduling.tenancy import PRIORITIES, fair_share_key
+from fleetline.processors.view.model import ClusterHealth
 
 
 def tick(s: SchedulerState, out: EffectLog, facts: FleetFacts) -> None:
@@ -52,7 +53,7 @@ def migrate_off_lost_clusters(s: SchedulerState, out: EffectLog) -> int:
     moved = 0
     for cluster_id in sorted(s.cluster_jobs):
         facts = s.facts.clusters.get(cluster_id)
-        if facts is None or facts.health != "lost":
+        if facts is None or facts.health != ClusterHealth.LOST:
             continue
         for key in sorted(s.cluster_jobs[cluster_id]):
             moved += 1

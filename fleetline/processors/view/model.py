@@ -33,6 +33,27 @@ class NodeStatus(StrEnum):
     UNREACHABLE = "UNREACHABLE"
 
 
+class ClusterHealth(StrEnum):
+    """One word for a cluster, the same for the API's readers and the scheduler's facts
+    (`summary.cluster_health` gives it)."""
+
+    HEALTHY = "healthy"
+    DEGRADED = "degraded"  # some nodes out of reach, or over 10 % of its GPUs not usable
+    UNREACHABLE = "unreachable"  # every node out of reach
+    RETIRED = "retired"  # its operator took it out of the pool
+    EMPTY = "empty"  # no node reports from it
+    # From the cluster health fold (the emergency topic): its agent's heartbeats and peers.
+    SUSPECT = "suspect"  # silent a moment: keeps its jobs, takes none
+    LOST = "lost"  # declared lost: out of the pool, its jobs moved
+    RECOVERING = "recovering"  # back, on probation
+    CORDONED = "cordoned"  # an operator took new work away from it
+
+    @property
+    def takes_work(self) -> bool:
+        """New work may be placed there."""
+        return self in (ClusterHealth.HEALTHY, ClusterHealth.DEGRADED)
+
+
 HEALTHY, DEGRADED, FAILED = Health.HEALTHY, Health.DEGRADED, Health.FAILED
 
 # The NodeState label a node agent sets to "true" while the node is cordoned.

@@ -14,13 +14,13 @@ from fleetline.processors.view.model import (
     DEGRADED,
     FAILED,
     HEALTHY,
-    ClusterHealthInfo,
     GpuState,
     NodeStatus,
     NodeView,
     ResourceView,
     Sample,
 )
+from fleetline.processors.view.summary import cluster_health, node_capacity
 
 T = TypeVar("T")
 
@@ -50,19 +50,6 @@ class CapacityState(StrEnum):
     DEGRADED = "degraded"
     FAILED = "failed"
     UNAVAILABLE = "unavailable"
-
-
-class ClusterHealth(StrEnum):
-    HEALTHY = "healthy"
-    DEGRADED = "degraded"  # some nodes out of reach, or over 10 % of its GPUs not usable
-    UNREACHABLE = "unreachable"  # every node out of reach
-    RETIRED = "retired"  # its operator took it out of the pool
-    EMPTY = "empty"  # no node reports from it
-    # From the cluster health fold (the emergency topic): its agent's heartbeats and peers.
-    SUSPECT = "suspect"  # silent a moment: keeps its jobs, takes none
-    LOST = "lost"  # declared lost: out of the pool, its jobs moved
-    RECOVERING = "recovering"  # back, on probation
-    CORDONED = "cordoned"  # an operator took new work away from it
 
 
 IDLE, ALLOCATED, UNAVAILABLE = (
@@ -128,11 +115,15 @@ def cluster_capacity(view: ResourceView, region: str | None = None) -> list[dict
     """Per cluster: GPUs idle / allocated / degraded / failed / unavailable, nodes by status,
     the declared facts (price, latency, PUE) and a health word."""
     counts: dict[str, dict[str, int]] = {}
+    unusable: dict[str, int] = {}
     regions: dict[str, str] = {}
     for node in view.nodes.values():
         c = counts.setdefault(node.cluster_id, _empty_counts())
         regions.setdefault(node.cluster_id, node.region)
         status = node_status(view, node)
+        unusable[node.cluster_id] = (
+            unusable.get(node.cluster_id, 0) + node_capacity(node, status).bad
+        )
         c["nodes"] += 1
         c[f"nodes_{status.lower()}"] += 1
         c["nodes_cordoned"] += node.cordoned
@@ -151,30 +142,20 @@ def cluster_capacity(view: ResourceView, region: str | None = None) -> list[dict
             {
                 "cluster_id": cluster_id,
                 "region": cluster_region,
-                "health": _cluster_health(c, info.retired if info else False, declared),
+                "health": cluster_health(
+                    nodes=c["nodes"],
+                    unreachable=c["nodes_unreachable"],
+                    gpus=c["gpus"],
+                    unusable=unusable.get(cluster_id, 0),
+                    retired=bool(info and info.retired),
+                    declared=declared.word if declared else None,
+                ),
                 **c,
                 "info": asdict(info) if info else None,
                 "control": asdict(declared) if declared else None,
             }
         )
     return out
-
-
-def _cluster_health(
-    c: Mapping[str, int], retired: bool, declared: ClusterHealthInfo | None
-) -> ClusterHealth:
-    if retired:
-        return ClusterHealth.RETIRED
-    if declared is not None and declared.word is not None:
-        return ClusterHealth(declared.word)
-    if c["nodes"] == 0:
-        return ClusterHealth.EMPTY
-    if c["nodes_unreachable"] == c["nodes"]:
-        return ClusterHealth.UNREACHABLE
-    bad = c[DEGRADED] + c[FAILED] + c[UNAVAILABLE]
-    if c["nodes_unreachable"] or (c["gpus"] and bad / c["gpus"] > 0.1):
-        return ClusterHealth.DEGRADED
-    return ClusterHealth.HEALTHY
 
 
 def gpu_data(

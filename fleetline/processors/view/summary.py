@@ -22,6 +22,7 @@ from fleetline.processors.view.model import (
     DEGRADED,
     FAILED,
     HEALTHY,
+    ClusterHealth,
     NodeStatus,
     NodeView,
     ResourceView,
@@ -94,7 +95,9 @@ def node_capacity(node: NodeView, status: NodeStatus) -> NodeCapacity:
             healthy |= bit
         elif gpu.health == DEGRADED:
             degraded |= bit
-    bad = (present if status != "UP" else failed | degraded).bit_count()
+    # Not usable, for its cluster's health: the failed and degraded GPUs (busy or not), or
+    # every GPU of a node that takes no new work (draining, down, out of reach, cordoned).
+    bad = (present if not takes_new_work(node, status) else failed | degraded).bit_count()
     lost_mask, reason = 0, ""
     if status in ("DOWN", "UNREACHABLE"):
         lost_mask = present
@@ -126,6 +129,25 @@ def node_capacity(node: NodeView, status: NodeStatus) -> NodeCapacity:
         schedulable=schedulable,
     )
     return NodeCapacity(facts, lost_mask, reason, bad)
+
+
+def cluster_health(
+    *, nodes: int, unreachable: int, gpus: int, unusable: int, retired: bool, declared: str | None
+) -> ClusterHealth:
+    """A cluster's health word from its node counts (`unusable`: the sum of its nodes'
+    `NodeCapacity.bad`) and what the fleet tables say of it: retired, or the health fold's
+    word (lost, suspect, recovering, cordoned). The API and the scheduler both read it here."""
+    if retired:
+        return ClusterHealth.RETIRED
+    if declared is not None:
+        return ClusterHealth(declared)
+    if nodes == 0:
+        return ClusterHealth.EMPTY
+    if unreachable == nodes:
+        return ClusterHealth.UNREACHABLE
+    if unreachable or (gpus and unusable / gpus > 0.1):
+        return ClusterHealth.DEGRADED
+    return ClusterHealth.HEALTHY
 
 
 def cluster_terms(view: ResourceView) -> dict[str, ClusterTerms]:
