@@ -18,7 +18,7 @@ from fleetline.infra import LocalServices
 from fleetline.processors.scheduling.codec import new_request
 from fleetline.processors.scheduling.effects import WorkloadOrder
 from fleetline.processors.view.fold import apply, fold_telemetry
-from fleetline.processors.view.model import GPU_FIELDS, ResourceView
+from fleetline.processors.view.model import ResourceView, gpu_sample
 from fleetline.storage.hot_sink import HotSampleSink, HotSampleStore
 from fleetline.streams.loop import StreamLoop
 from fleetline.streams.serde import default_codec
@@ -122,7 +122,7 @@ def fold_telemetry_records(view: ResourceView, records: Iterable[dict[str, Any]]
             r["node_id"],
             r["seq"],
             r["ts"],
-            [tuple(g[f] for f in GPU_FIELDS) for g in r["gpus"]],
+            [gpu_sample(g) for g in r["gpus"]],
         )
 
 

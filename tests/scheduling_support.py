@@ -43,7 +43,7 @@ def fleet_view(
 
 
 def advance(view: ResourceView, sim: FleetSimulator, first: int, last: int) -> ResourceView:
-    from fleetline.processors.view.model import GPU_FIELDS
+    from fleetline.processors.view.model import gpu_sample
 
     for t in range(first, last + 1):
         ts = BASE_MS + t * 1000
@@ -58,7 +58,7 @@ def advance(view: ResourceView, sim: FleetSimulator, first: int, last: int) -> R
                 record["node_id"],
                 record["seq"],
                 record["ts"],
-                [tuple(g[f] for f in GPU_FIELDS) for g in record["gpus"]],
+                [gpu_sample(g) for g in record["gpus"]],
             )
     return view
 

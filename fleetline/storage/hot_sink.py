@@ -32,6 +32,7 @@ from fleetline.streams.events import NODE_TELEMETRY, check_telemetry
 from fleetline.streams.loop import Step, StepResult
 from fleetline.streams.records import where
 from fleetline.streams.serde import AvroCodec
+from fleetline.streams.telemetry_rules import gpu_samples_broken
 
 TABLE = "gpu_samples"
 _GPU_FIELDS = (
@@ -185,7 +186,7 @@ class HotSampleSink(Step[Prepared]):
     _seen: dict[str, int] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._decoder = TelemetryBatchDecoder(self.codec, _GPU_NAMES)
+        self._decoder = TelemetryBatchDecoder(self.codec, _GPU_NAMES, tuple)
 
     def assigned(self, partitions: list[TopicPartition]) -> list[TopicPartition]:
         # The table, not the group's committed offsets, says where to resume; it also holds
@@ -301,11 +302,7 @@ class HotSampleSink(Step[Prepared]):
 def _out_of_range(samples: pa.Table) -> pa.ChunkedArray | None:
     """Rows that break a rule Avro cannot express (check_telemetry's) or that do not fit their
     column (check_ranges'), or None when there are none."""
-    util = samples["gpu_util_pct"]
-    bad = pc.or_(
-        pc.or_(pc.less(util, 0.0), pc.greater(util, 100.0)),
-        pc.greater(samples["fb_used_mib"], samples["fb_total_mib"]),
-    )
+    bad = gpu_samples_broken({name: samples[name] for name in samples.column_names})
     for name, (low, high) in _INTEGER_RANGES.items():
         column = samples[name]
         wrong = pc.less(column, low)

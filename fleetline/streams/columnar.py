@@ -11,9 +11,9 @@ message is named and dead-lettered exactly as the per-record path would.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -28,9 +28,10 @@ from fleetline.streams.serde import HEADER_LEN, MAGIC, AvroCodec
 _EMPTY: list[int] = []
 _RECORD_FIELDS = ("cluster_id", "region", "node_id", "seq", "ts")
 
-# One decoded NodeTelemetry, reduced to what the view folds:
-# (cluster_id, region, node_id, seq, ts, [one tuple of the requested GPU fields per GPU]).
-TelemetryRow = tuple[str, str, str, int, int, list[tuple[Any, ...]]]
+GpuRow = TypeVar("GpuRow")
+# One decoded NodeTelemetry, reduced to what the view folds: (cluster_id, region, node_id, seq,
+# ts, [one row of the requested GPU fields per GPU, made by the decoder's `gpu_row`]).
+TelemetryRow = tuple[str, str, str, int, int, list[GpuRow]]
 
 
 def _sparse_lists(column: pa.ChunkedArray | pa.Array) -> list[Any]:
@@ -56,12 +57,19 @@ class SampleBatch:
     failed: dict[int, str]
 
 
-class TelemetryBatchDecoder:
-    """Decodes lists of NodeTelemetry messages into Arrow columns or TelemetryRows."""
+class TelemetryBatchDecoder(Generic[GpuRow]):
+    """Decodes lists of NodeTelemetry messages into Arrow columns or TelemetryRows, whose GPU
+    rows `gpu_row` makes from a tuple of the `gpu_fields` (a reader's record type)."""
 
-    def __init__(self, codec: AvroCodec, gpu_fields: Sequence[str]) -> None:
+    def __init__(
+        self,
+        codec: AvroCodec,
+        gpu_fields: Sequence[str],
+        gpu_row: Callable[[tuple[Any, ...]], GpuRow],
+    ) -> None:
         self.codec = codec
         self.gpu_fields = tuple(gpu_fields)
+        self.gpu_row = gpu_row
         newest = codec.registry.latest(NODE_TELEMETRY)
         gpu_schema = next(f for f in newest.source["fields"] if f["name"] == "gpus")
         self._defaults = {
@@ -147,11 +155,11 @@ class TelemetryBatchDecoder:
 
     def decode(
         self, keys: Sequence[bytes | None], values: Sequence[bytes | None]
-    ) -> list[TelemetryRow | None]:
+    ) -> list[TelemetryRow[GpuRow] | None]:
         """A row for each message, in order; None for a message the batch path could not read
         (malformed, another record, a schema it does not run), which the caller reads record
         by record, naming it if it is bad."""
-        out: list[TelemetryRow | None] = [None] * len(values)
+        out: list[TelemetryRow[GpuRow] | None] = [None] * len(values)
         parts, _ = self._parts(keys, values) if values else ([], {})
         for indices, decoded in parts:
             columns: list[list[Any]] = []
@@ -160,7 +168,7 @@ class TelemetryBatchDecoder:
                     columns.append(_sparse_lists(column))
                 else:
                     columns.append(column.to_pylist())
-            flat = list(zip(*columns, strict=True))
+            flat = list(map(self.gpu_row, zip(*columns, strict=True)))
             top = decoded.tables[""]
             clusters, regions, node_ids, seqs, stamps = (
                 top[name].to_pylist() for name in _RECORD_FIELDS

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fleetline.errors import InvalidEventError
+from fleetline.streams.telemetry_rules import gpu_sample_problem
 
 NODE_TELEMETRY = "fleetline.telemetry.NodeTelemetry"
 NODE_STATE = "fleetline.telemetry.NodeState"
@@ -34,14 +35,8 @@ REPLICA_ENDPOINT = "fleetline.serving.ReplicaEndpoint"
 def check_telemetry(record: Mapping[str, Any]) -> None:
     """Raise InvalidEventError if a decoded NodeTelemetry breaks a rule Avro cannot express."""
     for gpu in record["gpus"]:
-        util = gpu["gpu_util_pct"]
-        if not 0.0 <= util <= 100.0:
+        problem = gpu_sample_problem(gpu["gpu_util_pct"], gpu["fb_used_mib"], gpu["fb_total_mib"])
+        if problem is not None:
             raise InvalidEventError(
-                f"{record['node_id']} seq {record['seq']} gpu {gpu['gpu_index']}: "
-                f"gpu_util_pct {util} is outside 0-100"
-            )
-        if gpu["fb_used_mib"] > gpu["fb_total_mib"]:
-            raise InvalidEventError(
-                f"{record['node_id']} seq {record['seq']} gpu {gpu['gpu_index']}: "
-                f"fb_used_mib {gpu['fb_used_mib']} exceeds fb_total_mib {gpu['fb_total_mib']}"
+                f"{record['node_id']} seq {record['seq']} gpu {gpu['gpu_index']}: {problem}"
             )

@@ -47,14 +47,14 @@ def disturb(view: ResourceView, rng: random.Random) -> None:
                 gpu.failed_at_ms = node.up_since_ms
                 gpu.failure = "xid"
             if rng.random() < 0.3:
-                view.gpu_owner[(node.node_id, gpu.sample[0])] = "acme/busy"
+                view.gpu_owner[(node.node_id, gpu.index)] = "acme/busy"
 
 
 def test_one_cordoned_node_reads_the_same_to_the_api_and_the_scheduler() -> None:
     view, _ = fleet_view(CLUSTERS)
-    next(n for n in view.nodes.values() if n.cluster_id == "us-east-a").labels[
-        CORDONED_LABEL
-    ] = "true"
+    next(n for n in view.nodes.values() if n.cluster_id == "us-east-a").labels[CORDONED_LABEL] = (
+        "true"
+    )
     api, scheduler = words(view)
     # One node of four takes no new work: a quarter of the cluster's GPUs are not usable.
     assert api["us-east-a"] == scheduler["us-east-a"] == ClusterHealth.DEGRADED
@@ -66,7 +66,7 @@ def test_a_busy_degraded_gpu_counts_the_same_to_both() -> None:
     node = next(n for n in view.nodes.values() if n.cluster_id == "eu-west-a")
     for gpu in list(node.gpus.values())[:4]:
         gpu.health = DEGRADED
-        view.gpu_owner[(node.node_id, gpu.sample[0])] = "acme/busy"
+        view.gpu_owner[(node.node_id, gpu.index)] = "acme/busy"
     api, scheduler = words(view)
     assert api["eu-west-a"] == scheduler["eu-west-a"] == ClusterHealth.DEGRADED
 

@@ -93,6 +93,8 @@ def bad_value(msgs: list[Message], at: int, **changes) -> list[Message]:
     ("changes", "reason"),
     [
         ({"gpu_util_pct": 130.0}, "outside 0-100"),
+        ({"gpu_util_pct": float("nan")}, "gpu_util_pct nan is outside 0-100"),
+        ({"fb_used_mib": 10**6, "fb_total_mib": 1000}, "exceeds fb_total_mib 1000"),
         ({"gpu_index": 300}, "gpu_index 300 does not fit 0-255"),
         ({"ecc_sbe_total": -1}, "ecc_sbe_total -1 does not fit"),
         ({"xid_codes": [79, 70000]}, "xid_codes 70000 does not fit 0-65535"),

@@ -15,7 +15,6 @@ from fleetline.processors.view.fold import gpu_health, node_status
 from fleetline.processors.view.model import (
     DEGRADED,
     FAILED,
-    GPU_FIELDS,
     NodeStatus,
     ResourceView,
 )
@@ -94,10 +93,6 @@ _SHOWN = (
     "power_w",
     "power_limit_w",
 )
-_AT = {name: GPU_FIELDS.index(name) for name in _SHOWN}
-_LOSS, _TEMP, _POWER, _LIMIT = (
-    _AT[n] for n in ("rdma_packet_loss_ratio", "temperature_c", "power_w", "power_limit_w")
-)
 
 
 def node_findings(
@@ -138,13 +133,13 @@ def node_findings(
         elif health == DEGRADED and rules.degraded_trips:
             hits.append(("gpu_degraded", WARNING, f"GPU {index} degraded: {cause}"))
         if readings and health != FAILED:
-            loss = sample[_LOSS] or 0.0
+            loss = sample.rdma_packet_loss_ratio or 0.0
             if loss > rules.rdma_loss_ratio and not (health == DEGRADED and rules.degraded_trips):
                 hits.append(("rdma_loss", WARNING, f"GPU {index} RDMA loss {loss:.2e}"))
-            temperature = sample[_TEMP]
+            temperature = sample.temperature_c
             if temperature is not None and temperature > rules.max_temperature_c:
                 hits.append(("thermal", WARNING, f"GPU {index} at {temperature:.0f} C"))
-            power, limit = sample[_POWER], sample[_LIMIT]
+            power, limit = sample.power_w, sample.power_limit_w
             if power is not None and limit and power > limit * rules.power_over_limit:
                 summary = f"GPU {index} draws {power:.0f} W over its {limit:.0f} W"
                 hits.append(("power", WARNING, summary))
@@ -156,7 +151,7 @@ def node_findings(
             "gpu_uuid": gpu.uuid,
             "sample_ts": gpu.last_ts,
             "cause": cause,
-            **{name: sample[i] for name, i in _AT.items()},
+            **{name: getattr(sample, name) for name in _SHOWN},
         }
         for rule, severity, summary in hits:
             out.append(Finding(node_id, node.cluster_id, rule, severity, summary, evidence))
@@ -183,7 +178,9 @@ def node_load(
     limit its GPUs report (read from the samples unless given)."""
     node = view.nodes[node_id]
     if power_limit_w is None:
-        power_limit_w = max((g.sample[_LIMIT] or 0.0 for g in node.gpus.values()), default=0.0)
+        power_limit_w = max(
+            (g.sample.power_limit_w or 0.0 for g in node.gpus.values()), default=0.0
+        )
     return node.cluster_id, allocated, len(node.gpus), float(power_limit_w)
 
 

@@ -24,6 +24,7 @@ from fleetline.processors.view.model import (
     NodeStatus,
     NodeView,
     ResourceView,
+    Sample,
 )
 
 FORMAT = "fleetline.view/1"
@@ -87,7 +88,7 @@ def from_data(data: dict[str, Any]) -> ResourceView:
         # Snapshots written before NodeState v3 have no accelerator: the label, as the fold.
         node.accelerator = of_node_state(node_data)
         for values in node_data["gpus"]:
-            gpu = GpuState(tuple(values[0]))
+            gpu = GpuState(Sample._make(values[0]))
             for slot, value in zip(_GPU_SLOTS[1:], values[1:], strict=True):
                 setattr(gpu, slot, value)
             gpu.health = Health(gpu.health)

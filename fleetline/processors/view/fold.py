@@ -34,7 +34,7 @@ from fleetline.processors.view.model import (
     NodeView,
     ResourceView,
     Sample,
-    gpu_tuple,
+    gpu_sample,
 )
 from fleetline.streams.events import (
     ALLOCATION,
@@ -45,6 +45,7 @@ from fleetline.streams.events import (
     NODE_TELEMETRY,
 )
 from fleetline.streams.serde import Decoded
+from fleetline.streams.telemetry_rules import gpu_sample_problem
 
 
 def apply(view: ResourceView, event: Decoded) -> ResourceView:
@@ -60,7 +61,7 @@ def apply(view: ResourceView, event: Decoded) -> ResourceView:
                 record["node_id"],
                 record["seq"],
                 record["ts"],
-                [gpu_tuple(g) for g in record["gpus"]],
+                [gpu_sample(g) for g in record["gpus"]],
             )
         case name if name == NODE_STATE:
             _fold_node_state(view, record)
@@ -108,16 +109,10 @@ def _node(view: ResourceView, node_id: str, cluster_id: str, region: str) -> Nod
 
 def _check_gpus(node_id: str, seq: int, gpus: Sequence[Sample]) -> None:
     for sample in gpus:
-        if not 0.0 <= sample[3] <= 100.0 or sample[5] > sample[6]:
-            index, util, used, total = sample[0], sample[3], sample[5], sample[6]
-            if not 0.0 <= util <= 100.0:
-                raise InvalidEventError(
-                    f"{node_id} seq {seq} gpu {index}: gpu_util_pct {util} is outside 0-100"
-                )
-            raise InvalidEventError(
-                f"{node_id} seq {seq} gpu {index}: fb_used_mib {used} exceeds fb_total_mib {total}"
-            )
-    if len({sample[0] for sample in gpus}) != len(gpus):
+        problem = gpu_sample_problem(sample.gpu_util_pct, sample.fb_used_mib, sample.fb_total_mib)
+        if problem is not None:
+            raise InvalidEventError(f"{node_id} seq {seq} gpu {sample.gpu_index}: {problem}")
+    if len({sample.gpu_index for sample in gpus}) != len(gpus):
         raise InvalidEventError(f"{node_id} seq {seq}: a gpu_index appears twice")
 
 
@@ -148,9 +143,9 @@ def fold_telemetry(
     loss_limit = policy.rdma_loss_ratio
     by_index = node.gpus
     for sample in gpus:
-        index = sample[0]
+        index = sample.gpu_index
         gpu = by_index.get(index)
-        if gpu is None or gpu.sample[1] != sample[1]:  # new, or the GPU was swapped
+        if gpu is None or gpu.sample.gpu_uuid != sample.gpu_uuid:  # new, or the GPU was swapped
             gpu = by_index[index] = GpuState(sample)
             node.epoch += 1
             previous = sample
@@ -161,18 +156,19 @@ def fold_telemetry(
 
         failure: str | None = None
         fault: str | None = None
-        if sample[15] > previous[15]:
+        if sample.ecc_dbe_total > previous.ecc_dbe_total:
             failure = "ecc_dbe"
-        if sample[16]:
-            for code in sample[16]:
+        if sample.xid_codes:
+            for code in sample.xid_codes:
                 if code in policy.fail_xids:
                     failure = f"xid {code}"
                 elif code in policy.degrade_xids:
                     fault = f"xid {code}"
-        errors, before = sample[9], previous[9]
+        errors, before = sample.nvlink_errors_total, previous.nvlink_errors_total
+        loss = sample.rdma_packet_loss_ratio
         if errors is not None and before is not None and errors - before >= nvlink_limit:
             fault = "nvlink_errors"
-        elif sample[10] is not None and sample[10] >= loss_limit:
+        elif loss is not None and loss >= loss_limit:
             fault = "rdma_loss"
 
         if failure is not None:
@@ -221,7 +217,7 @@ def _set_health(
     """Move the GPU to `health`; 1 if that changed anything, else 0."""
     if health == gpu.health and cause == gpu.cause:
         return 0
-    view.changes.append(Change(ts, "gpu", f"{node_id}/{gpu.sample[0]}", gpu.health, health, cause))
+    view.changes.append(Change(ts, "gpu", f"{node_id}/{gpu.index}", gpu.health, health, cause))
     gpu.health = health
     gpu.cause = cause
     gpu.health_since_ms = ts

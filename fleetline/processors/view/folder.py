@@ -21,7 +21,7 @@ from typing import TypeVar
 
 from fleetline.errors import FleetlineError, InvalidEventError
 from fleetline.processors.view.fold import apply, fold_telemetry, forget
-from fleetline.processors.view.model import GPU_FIELDS, HealthPolicy, ResourceView
+from fleetline.processors.view.model import GPU_FIELDS, HealthPolicy, ResourceView, Sample
 from fleetline.streams.columnar import TelemetryBatchDecoder
 from fleetline.streams.events import (
     ALLOCATION,
@@ -79,7 +79,7 @@ class PartFolder:
 
     def __post_init__(self) -> None:
         self.roles = topic_roles(self.topics)
-        self.decoder = TelemetryBatchDecoder(self.codec, GPU_FIELDS)
+        self.decoder = TelemetryBatchDecoder(self.codec, GPU_FIELDS, Sample._make)
         self.node_topics = set(self.topics.node_topics)
 
     def part_of(self, topic: str, partition: int) -> str:

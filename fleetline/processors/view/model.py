@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from operator import itemgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 from fleetline.processors.view.accelerators import UNKNOWN, Accelerator
 
@@ -59,30 +59,37 @@ HEALTHY, DEGRADED, FAILED = Health.HEALTHY, Health.DEGRADED, Health.FAILED
 # The NodeState label a node agent sets to "true" while the node is cordoned.
 CORDONED_LABEL = "cordoned"
 
-# The per-GPU fields the fold reads, in this order, from a decoded GpuSample or from the
-# columnar decoder (streams/columnar.py); one tuple per GPU sample.
-GPU_FIELDS = (
-    "gpu_index",
-    "gpu_uuid",
-    "model",
-    "gpu_util_pct",
-    "mem_copy_util_pct",
-    "fb_used_mib",
-    "fb_total_mib",
-    "nvlink_tx_bytes_per_s",
-    "nvlink_rx_bytes_per_s",
-    "nvlink_errors_total",
-    "rdma_packet_loss_ratio",
-    "temperature_c",
-    "power_w",
-    "power_limit_w",
-    "ecc_sbe_total",
-    "ecc_dbe_total",
-    "xid_codes",
-)
-gpu_tuple = itemgetter(*GPU_FIELDS)
-# One GPU's readings in GPU_FIELDS order, as the fold keeps them.
-Sample = tuple[Any, ...]
+
+class Sample(NamedTuple):
+    """One GPU's latest readings as the fold keeps them: the GpuSample fields the view reads,
+    from a decoded record (`gpu_sample`) or from the columnar decoder (streams/columnar.py)."""
+
+    gpu_index: int
+    gpu_uuid: str
+    model: str
+    gpu_util_pct: float
+    mem_copy_util_pct: float | None
+    fb_used_mib: int
+    fb_total_mib: int
+    nvlink_tx_bytes_per_s: float | None
+    nvlink_rx_bytes_per_s: float | None
+    nvlink_errors_total: int | None
+    rdma_packet_loss_ratio: float | None
+    temperature_c: float
+    power_w: float
+    power_limit_w: float | None
+    ecc_sbe_total: int
+    ecc_dbe_total: int
+    xid_codes: list[int]
+
+
+GPU_FIELDS: tuple[str, ...] = Sample._fields
+_gpu_values = itemgetter(*GPU_FIELDS)
+
+
+def gpu_sample(gpu: Mapping[str, Any]) -> Sample:
+    """A decoded GpuSample's readings the view keeps."""
+    return Sample._make(_gpu_values(gpu))
 
 
 @dataclass(frozen=True)
@@ -125,7 +132,7 @@ class HealthPolicy:
 
 
 class GpuState:
-    """One GPU: its latest sample (a GPU_FIELDS tuple, kept whole: unpacking 17 fields per sample
+    """One GPU: its latest sample (a `Sample`, kept whole: unpacking 17 fields per sample
     would cost more than the rest of the fold) and the health its telemetry stream says it has."""
 
     __slots__ = (
@@ -154,16 +161,14 @@ class GpuState:
 
     @property
     def index(self) -> int:
-        index: int = self.sample[0]
-        return index
+        return self.sample.gpu_index
 
     @property
     def uuid(self) -> str:
-        uuid: str = self.sample[1]
-        return uuid
+        return self.sample.gpu_uuid
 
     def readings(self) -> dict[str, Any]:
-        return dict(zip(GPU_FIELDS, self.sample, strict=True))
+        return self.sample._asdict()
 
 
 class NodeView:

@@ -30,7 +30,7 @@ from fleetline.errors import StreamError
 from fleetline.observability import metrics
 from fleetline.processors.view.fold import compose
 from fleetline.processors.view.folder import PartFolder
-from fleetline.processors.view.model import GPU_FIELDS, HealthPolicy, ResourceView
+from fleetline.processors.view.model import HealthPolicy, ResourceView
 from fleetline.processors.view.read import ViewSource, latest_samples
 from fleetline.processors.view.snapshots import ViewSnapshots
 from fleetline.processors.view.summary import SummaryCache, owned_by, summarize
@@ -424,7 +424,6 @@ def dcgm_readings(source: ViewSource) -> Callable[[], Iterator[metrics.GpuReadin
 
     def readings() -> Iterator[metrics.GpuReading]:
         for node_id, cluster, region, sample in source.read(latest_samples):
-            fields = dict(zip(GPU_FIELDS, sample, strict=True))
-            yield metrics.gpu_reading(node_id, cluster, region, fields)
+            yield metrics.gpu_reading(node_id, cluster, region, sample._asdict())
 
     return readings
