@@ -10,11 +10,18 @@ from typing import Any
 import yaml
 
 from fleetline.agents.simulator import ClusterSpec, Fault, FleetSimulator, cluster_info
-from fleetline.processors.scheduling.capacity import observe
+from fleetline.processors.scheduling.capacity import CapacityIndex, observe
 from fleetline.processors.scheduling.codec import canonical_json, new_request
 from fleetline.processors.scheduling.effects import Decision, Effect, WorkloadOrder
+from fleetline.processors.scheduling.placement import (
+    Placement,
+    Unplaceable,
+    place,
+    training_shape,
+)
 from fleetline.processors.scheduling.policy import SchedulingPolicy
 from fleetline.processors.scheduling.scheduler import Scheduler
+from fleetline.processors.scheduling.specs import TrainingJobSpec
 from fleetline.processors.view.fold import fold_telemetry
 from fleetline.processors.view.model import ResourceView
 from tests.fleet_events import fold
@@ -61,6 +68,22 @@ def advance(view: ResourceView, sim: FleetSimulator, first: int, last: int) -> R
                 [gpu_sample(g) for g in record["gpus"]],
             )
     return view
+
+
+def index_of_view(view: ResourceView) -> CapacityIndex:
+    """An index over the view with the view's own allocations taken (a view read on its own;
+    the scheduler keeps its allocations itself)."""
+    taken: dict[str, int] = {}
+    for node, index in view.gpu_owner:
+        taken[node] = taken.get(node, 0) | (1 << index)
+    return CapacityIndex(observe(view), taken)
+
+
+def place_training(
+    view: ResourceView, cluster_id: str, job: TrainingJobSpec
+) -> Placement | Unplaceable:
+    """Where one training job's gang would go in a view's cluster, allocations counted."""
+    return place(index_of_view(view), cluster_id, training_shape(job))
 
 
 def training(

@@ -197,9 +197,6 @@ class DiskSpool:
             if self.acked < end - 1:
                 self._set_acked(end - 1)
 
-    def unacked(self) -> list[SpoolEntry]:
-        return list(self._unacked)
-
     def entries_from(self, offset: int) -> Iterator[SpoolEntry]:
         """Unacknowledged entries from `offset` on, oldest first."""
         if not self._unacked:

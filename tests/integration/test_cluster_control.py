@@ -218,7 +218,30 @@ def test_a_failing_start_is_retried_then_reported_failed(stack):
     starts = [e["attempt"] for e in stack.events("acme/flaky") if e["event"] == "STARTING"]
     assert starts == [1, 2]
     isolation = next(e for e in stack.events("acme/flaky") if e["event"] == "STARTING")["detail"]
-    assert "cgroup" in isolation or "not isolated" in isolation
+    cgroup_v2 = host_cgroup_v2()
+    if cgroup_v2 is None:
+        assert "not isolated: no cgroup v2 hierarchy is mounted" in isolation, isolation
+    elif not can_create_group(cgroup_v2):
+        assert "not isolated: cannot create" in isolation, isolation
+    else:
+        assert f"cgroup v2 {cgroup_v2}/fleetline/" in isolation, isolation
+
+
+def host_cgroup_v2() -> str | None:
+    """Where this host mounts cgroup v2, read from /proc/mounts here, not by the agent's code."""
+    with open("/proc/mounts") as mounts:
+        found = [line.split()[1] for line in mounts if line.split()[2:3] == ["cgroup2"]]
+    return found[0] if found else None
+
+
+def can_create_group(root: str) -> bool:
+    probe = os.path.join(root, f"fleetline-probe-{uuid.uuid4().hex[:8]}")
+    try:
+        os.mkdir(probe)
+    except OSError:
+        return False
+    os.rmdir(probe)
+    return True
 
 
 def test_a_cluster_agent_killed_with_sigkill_starts_nothing_twice(stack):

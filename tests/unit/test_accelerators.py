@@ -14,7 +14,7 @@ from fleetline.agents.simulator import ClusterSpec, FleetSimulator, cluster_info
 from fleetline.errors import ConfigError
 from fleetline.processors.scheduling.capacity import CapacityIndex, observe
 from fleetline.processors.scheduling.pipeline import Context, JobRequest, rank_clusters
-from fleetline.processors.scheduling.placement import Placement, place_training, training_shape
+from fleetline.processors.scheduling.placement import Placement, training_shape
 from fleetline.processors.scheduling.policy import SchedulingPolicy
 from fleetline.processors.scheduling.specs import SpecError, TrainingJobSpec, parse_spec
 from fleetline.processors.view import codec as view_codec
@@ -28,7 +28,7 @@ from fleetline.processors.view.summary import capacity_of, capacity_record, node
 from fleetline.streams.serde import default_codec
 from tests.fake_nvml import FakeNvml, hgx_collector, hgx_gpu, node_agent_offline
 from tests.fleet_events import fold
-from tests.scheduling_support import training
+from tests.scheduling_support import place_training, training
 from tests.support import BASE_MS
 
 CODEC = default_codec()

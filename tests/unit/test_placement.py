@@ -5,10 +5,11 @@ from __future__ import annotations
 import random
 
 from fleetline.agents.simulator import ClusterSpec, FleetSimulator
-from fleetline.processors.scheduling.placement import Placement, Unplaceable, place_training
+from fleetline.processors.scheduling.placement import Placement, Unplaceable
 from fleetline.processors.scheduling.specs import parse_specs
 from fleetline.processors.view.fold import apply
 from tests.fleet_events import allocation, decoded, fold, scenario_events
+from tests.scheduling_support import place_training
 from tests.support import BASE_MS
 
 

@@ -20,11 +20,11 @@ def test_entries_come_back_in_order_after_a_reopen(tmp_path: Path) -> None:
     spool.ack(9)
     spool.close()
     reopened = DiskSpool(tmp_path, segment_bytes=1000)
-    entries = reopened.unacked()
+    entries = list(reopened.entries_from(0))
     assert [e.offset for e in entries] == list(range(10, 30))
     assert entries[0].key == b"node-1" and entries[0].value[:4] == (10).to_bytes(4, "big")
     fill(reopened, 1, start=30)
-    assert reopened.unacked()[-1].offset == 30
+    assert list(reopened.entries_from(0))[-1].offset == 30
 
 
 def test_acknowledged_segments_are_deleted(tmp_path: Path) -> None:
@@ -42,7 +42,7 @@ def test_the_bound_drops_the_oldest_and_counts_them(tmp_path: Path) -> None:
     assert spool.size_bytes <= 5000
     assert spool.dropped > 0
     assert spool.dropped + len(spool) == 200
-    offsets = [e.offset for e in spool.unacked()]
+    offsets = [e.offset for e in spool.entries_from(0)]
     assert offsets == list(range(offsets[0], 200))  # the newest, contiguous
     assert spool.acked == offsets[0] - 1
 
@@ -54,10 +54,10 @@ def test_a_torn_last_entry_is_cut_off(tmp_path: Path) -> None:
     segment = next(tmp_path.glob("*.seg"))
     segment.write_bytes(segment.read_bytes()[:-7])
     reopened = DiskSpool(tmp_path)
-    assert [e.offset for e in reopened.unacked()] == [0, 1, 2, 3]
+    assert [e.offset for e in reopened.entries_from(0)] == [0, 1, 2, 3]
     assert reopened.corrupt_tail == 1
     fill(reopened, 1, start=4)
-    assert DiskSpool(tmp_path).unacked()[-1].offset == 4
+    assert list(DiskSpool(tmp_path).entries_from(0))[-1].offset == 4
 
 
 def test_entries_from_reads_the_tail(tmp_path: Path) -> None:
@@ -86,7 +86,7 @@ def test_a_full_disk_keeps_records_in_memory_and_writing_resumes_in_a_new_segmen
     (tmp_path / f"{8:020d}.seg").symlink_to("/dev/full")
     fill(spool, 64, start=8)
     assert spool.disk_full and spool.unspooled == 64
-    assert [e.offset for e in spool.unacked()] == list(range(72))  # still sent from memory
+    assert [e.offset for e in spool.entries_from(0)] == list(range(72))  # still sent from memory
     assert not (tmp_path / f"{8:020d}.seg").exists()  # the segment it could not write
     fill(spool, 5, start=72)  # the 64th failure tried again: room now
     assert not spool.disk_full and spool.unspooled == 64
@@ -96,10 +96,10 @@ def test_a_full_disk_keeps_records_in_memory_and_writing_resumes_in_a_new_segmen
     reopened = DiskSpool(tmp_path, segment_bytes=1000)
     # What was on disk and not acknowledged comes back; the memory-only records between are
     # gone with the process unless acknowledged (41-71 were not: `unspooled` counted them).
-    assert [e.offset for e in reopened.unacked()] == list(range(72, 77))
+    assert [e.offset for e in reopened.entries_from(0)] == list(range(72, 77))
     assert reopened.corrupt_tail == 0
     fill(reopened, 1, start=77)
-    assert reopened.unacked()[-1].offset == 77
+    assert list(reopened.entries_from(0))[-1].offset == 77
 
 
 def test_a_write_torn_by_a_full_disk_is_cut_off(tmp_path: Path, monkeypatch) -> None:
@@ -123,4 +123,4 @@ def test_a_write_torn_by_a_full_disk_is_cut_off(tmp_path: Path, monkeypatch) -> 
     assert spool.disk_full and spool.unspooled == 1
     assert (tmp_path / f"{0:020d}.seg").stat().st_size == 3 * 119  # the torn half is gone
     spool.close()
-    assert [e.offset for e in DiskSpool(tmp_path).unacked()] == [0, 1, 2]
+    assert [e.offset for e in DiskSpool(tmp_path).entries_from(0)] == [0, 1, 2]

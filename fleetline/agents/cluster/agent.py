@@ -1001,12 +1001,3 @@ def _get_json(
     except ValueError:
         return None
     return data if isinstance(data, dict) else None
-
-
-def run_agents(agents: Sequence[ClusterAgent], stop: threading.Event) -> list[threading.Thread]:
-    threads = [
-        threading.Thread(target=a.run, args=(stop,), name=a.name, daemon=True) for a in agents
-    ]
-    for thread in threads:
-        thread.start()
-    return threads

@@ -305,12 +305,6 @@ def isolate(cluster_id: str, job: str, run: str, priority_class: str) -> tuple[P
     return group, note
 
 
-def kill_group(group: Path | None) -> None:
-    if group is not None and (group / "cgroup.kill").exists():
-        with contextlib.suppress(OSError):
-            (group / "cgroup.kill").write_text("1")
-
-
 def stop(workload: Workload, final_checkpoint: bool, grace_s: float) -> None:
     """SIGTERM (it checkpoints and exits) with a deadline, or SIGKILL at once."""
     workload.mark("stopping", workload.stop_reason or "stopping")

@@ -19,10 +19,8 @@ from fleetline.processors.scheduling.capacity import (
     GpuRef,
     indices_of,
     mask_of,
-    observe,
 )
 from fleetline.processors.scheduling.specs import InferenceServiceSpec, TrainingJobSpec
-from fleetline.processors.view.model import ResourceView
 
 
 @dataclass(frozen=True)
@@ -111,21 +109,6 @@ def place(index: CapacityIndex, cluster_id: str, shape: GangShape) -> Placement 
     if isinstance(gang, str):
         return Unplaceable(cluster_id, gang)
     return to_placement(gang, shape, index)
-
-
-def index_of_view(view: ResourceView) -> CapacityIndex:
-    """An index over the view with the view's own allocations taken (for reading a view on its
-    own; the scheduler keeps its allocations itself)."""
-    taken: dict[str, int] = {}
-    for node, index in view.gpu_owner:
-        taken[node] = taken.get(node, 0) | (1 << index)
-    return CapacityIndex(observe(view), taken)
-
-
-def place_training(
-    view: ResourceView, cluster_id: str, job: TrainingJobSpec
-) -> Placement | Unplaceable:
-    return place(index_of_view(view), cluster_id, training_shape(job))
 
 
 def refs_by_node(refs: tuple[GpuRef, ...] | list[GpuRef]) -> dict[str, int]:
