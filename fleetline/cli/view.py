@@ -306,6 +306,7 @@ def replay(
                     "events": again.events,
                     "ticket_changes": again.tickets,
                     "commands": again.commands,
+                    "dead_lettered": {str(o): r for o, r in sorted(again.dead_letters.items())},
                     "first_difference": again.first_difference,
                     "seconds": round(again.seconds, 3),
                 },
@@ -389,6 +390,8 @@ def _replay_decisions(config: Settings, topics: Topics, group: str, no_snapshots
                 "matched": result.matched,
                 "first_difference": result.first_difference,
                 "requests_not_yet_decided": result.unprocessed,
+                # Passed over as the live scheduler dead-lettered them (offset: reason).
+                "dead_lettered": {str(o): r for o, r in sorted(result.dead_letters.items())},
                 "state": result.state,
                 "state_records": result.state_records,
                 "state_difference": result.state_difference,

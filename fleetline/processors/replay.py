@@ -21,8 +21,9 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from fleetline.config import KafkaSettings
-from fleetline.errors import InvalidEventError, StreamError
+from fleetline.errors import DecodeError, FleetlineError, StreamError
 from fleetline.processors.operations.fold import Command, OpsFold, TicketChanged
+from fleetline.processors.operations.runtime import APPLICATION_ID as OPS_APP
 from fleetline.processors.operations.runtime import command_record, ticket_record
 from fleetline.processors.scheduling.capacity import FleetFacts, observe, observe_summaries
 from fleetline.processors.scheduling.codec import canonical_json, effect_record, offsets_of
@@ -38,6 +39,7 @@ from fleetline.processors.view.read import StaticView
 from fleetline.processors.view.runtime import SummaryFollower
 from fleetline.processors.view.snapshots import ViewSnapshots
 from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.deadletter import read_dead_letter
 from fleetline.streams.events import NODE_COMMAND, OPS_EVENT, REPAIR_TICKET, SCHEDULER_REQUEST
 from fleetline.streams.records import Offsets, where
 from fleetline.streams.serde import AvroCodec, default_codec
@@ -513,6 +515,8 @@ class DecisionReplay:
     view_rebuilds: int = 0
     # Requests past the scheduler's committed offset: not yet decided live, so not replayed.
     unprocessed: int = 0
+    # Requests the replay passed over (request offset -> why), as the live scheduler must have.
+    dead_letters: dict[int, str] = field(default_factory=dict)
     seconds: float = 0.0
     scheduler: Scheduler | None = None
     # The live scheduler's committed state (its changelog) against the replayed one: "equal",
@@ -563,8 +567,12 @@ def replay_decisions(
                 result.ticks += 1
                 facts = last = facts_at(offsets_of(request), last)
             effects = scheduler.step(request, where(msg)[2], facts)
-        except InvalidEventError:
-            continue  # dead-lettered live, skipped here alike
+        except StreamError:
+            raise  # the replay's own reading failed: nothing the live scheduler met
+        except FleetlineError as exc:
+            # The live loop dead-letters every FleetlineError of a message, with this reason.
+            result.dead_letters[where(msg)[2]] = str(exc)
+            continue
         for effect in effects:
             if not isinstance(effect, Decision):
                 continue
@@ -601,11 +609,52 @@ def replay_decisions(
             result.first_difference = (
                 f"the log has decision {was['decision_id']} that the replay did not make"
             )
+        else:
+            result.first_difference = same_dead_letters(
+                live_dead_letters(
+                    kafka, topics, f"{topics.prefix}.{SCHEDULER_APP}", topics.scheduler_requests
+                ),
+                result.dead_letters,
+                committed,
+                "request",
+            )
     result.scheduler = scheduler
     if compare_state and result.first_difference is None:
         _compare_state(kafka, topics, scheduler, committed, result)
     result.seconds = time.perf_counter() - began
     return result
+
+
+def live_dead_letters(
+    kafka: KafkaSettings, topics: Topics, application: str, source: str
+) -> dict[int, str]:
+    """What a live processor dead-lettered from a single-partition input: offset -> reason (a
+    message dead-lettered twice, across a crash, has one source and one entry)."""
+    out: dict[int, str] = {}
+    partitions = kafka_clients.partitions_of(kafka, topics.dead_letter)
+    group = f"fleetline-replay-{uuid.uuid4().hex[:12]}"
+    for msg in kafka_clients.read_to_end(kafka, topics.dead_letter, partitions, group):
+        letter = read_dead_letter(msg)
+        if letter.application == application and letter.topic == source:
+            out[letter.offset] = letter.reason
+    return out
+
+
+def same_dead_letters(
+    live: dict[int, str], replayed: dict[int, str], below: int | None, what: str
+) -> str | None:
+    """The first message the replay passed over otherwise than the live processor (only below
+    `below`, where the live one had got to), or None."""
+    live = {o: r for o, r in live.items() if below is None or o < below}
+    for offset in sorted(set(live) | set(replayed)):
+        if live.get(offset) != replayed.get(offset):
+            return (
+                f"{what} at offset {offset}: dead-lettered live "
+                + (f"({live[offset][:200]})" if offset in live else "? no")
+                + ", by the replay "
+                + (f"({replayed[offset][:200]})" if offset in replayed else "? no")
+            )
+    return None
 
 
 def _compare_state(
@@ -643,6 +692,7 @@ def _compare_state(
 @dataclass
 class OperationsReplay:
     events: int = 0
+    dead_letters: dict[int, str] = field(default_factory=dict)  # event offset -> why
     tickets: int = 0  # ticket changes replayed and matched, in order
     commands: int = 0  # node commands replayed and matched, by id
     first_difference: str | None = None
@@ -670,7 +720,10 @@ def replay_operations(
         kafka_clients.partitions_of(kafka, topics.commands),
         f"fleetline-replay-{uuid.uuid4().hex[:12]}",
     ):
-        record = codec.decode(msg.value(), expect=NODE_COMMAND).record
+        try:
+            record = codec.decode(msg.value(), expect=NODE_COMMAND).record
+        except DecodeError:
+            continue  # not a command the operations processor wrote (node agents pass it over)
         value = msg.value()
         if record["issued_by"] == "operations" and value is not None:
             commands[record["command_id"]] = value
@@ -679,8 +732,9 @@ def replay_operations(
         result.events += 1
         try:
             effects = fold.step(codec.decode(msg.value(), expect=OPS_EVENT).record, where(msg)[2])
-        except InvalidEventError:
-            continue  # dead-lettered live, skipped here alike
+        except FleetlineError as exc:  # dead-lettered live with this reason
+            result.dead_letters[where(msg)[2]] = str(exc)
+            continue
         for effect in effects:
             if isinstance(effect, TicketChanged):
                 again = codec.encode(REPAIR_TICKET, ticket_record(effect.ticket))
@@ -706,5 +760,13 @@ def replay_operations(
             result.first_difference = "the tickets topic has a change the replay did not make"
         elif commands:
             result.first_difference = f"the replay did not issue command {min(commands)}"
+        else:
+            application = f"{topics.prefix}.{OPS_APP}"
+            result.first_difference = same_dead_letters(
+                live_dead_letters(kafka, topics, application, topics.ops),
+                result.dead_letters,
+                kafka_clients.committed_offsets(kafka, application, topics.ops).get(0),
+                "event",
+            )
     result.seconds = time.perf_counter() - began
     return result

@@ -13,7 +13,17 @@ import pytest
 
 from fleetline.agents.simulator import ClusterSpec, cluster_info
 from fleetline.config import Settings
-from fleetline.processors.replay import ViewFollower, rebuild, replay_decisions
+from fleetline.processors.operations.runtime import APPLICATION_ID as OPS_APP
+from fleetline.processors.operations.runtime import STORE as OPS_STORE
+from fleetline.processors.operations.runtime import OpsService
+from fleetline.processors.replay import (
+    ViewFollower,
+    live_dead_letters,
+    log_bounds,
+    rebuild,
+    replay_decisions,
+    replay_operations,
+)
 from fleetline.processors.scheduling.capacity import observe
 from fleetline.processors.scheduling.codec import canonical_json, new_request
 from fleetline.processors.scheduling.runtime import (
@@ -25,8 +35,11 @@ from fleetline.processors.scheduling.runtime import (
     submit,
 )
 from fleetline.processors.view import read as view_read
+from fleetline.processors.view.model import ResourceView
+from fleetline.processors.view.read import StaticView
 from fleetline.processors.view.runtime import ViewProcessor
 from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.serde import MAGIC
 from fleetline.streams.topics import Topics
 from tests.fleet_events import scenario_events, scenario_fleet
 from tests.scheduling_support import dataset, service, training
@@ -193,3 +206,86 @@ def test_decisions_over_kafka_survive_a_restart_and_replay_byte_for_byte(setting
     # The state the scheduler committed across its restart is the state the log folds to.
     assert replayed.state == "equal", replayed.state_difference
     assert replayed.state_records > 3
+
+
+FOREIGN = [b"not avro at all", MAGIC + b"\xfe" * 8 + b"an unknown writer"]
+
+
+def foreign_bytes(settings: Settings, topic: str, key: bytes = b"n1") -> None:
+    """What a stranger might write to a topic: bytes that are not Avro, and Avro's header with
+    a fingerprint no schema has."""
+    producer = kafka_clients.producer(settings.kafka)
+    for value in FOREIGN:
+        producer.produce(topic, key=key, value=value)
+    assert producer.flush(30) == 0
+
+
+def test_a_replay_passes_over_what_the_live_processors_dead_lettered_with_the_same_reason(
+    settings,
+):
+    topics = fresh_topics()
+    kafka_clients.ensure_topics(
+        settings.kafka,
+        [*scheduler_topics(topics), topics.changelog_spec(OPS_APP, OPS_STORE, partitions=1)],
+    )
+    snapshots = snapshot_store(settings)
+    produce(settings, topics, [("ClusterInfo", cluster_info(c, 1, BASE_MS)) for c in CLUSTERS])
+    view_inputs = [*topics.node_topics, *topics.fleet_topics]
+    for topic in view_inputs:
+        foreign_bytes(settings, topic)
+    produce(settings, topics, scenario_events(seconds=4))
+    processor = ViewProcessor(
+        settings.kafka, topics, snapshots, group_id=f"v-{uuid.uuid4().hex}", snapshot_interval_s=0.5
+    )
+    requests_app = f"{topics.prefix}.scheduler"
+    with running(processor):
+        caught_up(settings, topics, [processor])
+        with scheduling(settings, topics, processor, snapshots):
+            submit(settings.kafka, topics, submits(training("before")))
+            foreign_bytes(settings, topics.scheduler_requests, key=b"acme/x")
+            submit(settings.kafka, topics, submits(training("after", workers=2)))
+            wait_for(settings, topics, lambda ds: "acme/after" in {d["job"] for d in ds})
+            wait_until(
+                lambda: (
+                    len(
+                        live_dead_letters(
+                            settings.kafka, topics, requests_app, topics.scheduler_requests
+                        )
+                    )
+                    == 2
+                ),
+                30,
+                "the live scheduler's two dead letters",
+            )
+
+    live = live_dead_letters(settings.kafka, topics, requests_app, topics.scheduler_requests)
+    follower = ViewFollower(settings.kafka, topics, snapshots)
+    try:
+        replayed = replay_decisions(settings.kafka, topics, follower.facts)
+    finally:
+        follower.close()
+    assert replayed.ok, replayed.first_difference
+    assert replayed.dead_letters == live and len(live) == 2, (replayed.dead_letters, live)
+    assert any("not Avro" in r for r in live.values())
+    assert any("fingerprint" in r for r in live.values()), live
+    assert replayed.matched >= 2 and replayed.state == "equal", replayed.state_difference
+
+    # The view's replay passes over each foreign record of each of its inputs.
+    _, end = log_bounds(settings.kafka, topics)
+    view = rebuild(settings.kafka, topics, end)
+    assert view.dead_letters == len(FOREIGN) * len(view_inputs), view.dead_letters
+
+    # The operations fold: foreign events passed over, as its live loop did.
+    ops = OpsService(settings.kafka, topics, StaticView(ResourceView()), tick_interval_s=0.2)
+    ops_app = f"{topics.prefix}.{OPS_APP}"
+    with running(ops):
+        foreign_bytes(settings, topics.ops, key=b"ops")
+        wait_until(
+            lambda: len(live_dead_letters(settings.kafka, topics, ops_app, topics.ops)) == 2,
+            30,
+            "the live operations fold's two dead letters",
+        )
+    again = replay_operations(settings.kafka, topics)
+    assert again.ok, again.first_difference
+    assert again.dead_letters == live_dead_letters(settings.kafka, topics, ops_app, topics.ops)
+    assert again.events > len(FOREIGN)  # its own OBSERVE events were folded too
