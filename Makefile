@@ -42,6 +42,7 @@ lint: $(STAMP) $(CONTRACT_TOOLS)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
+	$(PY) tools/check_pure_cores.py
 	$(VENV)/bin/fleetline contract asyncapi --check
 	cd contract && SUPPRESS_NO_CONFIG_WARNING=1 npx --no-install asyncapi validate asyncapi.yaml --fail-severity=warn
 

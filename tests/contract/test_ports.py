@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from confluent_kafka import Message
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fleetline.config import Settings
@@ -28,18 +29,23 @@ from fleetline.processors.view import codec as view_codec
 from fleetline.storage.audit_store import AuditArchive, AuditTable
 from fleetline.storage.clickhouse import connect, migrate
 from fleetline.storage.crypto import MAGIC, ObjectCipher, SealedObjectStore
+from fleetline.storage.hot_sink import HotSampleSink, HotSampleStore
+from fleetline.storage.log_sink import LogTable
 from fleetline.storage.objects import ObjectStore
 from fleetline.storage.operations_sink import EnergyPriceTable, TicketTable
-from fleetline.storage.scheduling_sink import AllocationTable, DecisionTable
+from fleetline.storage.scheduling_sink import AllocationTable, DecisionTable, WorkloadEventTable
 from fleetline.storage.sinks import Destination, Sourced
 from fleetline.storage.state_sink import NodeStateTable
 from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.serde import default_codec
 from fleetline.streams.store import ChangelogStore
 from fleetline.streams.topics import TopicSpec
 from tests.fleet_events import fold, scenario_events
 from tests.scheduling_support import THREE, Driver, fleet_view, training
 from tests.services import snapshot_store
 from tests.support import BASE_MS, small_fleet
+
+CODEC = default_codec()
 
 # -- object stores ------------------------------------------------------------------------------
 
@@ -191,10 +197,58 @@ def _energy_requests() -> list[dict[str, Any]]:
     ]
 
 
+def _workload_events() -> list[dict[str, Any]]:
+    """What a cluster agent reports of one job's run, in the order it reports it."""
+    kinds = ["STARTING", "RUNNING", "PROGRESS", "CHECKPOINTED", "PROGRESS", "EXITED"]
+    return [
+        {
+            "job": "acme/a",
+            "tenant": "acme",
+            "cluster_id": "c1",
+            "epoch": 1,
+            "attempt": 1,
+            "ts": BASE_MS + i,
+            "event": kind,
+            "trace_id": "0" * 32,
+            "pid": 4242,
+            "step": 10 * i if kind in ("PROGRESS", "CHECKPOINTED") else None,
+            "loss": 1.0 / (i + 1) if kind == "PROGRESS" else None,
+            "samples_per_s": 512.0 if kind == "PROGRESS" else None,
+            "exit_code": 0 if kind == "EXITED" else None,
+            "checkpoint_uri": "s3://ckpt/acme/a/30" if kind == "CHECKPOINTED" else None,
+            "bytes": 1 << 20 if kind == "CHECKPOINTED" else None,
+            "seconds": 0.4 if kind == "CHECKPOINTED" else None,
+            "from_cluster": None,
+            "detail": f"{kind.lower()} in the contract",
+        }
+        for i, kind in enumerate(kinds)
+    ]
+
+
+def _log_records() -> list[dict[str, Any]]:
+    """Log lines as the log handler ships them (`observability/logs.py`)."""
+    return [
+        {
+            "ts": BASE_MS + i,
+            "level": ("INFO", "WARNING", "ERROR")[i % 3],
+            "logger": "fleetline.contract",
+            "process": f"serve-{i % 2}",
+            "host": "host-a",
+            "cluster_id": "c1" if i % 2 else "",
+            "message": f"line {i}",
+            "trace_id": "",
+            "fields": {"n": str(i)},
+        }
+        for i in range(6)
+    ]
+
+
 DESTINATIONS = [
     "node-states",
     "decisions",
     "allocations",
+    "workload-events",
+    "logs",
     "audit-table",
     "audit-archive",
     "repair-tickets",
@@ -218,6 +272,10 @@ def destination(
             yield DecisionTable(client, db), decisions, True
         case "allocations":
             yield AllocationTable(client, db), changes, True
+        case "workload-events":
+            yield WorkloadEventTable(client, db), _workload_events(), True
+        case "logs":
+            yield LogTable(client, db), _log_records(), True
         case "audit-table":
             yield AuditTable(client, db), _audit_records(), True
         case "repair-tickets":
@@ -256,6 +314,43 @@ def test_a_destination_resumes_after_what_it_stored(destination) -> None:
         store.store([Sourced(0, 7, records[0], other)])
         assert store.resume_offsets(other) == {0: 8}
         assert store.resume_offsets(topic) == expected
+
+
+def test_the_sample_store_resumes_after_what_it_stored_and_knows_each_node_s_seq(
+    settings,
+) -> None:
+    """The hot samples' store (gpu_samples), written the way the sample sink writes it: where
+    each partition resumes, the highest seq of each node, per topic prefix."""
+    client = connect(settings.clickhouse_url)
+    migrate(client, settings.clickhouse_database)
+    store = HotSampleStore(client, settings.clickhouse_database)
+    topic, other = (f"contract.{uuid.uuid4().hex[:8]}" for _ in range(2))
+    fleet = small_fleet(nodes=2)
+    records = [r for t in range(3) for r in fleet.telemetry(BASE_MS + t * 1000)]
+    messages = [
+        Message(
+            topic=topic,
+            partition=i % 2,
+            offset=40 + i,
+            key=r["node_id"].encode(),
+            value=CODEC.encode("NodeTelemetry", r),
+        )
+        for i, r in enumerate(records)
+    ]
+    assert store.resume_offsets(topic) == {} and store.node_watermarks(topic) == {}
+    sink = HotSampleSink(CODEC, store, topic)
+    result = sink.process(messages)
+    assert result.payload is not None and not result.dead_letters
+    sink.store(result.payload)
+    assert store.resume_offsets(topic) == {
+        p: max(m.offset() for m in messages if m.partition() == p) + 1 for p in (0, 1)
+    }
+    newest: dict[str, int] = {}
+    for r in records:
+        newest[r["node_id"]] = max(newest.get(r["node_id"], 0), r["seq"])
+    assert store.node_watermarks(topic) == newest and len(newest) > 1
+    # Another topic prefix in the same table starts from nothing.
+    assert store.resume_offsets(other) == {} and store.node_watermarks(other) == {}
 
 
 def test_node_states_an_agent_sends_again_are_stored_once(settings) -> None:
