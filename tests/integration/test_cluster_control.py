@@ -28,6 +28,7 @@ from fleetline.app import Options
 from fleetline.cli import main
 from fleetline.config import Settings
 from fleetline.processors.health.fold import ClusterHealthPolicy
+from fleetline.processors.operations.runtime import append, ops_event
 from fleetline.processors.scheduling.codec import new_request
 from fleetline.processors.scheduling.runtime import read_topic, submit
 from fleetline.processors.view import read as view_read
@@ -395,3 +396,64 @@ def test_a_lost_cluster_s_job_resumes_elsewhere_bit_identical_and_its_copy_is_fe
     ]
     job = stack.job(key)
     assert job is not None and job["epoch"] == moved["epoch"]
+
+
+def test_a_tuned_checkpoint_interval_reaches_the_running_workload(stack):
+    """Recommendation -> the job's spec -> the running workload's own interval: operations
+    resubmits the tuned spec, the scheduler tells the job's run again, its cluster agent
+    rewrites the run's control file, and the workload takes it at its next checkpoint."""
+    # 50 steps a second; a checkpoint every 100 steps (2 s) until the interval is tuned.
+    document = training("tuned", steps=100_000, checkpoint_every_steps=100, step_delay_ms=20)
+    submit(stack.settings.kafka, stack.topics, submits(document))
+    wait_until(lambda: stack.phase("acme/tuned") == "Running", 60, "tuned running")
+
+    def checkpoints() -> list[dict[str, Any]]:
+        return [e for e in stack.events("acme/tuned") if e["event"] == "CHECKPOINTED"]
+
+    wait_until(lambda: checkpoints(), 60, "a first checkpoint")
+    assert all(e["step"] % 100 == 0 for e in checkpoints())  # by steps alone so far
+    recommendation = {
+        "job": "acme/tuned",
+        "kind": "checkpoint_interval",
+        "recommended": 1.0,
+        "current": 1800,
+        "summary": "tuned checkpoint interval: 1800 s -> 1 s (Daly)",
+        "document": document,
+    }
+    append(
+        stack.settings.kafka,
+        stack.topics,
+        [
+            ops_event("OPS_POLICY", now_ms(), {"auto_tune_checkpoints": True}),
+            ops_event("RECOMMENDATION", now_ms(), recommendation, key="acme/tuned"),
+        ],
+    )
+    wait_until(
+        lambda: (
+            (stack.job("acme/tuned") or {})
+            .get("document", {})
+            .get("spec", {})
+            .get("checkpoint_interval_s")
+            == 1
+        ),
+        60,
+        "the tuned spec in the scheduler",
+    )
+
+    def told() -> list[int]:
+        events = stack.events("acme/tuned")
+        at = [i for i, e in enumerate(events) if "checkpoint interval 1.0 s" in (e["detail"] or "")]
+        return (
+            [e["step"] for e in events[at[0] + 1 :] if e["event"] == "CHECKPOINTED"] if at else []
+        )
+
+    wait_until(lambda: len(told()) >= 3, 60, "checkpoints after the workload took the interval")
+    # Every second (about 50 steps), no longer on the 100-step boundaries.
+    assert any(step % 100 for step in told()), told()
+    (job,) = [j for j in [stack.job("acme/tuned")] if j is not None]
+    assert job["phase"] == "Running" and job["epoch"] == 1 and job["attempt"] == 1
+    submit(
+        stack.settings.kafka,
+        stack.topics,
+        [new_request("DELETE", "acme/tuned", "acme", now_ms(), uuid.uuid4().hex)],
+    )

@@ -449,12 +449,26 @@ def test_a_checkpoint_recommendation_shows_its_inputs_and_a_tuned_spec_is_applie
 def test_a_tuned_checkpoint_interval_keeps_the_job_where_it_runs():
     view, _ = fleet_view([ClusterSpec("us-east-a", "us-east", 2)], 2)
     d = Driver(view)
-    d.submit(training("j", checkpoint_interval_s=1800))
+    first = d.submit(training("j", checkpoint_interval_s=1800))
+    (started,) = [e for e in first if isinstance(e, WorkloadOrder)]
     before = d.nodes_of("acme/j")
-    d.submit(training("j", checkpoint_interval_s=600))
+    tuned = d.submit(training("j", checkpoint_interval_s=600))
     assert d.nodes_of("acme/j") == before and d.job("acme/j").phase == "Running"
     assert d.job("acme/j").interval_ms == 600_000
     assert d.last("acme/j").outcome == "PLACED"  # no release, no new placement
+    # The running workload is told: the same run's order again, with the tuned spec.
+    (retold,) = [e for e in tuned if isinstance(e, WorkloadOrder)]
+    assert (retold.action, retold.cluster_id, retold.epoch, retold.attempt) == (
+        "RUN",
+        started.cluster_id,
+        started.epoch,
+        started.attempt,
+    )
+    assert retold.reason == "checkpoint interval 1800 s -> 600 s"
+    assert json.loads(retold.spec_json or "{}")["spec"]["checkpoint_interval_s"] == 600
+    # A change the workload is not told of (its priority) orders nothing.
+    again = d.submit(training("j", checkpoint_interval_s=600, priority="high"))
+    assert not [e for e in again if isinstance(e, WorkloadOrder)]
 
 
 def test_a_bad_energy_profile_is_refused_with_the_reason():

@@ -50,6 +50,7 @@ from fleetline.processors.health.runtime import signal_output
 from fleetline.processors.scheduling.codec import new_request
 from fleetline.processors.scheduling.runtime import request_output
 from fleetline.processors.scheduling.services import REPLICA_KIND, ROLE_LABEL, SERVICE_LABEL
+from fleetline.processors.scheduling.specs import TrainingJobSpec
 from fleetline.storage.checkpoints import Checkpoints, best_of, cluster_bucket, tenant_key
 from fleetline.storage.objects import ObjectStore
 from fleetline.streams import kafka as kafka_clients
@@ -65,6 +66,9 @@ from fleetline.streams.serde import AvroCodec, default_codec
 from fleetline.streams.topics import Topics
 
 log = logging.getLogger(__name__)
+
+# A training spec's checkpoint interval when it names none (the spec's default).
+CHECKPOINT_INTERVAL_S: int = TrainingJobSpec.model_fields["checkpoint_interval_s"].default
 
 DEFAULT_TRAINER = (sys.executable, "-m", "fleetline.agents.workloads.train")
 DEFAULT_SERVER = (sys.executable, "-m", "fleetline.agents.workloads.serve")
@@ -327,6 +331,7 @@ class ClusterAgent:
             **{str(k): str(v) for k, v in (workload_spec.get("env") or {}).items()},
         }
         began = time.perf_counter()
+        control = self._control(order)
         workload = procs.launch(
             self.root,
             order.job,
@@ -337,7 +342,9 @@ class ClusterAgent:
             list(command),
             env,
             group,
+            control,
         )
+        workload.told = control
         with self.lock:
             self.running.setdefault(order.job, []).append(workload)
         self._event(
@@ -359,6 +366,33 @@ class ClusterAgent:
             extra={"trace_id": order.trace_id},
         )
         self.producer.poll(0)
+
+    def _control(self, order: Order) -> dict[str, Any] | None:
+        """What a training workload is told through its control file (read at its start and
+        after each checkpoint): the spec's checkpoint interval, which operations may tune while
+        it runs. None for a replica."""
+        if order.kind == REPLICA_KIND:
+            return None
+        body = (order.spec or {}).get("spec", {})
+        return {"checkpoint_interval_s": body.get("checkpoint_interval_s", CHECKPOINT_INTERVAL_S)}
+
+    def _retell(self, workload: procs.Workload, order: Order) -> None:
+        """Rewrite a running workload's control file when its order tells it something new."""
+        wanted = self._control(order)
+        if wanted is None:
+            return
+        if workload.told is None:  # a run adopted after a restart: what its file says
+            workload.told = procs.read_control(workload.directory)
+        if wanted != workload.told:
+            procs.write_control(workload.directory, wanted)
+            workload.told = wanted
+            log.info(
+                "%s: %s told %s",
+                self.cluster_id,
+                order.job,
+                wanted,
+                extra={"trace_id": order.trace_id},
+            )
 
     def _contract(self, order: Order, workload_spec: Mapping[str, Any]) -> dict[str, str]:
         """The workload contract's environment (see agents/workloads/train.py)."""
@@ -528,6 +562,8 @@ class ClusterAgent:
             order = self.current(workload)
             self._publish_progress(workload, order or self.stopped_here(workload))
             alive = workload.alive
+            if alive and order is not None:
+                self._retell(workload, order)
             if (
                 alive
                 and order is not None
@@ -569,6 +605,15 @@ class ClusterAgent:
                         step=line.get("step"),
                         checkpoint_ms=line.get("ts"),
                         detail=line.get("uri"),
+                    )
+                elif kind == "tuned":
+                    self._event(
+                        order,
+                        "PROGRESS",
+                        step=line.get("step"),
+                        seconds=line.get("checkpoint_interval_s"),
+                        detail=f"checkpoint interval {line.get('checkpoint_interval_s')} s "
+                        f"(was {line.get('previous')} s), from step {line.get('step')}",
                     )
                 elif kind == "resumed":
                     self._event(

@@ -58,6 +58,26 @@ def alive(pid: int, started: str | None) -> bool:
     return stat[0] != "Z"
 
 
+# The contract's control file in a run directory: what the running workload is told after its
+# start (a tuned checkpoint interval), replaced whole; the workload reads it at each checkpoint.
+CONTROL_FILE = "control.json"
+
+
+def write_control(directory: Path, values: Mapping[str, Any]) -> None:
+    """Replace the run's control file (written aside, then renamed: never read half-written)."""
+    aside = directory / f"{CONTROL_FILE}.tmp"
+    aside.write_text(json.dumps(dict(values), sort_keys=True))
+    aside.replace(directory / CONTROL_FILE)
+
+
+def read_control(directory: Path) -> dict[str, Any] | None:
+    try:
+        values = json.loads((directory / CONTROL_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return values if isinstance(values, dict) else None
+
+
 @dataclass
 class Workload:
     """One run of one job in this cluster, as its run directory records it."""
@@ -83,6 +103,7 @@ class Workload:
     # A serving replica's "listening" and "ready" lines (its address, what it loaded) and the
     # load it last reported.
     serving: dict[str, Any] = field(default_factory=dict)
+    told: dict[str, Any] | None = None  # what its control file says (None: not read yet)
 
     @property
     def run_id(self) -> tuple[int, int]:
@@ -164,18 +185,23 @@ def launch(
     command: Sequence[str],
     env: Mapping[str, str],
     cgroup: Path | None,
+    control: Mapping[str, Any] | None = None,
 ) -> Workload:
     """Start the command under the launcher, in a session of its own (so it outlives the
-    agent), and record it in its run directory."""
+    agent), and record it in its run directory (with its control file, when given)."""
     directory = run_dir(root, job, epoch, attempt)
     directory.mkdir(parents=True, exist_ok=True)
     meta = {"job": job, "tenant": tenant, "epoch": epoch, "attempt": attempt, "trace_id": trace_id}
     (directory / "meta.json").write_text(json.dumps(meta))
     if cgroup is not None:
         (directory / "cgroup").write_text(str(cgroup))
+    files = {"FLEETLINE_PROGRESS_FILE": str(directory / "progress.jsonl")}
+    if control is not None:
+        write_control(directory, control)
+        files["FLEETLINE_CONTROL_FILE"] = str(directory / CONTROL_FILE)
     process = subprocess.Popen(
         [sys.executable, "-m", "fleetline.agents.cluster.launch", str(directory), "--", *command],
-        env={**env, "FLEETLINE_PROGRESS_FILE": str(directory / "progress.jsonl")},
+        env={**env, **files},
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -16,10 +16,15 @@ The contract, which any other command can keep (a PyTorch job, say): environment
 (FLEETLINE_JOB, _TENANT, _CLUSTER, _EPOCH, _ATTEMPT, _TRACE_ID, _WORKERS, _RANK, _WORLD_SIZE,
 CUDA_VISIBLE_DEVICES, the S3 endpoint and credentials, FLEETLINE_CHECKPOINT_BUCKET and _PREFIX,
 _CHECKPOINT_KEY when sealed, FLEETLINE_RESUME_CHECKPOINT (the checkpoint to resume from; empty:
-start afresh; unset: the newest complete one), FLEETLINE_PROGRESS_FILE); out: JSON lines
-appended to the progress file (`resumed`, `progress`, `checkpoint`, `checkpoint_failed`,
-`done`, `stopped`) and
-checkpoints with a manifest written last.
+start afresh; unset: the newest complete one), FLEETLINE_PROGRESS_FILE, FLEETLINE_CONTROL_FILE);
+out: JSON lines appended to the progress file (`resumed`, `progress`, `checkpoint`,
+`checkpoint_failed`, `tuned`, `done`, `stopped`) and checkpoints with a manifest written last.
+
+The control file (JSON, replaced whole by the cluster agent while the workload runs) says what
+may change after the start: `checkpoint_interval_s`, the job spec's, which operations may tune.
+The workload reads it at its start and after each checkpoint, and checkpoints when that many
+seconds have passed since its last one or every `checkpoint_every` steps, whichever comes first;
+a new interval read is reported as a `tuned` line.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -190,6 +196,18 @@ class Progress:
         self._file.flush()
 
 
+def read_interval(control: str | None) -> float | None:
+    """The checkpoint interval the control file says, or None (no file, none said, unreadable:
+    the last one read stands)."""
+    if not control:
+        return None
+    try:
+        value = json.loads(Path(control).read_text()).get("checkpoint_interval_s")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, int | float) and value > 0 else None
+
+
 def checkpoints_from_env(env: Mapping[str, str]) -> Checkpoints:
     s3 = S3Settings.from_env(env)
     store = ObjectStore.from_settings(s3, env["FLEETLINE_CHECKPOINT_BUCKET"])
@@ -224,6 +242,18 @@ def main(env: Mapping[str, str] | None = None) -> int:
         params, optimizer, rng = initial(config)
         step = 0
     began, done_before = time.perf_counter(), step
+    control = env.get("FLEETLINE_CONTROL_FILE")
+    interval_s: list[float | None] = [read_interval(control)]
+    last_saved = [time.monotonic()]
+
+    def retold() -> None:
+        """The control file read again (after a checkpoint): a new interval counts from now."""
+        now = read_interval(control)
+        if now is not None and now != interval_s[0]:
+            progress.write(
+                event="tuned", step=step, checkpoint_interval_s=now, previous=interval_s[0]
+            )
+            interval_s[0] = now
 
     def checkpoint(required: bool) -> bool:
         """Save one; a periodic one that fails (the store unreachable: the host's links cut)
@@ -239,9 +269,11 @@ def main(env: Mapping[str, str] | None = None) -> int:
             )
         except (FleetlineError, OSError) as exc:
             progress.write(event="checkpoint_failed", step=step, error=str(exc)[:500])
+            last_saved[0] = time.monotonic()
             if required:
                 raise
             return False
+        last_saved[0] = time.monotonic()
         progress.write(
             event="checkpoint",
             step=step,
@@ -268,8 +300,14 @@ def main(env: Mapping[str, str] | None = None) -> int:
                 if elapsed
                 else None,
             )
-        if step % config.checkpoint_every == 0 or step == config.steps:
+        interval = interval_s[0]
+        if (
+            step % config.checkpoint_every == 0
+            or step == config.steps
+            or (interval is not None and time.monotonic() - last_saved[0] >= interval)
+        ):
             checkpoint(required=step == config.steps)
+            retold()
         if config.step_delay_s:
             time.sleep(config.step_delay_s)
     progress.write(event="done", step=step, params_sha256=params_digest(params))

@@ -24,6 +24,7 @@ from fleetline.processors.scheduling.decide import (
     decide,
     decide_about,
     release,
+    run_order,
     start,
 )
 from fleetline.processors.scheduling.effects import DatasetRecord, EffectLog, Outcome
@@ -141,8 +142,12 @@ def submit(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> Non
                 held = sum(m.bit_count() for m in nodes.values())
                 s.count_priority(cluster_id, job.priority, -held)
                 s.count_priority(cluster_id, priority, held)
+            retold = _retold(job.spec, spec.spec)
             job.set_spec(document, spec.spec, priority)
             s.dirty.add(f"job:{key}")
+            if retold and job.ordered_cluster is not None:
+                # Its cluster agent tells the running workload (the contract's control file).
+                out.add(run_order(s, job, retold))
             return
         if job.holds:
             release(s, out, job, Outcome.RELEASED, "the spec changed; placing it again")
@@ -454,6 +459,18 @@ def _payload(request: Mapping[str, Any], what: str) -> Any:
         return json.loads(request["spec_json"] or "null")
     except ValueError as exc:
         raise InvalidEventError(f"{what} is not JSON: {exc}") from None
+
+
+def _retold(old: JobSpec, new: JobSpec) -> str | None:
+    """What a running workload must be told again of a spec change that keeps its placement
+    (a tuned checkpoint interval), or None."""
+    if (
+        isinstance(old, TrainingJobSpec)
+        and isinstance(new, TrainingJobSpec)
+        and old.checkpoint_interval_s != new.checkpoint_interval_s
+    ):
+        return f"checkpoint interval {old.checkpoint_interval_s} s -> {new.checkpoint_interval_s} s"
+    return None
 
 
 def _same_shape(old: JobSpec, new: JobSpec) -> bool:
