@@ -23,7 +23,8 @@ from fleetline.config import Settings
 from fleetline.storage.clickhouse import connect, migrate
 from fleetline.storage.hot_sink import HotSampleStore, SourcedTelemetry, to_columns
 from fleetline.storage.objects import ObjectStore
-from fleetline.storage.tiers import COLD, DAY_MS, WARM, TieredStore
+from fleetline.storage.tiering.policy import COLD, DAY_MS, WARM
+from fleetline.storage.tiering.store import TieredStore
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import default_codec
 from fleetline.streams.topics import Topics

@@ -61,7 +61,10 @@ from fleetline.storage.scheduling_sink import AllocationTable, DecisionTable, Wo
 from fleetline.storage.sinks import Destination, RecordSink
 from fleetline.storage.snapshots import SnapshotStore
 from fleetline.storage.state_sink import NodeStateTable
-from fleetline.storage.tiers import GPU_SAMPLES, DataClass, TieredStore, TierLoop, expander
+from fleetline.storage.tiering.loop import TierLoop
+from fleetline.storage.tiering.macros import expander
+from fleetline.storage.tiering.policy import GPU_SAMPLES, DataClass
+from fleetline.storage.tiering.store import TieredStore
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.events import (
     ALLOCATION,

@@ -110,7 +110,7 @@ def now_ms() -> int:
 
 def parse_time_ms(text: str) -> int:
     """Epoch milliseconds, an ISO 8601 time (UTC when it names no zone), or -<n>s|m|h|d ago."""
-    from fleetline.storage.tiers import parse_moment
+    from fleetline.moments import parse_moment
 
     return parse_moment(text, now_ms())
 

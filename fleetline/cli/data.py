@@ -10,7 +10,9 @@ import typer
 
 from fleetline.cli.common import Since, Until, parse_time_ms, print_tsv, settings
 from fleetline.errors import ConfigError, FleetlineError
-from fleetline.storage.tiers import DAY_MS, HOUR_MS, DataClass, TieredStore, wall_clock_ms
+from fleetline.storage.tiering.loop import wall_clock_ms
+from fleetline.storage.tiering.policy import DAY_MS, HOUR_MS, DataClass
+from fleetline.storage.tiering.store import TieredStore
 
 
 class TierPolicy:
@@ -70,7 +72,7 @@ def sql(query: Annotated[str, typer.Argument(help="one read-only query")]) -> No
     that range needs.
     """
     from fleetline.storage.query_service import run_query
-    from fleetline.storage.tiers import expander
+    from fleetline.storage.tiering.macros import expander
 
     config = settings("clickhouse")
     result = run_query(
@@ -89,7 +91,7 @@ def query(
     """Run a ready query over all storage tiers (`fleetline query list` names them)."""
     from fleetline.storage.queries import READY, ready_sql
     from fleetline.storage.query_service import run_query
-    from fleetline.storage.tiers import expander
+    from fleetline.storage.tiering.macros import expander
 
     if name == "list":
         for ready, (doc, _) in sorted(READY.items()):
@@ -117,7 +119,7 @@ def trace(
     trace, with the time of each hop since the first and since the one before."""
     from fleetline.storage.queries import trace_sql
     from fleetline.storage.query_service import run_query
-    from fleetline.storage.tiers import expander
+    from fleetline.storage.tiering.macros import expander
 
     config = settings("clickhouse")
     result = run_query(

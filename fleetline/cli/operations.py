@@ -172,7 +172,7 @@ def forecast(
             raise ConfigError("name --cluster-id and --model (or use --simulated-weeks)")
         from fleetline.storage.queries import demand_sql
         from fleetline.storage.query_service import run_query
-        from fleetline.storage.tiers import expander
+        from fleetline.storage.tiering.macros import expander
 
         config = settings("clickhouse")
         rows = run_query(
@@ -269,7 +269,7 @@ def tune(
         memory_by_job_sql,
     )
     from fleetline.storage.query_service import run_query
-    from fleetline.storage.tiers import expander
+    from fleetline.storage.tiering.macros import expander
     from fleetline.streams.topics import Topics
 
     config = settings("kafka", "clickhouse")

@@ -51,7 +51,7 @@ from fleetline.processors.scheduling.state import spec_key
 from fleetline.processors.view import read as view_read
 from fleetline.processors.view.runtime import declare_clusters
 from fleetline.storage.queries import ready_sql, trace_sql
-from fleetline.storage.tiers import expander
+from fleetline.storage.tiering.macros import expander
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import default_codec
 from fleetline.streams.topics import Topics

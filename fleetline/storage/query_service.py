@@ -38,7 +38,7 @@ class QueryResult:
 
 class Expand(Protocol):
     """Rewrites `$samples` (and the other macros) into the tiers a query's range needs
-    (storage/tiers.py); `hot_only` puts the hot table in place of every tier. SQL without a
+    (storage/tiering/macros.py); `hot_only` puts the hot table in place of every tier. SQL without a
     macro comes back unchanged."""
 
     def __call__(self, client: Client, sql: str, *, hot_only: bool = False) -> str: ...

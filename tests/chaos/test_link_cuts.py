@@ -273,6 +273,23 @@ def serving_replicas(stack: Stack) -> dict[str, dict[str, Any]]:
     return {r["cluster_id"]: r for r in stack.replicas().values() if r["state"] == "READY"}
 
 
+def where_the_replicas_stand(stack: Stack) -> str:
+    jobs = [stack.job(f"acme/chat.r{i}") for i in range(2)]
+    facts = [
+        {
+            k: j.get(k)
+            for k in ("key", "phase", "queued_reason", "allocation", "ordered_cluster", "actual")
+        }
+        for j in jobs
+        if j is not None
+    ]
+    latest = {h["cluster_id"]: h["state"] for h in stack.health()}
+    registry = {k: (r["cluster_id"], r["state"]) for k, r in stack.replicas().items()}
+    return json.dumps(
+        {"replicas": facts, "health": latest, "registry": registry}, default=str, sort_keys=True
+    )
+
+
 def test_the_router_fails_over_when_a_replicas_host_is_cut_off(
     stack: Stack, lab: LabServices, pki: dict[str, ca.Issued], tmp_path
 ) -> None:
@@ -284,11 +301,15 @@ def test_the_router_fails_over_when_a_replicas_host_is_cut_off(
         [("ClusterInfo", cluster_info(c, 1, now_ms())) for c in default_clusters(1, 3)],
     )
     submit(stack.settings.kafka, stack.topics, submits(CHAT))
-    wait_until(
-        lambda: set(serving_replicas(stack)) == {"eu-west-a", "us-east-a"},
-        120,
-        "a ready replica in eu-west-a and one in us-east-a",
-    )
+    try:
+        wait_until(
+            lambda: set(serving_replicas(stack)) == {"eu-west-a", "us-east-a"},
+            120,
+            "a ready replica in eu-west-a and one in us-east-a",
+        )
+    except AssertionError as exc:
+        # What the scheduler and the registry say, so a failure here can be read.
+        raise AssertionError(f"{exc}: {where_the_replicas_stand(stack)}") from None
     replicas = serving_replicas(stack)
     for cluster, record in replicas.items():
         assert record["address"].startswith(f"https://{lab.lab.cluster(cluster).address}:")

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from fleetline.infra.s3 import ObjectStoreServer
-from fleetline.storage.tiers import COLD, WARM
+from fleetline.storage.tiering.policy import COLD, WARM
 from tests.support import wait_until
 
 PORT = int(os.environ.get("FLEETLINE_TEST_S3_CHAOS_PORT", "28000"))

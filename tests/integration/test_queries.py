@@ -13,7 +13,7 @@ from fleetline.config import QueryLimits
 from fleetline.errors import QueryError
 from fleetline.storage.clickhouse import migrate
 from fleetline.storage.query_service import query_client
-from fleetline.storage.tiers import expander
+from fleetline.storage.tiering.macros import expander
 
 pytestmark = pytest.mark.services
 

@@ -18,7 +18,8 @@ from fleetline.storage.objects import ObjectStore
 from fleetline.storage.queries import ready_sql
 from fleetline.storage.scheduling_sink import AllocationTable, DecisionTable
 from fleetline.storage.sinks import RecordSink
-from fleetline.storage.tiers import TieredStore
+from fleetline.storage.tiering.macros import tiered_sql
+from fleetline.storage.tiering.store import TieredStore
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.events import ALLOCATION, SCHEDULING_DECISION
 from fleetline.streams.loop import StreamLoop
@@ -98,8 +99,8 @@ def test_decisions_and_allocations_answer_wait_times_and_utilisation_by_tenant(
     store = TieredStore(clickhouse, db, objects, settings.s3)
 
     def ready(name: str) -> list[tuple]:
-        sql = store.tiered_sql(
-            ready_sql(name, str(BASE_MS), str(BASE_MS + 10**8)), now_ms=BASE_MS + 10**8
+        sql = tiered_sql(
+            store, ready_sql(name, str(BASE_MS), str(BASE_MS + 10**8)), now_ms=BASE_MS + 10**8
         )
         return [tuple(r) for r in clickhouse.query(sql).result_rows]
 
@@ -139,5 +140,5 @@ def test_decisions_and_allocations_answer_wait_times_and_utilisation_by_tenant(
     }
     assert preempted  # the critical job took someone's GPUs
     # A decision range that holds none of them finds nothing.
-    none = store.tiered_sql(ready_sql("job-wait-times", "0", "1000"), now_ms=int(time.time()))
+    none = tiered_sql(store, ready_sql("job-wait-times", "0", "1000"), now_ms=int(time.time()))
     assert clickhouse.query(none).result_rows == []

@@ -15,18 +15,18 @@ from fleetline.storage.hot_sink import HotSampleStore, SourcedTelemetry, to_colu
 from fleetline.storage.objects import ObjectStore
 from fleetline.storage.query_service import query_client
 from fleetline.storage.scheduling_sink import AllocationTable
-from fleetline.storage.tiers import (
+from fleetline.storage.tiering.archive import archive_layout
+from fleetline.storage.tiering.macros import tiered_sql
+from fleetline.storage.tiering.policy import (
     COLD,
     DAY_MS,
     GPU_SAMPLES,
     HOUR_MS,
     WARM,
-    Crash,
     DataClass,
-    TieredStore,
-    archive_layout,
     retention_plan,
 )
+from fleetline.storage.tiering.store import Crash, TieredStore
 from tests.services import service_env
 from tests.support import BASE_MS
 
@@ -157,9 +157,9 @@ def test_days_of_telemetry_flow_hot_warm_cold_and_cross_tier_queries_match(setti
         == clickhouse.query(query.format(t=f"{db}.reference")).result_rows
     )
     # A query over the last hour reads only the hot table.
-    last_hour = store.tiered_sql("SELECT count() FROM $samples", NOW - HOUR_MS, NOW)
+    last_hour = tiered_sql(store, "SELECT count() FROM $samples", NOW - HOUR_MS, NOW)
     assert "s3(" not in last_hour and f"{db}.gpu_samples" in last_hour
-    over_week = store.tiered_sql("SELECT count() FROM $samples", NOW - 5 * DAY_MS, NOW)
+    over_week = tiered_sql(store, "SELECT count() FROM $samples", NOW - 5 * DAY_MS, NOW)
     assert "s3(" in over_week
     # Restoring the cold range makes the union whole again.
     restored = store.restore(NOW - DAYS * DAY_MS, cold_until)
@@ -180,14 +180,14 @@ def test_days_of_telemetry_flow_hot_warm_cold_and_cross_tier_queries_match(setti
 
     span = f"$samples({NOW - 3 * DAY_MS}, {NOW})"
     for _, sql in READY.values():
-        clickhouse.query(store.tiered_sql(sql.replace("$samples", span)))
+        clickhouse.query(tiered_sql(store, sql.replace("$samples", span)))
     by_cluster = READY["utilisation-by-cluster"][1]
     window = (
         f"(SELECT * FROM {db}.reference WHERE ts >= fromUnixTimestamp64Milli("
         f"{NOW - 3 * DAY_MS}, 'UTC') AND ts <= fromUnixTimestamp64Milli({NOW}, 'UTC'))"
     )
     assert (
-        clickhouse.query(store.tiered_sql(by_cluster.replace("$samples", span))).result_rows
+        clickhouse.query(tiered_sql(store, by_cluster.replace("$samples", span))).result_rows
         == clickhouse.query(by_cluster.replace("$samples", window)).result_rows
     )
     # A second pass has nothing to do.
@@ -218,7 +218,7 @@ def test_a_query_goes_on_when_a_tiering_pass_moves_what_it_was_planned_over(sett
     planned: list[str] = []
 
     def expand(client, query: str, *, hot_only: bool = False) -> str:
-        return tiers(settings, client, db).tiered_sql(query, hot_only=hot_only)
+        return tiered_sql(tiers(settings, client, db), query, hot_only=hot_only)
 
     def expand_then_tier(client, query: str, *, hot_only: bool = False) -> str:
         expanded = expand(client, query, hot_only=hot_only)

@@ -24,7 +24,7 @@ from pathlib import Path
 from fleetline.config import S3Settings
 from fleetline.errors import FleetlineError
 from fleetline.storage.clickhouse import connect
-from fleetline.storage.tiers import COLD, DAY_MS, WARM
+from fleetline.storage.tiering.policy import COLD, DAY_MS, WARM
 from tests.integration.test_tiers import DAYS, NOW, fingerprint, load, tiers
 
 

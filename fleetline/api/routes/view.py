@@ -11,10 +11,10 @@ from fleetline.api import models
 from fleetline.api.ports import Ports
 from fleetline.api.rbac import Principal, Rule
 from fleetline.api.routing import Routes
+from fleetline.moments import parse_moment
 from fleetline.processors.audit.chain import is_sensitive
 from fleetline.processors.view import read as view_read
 from fleetline.processors.view.model import ResourceView
-from fleetline.storage.tiers import parse_moment
 
 
 def _labels(selector: list[str] | None) -> dict[str, str]:

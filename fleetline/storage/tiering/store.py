@@ -1,37 +1,15 @@
-"""Tiered observability storage: hot ClickHouse, warm Parquet on S3, cold daily archives.
-
-A move is always copy -> verify -> commit manifest -> switch the union view -> delete source:
-
-- hot -> warm: a closed hour partition of a hot table is written by ClickHouse itself to one
-  Parquet (zstd) object with a deterministic key, read back and compared (row count and
-  `sum(cityHash64(row))`) with the partition, its manifest is written, the union view is
-  rebuilt to read that hour from S3, and only then is the hot partition dropped;
-- warm -> cold: a closed day's warm objects are compacted into one highly compressed Parquet
-  archive (encodings chosen per column, zstd 19), verified against the warm objects the same
-  way, its manifest (naming its sources) written, the view rebuilt, and the warm objects and
-  their manifests deleted;
-- cold retention deletes an archive only when the data class's policy says it may.
-
-A manifest is one small JSON object in the bucket, written after its data; it is what makes a
-copy exist. Whatever step a crash interrupts, the next run finds the manifests and either
-finishes the move (drop the source the manifest already covers) or redoes it (the deterministic
-key overwrites a copy nobody committed), so data is in at least one tier and never counted
-twice: the union view reads a partition from exactly one tier, chosen by the manifests.
-"""
+"""The tiers of one data class: hot ClickHouse, warm Parquet on S3, cold daily archives, and
+the moves between them (each one copy -> verify -> commit manifest -> switch the union view ->
+delete source; see the package's docstring)."""
 
 from __future__ import annotations
 
-import builtins
 import hashlib
-import json
 import logging
 import re
 import tempfile
-import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
@@ -39,195 +17,46 @@ import pyarrow.parquet as pq
 from clickhouse_connect.driver.binding import format_query_value
 from clickhouse_connect.driver.client import Client
 
-from fleetline.config import S3Settings, Settings
+from fleetline.config import S3Settings
 from fleetline.errors import (
     ConfigError,
-    FleetlineError,
     IntegrityError,
     ObjectMissing,
     QueryError,
     StorageError,
 )
-from fleetline.observability import metrics
 from fleetline.storage.clickhouse import CLICKHOUSE_ERRORS
 from fleetline.storage.objects import ObjectStore
 from fleetline.storage.queries import with_allocation
-from fleetline.storage.query_service import Expand
+from fleetline.storage.tiering.archive import (
+    ARCHIVE_GROUP_ROWS,
+    archive_layout,
+    whole_numbers_sql,
+)
+from fleetline.storage.tiering.policy import (
+    COLD,
+    DAY_MS,
+    EVERYONE_ELSE,
+    GPU_SAMPLES,
+    HOUR_MS,
+    WARM,
+    DataClass,
+    Manifest,
+    TierStats,
+    hour_of,
+    partition_start_ms,
+    retention_plan,
+)
 
 log = logging.getLogger(__name__)
-HOUR_MS = 3600 * 1000
-DAY_MS = 24 * HOUR_MS
-HOT, WARM, COLD = "hot", "warm", "cold"
-
-
-ARCHIVE_GROUP_ROWS = 1_000_000
 # ClickHouse retries a failing S3 request 500 times by default (with backoff), so a tiering pass
 # against an object store that went away hung for many minutes (the chaos suite's S3 outage
 # found it); a pass should fail within seconds instead and leave the retry to the next one.
 S3_SETTINGS = {"s3_retry_attempts": 5}
-# Rows an archive's column encodings are chosen on.
-ARCHIVE_SAMPLE_ROWS = 100_000
-
-
-def _encodings_to_try(kind: pa.DataType) -> list[str]:
-    if pa.types.is_nested(kind):
-        return ["DICT"]
-    tries = ["DICT", "PLAIN"]
-    if pa.types.is_floating(kind) or pa.types.is_integer(kind):
-        tries.append("BYTE_STREAM_SPLIT")  # exponent and high bytes compress apart from noise
-    if pa.types.is_integer(kind) or pa.types.is_timestamp(kind):
-        tries.append("DELTA_BINARY_PACKED")  # times, offsets, counters
-    if pa.types.is_string(kind) or pa.types.is_binary(kind):
-        tries.append("DELTA_BYTE_ARRAY")
-    return tries
-
-
-def _trial_size(column: pa.ChunkedArray | pa.Array, encoding: str) -> int:
-    options: dict[str, Any] = {"use_dictionary": encoding == "DICT"}
-    if encoding not in ("DICT", "PLAIN"):
-        options["column_encoding"] = {"x": encoding}
-    out = pa.BufferOutputStream()
-    # A fast zstd level ranks the encodings as the archive's level would, in a fraction of the
-    # time.
-    pq.write_table(
-        pa.table({"x": column}),
-        out,
-        compression="zstd",
-        compression_level=3,
-        write_statistics=False,
-        **options,
-    )
-    size: int = out.getvalue().size
-    return size
-
-
-def archive_layout(
-    table: pa.Table, integral: Iterable[str] = ()
-) -> tuple[pa.Schema, dict[str, Any]]:
-    """The schema and Parquet writer options of a cold archive of rows like `table`'s (its
-    first hour, say). Float columns named in `integral` (every value of the archive a whole
-    number, no -0.0) are stored as int64: readers that give the table's structure, as every
-    fleetline query does, get the same floats back, and integers compress better (NVML reports
-    throughput in KiB, utilisation and temperature in whole units). Each column then gets the
-    encoding that makes a sample of it smallest, of dictionary, plain, byte-stream-split,
-    delta-packed and delta strings."""
-    whole = set(integral)
-    schema = pa.schema(
-        [
-            pa.field(f.name, pa.int64(), f.nullable)
-            if f.name in whole and pa.types.is_floating(f.type)
-            else f
-            for f in table.schema
-        ]
-    )
-    sample = table.slice(0, ARCHIVE_SAMPLE_ROWS).cast(schema)
-    encodings: dict[str, str] = {}
-    for column in schema:
-        tries = _encodings_to_try(column.type)
-        if len(tries) > 1:
-            sizes = {encoding: _trial_size(sample[column.name], encoding) for encoding in tries}
-            encodings[column.name] = min(tries, key=lambda encoding: sizes[encoding])
-        else:
-            encodings[column.name] = tries[0]
-    chosen = {name: e for name, e in encodings.items() if e not in ("DICT", "PLAIN")}
-    return schema, {
-        "use_dictionary": [n for n, e in encodings.items() if e == "DICT"],
-        "column_encoding": chosen or None,
-    }
-
-
-def _whole_numbers(column: str) -> str:
-    """ClickHouse: true when the float `column` holds a whole number that int64 keeps exactly
-    and that is not -0.0 (or is null)."""
-    return (
-        f"({column} IS NULL OR (isFinite({column}) AND {column} = trunc({column}) AND "
-        f"abs({column}) < 9007199254740992 AND NOT ({column} = 0 AND "
-        f"reinterpretAsUInt64(toFloat64({column})) != 0)))"
-    )
-
-
-@dataclass(frozen=True)
-class DataClass:
-    """A hot table that tiers, how its rows are ordered, and how long each tier keeps them."""
-
-    table: str
-    ts_column: str = "ts"
-    order_by: tuple[str, ...] = ("cluster_id", "node_id", "gpu_index", "ts")
-    hot_ms: int = DAY_MS
-    warm_ms: int = 7 * DAY_MS
-    cold_ms: int | None = None  # None: cold archives are kept for ever
-    # Tenants whose rows cold keeps for another time than `cold_ms` (None: for ever).
-    tenant_cold_ms: tuple[tuple[str, int | None], ...] = ()
-    # The column naming a row's tenant; None for GPU samples, whose tenant is the one the
-    # scheduler had allocated the GPU to at the sample's time (the gpu_allocations table).
-    tenant_column: str | None = None
-    # What tells one row from another (late rows for a moved hour are the hot rows not among
-    # the warm copies): a sample is one GPU of one Kafka message.
-    identity: tuple[str, ...] = ("source_topic", "source_partition", "source_offset", "gpu_index")
-
-
-GPU_SAMPLES = DataClass("gpu_samples")
-EVERYONE_ELSE = "*"  # in a purge: the rows of every tenant without its own retention
-
-
-def retention_plan(data: DataClass, day_ms: int, now_ms: int) -> tuple[str, ...] | None:
-    """What policy lets go of a cold day at `now_ms` (pure): None when the whole archive may
-    be deleted, else the tenants whose rows may be (EVERYONE_ELSE: every tenant without its
-    own retention, and rows of no tenant); () when nothing may."""
-    end = day_ms + DAY_MS
-
-    def expired(keep_ms: int | None) -> bool:
-        return keep_ms is not None and end <= now_ms - keep_ms
-
-    overrides = dict(data.tenant_cold_ms)
-    gone = sorted(tenant for tenant, keep_ms in overrides.items() if expired(keep_ms))
-    if expired(data.cold_ms):
-        if len(gone) == len(overrides):
-            return None
-        gone.append(EVERYONE_ELSE)
-    return tuple(sorted(gone))
-
-
-@dataclass(frozen=True)
-class Manifest:
-    table: str
-    tier: str
-    # warm: the hour, YYYYMMDDHH (late rows moved after it: YYYYMMDDHH-late<n>); cold: the
-    # day, YYYYMMDD
-    partition: str
-    key: str
-    rows: int
-    checksum: str  # sum(cityHash64(row)) over the rows, as ClickHouse computes it
-    min_ts_ms: int
-    max_ts_ms: int
-    bytes: int
-    sources: tuple[str, ...] = ()  # cold: the warm keys (and earlier archives) it replaced
-    purged: tuple[str, ...] = ()  # cold: tenants whose rows retention has removed
-
-    def as_json(self) -> builtins.bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
-
-    @classmethod
-    def from_json(cls, data: builtins.bytes) -> Manifest:
-        raw = json.loads(data)
-        raw["sources"] = tuple(raw.get("sources", ()))
-        raw["purged"] = tuple(raw.get("purged", ()))
-        return cls(**raw)
 
 
 class Crash(BaseException):
     """Raised by a step hook in tests to stop a move exactly after a step, like a kill would."""
-
-
-@dataclass
-class TierStats:
-    to_warm: int = 0
-    to_cold: int = 0
-    completed_after_crash: int = 0
-    expired: int = 0
-    purged: int = 0  # cold archives rewritten without the rows of tenants retention let go
-    rows_moved: int = 0
-    refused: list[str] = field(default_factory=list)
 
 
 def _digest(text: str) -> str:
@@ -236,16 +65,6 @@ def _digest(text: str) -> str:
 
 # A bound string: `{b_<sha256 prefix>:String}` stands for the value `_bind` registered.
 _PLACEHOLDER = re.compile(r"\{(b_[0-9a-f]{16}):String\}")
-
-
-def _hour(ms: int) -> str:
-    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y%m%d%H")
-
-
-def _parse(partition: str) -> int:
-    partition = partition.split("-", 1)[0]  # an hour's late objects belong to the hour
-    fmt = "%Y%m%d%H" if len(partition) == 10 else "%Y%m%d"
-    return int(datetime.strptime(partition, fmt).replace(tzinfo=UTC).timestamp() * 1000)
 
 
 @dataclass
@@ -308,7 +127,7 @@ class TieredStore:
     def _bind(self, value: str) -> str:
         """A placeholder for `value` in SQL this store composes: the queries it runs bind it as
         a parameter; SQL that cannot take parameters (a view's definition, SQL handed to
-        another caller) gets it quoted by the driver (`_inline`)."""
+        another caller) gets it quoted by the driver (`inline`)."""
         name = "b_" + hashlib.sha256(value.encode()).hexdigest()[:16]
         self._bound[name] = value
         return "{" + name + ":String}"
@@ -316,7 +135,7 @@ class TieredStore:
     def _parameters(self, sql: str) -> dict[str, str]:
         return {name: self._bound[name] for name in _PLACEHOLDER.findall(sql)}
 
-    def _inline(self, sql: str) -> str:
+    def inline(self, sql: str) -> str:
         return _PLACEHOLDER.sub(lambda m: str(format_query_value(self._bound[m[1]])), sql)
 
     def _column_types(self) -> list[tuple[str, str]]:
@@ -374,7 +193,7 @@ class TieredStore:
         floats = (
             [name for name, kind in self._column_types() if "Float" in kind] if whole_floats else []
         )
-        counts = "".join(f", countIf(NOT {_whole_numbers(name)})" for name in floats)
+        counts = "".join(f", countIf(NOT {whole_numbers_sql(name)})" for name in floats)
         ((rows, checksum, low, high, *not_whole),) = self._query(
             f"SELECT count(), toString(sum(cityHash64(tuple({self._columns()})))), "
             f"toUnixTimestamp64Milli(min({ts})), toUnixTimestamp64Milli(max({ts})){counts} "
@@ -430,8 +249,12 @@ class TieredStore:
     # --- the union view --------------------------------------------------------------------
 
     def ensure_tables(self) -> None:
-        self._command(f"CREATE TABLE IF NOT EXISTS {self.restored} AS {self.hot}")
+        self.ensure_restored()
         self.rebuild_view()
+
+    def ensure_restored(self) -> None:
+        """The table `restore` rehydrates cold rows into (the union view reads it)."""
+        self._command(f"CREATE TABLE IF NOT EXISTS {self.restored} AS {self.hot}")
 
     def _time_filter(self, since_ms: int | None, until_ms: int | None) -> str:
         ts = self.data.ts_column
@@ -443,11 +266,11 @@ class TieredStore:
             or "1"
         )
 
-    def _hot_sql(self, since_ms: int | None, until_ms: int | None) -> str:
+    def hot_sql(self, since_ms: int | None, until_ms: int | None) -> str:
         where = self._time_filter(since_ms, until_ms)
         return f"SELECT {self._columns()} FROM {self.hot} WHERE {where}"
 
-    def _source_sql(self, since_ms: int | None = None, until_ms: int | None = None) -> str:
+    def source_sql(self, since_ms: int | None = None, until_ms: int | None = None) -> str:
         """SELECT over hot, warm and restored cold rows, each hour from exactly one tier;
         with a time range, only the tiers and objects that overlap it."""
         ts = self.data.ts_column
@@ -457,9 +280,13 @@ class TieredStore:
         moved = sorted(
             {m.partition[:10] for m in warm}
             | {
-                _hour(h)
+                hour_of(h)
                 for m in cold
-                for h in range(_parse(m.partition), _parse(m.partition) + DAY_MS, HOUR_MS)
+                for h in range(
+                    partition_start_ms(m.partition),
+                    partition_start_ms(m.partition) + DAY_MS,
+                    HOUR_MS,
+                )
             }
         )
 
@@ -486,61 +313,8 @@ class TieredStore:
     def rebuild_view(self) -> None:
         # A view's definition keeps no parameters: its values are quoted by the driver.
         self._command(
-            f"CREATE OR REPLACE VIEW {self.union_view} AS {self._inline(self._source_sql())}"
+            f"CREATE OR REPLACE VIEW {self.union_view} AS {self.inline(self.source_sql())}"
         )
-
-    def tiered_sql(
-        self,
-        sql: str,
-        since_ms: int | None = None,
-        until_ms: int | None = None,
-        now_ms: int | None = None,
-        hot_only: bool = False,
-    ) -> str:
-        """`sql` with each `$samples` replaced by the tiers overlapping [since, until] only, so
-        a query over the last hour reads the hot table and nothing from S3. A macro may carry
-        its own range: `$samples(-1h)`, `$samples(-7d, -1d)`, `$samples(<ISO or ms>, ...)`.
-        `hot_only`: the hot table in place of every tier (the same columns and range; what a
-        query is checked against before it runs, see storage/query_service.py)."""
-        if "$samples" not in sql and not _TABLE_MACRO.search(sql):
-            raise ConfigError(
-                "a tiered query names its source as $samples (or $decisions, $allocations, "
-                "$workloads, $logs, $audit)"
-            )
-        if not hot_only:  # the tiers' union reads it; the hot table alone does not
-            self._command(f"CREATE TABLE IF NOT EXISTS {self.restored} AS {self.hot}")
-        now = wall_clock_ms() if now_ms is None else now_ms
-
-        def expand(match: re.Match[str]) -> str:
-            low, high = since_ms, until_ms
-            if match["args"] is not None:
-                parts = [p.strip() for p in match["args"].split(",")]
-                if not 1 <= len(parts) <= 2 or not parts[0]:
-                    raise ConfigError(f"{match[0]}: give one or two times")
-                low = parse_moment(parts[0], now)
-                high = parse_moment(parts[1], now) if len(parts) == 2 and parts[1] else None
-            return f"({self._hot_sql(low, high) if hot_only else self._source_sql(low, high)})"
-
-        def table(match: re.Match[str]) -> str:
-            name = HOT_TABLES[match["name"]]
-            if match["args"] is None:
-                return f"{self.database}.{name}"
-            parts = [p.strip() for p in match["args"].split(",")]
-            low = parse_moment(parts[0], now) if parts and parts[0] else None
-            high = parse_moment(parts[1], now) if len(parts) == 2 and parts[1] else None
-            where = (
-                " AND ".join(
-                    [
-                        *([f"ts_ms >= {low}"] if low is not None else []),
-                        *([f"ts_ms < {high}"] if high is not None else []),
-                    ]
-                )
-                or "1"
-            )
-            return f"(SELECT * FROM {self.database}.{name} WHERE {where})"
-
-        # The caller runs this SQL as it is: the values are quoted by the driver.
-        return self._inline(_TABLE_MACRO.sub(table, _MACRO.sub(expand, sql)))
 
     # --- moves -----------------------------------------------------------------------------
 
@@ -563,7 +337,7 @@ class TieredStore:
         self.ensure_tables()
         committed: list[str] = []
         for partition, _, _ in self.hot_partitions():
-            if _parse(partition) + HOUR_MS <= now_ms - self.data.hot_ms:
+            if partition_start_ms(partition) + HOUR_MS <= now_ms - self.data.hot_ms:
                 try:
                     self._copy_to_warm(partition)
                     committed.append(partition)
@@ -581,7 +355,7 @@ class TieredStore:
                 self._drop_hot(partition)
         replaced: list[str] = []
         for day in sorted({m.partition[:8] for m in self.manifests(WARM)}):
-            due = _parse(day) + DAY_MS <= now_ms - self.data.warm_ms
+            due = partition_start_ms(day) + DAY_MS <= now_ms - self.data.warm_ms
             if due and self._committed(COLD, day) is None:
                 replaced.extend(self._copy_to_cold(day))
         for cold in self.manifests(COLD):  # committed in an earlier, interrupted pass
@@ -599,7 +373,7 @@ class TieredStore:
 
     def _hot_where(self, partition: str) -> str:
         # A range on ts, not a formatted hour, so ClickHouse prunes partitions and granules.
-        low = _parse(partition)
+        low = partition_start_ms(partition)
         ts = self.data.ts_column
         return (
             f"{ts} >= fromUnixTimestamp64Milli({low}, 'UTC') AND "
@@ -631,6 +405,31 @@ class TieredStore:
     def _unmoved(self, hour: str) -> tuple[int, str, int, int]:
         return self._fingerprint(self.hot, self._unmoved_where(hour))
 
+    def _copy_verify_commit(
+        self,
+        partition: str,
+        write: Callable[[], None],
+        manifest: Manifest,
+        copy: str,
+        source: str,
+        refusal: str,
+    ) -> None:
+        """Every move's three steps: write the copy, read it back and compare its rows and
+        checksum with the manifest's (taken from the source), then commit the manifest (with
+        the copy's size). A copy that differs is never committed: IntegrityError, the source
+        kept."""
+        write()
+        self.on_step("copied", partition)
+        rows, checksum = self._fingerprint(self._s3([manifest.key]))[:2]
+        if (rows, checksum) != (manifest.rows, manifest.checksum):
+            raise IntegrityError(
+                f"{copy} holds {rows} rows / {checksum}, {source} {manifest.rows} / "
+                f"{manifest.checksum}; {refusal}"
+            )
+        self.on_step("verified", partition)
+        self._commit(replace(manifest, bytes=self._size(manifest.key)))
+        self.on_step("committed", partition)
+
     def _copy_to_warm(self, partition: str) -> None:
         """Copy, verify and commit one hot hour (or find it committed by an earlier pass). Rows
         that came in for an hour after it moved are moved as the hour's next late object."""
@@ -645,26 +444,21 @@ class TieredStore:
             return
         key = self._key(WARM, name)
         order = ", ".join(self.data.order_by)
-        self._command(
-            f"INSERT INTO FUNCTION {self._s3([key])} SELECT {self._columns()} FROM {self.hot} "
-            f"WHERE {where} ORDER BY {order} SETTINGS s3_truncate_on_insert = 1, "
-            "output_format_parquet_compression_method = 'zstd', "
-            # Bloom filters cost ~8 bytes a sample over high-cardinality metric columns; time
-            # and key ranges are pruned by the page index, which stays.
-            "output_format_parquet_write_bloom_filter = 0"
+        self._copy_verify_commit(
+            partition,
+            lambda: self._command(
+                f"INSERT INTO FUNCTION {self._s3([key])} SELECT {self._columns()} FROM {self.hot} "
+                f"WHERE {where} ORDER BY {order} SETTINGS s3_truncate_on_insert = 1, "
+                "output_format_parquet_compression_method = 'zstd', "
+                # Bloom filters cost ~8 bytes a sample over high-cardinality metric columns;
+                # time and key ranges are pruned by the page index, which stays.
+                "output_format_parquet_write_bloom_filter = 0"
+            ),
+            Manifest(self.data.table, WARM, name, key, rows, checksum, low, high, 0),
+            f"warm copy {key}",
+            "the hot partition",
+            "not moving it",
         )
-        self.on_step("copied", partition)
-        copy = self._fingerprint(self._s3([key]))
-        if copy[:2] != (rows, checksum):
-            raise IntegrityError(
-                f"warm copy {key} holds {copy[0]} rows / {copy[1]}, the hot "
-                f"partition {rows} / {checksum}; not moving it"
-            )
-        self.on_step("verified", partition)
-        self._commit(
-            Manifest(self.data.table, WARM, name, key, rows, checksum, low, high, self._size(key))
-        )
-        self.on_step("committed", partition)
         self.stats.to_warm += 1
         self.stats.rows_moved += rows
 
@@ -680,37 +474,21 @@ class TieredStore:
                 f"warm objects of {day} hold {rows} rows, their manifests say {expected_rows}"
             )
         order = ", ".join(self.data.order_by)
-        self._write_archive(
-            key,
-            [
-                f"SELECT {self._columns()} FROM {self._s3([source])} ORDER BY {order}"
-                for source in keys
-            ],
-            whole,
-        )
-        self.on_step("copied", day)
-        copy = self._fingerprint(self._s3([key]))
-        if copy[:2] != (rows, checksum):
-            raise IntegrityError(
-                f"cold archive {key} holds {copy[0]} rows / {copy[1]}, the "
-                f"warm objects {rows} / {checksum}; not moving them"
-            )
-        self.on_step("verified", day)
-        self._commit(
-            Manifest(
-                self.data.table,
-                COLD,
-                day,
+        self._copy_verify_commit(
+            day,
+            lambda: self._write_archive(
                 key,
-                rows,
-                checksum,
-                low,
-                high,
-                self._size(key),
-                tuple(keys),
-            )
+                [
+                    f"SELECT {self._columns()} FROM {self._s3([source])} ORDER BY {order}"
+                    for source in keys
+                ],
+                whole,
+            ),
+            Manifest(self.data.table, COLD, day, key, rows, checksum, low, high, 0, tuple(keys)),
+            f"cold archive {key}",
+            "the warm objects",
+            "not moving them",
         )
-        self.on_step("committed", day)
         self.stats.to_cold += 1
         self.stats.rows_moved += rows
         return keys
@@ -777,7 +555,7 @@ class TieredStore:
             for key in sorted(replaced & set(self.objects.keys(folder))):
                 self.objects.delete(key)
         for m in cold:
-            plan = retention_plan(self.data, _parse(m.partition), now_ms)
+            plan = retention_plan(self.data, partition_start_ms(m.partition), now_ms)
             if plan is None:
                 self._expire(m)
             elif set(plan) - set(m.purged):
@@ -811,26 +589,19 @@ class TieredStore:
         key = self._key(COLD, f"{m.partition}-{_digest(','.join(purged))}")
         ts = self.data.ts_column
         order = ", ".join(self.data.order_by)
-        day = _parse(m.partition)
-        self._write_archive(
-            key,
-            [
-                f"SELECT {self._columns()} FROM {source} WHERE {keep} AND {ts} >= "
-                f"fromUnixTimestamp64Milli({hour}, 'UTC') AND {ts} < fromUnixTimestamp64Milli("
-                f"{hour + HOUR_MS}, 'UTC') ORDER BY {order}"
-                for hour in range(day, day + DAY_MS, HOUR_MS)
-            ],
-            whole,
-        )
-        self.on_step("copied", m.partition)
-        copy = self._fingerprint(self._s3([key]))
-        if copy[:2] != (rows, checksum):
-            raise IntegrityError(
-                f"purged archive {key} holds {copy[0]} rows / {copy[1]}, "
-                f"expected {rows} / {checksum}; keeping {m.key}"
-            )
-        self.on_step("verified", m.partition)
-        self._commit(
+        day = partition_start_ms(m.partition)
+        self._copy_verify_commit(
+            m.partition,
+            lambda: self._write_archive(
+                key,
+                [
+                    f"SELECT {self._columns()} FROM {source} WHERE {keep} AND {ts} >= "
+                    f"fromUnixTimestamp64Milli({hour}, 'UTC') AND {ts} < "
+                    f"fromUnixTimestamp64Milli({hour + HOUR_MS}, 'UTC') ORDER BY {order}"
+                    for hour in range(day, day + DAY_MS, HOUR_MS)
+                ],
+                whole,
+            ),
             Manifest(
                 self.data.table,
                 COLD,
@@ -840,12 +611,14 @@ class TieredStore:
                 checksum,
                 low,
                 high,
-                self._size(key),
+                0,
                 (*m.sources, m.key),
                 purged,
-            )
+            ),
+            f"purged archive {key}",
+            "expected",
+            f"keeping {m.key}",
         )
-        self.on_step("committed", m.partition)
         self.rebuild_view()
         self._forget_restored(m, replace=True)
         self.on_step("switched", m.partition)
@@ -856,7 +629,7 @@ class TieredStore:
     def _forget_restored(self, m: Manifest, replace: bool = False) -> None:
         """Rows of `m`'s day rehydrated earlier go with what retention removed: deleted, or
         with `replace`, restored again from the current archive."""
-        day = _parse(m.partition)
+        day = partition_start_ms(m.partition)
         ts = self.data.ts_column
         where = (
             f"{ts} >= fromUnixTimestamp64Milli({day}, 'UTC') AND "
@@ -904,93 +677,3 @@ class TieredStore:
         )
         ((rows,),) = self._query(f"SELECT count() FROM {self.restored} WHERE {where}")
         return int(rows)
-
-
-def wall_clock_ms() -> int:
-    return int(time.time() * 1000)
-
-
-class TierLoop:
-    """Runs the tiering pass every `every_s` seconds in the process that owns the store."""
-
-    name = "tiering"
-
-    def __init__(self, store: TieredStore, every_s: float) -> None:
-        self.store = store
-        self.every_s = every_s
-        self.ready = threading.Event()
-
-    def run(self, stop: threading.Event) -> None:
-        self.ready.set()
-        while not stop.wait(self.every_s):
-            stats = self.store.stats
-            before = (stats.to_warm, stats.to_cold, stats.rows_moved)
-            try:
-                self.store.run_once(wall_clock_ms())
-            except FleetlineError as exc:  # the next pass retries; every move is restartable
-                log.warning("tiering pass failed: %s", exc)
-                metrics.TIER_RUNS.labels("failed").inc()
-                continue
-            metrics.TIER_RUNS.labels("succeeded").inc()
-            metrics.TIER_LAST_SUCCESS.set(wall_clock_ms() / 1000)
-            metrics.TIER_PARTITIONS.labels("warm").inc(stats.to_warm - before[0])
-            metrics.TIER_PARTITIONS.labels("cold").inc(stats.to_cold - before[1])
-            metrics.TIER_ROWS.inc(stats.rows_moved - before[2])
-
-
-_MACRO = re.compile(r"\$samples(?:\((?P<args>[^)]*)\))?")
-# Tables kept hot only: $decisions(FROM, TO) is the decisions in a range, $allocations every
-# GPU binding (an ASOF JOIN needs those from before the range too), $workloads the cluster
-# agents' workload events, $logs every process's log lines, $audit the audit log, $tickets
-# every repair ticket change, $energy_prices the clusters' electricity by the hour.
-HOT_TABLES = {
-    "decisions": "scheduling_decisions",
-    "allocations": "gpu_allocations",
-    "workloads": "workload_events",
-    "logs": "logs",
-    "audit": "audit_log",
-    "tickets": "repair_tickets",
-    "energy_prices": "energy_prices",
-}
-_TABLE_MACRO = re.compile(
-    r"\$(?P<name>decisions|allocations|workloads|logs|audit|tickets|energy_prices)\b"
-    r"(?:\((?P<args>[^)]*)\))?"
-)
-_RELATIVE = re.compile(r"^-(?P<n>\d+)(?P<unit>[smhd])$")
-_UNITS = {"s": 1000, "m": 60_000, "h": HOUR_MS, "d": DAY_MS}
-
-
-def parse_moment(text: str, now_ms: int) -> int:
-    """-<n>s|m|h|d before now, epoch milliseconds, or an ISO 8601 time (UTC if no zone)."""
-    relative = _RELATIVE.match(text)
-    if relative:
-        return now_ms - int(relative["n"]) * _UNITS[relative["unit"]]
-    if text.isdigit():
-        return int(text)
-    try:
-        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        raise ConfigError(
-            f"{text!r} is neither epoch milliseconds nor an ISO 8601 time (nor -<n>s|m|h|d)"
-        ) from None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=UTC)
-    return int(moment.timestamp() * 1000)
-
-
-def expander(settings: Settings) -> Expand:
-    """Macro expansion for queries run on a client of the configured store: `$samples` (and
-    the union view `<db>.gpu_samples_all`, which stands for the same) become the tiers the
-    query's range needs; SQL without a macro comes back unchanged."""
-    objects = ObjectStore.from_settings(settings.s3)
-    database = settings.clickhouse_database
-    union_view = re.compile(rf"\b{re.escape(database)}\.{GPU_SAMPLES.table}_all\b")
-
-    def expand(client: Client, sql: str, *, hot_only: bool = False) -> str:
-        sql = union_view.sub("$samples", sql)
-        if "$samples" not in sql and not _TABLE_MACRO.search(sql):
-            return sql
-        store = TieredStore(client, database, objects, settings.s3)
-        return store.tiered_sql(sql, hot_only=hot_only)
-
-    return expand
