@@ -102,7 +102,7 @@ class Settings:
     clickhouse_url: str = f"chdb://{REPO_ROOT / '.data' / 'clickhouse'}"
     clickhouse_database: str = "fleetline"
     cache_dir: Path = REPO_ROOT / ".cache"
-    # Security (see the README's "Audit and access control"): the API's token/JWT config file,
+    # Security (see docs/security.md): the API's token/JWT config file,
     # the audit chainer's Ed25519 signing key (created on first use when absent), the public
     # keys `audit verify` trusts (default: the signing key's own), and the AES-256 key for
     # objects written to S3 (base64; none = stored as they are).

@@ -51,7 +51,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
     help="Event-sourced control plane for multi-cluster GPU fleets. Settings come from "
-    "FLEETLINE_* environment variables (see README).",
+    "FLEETLINE_* environment variables (see docs/configuration.md).",
 )
 _GROUPS = (
     infra,
