@@ -44,6 +44,7 @@ lint: $(STAMP) $(CONTRACT_TOOLS)
 	$(VENV)/bin/lint-imports
 	$(PY) tools/check_pure_cores.py
 	$(VENV)/bin/fleetline contract asyncapi --check
+	$(VENV)/bin/fleetline contract records --check
 	cd contract && SUPPRESS_NO_CONFIG_WARNING=1 npx --no-install asyncapi validate asyncapi.yaml --fail-severity=warn
 
 # The fault-injection suite in full: more rounds of each fault, and the long runs (`make test`

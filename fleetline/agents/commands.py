@@ -24,6 +24,7 @@ from fleetline.agents.durable import write_atomically
 from fleetline.config import KafkaSettings
 from fleetline.errors import FleetlineError, StreamError
 from fleetline.processors.view.model import CORDONED_LABEL
+from fleetline.schemas.records import NodeLifecycle
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.deadletter import dead_letter_headers
 from fleetline.streams.partitioner import partition_for
@@ -49,7 +50,7 @@ _COORDINATOR_SETTLING = frozenset(
 class NodeControl:
     """What commands set on one node."""
 
-    state: str = "UP"
+    state: NodeLifecycle = "UP"
     cordoned: bool = False
     power_cap_w: float | None = None
     config_version: str | None = None

@@ -8,6 +8,7 @@ it in order once the link is back, while the other clusters carry on.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from fleetline.agents.runtime import TelemetryPublisher
 from fleetline.agents.simulator import FleetSimulator, SimNode
 from fleetline.agents.spool import DiskSpool
 from fleetline.config import Settings
+from fleetline.schemas.records import NodeLifecycle, NodeState, NodeTelemetry
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import AvroCodec
 from fleetline.streams.topics import Topics
@@ -32,7 +34,7 @@ class FleetAgent:
     commands: CommandLoop | None = None
     heartbeat_every: int = 10
     ticks: int = 0
-    latest_telemetry: list[dict[str, Any]] = field(default_factory=list)
+    latest_telemetry: list[NodeTelemetry] = field(default_factory=list)
     # Nodes whose control state a command changed this interval: their NodeState follows.
     _changed: list[str] = field(default_factory=list)
 
@@ -96,10 +98,10 @@ class FleetAgent:
         if announce:
             self._changed.append(node_id)
 
-    def _state(self, node: SimNode, ts_ms: int) -> dict[str, Any]:
+    def _state(self, node: SimNode, ts_ms: int) -> NodeState:
         control = self.controls.get(node.node_id)
         spool = self.publishers[node.cluster_id].spool
-        state = "DOWN" if self.simulator.is_down(node.node_id) else control.state
+        state: NodeLifecycle = "DOWN" if self.simulator.is_down(node.node_id) else control.state
         return self.simulator.node_state(
             node,
             ts_ms,
@@ -115,8 +117,10 @@ class FleetAgent:
             self.sequences.save(self.simulator.sequence_numbers())
         return sent
 
-    def _send(self, kind: str, records: list[dict[str, Any]], ts_ms: int) -> int:
-        by_cluster: dict[str, list[dict[str, Any]]] = {}
+    def _send(
+        self, kind: str, records: Sequence[NodeState] | Sequence[NodeTelemetry], ts_ms: int
+    ) -> int:
+        by_cluster: dict[str, list[Mapping[str, Any]]] = {}
         for record in records:
             by_cluster.setdefault(record["cluster_id"], []).append(record)
         for cluster_id, group in by_cluster.items():

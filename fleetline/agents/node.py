@@ -9,7 +9,6 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from fleetline.agents.commands import (
     CommandLoop,
@@ -25,6 +24,7 @@ from fleetline.agents.simulator import AGENT_VERSION
 from fleetline.agents.spool import DiskSpool
 from fleetline.config import Settings
 from fleetline.errors import ConfigError
+from fleetline.schemas.records import NodeState, NodeTelemetry, NodeTopology
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import AvroCodec
 from fleetline.streams.topics import Topics
@@ -72,7 +72,7 @@ class NodeAgent:
     commands: CommandLoop | None = None
     interval_ms: int = 1000
     heartbeat_every: int = 10
-    latest_telemetry: list[dict[str, Any]] = field(default_factory=list)
+    latest_telemetry: list[NodeTelemetry] = field(default_factory=list)
     _seq: int = 0
 
     @classmethod
@@ -131,12 +131,12 @@ class NodeAgent:
         if control.interval_ms:
             self.interval_ms = control.interval_ms
 
-    def state(self, ts_ms: int) -> dict[str, Any]:
+    def state(self, ts_ms: int) -> NodeState:
         control = self.controls.get(self.identity.node_id)
-        topology = {
+        topology: NodeTopology = {
+            **self.collector.topology(),
             "leaf_switch": self.identity.leaf_switch,
             "spine_switch": self.identity.spine_switch,
-            **self.collector.topology(),
         }
         labels = {**self.identity.labels, **control_labels(control)}
         spool = self.publisher.spool
@@ -156,7 +156,7 @@ class NodeAgent:
             "accelerator": self.collector.accelerator().as_record(),
         }
 
-    def telemetry(self, ts_ms: int) -> dict[str, Any]:
+    def telemetry(self, ts_ms: int) -> NodeTelemetry:
         return {
             "cluster_id": self.identity.cluster_id,
             "region": self.identity.region,

@@ -21,6 +21,7 @@ from typing import Any
 
 from fleetline.errors import FleetlineError
 from fleetline.processors.view.accelerators import Accelerator
+from fleetline.schemas.records import GpuSample, NodeTopology
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ class NvmlCollector:
     def gpu_count(self) -> int:
         return len(self._handles)
 
-    def topology(self) -> dict[str, Any]:
+    def topology(self) -> NodeTopology:
         """NodeTopology fields this collector can know: islands, peers, NUMA nodes."""
         nv = self.nvml
         bus = {}
@@ -249,12 +250,12 @@ class NvmlCollector:
                     any_read = True
         return total if any_read else None
 
-    def sample(self) -> list[dict[str, Any]]:
+    def sample(self) -> list[GpuSample]:
         """One GpuSample (v2 fields) per GPU."""
         nv = self.nvml
         xids = self._xids()
         rdma_loss = self.rdma.loss_ratio()
-        samples = []
+        samples: list[GpuSample] = []
         for index, handle in enumerate(self._handles):
             util = self._try(nv.nvmlDeviceGetUtilizationRates, handle)
             memory = self._try(nv.nvmlDeviceGetMemoryInfo, handle)

@@ -25,6 +25,13 @@ import yaml
 
 from fleetline.errors import ConfigError
 from fleetline.processors.view.accelerators import Accelerator
+from fleetline.schemas.records import (
+    ClusterInfo,
+    GpuSample,
+    NodeLifecycle,
+    NodeState,
+    NodeTelemetry,
+)
 
 GPUS_PER_NODE = 8
 ISLAND_SIZE = 4
@@ -146,7 +153,7 @@ _REGION_PRICES = {
 
 def cluster_info(
     cluster: ClusterSpec, seq: int, ts_ms: int, regions: list[str] | None = None
-) -> dict[str, Any]:
+) -> ClusterInfo:
     """A ClusterInfo record for a simulated cluster: what an operator would declare."""
     price, energy, pue = _REGION_PRICES.get(cluster.region, (2.50, 0.15, 1.40))
     names = regions or sorted({r for pair in _REGION_RTT_MS for r in pair})
@@ -267,11 +274,11 @@ class FleetSimulator:
         self,
         node: SimNode,
         ts_ms: int,
-        state: str = "UP",
+        state: NodeLifecycle = "UP",
         reason: str | None = None,
         labels: Mapping[str, str] | None = None,
         spool: tuple[int, int] | None = None,
-    ) -> dict[str, Any]:
+    ) -> NodeState:
         peers = {str(i): [j for j in island if j != i] for island in _islands() for i in island}
         return {
             "cluster_id": node.cluster_id,
@@ -298,10 +305,10 @@ class FleetSimulator:
             ).as_record(),
         }
 
-    def initial_states(self, ts_ms: int) -> list[dict[str, Any]]:
+    def initial_states(self, ts_ms: int) -> list[NodeState]:
         return [self.node_state(node, ts_ms) for node in self.nodes]
 
-    def take_down(self, node_id: str, ts_ms: int, reason: str) -> dict[str, Any]:
+    def take_down(self, node_id: str, ts_ms: int, reason: str) -> NodeState:
         """Mark a node DOWN: it emits this state and no telemetry afterwards."""
         self._down.add(node_id)
         return self.node_state(self._by_id[node_id], ts_ms, "DOWN", reason)
@@ -334,7 +341,7 @@ class FleetSimulator:
             for f in self.faults
         )
 
-    def state_changes(self, ts_ms: int) -> list[dict[str, Any]]:
+    def state_changes(self, ts_ms: int) -> list[NodeState]:
         """NodeState records for node_down faults that start or end at this tick."""
         changes = []
         for fault in self.faults:
@@ -353,7 +360,7 @@ class FleetSimulator:
                 changes.append(self.node_state(self._by_id[fault.target], ts_ms, "UP", "recovered"))
         return changes
 
-    def telemetry(self, ts_ms: int) -> list[dict[str, Any]]:
+    def telemetry(self, ts_ms: int) -> list[NodeTelemetry]:
         """One NodeTelemetry record per node that is up, for the interval ending at `ts_ms`."""
         # Diurnal load: busiest mid-afternoon UTC, quietest before dawn.
         diurnal = 0.5 + 0.35 * math.sin(2 * math.pi * ((ts_ms % DAY_MS) / DAY_MS - 0.375))
@@ -369,7 +376,7 @@ class FleetSimulator:
                     xids.setdefault(fault.target, []).append(int(fault.value))
                 else:
                     dbe.add(fault.target)
-        records = []
+        out: list[NodeTelemetry] = []
         rng = self._rng
         for node in self.nodes:
             if node.node_id in self._down:
@@ -377,7 +384,7 @@ class FleetSimulator:
             limit = self.power_limit(node.node_id)
             loss = rdma_faults.get(node.leaf_switch)
             memory_mib = device_memory_mib(node.model)
-            gpus = []
+            gpus: list[GpuSample] = []
             for index in range(GPUS_PER_NODE):
                 bias = node.load_bias[index]
                 # A training job runs steady and near full, whatever the hour; inference
@@ -429,7 +436,7 @@ class FleetSimulator:
                         "nvlink_links_active": NVLINK_LINKS,
                     }
                 )
-            records.append(
+            out.append(
                 {
                     "cluster_id": node.cluster_id,
                     "region": node.region,
@@ -442,4 +449,4 @@ class FleetSimulator:
                     "collector": "simulator",
                 }
             )
-        return records
+        return out

@@ -275,9 +275,8 @@ def command(
     }
     topics = Topics(topic_prefix)
     producer = kafka_clients.producer(config.kafka)
-    producer.produce(
-        topics.commands, key=node_id.encode(), value=default_codec().encode("NodeCommand", record)
-    )
+    value = default_codec().encode(topics.record_of(topics.commands), record)
+    producer.produce(topics.commands, key=node_id.encode(), value=value)
     if producer.flush(30):
         raise FleetlineError("the command was not delivered within 30 s")
     emitter = KafkaAuditEmitter(config.kafka, topics)

@@ -10,7 +10,7 @@ import signal
 import threading
 import uuid
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -107,7 +107,13 @@ def serve() -> None:
     raise typer.Exit(main())
 
 
-def _signal(kind: str, cluster_id: str, reason: str | None, topic_prefix: str, actor: str) -> None:
+def _signal(
+    kind: Literal["CORDON", "UNCORDON"],
+    cluster_id: str,
+    reason: str | None,
+    topic_prefix: str,
+    actor: str,
+) -> None:
     """Append a CORDON or UNCORDON to the signal log, and its audit event."""
     from fleetline.cli.specs import audit_requests
     from fleetline.processors.health.runtime import signal as cluster_signal

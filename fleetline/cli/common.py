@@ -175,7 +175,7 @@ def ship_logs(config: Settings, topics: Topics, process: str, cluster_id: str = 
     )
     handler = logs.KafkaLogHandler(
         producer,
-        lambda record: codec.encode("LogRecord", record),
+        lambda record: codec.encode(topics.record_of(topics.logs), record),
         topics.logs,
         process,
         cluster_id,

@@ -48,5 +48,35 @@ def asyncapi(
     print(f"wrote {output}")
 
 
+RECORDS = Path(__file__).resolve().parent.parent / "schemas" / "records.py"
+
+
+@contract.command(name="records")
+def records(
+    output: Annotated[Path, typer.Option(help="where to write it ('-': stdout)")] = RECORDS,
+    check: Annotated[
+        bool, typer.Option("--check", help="exit 1 if the file differs from the schemas'")
+    ] = False,
+) -> None:
+    """Write a TypedDict for every Avro record (the newest version of each schema) to
+    fleetline/schemas/records.py, which producers and folds are typed with. `make lint` runs
+    it with --check."""
+    from fleetline.streams.serde import default_codec
+    from fleetline.streams.typed_records import typed_records
+
+    text = typed_records(default_codec().registry)
+    if str(output) == "-":
+        print(text, end="")
+        return
+    if check:
+        if not output.exists() or output.read_text() != text:
+            raise FleetlineError(
+                f"{output} is not what the schemas say: run `fleetline contract records`"
+            )
+        return
+    output.write_text(text)
+    print(f"wrote {output}")
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(contract, name="contract")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from fleetline.streams.events import (
@@ -157,6 +158,15 @@ class Topics:
 
     def changelog(self, application_id: str, store: str) -> str:
         return f"{self.prefix}.{application_id}.{store}.changelog"
+
+    def record_of(self, topic: str) -> str:
+        """The Avro record every message of `topic` holds, as its spec names it (producers
+        encode with this, so a topic's record is named in one place)."""
+        records = _records(self)
+        record = records.get(topic)
+        if record is None:
+            raise KeyError(f"{topic} is no topic of prefix {self.prefix!r} with an Avro record")
+        return record
 
     def specs(self) -> list[TopicSpec]:
         return [
@@ -377,3 +387,8 @@ class Topics:
             {"cleanup.policy": "compact"},
             f"changelog of {application_id}'s {store} store",
         )
+
+
+@functools.cache
+def _records(topics: Topics) -> dict[str, str]:
+    return {spec.name: spec.record for spec in topics.specs() if spec.record is not None}

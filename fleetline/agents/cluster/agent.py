@@ -51,6 +51,12 @@ from fleetline.processors.scheduling.codec import new_request
 from fleetline.processors.scheduling.runtime import request_output
 from fleetline.processors.scheduling.services import REPLICA_KIND, ROLE_LABEL, SERVICE_LABEL
 from fleetline.processors.scheduling.specs import TrainingJobSpec
+from fleetline.schemas.records import (
+    ReplicaEndpoint,
+    ReplicaState,
+    WorkloadEvent,
+    WorkloadEventKind,
+)
 from fleetline.storage.checkpoints import Checkpoints, best_of, cluster_bucket, tenant_key
 from fleetline.storage.objects import ObjectStore
 from fleetline.streams import kafka as kafka_clients
@@ -74,7 +80,7 @@ DEFAULT_TRAINER = (sys.executable, "-m", "fleetline.agents.workloads.train")
 DEFAULT_SERVER = (sys.executable, "-m", "fleetline.agents.workloads.serve")
 # A progress line's kind -> the WorkloadEvent it is published as, and which of the line's fields
 # fill which of the event's.
-_LINE_EVENTS: dict[str, tuple[str, dict[str, str]]] = {
+_LINE_EVENTS: dict[str, tuple[WorkloadEventKind, dict[str, str]]] = {
     "progress": ("PROGRESS", {"step": "step", "loss": "loss", "samples_per_s": "samples_per_s"}),
     "checkpoint": (
         "CHECKPOINTED",
@@ -648,7 +654,7 @@ class ClusterAgent:
         if workload.stop_deadline is not None or order is None:
             # Stopped as ordered, or fenced: stopped (or found exited) after its epoch moved on.
             fenced = workload.fenced or workload.stop_deadline is None
-            kind = "FENCED" if fenced else "STOPPED"
+            kind: WorkloadEventKind = "FENCED" if fenced else "STOPPED"
             self._event(
                 speaking_for,
                 "EXITED",
@@ -706,8 +712,23 @@ class ClusterAgent:
 
     # -- publishing -----------------------------------------------------------------------------
 
-    def _event(self, order: Order, kind: str, **fields: Any) -> None:
-        record = {
+    def _event(
+        self,
+        order: Order,
+        kind: WorkloadEventKind,
+        *,
+        pid: int | None = None,
+        step: int | None = None,
+        loss: float | None = None,
+        samples_per_s: float | None = None,
+        exit_code: int | None = None,
+        checkpoint_uri: str | None = None,
+        bytes: int | None = None,  # the schema's field
+        seconds: float | None = None,
+        from_cluster: str | None = None,
+        detail: str | None = None,
+    ) -> None:
+        record: WorkloadEvent = {
             "job": order.job,
             "tenant": order.tenant,
             "cluster_id": self.cluster_id,
@@ -716,17 +737,16 @@ class ClusterAgent:
             "ts": _now_ms(),
             "event": kind,
             "trace_id": order.trace_id,
-            "pid": None,
-            "step": None,
-            "loss": None,
-            "samples_per_s": None,
-            "exit_code": None,
-            "checkpoint_uri": None,
-            "bytes": None,
-            "seconds": None,
-            "from_cluster": None,
-            "detail": None,
-            **fields,
+            "pid": pid,
+            "step": step,
+            "loss": loss,
+            "samples_per_s": samples_per_s,
+            "exit_code": exit_code,
+            "checkpoint_uri": checkpoint_uri,
+            "bytes": bytes,
+            "seconds": seconds,
+            "from_cluster": from_cluster,
+            "detail": detail,
         }
         trace = _trace(order, f"workload/{kind}")
         produce(
@@ -734,7 +754,7 @@ class ClusterAgent:
             Output(
                 self.topics.workloads,
                 order.job.encode(),
-                self.codec.encode("WorkloadEvent", record),
+                self.codec.encode(self.topics.record_of(self.topics.workloads), record),
                 headers=tracing.header(trace) or None,
             ),
         )
@@ -792,7 +812,7 @@ class ClusterAgent:
         finally:
             producer.flush(5)
 
-    def _endpoint(self, workload: procs.Workload, order: Order) -> dict[str, Any]:
+    def _endpoint(self, workload: procs.Workload, order: Order) -> ReplicaEndpoint:
         lines = workload.serving_lines()
         address = (lines.get("ready") or lines.get("listening") or {}).get("address")
         load: dict[str, Any] = {}
@@ -802,6 +822,7 @@ class ClusterAgent:
             # its exit, a stop or its own word takes it out of the registry.
             load = answer if answer is not None else workload.serving.get("load", {})
             workload.serving["load"] = load
+        state: ReplicaState
         if not workload.alive:
             state = "GONE"
         elif workload.stop_deadline is not None or load.get("draining"):
@@ -816,11 +837,11 @@ class ClusterAgent:
     def _endpoint_record(
         self,
         order: Order,
-        state: str,
+        state: ReplicaState,
         address: str | None,
         load: Mapping[str, Any],
         ready: Mapping[str, Any] | None = None,
-    ) -> dict[str, Any]:
+    ) -> ReplicaEndpoint:
         labels = ((order.spec or {}).get("metadata") or {}).get("labels") or {}
         latency = load.get("latency_ms") or {}
         ready = ready or {}
@@ -848,11 +869,11 @@ class ClusterAgent:
             "checkpoint": ready.get("checkpoint"),
         }
 
-    def _endpoint_output(self, record: Mapping[str, Any]) -> Output:
+    def _endpoint_output(self, record: ReplicaEndpoint) -> Output:
         return Output(
             self.topics.replicas,
-            str(record["replica"]).encode(),
-            self.codec.encode("ReplicaEndpoint", dict(record)),
+            record["replica"].encode(),
+            self.codec.encode(self.topics.record_of(self.topics.replicas), record),
         )
 
     # -- status and peers -----------------------------------------------------------------------

@@ -39,6 +39,7 @@ from fleetline.processors.audit.sources import decision_event, order_event, work
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.events import (
     AUDIT_EVENT,
+    AUDIT_RECORD,
     SCHEDULING_DECISION,
     WORKLOAD_EVENT,
     WORKLOAD_ORDER,
@@ -98,7 +99,7 @@ class AuditChainStep(MessageStep):
             Output(
                 self.output_topic,
                 msg.key(),
-                self.codec.encode("AuditRecord", record),
+                self.codec.encode(AUDIT_RECORD, record),
                 partition=partition,
             )
             for record in records
@@ -151,7 +152,7 @@ class AuditLinkStep(MessageStep):
             return []
         event = {**event, "salt": os.urandom(16)}
         key = (event.get("tenant") or FLEET_KEY).encode()
-        return [Output(self.output_topic, key, self.codec.encode("AuditEvent", event))]
+        return [Output(self.output_topic, key, self.codec.encode(AUDIT_EVENT, event))]
 
 
 def audit_linker(kafka: KafkaSettings, topics: Topics, instance_id: str = "0") -> StreamLoop:
@@ -261,7 +262,7 @@ class KafkaAuditEmitter:
         while True:
             try:
                 self.producer.produce(
-                    self.topic, key=key, value=self.codec.encode("AuditEvent", event)
+                    self.topic, key=key, value=self.codec.encode(AUDIT_EVENT, event)
                 )
                 break
             except BufferError:

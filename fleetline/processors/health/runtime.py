@@ -19,6 +19,7 @@ from confluent_kafka import Message
 
 from fleetline.config import KafkaSettings
 from fleetline.processors.health.fold import ClusterHealthPolicy, HealthFold
+from fleetline.schemas.records import ClusterSignal, ClusterSignalKind, PeerReach, WorkloadStatus
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.events import CLUSTER_HEALTH, CLUSTER_SIGNAL
 from fleetline.streams.loop import FoldStep, StreamLoop, produce, run_beside
@@ -43,7 +44,7 @@ def health_topics(topics: Topics) -> list[TopicSpec]:
 
 
 def signal(
-    kind: str,
+    kind: ClusterSignalKind,
     cluster_id: str,
     ts: int,
     *,
@@ -53,9 +54,9 @@ def signal(
     reason: str | None = None,
     probe_address: str | None = None,
     gpus_reserved: int = 0,
-    workloads: Sequence[Mapping[str, Any]] = (),
-    peers: Sequence[Mapping[str, Any]] = (),
-) -> dict[str, Any]:
+    workloads: Sequence[WorkloadStatus] = (),
+    peers: Sequence[PeerReach] = (),
+) -> ClusterSignal:
     """A ClusterSignal record."""
     return {
         "kind": kind,
@@ -67,8 +68,8 @@ def signal(
         "reason": reason,
         "probe_address": probe_address,
         "gpus_reserved": gpus_reserved,
-        "workloads": [dict(w) for w in workloads],
-        "peers": [dict(p) for p in peers],
+        "workloads": list(workloads),
+        "peers": list(peers),
     }
 
 
@@ -76,7 +77,7 @@ def signal_output(topics: Topics, record: Mapping[str, Any], codec: AvroCodec) -
     return Output(
         topics.cluster_signals,
         (record["cluster_id"] or "-").encode(),
-        codec.encode("ClusterSignal", record),
+        codec.encode(topics.record_of(topics.cluster_signals), record),
     )
 
 

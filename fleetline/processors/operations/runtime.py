@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from confluent_kafka import Message
 
@@ -47,6 +47,8 @@ from fleetline.processors.operations.rules import (
 from fleetline.processors.scheduling.codec import new_request
 from fleetline.processors.scheduling.runtime import read_topic, request_output
 from fleetline.processors.view.read import ViewSource
+from fleetline.schemas.records import CommandKind, NodeCommand, OpsEvent, RepairTicket
+from fleetline.schemas.records import OpsKind as OpsEventKind
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.events import AUDIT_EVENT, NODE_COMMAND, OPS_EVENT, REPAIR_TICKET
 from fleetline.streams.loop import (
@@ -71,13 +73,13 @@ STORE = FOLD_STORE
 
 def ops_event(
     kind: str, ts: int, payload: Mapping[str, Any], *, key: str = "", actor: str = ""
-) -> dict[str, Any]:
+) -> OpsEvent:
     """An OpsEvent record."""
     if kind not in tuple(OpsKind):
         raise ValueError(f"unknown operations event kind {kind!r}")
     return {
         "event_id": uuid.uuid4().hex,
-        "kind": kind,
+        "kind": cast(OpsEventKind, kind),  # checked just above
         "ts": ts,
         "key": key,
         "actor": actor,
@@ -86,10 +88,14 @@ def ops_event(
 
 
 def ops_output(topics: Topics, event: Mapping[str, Any], codec: AvroCodec) -> Output:
-    return Output(topics.ops, (event["key"] or "-").encode(), codec.encode("OpsEvent", event))
+    return Output(
+        topics.ops,
+        (event["key"] or "-").encode(),
+        codec.encode(topics.record_of(topics.ops), event),
+    )
 
 
-def command_record(command: Command) -> dict[str, Any]:
+def command_record(command: Command) -> NodeCommand:
     """A node command as the NodeCommand record its agent reads (the reason rides in the
     config map, which only APPLY_CONFIG applies)."""
     return {
@@ -98,14 +104,14 @@ def command_record(command: Command) -> dict[str, Any]:
         "node_id": command.node_id,
         "ts": command.ts,
         "issued_by": "operations",
-        "kind": command.kind,
+        "kind": cast(CommandKind, command.kind),  # the fold issues only the schema's kinds
         "power_cap_w": command.power_cap_w,
         "config_version": None,
         "config": {"reason": command.reason},
     }
 
 
-def ticket_record(ticket: Mapping[str, Any]) -> dict[str, Any]:
+def ticket_record(ticket: Mapping[str, Any]) -> RepairTicket:
     """A ticket as the RepairTicket record on the tickets topic."""
     return {
         "ticket_id": ticket["ticket_id"],
@@ -186,11 +192,11 @@ class OpsStep(FoldStep[OpsFold]):
             )
             return request_output(self.topics, request, self.codec)
         if isinstance(effect, TicketChanged):
-            record = ticket_record(effect.ticket)
+            ticket = ticket_record(effect.ticket)
             return Output(
                 self.topics.tickets,
-                str(record["ticket_id"]).encode(),
-                self.codec.encode(REPAIR_TICKET, record),
+                ticket["ticket_id"].encode(),
+                self.codec.encode(self.topics.record_of(self.topics.tickets), ticket),
             )
         assert isinstance(effect, Audited)
         event = new_event(

@@ -339,7 +339,7 @@ def request_output(
     return Output(
         topics.scheduler_requests,
         request["key"].encode() or b"-",
-        codec.encode("SchedulerRequest", request),
+        codec.encode(topics.record_of(topics.scheduler_requests), request),
         headers=tracing.header(tracing.parse(request.get("traceparent"))) or None,
     )
 

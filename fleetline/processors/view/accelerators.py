@@ -16,6 +16,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleetline.schemas.records import NodeAccelerator
+
 # Brand words that come before the model in vendors' device names and say nothing a spec would
 # choose by ("NVIDIA Tesla V100-SXM2-16GB" is a v100-sxm2-16gb; "AMD Instinct MI300X" an mi300x).
 _BRANDS = frozenset({"nvidia", "tesla", "geforce", "amd", "instinct", "intel"})
@@ -60,7 +62,7 @@ class Accelerator:
         memory = f" {self.memory_mib / 1024:.0f} GiB" if self.memory_mib else ""
         return f"{self.vendor} {self.model}{memory}"
 
-    def as_record(self) -> dict[str, Any]:
+    def as_record(self) -> NodeAccelerator:
         """The NodeState `accelerator` field (and the snapshot's)."""
         return {
             "vendor": self.vendor,

@@ -411,7 +411,11 @@ def declare_clusters(
     topic, keyed by cluster, and wait until the broker has them; their offsets."""
     codec = default_codec()
     outputs = [
-        Output(topics.clusters, r["cluster_id"].encode(), codec.encode("ClusterInfo", r))
+        Output(
+            topics.clusters,
+            r["cluster_id"].encode(),
+            codec.encode(topics.record_of(topics.clusters), r),
+        )
         for r in records
     ]
     producer = kafka_clients.producer(kafka, {"linger.ms": 0})
