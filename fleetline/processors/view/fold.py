@@ -14,8 +14,8 @@ event time the records carry. `model.copy_view` gives an independent copy (for s
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import cast
 
 from fleetline.errors import InvalidEventError
 from fleetline.processors.view.accelerators import of_node_state
@@ -36,6 +36,9 @@ from fleetline.processors.view.model import (
     Sample,
     gpu_sample,
 )
+from fleetline.schemas.records import Allocation, DatasetState, NodeState
+from fleetline.schemas.records import ClusterHealth as ClusterHealthRecord
+from fleetline.schemas.records import ClusterInfo as ClusterInfoRecord
 from fleetline.streams.events import (
     ALLOCATION,
     CLUSTER_HEALTH,
@@ -63,16 +66,17 @@ def apply(view: ResourceView, event: Decoded) -> ResourceView:
                 record["ts"],
                 [gpu_sample(g) for g in record["gpus"]],
             )
+        # The codec read each record by its schema: its TypedDict says what it holds.
         case name if name == NODE_STATE:
-            _fold_node_state(view, record)
+            _fold_node_state(view, cast(NodeState, record))
         case name if name == CLUSTER_INFO:
-            _fold_cluster(view, record)
+            _fold_cluster(view, cast(ClusterInfoRecord, record))
         case name if name == DATASET_STATE:
-            _fold_dataset(view, record)
+            _fold_dataset(view, cast(DatasetState, record))
         case name if name == ALLOCATION:
-            _fold_allocation(view, record)
+            _fold_allocation(view, cast(Allocation, record))
         case name if name == CLUSTER_HEALTH:
-            _fold_cluster_health(view, record)
+            _fold_cluster_health(view, cast(ClusterHealthRecord, record))
         case other:
             raise InvalidEventError(f"the resource view does not fold {other} events")
     return view
@@ -224,7 +228,7 @@ def _set_health(
     return 1
 
 
-def _fold_node_state(view: ResourceView, record: Mapping[str, Any]) -> None:
+def _fold_node_state(view: ResourceView, record: NodeState) -> None:
     node = view.nodes.get(record["node_id"])
     if node is not None and record["seq"] <= node.state_seq:
         return
@@ -263,15 +267,19 @@ def _fold_node_state(view: ResourceView, record: Mapping[str, Any]) -> None:
     view.node_events += 1
 
 
-def _fold_cluster(view: ResourceView, record: Mapping[str, Any]) -> None:
+def _fold_cluster(view: ResourceView, record: ClusterInfoRecord) -> None:
     current = view.clusters.get(record["cluster_id"])
     if current is not None and record["seq"] <= current.seq:
         return
     pue = record["pue"]
     if pue is not None and pue < 1.0:
         raise InvalidEventError(f"cluster {record['cluster_id']}: pue {pue} is below 1")
-    for name in ("price_per_gpu_hour", "energy_price_per_kwh"):
-        if record[name] is not None and record[name] < 0:
+    prices = {
+        "price_per_gpu_hour": record["price_per_gpu_hour"],
+        "energy_price_per_kwh": record["energy_price_per_kwh"],
+    }
+    for name, price in prices.items():
+        if price is not None and price < 0:
             raise InvalidEventError(f"cluster {record['cluster_id']}: {name} is negative")
     view.clusters[record["cluster_id"]] = ClusterInfo(
         cluster_id=record["cluster_id"],
@@ -288,7 +296,7 @@ def _fold_cluster(view: ResourceView, record: Mapping[str, Any]) -> None:
     view.fleet_events += 1
 
 
-def _fold_cluster_health(view: ResourceView, record: Mapping[str, Any]) -> None:
+def _fold_cluster_health(view: ResourceView, record: ClusterHealthRecord) -> None:
     cluster_id = record["cluster_id"]
     current = view.cluster_health.get(cluster_id)
     if current is not None and record["seq"] < current.seq:
@@ -316,7 +324,7 @@ def _fold_cluster_health(view: ResourceView, record: Mapping[str, Any]) -> None:
     view.fleet_events += 1
 
 
-def _fold_dataset(view: ResourceView, record: Mapping[str, Any]) -> None:
+def _fold_dataset(view: ResourceView, record: DatasetState) -> None:
     current = view.datasets.get(record["dataset_id"])
     if current is not None and record["seq"] <= current.seq:
         return
@@ -354,7 +362,7 @@ def _shares_with(view: ResourceView, ref: tuple[str, int], job_id: str, share: i
     return sum(a.share_eighths or 0 for a in held) + share <= 8
 
 
-def _fold_allocation(view: ResourceView, record: Mapping[str, Any]) -> None:
+def _fold_allocation(view: ResourceView, record: Allocation) -> None:
     job_id = record["job_id"]
     current = view.allocations.get(job_id)
     if current is not None and record["seq"] <= current.seq:
