@@ -9,27 +9,25 @@ clock: time is `state.now_ms`, the requests' event time.
 from __future__ import annotations
 
 import heapq
-import json
 from dataclasses import replace
-from typing import Any, TypedDict, Unpack
+from typing import Any
 
 from fleetline.processors.scheduling.capacity import Gang, indices_of, usable_gpus
+from fleetline.processors.scheduling.decisions import decide
 from fleetline.processors.scheduling.effects import (
     AllocationChange,
     AllocationKind,
     Decision,
     EffectLog,
-    OrderAction,
     Outcome,
     PrewarmOrder,
-    WorkloadOrder,
 )
 from fleetline.processors.scheduling.energy import best_start
+from fleetline.processors.scheduling.orders import order_run, order_stop
 from fleetline.processors.scheduling.pipeline import (
     Attempt,
     ClusterScore,
     Context,
-    DatasetPrewarm,
     JobRequest,
     place_gang,
     place_replicas,
@@ -38,7 +36,6 @@ from fleetline.processors.scheduling.pipeline import (
     replace_request,
 )
 from fleetline.processors.scheduling.placement import (
-    Placement,
     inference_shape,
     refs_by_node,
     to_placement,
@@ -482,95 +479,6 @@ def start(s: SchedulerState, out: EffectLog, job: Job) -> None:
     )
 
 
-def order_run(s: SchedulerState, out: EffectLog, job: Job) -> None:
-    """A RUN order for the job's current epoch and attempt (one cluster: the first placed)."""
-    cluster_id = min(job.allocation)
-    job.ordered_cluster = cluster_id
-    out.add(run_order(s, job))
-    job.condition(
-        Condition.RUNNING,
-        False,
-        f"ordered to start in {cluster_id} (epoch {job.epoch}, attempt {job.attempt})",
-        s.now_ms,
-    )
-    job.actual = {
-        "state": "Ordered",
-        "cluster": cluster_id,
-        "epoch": job.epoch,
-        "attempt": job.attempt,
-        "since_ms": s.now_ms,
-    }
-
-
-def run_order(s: SchedulerState, job: Job, reason: str | None = None) -> WorkloadOrder:
-    """The RUN order of the job's current epoch and attempt in its ordered cluster (sent again
-    with a new document when only what the workload is told changes: a replica's role)."""
-    cluster_id = job.ordered_cluster or min(job.allocation)
-    return WorkloadOrder(
-        job.key,
-        job.tenant,
-        job.kind,
-        OrderAction.RUN,
-        cluster_id,
-        job.epoch,
-        job.attempt,
-        s.now_ms,
-        job.last_decision or "",
-        reason or f"attempt {job.attempt} of epoch {job.epoch}",
-        job.trace_id,
-        spec_json=json.dumps(job.document, sort_keys=True, separators=(",", ":")),
-        workers=_ranked_workers(job, cluster_id),
-        resume_from=(cluster_id, *(c for c in job.ran_in if c != cluster_id)),
-        resume_step=job.checkpoint_step,
-    )
-
-
-def _ranked_workers(job: Job, cluster_id: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """The job's workers in a cluster in rank order, as its placing decision chose them (the
-    same whether the decision is in memory or read back from the store)."""
-    explanation = job.explanation
-    placements = (
-        explanation.placement_records()
-        if isinstance(explanation, Decision)
-        else (explanation or {}).get("placements", ())
-    )
-    for placement in placements:
-        if placement["cluster_id"] == cluster_id:
-            return tuple((w["node_id"], tuple(w["gpus"])) for w in placement["workers"])
-    nodes = job.allocation[cluster_id]  # no placing decision: node order
-    return tuple((node, indices_of(mask)) for node, mask in sorted(nodes.items()))
-
-
-def order_stop(s: SchedulerState, out: EffectLog, job: Job, reason: str, final: bool) -> None:
-    """Tell the cluster that was ordered to run the job to stop it (checkpointing first when
-    `final` and the job allows it)."""
-    cluster_id = job.ordered_cluster
-    if cluster_id is None:
-        return
-    spec = job.spec
-    allows = spec.workload.final_checkpoint if spec.workload is not None else False
-    out.add(
-        WorkloadOrder(
-            job.key,
-            job.tenant,
-            job.kind,
-            OrderAction.STOP,
-            cluster_id,
-            job.epoch,
-            job.attempt,
-            s.now_ms,
-            out.next_id(),
-            reason,
-            job.trace_id,
-            final_checkpoint=final and allows,
-        )
-    )
-    job.ran_in = [cluster_id, *(c for c in job.ran_in if c != cluster_id)][:8]
-    job.ordered_cluster = None
-    job.retry_at_ms = None
-    job.actual = {**job.actual, "state": "Stopping", "since_ms": s.now_ms, "detail": reason}
-
-
 def _unshared(s: SchedulerState, job: Job, cluster_id: str, node: str, mask: int) -> int:
     """The GPUs of `mask` a releasing job frees: all of them, but a shared GPU only when the
     job was the last replica holding a share of it."""
@@ -766,65 +674,3 @@ def preempt_for(
     # Were the plan and the placement ever to disagree, the victims stay queued and the queue
     # pass places them again.
     return decisions, placed
-
-
-class DecisionDetails(TypedDict, total=False):
-    """What a decision names besides its outcome and reason (fields of `Decision`)."""
-
-    placements: tuple[Placement, ...]
-    alternatives: tuple[ClusterScore, ...]
-    prewarms: tuple[DatasetPrewarm, ...]
-    preempted_by: str | None
-    victims: tuple[str, ...]
-    resume_from_checkpoint_ms: int | None
-    lost_gpu_s: float | None
-
-
-def decide(
-    s: SchedulerState,
-    out: EffectLog,
-    job: Job,
-    outcome: Outcome,
-    reason: str,
-    **details: Unpack[DecisionDetails],
-) -> Decision:
-    """A decision about a job, which becomes its explanation."""
-    decision = decide_about(
-        s, out, job.key, job.tenant, job.kind, outcome, reason, job.priority, **details
-    )
-    job.last_decision = decision.decision_id
-    job.explanation = decision
-    s.dirty.add(f"job:{job.key}")
-    return decision
-
-
-def decide_about(
-    s: SchedulerState,
-    out: EffectLog,
-    key: str,
-    tenant: str,
-    kind: str,
-    outcome: Outcome,
-    reason: str,
-    priority: int,
-    **details: Unpack[DecisionDetails],
-) -> Decision:
-    """A decision with the inputs it was made on: the request, the view version and offsets,
-    the policy digest."""
-    decision = Decision(
-        decision_id=out.next_id(),
-        job=key,
-        tenant=tenant,
-        kind=kind,
-        outcome=outcome,
-        ts=s.now_ms,
-        input_offset=s.position,
-        view_version=s.facts.view_version,
-        view_offsets=s.facts.offsets,
-        policy_digest=s.digest,
-        priority=priority,
-        reason=reason,
-        **details,
-    )
-    out.add(decision)
-    return decision

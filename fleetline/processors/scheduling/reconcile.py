@@ -14,11 +14,11 @@ from fleetline.processors.scheduling.capacity import FleetFacts, usable_gpus
 from fleetline.processors.scheduling.decide import (
     ShapeKey,
     attempt,
-    order_run,
     release,
     shape_keys,
 )
 from fleetline.processors.scheduling.effects import EffectLog, Outcome
+from fleetline.processors.scheduling.orders import order_run
 from fleetline.processors.scheduling.state import Condition, Job, Phase, SchedulerState
 from fleetline.processors.scheduling.tenancy import PRIORITIES, fair_share_key
 from fleetline.processors.view.model import ClusterHealth

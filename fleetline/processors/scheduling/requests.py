@@ -19,16 +19,11 @@ from typing import Any
 from fleetline.errors import FleetlineError, InvalidEventError
 from fleetline.observability import traceparent
 from fleetline.processors.scheduling import reconcile, services
-from fleetline.processors.scheduling.decide import (
-    attempt,
-    decide,
-    decide_about,
-    release,
-    run_order,
-    start,
-)
+from fleetline.processors.scheduling.decide import attempt, release, start
+from fleetline.processors.scheduling.decisions import decide, decide_about
 from fleetline.processors.scheduling.effects import DatasetRecord, EffectLog, Outcome
 from fleetline.processors.scheduling.energy import EnergyProfile
+from fleetline.processors.scheduling.orders import run_order
 from fleetline.processors.scheduling.policy import SchedulingPolicy
 from fleetline.processors.scheduling.reconcile import schedule_queue
 from fleetline.processors.scheduling.specs import (

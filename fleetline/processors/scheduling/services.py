@@ -32,8 +32,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleetline.errors import InvalidEventError
-from fleetline.processors.scheduling.decide import attempt, decide, release, run_order
+from fleetline.processors.scheduling.decide import attempt, release
+from fleetline.processors.scheduling.decisions import decide
 from fleetline.processors.scheduling.effects import EffectLog, Outcome
+from fleetline.processors.scheduling.orders import run_order
 from fleetline.processors.scheduling.specs import InferenceServiceSpec
 from fleetline.processors.scheduling.state import (
     TERMINAL,
