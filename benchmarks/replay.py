@@ -26,7 +26,8 @@ from _common import local_services, report
 
 from fleetline.agents.simulator import ClusterSpec, FleetSimulator, cluster_info
 from fleetline.config import Settings
-from fleetline.processors.replay import ViewFollower, replay_decisions
+from fleetline.processors.decision_replay import replay_decisions
+from fleetline.processors.replay import ViewFollower
 from fleetline.processors.scheduling.capacity import FleetFacts, observe, observe_summaries
 from fleetline.processors.scheduling.codec import effect_record, new_request, submit_request
 from fleetline.processors.scheduling.runtime import scheduler_topics

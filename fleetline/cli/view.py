@@ -296,7 +296,7 @@ def replay(
         exit_with(_replay_decisions(config, topics, group, no_snapshots))
         return
     if operations:
-        from fleetline.processors.replay import replay_operations
+        from fleetline.processors.decision_replay import replay_operations
 
         again = replay_operations(config.kafka, topics)
         print(
@@ -370,7 +370,8 @@ def replay(
 
 def _replay_decisions(config: Settings, topics: Topics, group: str, no_snapshots: bool) -> int:
     from fleetline.app import view_snapshots
-    from fleetline.processors.replay import ViewFollower, replay_decisions
+    from fleetline.processors.decision_replay import replay_decisions
+    from fleetline.processors.replay import ViewFollower
     from fleetline.processors.view.runtime import tune_gc_for_large_state
 
     tune_gc_for_large_state()

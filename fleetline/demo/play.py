@@ -38,7 +38,8 @@ from fleetline.observability import tracing
 from fleetline.processors.audit.chain import export_entry, verify
 from fleetline.processors.audit.runtime import KafkaAuditEmitter, published_decisions
 from fleetline.processors.audit.sources import unaudited_decisions
-from fleetline.processors.replay import ViewFollower, offsets_at, rebuild, replay_decisions
+from fleetline.processors.decision_replay import replay_decisions
+from fleetline.processors.replay import ViewFollower, offsets_at, rebuild
 from fleetline.processors.scheduling.codec import (
     canonical_json,
     datasets_first,

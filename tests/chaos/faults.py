@@ -16,7 +16,8 @@ from pathlib import Path
 from fleetline.cli import main
 from fleetline.config import KafkaSettings, Settings
 from fleetline.processors.audit.runtime import published_decisions
-from fleetline.processors.replay import ViewFollower, replay_decisions
+from fleetline.processors.decision_replay import replay_decisions
+from fleetline.processors.replay import ViewFollower
 from fleetline.processors.scheduling.runtime import decisions_of, read_topic
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.deadletter import DeadLetter, read_dead_letter

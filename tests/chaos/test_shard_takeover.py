@@ -18,7 +18,8 @@ from fleetline.agents.fleet import FleetAgent
 from fleetline.agents.simulator import ClusterSpec, FleetSimulator, cluster_info
 from fleetline.app import view_snapshots
 from fleetline.processors.audit.runtime import published_decisions
-from fleetline.processors.replay import ViewFollower, log_bounds, rebuild, replay_decisions
+from fleetline.processors.decision_replay import replay_decisions
+from fleetline.processors.replay import ViewFollower, log_bounds, rebuild
 from fleetline.processors.scheduling.capacity import observe, observe_summaries
 from fleetline.processors.scheduling.codec import offsets_of
 from fleetline.processors.scheduling.runtime import read_topic, scheduler_topics, submit

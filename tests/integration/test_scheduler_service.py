@@ -13,17 +13,15 @@ import pytest
 
 from fleetline.agents.simulator import ClusterSpec, cluster_info
 from fleetline.config import Settings
-from fleetline.processors.operations.runtime import APPLICATION_ID as OPS_APP
-from fleetline.processors.operations.runtime import STORE as OPS_STORE
-from fleetline.processors.operations.runtime import OpsService
-from fleetline.processors.replay import (
-    ViewFollower,
+from fleetline.processors.decision_replay import (
     live_dead_letters,
-    log_bounds,
-    rebuild,
     replay_decisions,
     replay_operations,
 )
+from fleetline.processors.operations.runtime import APPLICATION_ID as OPS_APP
+from fleetline.processors.operations.runtime import STORE as OPS_STORE
+from fleetline.processors.operations.runtime import OpsService
+from fleetline.processors.replay import ViewFollower, log_bounds, rebuild
 from fleetline.processors.scheduling.capacity import observe
 from fleetline.processors.scheduling.codec import canonical_json, new_request
 from fleetline.processors.scheduling.runtime import (

@@ -11,7 +11,7 @@ the offsets the state last observed), and at no other time (`FoldStep`).
 The ticker reads the live view every `tick_interval_s`, keeps what it observed under the view's
 offsets and appends a TICK naming them; when the TICK comes round in the log, the handler uses
 that observation (or, after a restart, rebuilds the view at those offsets from snapshots and
-the log). A replay does the same (`processors/replay.replay_decisions`), which is why it
+the log). A replay does the same (`processors/decision_replay.replay_decisions`), which is why it
 reproduces every decision byte for byte.
 """
 
