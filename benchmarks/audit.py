@@ -27,7 +27,6 @@ from fleetline.storage.audit_store import AuditTable
 from fleetline.storage.clickhouse import connect, migrate
 from fleetline.storage.sinks import RecordSink
 from fleetline.streams import kafka as kafka_clients
-from fleetline.streams.events import AUDIT_RECORD
 from fleetline.streams.topics import Topics
 
 BASE_MS = 1_796_000_000_000
@@ -100,14 +99,7 @@ def main() -> None:
         client = connect(f"chdb://{tempfile.mkdtemp(prefix='bench-audit-')}")
         migrate(client, "bench")
         table = AuditTable(client, "bench")
-        sink = record_sink(
-            settings,
-            f"{topics.prefix}.bench-sink",
-            topics.audit_log,
-            AUDIT_RECORD,
-            table,
-            topics.dead_letter,
-        )
+        sink = record_sink(settings, topics, "bench-sink", topics.audit_log, table)
         step = sink.step
         assert isinstance(step, RecordSink)
         stop = threading.Event()

@@ -428,7 +428,8 @@ def e2e(nodes: int, jobs: int, rate: float) -> dict[str, object]:
     from _common import local_services
 
     from fleetline.config import Settings
-    from fleetline.processors.scheduling.runtime import scheduler_topics, send
+    from fleetline.processors.scheduling.client import send
+    from fleetline.processors.scheduling.runtime import scheduler_topics
     from fleetline.streams import kafka as kafka_clients
     from fleetline.streams.topics import Topics
 

@@ -36,8 +36,9 @@ from confluent_kafka import KafkaError, TopicPartition
 
 from fleetline.agents.simulator import cluster_info, default_clusters
 from fleetline.config import Settings
+from fleetline.processors.scheduling.client import submit
 from fleetline.processors.scheduling.codec import new_request, submit_request
-from fleetline.processors.scheduling.runtime import scheduler_topics, submit
+from fleetline.processors.scheduling.runtime import scheduler_topics
 from fleetline.processors.scheduling.specs import parse_spec
 from fleetline.processors.view.runtime import APPLICATION_ID as VIEW_APP
 from fleetline.processors.view.runtime import declare_clusters

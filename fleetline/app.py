@@ -11,7 +11,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from clickhouse_connect.driver.client import Client
 from fastapi import FastAPI
@@ -66,22 +66,15 @@ from fleetline.storage.tiering.macros import expander
 from fleetline.storage.tiering.policy import GPU_SAMPLES, DataClass
 from fleetline.storage.tiering.store import TieredStore
 from fleetline.streams import kafka as kafka_clients
-from fleetline.streams.events import (
-    ALLOCATION,
-    AUDIT_RECORD,
-    LOG_RECORD,
-    NODE_STATE,
-    REPAIR_TICKET,
-    SCHEDULER_REQUEST,
-    SCHEDULING_DECISION,
-    WORKLOAD_EVENT,
-)
 from fleetline.streams.loop import Step, StreamLoop
 from fleetline.streams.records import Offsets
 from fleetline.streams.serde import default_codec
 from fleetline.streams.topics import Topics
 
 log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:  # the API server is imported only where it runs
+    import uvicorn
 
 
 class Service(Protocol):
@@ -147,17 +140,23 @@ def sealed_objects(settings: Settings) -> SealedObjectStore:
 
 def record_sink(
     settings: Settings,
+    topics: Topics,
     name: str,
     topic: str,
-    expect: str,
     destination: Destination,
-    dead_letter_topic: str,
     convert: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> StreamLoop:
-    """A loop that stores every `expect` record of `topic` in `destination`."""
-    step = RecordSink(default_codec(), topic, expect, destination, convert)
+    """A loop (consumer group `<prefix>.<name>`) that stores every record of `topic` (the record
+    its spec names) in `destination`."""
+    step = RecordSink(default_codec(), topic, topics.record_of(topic), destination, convert)
     return StreamLoop(
-        settings.kafka, name, [topic], step, dead_letter_topic, max_messages=5000, max_wait_s=0.5
+        settings.kafka,
+        f"{topics.prefix}.{name}",
+        [topic],
+        step,
+        topics.dead_letter,
+        max_messages=5000,
+        max_wait_s=0.5,
     )
 
 
@@ -340,63 +339,28 @@ def build(settings: Settings, options: Options) -> Fleetline:
         summary_interval_s=options.summary_interval_s if options.sharded else None,
     )
     samples = sample_sink(settings, client, topics)
-    sinks = {
-        "node-states": record_sink(
-            settings,
-            f"{topics.prefix}.node-states",
-            topics.node_state,
-            NODE_STATE,
-            NodeStateTable(client, db),
-            topics.dead_letter,
-        ),
-        "decisions": record_sink(
-            settings,
-            f"{topics.prefix}.decisions-sink",
-            topics.decisions,
-            SCHEDULING_DECISION,
-            DecisionTable(client, db),
-            topics.dead_letter,
-        ),
-        "allocations": record_sink(
-            settings,
-            f"{topics.prefix}.allocations-sink",
-            topics.allocations,
-            ALLOCATION,
-            AllocationTable(client, db),
-            topics.dead_letter,
-        ),
-        "workload-events": record_sink(
-            settings,
-            f"{topics.prefix}.workload-events-sink",
+    # Every table a record topic is kept in: sink -> (its consumer group, the topic, the table).
+    tables: dict[str, tuple[str, str, Destination]] = {
+        "node-states": ("node-states", topics.node_state, NodeStateTable(client, db)),
+        "decisions": ("decisions-sink", topics.decisions, DecisionTable(client, db)),
+        "allocations": ("allocations-sink", topics.allocations, AllocationTable(client, db)),
+        "workload-events": (
+            "workload-events-sink",
             topics.workloads,
-            WORKLOAD_EVENT,
             WorkloadEventTable(client, db),
-            topics.dead_letter,
         ),
-        "logs": record_sink(
-            settings,
-            f"{topics.prefix}.logs-sink",
-            topics.logs,
-            LOG_RECORD,
-            LogTable(client, db),
-            topics.dead_letter,
-        ),
-        "repair-tickets": record_sink(
-            settings,
-            f"{topics.prefix}.repair-tickets-sink",
-            topics.tickets,
-            REPAIR_TICKET,
-            TicketTable(client, db),
-            topics.dead_letter,
-        ),
-        "energy-prices": record_sink(
-            settings,
-            f"{topics.prefix}.energy-prices-sink",
+        "logs": ("logs-sink", topics.logs, LogTable(client, db)),
+        "repair-tickets": ("repair-tickets-sink", topics.tickets, TicketTable(client, db)),
+        # Energy price profiles ride on the scheduler's own log (ENERGY requests).
+        "energy-prices": (
+            "energy-prices-sink",
             topics.scheduler_requests,
-            SCHEDULER_REQUEST,
             EnergyPriceTable(client, db),
-            topics.dead_letter,
         ),
+    }
+    sinks = {
+        sink: record_sink(settings, topics, group, topic, destination)
+        for sink, (group, topic, destination) in tables.items()
     }
     fleet = Fleetline(settings, options, client, view, samples, sinks)
     if options.scheduler:
@@ -422,20 +386,14 @@ def build(settings: Settings, options: Options) -> Fleetline:
         )
         fleet.linker = audit_linker(kafka, topics, options.instance_id)
         sinks["audit-clickhouse"] = record_sink(
-            settings,
-            f"{topics.prefix}.audit-clickhouse",
-            topics.audit_log,
-            AUDIT_RECORD,
-            fleet.audit_table,
-            topics.dead_letter,
+            settings, topics, "audit-clickhouse", topics.audit_log, fleet.audit_table
         )
         sinks["audit-object-storage"] = record_sink(
             settings,
-            f"{topics.prefix}.audit-object-storage",
+            topics,
+            "audit-object-storage",
             topics.audit_log,
-            AUDIT_RECORD,
             AuditArchive(sealed_objects(settings), f"audit/{topics.prefix}"),
-            topics.dead_letter,
             convert=lambda r: export_entry(r, reveal_sensitive=True),
         )
     if options.cluster_health:
@@ -474,3 +432,26 @@ def build(settings: Settings, options: Options) -> Fleetline:
         limits=settings.query_limits,
     )
     return fleet
+
+
+def api_server(
+    app: FastAPI,
+    host: str,
+    port: int,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+) -> uvicorn.Server:
+    """The HTTP server of the API (`serve`, and the demo's check of it): run it with `.run()`,
+    in a thread or not; it stops when `should_exit` is set."""
+    import uvicorn
+
+    return uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            ssl_certfile=tls_cert,
+            ssl_keyfile=tls_key,
+        )
+    )

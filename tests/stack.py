@@ -27,8 +27,8 @@ from fleetline.agents.simulator import ClusterSpec, FleetSimulator
 from fleetline.app import Fleetline, Options, build
 from fleetline.config import Settings
 from fleetline.infra.lab import Lab, exec_argv
+from fleetline.processors.scheduling.client import submit
 from fleetline.processors.scheduling.codec import canonical_json, new_request
-from fleetline.processors.scheduling.runtime import submit
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import default_codec
 from tests.services import service_env

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
 from fleetline.config import KafkaSettings
+from fleetline.processors.scheduling.client import send
 from fleetline.processors.scheduling.codec import new_request
-from fleetline.processors.scheduling.runtime import send
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.events import DATASET_PREWARM
 from fleetline.streams.records import where

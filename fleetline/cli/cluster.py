@@ -168,7 +168,7 @@ def health(
     json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Each cluster's health as the emergency topic last declared it, and broken links."""
-    from fleetline.processors.scheduling.runtime import read_topic
+    from fleetline.processors.scheduling.client import read_topic
     from fleetline.streams.events import CLUSTER_HEALTH
     from fleetline.streams.serde import default_codec
     from fleetline.streams.topics import Topics

@@ -43,7 +43,7 @@ def _gpus(job: dict[str, Any]) -> int:
 
 
 def _state(config: Settings, topics: Topics) -> ChangelogStore[Any]:
-    from fleetline.processors.scheduling.runtime import read_state
+    from fleetline.processors.scheduling.client import read_state
 
     return read_state(config.kafka, topics)
 
@@ -59,7 +59,7 @@ def get_jobs(
     topic_prefix: TopicPrefix = "fleetline",
 ) -> None:
     """Jobs: phase (desired), what their cluster reports (actual), priority, GPUs, where."""
-    from fleetline.processors.scheduling.runtime import job_records
+    from fleetline.processors.scheduling.client import job_records
 
     jobs = [
         j
@@ -231,7 +231,7 @@ def explain(
     for). Given a service: its replicas, their load in the registry, the load the autoscaler
     last saw and the router's weights for clients in each of its regions. Given a node: why
     operations cordoned it, from its repair tickets' evidence."""
-    from fleetline.processors.scheduling.runtime import decisions_of
+    from fleetline.processors.scheduling.client import decisions_of
 
     if "/" not in job:
         from fleetline.cli.operations import explain_node
@@ -306,8 +306,8 @@ def quota_set(
     topic_prefix: TopicPrefix = "fleetline",
 ) -> None:
     """A tenant's quotas, reserved capacity and fair-share weight."""
+    from fleetline.processors.scheduling.client import submit
     from fleetline.processors.scheduling.codec import canonical_json, new_request
-    from fleetline.processors.scheduling.runtime import submit
     from fleetline.processors.scheduling.tenancy import TenantPolicy
 
     policy = {

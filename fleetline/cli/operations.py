@@ -262,7 +262,7 @@ def tune(
     from fleetline.processors.operations.runtime import append as append_events
     from fleetline.processors.operations.runtime import ops_event
     from fleetline.processors.operations.tuning import batch_size, checkpoint_interval
-    from fleetline.processors.scheduling.runtime import job_records, read_state
+    from fleetline.processors.scheduling.client import job_records, read_state
     from fleetline.storage.queries import (
         checkpoint_costs_sql,
         failure_history_sql,
@@ -339,9 +339,9 @@ def apply(
     import yaml
 
     from fleetline.cli.specs import audit_requests
+    from fleetline.processors.scheduling.client import submit
     from fleetline.processors.scheduling.codec import canonical_json, new_request
     from fleetline.processors.scheduling.energy import EnergyProfile
-    from fleetline.processors.scheduling.runtime import submit
     from fleetline.streams.topics import Topics
 
     try:

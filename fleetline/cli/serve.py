@@ -112,10 +112,10 @@ def serve(
     ] = None,
 ) -> None:
     """Run the resource-view processor, the scheduler, the sinks and the HTTP API."""
-    from fleetline.app import Options, build
+    from fleetline.app import Options, api_server, build
     from fleetline.observability import logs
     from fleetline.processors.operations.runtime import load_ops_policy
-    from fleetline.processors.scheduling.runtime import load_policy
+    from fleetline.processors.scheduling.client import load_policy
 
     config = settings("kafka", "s3", "clickhouse")
     if not no_api and config.auth_config is None:
@@ -165,23 +165,18 @@ def serve(
             while not fleet.stop.wait(1.0):
                 pass
         else:
-            import uvicorn
-
             from fleetline.api.auth import AuthConfig, Authenticator
             from fleetline.processors.audit.runtime import KafkaAuditEmitter
 
             assert config.auth_config is not None
             emitter = KafkaAuditEmitter(config.kafka, options.topics)
             app = fleet.api(Authenticator(AuthConfig.from_file(config.auth_config)), emitter)
-            server = uvicorn.Server(
-                uvicorn.Config(
-                    app,
-                    host=listen_host(host),
-                    port=port,
-                    log_level="warning",
-                    ssl_certfile=str(tls_cert) if tls_cert else None,
-                    ssl_keyfile=str(tls_key) if tls_key else None,
-                )
+            server = api_server(
+                app,
+                listen_host(host),
+                port,
+                str(tls_cert) if tls_cert else None,
+                str(tls_key) if tls_key else None,
             )
             server.run()
             emitter.flush()

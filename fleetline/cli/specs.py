@@ -93,7 +93,7 @@ def _wait_for_decisions(
 ) -> dict[str, dict[str, Any]]:
     """The latest decision about each key made at or after its request's log offset, once each
     is settled (placed, accepted or rejected) or the time is up (then it may be QUEUED)."""
-    from fleetline.processors.scheduling.runtime import DecisionFollower
+    from fleetline.processors.scheduling.client import DecisionFollower
 
     wanted = dict(zip(keys, offsets, strict=True))
     latest: dict[str, dict[str, Any]] = {}
@@ -174,13 +174,20 @@ def _submit_jobs(
 ) -> None:
     """Append the job and dataset specs under one trace, audit them, and (with `wait`) print
     each one's decision."""
-    from fleetline.processors.scheduling.codec import datasets_first, submit_request
-    from fleetline.processors.scheduling.runtime import submit
+    from fleetline.processors.scheduling.client import submit
+    from fleetline.processors.scheduling.codec import spec_requests
 
     entered_ms = now_ms()
     requests = [
-        submit_request(spec, doc, entered_ms, uuid.uuid4().hex, actor, trace.traceparent)
-        for spec, doc in datasets_first([s for s, _ in jobs], [d for _, d in jobs])
+        r
+        for _, r in spec_requests(
+            [s for s, _ in jobs],
+            [d for _, d in jobs],
+            entered_ms,
+            actor,
+            lambda: uuid.uuid4().hex,
+            lambda: trace.traceparent,
+        )
     ]
     offsets = submit(config.kafka, topics, requests)
     audit_requests(
@@ -224,8 +231,8 @@ def delete(
     topic_prefix: TopicPrefix = "fleetline",
 ) -> None:
     """Delete jobs or datasets: their GPUs are released and the queue moves on."""
+    from fleetline.processors.scheduling.client import submit
     from fleetline.processors.scheduling.codec import new_request
-    from fleetline.processors.scheduling.runtime import submit
     from fleetline.processors.scheduling.specs import Cluster
 
     keys: list[tuple[str, str]] = []  # (request key, tenant)

@@ -22,31 +22,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import uvicorn
-
 from fleetline.agents.fleet import FleetAgent
 from fleetline.agents.simulator import FleetSimulator
 from fleetline.api.auth import AuthConfig, Authenticator, token_digest
-from fleetline.app import Fleetline, Options, build
+from fleetline.app import Fleetline, Options, api_server, build
 from fleetline.config import Settings
 from fleetline.demo.cluster_story import ClusterAgents, LabClusterAgents, lose_a_cluster
 from fleetline.demo.scenario import Scenario
 from fleetline.demo.serving_story import serving_day
 from fleetline.errors import StreamError
 from fleetline.infra.lab import Lab
-from fleetline.observability import tracing
 from fleetline.processors.audit.chain import export_entry, verify
 from fleetline.processors.audit.runtime import KafkaAuditEmitter, published_decisions
 from fleetline.processors.audit.sources import unaudited_decisions
 from fleetline.processors.decision_replay import replay_decisions
 from fleetline.processors.replay import ViewFollower, offsets_at, rebuild
+from fleetline.processors.scheduling.client import (
+    DecisionFollower,
+    decisions_of,
+    submit,
+    submit_specs,
+)
 from fleetline.processors.scheduling.codec import (
     canonical_json,
-    datasets_first,
     new_request,
-    submit_request,
 )
-from fleetline.processors.scheduling.runtime import DecisionFollower, decisions_of, submit
 from fleetline.processors.scheduling.specs import parse_spec
 from fleetline.processors.scheduling.state import spec_key
 from fleetline.processors.view import read as view_read
@@ -94,27 +94,6 @@ def demo_options(topics: Topics) -> Options:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
-
-
-def submit_specs(
-    settings: Settings,
-    topics: Topics,
-    documents: Sequence[Mapping[str, Any]],
-    actor: str = "fleetline-run",
-) -> list[int]:
-    specs = [parse_spec(d) for d in documents]
-    return submit(
-        settings.kafka,
-        topics,
-        [
-            # Each submission enters a trace of its own, as through `apply` or the API (a
-            # derived trace id would be the same in every run sharing a ClickHouse store).
-            submit_request(
-                spec, dict(doc), _now_ms(), uuid.uuid4().hex, actor, tracing.start().traceparent
-            )
-            for spec, doc in datasets_first(specs, list(documents))
-        ],
-    )
 
 
 def set_policies(
@@ -206,9 +185,7 @@ def call_api(fleet: Fleetline) -> list[tuple[str, int]]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(fleet.api(auth, emitter), host="127.0.0.1", port=port, log_level="warning")
-    )
+    server = api_server(fleet.api(auth, emitter), "127.0.0.1", port)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     calls = []
@@ -454,7 +431,7 @@ def play(
                 if event.tenant_policies:
                     set_policies(settings, topics, event.tenant_policies)
                 if event.apply:
-                    submit_specs(settings, topics, event.apply)
+                    submit_specs(settings.kafka, topics, event.apply, "fleetline-run", _now_ms())
                     submitted |= {spec_key(parse_spec(d)) for d in event.apply}
                 if event.note:
                     progress(f"t+{tick * interval / 1000:.0f}s: {event.note}")

@@ -22,8 +22,8 @@ from fleetline.agents.router.server import start_router
 from fleetline.app import Fleetline
 from fleetline.config import Settings
 from fleetline.demo.load import LoadPlan, LoadResult, run_load
+from fleetline.processors.scheduling.client import decisions_of, submit, submit_specs
 from fleetline.processors.scheduling.codec import canonical_json, new_request
-from fleetline.processors.scheduling.runtime import decisions_of, submit
 from fleetline.streams.topics import Topics
 
 
@@ -85,7 +85,6 @@ def serving_day(
         for d in documents
         if d["kind"] == "TrainingJob"
     )
-    from fleetline.demo.play import submit_specs
 
     submit(
         settings.kafka,
@@ -102,7 +101,13 @@ def serving_day(
             )
         ],
     )
-    submit_specs(settings, topics, [d for d in documents if d["kind"] == "TrainingJob"])
+    submit_specs(
+        settings.kafka,
+        topics,
+        [d for d in documents if d["kind"] == "TrainingJob"],
+        "fleetline-run",
+        int(time.time() * 1000),
+    )
     # A fleet too small for the day's training (`fleetline run --nodes 2`) skips the day.
     placed = _until(
         lambda: (_jobs(fleet).get(training) or {}).get("phase") in ("Running", "Queued"), 90
@@ -113,7 +118,13 @@ def serving_day(
         say(f"no serving day: {training} does not fit this fleet ({why[:160]})")
         return {"skipped": f"{training} does not fit: {why}"}
     _until(lambda: (_jobs(fleet).get(training) or {}).get("phase") == "Running", 90)
-    submit_specs(settings, topics, [d for d in documents if d["kind"] != "TrainingJob"])
+    submit_specs(
+        settings.kafka,
+        topics,
+        [d for d in documents if d["kind"] != "TrainingJob"],
+        "fleetline-run",
+        int(time.time() * 1000),
+    )
     if not _until(lambda: snapshot(fleet, service, training)["serving"], 90):
         say(f"no serving day: no replica of {service} served within 90s")
         return {"skipped": f"no replica of {service} served within 90s"}

@@ -16,11 +16,11 @@ from fleetline.processors.operations.fold import Command, OpsFold, TicketChanged
 from fleetline.processors.operations.runtime import APPLICATION_ID as OPS_APP
 from fleetline.processors.operations.runtime import command_record, ticket_record
 from fleetline.processors.scheduling.capacity import FleetFacts
+from fleetline.processors.scheduling.client import APPLICATION_ID as SCHEDULER_APP
+from fleetline.processors.scheduling.client import read_state, read_topic
 from fleetline.processors.scheduling.codec import canonical_json, effect_record, offsets_of
 from fleetline.processors.scheduling.effects import Decision
 from fleetline.processors.scheduling.policy import SchedulingPolicy
-from fleetline.processors.scheduling.runtime import APPLICATION_ID as SCHEDULER_APP
-from fleetline.processors.scheduling.runtime import read_state, read_topic
 from fleetline.processors.scheduling.scheduler import Scheduler
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.deadletter import read_dead_letter

@@ -42,7 +42,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from confluent_kafka import (
     OFFSET_BEGINNING,
@@ -62,6 +62,7 @@ from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.deadletter import dead_letter_headers
 from fleetline.streams.records import Output
 from fleetline.streams.store import ChangelogStore
+from fleetline.streams.topics import Topics
 
 log = logging.getLogger(__name__)
 P = TypeVar("P")
@@ -975,3 +976,46 @@ def run_beside(
     finally:
         stop.set()
         thread.join(30)
+
+
+def fold_loop(
+    kafka: KafkaSettings,
+    topics: Topics,
+    application_id: str,
+    log_topic: str,
+    step: Step[Any],
+    instance_id: str,
+    max_messages: int,
+    max_wait_s: float = 0.005,
+) -> StreamLoop:
+    """The exactly-once loop of a fold over one single-partition log (the scheduler, cluster
+    health, operations): its consumer group and transactional id named by the application, a
+    short poll (a batch is what arrived during the last commit) and a producer that lingers a
+    millisecond."""
+    return StreamLoop(
+        kafka,
+        f"{topics.prefix}.{application_id}",
+        [log_topic],
+        step,
+        topics.dead_letter,
+        exactly_once=True,
+        instance_id=instance_id,
+        max_messages=max_messages,
+        max_wait_s=max_wait_s,
+        producer_config={"linger.ms": 1},
+    )
+
+
+class FoldService:
+    """A fold's loop with the thread that appends to its log beside it (the scheduler's ticker,
+    the control plane's clock, operations' ticker over the view), run together: the loop
+    stopping stops the thread. A service sets `loop` and `side_name` and writes `side`."""
+
+    loop: StreamLoop
+    side_name: ClassVar[str]
+
+    def run(self, stop: threading.Event) -> None:
+        run_beside(self.loop, stop, self.side, self.side_name)
+
+    def side(self, stop: threading.Event) -> None:
+        raise NotImplementedError

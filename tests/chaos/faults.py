@@ -18,7 +18,7 @@ from fleetline.config import KafkaSettings, Settings
 from fleetline.processors.audit.runtime import published_decisions
 from fleetline.processors.decision_replay import replay_decisions
 from fleetline.processors.replay import ViewFollower
-from fleetline.processors.scheduling.runtime import decisions_of, read_topic
+from fleetline.processors.scheduling.client import decisions_of, read_topic
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.deadletter import DeadLetter, read_dead_letter
 from fleetline.streams.events import SCHEDULER_REQUEST

@@ -13,7 +13,7 @@ import pytest
 from fleetline.app import Options
 from fleetline.config import Settings
 from fleetline.processors.health.fold import ClusterHealthPolicy
-from fleetline.processors.scheduling.runtime import submit
+from fleetline.processors.scheduling.client import submit
 from tests.chaos.conftest import rounds
 from tests.services import submits
 from tests.stack import Stack, running_stack

@@ -38,7 +38,7 @@ from fleetline.app import Options
 from fleetline.demo.load import LoadPlan, run_load
 from fleetline.infra import ca
 from fleetline.processors.health.fold import ClusterHealthPolicy
-from fleetline.processors.scheduling.runtime import submit
+from fleetline.processors.scheduling.client import submit
 from fleetline.processors.view.model import NodeStatus
 from tests.chaos.conftest import LabServices
 from tests.chaos.faults import dump_threads

@@ -19,7 +19,8 @@ from fleetline.processors.audit.chain import export_entry, verify
 from fleetline.processors.audit.runtime import load_signer, read_chain
 from fleetline.processors.audit.sources import unaudited_decisions
 from fleetline.processors.replay import log_bounds, rebuild
-from fleetline.processors.scheduling.runtime import scheduler_topics, submit
+from fleetline.processors.scheduling.client import submit
+from fleetline.processors.scheduling.runtime import scheduler_topics
 from fleetline.processors.view import codec as view_codec
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import default_codec

@@ -22,8 +22,9 @@ from fleetline.agents.simulator import ClusterSpec, FleetSimulator, cluster_info
 from fleetline.config import Settings
 from fleetline.errors import StreamError
 from fleetline.infra import KafkaCluster
-from fleetline.processors.scheduling.runtime import APPLICATION_ID as SCHEDULER
-from fleetline.processors.scheduling.runtime import STORE, scheduler_topics, submit
+from fleetline.processors.scheduling.client import APPLICATION_ID as SCHEDULER
+from fleetline.processors.scheduling.client import STORE, submit
+from fleetline.processors.scheduling.runtime import scheduler_topics
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import default_codec
 from fleetline.streams.topics import Topics

@@ -21,8 +21,9 @@ from fleetline.processors.audit.runtime import published_decisions
 from fleetline.processors.decision_replay import replay_decisions
 from fleetline.processors.replay import ViewFollower, log_bounds, rebuild
 from fleetline.processors.scheduling.capacity import observe, observe_summaries
+from fleetline.processors.scheduling.client import read_topic, submit
 from fleetline.processors.scheduling.codec import offsets_of
-from fleetline.processors.scheduling.runtime import read_topic, scheduler_topics, submit
+from fleetline.processors.scheduling.runtime import scheduler_topics
 from fleetline.processors.view import codec as view_codec
 from fleetline.processors.view.folder import shard_part
 from fleetline.processors.view.runtime import SummaryFollower

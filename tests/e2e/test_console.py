@@ -29,7 +29,7 @@ from fleetline.app import Options
 from fleetline.config import Settings
 from fleetline.processors.audit.runtime import KafkaAuditEmitter
 from fleetline.processors.health.fold import ClusterHealthPolicy
-from fleetline.processors.scheduling.runtime import submit
+from fleetline.processors.scheduling.client import submit
 from tests.services import submits
 from tests.stack import Stack, now_ms, running_stack
 from tests.support import wait_until

@@ -29,8 +29,8 @@ from fleetline.processors.operations.runtime import (
     KafkaOperations,
     ticket_from_record,
 )
+from fleetline.processors.scheduling.client import decisions_of, submit
 from fleetline.processors.scheduling.codec import canonical_json, new_request
-from fleetline.processors.scheduling.runtime import decisions_of, submit
 from tests.services import service_env, submits
 from tests.stack import Stack, now_ms, running_stack
 from tests.support import wait_until

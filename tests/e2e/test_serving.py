@@ -28,8 +28,8 @@ import pytest
 from fleetline.app import Options
 from fleetline.cli import main
 from fleetline.config import Settings
+from fleetline.processors.scheduling.client import decisions_of, submit
 from fleetline.processors.scheduling.codec import canonical_json, new_request
-from fleetline.processors.scheduling.runtime import decisions_of, submit
 from tests.services import service_env, submits
 from tests.stack import Stack, now_ms, running_stack
 from tests.support import wait_until

@@ -32,7 +32,6 @@ from fleetline.storage.clickhouse import migrate
 from fleetline.storage.crypto import ObjectCipher, SealedObjectStore
 from fleetline.storage.objects import ObjectStore
 from fleetline.streams import kafka as kafka_clients
-from fleetline.streams.events import AUDIT_RECORD
 from tests.fleet_events import fold
 from tests.support import BASE_MS, fresh_topics, wait_until
 
@@ -125,15 +124,7 @@ def audit_env(settings, clickhouse, tmp_path, monkeypatch):
 
 def sinks(settings, topics, table, archive):
     return [
-        record_sink(
-            settings,
-            f"{topics.prefix}.audit-{d.name}",
-            topics.audit_log,
-            AUDIT_RECORD,
-            d,
-            topics.dead_letter,
-            convert,
-        )
+        record_sink(settings, topics, f"audit-{d.name}", topics.audit_log, d, convert)
         for d, convert in (
             (table, None),
             (archive, lambda r: export_entry(r, reveal_sensitive=True)),

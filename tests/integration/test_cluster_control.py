@@ -29,8 +29,8 @@ from fleetline.cli import main
 from fleetline.config import Settings
 from fleetline.processors.health.fold import ClusterHealthPolicy
 from fleetline.processors.operations.runtime import append, ops_event
+from fleetline.processors.scheduling.client import read_topic, submit
 from fleetline.processors.scheduling.codec import new_request
-from fleetline.processors.scheduling.runtime import read_topic, submit
 from fleetline.processors.view import read as view_read
 from fleetline.streams import kafka as kafka_clients
 from tests.services import service_env, submits

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from fleetline.agents.fleet import FleetAgent
 from fleetline.agents.simulator import ClusterSpec, FleetSimulator
+from fleetline.processors.scheduling.client import request_output
 from fleetline.processors.scheduling.codec import new_request
-from fleetline.processors.scheduling.runtime import request_output
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.loop import deliver
 from fleetline.streams.records import Output

@@ -9,7 +9,8 @@ import threading
 import pytest
 
 from fleetline.agents.data_mover import SimulatedDataMover
-from fleetline.processors.scheduling.runtime import read_topic, scheduler_topics
+from fleetline.processors.scheduling.client import read_topic
+from fleetline.processors.scheduling.runtime import scheduler_topics
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import default_codec
 from tests.support import BASE_MS, fresh_topics, wait_until

@@ -20,7 +20,8 @@ from fleetline.agents.node import NodeAgent, NodeIdentity, operator_labels
 from fleetline.agents.simulator import ClusterSpec, cluster_info
 from fleetline.cli import main
 from fleetline.config import Settings
-from fleetline.processors.scheduling.runtime import decisions_of, scheduler_topics, submit
+from fleetline.processors.scheduling.client import decisions_of, submit
+from fleetline.processors.scheduling.runtime import scheduler_topics
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import default_codec
 from fleetline.streams.topics import Topics

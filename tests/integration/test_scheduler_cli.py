@@ -16,8 +16,9 @@ import pytest
 
 from fleetline.agents.simulator import ClusterSpec, cluster_info
 from fleetline.cli import main
+from fleetline.processors.scheduling.client import decisions_of, submit
 from fleetline.processors.scheduling.codec import new_request
-from fleetline.processors.scheduling.runtime import decisions_of, scheduler_topics, submit
+from fleetline.processors.scheduling.runtime import scheduler_topics
 from fleetline.streams import kafka as kafka_clients
 from tests.fleet_events import scenario_events
 from tests.scheduling_support import training

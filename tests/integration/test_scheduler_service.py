@@ -23,15 +23,9 @@ from fleetline.processors.operations.runtime import STORE as OPS_STORE
 from fleetline.processors.operations.runtime import OpsService
 from fleetline.processors.replay import ViewFollower, log_bounds, rebuild
 from fleetline.processors.scheduling.capacity import observe
+from fleetline.processors.scheduling.client import decisions_of, job_records, read_state, submit
 from fleetline.processors.scheduling.codec import canonical_json, new_request
-from fleetline.processors.scheduling.runtime import (
-    SchedulerService,
-    decisions_of,
-    job_records,
-    read_state,
-    scheduler_topics,
-    submit,
-)
+from fleetline.processors.scheduling.runtime import SchedulerService, scheduler_topics
 from fleetline.processors.view import read as view_read
 from fleetline.processors.view.model import ResourceView
 from fleetline.processors.view.read import StaticView

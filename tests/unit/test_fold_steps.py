@@ -8,8 +8,9 @@ transaction markers leave in any log a transactional producer writes, not a lost
 from __future__ import annotations
 
 from fleetline.processors.scheduling.capacity import observe
+from fleetline.processors.scheduling.client import state_store
 from fleetline.processors.scheduling.codec import canonical_json
-from fleetline.processors.scheduling.runtime import Observations, SchedulerStep, state_store
+from fleetline.processors.scheduling.runtime import Observations, SchedulerStep
 from fleetline.processors.view.model import ResourceView
 from fleetline.streams.serde import default_codec
 from fleetline.streams.store import POSITION_KEY, json_store

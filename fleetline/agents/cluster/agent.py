@@ -47,8 +47,8 @@ from fleetline.errors import FleetlineError
 from fleetline.observability import tracing
 from fleetline.processors.health.runtime import signal as cluster_signal
 from fleetline.processors.health.runtime import signal_output
+from fleetline.processors.scheduling.client import request_output
 from fleetline.processors.scheduling.codec import new_request
-from fleetline.processors.scheduling.runtime import request_output
 from fleetline.processors.scheduling.services import REPLICA_KIND, ROLE_LABEL, SERVICE_LABEL
 from fleetline.processors.scheduling.specs import TrainingJobSpec
 from fleetline.schemas.records import (

@@ -40,8 +40,8 @@ from fleetline.agents.router.listen import listen
 from fleetline.agents.router.routing import Registry, RoutingPolicy, choose, load_report, weights
 from fleetline.config import Settings
 from fleetline.errors import AuthenticationError, PermissionDenied
+from fleetline.processors.scheduling.client import request_output
 from fleetline.processors.scheduling.codec import new_request
-from fleetline.processors.scheduling.runtime import request_output
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.loop import produce
 from fleetline.streams.serde import default_codec

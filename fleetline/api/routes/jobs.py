@@ -15,9 +15,8 @@ from fleetline.api.routing import Routes
 from fleetline.observability.tracing import TraceContext
 from fleetline.processors.scheduling.codec import (
     canonical_json,
-    datasets_first,
     new_request,
-    submit_request,
+    spec_requests,
 )
 from fleetline.processors.scheduling.specs import SpecError, parse_specs
 from fleetline.processors.scheduling.state import Job
@@ -62,20 +61,21 @@ def register(route: Routes, ports: Ports) -> None:
             )
         documents = [d for d in yaml.safe_load_all(text) if d is not None]
         principal: Principal = request.state.principal
-        ordered = datasets_first(specs, documents)
         trace: TraceContext = request.state.trace
-        requests = [
-            submit_request(
-                spec, doc, clock(), uuid.uuid4().hex, principal.subject, trace.traceparent
-            )
-            for spec, doc in ordered
-        ]
-        offsets = ports.scheduler().submit(requests)
+        ordered = spec_requests(
+            specs,
+            documents,
+            clock(),
+            principal.subject,
+            lambda: uuid.uuid4().hex,
+            lambda: trace.traceparent,
+        )
+        offsets = ports.scheduler().submit([r for _, r in ordered])
         return {
             "trace_id": trace.trace_id,
             "accepted": [
                 {"key": r["key"], "kind": spec.kind, "request_offset": o}
-                for r, (spec, _), o in zip(requests, ordered, offsets, strict=True)
+                for (spec, r), o in zip(ordered, offsets, strict=True)
             ],
         }
 

@@ -22,7 +22,7 @@ from fleetline.processors.health.fold import ClusterHealthPolicy, HealthFold
 from fleetline.schemas.records import ClusterSignal, ClusterSignalKind, PeerReach, WorkloadStatus
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.events import CLUSTER_HEALTH, CLUSTER_SIGNAL
-from fleetline.streams.loop import FoldStep, StreamLoop, produce, run_beside
+from fleetline.streams.loop import FoldService, FoldStep, fold_loop, produce
 from fleetline.streams.records import Output, where
 from fleetline.streams.serde import AvroCodec, default_codec
 from fleetline.streams.store import FOLD_STORE, ChangelogStore, fold_store
@@ -124,8 +124,10 @@ class HealthStep(FoldStep[HealthFold]):
 
 
 @dataclass
-class ClusterHealthService:
+class ClusterHealthService(FoldService):
     """The health fold's loop plus the control plane's clock, run together."""
+
+    side_name = "cluster-clock"
 
     kafka: KafkaSettings
     topics: Topics
@@ -137,26 +139,20 @@ class ClusterHealthService:
     def __post_init__(self) -> None:
         self.store = health_store(self.topics)
         self.step = HealthStep(self.topics, self.store, self.policy)
-        self.name = f"{self.topics.prefix}.{APPLICATION_ID}"
-        self.loop = StreamLoop(
+        self.loop = fold_loop(
             self.kafka,
-            self.name,
-            [self.topics.cluster_signals],
+            self.topics,
+            APPLICATION_ID,
+            self.topics.cluster_signals,
             self.step,
-            self.topics.dead_letter,
-            exactly_once=True,
-            instance_id=self.instance_id,
+            self.instance_id,
             max_messages=500,
-            max_wait_s=0.005,
-            producer_config={"linger.ms": 1},
         )
+        self.name = self.loop.name
         self.ready = self.loop.ready
         self.ticks = 0
 
-    def run(self, stop: threading.Event) -> None:
-        run_beside(self.loop, stop, self._tick_loop, "cluster-clock")
-
-    def _tick_loop(self, stop: threading.Event) -> None:
+    def side(self, stop: threading.Event) -> None:
         producer = kafka_clients.producer(self.kafka, {"linger.ms": 0})
         codec = default_codec()
         try:

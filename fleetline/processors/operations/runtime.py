@@ -44,19 +44,19 @@ from fleetline.processors.operations.rules import (
     Observation,
     observe,
 )
+from fleetline.processors.scheduling.client import read_topic, request_output
 from fleetline.processors.scheduling.codec import new_request
-from fleetline.processors.scheduling.runtime import read_topic, request_output
 from fleetline.processors.view.read import ViewSource
 from fleetline.schemas.records import CommandKind, NodeCommand, OpsEvent, RepairTicket
 from fleetline.schemas.records import OpsKind as OpsEventKind
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.events import AUDIT_EVENT, NODE_COMMAND, OPS_EVENT, REPAIR_TICKET
 from fleetline.streams.loop import (
+    FoldService,
     FoldStep,
-    StreamLoop,
     deliver,
+    fold_loop,
     produce,
-    run_beside,
     wait_for,
 )
 from fleetline.streams.records import Output, where
@@ -216,8 +216,10 @@ class OpsStep(FoldStep[OpsFold]):
 
 
 @dataclass
-class OpsService:
+class OpsService(FoldService):
     """The operations fold's loop plus its ticker over the view."""
+
+    side_name = "operations-tick"
 
     kafka: KafkaSettings
     topics: Topics
@@ -238,19 +240,16 @@ class OpsService:
     def __post_init__(self) -> None:
         self.store = fold_store(self.topics, APPLICATION_ID)
         self.step = OpsStep(self.topics, self.store)
-        self.name = f"{self.topics.prefix}.{APPLICATION_ID}"
-        self.loop = StreamLoop(
+        self.loop = fold_loop(
             self.kafka,
-            self.name,
-            [self.topics.ops],
+            self.topics,
+            APPLICATION_ID,
+            self.topics.ops,
             self.step,
-            self.topics.dead_letter,
-            exactly_once=True,
-            instance_id=self.instance_id,
+            self.instance_id,
             max_messages=200,
-            max_wait_s=0.005,
-            producer_config={"linger.ms": 1},
         )
+        self.name = self.loop.name
         self.ready = self.loop.ready
         self.ticks = 0
         self._sent: dict[str, NodeLoad] = {}
@@ -263,10 +262,7 @@ class OpsService:
         self._health: dict[str, tuple[int, list[Finding]]] = {}
         self.codec = default_codec()
 
-    def run(self, stop: threading.Event) -> None:
-        run_beside(self.loop, stop, self._tick_loop, "operations-tick")
-
-    def _tick_loop(self, stop: threading.Event) -> None:
+    def side(self, stop: threading.Event) -> None:
         producer = kafka_clients.producer(self.kafka, {"linger.ms": 0})
         try:
             wait_for(self.loop.ready, stop, 120)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fleetline.processors.scheduling.effects import (
@@ -105,6 +105,23 @@ def datasets_first(specs: Sequence[Spec], documents: Sequence[Any]) -> list[tupl
     pairs = list(zip(specs, documents, strict=True))
     return [p for p in pairs if p[0].kind == "Dataset"] + [
         p for p in pairs if p[0].kind != "Dataset"
+    ]
+
+
+def spec_requests(
+    specs: Sequence[Spec],
+    documents: Sequence[Mapping[str, Any]],
+    ts: int,
+    actor: str,
+    request_id: Callable[[], str],
+    traceparent: Callable[[], str | None],
+) -> list[tuple[Spec, dict[str, Any]]]:
+    """The SUBMIT request of each parsed spec, datasets first, each with the id and trace its
+    caller gives (the API and `apply`: one trace for all; the demo: one each). Every way specs
+    are submitted goes through here."""
+    return [
+        (spec, submit_request(spec, doc, ts, request_id(), actor, traceparent()))
+        for spec, doc in datasets_first(specs, documents)
     ]
 
 
