@@ -9,7 +9,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fleetline.errors import ConfigError
 from fleetline.tls import TlsSettings
@@ -187,6 +187,21 @@ class Settings:
 
 
 _HOST_NAME = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.?)+$")
+
+
+def mapping_file(path: str, what: str) -> Mapping[str, Any]:
+    """A YAML (or JSON) file holding one mapping, e.g. a policy: ConfigError naming `what` and
+    the file when it cannot be read, is not YAML or is not a mapping."""
+    import yaml
+
+    try:
+        with open(path) as handle:
+            data = yaml.safe_load(handle) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{what} {path}: {exc}") from None
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{what} {path}: must be a mapping")
+    return data
 
 
 def host_address(value: str, what: str) -> str:

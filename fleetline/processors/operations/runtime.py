@@ -22,7 +22,7 @@ from typing import Any, cast
 
 from confluent_kafka import Message
 
-from fleetline.config import KafkaSettings
+from fleetline.config import KafkaSettings, mapping_file
 from fleetline.errors import ConfigError, FleetlineError, InvalidEventError
 from fleetline.processors.audit.runtime import new_event
 from fleetline.processors.operations.fold import (
@@ -341,16 +341,7 @@ def load_ops_policy(path: str | None) -> tuple[OpsPolicy | None, HealingRules]:
     and the policy the log already holds)."""
     if path is None:
         return None, HealingRules()
-    import yaml
-
-    try:
-        with open(path) as handle:
-            data = yaml.safe_load(handle) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"operations policy {path}: {exc}") from None
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"operations policy {path}: must be a mapping")
-    fields = dict(data)
+    fields = dict(mapping_file(path, "operations policy"))
     rules = fields.pop("rules", None) or {}
     try:
         return OpsPolicy.from_data(fields), HealingRules.from_data(rules)

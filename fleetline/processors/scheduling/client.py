@@ -10,8 +10,8 @@ from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, KafkaError, Message, TopicPartition
 
-from fleetline.config import KafkaSettings
-from fleetline.errors import ConfigError, StreamError
+from fleetline.config import KafkaSettings, mapping_file
+from fleetline.errors import StreamError
 from fleetline.observability import tracing
 from fleetline.processors.scheduling.codec import spec_requests
 from fleetline.processors.scheduling.policy import SchedulingPolicy
@@ -141,16 +141,7 @@ def load_policy(path: str | None) -> SchedulingPolicy | None:
     """A scheduling policy from a YAML or JSON file (None: keep the scheduler's own)."""
     if path is None:
         return None
-    import yaml
-
-    try:
-        with open(path) as handle:
-            data = yaml.safe_load(handle) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"scheduling policy {path}: {exc}") from None
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"scheduling policy {path}: must be a mapping")
-    return SchedulingPolicy.from_data(data)
+    return SchedulingPolicy.from_data(mapping_file(path, "scheduling policy"))
 
 
 def submit_specs(
