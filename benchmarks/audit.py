@@ -18,11 +18,11 @@ from fleetline.app import record_sink
 from fleetline.config import Settings
 from fleetline.processors.audit.chain import Signer, chain_event, export_entry, verify
 from fleetline.processors.audit.runtime import (
-    APPLICATION_ID,
     KafkaAuditEmitter,
     audit_chainer,
     new_event,
 )
+from fleetline.processors.audit.runtime import changelog as audit_changelog
 from fleetline.storage.audit_store import AuditTable
 from fleetline.storage.clickhouse import connect, migrate
 from fleetline.storage.sinks import RecordSink
@@ -74,9 +74,7 @@ def main() -> None:
     settings = Settings.from_env()
     with local_services(settings):
         topics = Topics(prefix=f"bench.audit.{uuid.uuid4().hex[:8]}")
-        kafka_clients.ensure_topics(
-            settings.kafka, [*topics.specs(), topics.changelog_spec(APPLICATION_ID, "chain")]
-        )
+        kafka_clients.ensure_topics(settings.kafka, [*topics.specs(), audit_changelog(topics)])
         emitter = KafkaAuditEmitter(settings.kafka, topics)
         began = time.perf_counter()
         for e in batch:

@@ -24,27 +24,24 @@ from fleetline.errors import StreamError
 from fleetline.observability import metrics
 from fleetline.processors.audit.chain import Signer, export_entry
 from fleetline.processors.audit.runtime import (
-    APPLICATION_ID as AUDIT_APP,
-)
-from fleetline.processors.audit.runtime import (
     AuditEmitter,
     audit_chainer,
     audit_linker,
     load_signer,
 )
+from fleetline.processors.audit.runtime import changelog as audit_changelog
 from fleetline.processors.health.fold import ClusterHealthPolicy
-from fleetline.processors.health.runtime import APPLICATION_ID as HEALTH_APP
-from fleetline.processors.health.runtime import STORE as HEALTH_STORE
 from fleetline.processors.health.runtime import ClusterHealthService
+from fleetline.processors.health.runtime import changelog as health_changelog
 from fleetline.processors.operations.fold import OpsPolicy
 from fleetline.processors.operations.rules import HealingRules
-from fleetline.processors.operations.runtime import APPLICATION_ID as OPS_APP
-from fleetline.processors.operations.runtime import STORE as OPS_STORE
 from fleetline.processors.operations.runtime import KafkaOperations, OpsService
+from fleetline.processors.operations.runtime import changelog as ops_changelog
 from fleetline.processors.replay import ViewHistory, observe_at
 from fleetline.processors.scheduling.capacity import FleetFacts
+from fleetline.processors.scheduling.client import changelog as scheduler_changelog
 from fleetline.processors.scheduling.policy import SchedulingPolicy
-from fleetline.processors.scheduling.runtime import KafkaJobs, SchedulerService, scheduler_topics
+from fleetline.processors.scheduling.runtime import KafkaJobs, SchedulerService
 from fleetline.processors.view.runtime import APPLICATION_ID as VIEW_APP
 from fleetline.processors.view.runtime import ViewProcessor, dcgm_readings, declare_clusters
 from fleetline.processors.view.snapshots import ViewSnapshots
@@ -312,18 +309,16 @@ class Fleetline:
         )
 
 
+# The exactly-once folds' state changelogs (each declared by its processor), created at start.
+CHANGELOGS = (scheduler_changelog, audit_changelog, health_changelog, ops_changelog)
+
+
 def build(settings: Settings, options: Options) -> Fleetline:
     """Every service `options` asks for, wired to the configured Kafka, S3 and ClickHouse."""
     topics = options.topics
     kafka = settings.kafka
     kafka_clients.ensure_topics(
-        kafka,
-        [
-            *scheduler_topics(topics),
-            topics.changelog_spec(AUDIT_APP, "chain", partitions=topics.audit_partitions),
-            topics.changelog_spec(HEALTH_APP, HEALTH_STORE, partitions=1),
-            topics.changelog_spec(OPS_APP, OPS_STORE, partitions=1),
-        ],
+        kafka, [*topics.specs(), *(changelog(topics) for changelog in CHANGELOGS)]
     )
     client = connect(settings.clickhouse_url)
     migrate(client, settings.clickhouse_database)

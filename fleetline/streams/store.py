@@ -22,7 +22,7 @@ from typing import Any, Generic, TypeVar
 from fleetline.config import KafkaSettings
 from fleetline.streams.kafka import read_to_end
 from fleetline.streams.records import where
-from fleetline.streams.topics import Topics
+from fleetline.streams.topics import Topics, TopicSpec
 
 V = TypeVar("V")
 _ABSENT = object()
@@ -172,6 +172,11 @@ def json_store(name: str, changelog_topic: str) -> ChangelogStore[Any]:
 
 
 FOLD_STORE = "state"
+
+
+def fold_changelog(topics: Topics, application_id: str) -> TopicSpec:
+    """The changelog topic of a fold's store (`fold_store`): one compacted partition."""
+    return topics.changelog_spec(application_id, FOLD_STORE, partitions=1)
 
 
 def fold_store(topics: Topics, application_id: str) -> ChangelogStore[Any]:

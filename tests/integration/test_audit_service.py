@@ -20,12 +20,12 @@ from fleetline.app import record_sink
 from fleetline.cli import main
 from fleetline.processors.audit.chain import Signer, export_entry, verify
 from fleetline.processors.audit.runtime import (
-    APPLICATION_ID,
     KafkaAuditEmitter,
     audit_chainer,
     new_event,
     read_chain,
 )
+from fleetline.processors.audit.runtime import changelog as audit_changelog
 from fleetline.processors.view.read import StaticView
 from fleetline.storage.audit_store import AuditArchive, AuditTable
 from fleetline.storage.clickhouse import migrate
@@ -94,9 +94,7 @@ def wait_rows(
 @pytest.fixture
 def audit_env(settings, clickhouse, tmp_path, monkeypatch):
     topics = fresh_topics()
-    kafka_clients.ensure_topics(
-        settings.kafka, [*topics.specs(), topics.changelog_spec(APPLICATION_ID, "chain")]
-    )
+    kafka_clients.ensure_topics(settings.kafka, [*topics.specs(), audit_changelog(topics)])
     migrate(clickhouse, settings.clickhouse_database)
     key_path = tmp_path / "signing-key.pem"
     from fleetline.processors.audit.runtime import load_signer

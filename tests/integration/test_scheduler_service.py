@@ -19,8 +19,8 @@ from fleetline.processors.decision_replay import (
     replay_operations,
 )
 from fleetline.processors.operations.runtime import APPLICATION_ID as OPS_APP
-from fleetline.processors.operations.runtime import STORE as OPS_STORE
 from fleetline.processors.operations.runtime import OpsService
+from fleetline.processors.operations.runtime import changelog as ops_changelog
 from fleetline.processors.replay import ViewFollower, log_bounds, rebuild
 from fleetline.processors.scheduling.capacity import observe
 from fleetline.processors.scheduling.client import decisions_of, job_records, read_state, submit
@@ -218,7 +218,7 @@ def test_a_replay_passes_over_what_the_live_processors_dead_lettered_with_the_sa
     topics = fresh_topics()
     kafka_clients.ensure_topics(
         settings.kafka,
-        [*scheduler_topics(topics), topics.changelog_spec(OPS_APP, OPS_STORE, partitions=1)],
+        [*scheduler_topics(topics), ops_changelog(topics)],
     )
     snapshots = snapshot_store(settings)
     produce(settings, topics, [("ClusterInfo", cluster_info(c, 1, BASE_MS)) for c in CLUSTERS])

@@ -48,9 +48,10 @@ from fleetline.streams.loop import MessageStep, StreamLoop
 from fleetline.streams.records import Output, where
 from fleetline.streams.serde import AvroCodec, default_codec
 from fleetline.streams.store import ChangelogStore
-from fleetline.streams.topics import Topics
+from fleetline.streams.topics import Topics, TopicSpec
 
 APPLICATION_ID = "audit-chain"
+CHAIN_STORE = "chain"  # each partition's chain head
 LINK_APPLICATION_ID = "audit-link"
 HEAD_KEY = b"head"
 FLEET_KEY = "_fleet"
@@ -106,6 +107,12 @@ class AuditChainStep(MessageStep):
         ]
 
 
+def changelog(topics: Topics) -> TopicSpec:
+    """The chainer's heads changelog (a partition per audit partition), as the composition
+    root creates it."""
+    return topics.changelog_spec(APPLICATION_ID, CHAIN_STORE, partitions=topics.audit_partitions)
+
+
 def audit_chainer(
     kafka: KafkaSettings,
     topics: Topics,
@@ -114,7 +121,7 @@ def audit_chainer(
     instance_id: str = "0",
 ) -> StreamLoop:
     """The chainer, exactly once; `ensure_topics` must include its changelog."""
-    store = head_store(topics.changelog(APPLICATION_ID, "chain"))
+    store = head_store(topics.changelog(APPLICATION_ID, CHAIN_STORE))
     step = AuditChainStep(default_codec(), store, topics.audit_log, signer, digest_every)
     return StreamLoop(
         kafka,

@@ -25,7 +25,7 @@ from fleetline.streams.events import CLUSTER_HEALTH, CLUSTER_SIGNAL
 from fleetline.streams.loop import FoldService, FoldStep, fold_loop, produce
 from fleetline.streams.records import Output, where
 from fleetline.streams.serde import AvroCodec, default_codec
-from fleetline.streams.store import FOLD_STORE, ChangelogStore, fold_store
+from fleetline.streams.store import FOLD_STORE, ChangelogStore, fold_changelog, fold_store
 from fleetline.streams.topics import Topics, TopicSpec
 
 log = logging.getLogger(__name__)
@@ -39,8 +39,13 @@ def health_store(topics: Topics) -> ChangelogStore[Any]:
     return fold_store(topics, APPLICATION_ID)
 
 
+def changelog(topics: Topics) -> TopicSpec:
+    """The health fold's state changelog, as the composition root creates it."""
+    return fold_changelog(topics, APPLICATION_ID)
+
+
 def health_topics(topics: Topics) -> list[TopicSpec]:
-    return [*topics.specs(), topics.changelog_spec(APPLICATION_ID, STORE, partitions=1)]
+    return [*topics.specs(), changelog(topics)]
 
 
 def signal(

@@ -61,14 +61,19 @@ from fleetline.streams.loop import (
 )
 from fleetline.streams.records import Output, where
 from fleetline.streams.serde import AvroCodec, default_codec
-from fleetline.streams.store import FOLD_STORE, ChangelogStore, fold_store
-from fleetline.streams.topics import Topics
+from fleetline.streams.store import FOLD_STORE, ChangelogStore, fold_changelog, fold_store
+from fleetline.streams.topics import Topics, TopicSpec
 
 log = logging.getLogger(__name__)
 
 APPLICATION_ID = "operations"
 LOADS_PER_EVENT = 4000  # ~40 bytes of JSON a node
 STORE = FOLD_STORE
+
+
+def changelog(topics: Topics) -> TopicSpec:
+    """The operations fold's state changelog, as the composition root creates it."""
+    return fold_changelog(topics, APPLICATION_ID)
 
 
 def ops_event(

@@ -32,7 +32,7 @@ from fleetline.observability import metrics, tracing
 from fleetline.processors.scheduling.capacity import FleetFacts, observe, observe_summaries
 from fleetline.processors.scheduling.client import (
     APPLICATION_ID,
-    STORE,
+    changelog,
     decisions_of,
     job_records,
     read_state,
@@ -77,7 +77,7 @@ log = logging.getLogger(__name__)
 
 def scheduler_topics(topics: Topics) -> list[TopicSpec]:
     """Every topic the scheduler reads or writes, for `ensure_topics`."""
-    return [*topics.specs(), topics.changelog_spec(APPLICATION_ID, STORE, partitions=1)]
+    return [*topics.specs(), changelog(topics)]
 
 
 def _offsets_key(offsets: Mapping[str, Mapping[int, int]]) -> str:
