@@ -11,7 +11,7 @@ message is named and dead-lettered exactly as the per-record path would.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -23,6 +23,7 @@ from fleetline.errors import UnknownSchemaError
 from fleetline.streams.avrocols import OTHER_WRITER, Decoded, Program, Unsupported
 from fleetline.streams.events import NODE_TELEMETRY
 from fleetline.streams.serde import HEADER_LEN, MAGIC, AvroCodec
+from fleetline.streams.telemetry_rules import RULE_FIELDS, gpu_samples_broken
 
 # Shared by every sample without XIDs; the fold never mutates a sample's lists.
 _EMPTY: list[int] = []
@@ -43,6 +44,19 @@ def _sparse_lists(column: pa.ChunkedArray | pa.Array) -> list[Any]:
         for at, value in zip(filled.tolist(), column.take(filled).to_pylist(), strict=True):
             out[at] = value
     return out
+
+
+def _vouched(arrays: Mapping[str, Any], ends: np.ndarray) -> list[bool]:
+    """For each record (its GPU rows end at `ends`), whether every sample keeps the rules
+    beyond the schema (`telemetry_rules`), judged on the whole batch at once; all True when the
+    fields the rules read were not asked for (the reader checks them itself)."""
+    if not arrays.keys() >= RULE_FIELDS:
+        return [True] * len(ends)
+    broken = pc.fill_null(gpu_samples_broken(arrays), False)
+    counts = np.concatenate([[0], np.cumsum(broken.to_numpy(zero_copy_only=False))])
+    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+    clean: list[bool] = (counts[ends.astype(np.int64)] - counts[starts] == 0).tolist()
+    return clean
 
 
 @dataclass(frozen=True)
@@ -162,8 +176,10 @@ class TelemetryBatchDecoder(Generic[GpuRow]):
         out: list[TelemetryRow[GpuRow] | None] = [None] * len(values)
         parts, _ = self._parts(keys, values) if values else ([], {})
         for indices, decoded in parts:
+            arrays = self._gpu_columns(decoded, self.gpu_fields)
+            vouched = _vouched(arrays, decoded.ends["gpus"])
             columns: list[list[Any]] = []
-            for column in self._gpu_columns(decoded, self.gpu_fields).values():
+            for column in arrays.values():
                 if pa.types.is_list(column.type):
                     columns.append(_sparse_lists(column))
                 else:
@@ -177,6 +193,9 @@ class TelemetryBatchDecoder(Generic[GpuRow]):
             for i, (index, end) in enumerate(
                 zip(indices.tolist(), decoded.ends["gpus"].tolist(), strict=True)
             ):
+                if not vouched[i]:  # a sample breaks a rule: the per-record path names it
+                    at = end
+                    continue
                 out[index] = (
                     clusters[i],
                     regions[i],

@@ -14,6 +14,8 @@ if TYPE_CHECKING:  # the decoder and the fold judge records without loading Arro
     import pyarrow as pa
 
 UTIL_MIN, UTIL_MAX = 0.0, 100.0
+# The GpuSample fields the rules read.
+RULE_FIELDS = frozenset({"gpu_util_pct", "fb_used_mib", "fb_total_mib"})
 
 
 def gpu_sample_problem(gpu_util_pct: float, fb_used_mib: int, fb_total_mib: int) -> str | None:

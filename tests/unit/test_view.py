@@ -372,3 +372,28 @@ def test_an_agent_clock_running_ahead_does_not_make_the_others_unreachable():
     assert PartFolder(TOPICS).fold(free, stamped(1)) == []
     assert compose(free.values()).watermark_ms == last_append + 600_000
     assert "UNREACHABLE" in statuses(free)
+
+
+def test_a_sample_breaking_a_rule_in_a_batch_is_named_and_the_rest_folded():
+    msgs = [m for m in messages(scenario_events(seconds=6)) if m.topic() == TOPICS.telemetry]
+    record = CODEC.decode(msgs[3].value()).record
+    record["gpus"][2]["gpu_util_pct"] = float("nan")
+    bad = Message(
+        topic=msgs[3].topic(),
+        partition=msgs[3].partition(),
+        offset=msgs[3].offset(),
+        key=msgs[3].key(),
+        value=CODEC.encode("NodeTelemetry", record),
+    )
+    batch = [*msgs[:3], bad, *msgs[4:]]
+    folder = OneByOne(TOPICS)
+    parts: dict[str, ResourceView] = {}
+    failed = folder.fold(parts, batch)
+    # The batch decoder vouched for every record but that one, which the per-record path named.
+    assert folder.one_by_one == 1
+    assert [(m.offset(), str(e)) for m, e in failed] == [
+        (bad.offset(), f"{record['node_id']} seq {record['seq']} gpu 2: gpu_util_pct nan is "
+         "outside 0-100")
+    ]  # fmt: skip
+    folded = sum(p.node_events for p in parts.values())
+    assert folded == len(batch) - 1

@@ -127,7 +127,7 @@ class PartFolder:
             if latest is not None and row[4] > latest:
                 row = (*row[:4], latest, row[5])
             try:
-                fold_telemetry(view, *row)
+                fold_telemetry(view, *row, vouched=True)
             except FleetlineError as exc:
                 failed.append((record, exc))
             view.advance(topic, partition, where(record)[2])
