@@ -10,7 +10,8 @@ import typer
 from fleetline.errors import FleetlineError
 
 contract = typer.Typer(
-    help="The topics' published contract (AsyncAPI 3.0, generated from the code).",
+    help="The topics' published contract (AsyncAPI 3.0) and the records' Python types, both "
+    "generated from the code and the schemas.",
     no_args_is_help=True,
 )
 DEFAULT = Path("contract/asyncapi.yaml")
