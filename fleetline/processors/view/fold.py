@@ -112,10 +112,13 @@ def _node(view: ResourceView, node_id: str, cluster_id: str, region: str) -> Nod
 
 
 def _check_gpus(node_id: str, seq: int, gpus: Sequence[Sample], vouched: bool) -> None:
-    for sample in () if vouched else gpus:
-        problem = gpu_sample_problem(sample.gpu_util_pct, sample.fb_used_mib, sample.fb_total_mib)
-        if problem is not None:
-            raise InvalidEventError(f"{node_id} seq {seq} gpu {sample.gpu_index}: {problem}")
+    if not vouched:  # a batch the columnar decoder vouched for was checked as a whole
+        for sample in gpus:
+            problem = gpu_sample_problem(
+                sample.gpu_util_pct, sample.fb_used_mib, sample.fb_total_mib
+            )
+            if problem is not None:
+                raise InvalidEventError(f"{node_id} seq {seq} gpu {sample.gpu_index}: {problem}")
     if len({sample.gpu_index for sample in gpus}) != len(gpus):
         raise InvalidEventError(f"{node_id} seq {seq}: a gpu_index appears twice")
 

@@ -15,14 +15,13 @@ event time with it, and every other node would look unheard-of and unreachable.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from fleetline.errors import FleetlineError, InvalidEventError
 from fleetline.processors.view.fold import apply, fold_telemetry, forget
-from fleetline.processors.view.model import GPU_FIELDS, HealthPolicy, ResourceView, Sample
+from fleetline.processors.view.model import GPU_FIELDS, HealthPolicy, ResourceView, sample_of_row
 from fleetline.streams.columnar import TelemetryBatchDecoder
 from fleetline.streams.events import (
     ALLOCATION,
@@ -70,11 +69,6 @@ def topic_roles(topics: Topics) -> dict[str, TopicRole]:
     }
 
 
-# A decoded row of GPU_FIELDS as a Sample, without `_make`'s classmethod call and length check
-# (the decoder yields exactly those fields), once per GPU of every batch.
-_sample: Callable[[tuple[Any, ...]], Sample] = functools.partial(tuple.__new__, Sample)
-
-
 @dataclass
 class PartFolder:
     """Folds batches of records into view parts (see the module's docstring)."""
@@ -85,7 +79,7 @@ class PartFolder:
 
     def __post_init__(self) -> None:
         self.roles = topic_roles(self.topics)
-        self.decoder = TelemetryBatchDecoder(self.codec, GPU_FIELDS, _sample)
+        self.decoder = TelemetryBatchDecoder(self.codec, GPU_FIELDS, sample_of_row)
         self.node_topics = set(self.topics.node_topics)
 
     def part_of(self, topic: str, partition: int) -> str:
