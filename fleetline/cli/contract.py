@@ -15,15 +15,16 @@ contract = typer.Typer(
     no_args_is_help=True,
 )
 DEFAULT = Path("contract/asyncapi.yaml")
+# Both generated files: where to write one, or check it is current.
+Output = Annotated[Path, typer.Option(help="where to write it ('-': stdout)")]
+Check = Annotated[
+    bool,
+    typer.Option("--check", help="exit 1 if the file differs from what the code and schemas make"),
+]
 
 
 @contract.command(name="asyncapi")
-def asyncapi(
-    output: Annotated[Path, typer.Option(help="where to write it ('-': stdout)")] = DEFAULT,
-    check: Annotated[
-        bool, typer.Option("--check", help="exit 1 if the file differs from the code's")
-    ] = False,
-) -> None:
+def asyncapi(output: Output = DEFAULT, check: Check = False) -> None:
     """Write the AsyncAPI document of every public topic: channel, key, Avro schema (every
     version, with its single-object fingerprint), compaction and retention, and the
     compatibility promise. `make lint` runs it with --check, then validates the file."""
@@ -42,12 +43,7 @@ RECORDS = Path(__file__).resolve().parent.parent / "schemas" / "records.py"
 
 
 @contract.command(name="records")
-def records(
-    output: Annotated[Path, typer.Option(help="where to write it ('-': stdout)")] = RECORDS,
-    check: Annotated[
-        bool, typer.Option("--check", help="exit 1 if the file differs from the schemas'")
-    ] = False,
-) -> None:
+def records(output: Output = RECORDS, check: Check = False) -> None:
     """Write a TypedDict for every Avro record (the newest version of each schema) to
     fleetline/schemas/records.py, which producers and folds are typed with. `make lint` runs
     it with --check."""
