@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from confluent_kafka import (
     OFFSET_BEGINNING,
@@ -330,6 +330,9 @@ def stable_bounds(
 
 # How many times a settling read asks for the ends again once it reached them.
 SETTLE_ROUNDS = 3
+# How long a read may receive nothing before it asks the partitions' leaders where their ends
+# stand now (and, where they are past this read, starts its consumer afresh).
+STALL_CHECK_S = 10.0
 
 
 def read_to_end(
@@ -348,19 +351,30 @@ def read_to_end(
     again once reached, and reading goes on to the new ones, until they stop moving or
     `SETTLE_ROUNDS` times (a live writer would move them for ever): a transaction that was
     still being decided when the read began (its markers in flight to a new leader) is read
-    too once it commits. A read that cannot establish an end, or stalls for `timeout_s`, is a
-    StreamError: never a short read returned as whole."""
+    too once it commits.
+
+    A read that receives nothing for `STALL_CHECK_S` asks the leaders again: a leader whose
+    end is behind this read's (leadership moved, and the new leader's high watermark waits for
+    an in-sync replica) is waited for; a leader that has what this read waits for while the
+    consumer delivers nothing gets a new consumer, from the next offset on (librdkafka's
+    fetcher can stay on a partition's old leader). A read that cannot establish an end, or
+    receives nothing for `timeout_s`, is a StreamError: never a short read returned as
+    whole."""
     admin = admin_client(kafka)
     bounds = stable_bounds(kafka, topic, partitions, timeout_s, admin)
     ends = {p: high for p, (low, high) in bounds.items()}
     remaining = {p for p, (low, high) in bounds.items() if high > low}
     if not remaining and not settle:
         return
-    reader = consumer(kafka, group_id)
+    reader = _PartitionReader(kafka, topic, group_id, sorted(bounds))
+
+    def ends_now(wanted: Iterable[int]) -> dict[int, int]:
+        now = stable_bounds(kafka, topic, wanted, min(timeout_s, STALL_CHECK_S), admin)
+        return {p: high for p, (_, high) in now.items()}
+
     try:
-        reader.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in sorted(bounds)])
         for round_ in range(SETTLE_ROUNDS + 1):
-            yield from _read_until(reader, topic, ends, remaining, timeout_s)
+            yield from _read_until(reader, ends, remaining, timeout_s, ends_now)
             if not settle or round_ == SETTLE_ROUNDS:
                 return
             again = stable_bounds(kafka, topic, bounds, timeout_s, admin)
@@ -370,11 +384,52 @@ def read_to_end(
             for p, high in sorted(grown.items()):
                 # Messages past the old end may have been fetched and passed over: read them
                 # again from there.
-                _seek(reader, TopicPartition(topic, p, ends[p]))
+                reader.seek(p, ends[p])
                 ends[p] = high
                 remaining.add(p)
     finally:
         reader.close()
+
+
+class _PartitionReader:
+    """A consumer assigned to some partitions of a topic, which knows the next offset it is to
+    hand over of each, so that it can be replaced by a new one that goes on from there."""
+
+    def __init__(
+        self, kafka: KafkaSettings, topic: str, group_id: str, partitions: list[int]
+    ) -> None:
+        self.kafka = kafka
+        self.topic = topic
+        self.group_id = group_id
+        self.next = dict.fromkeys(partitions, OFFSET_BEGINNING)
+        self.consumer = self._assigned()
+
+    def _assigned(self) -> Consumer:
+        reader = consumer(self.kafka, self.group_id)
+        reader.assign([TopicPartition(self.topic, p, o) for p, o in sorted(self.next.items())])
+        return reader
+
+    def poll(self, timeout_s: float) -> Message | None:
+        return self.consumer.poll(timeout_s)
+
+    def handed_over(self, partition: int, offset: int) -> None:
+        self.next[partition] = offset + 1
+
+    def positions(self, partitions: Iterable[int]) -> dict[int, int]:
+        """Where the consumer stands in each partition (negative before its first message)."""
+        asked = [TopicPartition(self.topic, p) for p in partitions]
+        return {tp.partition: tp.offset for tp in self.consumer.position(asked)}
+
+    def seek(self, partition: int, offset: int) -> None:
+        self.next[partition] = offset
+        _seek(self.consumer, TopicPartition(self.topic, partition, offset))
+
+    def renew(self) -> None:
+        self.consumer.close()
+        self.consumer = self._assigned()
+
+    def close(self) -> None:
+        self.consumer.close()
 
 
 def _seek(reader: Consumer, tp: TopicPartition) -> None:
@@ -387,34 +442,91 @@ def _seek(reader: Consumer, tp: TopicPartition) -> None:
 
 
 def _read_until(
-    reader: Consumer, topic: str, ends: dict[int, int], remaining: set[int], timeout_s: float
+    reader: _PartitionReader,
+    ends: dict[int, int],
+    remaining: set[int],
+    timeout_s: float,
+    ends_now: Callable[[Iterable[int]], dict[int, int]],
+    stall_check_s: float = STALL_CHECK_S,
 ) -> Iterator[Message]:
-    """Yield what `reader` fetches below `ends` until every partition in `remaining` is there."""
-    deadline = time.monotonic() + timeout_s
+    """Yield what `reader` fetches below `ends` until every partition in `remaining` is there;
+    `ends_now` asks the leaders for their ends when nothing arrives for `stall_check_s`."""
+    topic = reader.topic
+    progressed = checked = time.monotonic()
     while remaining:
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now - progressed > timeout_s:
             raise StreamError(
-                f"reading {topic}: nothing arrived for {timeout_s:.0f}s; partitions "
-                f"not at their end: {sorted(remaining)}"
+                f"reading {topic}: nothing arrived for {timeout_s:.0f}s; partitions not at "
+                f"their end: {_standing(reader, ends, remaining)}"
             )
+        if now - max(progressed, checked) >= stall_check_s:
+            checked = now
+            _unstick(reader, ends, remaining, ends_now)
         msg = reader.poll(0.2)
-        if msg is None:
-            for tp in reader.position([TopicPartition(topic, p) for p in remaining]):
-                if tp.offset >= ends[tp.partition]:
-                    remaining.discard(tp.partition)
-            continue
-        error = msg.error()
-        if error is not None:
-            if error.code() == KafkaError._PARTITION_EOF or moving(error):
-                continue  # a leader moving: the fetcher follows it, the deadline bounds it
+        error = None if msg is None else msg.error()
+        if error is not None and not (error.code() == KafkaError._PARTITION_EOF or moving(error)):
             raise StreamError(f"reading {topic}: {error.str()}")
+        if msg is None or error is not None:
+            # Nothing handed over (or a leader moving: the fetcher follows it, the clock bounds
+            # it): past the end is the end, whether or not a message was left to hand over
+            # (transaction markers and aborted records never are).
+            for partition, position in reader.positions(remaining).items():
+                if position >= ends[partition]:
+                    remaining.discard(partition)
+                    progressed = time.monotonic()
+            continue
         _, partition, offset = where(msg)
         if offset >= ends[partition]:
             remaining.discard(partition)
+            progressed = time.monotonic()
             continue  # appended after the read began
+        reader.handed_over(partition, offset)
         yield msg
         # The limit is on a stalled read, not on what the caller does with each message
         # (a replay folds the scheduler's whole log as it reads it).
-        deadline = time.monotonic() + timeout_s
+        progressed = time.monotonic()
         if offset + 1 >= ends[partition]:
             remaining.discard(partition)
+
+
+def _standing(reader: _PartitionReader, ends: Mapping[int, int], partitions: Iterable[int]) -> str:
+    """Where each partition's read stands against its end, for a log line or an error."""
+    return ", ".join(
+        f"[{p}] next {reader.next[p] if reader.next[p] >= 0 else 'the first'} of end {ends[p]}"
+        for p in sorted(partitions)
+    )
+
+
+def _unstick(
+    reader: _PartitionReader,
+    ends: Mapping[int, int],
+    remaining: set[int],
+    ends_now: Callable[[Iterable[int]], dict[int, int]],
+) -> None:
+    """A read that received nothing for a while: wait for leaders behind its ends, and take a
+    new consumer where a leader has what the old one does not deliver."""
+    try:
+        now = ends_now(sorted(remaining))
+    except StreamError as exc:
+        log.warning(
+            "reading %s: nothing arrived, and the ends are not known now: %s", reader.topic, exc
+        )
+        return
+    behind = {p: high for p, high in now.items() if high < ends[p]}
+    if behind:
+        log.warning(
+            "reading %s: nothing arrived; the leader's end of %s is behind this read's (%s): "
+            "waiting for it",
+            reader.topic,
+            ", ".join(f"[{p}] at {high}" for p, high in sorted(behind.items())),
+            _standing(reader, ends, behind),
+        )
+    if len(behind) < len(now):
+        log.warning(
+            "reading %s: nothing arrived though the leaders have it (%s): reading on with a "
+            "new consumer",
+            reader.topic,
+            _standing(reader, ends, set(now) - set(behind)),
+        )
+        reader.renew()

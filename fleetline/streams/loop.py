@@ -20,7 +20,8 @@ Kafka. It commits in one of two ways, as Kafka Streams does:
   committed offsets and processes nothing until they agree: restored again while they differ,
   a `StreamError` naming both once `restore_timeout_s` has passed. A restore that stopped
   short (a changelog whose transaction markers have not reached its new leader yet) is caught
-  there, not taken for the whole state.
+  there, not taken for the whole state; one whose read stalled (a changelog's leader lost
+  while its end was being read) is started again within the same limit.
 - **Effect first** (`exactly_once=False`): dead letters are flushed, the step stores the batch
   (`store`; with `overlap`, in a writer thread while the next batch is received and prepared,
   stores still in order), and only then are offsets committed. Such steps say where each
@@ -279,9 +280,11 @@ class StreamLoop:
     # Prometheus series for this loop (messages, batches, dead letters, step and store time,
     # consumer lag); off only to measure what they cost.
     metrics: bool = True
-    # How long a restored state may take to reach the group's committed offsets (restored
-    # again meanwhile) before the loop stops rather than process from a stale state.
-    restore_timeout_s: float = 60.0
+    # How long a restore may take, read again while its changelog cannot be read to the end
+    # (leaders moving) or the state it gives is not at the group's committed offsets, before
+    # the loop stops rather than process from a stale state (Kafka Streams' task.timeout.ms:
+    # brokers lost one after another can keep a changelog's end unreadable for a minute).
+    restore_timeout_s: float = 300.0
     # The longest a transaction's offsets or commit may take. librdkafka can leave
     # send_offsets_to_transaction blocked past its own timeout when the group's coordinator
     # broker died (confluentinc/librdkafka issues 5456 and 5511); past this the producer is
@@ -753,10 +756,19 @@ class StreamLoop:
             )
             committed = self._committed(consumer, partitions, deadline)
             began = time.monotonic()
-            for store in self.step.stores:
-                self.stats.restored += store.restore(
-                    self.kafka, numbers, max(5.0, deadline - time.monotonic()), settle=True
-                )
+            try:
+                for store in self.step.stores:
+                    self.stats.restored += store.restore(
+                        self.kafka, numbers, max(5.0, deadline - time.monotonic()), settle=True
+                    )
+            except StreamError as exc:
+                if time.monotonic() >= deadline:
+                    raise StreamError(
+                        f"{self.name}: its state could not be restored in "
+                        f"{self.restore_timeout_s:.0f} s ({attempt} attempt(s)): {exc}"
+                    ) from exc
+                log.warning("%s: the restore stopped (%s); restoring again", self.name, exc)
+                continue
             differences = self._differences(committed)
             if not differences:
                 log.info(

@@ -119,8 +119,12 @@ def check_exactly_once(
     assert all(len(seqs) == telemetry_per_node for seqs in by_node.values()), {
         n: len(s) for n, s in by_node.items()
     }
-    wait_lag_drained(settings, f"{topics.prefix}.{view_group}", topics.node_topics)
-    wait_decided(settings, topics, set(acknowledged))
+    try:
+        wait_lag_drained(settings, f"{topics.prefix}.{view_group}", topics.node_topics)
+        wait_decided(settings, topics, set(acknowledged))
+    except AssertionError as exc:
+        story = serve.story()
+        raise AssertionError(f"{exc}; serve {serve.state()}; its log:\n{story}") from None
     serve.stop()
     assert serve.proc.returncode == 0, f"serve exited {serve.proc.returncode}: {serve.log()}"
 
@@ -232,6 +236,21 @@ class Child:
 
     def log(self) -> str:
         return self.log_text()[-4000:]
+
+    def state(self) -> str:
+        """How it exited, or where its threads stand (a child that does not do what it
+        should)."""
+        code = self.proc.poll()
+        if code is not None:
+            return f"exited {code}"
+        before = len(self.log_text())
+        self._dump_threads()
+        return f"running, its threads:\n{self.log_text()[before:][-6000:]}"
+
+    def story(self, lines: int = 80) -> str:
+        """The last `lines` of its own log lines (librdkafka's connection noise left out)."""
+        own = [ln for ln in self.log_text().splitlines() if "fleetline.librdkafka" not in ln]
+        return "\n".join(own[-lines:])
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
