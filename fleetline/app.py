@@ -60,8 +60,8 @@ from fleetline.storage.snapshots import SnapshotStore
 from fleetline.storage.state_sink import NodeStateTable
 from fleetline.storage.tiering.loop import TierLoop
 from fleetline.storage.tiering.macros import expander
-from fleetline.storage.tiering.policy import GPU_SAMPLES, DataClass
-from fleetline.storage.tiering.store import TieredStore
+from fleetline.storage.tiering.policy import LIFETIMES, DataClass
+from fleetline.storage.tiering.store import tiered_stores
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.loop import Step, StreamLoop
 from fleetline.streams.records import Offsets
@@ -104,7 +104,8 @@ class Options:
     audit: bool = True
     audit_digest_every: int = 100
     tier_every_s: float = 0.0  # 0: no tiering in this process
-    tier_policy: DataClass = GPU_SAMPLES
+    # Every tiered table's lifetime (`storage/tiering/policy.LIFETIMES`).
+    lifetimes: dict[str, DataClass] = field(default_factory=lambda: dict(LIFETIMES))
     data_mover: bool = False  # the simulated cluster layer that carries out prewarms
     cluster_health: bool = True  # the health fold and the control plane's clock
     health_policy: ClusterHealthPolicy = field(default_factory=ClusterHealthPolicy)
@@ -412,12 +413,10 @@ def build(settings: Settings, options: Options) -> Fleetline:
     if options.data_mover:
         fleet.mover = SimulatedDataMover(kafka, topics)
     if options.tier_every_s:
-        fleet.tiering = TierLoop(
-            TieredStore(
-                client, db, ObjectStore.from_settings(settings.s3), settings.s3, options.tier_policy
-            ),
-            options.tier_every_s,
+        stores = tiered_stores(
+            client, db, ObjectStore.from_settings(settings.s3), settings.s3, options.lifetimes
         )
+        fleet.tiering = TierLoop(list(stores.values()), options.tier_every_s)
     # This process owns the embedded store; other processes (`fleetline sql`) query through it.
     fleet.queries = QueryService(
         client,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from typing import Annotated
 
 import typer
@@ -11,8 +12,14 @@ import typer
 from fleetline.cli.common import Since, Until, parse_time_ms, print_tsv, settings
 from fleetline.errors import ConfigError, FleetlineError
 from fleetline.storage.tiering.loop import wall_clock_ms
-from fleetline.storage.tiering.policy import DAY_MS, HOUR_MS, DataClass
-from fleetline.storage.tiering.store import TieredStore
+from fleetline.storage.tiering.policy import (
+    DAY_MS,
+    HOUR_MS,
+    LIFETIMES,
+    DataClass,
+    check_lifetimes,
+)
+from fleetline.storage.tiering.store import TieredStore, tiered_stores
 
 
 class TierPolicy:
@@ -33,17 +40,57 @@ class TierPolicy:
         ),
     ]
 
+    Keep = Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="TABLE=HOURS,DAYS[,DAYS]",
+            help="another lifetime for a table: hours hot, days warm, days cold (none: keep "
+            f"for ever); repeatable; tables: {', '.join(LIFETIMES)} (`fleetline tier list` "
+            "shows each one's)",
+        ),
+    ]
 
-def tier_policy(
-    hot_hours: float, warm_days: float, cold_days: float | None, tenant_cold_days: list[str] | None
-) -> DataClass:
-    return DataClass(
-        "gpu_samples",
-        hot_ms=int(hot_hours * HOUR_MS),
-        warm_ms=int(warm_days * DAY_MS),
-        cold_ms=None if cold_days is None else int(cold_days * DAY_MS),
-        tenant_cold_ms=tenant_retention(tenant_cold_days or [], DAY_MS),
-    )
+
+def lifetimes(
+    hot_hours: float,
+    warm_days: float,
+    cold_days: float | None,
+    tenant_cold_days: list[str] | None,
+    keep: list[str] | None = None,
+) -> dict[str, DataClass]:
+    """Every table's lifetime: the GPU samples' from their own flags, any table's from
+    `--keep`, the rest as `LIFETIMES` has them."""
+    chosen = {
+        **LIFETIMES,
+        "samples": replace(
+            LIFETIMES["samples"],
+            hot_ms=int(hot_hours * HOUR_MS),
+            warm_ms=int(warm_days * DAY_MS),
+            cold_ms=None if cold_days is None else int(cold_days * DAY_MS),
+            tenant_cold_ms=tenant_retention(tenant_cold_days or [], DAY_MS),
+        ),
+    }
+    for value in keep or []:
+        name, sep, spec = value.partition("=")
+        parts = spec.split(",")
+        try:
+            if not sep or name not in LIFETIMES or len(parts) not in (2, 3):
+                raise ValueError(value)
+            hot, warm = float(parts[0]), float(parts[1])
+            cold = float(parts[2]) if len(parts) == 3 and parts[2] else None
+            chosen[name] = replace(
+                chosen[name],
+                hot_ms=int(hot * HOUR_MS),
+                warm_ms=int(warm * DAY_MS),
+                cold_ms=None if cold is None else int(cold * DAY_MS),
+            )
+        except (ValueError, OverflowError):  # not a number, or inf
+            raise ConfigError(
+                f"--keep {value!r}: expected TABLE=HOURS,DAYS[,DAYS] with TABLE one of "
+                f"{', '.join(LIFETIMES)}"
+            ) from None
+    check_lifetimes(chosen)
+    return chosen
 
 
 def tenant_retention(values: list[str], day_ms: int) -> tuple[tuple[str, int | None], ...]:
@@ -149,7 +196,7 @@ tier = typer.Typer(help="Move closed data hot -> warm -> cold, by policy.", no_a
 archive = typer.Typer(help="Rehydrate a cold range into ClickHouse.", no_args_is_help=True)
 
 
-def _store(policy: DataClass) -> TieredStore:
+def _stores(chosen: dict[str, DataClass]) -> dict[str, TieredStore]:
     from fleetline.storage.clickhouse import connect, migrate
     from fleetline.storage.objects import ObjectStore
 
@@ -158,7 +205,7 @@ def _store(policy: DataClass) -> TieredStore:
     migrate(client, config.clickhouse_database)
     objects = ObjectStore.from_settings(config.s3)
     objects.ensure_bucket()
-    return TieredStore(client, config.clickhouse_database, objects, config.s3, policy)
+    return tiered_stores(client, config.clickhouse_database, objects, config.s3, chosen)
 
 
 @tier.command(name="run")
@@ -171,36 +218,75 @@ def tier_run(
     warm_days: TierPolicy.WarmDays = 7,
     cold_days: TierPolicy.ColdDays = None,
     tenant_cold_days: TierPolicy.TenantColdDays = None,
+    keep: TierPolicy.Keep = None,
 ) -> None:
-    """One tiering pass (or one every --every seconds), when no other process owns the
-    embedded store."""
-    store = _store(tier_policy(hot_hours, warm_days, cold_days, tenant_cold_days))
+    """One tiering pass over every table (or one every --every seconds), when no other
+    process owns the embedded store; one JSON line a table."""
+    stores = _stores(lifetimes(hot_hours, warm_days, cold_days, tenant_cold_days, keep))
     while True:
-        stats = store.run_once(parse_time_ms(now) if now else wall_clock_ms())
-        print(
-            json.dumps(
-                {
-                    "to_warm": stats.to_warm,
-                    "to_cold": stats.to_cold,
-                    "completed_after_crash": stats.completed_after_crash,
-                    "expired": stats.expired,
-                    "purged": stats.purged,
-                    "rows_moved": stats.rows_moved,
-                    "refused": stats.refused,
-                }
+        at = parse_time_ms(now) if now else wall_clock_ms()
+        for name, store in stores.items():
+            stats = store.run_once(at)
+            print(
+                json.dumps(
+                    {
+                        "table": name,
+                        "to_warm": stats.to_warm,
+                        "to_cold": stats.to_cold,
+                        "completed_after_crash": stats.completed_after_crash,
+                        "expired": stats.expired,
+                        "purged": stats.purged,
+                        "rows_moved": stats.rows_moved,
+                        "refused": stats.refused,
+                    }
+                )
             )
-        )
         if not every:
             return
         time.sleep(every)
 
 
+@tier.command(name="list")
+def tier_list(
+    hot_hours: TierPolicy.HotHours = 24,
+    warm_days: TierPolicy.WarmDays = 7,
+    cold_days: TierPolicy.ColdDays = None,
+    tenant_cold_days: TierPolicy.TenantColdDays = None,
+    keep: TierPolicy.Keep = None,
+) -> None:
+    """Each table's lifetime with these flags: hot hours, warm days, cold days."""
+
+    def days(ms: int | None) -> str:
+        return "for ever" if ms is None else f"{ms / DAY_MS:g} d"
+
+    rows = [
+        [
+            name,
+            data.table,
+            f"{data.hot_ms / HOUR_MS:g} h",
+            days(data.warm_ms),
+            days(data.cold_ms),
+            ", ".join(f"{t}: {days(ms)}" for t, ms in data.tenant_cold_ms) or "-",
+        ]
+        for name, data in lifetimes(hot_hours, warm_days, cold_days, tenant_cold_days, keep).items()
+    ]
+    print_tsv(["name", "table", "hot", "warm", "cold", "tenants' cold"], rows)
+
+
 @archive.command(name="restore")
-def archive_restore(since: Since = None, until: Until = None) -> None:
-    """Rehydrate the cold rows of [--from, --to] into the `_restored` table."""
+def archive_restore(
+    since: Since = None,
+    until: Until = None,
+    table: Annotated[
+        str, typer.Option(help=f"which table's archives: {', '.join(LIFETIMES)}")
+    ] = "samples",
+) -> None:
+    """Rehydrate the cold rows of [--from, --to] into the table's `_restored` table."""
     if not (since and until):
         raise ConfigError("archive restore needs --from and --to")
-    store = _store(tier_policy(24, 7, None, None))
+    if table not in LIFETIMES:
+        raise ConfigError(f"--table {table!r}: one of {', '.join(LIFETIMES)}")
+    store = _stores(dict(LIFETIMES))[table]
     rows = store.restore(parse_time_ms(since), parse_time_ms(until))
     print(f"{rows} rows restored into {store.restored} (queryable in {store.union_view})")
 

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from fleetline.cli.common import ListenHost, TopicPrefix, listen_host, settings, ship_logs
-from fleetline.cli.data import TierPolicy, tier_policy
+from fleetline.cli.data import TierPolicy, lifetimes
 from fleetline.errors import ConfigError
 from fleetline.processors.view.runtime import APPLICATION_ID as VIEW_APP
 from fleetline.streams.topics import Topics
@@ -50,6 +50,7 @@ def serve(
     warm_days: TierPolicy.WarmDays = 7,
     cold_days: TierPolicy.ColdDays = None,
     tenant_cold_days: TierPolicy.TenantColdDays = None,
+    keep: TierPolicy.Keep = None,
     no_scheduler: Annotated[
         bool,
         typer.Option(
@@ -143,7 +144,7 @@ def serve(
         tick_interval_s=tick_interval,
         audit=not no_audit,
         tier_every_s=tier_every,
-        tier_policy=tier_policy(hot_hours, warm_days, cold_days, tenant_cold_days),
+        lifetimes=lifetimes(hot_hours, warm_days, cold_days, tenant_cold_days, keep),
         data_mover=data_mover,
     )
     fleet = build(config, options)

@@ -1,11 +1,12 @@
 """Ready queries for the common questions, over all tiers (`$samples` macros, see tiers.py).
 
-Each takes a time range; the tiered store reads only the tiers that overlap it. The scheduler's
-tables ($decisions, $allocations) are hot only: utilisation by tenant joins each sample with the
-allocation in force on its GPU at that moment (ASOF JOIN on event time, then log position: the
-scheduler is the allocation topic's only writer and its clock never goes back, so within one
-millisecond the later record is the later change), job wait times go from a job's first
-decision (its submission) to its first placement.
+Each takes a time range; the tiered store reads only the tiers that overlap it ($decisions,
+$allocations and the other record tables too: `LIFETIMES`; the allocations' cold archives are
+read in place, as the allocation in force may be months old). Utilisation by tenant joins each
+sample with the allocation in force on its GPU at that moment (ASOF JOIN on event time, then
+log position: the scheduler is the allocation topic's only writer and its clock never goes
+back, so within one millisecond the later record is the later change), job wait times go from
+a job's first decision (its submission) to its first placement.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ any step of any move loses and duplicates nothing."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -22,11 +24,12 @@ from fleetline.storage.tiering.policy import (
     DAY_MS,
     GPU_SAMPLES,
     HOUR_MS,
+    LIFETIMES,
     WARM,
     DataClass,
     retention_plan,
 )
-from fleetline.storage.tiering.store import Crash, TieredStore
+from fleetline.storage.tiering.store import Crash, TieredStore, tiered_stores
 from tests.services import service_env
 from tests.support import BASE_MS
 
@@ -485,6 +488,108 @@ def test_a_sigkilled_tiering_process_loses_and_duplicates_nothing(settings, tmp_
     assert report["orphans"] == [] and report["refused"] == []
 
 
+def decide(clickhouse, db: str, times: list[int], first_offset: int = 0) -> None:
+    """Decision rows as the decisions sink stores them (the columns tiering reads)."""
+    clickhouse.insert(
+        f"{db}.scheduling_decisions",
+        [
+            [
+                *(ts, f"d{first_offset + i}", f"job{i % 5}", "acme", "TrainingJob", "PLACED"),
+                *("fits", 0, first_offset + i, "decisions"),
+            ]
+            for i, ts in enumerate(times)
+        ],
+        column_names=[
+            "ts_ms",
+            "decision_id",
+            "job",
+            "tenant",
+            "kind",
+            "outcome",
+            "reason",
+            "source_partition",
+            "source_offset",
+            "source_topic",
+        ],
+    )
+
+
+def test_a_record_table_tiers_by_the_hour_within_its_month_and_queries_read_every_tier(
+    settings, clickhouse
+):
+    db = settings.clickhouse_database
+    migrate(clickhouse, db)
+    # A decision every 20 minutes over four days; the table is partitioned by the month.
+    start = NOW - DAYS * DAY_MS
+    times = list(range(start, NOW, 20 * 60 * 1000))
+    decide(clickhouse, db, times)
+    policy = replace(LIFETIMES["decisions"], hot_ms=DAY_MS, warm_ms=2 * DAY_MS)
+    store = tiers(settings, clickhouse, db, data=policy)
+    hot = f"{db}.scheduling_decisions"
+
+    def count(sql: str) -> int:
+        return int(clickhouse.query(sql).result_rows[0][0])
+
+    store.run_once(NOW)
+    # What the hot day holds stays; every closed hour before it moved and left the month's
+    # partition, the rest of which is still there.
+    kept = sum(t >= NOW - DAY_MS for t in times)
+    assert count(f"SELECT count() FROM {hot}") == kept
+    assert count(f"SELECT min(ts_ms) FROM {hot}") >= NOW - DAY_MS
+    warm, cold = store.manifests(WARM), store.manifests(COLD)
+    assert warm and cold and store.stats.refused == []
+    in_cold = sum(m.rows for m in cold)
+    assert kept + sum(m.rows for m in warm) + in_cold == len(times)
+    # $decisions reads hot and warm, and cold once restored; the union view the same.
+    everything = "SELECT count(), uniqExact(decision_id) FROM $decisions"
+    samples = tiers(settings, clickhouse, db)
+    tables = {"decisions": store}
+    assert clickhouse.query(tiered_sql(samples, everything, tables=tables)).result_rows[0] == (
+        len(times) - in_cold,
+        len(times) - in_cold,
+    )
+    assert store.restore(start, NOW) == in_cold
+    assert clickhouse.query(tiered_sql(samples, everything, tables=tables)).result_rows[0] == (
+        len(times),
+        len(times),
+    )
+    assert count(f"SELECT count() FROM {store.union_view}") == len(times)
+    last_day = tiered_sql(samples, f"SELECT count() FROM $decisions({NOW - DAY_MS})", tables=tables)
+    assert count(last_day) == kept
+    # A decision stored late for an hour already in warm follows it as a late object; only it
+    # leaves the hot table.
+    moved_hour = warm[-1].min_ts_ms
+    decide(clickhouse, db, [moved_hour + 1], first_offset=len(times))
+    store.run_once(NOW)
+    assert count(f"SELECT count() FROM {hot}") == kept
+    assert any(m.partition.endswith("-late1") for m in store.manifests(WARM))
+    assert count(f"SELECT count() FROM {store.union_view}") == len(times) + 1
+
+
+def test_samples_are_attributed_to_tenants_through_allocations_already_in_cold(
+    settings, clickhouse
+):
+    db = settings.clickhouse_database
+    pick = tenant_fixture(clickhouse, db)
+    objects = ObjectStore.from_settings(settings.s3)
+    objects.ensure_bucket()
+    chosen = {
+        "samples": replace(POLICY, tenant_cold_ms=(("acme", 3 * DAY_MS),)),
+        # Every allocation record goes cold at once.
+        "allocations": replace(LIFETIMES["allocations"], hot_ms=HOUR_MS, warm_ms=0),
+    }
+    stores = tiered_stores(clickhouse, db, objects, settings.s3, chosen, root=f"tiers-{db}")
+    stores["allocations"].run_once(NOW)
+    assert clickhouse.query(f"SELECT count() FROM {db}.gpu_allocations").result_rows[0][0] == 0
+    assert stores["allocations"].manifests(COLD)
+    stores["samples"].run_once(NOW)
+    store = stores["samples"]
+    assert (store.manifests(COLD)[0].purged, store.stats.purged) == (("acme",), 1)
+    store.restore(NOW - DAYS * DAY_MS, NOW)
+    expected = f"NOT ({pick['oldest']} AND {pick['acme']})"
+    assert fingerprint(store, store.union_view) == fingerprint(store, f"{db}.reference", expected)
+
+
 class _Stop(Exception):
     """Raised where a command would start its work: the flags are parsed by then."""
 
@@ -496,17 +601,17 @@ def test_the_tier_policy_flags_of_tier_run_and_serve(settings, monkeypatch, caps
     for name, value in service_env(settings).items():  # `serve` checks they answer
         monkeypatch.setenv(name, value)
 
-    seen: list[DataClass] = []
+    seen: list[dict[str, DataClass]] = []
 
-    def store(policy: DataClass) -> None:
-        seen.append(policy)
+    def stores(chosen: dict[str, DataClass]) -> None:
+        seen.append(chosen)
         raise _Stop
 
     def build(settings, options) -> None:
-        seen.append(options.tier_policy)
+        seen.append(options.lifetimes)
         raise _Stop
 
-    monkeypatch.setattr(data, "_store", store)
+    monkeypatch.setattr(data, "_stores", stores)
     monkeypatch.setattr(composition, "build", build)
     flags = [
         "--cold-days",
@@ -515,14 +620,40 @@ def test_the_tier_policy_flags_of_tier_run_and_serve(settings, monkeypatch, caps
         "acme=2.5",
         "--tenant-cold-days",
         "keep=forever",
+        "--keep",
+        "decisions=48,10,400",
+        "--keep",
+        "logs=6,2",
     ]
     for command in (["tier", "run"], ["serve", "--no-api"]):
         with pytest.raises(_Stop):
             main([*command, *flags])
     assert len(seen) == 2
-    for policy in seen:
-        assert policy.cold_ms == 30 * DAY_MS
-        assert policy.tenant_cold_ms == (("acme", int(2.5 * DAY_MS)), ("keep", None))
+    for chosen in seen:
+        assert set(chosen) == set(LIFETIMES)
+        samples, decisions, logs = chosen["samples"], chosen["decisions"], chosen["logs"]
+        assert samples.cold_ms == 30 * DAY_MS
+        assert samples.tenant_cold_ms == (("acme", int(2.5 * DAY_MS)), ("keep", None))
+        assert (decisions.hot_ms, decisions.warm_ms, decisions.cold_ms) == (
+            48 * HOUR_MS,
+            10 * DAY_MS,
+            400 * DAY_MS,
+        )
+        assert (logs.hot_ms, logs.warm_ms, logs.cold_ms) == (6 * HOUR_MS, 2 * DAY_MS, None)
+        assert chosen["audit"] == LIFETIMES["audit"]
     for bad in ("acme", "=3", "acme=soon", "acme=-1", "acme=inf"):
         assert main(["tier", "run", "--tenant-cold-days", bad]) == 1
         assert "TENANT=DAYS" in capsys.readouterr().err
+    for bad in ("decisions", "nope=1,2", "logs=1", "logs=a,b", "logs=1,2,3,4", "logs=1,inf"):
+        assert main(["tier", "run", "--keep", bad]) == 1
+        assert "TABLE=HOURS,DAYS[,DAYS]" in capsys.readouterr().err
+    # Samples kept apart by tenant for ever need the allocations for ever too.
+    assert (
+        main(["tier", "run", "--tenant-cold-days", "acme=forever", "--keep", "allocations=1,1,9"])
+        == 1
+    )
+    assert "allocations: their cold archives must be kept" in capsys.readouterr().err
+    assert main(["tier", "list", "--keep", "logs=6,2"]) == 0
+    listed = capsys.readouterr().out
+    assert "logs\tlogs\t6 h\t2 d\tfor ever" in listed
+    assert "audit\taudit_log\t2160 h\t365 d\tfor ever" in listed

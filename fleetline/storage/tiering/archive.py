@@ -3,7 +3,7 @@ chosen on a sample of it (dictionary, plain, byte-stream-split, delta), zstd."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -89,3 +89,42 @@ def whole_numbers_sql(column: str) -> str:
         f"abs({column}) < 9007199254740992 AND NOT ({column} = 0 AND "
         f"reinterpretAsUInt64(toFloat64({column})) != 0)))"
     )
+
+
+def write_archive(path: str, hours: Iterable[pa.Table], whole: Sequence[str]) -> None:
+    """One Parquet archive at `path` of the tables `hours` yields (read one at a time, an hour
+    each and sorted, so memory holds an hour, not a day), written here rather than by
+    ClickHouse, whose writer picks no encodings: the float columns in `whole` (every value of
+    the archive a whole number) are stored as integers, and each column gets the encoding that
+    compresses a sample of it best (`archive_layout`); zstd 19."""
+    writer: pq.ParquetWriter | None = None
+    pending: list[pa.Table] = []
+
+    def flush() -> None:
+        nonlocal writer
+        table = pa.concat_tables(pending)
+        pending.clear()
+        if writer is None:
+            schema, options = archive_layout(table, whole)
+            writer = pq.ParquetWriter(
+                path,
+                schema,
+                compression="zstd",
+                compression_level=19,
+                write_page_index=False,
+                **options,
+            )
+        # A safe cast: a float that is not whole would fail here, never be rounded.
+        writer.write_table(table.cast(writer.schema), row_group_size=ARCHIVE_GROUP_ROWS)
+
+    try:
+        for table in hours:
+            pending.append(table)
+            # Small hours are gathered into row groups of a useful size.
+            if sum(t.num_rows for t in pending) >= ARCHIVE_GROUP_ROWS:
+                flush()
+        if pending:
+            flush()
+    finally:
+        if writer is not None:
+            writer.close()

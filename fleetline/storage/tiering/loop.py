@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 
 from fleetline.errors import FleetlineError
 from fleetline.observability import metrics
@@ -18,28 +19,38 @@ def wall_clock_ms() -> int:
 
 
 class TierLoop:
-    """Runs the tiering pass every `every_s` seconds in the process that owns the store."""
+    """Runs the tiering pass of every table every `every_s` seconds in the process that owns
+    the store."""
 
     name = "tiering"
 
-    def __init__(self, store: TieredStore, every_s: float) -> None:
-        self.store = store
+    def __init__(self, stores: Sequence[TieredStore], every_s: float) -> None:
+        self.stores = list(stores)
         self.every_s = every_s
         self.ready = threading.Event()
 
     def run(self, stop: threading.Event) -> None:
         self.ready.set()
         while not stop.wait(self.every_s):
-            stats = self.store.stats
-            before = (stats.to_warm, stats.to_cold, stats.rows_moved)
-            try:
-                self.store.run_once(wall_clock_ms())
-            except FleetlineError as exc:  # the next pass retries; every move is restartable
-                log.warning("tiering pass failed: %s", exc)
-                metrics.TIER_RUNS.labels("failed").inc()
-                continue
-            metrics.TIER_RUNS.labels("succeeded").inc()
-            metrics.TIER_LAST_SUCCESS.set(wall_clock_ms() / 1000)
-            metrics.TIER_PARTITIONS.labels("warm").inc(stats.to_warm - before[0])
-            metrics.TIER_PARTITIONS.labels("cold").inc(stats.to_cold - before[1])
-            metrics.TIER_ROWS.inc(stats.rows_moved - before[2])
+            failed = False
+            for store in self.stores:
+                failed |= not self.run_once(store)
+            metrics.TIER_RUNS.labels("failed" if failed else "succeeded").inc()
+            if not failed:
+                metrics.TIER_LAST_SUCCESS.set(wall_clock_ms() / 1000)
+
+    @staticmethod
+    def run_once(store: TieredStore) -> bool:
+        """One table's pass; False if it failed (the next pass retries: every move is
+        restartable, and one table's failure does not hold the others back)."""
+        stats = store.stats
+        before = (stats.to_warm, stats.to_cold, stats.rows_moved)
+        try:
+            store.run_once(wall_clock_ms())
+        except FleetlineError as exc:
+            log.warning("tiering pass over %s failed: %s", store.data.table, exc)
+            return False
+        metrics.TIER_PARTITIONS.labels("warm").inc(stats.to_warm - before[0])
+        metrics.TIER_PARTITIONS.labels("cold").inc(stats.to_cold - before[1])
+        metrics.TIER_ROWS.inc(stats.rows_moved - before[2])
+        return True

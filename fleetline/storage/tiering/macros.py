@@ -1,10 +1,12 @@
 """The query macros over the tiers: `$samples` (and the union view's name) become the tiers a
-query's range needs; `$decisions`, `$allocations`, `$workloads`, `$logs`, `$audit`, `$tickets`
-and `$energy_prices` the hot tables, optionally within a range."""
+query's range needs; `$decisions`, `$allocations`, `$workloads`, `$logs`, `$audit` and
+`$node_states` the same over their tables' tiers (`LIFETIMES`), `$tickets` and
+`$energy_prices` their hot tables, each optionally within a range."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 from clickhouse_connect.driver.client import Client
 
@@ -14,25 +16,28 @@ from fleetline.moments import parse_moment
 from fleetline.storage.objects import ObjectStore
 from fleetline.storage.query_service import Expand
 from fleetline.storage.tiering.loop import wall_clock_ms
-from fleetline.storage.tiering.policy import GPU_SAMPLES
-from fleetline.storage.tiering.store import TieredStore
+from fleetline.storage.tiering.policy import LIFETIMES
+from fleetline.storage.tiering.store import TieredStore, tiered_stores
 
 _MACRO = re.compile(r"\$samples(?:\((?P<args>[^)]*)\))?")
-# Tables kept hot only: $decisions(FROM, TO) is the decisions in a range, $allocations every
+# The record tables: $decisions(FROM, TO) is the decisions in a range, $allocations every
 # GPU binding (an ASOF JOIN needs those from before the range too), $workloads the cluster
-# agents' workload events, $logs every process's log lines, $audit the audit log, $tickets
-# every repair ticket change, $energy_prices the clusters' electricity by the hour.
+# agents' workload events, $logs every process's log lines, $audit the audit log (each over
+# its tiers where a store of it is given), $node_states every node's reported states,
+# $tickets every repair ticket change,
+# $energy_prices the clusters' electricity by the hour (hot only).
 HOT_TABLES = {
     "decisions": "scheduling_decisions",
     "allocations": "gpu_allocations",
     "workloads": "workload_events",
     "logs": "logs",
     "audit": "audit_log",
+    "node_states": "node_states",
     "tickets": "repair_tickets",
     "energy_prices": "energy_prices",
 }
 _TABLE_MACRO = re.compile(
-    r"\$(?P<name>decisions|allocations|workloads|logs|audit|tickets|energy_prices)\b"
+    r"\$(?P<name>decisions|allocations|workloads|logs|audit|node_states|tickets|energy_prices)\b"
     r"(?:\((?P<args>[^)]*)\))?"
 )
 
@@ -44,16 +49,19 @@ def tiered_sql(
     until_ms: int | None = None,
     now_ms: int | None = None,
     hot_only: bool = False,
+    tables: Mapping[str, TieredStore] | None = None,
 ) -> str:
     """`sql` with each `$samples` replaced by the tiers overlapping [since, until] only, so
     a query over the last hour reads the hot table and nothing from S3. A macro may carry
     its own range: `$samples(-1h)`, `$samples(-7d, -1d)`, `$samples(<ISO or ms>, ...)`.
     `hot_only`: the hot table in place of every tier (the same columns and range; what a
-    query is checked against before it runs, see storage/query_service.py)."""
+    query is checked against before it runs, see storage/query_service.py). `tables`: the
+    record tables' tiers by macro name ($decisions ...); one not given is read hot."""
+    tables = tables or {}
     if "$samples" not in sql and not _TABLE_MACRO.search(sql):
         raise ConfigError(
             "a tiered query names its source as $samples (or $decisions, $allocations, "
-            "$workloads, $logs, $audit)"
+            "$workloads, $logs, $audit, $node_states, $tickets, $energy_prices)"
         )
     if not hot_only:  # the tiers' union reads it; the hot table alone does not
         store.ensure_restored()
@@ -71,11 +79,17 @@ def tiered_sql(
 
     def table(match: re.Match[str]) -> str:
         name = HOT_TABLES[match["name"]]
-        if match["args"] is None:
-            return f"{store.database}.{name}"
-        parts = [p.strip() for p in match["args"].split(",")]
+        parts = [p.strip() for p in (match["args"] or "").split(",")]
         low = parse_moment(parts[0], now) if parts and parts[0] else None
         high = parse_moment(parts[1], now) if len(parts) == 2 and parts[1] else None
+        tiers = tables.get(match["name"])
+        if tiers is not None:
+            if not hot_only:
+                tiers.ensure_restored()
+            over = tiers.hot_sql(low, high) if hot_only else tiers.source_sql(low, high)
+            return f"({tiers.inline(over)})"
+        if match["args"] is None:
+            return f"{store.database}.{name}"
         where = (
             " AND ".join(
                 [
@@ -97,13 +111,18 @@ def expander(settings: Settings) -> Expand:
     query's range needs; SQL without a macro comes back unchanged."""
     objects = ObjectStore.from_settings(settings.s3)
     database = settings.clickhouse_database
-    union_view = re.compile(rf"\b{re.escape(database)}\.{GPU_SAMPLES.table}_all\b")
+    # Each tiered table's union view (`<db>.<table>_all`) stands for its macro.
+    union_views = {
+        name: re.compile(rf"\b{re.escape(database)}\.{data.table}_all\b")
+        for name, data in LIFETIMES.items()
+    }
 
     def expand(client: Client, sql: str, *, hot_only: bool = False) -> str:
-        sql = union_view.sub("$samples", sql)
+        for name, view in union_views.items():
+            sql = view.sub(f"${name}", sql)
         if "$samples" not in sql and not _TABLE_MACRO.search(sql):
             return sql
-        store = TieredStore(client, database, objects, settings.s3)
-        return tiered_sql(store, sql, hot_only=hot_only)
+        stores = tiered_stores(client, database, objects, settings.s3)
+        return tiered_sql(stores.pop("samples"), sql, hot_only=hot_only, tables=stores)
 
     return expand

@@ -8,6 +8,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 
+from fleetline.errors import ConfigError
+
 HOUR_MS = 3600 * 1000
 DAY_MS = 24 * HOUR_MS
 HOT, WARM, COLD = "hot", "warm", "cold"
@@ -31,9 +33,116 @@ class DataClass:
     # What tells one row from another (late rows for a moved hour are the hot rows not among
     # the warm copies): a sample is one GPU of one Kafka message.
     identity: tuple[str, ...] = ("source_topic", "source_partition", "source_offset", "gpu_index")
+    # Whether the hot table is partitioned by the hour (a moved hour's partition is dropped);
+    # the record tables are partitioned by the month or the day, so a moved hour's rows are
+    # deleted instead.
+    hourly_partitions: bool = True
+    # Whether queries read the cold archives in place (`source_sql`) rather than what
+    # `restore` rehydrated: for a small table whose old rows still answer today's questions
+    # (the allocation in force on a GPU may be months old).
+    cold_in_place: bool = False
 
 
 GPU_SAMPLES = DataClass("gpu_samples")
+# A record table's event time: its `ts` column is MATERIALIZED from `ts_ms`, which Parquet
+# copies (the table's stored columns) hold alone.
+EVENT_TIME = "fromUnixTimestamp64Milli(ts_ms, 'UTC')"
+# A record stored by a sink: one Kafka message.
+SOURCED = ("source_topic", "source_partition", "source_offset")
+
+
+def _record_table(
+    table: str,
+    order_by: tuple[str, ...],
+    hot_days: float,
+    warm_days: float,
+    cold_days: float | None = None,
+    **kwargs: object,
+) -> DataClass:
+    return DataClass(
+        table,
+        ts_column=EVENT_TIME,
+        order_by=order_by,
+        hot_ms=int(hot_days * DAY_MS),
+        warm_ms=int(warm_days * DAY_MS),
+        cold_ms=None if cold_days is None else int(cold_days * DAY_MS),
+        hourly_partitions=False,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+# Every table that tiers, by the name of its query macro ($samples, $decisions, ...), with its
+# default lifetime. Decisions, allocations and the audit log are kept for ever once cold (they
+# are what an incident review or an audit asks for years later); logs and node states age out.
+# Repair tickets and energy prices stay hot: a few rows a day, read as current state.
+LIFETIMES: dict[str, DataClass] = {
+    "samples": GPU_SAMPLES,
+    "decisions": _record_table(
+        "scheduling_decisions",
+        ("tenant", "job", "ts_ms"),
+        30,
+        90,
+        tenant_column="tenant",
+        identity=SOURCED,
+    ),
+    # One allocation record binds one GPU; a sample's tenant is the allocation in force then.
+    "allocations": _record_table(
+        "gpu_allocations",
+        ("node_id", "gpu_index", "ts_ms"),
+        30,
+        90,
+        tenant_column="tenant",
+        identity=(*SOURCED, "gpu_index"),
+        cold_in_place=True,
+    ),
+    "workloads": _record_table(
+        "workload_events",
+        ("tenant", "job", "ts_ms"),
+        7,
+        30,
+        365,
+        tenant_column="tenant",
+        identity=SOURCED,
+    ),
+    "logs": _record_table("logs", ("process", "ts_ms"), 3, 14, 90, identity=SOURCED),
+    "node_states": _record_table(
+        "node_states", ("cluster_id", "node_id", "ts_ms"), 7, 30, 365, identity=SOURCED
+    ),
+    # Archived, never deleted before its retention (none by default), never per tenant.
+    "audit": _record_table(
+        "audit_log", ("partition", "seq"), 90, 365, identity=("source_topic", "partition", "seq")
+    ),
+}
+
+
+def check_lifetimes(lifetimes: dict[str, DataClass]) -> None:
+    """Refuse lifetimes that would lose what another table's rows need (pure): GPU samples are
+    attributed to tenants through the allocations, so while a tenant's samples are kept
+    apart, the allocations must be kept at least as long; the audit log is never purged by
+    tenant."""
+
+    def longest(data: DataClass) -> int | None:  # None: for ever
+        kept = [data.cold_ms, *(keep for _, keep in data.tenant_cold_ms)]
+        return None if None in kept else max(k for k in kept if k is not None)
+
+    for name, data in lifetimes.items():
+        if data.hot_ms < HOUR_MS or data.warm_ms < 0:
+            raise ConfigError(f"{name}: keep rows hot for an hour at least, and warm for >= 0")
+    samples, allocations = lifetimes.get("samples"), lifetimes.get("allocations")
+    if samples is not None and allocations is not None and samples.tenant_cold_ms:
+        need, have = longest(samples), allocations.cold_ms
+        if have is not None and (need is None or have < need):
+            raise ConfigError(
+                "allocations: their cold archives must be kept as long as any GPU sample "
+                "(tenant retention attributes samples through them): "
+                f"{'for ever' if need is None else f'{need / DAY_MS:g} days'}, not "
+                f"{have / DAY_MS:g} days"
+            )
+    audit = lifetimes.get("audit")
+    if audit is not None and audit.tenant_cold_ms:
+        raise ConfigError("audit: the audit log is kept whole, never purged by tenant")
+
+
 EVERYONE_ELSE = "*"  # in a purge: the rows of every tenant without its own retention
 
 

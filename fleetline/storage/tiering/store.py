@@ -13,7 +13,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 from clickhouse_connect.driver.binding import format_query_value
 from clickhouse_connect.driver.client import Client
 
@@ -28,21 +27,19 @@ from fleetline.errors import (
 from fleetline.storage.clickhouse import CLICKHOUSE_ERRORS
 from fleetline.storage.objects import ObjectStore
 from fleetline.storage.queries import with_allocation
-from fleetline.storage.tiering.archive import (
-    ARCHIVE_GROUP_ROWS,
-    archive_layout,
-    whole_numbers_sql,
-)
+from fleetline.storage.tiering.archive import whole_numbers_sql, write_archive
 from fleetline.storage.tiering.policy import (
     COLD,
     DAY_MS,
     EVERYONE_ELSE,
     GPU_SAMPLES,
     HOUR_MS,
+    LIFETIMES,
     WARM,
     DataClass,
     Manifest,
     TierStats,
+    check_lifetimes,
     hour_of,
     partition_start_ms,
     retention_plan,
@@ -78,6 +75,8 @@ class TieredStore:
     data: DataClass = GPU_SAMPLES
     root: str = "tiers"
     on_step: Callable[[str, str], None] = lambda step, partition: None
+    # The allocations' tiers, which attribute GPU samples to tenants (None: the hot table).
+    allocations: TieredStore | None = None
     stats: TierStats = field(default_factory=TierStats)
     _manifests: dict[str, dict[str, Manifest]] | None = field(default=None, repr=False)
     _types: list[tuple[str, str]] | None = field(default=None, repr=False)
@@ -302,12 +301,17 @@ class TieredStore:
         )
         branches = [f"SELECT {cols} FROM {self.hot} WHERE {time_filter}{exclude}"]
         # Warm keys a cold archive has replaced are gone or going. Cold archives themselves
-        # are not queried in place: `restore` rehydrates a range into the _restored table.
+        # are not queried in place (unless the data class says so): `restore` rehydrates a
+        # range into the _restored table.
         replaced = {k for m in cold for k in m.sources}
         warm_keys = sorted(m.key for m in warm if overlaps(m) and m.key not in replaced)
         if warm_keys:
             branches.append(f"SELECT {cols} FROM {self._s3(warm_keys)} WHERE {time_filter}")
-        branches.append(f"SELECT {cols} FROM {self.restored} WHERE {time_filter}")
+        cold_keys = sorted(m.key for m in cold if overlaps(m))
+        if self.data.cold_in_place and cold_keys:
+            branches.append(f"SELECT {cols} FROM {self._s3(cold_keys)} WHERE {time_filter}")
+        elif not self.data.cold_in_place:
+            branches.append(f"SELECT {cols} FROM {self.restored} WHERE {time_filter}")
         return " UNION ALL ".join(branches)
 
     def rebuild_view(self) -> None:
@@ -381,6 +385,18 @@ class TieredStore:
         )
 
     def _drop_hot(self, partition: str) -> None:
+        if not self.data.hourly_partitions:
+            # The hour shares its partition with others: delete exactly the rows the hour's
+            # warm objects hold (one that came in since they were written stays, and moves
+            # as a late object).
+            identity = ", ".join(self.data.identity)
+            keys = sorted(m.key for m in self._warm_of(partition))
+            self._command(
+                f"ALTER TABLE {self.hot} DELETE WHERE {self._hot_where(partition)} AND "
+                f"({identity}) IN (SELECT {identity} FROM {self._s3(keys)}) "
+                "SETTINGS mutations_sync = 1"
+            )
+            return
         ids = self._query(
             f"SELECT DISTINCT _partition_id FROM {self.hot} WHERE {self._hot_where(partition)}"
         )
@@ -494,51 +510,18 @@ class TieredStore:
         return keys
 
     def _write_archive(self, key: str, selects: Sequence[str], whole: Sequence[str]) -> None:
-        """One Parquet archive of the warm objects, written here rather than by ClickHouse,
-        whose writer picks no encodings: the float columns in `whole` (every value of the
-        archive a whole number, see `_archive_source`) are stored as integers, and each column
-        gets the encoding that compresses a sample of it best (`archive_layout`); zstd 19.
-        `selects` are read one at a time (an hour each, sorted), so memory holds an hour, not a
-        day."""
-        with tempfile.NamedTemporaryFile(suffix=".parquet") as spool:
-            writer: pq.ParquetWriter | None = None
-            pending: list[pa.Table] = []
+        """One cold archive of what `selects` read, one at a time (`write_archive`)."""
 
-            def flush() -> None:
-                nonlocal writer
-                table = pa.concat_tables(pending)
-                pending.clear()
-                if writer is None:
-                    schema, options = archive_layout(table, whole)
-                    writer = pq.ParquetWriter(
-                        spool.name,
-                        schema,
-                        compression="zstd",
-                        compression_level=19,
-                        write_page_index=False,
-                        **options,
-                    )
-                # A safe cast: a float that is not whole would fail here, never be rounded.
-                writer.write_table(table.cast(writer.schema), row_group_size=ARCHIVE_GROUP_ROWS)
-
+        def read(select: str) -> pa.Table:
             try:
-                for select in selects:
-                    try:
-                        pending.append(
-                            self.client.query_arrow(
-                                select, parameters=self._parameters(select), settings=S3_SETTINGS
-                            )
-                        )
-                    except CLICKHOUSE_ERRORS as exc:
-                        raise QueryError(f"reading rows for {key}: {exc}") from None
-                    # Small hours are gathered into row groups of a useful size.
-                    if sum(t.num_rows for t in pending) >= ARCHIVE_GROUP_ROWS:
-                        flush()
-                if pending:
-                    flush()
-            finally:
-                if writer is not None:
-                    writer.close()
+                return self.client.query_arrow(
+                    select, parameters=self._parameters(select), settings=S3_SETTINGS
+                )
+            except CLICKHOUSE_ERRORS as exc:
+                raise QueryError(f"reading rows for {key}: {exc}") from None
+
+        with tempfile.NamedTemporaryFile(suffix=".parquet") as spool:
+            write_archive(spool.name, (read(select) for select in selects), whole)
             self.objects.put_file(key, spool.name)
 
     def _delete_warm(self, keys: Iterable[str]) -> None:
@@ -566,9 +549,15 @@ class TieredStore:
         cols = self._columns()
         if self.data.tenant_column is not None:
             return f"(SELECT {cols}, {self.data.tenant_column} AS _tenant FROM {source})"
-        # The allocation in force, as the utilisation-by-tenant query finds it.
+        # The allocation in force, as the utilisation-by-tenant query finds it, from every
+        # tier the allocations are in (their cold archives read in place).
         picked = ", ".join(f"s.{name} AS {name}" for name, _ in self._column_types())
-        joined = with_allocation(source, f"{self.database}.gpu_allocations", self.data.ts_column)
+        allocations = (
+            f"{self.database}.gpu_allocations"
+            if self.allocations is None
+            else f"({self.allocations.inline(self.allocations.source_sql())})"
+        )
+        joined = with_allocation(source, allocations, self.data.ts_column)
         return f"(SELECT {picked}, if(a.kind = 'ALLOCATED', a.tenant, '') AS _tenant FROM {joined})"
 
     def _purge(self, m: Manifest, purged: tuple[str, ...]) -> None:
@@ -677,3 +666,25 @@ class TieredStore:
         )
         ((rows,),) = self._query(f"SELECT count() FROM {self.restored} WHERE {where}")
         return int(rows)
+
+
+def tiered_stores(
+    client: Client,
+    database: str,
+    objects: ObjectStore,
+    s3: S3Settings,
+    lifetimes: dict[str, DataClass] | None = None,
+    **options: Any,
+) -> dict[str, TieredStore]:
+    """The tiers of every table with a lifetime (`LIFETIMES`, with `lifetimes` in place of
+    their defaults), by macro name; the samples' store attributes tenants through the
+    allocations' tiers."""
+    chosen = {**LIFETIMES, **(lifetimes or {})}
+    check_lifetimes(chosen)
+    stores = {
+        name: TieredStore(client, database, objects, s3, data, **options)
+        for name, data in chosen.items()
+    }
+    if "samples" in stores and "allocations" in stores:
+        stores["samples"].allocations = stores["allocations"]
+    return stores
