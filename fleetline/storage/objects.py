@@ -151,6 +151,18 @@ class ObjectStore:
         except (S3Error, HTTPError, OSError) as exc:
             raise _translate(f"listing s3://{self.bucket}/{prefix}", exc) from None
 
+    def etags(self, prefix: str = "") -> dict[str, str]:
+        """Each object under `prefix` and its ETag (what changes when it is written again), in
+        one listing."""
+        try:
+            return {
+                obj.object_name: (obj.etag or "").strip('"')
+                for obj in self.client.list_objects(self.bucket, prefix=prefix, recursive=True)
+                if obj.object_name is not None
+            }
+        except (S3Error, HTTPError, OSError) as exc:
+            raise _translate(f"listing s3://{self.bucket}/{prefix}", exc) from None
+
     def size(self, key: str) -> int:
         """The object's size in bytes."""
         try:

@@ -27,6 +27,7 @@ from fleetline.storage.tiering.policy import (
     LIFETIMES,
     WARM,
     DataClass,
+    Manifest,
     retention_plan,
 )
 from fleetline.storage.tiering.store import Crash, TieredStore, tiered_stores
@@ -486,6 +487,33 @@ def test_a_sigkilled_tiering_process_loses_and_duplicates_nothing(settings, tmp_
     assert report["before"][0] == report["before"][1]
     assert report["after"][0] == report["after"][1]
     assert report["orphans"] == [] and report["refused"] == []
+
+
+def test_a_store_reads_a_manifest_again_only_when_it_was_written_again(
+    settings, clickhouse, monkeypatch
+):
+    db = settings.clickhouse_database
+    first = tiers(settings, clickhouse, db)
+    manifest = Manifest(GPU_SAMPLES.table, COLD, "20261201", "k.parquet", 5, "9", 0, 1, 10)
+    first._commit(manifest)
+    reads: list[str] = []
+    original = ObjectStore.get
+
+    def counted(self, key: str) -> bytes:
+        reads.append(key)
+        return original(self, key)
+
+    monkeypatch.setattr(ObjectStore, "get", counted)
+    assert tiers(settings, clickhouse, db).manifests(COLD) == [manifest]
+    assert tiers(settings, clickhouse, db).manifests(COLD) == [manifest]
+    # The committing store read it once at its commit; the later ones list the bucket only.
+    assert reads == []
+    purged = replace(manifest, rows=3, purged=("acme",))
+    first._commit(purged)  # a retention rewrite: same key, new content
+    assert tiers(settings, clickhouse, db).manifests(COLD) == [purged]
+    assert len(reads) == 1  # read again once, for its new ETag
+    first._uncommit(COLD, manifest.partition)
+    assert tiers(settings, clickhouse, db).manifests(COLD) == []
 
 
 def decide(clickhouse, db: str, times: list[int], first_offset: int = 0) -> None:

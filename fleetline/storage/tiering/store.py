@@ -28,6 +28,7 @@ from fleetline.storage.clickhouse import CLICKHOUSE_ERRORS
 from fleetline.storage.objects import ObjectStore
 from fleetline.storage.queries import with_allocation
 from fleetline.storage.tiering.archive import whole_numbers_sql, write_archive
+from fleetline.storage.tiering.manifests import read_manifests
 from fleetline.storage.tiering.policy import (
     COLD,
     DAY_MS,
@@ -202,23 +203,19 @@ class TieredStore:
         return (int(rows), str(checksum), int(low), int(high)), whole
 
     def manifests(self, tier: str) -> list[Manifest]:
-        """The committed manifests of a tier (read from the bucket once, then kept current by
-        this store's own commits and deletes)."""
+        """The committed manifests of a tier (listed from the bucket once, then kept current by
+        this store's own commits and deletes). A manifest read before is taken from this
+        process's cache while its ETag is the same, so a query's store (one a query) lists
+        the bucket instead of reading every manifest."""
         if self._manifests is None:
             self._manifests = {WARM: {}, COLD: {}}
             for t in (WARM, COLD):
                 prefix = f"{self.root}/{self.database}/{self.data.table}/manifests/{t}/"
                 try:
-                    keys = self.objects.keys(prefix)
+                    listed = self.objects.etags(prefix)
                 except ObjectMissing:
-                    keys = []  # no bucket yet: nothing has been tiered
-                for key in keys:
-                    if not key.endswith(".json"):
-                        continue
-                    try:
-                        m = Manifest.from_json(self.objects.get(key))
-                    except ObjectMissing:
-                        continue  # uncommitted by another pass since the listing
+                    listed = {}  # no bucket yet: nothing has been tiered
+                for m in read_manifests(self.objects, prefix, listed):
                     self._manifests[t][m.partition] = m
         return sorted(self._manifests[tier].values(), key=lambda m: m.partition)
 
