@@ -58,10 +58,9 @@ from fleetline.storage.scheduling_sink import AllocationTable, DecisionTable, Wo
 from fleetline.storage.sinks import Destination, RecordSink
 from fleetline.storage.snapshots import SnapshotStore
 from fleetline.storage.state_sink import NodeStateTable
-from fleetline.storage.tiering.loop import TierLoop
+from fleetline.storage.tiering.loop import TierLoop, tiered_stores
 from fleetline.storage.tiering.macros import expander
 from fleetline.storage.tiering.policy import LIFETIMES, DataClass
-from fleetline.storage.tiering.store import tiered_stores
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.loop import Step, StreamLoop
 from fleetline.streams.records import Offsets

@@ -11,7 +11,7 @@ import typer
 
 from fleetline.cli.common import Since, Until, parse_time_ms, print_tsv, settings
 from fleetline.errors import ConfigError, FleetlineError
-from fleetline.storage.tiering.loop import wall_clock_ms
+from fleetline.storage.tiering.loop import tiered_stores, wall_clock_ms
 from fleetline.storage.tiering.policy import (
     DAY_MS,
     HOUR_MS,
@@ -19,7 +19,7 @@ from fleetline.storage.tiering.policy import (
     DataClass,
     check_lifetimes,
 )
-from fleetline.storage.tiering.store import TieredStore, tiered_stores
+from fleetline.storage.tiering.store import TieredStore
 
 
 class TierPolicy:

@@ -1,4 +1,5 @@
-"""The tiering pass, run every so often in the process that owns the store."""
+"""The tiering pass over every table with a lifetime, run every so often in the process that
+owns the store."""
 
 from __future__ import annotations
 
@@ -6,9 +7,15 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
+from clickhouse_connect.driver.client import Client
+
+from fleetline.config import S3Settings
 from fleetline.errors import FleetlineError
 from fleetline.observability import metrics
+from fleetline.storage.objects import ObjectStore
+from fleetline.storage.tiering.policy import LIFETIMES, DataClass, check_lifetimes
 from fleetline.storage.tiering.store import TieredStore
 
 log = logging.getLogger(__name__)
@@ -54,3 +61,25 @@ class TierLoop:
         metrics.TIER_PARTITIONS.labels("cold").inc(stats.to_cold - before[1])
         metrics.TIER_ROWS.inc(stats.rows_moved - before[2])
         return True
+
+
+def tiered_stores(
+    client: Client,
+    database: str,
+    objects: ObjectStore,
+    s3: S3Settings,
+    lifetimes: dict[str, DataClass] | None = None,
+    **options: Any,
+) -> dict[str, TieredStore]:
+    """The tiers of every table with a lifetime (`LIFETIMES`, with `lifetimes` in place of
+    their defaults), by macro name; the samples' store attributes tenants through the
+    allocations' tiers."""
+    chosen = {**LIFETIMES, **(lifetimes or {})}
+    check_lifetimes(chosen)
+    stores = {
+        name: TieredStore(client, database, objects, s3, data, **options)
+        for name, data in chosen.items()
+    }
+    if "samples" in stores and "allocations" in stores:
+        stores["samples"].allocations = stores["allocations"]
+    return stores

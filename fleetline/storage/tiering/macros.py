@@ -15,9 +15,9 @@ from fleetline.errors import ConfigError
 from fleetline.moments import parse_moment
 from fleetline.storage.objects import ObjectStore
 from fleetline.storage.query_service import Expand
-from fleetline.storage.tiering.loop import wall_clock_ms
+from fleetline.storage.tiering.loop import tiered_stores, wall_clock_ms
 from fleetline.storage.tiering.policy import LIFETIMES
-from fleetline.storage.tiering.store import TieredStore, tiered_stores
+from fleetline.storage.tiering.store import TieredStore
 
 _MACRO = re.compile(r"\$samples(?:\((?P<args>[^)]*)\))?")
 # The record tables: $decisions(FROM, TO) is the decisions in a range, $allocations every

@@ -35,12 +35,10 @@ from fleetline.storage.tiering.policy import (
     EVERYONE_ELSE,
     GPU_SAMPLES,
     HOUR_MS,
-    LIFETIMES,
     WARM,
     DataClass,
     Manifest,
     TierStats,
-    check_lifetimes,
     hour_of,
     partition_start_ms,
     retention_plan,
@@ -387,11 +385,12 @@ class TieredStore:
             # warm objects hold (one that came in since they were written stays, and moves
             # as a late object).
             identity = ", ".join(self.data.identity)
-            keys = sorted(m.key for m in self._warm_of(partition))
+            held = " OR ".join(
+                f"({identity}) IN ({moved})" for moved in self._moved_sets(partition)
+            )
             self._command(
                 f"ALTER TABLE {self.hot} DELETE WHERE {self._hot_where(partition)} AND "
-                f"({identity}) IN (SELECT {identity} FROM {self._s3(keys)}) "
-                "SETTINGS mutations_sync = 1"
+                f"({held or '0'}) SETTINGS mutations_sync = 1"
             )
             return
         ids = self._query(
@@ -406,14 +405,27 @@ class TieredStore:
     def _warm_of(self, hour: str) -> list[Manifest]:
         return [m for m in self.manifests(WARM) if m.partition[:10] == hour]
 
-    def _unmoved_where(self, hour: str) -> str:
-        """The hot rows of an hour that no warm object of the hour holds."""
-        where = self._hot_where(hour)
-        keys = sorted(m.key for m in self._warm_of(hour))
-        if not keys:
-            return where
+    def _moved_sets(self, hour: str) -> list[str]:
+        """SELECTs of the identities the hour's copies hold: its warm objects, and its day's
+        cold archive once there is one (a sink that read its topic again from the start, its
+        hot rows all tiered, stores rows cold already holds)."""
         identity = ", ".join(self.data.identity)
-        return f"{where} AND ({identity}) NOT IN (SELECT {identity} FROM {self._s3(keys)})"
+        keys = sorted(m.key for m in self._warm_of(hour))
+        selects = [f"SELECT {identity} FROM {self._s3(keys)}"] if keys else []
+        cold = self._committed(COLD, hour[:8])
+        if cold is not None:
+            selects.append(
+                f"SELECT {identity} FROM {self._s3([cold.key])} WHERE {self._hot_where(hour)}"
+            )
+        return selects
+
+    def _unmoved_where(self, hour: str) -> str:
+        """The hot rows of an hour that no copy of the hour holds."""
+        identity = ", ".join(self.data.identity)
+        return " AND ".join(
+            [self._hot_where(hour)]
+            + [f"({identity}) NOT IN ({moved})" for moved in self._moved_sets(hour)]
+        )
 
     def _unmoved(self, hour: str) -> tuple[int, str, int, int]:
         return self._fingerprint(self.hot, self._unmoved_where(hour))
@@ -447,12 +459,13 @@ class TieredStore:
         """Copy, verify and commit one hot hour (or find it committed by an earlier pass). Rows
         that came in for an hour after it moved are moved as the hour's next late object."""
         earlier = self._warm_of(partition)
-        name = partition if not earlier else f"{partition}-late{len(earlier)}"
+        moved = earlier or self._committed(COLD, partition[:8]) is not None
+        name = partition if not moved else f"{partition}-late{len(earlier)}"
         where = self._unmoved_where(partition)
         rows, checksum, low, high = self._fingerprint(self.hot, where)
-        if earlier and rows == 0:
-            # Everything the hot table holds for the hour is in warm already (a pass stopped
-            # after its commit): only the drop is left.
+        if moved and rows == 0:
+            # Everything the hot table holds for the hour is in a copy already (a pass stopped
+            # after its commit, or a sink stored rows again): only the drop is left.
             self.stats.completed_after_crash += 1
             return
         key = self._key(WARM, name)
@@ -663,25 +676,3 @@ class TieredStore:
         )
         ((rows,),) = self._query(f"SELECT count() FROM {self.restored} WHERE {where}")
         return int(rows)
-
-
-def tiered_stores(
-    client: Client,
-    database: str,
-    objects: ObjectStore,
-    s3: S3Settings,
-    lifetimes: dict[str, DataClass] | None = None,
-    **options: Any,
-) -> dict[str, TieredStore]:
-    """The tiers of every table with a lifetime (`LIFETIMES`, with `lifetimes` in place of
-    their defaults), by macro name; the samples' store attributes tenants through the
-    allocations' tiers."""
-    chosen = {**LIFETIMES, **(lifetimes or {})}
-    check_lifetimes(chosen)
-    stores = {
-        name: TieredStore(client, database, objects, s3, data, **options)
-        for name, data in chosen.items()
-    }
-    if "samples" in stores and "allocations" in stores:
-        stores["samples"].allocations = stores["allocations"]
-    return stores
