@@ -247,14 +247,9 @@ def tier_run(
 
 
 @tier.command(name="list")
-def tier_list(
-    hot_hours: TierPolicy.HotHours = 24,
-    warm_days: TierPolicy.WarmDays = 7,
-    cold_days: TierPolicy.ColdDays = None,
-    tenant_cold_days: TierPolicy.TenantColdDays = None,
-    keep: TierPolicy.Keep = None,
-) -> None:
-    """Each table's lifetime with these flags: hot hours, warm days, cold days."""
+def tier_list(keep: TierPolicy.Keep = None) -> None:
+    """Each table's lifetime (with --keep as `serve` and `tier run` take it): hot hours, warm
+    days, cold days."""
 
     def days(ms: int | None) -> str:
         return "for ever" if ms is None else f"{ms / DAY_MS:g} d"
@@ -268,7 +263,7 @@ def tier_list(
             days(data.cold_ms),
             ", ".join(f"{t}: {days(ms)}" for t, ms in data.tenant_cold_ms) or "-",
         ]
-        for name, data in lifetimes(hot_hours, warm_days, cold_days, tenant_cold_days, keep).items()
+        for name, data in lifetimes(24, 7, None, None, keep).items()
     ]
     print_tsv(["name", "table", "hot", "warm", "cold", "tenants' cold"], rows)
 
