@@ -277,6 +277,10 @@ def _watermarks(reader: Consumer, tp: TopicPartition, timeout_s: float) -> tuple
             time.sleep(0.2)
 
 
+# How long `stable_bounds` asks one admin client before it asks through a new one.
+ADMIN_RENEW_S = 2.0
+
+
 def stable_bounds(
     kafka: KafkaSettings,
     topic: str,
@@ -289,6 +293,7 @@ def stable_bounds(
     still open). While leadership moves it asks again; a partition whose bounds cannot be had
     within `timeout_s` is a StreamError, so that no caller takes a short log for the whole."""
     admin = admin or admin_client(kafka)
+    asked_since = time.monotonic()
     wanted = sorted(set(partitions))
     bounds: dict[int, tuple[int, int]] = {}
     deadline = time.monotonic() + timeout_s
@@ -323,8 +328,17 @@ def stable_bounds(
                     ) from None
                 why = error.str()
                 continue
+            if low < 0 or high < low:
+                # A leader being elected can answer with no offset and no error.
+                why = f"offsets {low} to {high}"
+                continue
             bounds[tp.partition] = (int(low), int(high))
         if len(bounds) < len(wanted):
+            if time.monotonic() - asked_since >= ADMIN_RENEW_S:
+                # librdkafka's admin client can go on asking with a leader epoch the broker
+                # has fenced (FENCED_LEADER_EPOCH for minutes after a broker kill, seen in
+                # `make chaos`); a new client asks with fresh metadata.
+                admin, asked_since = admin_client(kafka), time.monotonic()
             time.sleep(0.2)
 
 

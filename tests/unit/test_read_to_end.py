@@ -133,3 +133,51 @@ def test_a_leader_moving_is_passed_over_and_a_fatal_error_stops_the_read() -> No
     )
     with pytest.raises(StreamError, match=r"reading t\.scheduler\.state\.changelog"):
         read(broken, end=1, leader_ends=[1])
+
+
+class ScriptedAdmin:
+    """An admin client whose ListOffsets answers come from a script: (low, high) pairs, or a
+    KafkaError code for both."""
+
+    def __init__(self, answers: list[tuple[int, int] | int]) -> None:
+        self.answers = answers
+        self.asked = 0
+
+    def list_offsets(self, requests, isolation_level, request_timeout):
+        from concurrent.futures import Future
+
+        from confluent_kafka import KafkaException
+
+        answer = self.answers[min(self.asked // 2, len(self.answers) - 1)]
+        self.asked += 1
+        side = (self.asked - 1) % 2  # earliest first, then latest
+
+        def future() -> Future:
+            done: Future = Future()
+            if isinstance(answer, int):
+                done.set_exception(KafkaException(KafkaError(answer)))
+            else:
+                done.set_result(type("Offset", (), {"offset": answer[side]})())
+            return done
+
+        return {tp: future() for tp in requests}
+
+
+def test_bounds_ask_a_new_admin_client_when_one_keeps_a_fenced_epoch(monkeypatch) -> None:
+    from fleetline.config import KafkaSettings
+    from fleetline.streams import kafka
+
+    # A leader being elected answers with no offsets and no error, then the client keeps a
+    # leader epoch the broker has fenced; a new client gets the answer.
+    stale = ScriptedAdmin([(-1, -1001), KafkaError.FENCED_LEADER_EPOCH])
+    fresh = ScriptedAdmin([(3, 9)])
+    monkeypatch.setattr(kafka, "ADMIN_RENEW_S", 0.3)
+    monkeypatch.setattr(kafka, "admin_client", lambda settings: fresh)
+    bounds = kafka.stable_bounds(KafkaSettings("127.0.0.1:1"), TOPIC, [0], 5.0, stale)
+    assert bounds == {0: (3, 9)}
+    assert stale.asked >= 4 and fresh.asked == 2
+    # Never a negative offset taken for an end: past the limit it is an error naming it.
+    never = ScriptedAdmin([(-1, -1001)])
+    monkeypatch.setattr(kafka, "admin_client", lambda settings: never)
+    with pytest.raises(StreamError, match=r"could not be established.*offsets -1 to -1001"):
+        kafka.stable_bounds(KafkaSettings("127.0.0.1:1"), TOPIC, [0], 1.0, never)
