@@ -98,6 +98,10 @@ def lab(services: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield LabServices(settings, host, made)
     finally:
         host.down(grace_s=5)
-        local.stop()
+        # Its data goes next: no controlled shutdown, which waited a minute for a controller
+        # on the lab address just taken down.
+        for index in range(len(local.kafka.brokers)):
+            local.kafka.kill(index)
+        local.object_store.stop()
         local.kafka.wipe()
         local.object_store.wipe()
