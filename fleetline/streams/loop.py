@@ -768,6 +768,7 @@ class StreamLoop:
                         f"{self.restore_timeout_s:.0f} s ({attempt} attempt(s)): {exc}"
                     ) from exc
                 log.warning("%s: the restore stopped (%s); restoring again", self.name, exc)
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
                 continue
             differences = self._differences(committed)
             if not differences:
