@@ -60,13 +60,19 @@ def lifetimes(
 ) -> dict[str, DataClass]:
     """Every table's lifetime: the GPU samples' from their own flags, any table's from
     `--keep`, the rest as `LIFETIMES` has them."""
+
+    def lived(data: DataClass, hot: float, warm: float, cold: float | None) -> DataClass:
+        return replace(
+            data,
+            hot_ms=int(hot * HOUR_MS),
+            warm_ms=int(warm * DAY_MS),
+            cold_ms=None if cold is None else int(cold * DAY_MS),
+        )
+
     chosen = {
         **LIFETIMES,
         "samples": replace(
-            LIFETIMES["samples"],
-            hot_ms=int(hot_hours * HOUR_MS),
-            warm_ms=int(warm_days * DAY_MS),
-            cold_ms=None if cold_days is None else int(cold_days * DAY_MS),
+            lived(LIFETIMES["samples"], hot_hours, warm_days, cold_days),
             tenant_cold_ms=tenant_retention(tenant_cold_days or [], DAY_MS),
         ),
     }
@@ -78,12 +84,7 @@ def lifetimes(
                 raise ValueError(value)
             hot, warm = float(parts[0]), float(parts[1])
             cold = float(parts[2]) if len(parts) == 3 and parts[2] else None
-            chosen[name] = replace(
-                chosen[name],
-                hot_ms=int(hot * HOUR_MS),
-                warm_ms=int(warm * DAY_MS),
-                cold_ms=None if cold is None else int(cold * DAY_MS),
-            )
+            chosen[name] = lived(chosen[name], hot, warm, cold)
         except (ValueError, OverflowError):  # not a number, or inf
             raise ConfigError(
                 f"--keep {value!r}: expected TABLE=HOURS,DAYS[,DAYS] with TABLE one of "

@@ -143,13 +143,7 @@ class ObjectStore:
             response.release_conn()
 
     def keys(self, prefix: str = "") -> list[str]:
-        try:
-            return sorted(
-                obj.object_name
-                for obj in self.client.list_objects(self.bucket, prefix=prefix, recursive=True)
-            )
-        except (S3Error, HTTPError, OSError) as exc:
-            raise _translate(f"listing s3://{self.bucket}/{prefix}", exc) from None
+        return sorted(self.etags(prefix))
 
     def etags(self, prefix: str = "") -> dict[str, str]:
         """Each object under `prefix` and its ETag (what changes when it is written again), in

@@ -36,10 +36,7 @@ HOT_TABLES = {
     "tickets": "repair_tickets",
     "energy_prices": "energy_prices",
 }
-_TABLE_MACRO = re.compile(
-    r"\$(?P<name>decisions|allocations|workloads|logs|audit|node_states|tickets|energy_prices)\b"
-    r"(?:\((?P<args>[^)]*)\))?"
-)
+_TABLE_MACRO = re.compile(rf"\$(?P<name>{'|'.join(HOT_TABLES)})\b(?:\((?P<args>[^)]*)\))?")
 
 
 def tiered_sql(

@@ -57,6 +57,7 @@ def _record_table(
     hot_days: float,
     warm_days: float,
     cold_days: float | None = None,
+    identity: tuple[str, ...] = SOURCED,
     **kwargs: object,
 ) -> DataClass:
     return DataClass(
@@ -67,6 +68,7 @@ def _record_table(
         warm_ms=int(warm_days * DAY_MS),
         cold_ms=None if cold_days is None else int(cold_days * DAY_MS),
         hourly_partitions=False,
+        identity=identity,
         **kwargs,  # type: ignore[arg-type]
     )
 
@@ -78,12 +80,7 @@ def _record_table(
 LIFETIMES: dict[str, DataClass] = {
     "samples": GPU_SAMPLES,
     "decisions": _record_table(
-        "scheduling_decisions",
-        ("tenant", "job", "ts_ms"),
-        30,
-        90,
-        tenant_column="tenant",
-        identity=SOURCED,
+        "scheduling_decisions", ("tenant", "job", "ts_ms"), 30, 90, tenant_column="tenant"
     ),
     # One allocation record binds one GPU; a sample's tenant is the allocation in force then.
     "allocations": _record_table(
@@ -96,18 +93,10 @@ LIFETIMES: dict[str, DataClass] = {
         cold_in_place=True,
     ),
     "workloads": _record_table(
-        "workload_events",
-        ("tenant", "job", "ts_ms"),
-        7,
-        30,
-        365,
-        tenant_column="tenant",
-        identity=SOURCED,
+        "workload_events", ("tenant", "job", "ts_ms"), 7, 30, 365, tenant_column="tenant"
     ),
-    "logs": _record_table("logs", ("process", "ts_ms"), 3, 14, 90, identity=SOURCED),
-    "node_states": _record_table(
-        "node_states", ("cluster_id", "node_id", "ts_ms"), 7, 30, 365, identity=SOURCED
-    ),
+    "logs": _record_table("logs", ("process", "ts_ms"), 3, 14, 90),
+    "node_states": _record_table("node_states", ("cluster_id", "node_id", "ts_ms"), 7, 30, 365),
     # Archived, never deleted before its retention (none by default), never per tenant.
     "audit": _record_table(
         "audit_log", ("partition", "seq"), 90, 365, identity=("source_topic", "partition", "seq")

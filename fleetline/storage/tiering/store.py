@@ -384,9 +384,8 @@ class TieredStore:
             # The hour shares its partition with others: delete exactly the rows the hour's
             # warm objects hold (one that came in since they were written stays, and moves
             # as a late object).
-            identity = ", ".join(self.data.identity)
             held = " OR ".join(
-                f"({identity}) IN ({moved})" for moved in self._moved_sets(partition)
+                f"({self._identity}) IN ({moved})" for moved in self._moved_sets(partition)
             )
             self._command(
                 f"ALTER TABLE {self.hot} DELETE WHERE {self._hot_where(partition)} AND "
@@ -402,6 +401,11 @@ class TieredStore:
                 f"ALTER TABLE {self.hot} DROP PARTITION ID {format_query_value(str(partition_id))}"
             )
 
+    @property
+    def _identity(self) -> str:
+        """The columns that tell one row from another, as SQL."""
+        return ", ".join(self.data.identity)
+
     def _warm_of(self, hour: str) -> list[Manifest]:
         return [m for m in self.manifests(WARM) if m.partition[:10] == hour]
 
@@ -409,7 +413,7 @@ class TieredStore:
         """SELECTs of the identities the hour's copies hold: its warm objects, and its day's
         cold archive once there is one (a sink that read its topic again from the start, its
         hot rows all tiered, stores rows cold already holds)."""
-        identity = ", ".join(self.data.identity)
+        identity = self._identity
         keys = sorted(m.key for m in self._warm_of(hour))
         selects = [f"SELECT {identity} FROM {self._s3(keys)}"] if keys else []
         cold = self._committed(COLD, hour[:8])
@@ -421,10 +425,9 @@ class TieredStore:
 
     def _unmoved_where(self, hour: str) -> str:
         """The hot rows of an hour that no copy of the hour holds."""
-        identity = ", ".join(self.data.identity)
         return " AND ".join(
             [self._hot_where(hour)]
-            + [f"({identity}) NOT IN ({moved})" for moved in self._moved_sets(hour)]
+            + [f"({self._identity}) NOT IN ({moved})" for moved in self._moved_sets(hour)]
         )
 
     def _unmoved(self, hour: str) -> tuple[int, str, int, int]:
