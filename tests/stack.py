@@ -53,6 +53,8 @@ class Stack:
     node_agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     # What one cluster's processes get besides the stack's settings (its host's certificate).
     cluster_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    # What one cluster's agent is started with besides the stack's flags (its backend).
+    agent_args: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def topics(self):
@@ -109,8 +111,9 @@ class Stack:
                 sys.executable,
                 "-m",
                 "fleetline.cli",
-                # In a lab, at INFO: what it stops and why is the evidence of a cut.
-                *(["-v"] if self.lab is not None else []),
+                # In a lab, at INFO: what it stops and why is the evidence of a cut; on a
+                # cluster manager, what the manager was asked and said.
+                *(["-v"] if self.lab is not None or cluster in self.agent_args else []),
                 "cluster-agent",
                 "--cluster-id",
                 cluster,
@@ -124,6 +127,7 @@ class Stack:
                 str(self.chaos(cluster)),
                 "--metrics-port",
                 "0",
+                *self.agent_args.get(cluster, []),
             ],
             f"agent-{cluster}.log",
         )
@@ -183,6 +187,7 @@ def running_stack(
     regions: Mapping[str, str] | None = None,
     lab: Lab | None = None,
     cluster_env: Mapping[str, dict[str, str]] | None = None,
+    agent_args: Mapping[str, list[str]] | None = None,
 ) -> Iterator[Stack]:
     """The stack up, every cluster's first heartbeat seen; jobs go to the clusters in the
     order given while they are in the pool (the preference scorer outweighs the others).
@@ -191,7 +196,7 @@ def running_stack(
     `clusters` are the simulator's first clusters by name (eu-west-a, us-east-a, ...), and
     each one's cluster agent and node agents run on its host there (`settings` must point at
     Kafka and S3 on the lab's control address). `cluster_env` adds to one cluster's processes'
-    environment."""
+    environment, `agent_args` to its agent's flags."""
     settings = dataclasses.replace(
         services,
         clickhouse_database=f"t_{uuid.uuid4().hex[:12]}",
@@ -239,7 +244,13 @@ def running_stack(
         ],
     )
     built = Stack(
-        settings, fleet, simulator, state_dir, lab=lab, cluster_env=dict(cluster_env or {})
+        settings,
+        fleet,
+        simulator,
+        state_dir,
+        lab=lab,
+        cluster_env=dict(cluster_env or {}),
+        agent_args=dict(agent_args or {}),
     )
     try:
         for part, cluster in enumerate(clusters):

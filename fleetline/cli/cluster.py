@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import threading
 import uuid
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -25,11 +27,29 @@ from fleetline.cli.common import (
     settings,
     ship_logs,
 )
+from fleetline.config import Settings
+from fleetline.infra.slurm import slurm_conf_path
 
 cluster = typer.Typer(help="Operate whole clusters: cordon, uncordon, health", no_args_is_help=True)
 workload = typer.Typer(help="Workloads a cluster agent runs", no_args_is_help=True)
 
 ClusterId = Annotated[str, typer.Argument(help="the cluster's id")]
+
+
+class Backend(StrEnum):
+    """How a cluster agent runs workloads (agents/cluster/backends)."""
+
+    process = "process"
+    slurm = "slurm"
+
+
+def _slurm_conf(given: Path | None, config: Settings, cluster_id: str) -> Path | None:
+    """The Slurm configuration a cluster agent uses: the flag's, SLURM_CONF (None: Slurm's
+    own default applies), or the one `fleetline infra start --slurm` wrote for the cluster."""
+    if given is not None or "SLURM_CONF" in os.environ:
+        return given
+    made = slurm_conf_path(config.cache_dir, cluster_id)
+    return made if made.exists() else None
 
 
 def cluster_agent(
@@ -46,13 +66,31 @@ def cluster_agent(
         Path | None,
         typer.Option(help="fault injection: peers (one per line) this agent cannot reach"),
     ] = None,
+    backend: Annotated[
+        Backend,
+        typer.Option(
+            help="how workloads run: `process` (OS processes on this host), `slurm` (batch "
+            "jobs of the cluster's Slurm, whose node names are fleetline's node ids; the state "
+            "directory must be on the cluster's shared filesystem)"
+        ),
+    ] = Backend.process,
+    slurm_conf: Annotated[
+        Path | None,
+        typer.Option(
+            help="the Slurm cluster's slurm.conf (default: SLURM_CONF, else "
+            ".cache/slurm/CLUSTER/slurm.conf when `fleetline infra start --slurm` made one, "
+            "else the host's)"
+        ),
+    ] = None,
     metrics_port: MetricsPort = None,
     metrics_host: MetricsHost = None,
 ) -> None:
     """Run the cluster agent: reconcile the scheduler's workload orders for this cluster with
-    the workloads it runs (real processes), report their transitions and the cluster's status
-    every second, move checkpoints in from other clusters, probe the peers (until interrupted)."""
+    the workloads it runs (OS processes, or jobs of the cluster's Slurm), report their
+    transitions and the cluster's status every second, move checkpoints in from other clusters,
+    probe the peers (until interrupted)."""
     from fleetline.agents.cluster.agent import ClusterAgent
+    from fleetline.agents.cluster.backends import launcher_for
     from fleetline.observability import logs, metrics
     from fleetline.processors.health.runtime import health_topics
     from fleetline.streams import kafka as kafka_clients
@@ -68,6 +106,9 @@ def cluster_agent(
         state_dir or config.cache_dir / "cluster-agent",
         stop_grace_s=stop_grace_s,
         chaos_file=chaos_file,
+        launcher=launcher_for(
+            backend.value, cluster_id, _slurm_conf(slurm_conf, config, cluster_id)
+        ),
     )
     expose_metrics(
         metrics_host,

@@ -11,15 +11,22 @@ import typer
 from fleetline.cli.common import settings
 from fleetline.config import host_address
 from fleetline.infra import LocalServices
+from fleetline.infra.slurm import SlurmCluster
 
 infra = typer.Typer(
-    help="Start, stop or inspect the local Kafka and S3 services.", no_args_is_help=True
+    help="Start, stop or inspect the local Kafka and S3 services (and Slurm clusters).",
+    no_args_is_help=True,
 )
 
 
 def _status(services: LocalServices) -> None:
     for name, up in services.status().items():
         print(f"{name}: {'up' if up else 'down'}")
+    for cluster in SlurmCluster.found(settings().cache_dir):
+        print(
+            f"slurm {cluster.cluster_id} ({len(cluster.nodes)} nodes, SLURM_CONF={cluster.conf}): "
+            f"{'up' if cluster.running() else 'down'}"
+        )
 
 
 @infra.command()
@@ -42,11 +49,30 @@ def start(
             "FLEETLINE_S3_ENDPOINT's hosts, 127.0.0.1)",
         ),
     ] = None,
+    slurm: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="CLUSTER[:NODES]",
+            help="also run a Slurm cluster for fleetline cluster CLUSTER on this host "
+            "(repeatable): munged, slurmctld and one slurmd per node (default 1), the nodes "
+            "named as the simulator names CLUSTER's, 8 GPUs each, under .cache/slurm/CLUSTER; "
+            "a cluster agent with `--backend slurm` finds its slurm.conf there",
+        ),
+    ] = None,
 ) -> None:
-    """Start the broker(s) and the S3 server (fetching and building them the first time)."""
+    """Start the broker(s) and the S3 server (fetching and building them the first time), and
+    the Slurm clusters asked for."""
     address = host_address(listen, "--listen") if listen is not None else None
-    services = LocalServices.from_settings(settings(), brokers, address)
-    print(json.dumps({k: round(v, 2) for k, v in services.start().items()}))
+    config = settings()
+    try:
+        clusters = [SlurmCluster.parse(config.cache_dir, text) for text in slurm or []]
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--slurm") from exc
+    services = LocalServices.from_settings(config, brokers, address)
+    started = services.start()
+    for cluster in clusters:
+        started[f"slurm {cluster.cluster_id}"] = cluster.start()
+    print(json.dumps({k: round(v, 2) for k, v in started.items()}))
     _status(services)
     if len(services.kafka.brokers) > 1 or address is not None:
         # Clients bootstrap from every broker, so one that is down does not stop them starting.
@@ -56,9 +82,12 @@ def start(
 
 @infra.command()
 def stop() -> None:
-    """Stop the broker(s) and the S3 server."""
+    """Stop the broker(s), the S3 server and every Slurm cluster started here (cancelling
+    their jobs)."""
     services = LocalServices.from_settings(settings())
     services.stop()
+    for cluster in SlurmCluster.found(settings().cache_dir):
+        cluster.stop()
     _status(services)
 
 
@@ -74,6 +103,8 @@ def wipe() -> None:
     services = LocalServices.from_settings(settings())
     services.kafka.wipe()
     services.object_store.wipe()
+    for cluster in SlurmCluster.found(settings().cache_dir):
+        cluster.wipe()
     _status(services)
 
 

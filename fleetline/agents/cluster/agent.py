@@ -33,13 +33,16 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, KafkaError, TopicPartition
 
 from fleetline.agents.cluster import workloads as procs
+from fleetline.agents.cluster.backends import Launcher, RunRequest
+from fleetline.agents.cluster.backends.process import ProcessLauncher
+from fleetline.agents.cluster.nodes import DRAIN_REASON, Drain, Fence, Resume, Unfence, sync
 from fleetline.agents.cluster.reconcile import Actual, Order, Start, Stop, plan
 from fleetline.agents.workloads.train import workload_env
 from fleetline.config import Settings
@@ -51,6 +54,7 @@ from fleetline.processors.scheduling.client import request_output
 from fleetline.processors.scheduling.codec import new_request
 from fleetline.processors.scheduling.services import REPLICA_KIND, ROLE_LABEL, SERVICE_LABEL
 from fleetline.processors.scheduling.specs import TrainingJobSpec
+from fleetline.processors.view.model import CORDONED_LABEL
 from fleetline.schemas.records import (
     ReplicaEndpoint,
     ReplicaState,
@@ -64,6 +68,7 @@ from fleetline.streams.events import (
     CLUSTER_HEALTH,
     CLUSTER_INFO,
     CLUSTER_SIGNAL,
+    NODE_STATE,
     WORKLOAD_ORDER,
 )
 from fleetline.streams.loop import produce
@@ -118,6 +123,8 @@ class ClusterAgent:
     chaos_file: Path | None = None  # peers whose link is cut, one per line (fault injection)
     codec: AvroCodec = field(default_factory=default_codec)
     ready: threading.Event = field(default_factory=threading.Event)
+    # How its workloads run: OS processes on this host, or jobs of the cluster's manager.
+    launcher: Launcher = field(default_factory=ProcessLauncher)
 
     def __post_init__(self) -> None:
         self.name = f"{self.topics.prefix}.cluster-agent.{self.cluster_id}"
@@ -128,6 +135,8 @@ class ClusterAgent:
         self.peers: dict[str, str] = {}  # cluster -> probe address
         self.reach: dict[str, tuple[bool, float | None]] = {}
         self.region: str | None = None  # this cluster's, from its ClusterInfo
+        self.cordoned: dict[str, bool] = {}  # this cluster's nodes: cordoned in fleetline?
+        self._fenced_file = self.state_dir / self.cluster_id / "fenced-nodes.json"
         self.registry_wake = threading.Event()  # a replica changed: publish it now
         self.lock = threading.Lock()
         self.root = self.state_dir / self.cluster_id
@@ -158,6 +167,10 @@ class ClusterAgent:
                 TopicPartition(self.topics.orders, 0, OFFSET_BEGINNING),
                 TopicPartition(self.topics.emergency, 0, OFFSET_BEGINNING),
                 TopicPartition(self.topics.clusters, 0, OFFSET_BEGINNING),
+                *(
+                    TopicPartition(self.topics.node_state, p, OFFSET_BEGINNING)
+                    for p in range(self.topics.node_partitions)
+                ),
                 TopicPartition(
                     self.topics.cluster_signals,
                     0,
@@ -174,17 +187,30 @@ class ClusterAgent:
         try:
             # The desired state first: read every order there is before acting on any.
             self._catch_up(consumer, stop)
+            for directory, meta in self.launcher.unrecorded(self.root):
+                procs.prepare(self.root, meta)
+                log.info(
+                    "%s: found %s in the cluster's manager: %s", self.cluster_id, meta, directory
+                )
             with self.lock:
-                for workload in procs.adopt(self.root):
+                for workload in procs.adopt(self.root, self.launcher):
                     self.running.setdefault(workload.job, []).append(workload)
                     log.info(
-                        "%s: adopted %s run %s", self.cluster_id, workload.job, workload.run_id
+                        "%s: adopted %s run %s (%s)",
+                        self.cluster_id,
+                        workload.job,
+                        workload.run_id,
+                        workload.label,
                     )
             for thread in threads:
                 thread.start()
             self.ready.set()
             while not stop.is_set():
                 self._consume(consumer, 0.1)
+                # Nodes first: a node its manager lost is fenced before its runs' ends are
+                # reported, so the scheduler moves them rather than retrying them there.
+                self.launcher.refresh()
+                self.sync_nodes()
                 self.reconcile()
                 self.watch()
         finally:
@@ -236,6 +262,10 @@ class ClusterAgent:
                     self.region = record["region"]
             elif name == CLUSTER_HEALTH:
                 self.health[record["cluster_id"]] = record
+            elif name == NODE_STATE:
+                if record["cluster_id"] == self.cluster_id:
+                    labels = record.get("labels") or {}
+                    self.cordoned[record["node_id"]] = labels.get(CORDONED_LABEL) == "true"
             elif (
                 name == CLUSTER_SIGNAL
                 and record["kind"] == "HEARTBEAT"
@@ -243,6 +273,48 @@ class ClusterAgent:
                 and record["cluster_id"] != self.cluster_id
             ):
                 self.peers[record["cluster_id"]] = record["probe_address"]
+
+    # -- the manager's nodes against fleetline's ------------------------------------------------
+
+    def _fenced_here(self) -> set[str]:
+        try:
+            return set(json.loads(self._fenced_file.read_text()))
+        except (OSError, ValueError):
+            return set()
+
+    def sync_nodes(self) -> None:
+        """Carry node states across (`nodes.sync`): the manager's outages become fences, fleetline's
+        cordons become the manager's drains."""
+        manager = self.launcher.manager_nodes()
+        if manager is None:
+            return
+        fenced = self._fenced_here()
+        for action in sync(manager, self.cordoned, fenced):
+            try:
+                if isinstance(action, Fence | Unfence):
+                    kind = "FENCE" if isinstance(action, Fence) else "UNFENCE"
+                    request = new_request(
+                        kind,
+                        action.node,
+                        "",
+                        _now_ms(),
+                        uuid.uuid4().hex,
+                        actor=f"cluster-agent/{self.cluster_id}",
+                        cluster_id=self.cluster_id,
+                        detail=action.reason,
+                    )
+                    produce(self.producer, request_output(self.topics, request, self.codec))
+                    self.producer.flush(10)
+                    fenced = fenced | {action.node} if kind == "FENCE" else fenced - {action.node}
+                    self._fenced_file.write_text(json.dumps(sorted(fenced)))
+                elif isinstance(action, Drain):
+                    self.launcher.drain(action.node, DRAIN_REASON)
+                elif isinstance(action, Resume):
+                    self.launcher.resume(action.node)
+            except FleetlineError as exc:
+                log.warning("%s: %s: %s", self.cluster_id, action, exc)
+                continue
+            log.info("%s: %s", self.cluster_id, action)
 
     # -- desired against actual -----------------------------------------------------------------
 
@@ -260,7 +332,9 @@ class ClusterAgent:
                 ]
                 for job, runs in self.running.items()
             }
-        for action in plan(self.cluster_id, self.orders, actual, may_start=not self.fenced()):
+        # A manager that does not answer starts nothing (what runs is stopped as ordered).
+        may_start = not self.fenced() and self.launcher.control_error() is None
+        for action in plan(self.cluster_id, self.orders, actual, may_start=may_start):
             if isinstance(action, Start):
                 try:
                     self._start(action.order)
@@ -318,17 +392,9 @@ class ClusterAgent:
         else:
             checkpoints_env, restored = self._prepare(order)
             command = workload_spec.get("command") or DEFAULT_TRAINER
-        group, isolation = procs.isolate(
-            self.cluster_id,
-            order.job,
-            f"e{order.epoch}-a{order.attempt}",
-            body.get("priority_class", "normal"),
-        )
         sharing_env, sharing = gpu_sharing(
             order.workers, body.get("gpus_per_replica", 1), _gpu_memory_mib, _mps_running()
         )
-        if sharing:
-            isolation += f"; {sharing}"
         env = {
             **os.environ,
             **checkpoints_env,
@@ -338,17 +404,33 @@ class ClusterAgent:
         }
         began = time.perf_counter()
         control = self._control(order)
-        workload = procs.launch(
-            self.root,
+        request = RunRequest(
+            self.cluster_id,
             order.job,
             order.tenant,
             order.epoch,
             order.attempt,
             order.trace_id,
-            list(command),
+            body.get("priority_class", "normal"),
+            order.workers,
+            tuple(command),
             env,
-            group,
-            control,
+            self.root,
+        )
+        directory, files = procs.prepare(self.root, request.meta(), control)
+        request = replace(request, env={**env, **files}, directory=directory)
+        handle, isolation = self.launcher.start(request)
+        if sharing:
+            isolation += f"; {sharing}"
+        workload = procs.Workload(
+            order.job,
+            order.tenant,
+            order.epoch,
+            order.attempt,
+            order.trace_id,
+            directory,
+            handle,
+            time.monotonic(),
         )
         workload.told = control
         with self.lock:
@@ -362,12 +444,12 @@ class ClusterAgent:
             + (f"; resumes from {restored}" if restored else ""),
         )
         log.info(
-            "%s: started %s epoch %d attempt %d as pid %d (%s)",
+            "%s: started %s epoch %d attempt %d as %s (%s)",
             self.cluster_id,
             order.job,
             order.epoch,
             order.attempt,
-            workload.pid,
+            workload.label,
             isolation,
             extra={"trace_id": order.trace_id},
         )
@@ -416,10 +498,6 @@ class ClusterAgent:
             "TRACEPARENT": _traceparent(order, "workload") or "",
             "FLEETLINE_WORKERS": json.dumps(workers),
             "FLEETLINE_WORLD_SIZE": str(len(workers)),
-            "FLEETLINE_RANK": "0",
-            "CUDA_VISIBLE_DEVICES": ",".join(map(str, order.workers[0][1]))
-            if order.workers
-            else "",
             # One thread: the same sums in the same order on every cluster (bit-identical).
             "OPENBLAS_NUM_THREADS": "1",
             "OMP_NUM_THREADS": "1",
@@ -558,7 +636,6 @@ class ClusterAgent:
                     del self.running[job]
 
     def watch(self) -> None:
-        procs.reap()
         self.forget_finished()
         with self.lock:
             workloads = [w for runs in self.running.values() for w in runs]
@@ -570,16 +647,23 @@ class ClusterAgent:
             alive = workload.alive
             if alive and order is not None:
                 self._retell(workload, order)
-            if (
-                alive
+            placed = (
+                workload.handle.placed()
+                if alive
                 and order is not None
                 and not workload.running_reported
+                and workload.handle is not None
+                else None
+            )
+            if (
+                placed is not None
+                and order is not None
                 and time.monotonic() - workload.started_at >= self.running_after_s
                 # A replica runs once it serves: its model loaded and its probe answered.
                 and (order.kind != REPLICA_KIND or "ready" in workload.serving_lines())
             ):
-                self._event(order, "RUNNING", pid=workload.pid)
-                self._report(order, "RUNNING", detail=f"pid {workload.pid}")
+                self._event(order, "RUNNING", pid=workload.pid, detail=placed)
+                self._report(order, "RUNNING", detail=placed)
                 workload.running_reported = True
                 workload.mark("running")
             if (
@@ -647,9 +731,19 @@ class ClusterAgent:
 
     def _finished(self, workload: procs.Workload, order: Order | None) -> None:
         code = workload.exit_code()
-        if code is None and (workload.directory / "child.pid").exists() and workload.pid:
-            # The launcher is gone without writing the code: killed with its group.
-            code = 137
+        # The manager's word: killed before the launcher wrote a code, or its node lost.
+        said = workload.handle.ended(code) if workload.handle is not None else None
+        if said is not None:
+            code = said[0]
+        stopped = workload.interrupted() if workload.stop_deadline is None else None
+        if code == 0 and stopped is not None and said is None:
+            # It checkpointed and exited on a SIGTERM no stop of ours sent (its host shutting
+            # down): interrupted, not done; the retry resumes it from that checkpoint.
+            code = 143
+            said = (
+                code,
+                f"interrupted at step {stopped.get('step')} by a SIGTERM not ordered here",
+            )
         speaking_for = order or self._order_of(workload)
         if workload.stop_deadline is not None or order is None:
             # Stopped as ordered, or fenced: stopped (or found exited) after its epoch moved on.
@@ -679,8 +773,10 @@ class ClusterAgent:
                 detail=f"params sha256 {digest}" if digest else "exit code 0",
             )
         else:
-            reason = workload.stderr_tail() or (
-                "the workload could not be started" if code == 127 else "no error output"
+            reason = (
+                (said[1] if said is not None else None)
+                or workload.stderr_tail()
+                or ("the workload could not be started" if code == 127 else "no error output")
             )
             self._event(order, "EXITED", exit_code=code, pid=workload.pid, detail=reason)
             self._event(order, "FAILED", exit_code=code, detail=reason)
@@ -920,6 +1016,8 @@ class ClusterAgent:
                     seq=seq,
                     incarnation=self.incarnation,
                     actor=f"cluster-agent/{self.cluster_id}",
+                    # Why this cluster starts nothing now, in its manager's words.
+                    reason=self.launcher.control_error(),
                     probe_address=self.probe_address,
                     **self.status(),
                 )

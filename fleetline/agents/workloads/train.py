@@ -14,6 +14,7 @@ or at the end that cannot be written is an exit 1.
 
 The contract, which any other command can keep (a PyTorch job, say): environment in
 (FLEETLINE_JOB, _TENANT, _CLUSTER, _EPOCH, _ATTEMPT, _TRACE_ID, _WORKERS, _RANK, _WORLD_SIZE,
+_MASTER_ADDR (where a backend starts one task per worker: the first one's node),
 CUDA_VISIBLE_DEVICES, the S3 endpoint and credentials, FLEETLINE_CHECKPOINT_BUCKET and _PREFIX,
 _CHECKPOINT_KEY when sealed, FLEETLINE_RESUME_CHECKPOINT (the checkpoint to resume from; empty:
 start afresh; unset: the newest complete one), FLEETLINE_PROGRESS_FILE, FLEETLINE_CONTROL_FILE);
@@ -220,9 +221,16 @@ def checkpoints_from_env(env: Mapping[str, str]) -> Checkpoints:
 
 def main(env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
+    progress = Progress(env.get("FLEETLINE_PROGRESS_FILE"))
+    rank = int(env.get("FLEETLINE_RANK") or 0)
+    if rank != 0:
+        # The built-in trainer is one process: its data-parallel ranks come with the data
+        # plane's collective. A backend that starts one task per worker (Slurm) gets the
+        # training from rank 0 and an idle line from each other rank.
+        progress.write(event="idle", rank=rank, detail="the built-in trainer trains on rank 0")
+        return 0
     config = TrainConfig.from_env(env)
     epoch = int(env.get("FLEETLINE_EPOCH", "1"))
-    progress = Progress(env.get("FLEETLINE_PROGRESS_FILE"))
     store = checkpoints_from_env(env)
     stopping: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))

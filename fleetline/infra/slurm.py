@@ -1,0 +1,286 @@
+"""A Slurm cluster on this host for a fleetline cluster: `fleetline infra start --slurm C:N`.
+
+One `munged` with a key of the cluster's own, one `slurmctld` and one `slurmd` per node (`slurmd
+-N <node>`, each on its own port), all under `.cache/slurm/<cluster>/`, bound to loopback. The
+Slurm node names are the fleetline node ids the simulator gives that cluster's nodes
+(`<cluster>-n0000`, ...), each with `gpu:8` generic resources backed by device-like files
+(symlinks to /dev/null, `AutoDetect=off`): Slurm allocates and binds them
+(`CUDA_VISIBLE_DEVICES`), nothing executes on a GPU. `select/cons_tres` and
+`proctrack/linuxproc`; the daemons run as root, as `slurmd` must. Slurm itself comes from the
+host's packages (`slurmctld slurmd slurm-client munge`, Slurm 22.05 on Debian 12).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from fleetline.errors import ServiceError
+from fleetline.infra.process import ServiceProcess, tail
+
+PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
+GPUS_PER_NODE = 8
+READY_TIMEOUT_S = 60.0
+
+
+def slurm_conf_path(cache_dir: Path, cluster_id: str) -> Path:
+    return cache_dir / "slurm" / cluster_id / "slurm.conf"
+
+
+def node_names(cluster_id: str, count: int) -> tuple[str, ...]:
+    """The simulator's node ids for a cluster of `count` nodes, which Slurm's nodes are named."""
+    return tuple(f"{cluster_id}-n{n:04d}" for n in range(count))
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def missing_programs() -> list[str]:
+    return [p for p in ("slurmctld", "slurmd", "sbatch", "munged") if shutil.which(p) is None]
+
+
+@dataclass(frozen=True)
+class SlurmCluster:
+    """One fleetline cluster's Slurm: its controller, its nodes and their munge daemon."""
+
+    cluster_id: str
+    nodes: tuple[str, ...]
+    directory: Path
+    host: str = "127.0.0.1"
+
+    @classmethod
+    def of(cls, cache_dir: Path, cluster_id: str, node_count: int) -> SlurmCluster:
+        return cls(cluster_id, node_names(cluster_id, node_count), cache_dir / "slurm" / cluster_id)
+
+    @classmethod
+    def parse(cls, cache_dir: Path, text: str) -> SlurmCluster:
+        """`CLUSTER[:NODES]` (1 node when not said)."""
+        cluster_id, _, count = text.partition(":")
+        if not cluster_id or (count and not count.isdigit()) or count == "0":
+            raise ValueError(f"{text!r}: expected CLUSTER or CLUSTER:NODES (NODES a count >= 1)")
+        return cls.of(cache_dir, cluster_id, int(count or 1))
+
+    @property
+    def conf(self) -> Path:
+        return self.directory / "slurm.conf"
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"SLURM_CONF": str(self.conf)}
+
+    def _daemon(self, name: str, port: int = 0) -> ServiceProcess:
+        return ServiceProcess(name, self.directory / "run", self.host, port)
+
+    def _daemons(self) -> list[ServiceProcess]:
+        return [
+            self._daemon("munged"),
+            self._daemon("slurmctld"),
+            *(self._daemon(f"slurmd-{n}") for n in self.nodes),
+        ]
+
+    def running(self) -> bool:
+        return all(d.pid() is not None for d in self._daemons())
+
+    def start(self) -> float:
+        """Configure and start the daemons (kept when they run already); the seconds until
+        every node answered `idle`."""
+        missing = missing_programs()
+        if missing:
+            raise ServiceError(
+                f"Slurm is not installed here ({', '.join(missing)} not found): run "
+                f"`apt-get install -y {' '.join(PACKAGES)}` as root"
+            )
+        if os.geteuid() != 0:
+            raise ServiceError("slurmd runs as root: start the Slurm cluster as root")
+        began = time.monotonic()
+        if self.running():
+            return 0.0
+        self.stop()
+        self._configure()
+        munge = self.directory / "munge"
+        munged = self._daemon("munged")
+        munged.spawn(
+            [
+                "munged", "--foreground", "--force",
+                f"--socket={munge / 'munge.socket'}",
+                f"--key-file={munge / 'munge.key'}",
+                f"--pid-file={munge / 'munged.pid'}",
+                f"--log-file={munge / 'munged.log'}",
+                f"--seed-file={munge / 'munged.seed'}",
+            ]
+        )  # fmt: skip
+        self._await(lambda: (munge / "munge.socket").exists(), "munged's socket", munged)
+        ctld_port = int(self._setting("SlurmctldPort"))
+        self._daemon("slurmctld", ctld_port).start(
+            ["slurmctld", "-D", "-f", str(self.conf)], env=self.env
+        )
+        for node, port in zip(self.nodes, self._node_ports(), strict=True):
+            (self.directory / "spool" / node).mkdir(parents=True, exist_ok=True)
+            self._daemon(f"slurmd-{node}", port).start(
+                ["slurmd", "-D", "-N", node, "-f", str(self.conf)], env=self.env
+            )
+        self._await(self._nodes_idle, "every node to be idle", self._daemon("slurmctld"))
+        return time.monotonic() - began
+
+    def _configure(self) -> None:
+        munge = self.directory / "munge"
+        munge.mkdir(parents=True, exist_ok=True)
+        munge.chmod(0o700)
+        key = munge / "munge.key"
+        if not key.exists():
+            key.write_bytes(os.urandom(1024))
+        key.chmod(0o400)
+        devices = self.directory / "dev"
+        devices.mkdir(exist_ok=True)
+        for i in range(GPUS_PER_NODE):
+            with contextlib.suppress(FileExistsError):
+                (devices / f"gpu{i}").symlink_to("/dev/null")
+        for sub in ("state", "spool", "log", "run"):
+            (self.directory / sub).mkdir(exist_ok=True)
+        d = self.directory
+        ports = [_free_port(self.host) for _ in range(len(self.nodes) + 2)]
+        lines = [
+            f"ClusterName={self.cluster_id.lower().replace('-', '')[:40] or 'fleetline'}",
+            f"SlurmctldHost=localhost({self.host})",
+            f"SlurmctldPort={ports[0]}",
+            f"SlurmdPort={ports[1]}",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            f"AuthInfo=socket={munge / 'munge.socket'}",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            f"StateSaveLocation={d / 'state'}",
+            f"SlurmdSpoolDir={d / 'spool'}/%n",
+            f"SlurmctldPidFile={d / 'run' / 'slurmctld.pidfile'}",
+            f"SlurmdPidFile={d / 'run'}/slurmd-%n.pidfile",
+            f"SlurmctldLogFile={d / 'log' / 'slurmctld.log'}",
+            f"SlurmdLogFile={d / 'log'}/slurmd-%n.log",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            "GresTypes=gpu",
+            # The nodes share this host: their declared CPUs and memory stand, not the host's.
+            "SlurmdParameters=config_overrides",
+            # A node that stopped answering comes back by itself; one set DOWN stays down.
+            "ReturnToService=1",
+            "MpiDefault=none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "AccountingStorageType=accounting_storage/none",
+            "SchedulerType=sched/backfill",
+            "SchedulerParameters=sched_interval=1",
+            "SlurmctldTimeout=30",
+            "SlurmdTimeout=30",
+            "InactiveLimit=0",
+            "KillWait=5",
+            "MinJobAge=600",
+        ]
+        for node, port in zip(self.nodes, ports[2:], strict=True):
+            lines.append(
+                f"NodeName={node} NodeHostname=localhost NodeAddr={self.host} Port={port} "
+                f"CPUs=8 RealMemory=16000 Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN"
+            )
+        lines.append("PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
+        self.conf.write_text("\n".join(lines) + "\n")
+        (self.directory / "gres.conf").write_text(
+            "AutoDetect=off\n"
+            f"NodeName={','.join(self.nodes)} Name=gpu File={devices}/gpu[0-{GPUS_PER_NODE - 1}]\n"
+        )
+
+    def _setting(self, name: str) -> str:
+        for line in self.conf.read_text().splitlines():
+            if line.startswith(f"{name}="):
+                return line.split("=", 1)[1]
+        raise ServiceError(f"{self.conf}: no {name}")
+
+    def _node_ports(self) -> list[int]:
+        ports = {}
+        for line in self.conf.read_text().splitlines():
+            if line.startswith("NodeName="):
+                fields = dict(f.split("=", 1) for f in line.split())
+                ports[fields["NodeName"]] = int(fields["Port"])
+        return [ports[n] for n in self.nodes]
+
+    def _nodes_idle(self) -> bool:
+        try:
+            out = subprocess.run(
+                ["sinfo", "-h", "-N", "-o", "%N %t"],
+                env={**os.environ, **self.env},
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=False,
+            ).stdout
+        except subprocess.TimeoutExpired:
+            return False
+        states = dict(line.split() for line in out.splitlines() if line.strip())
+        return all(states.get(n) in ("idle", "mix", "alloc") for n in self.nodes)
+
+    def _await(self, done: Callable[[], bool], what: str, daemon: ServiceProcess) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if done():
+                return
+            time.sleep(0.2)
+        raise ServiceError(
+            f"Slurm {self.cluster_id}: no {what} within {READY_TIMEOUT_S:.0f} s; "
+            f"{daemon.name}'s last log lines:\n{tail(daemon.log_file)}"
+        )
+
+    def stop(self) -> bool:
+        """Cancel every job, then stop the daemons (a job step left behind would run on with
+        no slurmd to end it); True if any ran."""
+        if self._daemon("slurmctld").pid() is not None:
+            env = {**os.environ, **self.env}
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+                subprocess.run(
+                    ["scancel", "--full", "--state=RUNNING,PENDING,SUSPENDED", "--user=root"],
+                    env=env,
+                    capture_output=True,
+                    timeout=15,
+                    check=False,
+                )
+                deadline = time.monotonic() + 15
+                while time.monotonic() < deadline:
+                    queue = subprocess.run(
+                        ["squeue", "-h", "-t", "RUNNING,PENDING,COMPLETING,SUSPENDED"],
+                        env=env,
+                        capture_output=True,
+                        text=True,
+                        timeout=10,
+                        check=False,
+                    )
+                    if queue.returncode != 0 or not queue.stdout.strip():
+                        break
+                    time.sleep(0.3)
+        ran = False
+        for daemon in reversed(self._daemons()):
+            ran = daemon.stop(timeout_s=10) or ran
+        return ran
+
+    @classmethod
+    def found(cls, cache_dir: Path) -> list[SlurmCluster]:
+        """Every Slurm cluster `infra start --slurm` configured under `cache_dir`."""
+        clusters = []
+        for conf in sorted((cache_dir / "slurm").glob("*/slurm.conf")):
+            nodes = tuple(
+                line.split()[0].removeprefix("NodeName=")
+                for line in conf.read_text().splitlines()
+                if line.startswith("NodeName=")
+            )
+            clusters.append(cls(conf.parent.name, nodes, conf.parent))
+        return clusters
+
+    def wipe(self) -> None:
+        self.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)
