@@ -26,13 +26,21 @@ $(CHROMIUM):
 	$(SUDO) apt-get update -qq
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 
+# The Slurm backend's tests run a real Slurm (controller, node daemons, munge) from Debian's
+# packages; `fleetline infra start --slurm` configures and starts it.
+SLURMCTLD := /usr/sbin/slurmctld
+$(SLURMCTLD):
+	$(SUDO) apt-get update -qq
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client munge
+
 $(CONTRACT_TOOLS): contract/package.json contract/package-lock.json
 	cd contract && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
 # Starts (and afterwards stops) the services the tests need, from tests/conftest.py; the
-# browser tests start Chromium headless; the contract test builds the Go consumer.
-test: $(STAMP) $(CHROMIUM)
+# browser tests start Chromium headless; the contract test builds the Go consumer; the Slurm
+# tests start a Slurm cluster of their own.
+test: $(STAMP) $(CHROMIUM) $(SLURMCTLD)
 	$(PY) -m pytest
 
 # Style, formatting, types (strict in processors/), the layering contracts (pyproject.toml),

@@ -1,0 +1,136 @@
+"""The cluster agent's backends without a manager: node sync (pure), how Slurm's JSON is read,
+and what a run's end is reported as."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fleetline.agents.cluster import workloads as procs
+from fleetline.agents.cluster.backends.slurm import (
+    SlurmJob,
+    SlurmLauncher,
+    SlurmRun,
+    manager_node,
+)
+from fleetline.agents.cluster.nodes import (
+    DRAIN_REASON,
+    Drain,
+    Fence,
+    ManagerNode,
+    Resume,
+    Unfence,
+    sync,
+)
+
+
+def node(name: str, usable: bool = True, why: str = "IDLE", ours: bool = False) -> ManagerNode:
+    return ManagerNode(name, usable, why, ours)
+
+
+def test_an_outage_of_the_manager_s_own_is_fenced_once_and_unfenced_when_it_returns() -> None:
+    down = {"n1": node("n1", False, "DOWN (disk failure)"), "n2": node("n2")}
+    assert sync(down, {"n1": False, "n2": False}, set()) == [
+        Fence("n1", "Slurm: DOWN (disk failure)")
+    ]
+    assert sync(down, {"n1": False, "n2": False}, {"n1"}) == []  # told once
+    back = {"n1": node("n1"), "n2": node("n2")}
+    assert sync(back, {"n1": False, "n2": False}, {"n1"}) == [
+        Unfence("n1", "Slurm returned it to service")
+    ]
+
+
+def test_a_fence_the_agent_did_not_make_is_never_lifted_by_the_manager() -> None:
+    assert sync({"n1": node("n1")}, {"n1": False}, set()) == []
+
+
+def test_a_cordon_drains_the_manager_s_node_and_an_uncordon_resumes_only_our_drain() -> None:
+    assert sync({"n1": node("n1")}, {"n1": True}, set()) == [Drain("n1")]
+    ours = {"n1": node("n1", False, f"IDLE+DRAIN ({DRAIN_REASON})", ours=True)}
+    assert sync(ours, {"n1": True}, set()) == []  # drained by us: not an outage, not again
+    assert sync(ours, {"n1": False}, set()) == [Resume("n1")]
+    theirs = {"n1": node("n1", False, "IDLE+DRAIN (firmware update)")}
+    assert sync(theirs, {"n1": False}, set()) == [
+        Fence("n1", "Slurm: IDLE+DRAIN (firmware update)")
+    ]
+
+
+def test_a_node_fleetline_does_not_know_is_fenced_but_never_drained() -> None:
+    assert sync({"n9": node("n9")}, {}, set()) == []
+    assert sync({"n9": node("n9", False, "DOWN")}, {}, set()) == [Fence("n9", "Slurm: DOWN")]
+
+
+def test_sinfo_nodes_are_read_in_slurm_22_05_s_shape_and_the_newer_one() -> None:
+    old = manager_node(
+        {"name": "n1", "state": "idle", "state_flags": ["DRAIN"], "reason": DRAIN_REASON}
+    )
+    assert old == ManagerNode("n1", False, f"IDLE+DRAIN ({DRAIN_REASON})", True)
+    assert manager_node({"name": "n2", "state": "mixed", "state_flags": []}).usable
+    newer = manager_node({"name": "n3", "state": ["DOWN", "NOT_RESPONDING"], "reason": "x"})
+    assert newer == ManagerNode("n3", False, "DOWN+NOT_RESPONDING (x)", False)
+    # A missed ping alone does not take a node out: Slurm sets it DOWN if it stays silent.
+    assert manager_node({"name": "n4", "state": "idle", "state_flags": ["NOT_RESPONDING"]}).usable
+
+
+def test_squeue_jobs_are_read_in_slurm_22_05_s_shape_and_the_newer_one() -> None:
+    comment = json.dumps({"fleetline": "sa", "job": "acme/a", "epoch": 2})
+    old = SlurmJob.from_squeue(
+        {
+            "job_id": 7,
+            "job_state": "RUNNING",
+            "state_reason": "None",
+            "nodes": "sa-n0000",
+            "gres_detail": ["gpu:2(IDX:0-1)"],
+            "exit_code": 0,
+            "comment": comment,
+        }
+    )
+    assert (old.job_id, old.state, old.live, old.gres, old.exit_code) == (
+        7,
+        "RUNNING",
+        True,
+        ("gpu:2(IDX:0-1)",),
+        0,
+    )
+    assert old.comment["epoch"] == 2
+    newer = SlurmJob.from_squeue(
+        {"job_id": 8, "job_state": ["NODE_FAIL"], "exit_code": {"return_code": 3}, "comment": ""}
+    )
+    assert (newer.state, newer.live, newer.exit_code, newer.comment) == ("NODE_FAIL", False, 3, {})
+
+
+def run_with(state: str | None, tmp_path: Path, exit_code: int | None = 0) -> SlurmRun:
+    launcher = SlurmLauncher("sa")
+    if state is not None:
+        launcher.queue[5] = SlurmJob(5, state, "None", "sa-n0000", (), exit_code, {})
+    return SlurmRun(launcher, tmp_path, 5)
+
+
+def test_a_node_failure_is_a_failure_even_when_the_tasks_exited_0(tmp_path) -> None:
+    assert run_with("NODE_FAIL", tmp_path).ended(0) == (1, "Slurm: Slurm job 5 NODE_FAIL")
+    assert run_with("COMPLETED", tmp_path).ended(0) is None  # the exit code tells
+    assert run_with("CANCELLED", tmp_path).ended(None) == (137, "Slurm: Slurm job 5 CANCELLED")
+    assert run_with(None, tmp_path).ended(None) == (1, "Slurm no longer knows Slurm job 5")
+    assert run_with(None, tmp_path).ended(0) is None
+
+
+def test_a_job_just_submitted_is_alive_until_the_queue_is_read_again(tmp_path) -> None:
+    run = run_with(None, tmp_path)
+    run.launcher.unseen.add(5)
+    assert run.alive()
+    run.launcher.unseen.clear()
+    assert not run.alive()
+    run.launcher.error = "squeue: Unable to contact slurm controller"
+    assert run.alive()  # the controller does not answer: nothing is known to have ended
+
+
+def test_a_stopped_line_marks_a_run_interrupted(tmp_path) -> None:
+    directory, files = procs.prepare(
+        tmp_path, {"job": "acme/a", "tenant": "acme", "epoch": 1, "attempt": 0, "trace_id": "t"}
+    )
+    workload = procs.Workload("acme/a", "acme", 1, 0, "t", directory)
+    assert workload.interrupted() is None
+    Path(files["FLEETLINE_PROGRESS_FILE"]).write_text(
+        '{"event": "progress", "step": 10}\n{"event": "stopped", "step": 12}\n'
+    )
+    assert workload.interrupted() == {"event": "stopped", "step": 12}
