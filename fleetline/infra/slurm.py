@@ -92,8 +92,8 @@ class SlurmCluster:
         return all(d.pid() is not None for d in self._daemons())
 
     def start(self) -> float:
-        """Configure and start the daemons (kept when they run already); the seconds until
-        every node answered `idle`."""
+        """Configure (once) and start whichever daemons do not run; the seconds until every
+        node answered `idle`."""
         missing = missing_programs()
         if missing:
             raise ServiceError(
@@ -105,32 +105,38 @@ class SlurmCluster:
         began = time.monotonic()
         if self.running():
             return 0.0
-        self.stop()
-        self._configure()
+        if not self.conf.exists() or self.found_nodes(self.conf) != self.nodes:
+            self.stop()
+            self._configure()
         munge = self.directory / "munge"
         munged = self._daemon("munged")
-        munged.spawn(
-            [
-                "munged", "--foreground", "--force",
-                f"--socket={munge / 'munge.socket'}",
-                f"--key-file={munge / 'munge.key'}",
-                f"--pid-file={munge / 'munged.pid'}",
-                f"--log-file={munge / 'munged.log'}",
-                f"--seed-file={munge / 'munged.seed'}",
-            ]
-        )  # fmt: skip
-        self._await(lambda: (munge / "munge.socket").exists(), "munged's socket", munged)
-        ctld_port = int(self._setting("SlurmctldPort"))
-        self._daemon("slurmctld", ctld_port).start(
-            ["slurmctld", "-D", "-f", str(self.conf)], env=self.env
-        )
+        if munged.pid() is None:
+            (munge / "munge.socket").unlink(missing_ok=True)
+            munged.spawn(
+                [
+                    "munged", "--foreground", "--force",
+                    f"--socket={munge / 'munge.socket'}",
+                    f"--key-file={munge / 'munge.key'}",
+                    f"--pid-file={munge / 'munged.pid'}",
+                    f"--log-file={munge / 'munged.log'}",
+                    f"--seed-file={munge / 'munged.seed'}",
+                ]
+            )  # fmt: skip
+            self._await(lambda: (munge / "munge.socket").exists(), "munged's socket", munged)
+        controller = self._daemon("slurmctld", int(self._setting("SlurmctldPort")))
+        if controller.pid() is None:
+            controller.start(["slurmctld", "-D", "-f", str(self.conf)], env=self.env)
         for node, port in zip(self.nodes, self._node_ports(), strict=True):
-            (self.directory / "spool" / node).mkdir(parents=True, exist_ok=True)
-            self._daemon(f"slurmd-{node}", port).start(
-                ["slurmd", "-D", "-N", node, "-f", str(self.conf)], env=self.env
-            )
-        self._await(self._nodes_idle, "every node to be idle", self._daemon("slurmctld"))
+            daemon = self._daemon(f"slurmd-{node}", port)
+            if daemon.pid() is None:
+                (self.directory / "spool" / node).mkdir(parents=True, exist_ok=True)
+                daemon.start(["slurmd", "-D", "-N", node, "-f", str(self.conf)], env=self.env)
+        self._await(self._nodes_idle, "every node to be idle", controller)
         return time.monotonic() - began
+
+    def kill_controller(self) -> bool:
+        """SIGKILL slurmctld (a controller crash, for the tests); `start` brings it back."""
+        return self._daemon("slurmctld").kill()
 
     def _configure(self) -> None:
         munge = self.directory / "munge"
@@ -268,18 +274,21 @@ class SlurmCluster:
             ran = daemon.stop(timeout_s=10) or ran
         return ran
 
+    @staticmethod
+    def found_nodes(conf: Path) -> tuple[str, ...]:
+        return tuple(
+            line.split()[0].removeprefix("NodeName=")
+            for line in conf.read_text().splitlines()
+            if line.startswith("NodeName=")
+        )
+
     @classmethod
     def found(cls, cache_dir: Path) -> list[SlurmCluster]:
         """Every Slurm cluster `infra start --slurm` configured under `cache_dir`."""
-        clusters = []
-        for conf in sorted((cache_dir / "slurm").glob("*/slurm.conf")):
-            nodes = tuple(
-                line.split()[0].removeprefix("NodeName=")
-                for line in conf.read_text().splitlines()
-                if line.startswith("NodeName=")
-            )
-            clusters.append(cls(conf.parent.name, nodes, conf.parent))
-        return clusters
+        return [
+            cls(conf.parent.name, cls.found_nodes(conf), conf.parent)
+            for conf in sorted((cache_dir / "slurm").glob("*/slurm.conf"))
+        ]
 
     def wipe(self) -> None:
         self.stop()

@@ -7,8 +7,10 @@ with the parameters of an uninterrupted run; a cluster agent killed with SIGKILL
 Slurm job and starts nothing twice; a Slurm job of a run no order wants (left by an agent whose
 state directory is gone) is found with squeue and cancelled; an order for a node Slurm does not
 know fails with Slurm's own message; a cordon in fleetline drains the Slurm node and an
-uncordon resumes it; a Slurm node set DOWN under a running job is fenced in fleetline and the
-job resumes in the other cluster from its checkpoint, bit-identical to an uninterrupted run.
+uncordon resumes it; with Slurm's controller down nothing starts, the agent's heartbeat
+carries Slurm's own error, and the job starts once Slurm is back; a Slurm node set DOWN under
+a running job is fenced in fleetline and the job resumes in the other cluster from its
+checkpoint, bit-identical to an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -205,6 +207,40 @@ def test_a_cordon_in_fleetline_drains_the_slurm_node_and_an_uncordon_resumes_it(
     wait_until(lambda: "DRAIN" not in node(slurm, "sa-n0000")["state_flags"], 60, "Slurm to resume")
     # fleetline's own drain is not taken for an outage of Slurm's: nothing was fenced.
     assert fence_requests(stack, "sa-n0000") == []
+
+
+def test_with_slurm_s_controller_down_nothing_starts_and_the_heartbeat_says_why(stack, slurm):
+    def reason() -> str | None:
+        beats = [
+            s
+            for s in stack.records(stack.topics.cluster_signals)
+            if s["kind"] == "HEARTBEAT" and s["cluster_id"] == "sa"
+        ]
+        return beats[-1]["reason"] if beats else None
+
+    key = "acme/waits-for-slurm"
+    slurm.kill_controller()
+    try:
+        wait_until(
+            lambda: "Unable to contact slurm controller" in (reason() or ""),
+            60,
+            "the heartbeat to carry Slurm's error",
+        )
+        workload = {"steps": 40, "checkpoint_every_steps": 20}
+        submit(stack.settings.kafka, stack.topics, submits(training("waits-for-slurm", **workload)))
+        wait_until(lambda: stack.phase(key) == "Starting", 60, "the job to be ordered to sa")
+        # Ordered, and not started while Slurm cannot say what runs.
+        wait_until(
+            lambda: "Unable to contact slurm controller" in (reason() or ""),
+            30,
+            "a heartbeat sent after the order",
+        )
+        assert not [e for e in stack.events(key) if e["event"] == "STARTING"]
+    finally:
+        slurm.start()
+    wait_until(lambda: stack.phase(key) == "Succeeded", 120, "the job to run once Slurm is back")
+    assert [e["cluster_id"] for e in stack.events(key) if e["event"] == "STARTING"] == ["sa"]
+    wait_until(lambda: reason() is None, 30, "the heartbeat to clear Slurm's error")
 
 
 def test_a_slurm_node_down_under_a_running_job_moves_it_from_its_checkpoint(stack, slurm, tmp_path):

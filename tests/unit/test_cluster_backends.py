@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from fleetline.agents.cluster import workloads as procs
 from fleetline.agents.cluster.backends.slurm import (
     SlurmJob,
@@ -134,3 +136,22 @@ def test_a_stopped_line_marks_a_run_interrupted(tmp_path) -> None:
         '{"event": "progress", "step": 10}\n{"event": "stopped", "step": 12}\n'
     )
     assert workload.interrupted() == {"event": "stopped", "step": 12}
+
+
+def test_a_json_answer_with_errors_is_an_error_in_the_plain_command_s_words(monkeypatch) -> None:
+    from fleetline.agents.cluster.backends.slurm import SlurmClient, SlurmError
+
+    down = '{"errors": [{"description": "Failed while looking for jobs"}], "jobs": []}'
+    asked: list[list[str]] = []
+
+    def run(self, argv, env=None):
+        asked.append(list(argv))
+        if "--json" in argv:
+            return down  # exit 0, no jobs: not "nothing runs"
+        raise SlurmError("squeue: Unable to contact slurm controller (connect failure)")
+
+    monkeypatch.setattr(SlurmClient, "run", run)
+    # An answer with errors is not an empty queue.
+    with pytest.raises(SlurmError, match="Unable to contact slurm controller"):
+        SlurmClient().jobs()
+    assert asked == [["squeue", "--json"], ["squeue", "--noheader"]]

@@ -151,14 +151,24 @@ class SlurmClient:
             raise SlurmError(f"{argv[0]}: {said[-1] if said else f'exit {done.returncode}'}")
         return done.stdout
 
+    def _json(self, argv: Sequence[str], key: str) -> list[dict[str, Any]]:
+        """A `--json` command's records. Its errors (exit 0, an `errors` list and no records
+        when the controller does not answer) are raised in the plain command's own words."""
+        out = self.run([*argv, "--json"])
+        try:
+            document = json.loads(out)
+            records, errors = document[key], document.get("errors") or []
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise SlurmError(f"{argv[0]} --json: unreadable answer: {out[:200]!r}") from exc
+        if errors:
+            self.run([*argv, "--noheader"])  # raises with what Slurm says, when it fails so
+            said = "; ".join(f"{e.get('description')}: {e.get('error')}" for e in errors)
+            raise SlurmError(f"{argv[0]}: {said}")
+        return list(records)
+
     def jobs(self) -> list[SlurmJob]:
         """Every job the controller knows (ended ones for MinJobAge), fleetline's or not."""
-        out = self.run(["squeue", "--json"])
-        try:
-            records = json.loads(out)["jobs"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise SlurmError(f"squeue --json: unreadable answer: {out[:200]!r}") from exc
-        return [SlurmJob.from_squeue(r) for r in records]
+        return [SlurmJob.from_squeue(r) for r in self._json(["squeue"], "jobs")]
 
     def submit(self, argv: Sequence[str], script: Path, env: Mapping[str, str]) -> int:
         out = self.run(["sbatch", "--parsable", *argv, str(script)], {**self.env, **env})
@@ -169,13 +179,10 @@ class SlurmClient:
         self.run(argv)
 
     def nodes(self) -> dict[str, ManagerNode]:
-        """Every node by name, from `sinfo --json`."""
-        out = self.run(["sinfo", "--json"])
-        try:
-            records = json.loads(out)["nodes"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise SlurmError(f"sinfo --json: unreadable answer: {out[:200]!r}") from exc
-        return {r["name"]: manager_node(r) for r in records}
+        """Every node whose state Slurm knows, by name, from `sinfo --json`."""
+        nodes = (manager_node(r) for r in self._json(["sinfo"], "nodes"))
+        # UNKNOWN: a controller just restarted has not heard from the node yet; no word.
+        return {n.name: n for n in nodes if not n.why.startswith("UNKNOWN")}
 
     def update_node(self, node: str, state: str, reason: str | None = None) -> None:
         argv = ["scontrol", "update", f"nodename={node}", f"state={state}"]
