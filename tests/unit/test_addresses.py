@@ -45,9 +45,9 @@ def test_the_cluster_agent_probes_and_starts_workloads_at_the_advertised_host(
     settings = dataclasses.replace(Settings(), advertise_host="127.0.0.2")
     agent = ClusterAgent(settings, Topics("unit"), "lab-a", tmp_path)
     stop = threading.Event()
-    server = agent._probe_server(stop)
+    server = agent.peers.serve(stop)
     try:
-        host, port = agent.probe_address.rsplit(":", 1)
+        host, port = str(agent.peers.probe_address).rsplit(":", 1)
         assert host == "127.0.0.2"
         with socket.create_connection((host, int(port)), timeout=2) as conn:
             conn.sendall(b"PING lab-b\n")

@@ -155,3 +155,42 @@ def test_a_json_answer_with_errors_is_an_error_in_the_plain_command_s_words(monk
     with pytest.raises(SlurmError, match="Unable to contact slurm controller"):
         SlurmClient().jobs()
     assert asked == [["squeue", "--json"], ["squeue", "--noheader"]]
+
+
+def test_progress_lines_say_their_events_and_reports_in_order() -> None:
+    from fleetline.agents.cluster.reports import Event, Report, said
+
+    assert said({"event": "progress", "step": 10, "loss": 0.5, "samples_per_s": 3.0}) == [
+        Event("PROGRESS", {"step": 10, "loss": 0.5, "samples_per_s": 3.0})
+    ]
+    checkpoint = {"event": "checkpoint", "step": 50, "uri": "s3://b/k", "bytes": 9, "ts": 7}
+    assert said(checkpoint) == [
+        Event(
+            "CHECKPOINTED", {"step": 50, "checkpoint_uri": "s3://b/k", "bytes": 9, "seconds": None}
+        ),
+        Report("CHECKPOINT", {"step": 50, "checkpoint_ms": 7, "detail": "s3://b/k"}),
+    ]
+    resumed = said({"event": "resumed", "step": 50, "checkpoint": "ckpt-50"})
+    assert resumed == [Event("RESTORED", {"step": 50, "detail": "resumed from ckpt-50"})]
+    for quiet in ("done", "stopped", "listening", "idle", "unreadable"):
+        assert said({"event": quiet}) == []
+
+
+def test_a_replica_s_state_follows_its_run_and_its_own_word() -> None:
+    from fleetline.agents.cluster.reconcile import Order
+    from fleetline.agents.cluster.registry import replica_state
+    from fleetline.processors.scheduling.services import ROLE_LABEL
+
+    def order(role: str | None) -> Order:
+        spec = {"metadata": {"labels": {ROLE_LABEL: role} if role else {}}}
+        return Order(
+            "acme/r", "acme", "Replica", "RUN", "c", 1, 0, 0, "", "t", spec, (), (), None, False
+        )
+
+    ready = {"ready": True}
+    assert replica_state(order(None), False, False, True, ready) == "GONE"
+    assert replica_state(order(None), True, True, True, ready) == "DRAINING"
+    assert replica_state(order(None), True, False, True, {"draining": True}) == "DRAINING"
+    assert replica_state(order(None), True, False, False, ready) == "STARTING"
+    assert replica_state(order(None), True, False, True, ready) == "READY"
+    assert replica_state(order("standby"), True, False, True, ready) == "WARM"

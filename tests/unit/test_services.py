@@ -361,7 +361,7 @@ def test_the_view_holds_shares_of_a_gpu_up_to_the_whole_of_it():
 
 
 def test_a_replica_share_is_applied_as_mps_limits_or_time_slicing_and_said():
-    from fleetline.agents.cluster.agent import gpu_sharing
+    from fleetline.agents.cluster.sharing import gpu_sharing
 
     env, note = gpu_sharing([("n0", (3,))], 0.25, lambda index: 81_920, mps=False)
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"

@@ -24,7 +24,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import ssl
 import sys
 import threading
@@ -32,7 +31,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,11 @@ from fleetline.agents.cluster import workloads as procs
 from fleetline.agents.cluster.backends import Launcher, RunRequest
 from fleetline.agents.cluster.backends.process import ProcessLauncher
 from fleetline.agents.cluster.nodes import DRAIN_REASON, Drain, Fence, Resume, Unfence, sync
+from fleetline.agents.cluster.peers import Peers
 from fleetline.agents.cluster.reconcile import Actual, Order, Start, Stop, plan
+from fleetline.agents.cluster.registry import endpoint_record, replica_state
+from fleetline.agents.cluster.reports import Event, said
+from fleetline.agents.cluster.sharing import gpu_memory_mib, gpu_sharing, mps_running
 from fleetline.agents.workloads.train import workload_env
 from fleetline.config import Settings
 from fleetline.errors import FleetlineError
@@ -52,7 +55,7 @@ from fleetline.processors.health.runtime import signal as cluster_signal
 from fleetline.processors.health.runtime import signal_output
 from fleetline.processors.scheduling.client import request_output
 from fleetline.processors.scheduling.codec import new_request
-from fleetline.processors.scheduling.services import REPLICA_KIND, ROLE_LABEL, SERVICE_LABEL
+from fleetline.processors.scheduling.services import REPLICA_KIND
 from fleetline.processors.scheduling.specs import TrainingJobSpec
 from fleetline.processors.view.model import CORDONED_LABEL
 from fleetline.schemas.records import (
@@ -83,15 +86,6 @@ CHECKPOINT_INTERVAL_S: int = TrainingJobSpec.model_fields["checkpoint_interval_s
 
 DEFAULT_TRAINER = (sys.executable, "-m", "fleetline.agents.workloads.train")
 DEFAULT_SERVER = (sys.executable, "-m", "fleetline.agents.workloads.serve")
-# A progress line's kind -> the WorkloadEvent it is published as, and which of the line's fields
-# fill which of the event's.
-_LINE_EVENTS: dict[str, tuple[WorkloadEventKind, dict[str, str]]] = {
-    "progress": ("PROGRESS", {"step": "step", "loss": "loss", "samples_per_s": "samples_per_s"}),
-    "checkpoint": (
-        "CHECKPOINTED",
-        {"step": "step", "checkpoint_uri": "uri", "bytes": "bytes", "seconds": "seconds"},
-    ),
-}
 
 
 def _trace(order: Order, seed: str) -> tracing.TraceContext | None:
@@ -132,8 +126,13 @@ class ClusterAgent:
         self.orders: dict[str, Order] = {}
         self.running: dict[str, list[procs.Workload]] = {}
         self.health: dict[str, dict[str, Any]] = {}  # cluster -> its last ClusterHealth record
-        self.peers: dict[str, str] = {}  # cluster -> probe address
-        self.reach: dict[str, tuple[bool, float | None]] = {}
+        self.peers = Peers(
+            self.cluster_id,
+            self.settings.advertise_host,
+            self.heartbeat_s,
+            self.probe_timeout_s,
+            self.chaos_file,
+        )
         self.region: str | None = None  # this cluster's, from its ClusterInfo
         self.cordoned: dict[str, bool] = {}  # this cluster's nodes: cordoned in fleetline?
         self._fenced_file = self.state_dir / self.cluster_id / "fenced-nodes.json"
@@ -178,10 +177,10 @@ class ClusterAgent:
                 ),
             ]
         )
-        server = self._probe_server(stop)
+        server = self.peers.serve(stop)
         threads = [
             threading.Thread(target=self._heartbeats, args=(stop,), daemon=True),
-            threading.Thread(target=self._prober, args=(stop,), daemon=True),
+            threading.Thread(target=self.peers.run, args=(stop,), daemon=True),
             threading.Thread(target=self._registry, args=(stop,), daemon=True),
         ]
         try:
@@ -272,7 +271,7 @@ class ClusterAgent:
                 and record["probe_address"]
                 and record["cluster_id"] != self.cluster_id
             ):
-                self.peers[record["cluster_id"]] = record["probe_address"]
+                self.peers.addresses[record["cluster_id"]] = record["probe_address"]
 
     # -- the manager's nodes against fleetline's ------------------------------------------------
 
@@ -393,7 +392,7 @@ class ClusterAgent:
             checkpoints_env, restored = self._prepare(order)
             command = workload_spec.get("command") or DEFAULT_TRAINER
         sharing_env, sharing = gpu_sharing(
-            order.workers, body.get("gpus_per_replica", 1), _gpu_memory_mib, _mps_running()
+            order.workers, body.get("gpus_per_replica", 1), gpu_memory_mib, mps_running()
         )
         env = {
             **os.environ,
@@ -680,51 +679,22 @@ class ClusterAgent:
         lines = workload.new_progress()
         if not lines:
             return
-        if order is not None:
-            for line in lines:
-                kind = line.get("event")
-                if kind in _LINE_EVENTS:
-                    event, fields = _LINE_EVENTS[kind]
-                    self._event(order, event, **{f: line.get(src) for f, src in fields.items()})
-                if kind == "progress":
-                    workload.step = line.get("step")
-                elif kind == "checkpoint":
-                    self._report(
-                        order,
-                        "CHECKPOINT",
-                        step=line.get("step"),
-                        checkpoint_ms=line.get("ts"),
-                        detail=line.get("uri"),
-                    )
-                elif kind == "tuned":
-                    self._event(
-                        order,
-                        "PROGRESS",
-                        step=line.get("step"),
-                        seconds=line.get("checkpoint_interval_s"),
-                        detail=f"checkpoint interval {line.get('checkpoint_interval_s')} s "
-                        f"(was {line.get('previous')} s), from step {line.get('step')}",
-                    )
-                elif kind == "resumed":
-                    self._event(
-                        order,
-                        "RESTORED",
-                        step=line.get("step"),
-                        detail=f"resumed from {line.get('checkpoint')}",
-                    )
-                elif kind == "done":
-                    workload.done = line
-                elif kind in ("listening", "ready"):
-                    workload.serving[kind] = line
-                    self.registry_wake.set()
-                if kind == "ready":
-                    self._event(
-                        order,
-                        "PROGRESS",
-                        seconds=line.get("start_s"),
-                        detail=f"ready at {line.get('address')}, serving "
-                        f"{line.get('checkpoint')} (model loaded in {line.get('load_s')}s)",
-                    )
+        for line in lines:
+            kind = line.get("event")
+            if kind == "progress":
+                workload.step = line.get("step")
+            elif kind == "done":
+                workload.done = line
+            elif kind in ("listening", "ready"):
+                workload.serving[kind] = line
+                self.registry_wake.set()
+            if order is None:
+                continue
+            for told in said(line):
+                if isinstance(told, Event):
+                    self._event(order, told.kind, **told.fields)
+                else:
+                    self._report(order, told.phase, **told.fields)
         # A fenced copy's lines are passed over, never published: it speaks for no epoch.
         self.producer.flush(10)
         workload.published_to(workload.published + len(lines))
@@ -918,16 +888,10 @@ class ClusterAgent:
             # its exit, a stop or its own word takes it out of the registry.
             load = answer if answer is not None else workload.serving.get("load", {})
             workload.serving["load"] = load
-        state: ReplicaState
-        if not workload.alive:
-            state = "GONE"
-        elif workload.stop_deadline is not None or load.get("draining"):
-            state = "DRAINING"
-        elif "ready" in lines and load.get("ready"):
-            labels = ((order.spec or {}).get("metadata") or {}).get("labels") or {}
-            state = "WARM" if labels.get(ROLE_LABEL) == "standby" else "READY"
-        else:
-            state = "STARTING"
+        alive = workload.alive
+        state = replica_state(
+            order, alive, workload.stop_deadline is not None, "ready" in lines, load
+        )
         return self._endpoint_record(order, state, address, load, lines.get("ready") or {})
 
     def _endpoint_record(
@@ -938,32 +902,17 @@ class ClusterAgent:
         load: Mapping[str, Any],
         ready: Mapping[str, Any] | None = None,
     ) -> ReplicaEndpoint:
-        labels = ((order.spec or {}).get("metadata") or {}).get("labels") or {}
-        latency = load.get("latency_ms") or {}
-        ready = ready or {}
-        return {
-            "replica": order.job,
-            "service": f"{order.tenant}/{labels.get(SERVICE_LABEL, order.job)}",
-            "tenant": order.tenant,
-            "cluster_id": self.cluster_id,
-            "region": self.region,
-            "epoch": order.epoch,
-            "attempt": order.attempt,
-            "ts": _now_ms(),
-            "state": state,
-            "address": address,
-            "heartbeat_ms": int(self.registry_s * 1000),
-            "concurrency": int(load.get("concurrency") or 0),
-            "inflight": int(load.get("inflight") or 0),
-            "queue": int(load.get("queue") or 0),
-            "served": int(load.get("served") or 0),
-            "errors": int(load.get("errors") or 0),
-            "refused": int(load.get("refused") or 0),
-            "latency_p50_ms": latency.get("p50"),
-            "latency_p95_ms": latency.get("p95"),
-            "start_s": ready.get("start_s"),
-            "checkpoint": ready.get("checkpoint"),
-        }
+        return endpoint_record(
+            order,
+            self.cluster_id,
+            self.region,
+            _now_ms(),
+            state,
+            address,
+            load,
+            int(self.registry_s * 1000),
+            ready,
+        )
 
     def _endpoint_output(self, record: ReplicaEndpoint) -> Output:
         return Output(
@@ -997,7 +946,7 @@ class ClusterAgent:
             ],
             "peers": [
                 {"cluster_id": c, "reachable": ok, "rtt_ms": rtt}
-                for c, (ok, rtt) in sorted(self.reach.items())
+                for c, (ok, rtt) in sorted(self.peers.reach.items())
             ],
         }
 
@@ -1018,7 +967,7 @@ class ClusterAgent:
                     actor=f"cluster-agent/{self.cluster_id}",
                     # Why this cluster starts nothing now, in its manager's words.
                     reason=self.launcher.control_error(),
-                    probe_address=self.probe_address,
+                    probe_address=self.peers.probe_address,
                     **self.status(),
                 )
                 produce(producer, signal_output(self.topics, record, self.codec))
@@ -1026,126 +975,6 @@ class ClusterAgent:
                 stop.wait(self.heartbeat_s)
         finally:
             producer.flush(5)
-
-    def _blocked(self) -> set[str]:
-        if self.chaos_file is None:
-            return set()
-        try:
-            return {
-                line.strip() for line in self.chaos_file.read_text().splitlines() if line.strip()
-            }
-        except OSError:
-            return set()
-
-    def _probe_server(self, stop: threading.Event) -> socket.socket:
-        server = socket.socket()
-        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        server.bind((self.settings.advertise_host, 0))
-        server.listen(16)
-        server.settimeout(0.2)
-        host, port = server.getsockname()[:2]
-        self.probe_address = f"{host}:{port}"
-
-        def serve() -> None:
-            while not stop.is_set():
-                try:
-                    conn, _ = server.accept()
-                except (TimeoutError, OSError):
-                    continue
-                with conn:
-                    conn.settimeout(self.probe_timeout_s)
-                    try:
-                        asker = conn.recv(256).decode().removeprefix("PING ").strip()
-                        if asker not in self._blocked():
-                            conn.sendall(f"PONG {self.cluster_id}\n".encode())
-                    except OSError:
-                        pass
-
-        threading.Thread(target=serve, daemon=True).start()
-        return server
-
-    def _prober(self, stop: threading.Event) -> None:
-        while not stop.is_set():
-            blocked = self._blocked()
-            for cluster_id, address in sorted(self.peers.items()):
-                if cluster_id in blocked:
-                    self.reach[cluster_id] = (False, None)
-                    continue
-                self.reach[cluster_id] = self._probe(address)
-            stop.wait(self.heartbeat_s)
-
-    def _probe(self, address: str) -> tuple[bool, float | None]:
-        host, _, port = address.rpartition(":")
-        began = time.perf_counter()
-        try:
-            with socket.create_connection((host, int(port)), timeout=self.probe_timeout_s) as conn:
-                conn.settimeout(self.probe_timeout_s)
-                conn.sendall(f"PING {self.cluster_id}\n".encode())
-                answer = conn.recv(256)
-        except OSError:
-            return False, None
-        if not answer.startswith(b"PONG"):
-            return False, None
-        return True, round((time.perf_counter() - began) * 1000, 3)
-
-
-def gpu_sharing(
-    workers: Sequence[tuple[str, Sequence[int]]],
-    share: Any,
-    memory_mib: Any,
-    mps: bool,
-) -> tuple[dict[str, str], str]:
-    """The environment that confines a replica to its share of a GPU, and what was applied:
-    MPS's per-client limits (its share of the SMs, its share of the GPU's memory when the
-    GPU's size can be read) on a host whose MPS control daemon runs; time-slicing, the
-    driver's default when several processes share a GPU, where none runs. Whole GPUs: none."""
-    if not isinstance(share, int | float) or share >= 1 or not workers or not workers[0][1]:
-        return {}, ""
-    node, gpus = workers[0]
-    percent = round(share * 100)
-    env = {"FLEETLINE_GPU_SHARE": str(share), "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(percent)}
-    total = memory_mib(gpus[0])
-    if total:
-        env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={int(total * share)}M"
-        memory = f"memory limit {int(total * share)} MiB of {total}"
-    else:
-        memory = "no memory limit (the GPU's size cannot be read here: no NVML)"
-    mode = (
-        "MPS"
-        if mps
-        else "time-sliced (no MPS control daemon runs here; its client limits are set for one)"
-    )
-    return env, (
-        f"GPU share {share} of {node}/{gpus[0]}: {mode}, "
-        f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={percent}, {memory}"
-    )
-
-
-def _gpu_memory_mib(index: int) -> int | None:
-    """A local GPU's memory, from NVML; None without NVML or that GPU."""
-    from fleetline.agents.nvml import CollectorError, load_nvml
-
-    try:
-        nv = load_nvml()
-    except CollectorError:
-        return None
-    try:
-        nv.nvmlInit()
-    except nv.NVMLError:
-        return None  # no driver here
-    try:
-        handle = nv.nvmlDeviceGetHandleByIndex(index)
-        return int(nv.nvmlDeviceGetMemoryInfo(handle).total // 2**20)
-    except nv.NVMLError:
-        return None
-    finally:
-        nv.nvmlShutdown()
-
-
-def _mps_running() -> bool:
-    """Whether an MPS control daemon answers on this host (its pipe directory exists)."""
-    pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
-    return Path(pipe, "control").exists()
 
 
 def _get_json(
