@@ -189,6 +189,9 @@ class SlurmCluster:
             "SlurmdTimeout=30",
             "InactiveLimit=0",
             "KillWait=5",
+            # Loopback answers in milliseconds: a controller that does not answer in 4 s is
+            # down, and a command says so then rather than after Slurm's default 10 s.
+            "MessageTimeout=4",
             "MinJobAge=600",
         ]
         for node, port in zip(self.nodes, ports[2:], strict=True):

@@ -6,11 +6,12 @@ In order: a job runs through Slurm (its nodes and GPUs as Slurm bound them repor
 with the parameters of an uninterrupted run; a cluster agent killed with SIGKILL re-adopts its
 Slurm job and starts nothing twice; a Slurm job of a run no order wants (left by an agent whose
 state directory is gone) is found with squeue and cancelled; an order for a node Slurm does not
-know fails with Slurm's own message; a cordon in fleetline drains the Slurm node and an
-uncordon resumes it; with Slurm's controller down nothing starts, the agent's heartbeat
-carries Slurm's own error, and the job starts once Slurm is back; a Slurm node set DOWN under
-a running job is fenced in fleetline and the job resumes in the other cluster from its
-checkpoint, bit-identical to an uninterrupted run.
+know fails with Slurm's own message; an order over its tenant's quota in a cluster is refused
+by that cluster's agent (the quota's second level); a cordon in fleetline drains the Slurm
+node and an uncordon resumes it; with Slurm's controller down nothing starts, the agent's
+heartbeat carries Slurm's own error, and the job starts once Slurm is back; a Slurm node set
+DOWN under a running job is fenced in fleetline and the job resumes in the other cluster from
+its checkpoint, bit-identical to an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ from fleetline.config import Settings
 from fleetline.infra.slurm import SlurmCluster
 from fleetline.processors.health.fold import ClusterHealthPolicy
 from fleetline.processors.scheduling.client import submit
+from fleetline.processors.scheduling.codec import canonical_json, new_request
+from fleetline.streams import kafka as kafka_clients
 from tests.services import submits
-from tests.stack import Stack, reference_run, running_stack
+from tests.stack import Stack, codec, now_ms, reference_run, running_stack
 from tests.support import wait_until
 
 pytestmark = pytest.mark.services
@@ -209,6 +212,45 @@ def test_a_cordon_in_fleetline_drains_the_slurm_node_and_an_uncordon_resumes_it(
     assert fence_requests(stack, "sa-n0000") == []
 
 
+def test_a_cluster_refuses_an_order_over_its_tenant_s_quota_there(stack):
+    # The second level of the quota: the scheduler holds tenant `lean` to 2 GPUs in sb, and an
+    # order for 4 reaches sb's agent anyway (as from a scheduler whose count lagged).
+    policy = canonical_json({"tenant": "lean", "quota": {"cluster_gpus": {"sb": 2}}})
+    submit(
+        stack.settings.kafka,
+        stack.topics,
+        [new_request("TENANT_POLICY", "lean", "lean", now_ms(), "lean-p", spec_json=policy)],
+    )
+    order = {
+        "job": "lean/greedy", "tenant": "lean", "kind": "TrainingJob", "action": "RUN",
+        "cluster_id": "sb", "epoch": 1, "attempt": 1, "ts": now_ms(), "decision_id": "d",
+        "reason": "placed", "trace_id": "0" * 32,
+        "spec_json": json.dumps(training("greedy", steps=10)),
+        "workers": [{"node_id": "sb-n0000", "gpus": [0, 1, 2, 3]}], "resume_from": [],
+        "resume_step": None, "final_checkpoint": False,
+    }  # fmt: skip
+    # The tenant's terms reach the agent through the scheduler's state first.
+    wait_until(lambda: stack.fleet.scheduler.store.committed(0, b"tenant:lean"), 30, "the policy")
+    producer = kafka_clients.producer(stack.settings.kafka)
+    producer.produce(
+        stack.topics.orders,
+        key=b"lean/greedy",
+        value=codec.encode(stack.topics.record_of(stack.topics.orders), order),
+    )
+    producer.flush(10)
+
+    def failed() -> list[dict[str, Any]]:
+        return [e for e in stack.events("lean/greedy") if e["event"] == "FAILED"]
+
+    wait_until(failed, 30, "the order to be refused")
+    assert failed()[0]["cluster_id"] == "sb"
+    assert failed()[0]["detail"] == (
+        "could not start: refused by cluster sb: quota: tenant lean holds 0 of its 2 GPUs in "
+        "sb, this needs 4 more"
+    )
+    assert not [e for e in stack.events("lean/greedy") if e["event"] == "STARTING"]
+
+
 def test_with_slurm_s_controller_down_nothing_starts_and_the_heartbeat_says_why(stack, slurm):
     def reason() -> str | None:
         beats = [
@@ -245,7 +287,7 @@ def test_with_slurm_s_controller_down_nothing_starts_and_the_heartbeat_says_why(
 
 def test_a_slurm_node_down_under_a_running_job_moves_it_from_its_checkpoint(stack, slurm, tmp_path):
     workload = {
-        "steps": 500,
+        "steps": 300,
         "checkpoint_every_steps": 50,
         "report_every_steps": 10,
         "seed": 11,

@@ -194,3 +194,23 @@ def test_a_replica_s_state_follows_its_run_and_its_own_word() -> None:
     assert replica_state(order(None), True, False, False, ready) == "STARTING"
     assert replica_state(order(None), True, False, True, ready) == "READY"
     assert replica_state(order("standby"), True, False, True, ready) == "WARM"
+
+
+def test_a_cluster_refuses_a_run_over_its_tenant_s_quota_there() -> None:
+    from fleetline.agents.cluster.reconcile import Order, quota_refusal
+    from fleetline.processors.scheduling.tenancy import TenantPolicy
+
+    def order(job: str, tenant: str, gpus: int) -> Order:
+        workers = (("ca-n0000", tuple(range(gpus))),)
+        return Order(
+            job, tenant, "TrainingJob", "RUN", "ca", 1, 0, 0, "", "t", {}, workers, (), None, False
+        )
+
+    policy = TenantPolicy.from_data({"tenant": "acme", "quota": {"cluster_gpus": {"ca": 4}}})
+    running = [order("acme/a", "acme", 2), order("other/b", "other", 8)]
+    assert quota_refusal("ca", order("acme/c", "acme", 2), policy, running) is None
+    refusal = quota_refusal("ca", order("acme/c", "acme", 4), policy, running)
+    assert refusal == "quota: tenant acme holds 2 of its 4 GPUs in ca, this needs 4 more"
+    # Its own earlier run is not counted against it; no policy, no limit.
+    assert quota_refusal("ca", order("acme/a", "acme", 4), policy, running) is None
+    assert quota_refusal("ca", order("acme/c", "acme", 64), None, running) is None

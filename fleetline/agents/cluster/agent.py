@@ -43,7 +43,7 @@ from fleetline.agents.cluster.backends import Launcher, RunRequest
 from fleetline.agents.cluster.backends.process import ProcessLauncher
 from fleetline.agents.cluster.nodes import DRAIN_REASON, Drain, Fence, Resume, Unfence, sync
 from fleetline.agents.cluster.peers import Peers
-from fleetline.agents.cluster.reconcile import Actual, Order, Start, Stop, plan
+from fleetline.agents.cluster.reconcile import Actual, Order, Start, Stop, plan, quota_refusal
 from fleetline.agents.cluster.registry import endpoint_record, replica_state
 from fleetline.agents.cluster.reports import Event, said
 from fleetline.agents.cluster.sharing import gpu_memory_mib, gpu_sharing, mps_running
@@ -53,10 +53,12 @@ from fleetline.errors import FleetlineError
 from fleetline.observability import tracing
 from fleetline.processors.health.runtime import signal as cluster_signal
 from fleetline.processors.health.runtime import signal_output
+from fleetline.processors.scheduling.client import changelog as scheduler_changelog
 from fleetline.processors.scheduling.client import request_output
 from fleetline.processors.scheduling.codec import new_request
 from fleetline.processors.scheduling.services import REPLICA_KIND
 from fleetline.processors.scheduling.specs import TrainingJobSpec
+from fleetline.processors.scheduling.tenancy import TenantPolicy
 from fleetline.processors.view.model import CORDONED_LABEL
 from fleetline.schemas.records import (
     ReplicaEndpoint,
@@ -135,6 +137,9 @@ class ClusterAgent:
         )
         self.region: str | None = None  # this cluster's, from its ClusterInfo
         self.cordoned: dict[str, bool] = {}  # this cluster's nodes: cordoned in fleetline?
+        # Each tenant's terms, from the scheduler's committed state (its changelog).
+        self.tenants: dict[str, TenantPolicy] = {}
+        self._scheduler_state = scheduler_changelog(self.topics).name
         self._fenced_file = self.state_dir / self.cluster_id / "fenced-nodes.json"
         self.registry_wake = threading.Event()  # a replica changed: publish it now
         self.lock = threading.Lock()
@@ -170,6 +175,7 @@ class ClusterAgent:
                     TopicPartition(self.topics.node_state, p, OFFSET_BEGINNING)
                     for p in range(self.topics.node_partitions)
                 ),
+                TopicPartition(self._scheduler_state, 0, OFFSET_BEGINNING),
                 TopicPartition(
                     self.topics.cluster_signals,
                     0,
@@ -242,6 +248,9 @@ class ClusterAgent:
                 if error.code() != KafkaError._PARTITION_EOF:
                     log.warning("%s: %s", self.cluster_id, error.str())
                 continue
+            if msg.topic() == self._scheduler_state:
+                self._tenant_terms(msg.key(), msg.value())
+                continue
             decoded = self.codec.decode(msg.value())
             record = decoded.record
             name = decoded.schema.full_name
@@ -272,6 +281,22 @@ class ClusterAgent:
                 and record["cluster_id"] != self.cluster_id
             ):
                 self.peers.addresses[record["cluster_id"]] = record["probe_address"]
+
+    def _tenant_terms(self, key: bytes | None, value: bytes | None) -> None:
+        """A tenant's record in the scheduler's state (JSON; None: removed). Jobs and other
+        keys pass unread."""
+        if not key or not key.startswith(b"tenant:"):
+            return
+        tenant = key.decode().removeprefix("tenant:")
+        data = json.loads(value) if value else None
+        policy = (data or {}).get("policy")
+        try:
+            if policy:
+                self.tenants[tenant] = TenantPolicy.from_data(policy)
+            else:
+                self.tenants.pop(tenant, None)
+        except FleetlineError as exc:
+            log.warning("%s: tenant %s: %s", self.cluster_id, tenant, exc)
 
     # -- the manager's nodes against fleetline's ------------------------------------------------
 
@@ -335,12 +360,23 @@ class ClusterAgent:
         may_start = not self.fenced() and self.launcher.control_error() is None
         for action in plan(self.cluster_id, self.orders, actual, may_start=may_start):
             if isinstance(action, Start):
+                refusal = self._over_quota(action.order)
+                if refusal is not None:
+                    self._could_not_start(action.order, FleetlineError(refusal))
+                    continue
                 try:
                     self._start(action.order)
                 except (FleetlineError, OSError) as exc:
                     self._could_not_start(action.order, exc)
             elif isinstance(action, Stop):
                 self._stop(action)
+
+    def _over_quota(self, order: Order) -> str | None:
+        with self.lock:
+            runs = [w for runs in self.running.values() for w in runs if w.alive]
+        current = [o for o in (self.current(w) for w in runs) if o is not None]
+        refusal = quota_refusal(self.cluster_id, order, self.tenants.get(order.tenant), current)
+        return None if refusal is None else f"refused by cluster {self.cluster_id}: {refusal}"
 
     def _could_not_start(self, order: Order, exc: Exception) -> None:
         """A start that failed before any process ran (the store unreachable, the command not

@@ -12,9 +12,16 @@ until the scheduler orders a new attempt.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from fleetline.processors.scheduling.tenancy import (
+    Request,
+    TenantPolicy,
+    TenantUsage,
+    quota_block,
+)
 
 
 @dataclass(frozen=True)
@@ -129,6 +136,25 @@ def plan(
         ):
             actions.append(Start(wanted))
     return actions
+
+
+def order_gpus(order: Order) -> int:
+    return sum(len(ids) for _, ids in order.workers)
+
+
+def quota_refusal(
+    cluster_id: str,
+    order: Order,
+    policy: TenantPolicy | None,
+    running: Sequence[Order],
+) -> str | None:
+    """The second level of a tenant's quota: why this cluster refuses to start `order` (its
+    tenant's per-cluster GPUs, counted from the orders of the runs it has here, would pass
+    the limit), or None. The rule is the scheduler's own (`tenancy.quota_block`); the count is
+    what this cluster runs, which a scheduler's lagging or mistaken view cannot change."""
+    held = sum(order_gpus(o) for o in running if o.tenant == order.tenant and o.job != order.job)
+    usage = TenantUsage(cluster_gpus={cluster_id: held})
+    return quota_block(policy, usage, Request(gpus_by_cluster={cluster_id: order_gpus(order)}))
 
 
 def _stop(cluster_id: str, run: Actual, order: Order | None) -> Stop:
