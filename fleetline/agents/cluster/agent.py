@@ -171,16 +171,26 @@ class ClusterAgent:
                 TopicPartition(self.topics.orders, 0, OFFSET_BEGINNING),
                 TopicPartition(self.topics.emergency, 0, OFFSET_BEGINNING),
                 TopicPartition(self.topics.clusters, 0, OFFSET_BEGINNING),
-                *(
-                    TopicPartition(self.topics.node_state, p, OFFSET_BEGINNING)
-                    for p in range(self.topics.node_partitions)
-                ),
-                TopicPartition(self._scheduler_state, 0, OFFSET_BEGINNING),
                 TopicPartition(
                     self.topics.cluster_signals,
                     0,
                     recent[0].offset if recent[0].offset >= 0 else OFFSET_END,
                 ),
+            ]
+        )
+        # What the agent learns beside its orders, on a consumer of its own so that a long
+        # history there never delays the start: its nodes' cordons (the compacted node states)
+        # and the tenants' terms (the scheduler's changelog), each read whole.
+        aside = kafka_clients.consumer(
+            kafka, f"{self.name}.{self.incarnation}.aside", kafka_clients.ACROSS_LINKS
+        )
+        aside.assign(
+            [
+                *(
+                    TopicPartition(self.topics.node_state, p, OFFSET_BEGINNING)
+                    for p in range(self.topics.node_partitions)
+                ),
+                TopicPartition(self._scheduler_state, 0, OFFSET_BEGINNING),
             ]
         )
         server = self.peers.serve(stop)
@@ -212,6 +222,7 @@ class ClusterAgent:
             self.ready.set()
             while not stop.is_set():
                 self._consume(consumer, 0.1)
+                self._consume(aside, 0)
                 # Nodes first: a node its manager lost is fenced before its runs' ends are
                 # reported, so the scheduler moves them rather than retrying them there.
                 self.launcher.refresh()
@@ -225,6 +236,7 @@ class ClusterAgent:
                     thread.join(5)
             server.close()
             consumer.close()
+            aside.close()
             self.producer.flush(10)
 
     def _catch_up(self, consumer: Any, stop: threading.Event) -> None:
