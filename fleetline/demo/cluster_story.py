@@ -26,10 +26,12 @@ from typing import Any
 from confluent_kafka import OFFSET_BEGINNING, KafkaError, TopicPartition
 
 from fleetline.agents.cluster.agent import ClusterAgent
+from fleetline.agents.cluster.backends import Launcher, launcher_for
 from fleetline.agents.workloads.train import workload_env
 from fleetline.config import Settings
 from fleetline.errors import StreamError
 from fleetline.infra.lab import Lab, LabHost, exec_argv
+from fleetline.infra.slurm import SlurmCluster
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.events import CLUSTER_HEALTH, CLUSTER_SIGNAL, WORKLOAD_EVENT
 from fleetline.streams.serde import default_codec
@@ -91,6 +93,10 @@ class ClusterAgents:
     running: dict[str, tuple[ClusterAgent, threading.Event, threading.Thread]] = field(
         default_factory=dict
     )
+    # The clusters under Slurm (the rest run processes): a Slurm cluster of as many nodes as
+    # the simulator gives each, started here and stopped at the end.
+    slurm_nodes: dict[str, int] = field(default_factory=dict)
+    managers: dict[str, SlurmCluster] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Checkpoints are sealed under the tenants' keys; a demo without a configured key gets
@@ -100,9 +106,26 @@ class ClusterAgents:
                 self.settings, object_encryption_key=base64.b64encode(os.urandom(32)).decode()
             )
 
+    def _launcher(self, cluster_id: str) -> Launcher:
+        if cluster_id not in self.slurm_nodes:
+            return launcher_for("process", cluster_id)
+        if cluster_id not in self.managers:
+            slurm = SlurmCluster.of(
+                self.settings.cache_dir, cluster_id, self.slurm_nodes[cluster_id]
+            )
+            slurm.start()
+            self.managers[cluster_id] = slurm
+        return launcher_for("slurm", cluster_id, self.managers[cluster_id].conf)
+
     def start(self, cluster: str | None = None) -> None:
         for cluster_id in [cluster] if cluster else self.clusters:
-            agent = ClusterAgent(self.settings, self.topics, cluster_id, self.state_dir)
+            agent = ClusterAgent(
+                self.settings,
+                self.topics,
+                cluster_id,
+                self.state_dir,
+                launcher=self._launcher(cluster_id),
+            )
             stop = threading.Event()
             thread = threading.Thread(target=agent.run, args=(stop,), name=agent.name, daemon=True)
             thread.start()
@@ -112,7 +135,8 @@ class ClusterAgents:
                 raise StreamError(f"cluster agent {agent.cluster_id} did not start in 60s")
 
     def describe_dark(self, cluster: str) -> str:
-        return "its cluster agent stops, its workload runs on cut off"
+        run = "its Slurm job" if cluster in self.slurm_nodes else "its workload"
+        return f"its cluster agent stops, {run} runs on cut off"
 
     def go_dark(self, cluster: str) -> None:
         """Stop a cluster's agent as if its cluster vanished: its workloads run on, cut off."""
@@ -126,6 +150,8 @@ class ClusterAgents:
         for pid_file in self.state_dir.glob("*/*/*/pid"):
             with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
                 os.killpg(int(pid_file.read_text().split()[0]), signal.SIGKILL)
+        for slurm in self.managers.values():
+            slurm.stop()  # its jobs cancelled, its daemons stopped
 
 
 class LabClusterAgents(ClusterAgents):
@@ -254,8 +280,9 @@ def lose_a_cluster(
         first = until("the job to run", lambda: follower.events(job, "RUNNING"))[0]
         lost = first["cluster_id"]
         checkpoint = until("a checkpoint", lambda: follower.events(job, "CHECKPOINTED"))[-1]
+        where = f"pid {first['pid']}" if first["pid"] else first["detail"]
         say(
-            f"{at()}: {job} runs in {lost} (epoch {first['epoch']}, pid {first['pid']}); "
+            f"{at()}: {job} runs in {lost} (epoch {first['epoch']}, {where}); "
             f"checkpoint at step {checkpoint['step']} ({checkpoint['bytes']} bytes in "
             f"{checkpoint['seconds']:.3f}s)"
         )

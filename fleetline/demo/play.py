@@ -381,7 +381,14 @@ def play(
     agents = (
         LabClusterAgents(settings, topics, cluster_ids, lab)
         if lab is not None
-        else ClusterAgents(settings, topics, cluster_ids)
+        else ClusterAgents(
+            settings,
+            topics,
+            cluster_ids,
+            slurm_nodes={
+                c.spec.cluster_id: c.spec.nodes for c in scenario.clusters if c.manager == "slurm"
+            },
+        )
     )
     agents.start()
     timings["pipeline_start_s"] = time.monotonic() - began

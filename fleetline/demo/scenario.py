@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from fleetline.agents.cluster.backends import BACKENDS
 from fleetline.agents.simulator import FAULT_KINDS, ClusterSpec, Fault, FleetSimulator
 from fleetline.errors import ConfigError
 from fleetline.processors.scheduling.specs import Cluster, ClusterMetadata, parse_spec
@@ -41,6 +42,9 @@ class ClusterPlan:
     price_per_gpu_hour: float | None = None
     energy_price_per_kwh: float | None = None
     pue: float | None = None
+    # How its cluster agent runs workloads (`cluster-agent --backend`): processes, or jobs of a
+    # Slurm cluster `fleetline run` starts for it.
+    manager: str = "process"
 
 
 @dataclass(frozen=True)
@@ -215,9 +219,13 @@ def _cluster(item: Any, number: int) -> ClusterPlan:
             "price_per_gpu_hour",
             "energy_price_per_kwh",
             "pue",
+            "manager",
         },
         where,
     )
+    manager = str(data.get("manager", "process"))
+    if manager not in BACKENDS:
+        raise ConfigError(f"{where}: manager must be one of {', '.join(BACKENDS)}, got {manager!r}")
     try:
         spec = ClusterSpec(str(data["id"]), str(data["region"]), int(data.get("nodes", 4)))
         if "model" in data:
@@ -232,7 +240,7 @@ def _cluster(item: Any, number: int) -> ClusterPlan:
         raise ConfigError(f"{where}: {exc.args[0]} is required") from None
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    return ClusterPlan(spec, str(data.get("kind", "CLOUD")), **numbers)
+    return ClusterPlan(spec, str(data.get("kind", "CLOUD")), **numbers, manager=manager)
 
 
 _SELECTORS = ("target", "node", "gpu", "leaf_of", "cluster")
