@@ -20,7 +20,9 @@ if TYPE_CHECKING:
 def run(
     scenario: Annotated[
         str,
-        typer.Option(help="a scenario in fleetline/demo/scenarios (default, ...) or a YAML file"),
+        typer.Option(
+            help="a scenario in fleetline/demo/scenarios (default, managers) or a YAML file"
+        ),
     ] = "default",
     clusters: Annotated[
         int | None, typer.Option(min=1, help="use only the scenario's first N clusters")
