@@ -8,8 +8,9 @@ Slurm job and starts nothing twice; a Slurm job of a run no order wants (left by
 state directory is gone) is found with squeue and cancelled; an order for a node Slurm does not
 know fails with Slurm's own message; an order over its tenant's quota in a cluster is refused
 by that cluster's agent (the quota's second level); a cordon in fleetline drains the Slurm
-node and an uncordon resumes it; with Slurm's controller down nothing starts, the agent's
-heartbeat carries Slurm's own error, and the job starts once Slurm is back; a Slurm node set
+node and an uncordon resumes it; with Slurm's controller down the agent's heartbeat carries
+Slurm's own error and the cluster is cordoned (a new job goes to the other cluster) until
+Slurm answers again; a Slurm node set
 DOWN under a running job is fenced in fleetline and the job resumes in the other cluster from
 its checkpoint, bit-identical to an uninterrupted run.
 """
@@ -251,7 +252,7 @@ def test_a_cluster_refuses_an_order_over_its_tenant_s_quota_there(stack):
     assert not [e for e in stack.events("lean/greedy") if e["event"] == "STARTING"]
 
 
-def test_with_slurm_s_controller_down_nothing_starts_and_the_heartbeat_says_why(stack, slurm):
+def test_with_slurm_s_controller_down_its_cluster_takes_no_new_work_and_says_why(stack, slurm):
     def reason() -> str | None:
         beats = [
             s
@@ -260,7 +261,14 @@ def test_with_slurm_s_controller_down_nothing_starts_and_the_heartbeat_says_why(
         ]
         return beats[-1]["reason"] if beats else None
 
-    key = "acme/waits-for-slurm"
+    def cordons() -> list[str]:
+        return [
+            h["reason"]
+            for h in stack.health()
+            if h["event"] == "CORDON" and h["cluster_id"] == "sa"
+        ]
+
+    key = "acme/while-slurm-is-down"
     slurm.kill_controller()
     try:
         wait_until(
@@ -268,21 +276,22 @@ def test_with_slurm_s_controller_down_nothing_starts_and_the_heartbeat_says_why(
             60,
             "the heartbeat to carry Slurm's error",
         )
+        wait_until(cordons, 30, "sa to be cordoned")
+        assert cordons()[0].startswith("control unavailable: Slurm: squeue: ")
+        # sa keeps what it runs and takes nothing new: the job goes to sb.
         workload = {"steps": 40, "checkpoint_every_steps": 20}
-        submit(stack.settings.kafka, stack.topics, submits(training("waits-for-slurm", **workload)))
-        wait_until(lambda: stack.phase(key) == "Starting", 60, "the job to be ordered to sa")
-        # Ordered, and not started while Slurm cannot say what runs.
-        wait_until(
-            lambda: "Unable to contact slurm controller" in (reason() or ""),
-            30,
-            "a heartbeat sent after the order",
+        submit(
+            stack.settings.kafka,
+            stack.topics,
+            submits(training("while-slurm-is-down", **workload)),
         )
-        assert not [e for e in stack.events(key) if e["event"] == "STARTING"]
+        wait_until(lambda: stack.phase(key) == "Succeeded", 120, "the job to run in sb")
+        assert [e["cluster_id"] for e in stack.events(key) if e["event"] == "STARTING"] == ["sb"]
     finally:
         slurm.start()
-    wait_until(lambda: stack.phase(key) == "Succeeded", 120, "the job to run once Slurm is back")
-    assert [e["cluster_id"] for e in stack.events(key) if e["event"] == "STARTING"] == ["sa"]
-    wait_until(lambda: reason() is None, 30, "the heartbeat to clear Slurm's error")
+    wait_until(lambda: len(cordons()) == 2, 60, "sa's cordon to be lifted")
+    assert cordons()[1] == "control answers again: takes new work"
+    assert reason() is None
 
 
 def test_a_slurm_node_down_under_a_running_job_moves_it_from_its_checkpoint(stack, slurm, tmp_path):

@@ -158,3 +158,22 @@ def test_an_operator_cordons_a_whole_cluster() -> None:
     out = fleet.feed(signal("CORDON", "b", fleet.now, actor="ops", reason="maintenance"))
     assert out[0]["event"] == "CORDON" and out[0]["cordoned"] is True
     assert "maintenance" in out[0]["reason"] and "ops" in out[0]["reason"]
+
+
+def test_a_cluster_whose_manager_does_not_answer_is_cordoned_until_it_answers() -> None:
+    from fleetline.processors.health.fold import HealthFold
+
+    fleet = Fleet("a", "b")
+    error = "Slurm: squeue: Unable to contact slurm controller (connect failure)"
+    out = fleet.feed(signal("HEARTBEAT", "a", fleet.now, reason=error))
+    assert [(e["event"], e["cordoned"], e["reason"]) for e in out] == [
+        ("CORDON", True, f"control unavailable: {error}")
+    ]
+    assert out[0]["state"] == "HEALTHY"  # it keeps its jobs: nothing moves
+    assert fleet.feed(signal("HEARTBEAT", "a", fleet.now, reason=error)) == []  # said once
+    # Its state survives the fold's store, and a heartbeat without a reason lifts it.
+    fleet.fold = HealthFold.from_data(fleet.fold.as_data())
+    back = fleet.feed(signal("HEARTBEAT", "a", fleet.now))
+    assert [(e["event"], e["cordoned"], e["reason"]) for e in back] == [
+        ("CORDON", False, "control answers again: takes new work")
+    ]

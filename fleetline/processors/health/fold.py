@@ -1,5 +1,9 @@
 """Cluster health as a fold of the cluster signal log: heartbeats, clock ticks and cordons.
 
+A heartbeat that carries a reason says the cluster's own manager (Slurm) cannot be used: the
+cluster is cordoned while it says so (a CORDON event, "control unavailable: ..."), which keeps
+what runs there and places nothing new, and uncordoned when a heartbeat comes without one.
+
 A cluster moves HEALTHY -> SUSPECT (silent for `suspect_after_ms`) -> UNHEALTHY (silent for
 `lost_after_ms` *and* no peer reaches it, or silent for `isolated_after_ms` whatever its peers
 say) -> RECOVERING (heard again; everything it ran before is fenced) -> HEALTHY (heard without a
@@ -58,6 +62,14 @@ class ClusterRecord:
     losses: list[int] = field(default_factory=list)  # when it was declared lost, in the window
     # What this cluster last said of each peer: peer -> (reachable, fold time of the report).
     sees: dict[str, tuple[bool, int]] = field(default_factory=dict)
+    # Why its own manager (Slurm) cannot be used, as its heartbeats say; None while it can.
+    control: str | None = None
+
+    @property
+    def takes_no_work(self) -> bool:
+        """Cordoned by an operator, or its manager does not answer: what runs there stays,
+        nothing new is placed there."""
+        return self.cordoned or self.control is not None
 
 
 @dataclass
@@ -131,6 +143,15 @@ class HealthFold:
             )
             out.append(self._event("FENCE", record, record.state, out[-1]["reason"]))
         self._links(record, out)
+        control = signal.get("reason") or None
+        if control != record.control:
+            record.control = control
+            said = (
+                f"control unavailable: {control}"
+                if control
+                else "control answers again: takes new work"
+            )
+            out.append(self._event("CORDON", record, record.state, said))
 
     def _links(self, record: ClusterRecord, out: list[dict[str, Any]]) -> None:
         """A link is broken while either end says it cannot reach the other."""
@@ -229,7 +250,7 @@ class HealthFold:
             "state": record.state.value,
             "previous": str(previous),
             "since_ms": record.since_ms,
-            "cordoned": record.cordoned,
+            "cordoned": record.takes_no_work,
             "reason": reason,
             "silent_ms": self.now_ms - record.heard_ms,
             "peers_reaching": reaching,
@@ -255,6 +276,7 @@ class HealthFold:
                     "cordoned": r.cordoned,
                     "losses": r.losses,
                     "sees": {p: list(v) for p, v in sorted(r.sees.items())},
+                    "control": r.control,
                 }
                 for c, r in sorted(self.clusters.items())
             },
@@ -275,5 +297,6 @@ class HealthFold:
                 r["cordoned"],
                 list(r["losses"]),
                 {p: (bool(v[0]), int(v[1])) for p, v in r["sees"].items()},
+                r.get("control"),  # absent from states folded before it was kept
             )
         return fold
