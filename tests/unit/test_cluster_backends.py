@@ -229,3 +229,21 @@ def test_the_managers_scenario_puts_one_cluster_under_slurm() -> None:
     bad = {"name": "x", "seed": 1, "clusters": [{"id": "c", "region": "r", "manager": "lsf"}]}
     with pytest.raises(ConfigError, match="manager must be one of process, slurm, got 'lsf'"):
         scenario.parse(bad)
+
+
+def test_a_slurm_cluster_is_named_and_configured_for_its_fleetline_cluster(tmp_path) -> None:
+    from fleetline.infra.slurm import SlurmCluster
+
+    cluster = SlurmCluster.parse(tmp_path, "sa:2")
+    assert cluster.nodes == ("sa-n0000", "sa-n0001")  # the simulator's node ids
+    assert SlurmCluster.parse(tmp_path, "sb").nodes == ("sb-n0000",)
+    for bad in ("", "sa:0", "sa:two", ":3"):
+        with pytest.raises(ValueError, match="expected CLUSTER or CLUSTER:NODES"):
+            SlurmCluster.parse(tmp_path, bad)
+    cluster._configure()
+    conf = cluster.conf.read_text()
+    assert "ReturnToService=1" in conf and "SelectType=select/cons_tres" in conf
+    ports = [line for line in conf.splitlines() if line.startswith("NodeName=")]
+    assert len({line.split("Port=")[1].split()[0] for line in ports}) == 2  # a port each
+    assert SlurmCluster.found(tmp_path) == [cluster]
+    assert (cluster.directory / "munge" / "munge.key").stat().st_mode & 0o077 == 0
