@@ -11,10 +11,13 @@ import typer
 from fleetline.cli.common import settings
 from fleetline.config import host_address
 from fleetline.infra import LocalServices
+from fleetline.infra.kubernetes import KwokCluster
+from fleetline.infra.kubernetes import found as kubernetes_found
 from fleetline.infra.slurm import SlurmCluster
 
 infra = typer.Typer(
-    help="Start, stop or inspect the local Kafka and S3 services (and Slurm clusters).",
+    help="Start, stop or inspect the local Kafka and S3 services (and Slurm and Kubernetes "
+    "clusters).",
     no_args_is_help=True,
 )
 
@@ -26,6 +29,11 @@ def _status(services: LocalServices) -> None:
         print(
             f"slurm {cluster.cluster_id} ({len(cluster.nodes)} nodes, SLURM_CONF={cluster.conf}): "
             f"{'up' if cluster.running() else 'down'}"
+        )
+    for plane in kubernetes_found(settings().cache_dir):
+        print(
+            f"kubernetes {plane.cluster_id} ({len(plane.nodes)} nodes, "
+            f"kubeconfig {plane.kubeconfig}): {'up' if plane.running() else 'down'}"
         )
 
 
@@ -59,19 +67,36 @@ def start(
             "a cluster agent with `--backend slurm` finds its slurm.conf there",
         ),
     ] = None,
+    kubernetes: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="CLUSTER[:NODES]",
+            help="also run a Kubernetes control plane for fleetline cluster CLUSTER on this "
+            "host (repeatable): kube-apiserver, kube-scheduler, kube-controller-manager and etcd "
+            "built from their Go modules (about 20 minutes the first time, cached under "
+            ".cache/kubernetes), run by kwokctl on loopback, with NODES kwok nodes (default 1) "
+            "named as the simulator names CLUSTER's, 8 nvidia.com/gpu each",
+        ),
+    ] = None,
 ) -> None:
     """Start the broker(s) and the S3 server (fetching and building them the first time), and
-    the Slurm clusters asked for."""
+    the Slurm and Kubernetes clusters asked for."""
     address = host_address(listen, "--listen") if listen is not None else None
     config = settings()
     try:
         clusters = [SlurmCluster.parse(config.cache_dir, text) for text in slurm or []]
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--slurm") from exc
+    try:
+        planes = [KwokCluster.parse(config.cache_dir, text) for text in kubernetes or []]
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--kubernetes") from exc
     services = LocalServices.from_settings(config, brokers, address)
     started = services.start()
     for cluster in clusters:
         started[f"slurm {cluster.cluster_id}"] = cluster.start()
+    for plane in planes:
+        started[f"kubernetes {plane.cluster_id}"] = plane.start()
     print(json.dumps({k: round(v, 2) for k, v in started.items()}))
     _status(services)
     if len(services.kafka.brokers) > 1 or address is not None:
@@ -88,6 +113,8 @@ def stop() -> None:
     services.stop()
     for cluster in SlurmCluster.found(settings().cache_dir):
         cluster.stop()
+    for plane in kubernetes_found(settings().cache_dir):
+        plane.stop()
     _status(services)
 
 
@@ -105,6 +132,8 @@ def wipe() -> None:
     services.object_store.wipe()
     for cluster in SlurmCluster.found(settings().cache_dir):
         cluster.wipe()
+    for plane in kubernetes_found(settings().cache_dir):
+        plane.stop()
     _status(services)
 
 

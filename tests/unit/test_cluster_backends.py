@@ -247,3 +247,28 @@ def test_a_slurm_cluster_is_named_and_configured_for_its_fleetline_cluster(tmp_p
     assert len({line.split("Port=")[1].split()[0] for line in ports}) == 2  # a port each
     assert SlurmCluster.found(tmp_path) == [cluster]
     assert (cluster.directory / "munge" / "munge.key").stat().st_mode & 0o077 == 0
+
+
+def test_kubernetes_is_built_in_a_module_that_takes_its_staging_modules_as_releases(
+    tmp_path,
+) -> None:
+    from fleetline.errors import ServiceError
+    from fleetline.infra.kubernetes import KwokCluster, build_go_mod, gpu_node
+
+    upstream = (
+        "module k8s.io/kubernetes\n\ngo 1.26.0\n\nreplace (\n"
+        "\tk8s.io/api => ./staging/src/k8s.io/api\n"
+        "\tk8s.io/client-go => ./staging/src/k8s.io/client-go\n)\n"
+    )
+    go_mod = build_go_mod(upstream)
+    assert "require k8s.io/kubernetes v1.37.2" in go_mod
+    assert "\tk8s.io/api => k8s.io/api v0.37.2\n" in go_mod
+    assert "\tk8s.io/client-go => k8s.io/client-go v0.37.2\n" in go_mod
+    with pytest.raises(ServiceError, match="replaces no staging module"):
+        build_go_mod("module example.com/other\n")
+    plane = KwokCluster.parse(tmp_path, "kc:2")
+    assert plane.nodes == ("kc-n0000", "kc-n0001")
+    with pytest.raises(ValueError, match="expected CLUSTER or CLUSTER:NODES"):
+        KwokCluster.parse(tmp_path, "kc:0")
+    node = gpu_node("kc-n0000")
+    assert node["status"]["allocatable"]["nvidia.com/gpu"] == "8"
