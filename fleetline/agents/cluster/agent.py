@@ -194,11 +194,15 @@ class ClusterAgent:
             ]
         )
         server = self.peers.serve(stop)
-        threads = [
+        # Alive before it has read its orders: a restarted agent heartbeats at once, so that
+        # its cluster is not taken for lost while it catches up (its runs go on meanwhile).
+        alive = [
             threading.Thread(target=self._heartbeats, args=(stop,), daemon=True),
             threading.Thread(target=self.peers.run, args=(stop,), daemon=True),
-            threading.Thread(target=self._registry, args=(stop,), daemon=True),
         ]
+        for thread in alive:
+            thread.start()
+        threads = [*alive, threading.Thread(target=self._registry, args=(stop,), daemon=True)]
         try:
             # The desired state first: read every order there is before acting on any.
             self._catch_up(consumer, stop)
@@ -217,8 +221,7 @@ class ClusterAgent:
                         workload.run_id,
                         workload.label,
                     )
-            for thread in threads:
-                thread.start()
+            threads[-1].start()
             self.ready.set()
             while not stop.is_set():
                 self._consume(consumer, 0.1)
