@@ -108,7 +108,14 @@ def training(name: str, **workload: Any) -> dict[str, Any]:
 def test_a_job_runs_through_slurm_and_ends_with_an_uninterrupted_run_s_parameters(
     stack, slurm, tmp_path
 ):
-    workload = {"steps": 120, "checkpoint_every_steps": 40, "report_every_steps": 10, "seed": 5}
+    # Long enough (2.4 s) to be seen running: squeue is read once a second.
+    workload = {
+        "steps": 120,
+        "checkpoint_every_steps": 40,
+        "report_every_steps": 10,
+        "seed": 5,
+        "step_delay_ms": 20,
+    }
     submit(stack.settings.kafka, stack.topics, submits(training("through-slurm", **workload)))
     key = "acme/through-slurm"
     wait_until(lambda: stack.phase(key) == "Succeeded", 120, "the job to succeed through Slurm")
