@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetline.errors import ServiceError
+from fleetline.infra.managed import cluster_nodes
 from fleetline.infra.process import run_checked
 
 KUBERNETES_VERSION = "v1.37.2"
@@ -184,10 +185,7 @@ class KwokCluster:
     @classmethod
     def parse(cls, cache_dir: Path, text: str) -> KwokCluster:
         """`CLUSTER[:NODES]` (1 node when not said)."""
-        cluster_id, _, count = text.partition(":")
-        if not cluster_id or (count and not count.isdigit()) or count == "0":
-            raise ValueError(f"{text!r}: expected CLUSTER or CLUSTER:NODES (NODES a count >= 1)")
-        nodes = tuple(f"{cluster_id}-n{n:04d}" for n in range(int(count or 1)))
+        cluster_id, nodes = cluster_nodes(text)
         return cls(cluster_id, nodes, KubernetesBinaries(cache_dir))
 
     @property

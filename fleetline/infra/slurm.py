@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fleetline.errors import ServiceError
+from fleetline.infra.managed import cluster_nodes, node_names
 from fleetline.infra.process import ServiceProcess, tail
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
@@ -32,11 +33,6 @@ READY_TIMEOUT_S = 60.0
 
 def slurm_conf_path(cache_dir: Path, cluster_id: str) -> Path:
     return cache_dir / "slurm" / cluster_id / "slurm.conf"
-
-
-def node_names(cluster_id: str, count: int) -> tuple[str, ...]:
-    """The simulator's node ids for a cluster of `count` nodes, which Slurm's nodes are named."""
-    return tuple(f"{cluster_id}-n{n:04d}" for n in range(count))
 
 
 def _free_port(host: str) -> int:
@@ -65,10 +61,8 @@ class SlurmCluster:
     @classmethod
     def parse(cls, cache_dir: Path, text: str) -> SlurmCluster:
         """`CLUSTER[:NODES]` (1 node when not said)."""
-        cluster_id, _, count = text.partition(":")
-        if not cluster_id or (count and not count.isdigit()) or count == "0":
-            raise ValueError(f"{text!r}: expected CLUSTER or CLUSTER:NODES (NODES a count >= 1)")
-        return cls.of(cache_dir, cluster_id, int(count or 1))
+        cluster_id, nodes = cluster_nodes(text)
+        return cls(cluster_id, nodes, cache_dir / "slurm" / cluster_id)
 
     @property
     def conf(self) -> Path:
