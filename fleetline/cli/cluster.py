@@ -41,6 +41,7 @@ class Backend(StrEnum):
 
     process = "process"
     slurm = "slurm"
+    kubernetes = "kubernetes"
 
 
 def _slurm_conf(given: Path | None, config: Settings, cluster_id: str) -> Path | None:
@@ -50,6 +51,19 @@ def _slurm_conf(given: Path | None, config: Settings, cluster_id: str) -> Path |
         return given
     made = slurm_conf_path(config.cache_dir, cluster_id)
     return made if made.exists() else None
+
+
+def _kubeconfig(given: Path | None, config: Settings, cluster_id: str) -> Path:
+    """The kubeconfig a cluster agent uses: the flag's, KUBECONFIG, the one `fleetline infra
+    start --kubernetes` made for the cluster, else ~/.kube/config."""
+    from fleetline.infra.kubernetes import KwokCluster
+
+    if given is not None:
+        return given
+    if os.environ.get("KUBECONFIG"):
+        return Path(os.environ["KUBECONFIG"].split(os.pathsep)[0])
+    made = KwokCluster.parse(config.cache_dir, cluster_id).kubeconfig
+    return made if made.exists() else Path.home() / ".kube" / "config"
 
 
 def cluster_agent(
@@ -70,8 +84,9 @@ def cluster_agent(
         Backend,
         typer.Option(
             help="how workloads run: `process` (OS processes on this host), `slurm` (batch "
-            "jobs of the cluster's Slurm, whose node names are fleetline's node ids; the state "
-            "directory must be on the cluster's shared filesystem)"
+            "jobs of the cluster's Slurm), `kubernetes` (a pod per worker in the cluster's "
+            "Kubernetes); a manager's node names are fleetline's node ids, and the state "
+            "directory must be on the cluster's shared filesystem"
         ),
     ] = Backend.process,
     slurm_conf: Annotated[
@@ -82,13 +97,27 @@ def cluster_agent(
             "else the host's)"
         ),
     ] = None,
+    kubeconfig: Annotated[
+        Path | None,
+        typer.Option(
+            help="the Kubernetes cluster's kubeconfig (default: KUBECONFIG, else the one "
+            "`fleetline infra start --kubernetes` made for CLUSTER, else ~/.kube/config)"
+        ),
+    ] = None,
+    namespace: Annotated[
+        str, typer.Option(help="the Kubernetes namespace the runs' pods go in")
+    ] = "default",
+    image: Annotated[
+        str | None,
+        typer.Option(help="the container image of a Kubernetes run (fleetline installed in it)"),
+    ] = None,
     metrics_port: MetricsPort = None,
     metrics_host: MetricsHost = None,
 ) -> None:
     """Run the cluster agent: reconcile the scheduler's workload orders for this cluster with
-    the workloads it runs (OS processes, or jobs of the cluster's Slurm), report their
-    transitions and the cluster's status every second, move checkpoints in from other clusters,
-    probe the peers (until interrupted)."""
+    the workloads it runs (OS processes, jobs of the cluster's Slurm, or pods of its
+    Kubernetes), report their transitions and the cluster's status every second, move
+    checkpoints in from other clusters, probe the peers (until interrupted)."""
     from fleetline.agents.cluster.agent import ClusterAgent
     from fleetline.agents.cluster.backends import launcher_for
     from fleetline.observability import logs, metrics
@@ -107,7 +136,17 @@ def cluster_agent(
         stop_grace_s=stop_grace_s,
         chaos_file=chaos_file,
         launcher=launcher_for(
-            backend.value, cluster_id, _slurm_conf(slurm_conf, config, cluster_id)
+            backend.value,
+            cluster_id,
+            slurm_conf=_slurm_conf(slurm_conf, config, cluster_id)
+            if backend is Backend.slurm
+            else None,
+            kubeconfig=_kubeconfig(kubeconfig, config, cluster_id)
+            if backend is Backend.kubernetes
+            else None,
+            namespace=namespace,
+            image=image,
+            grace_s=stop_grace_s,
         ),
     )
     expose_metrics(

@@ -115,7 +115,7 @@ class ClusterAgents:
             )
             slurm.start()
             self.managers[cluster_id] = slurm
-        return launcher_for("slurm", cluster_id, self.managers[cluster_id].conf)
+        return launcher_for("slurm", cluster_id, slurm_conf=self.managers[cluster_id].conf)
 
     def start(self, cluster: str | None = None) -> None:
         for cluster_id in [cluster] if cluster else self.clusters:

@@ -15,14 +15,10 @@ moves the pods through their phases; nothing executes.
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
-import ssl
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +26,7 @@ from typing import Any
 from fleetline.errors import ServiceError
 from fleetline.infra.managed import cluster_nodes
 from fleetline.infra.process import run_checked
+from fleetline.kube import KubeApi, KubeError
 
 KUBERNETES_VERSION = "v1.37.2"
 STAGING_VERSION = "v0.37.2"  # the staging modules' release that goes with it
@@ -212,7 +209,7 @@ class KwokCluster:
     def running(self) -> bool:
         try:
             return self.api().get("/version") is not None
-        except (ServiceError, OSError):
+        except (KubeError, OSError):
             return False
 
     def start(self) -> float:
@@ -259,7 +256,8 @@ class KwokCluster:
 
 
 def gpu_node(name: str) -> dict[str, Any]:
-    """A Node kwok keeps alive, with 8 GPUs; kwok's taint keeps what does not tolerate it off."""
+    """A Node kwok keeps alive (its annotation), with 8 GPUs and the taint GPU nodes carry, so
+    only pods that ask for GPUs land there."""
     resources = {"cpu": "64", "memory": "512Gi", "pods": "110", GPU_RESOURCE: str(GPUS_PER_NODE)}
     return {
         "apiVersion": "v1",
@@ -269,67 +267,9 @@ def gpu_node(name: str) -> dict[str, Any]:
             "annotations": {"kwok.x-k8s.io/node": "fake"},
             "labels": {"type": "kwok", "kubernetes.io/hostname": name},
         },
-        "spec": {
-            "taints": [{"key": "kwok.x-k8s.io/node", "value": "fake", "effect": "NoSchedule"}]
-        },
+        "spec": {"taints": [{"key": GPU_RESOURCE, "value": "present", "effect": "NoSchedule"}]},
         "status": {"allocatable": resources, "capacity": resources},
     }
-
-
-class KubeApi:
-    """The API server over HTTPS with a kubeconfig's client certificate: JSON in and out."""
-
-    def __init__(self, server: str, context: ssl.SSLContext) -> None:
-        self.server = server.rstrip("/")
-        self.context = context
-
-    @classmethod
-    def from_kubeconfig(cls, path: Path) -> KubeApi:
-        """From kwokctl's kubeconfig (file paths for the CA and the client pair)."""
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            raise ServiceError(f"no kubeconfig at {path}: {exc.strerror}") from exc
-        fields = dict(
-            line.strip().split(": ", 1) for line in text.splitlines() if ": " in line.strip()
-        )
-        context = ssl.create_default_context(cafile=fields["certificate-authority"])
-        context.load_cert_chain(fields["client-certificate"], fields["client-key"])
-        return cls(fields["server"], context)
-
-    def call(
-        self,
-        method: str,
-        path: str,
-        body: Any = None,
-        content_type: str = "application/json",
-        timeout_s: float = 10.0,
-    ) -> tuple[int, Any]:
-        request = urllib.request.Request(
-            self.server + path,
-            method=method,
-            data=None if body is None else json.dumps(body).encode(),
-            headers={"Content-Type": content_type, "Accept": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(request, context=self.context, timeout=timeout_s) as r:
-                return r.status, json.loads(r.read() or b"null")
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read() or b"null")
-        except (urllib.error.URLError, OSError) as exc:
-            raise ServiceError(
-                f"the Kubernetes API at {self.server} does not answer: {exc}"
-            ) from exc
-
-    def get(self, path: str) -> Any:
-        status, body = self.call("GET", path)
-        return body if status == 200 else None
-
-    def ensure(self, collection: str, name: str, body: Any) -> None:
-        """Create the object unless it exists."""
-        status, answer = self.call("POST", collection, body)
-        if status not in (200, 201, 409):
-            raise ServiceError(f"creating {name}: {status} {(answer or {}).get('message')}")
 
 
 def found(cache_dir: Path) -> list[KwokCluster]:
@@ -341,7 +281,7 @@ def found(cache_dir: Path) -> list[KwokCluster]:
         cluster = KwokCluster(config.parent.name, (), binaries)
         try:
             nodes = cluster.api().get("/api/v1/nodes") or {}
-        except ServiceError:
+        except KubeError:
             nodes = {}
         names = tuple(sorted(n["metadata"]["name"] for n in nodes.get("items", [])))
         clusters.append(KwokCluster(config.parent.name, names, binaries))

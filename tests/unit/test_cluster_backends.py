@@ -4,7 +4,11 @@ and what a run's end is reported as."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,34 +36,36 @@ def node(name: str, usable: bool = True, why: str = "IDLE", ours: bool = False) 
 
 def test_an_outage_of_the_manager_s_own_is_fenced_once_and_unfenced_when_it_returns() -> None:
     down = {"n1": node("n1", False, "DOWN (disk failure)"), "n2": node("n2")}
-    assert sync(down, {"n1": False, "n2": False}, set()) == [
+    assert sync(down, {"n1": False, "n2": False}, set(), "Slurm") == [
         Fence("n1", "Slurm: DOWN (disk failure)")
     ]
-    assert sync(down, {"n1": False, "n2": False}, {"n1"}) == []  # told once
+    assert sync(down, {"n1": False, "n2": False}, {"n1"}, "Slurm") == []  # told once
     back = {"n1": node("n1"), "n2": node("n2")}
-    assert sync(back, {"n1": False, "n2": False}, {"n1"}) == [
+    assert sync(back, {"n1": False, "n2": False}, {"n1"}, "Slurm") == [
         Unfence("n1", "Slurm returned it to service")
     ]
 
 
 def test_a_fence_the_agent_did_not_make_is_never_lifted_by_the_manager() -> None:
-    assert sync({"n1": node("n1")}, {"n1": False}, set()) == []
+    assert sync({"n1": node("n1")}, {"n1": False}, set(), "Slurm") == []
 
 
 def test_a_cordon_drains_the_manager_s_node_and_an_uncordon_resumes_only_our_drain() -> None:
-    assert sync({"n1": node("n1")}, {"n1": True}, set()) == [Drain("n1")]
+    assert sync({"n1": node("n1")}, {"n1": True}, set(), "Slurm") == [Drain("n1")]
     ours = {"n1": node("n1", False, f"IDLE+DRAIN ({DRAIN_REASON})", ours=True)}
-    assert sync(ours, {"n1": True}, set()) == []  # drained by us: not an outage, not again
-    assert sync(ours, {"n1": False}, set()) == [Resume("n1")]
+    assert sync(ours, {"n1": True}, set(), "Slurm") == []  # drained by us: not an outage, not again
+    assert sync(ours, {"n1": False}, set(), "Slurm") == [Resume("n1")]
     theirs = {"n1": node("n1", False, "IDLE+DRAIN (firmware update)")}
-    assert sync(theirs, {"n1": False}, set()) == [
+    assert sync(theirs, {"n1": False}, set(), "Slurm") == [
         Fence("n1", "Slurm: IDLE+DRAIN (firmware update)")
     ]
 
 
 def test_a_node_fleetline_does_not_know_is_fenced_but_never_drained() -> None:
-    assert sync({"n9": node("n9")}, {}, set()) == []
-    assert sync({"n9": node("n9", False, "DOWN")}, {}, set()) == [Fence("n9", "Slurm: DOWN")]
+    assert sync({"n9": node("n9")}, {}, set(), "Slurm") == []
+    assert sync({"n9": node("n9", False, "DOWN")}, {}, set(), "Slurm") == [
+        Fence("n9", "Slurm: DOWN")
+    ]
 
 
 def test_sinfo_nodes_are_read_in_slurm_22_05_s_shape_and_the_newer_one() -> None:
@@ -227,7 +233,9 @@ def test_the_managers_scenario_puts_one_cluster_under_slurm() -> None:
     }
     assert story.lose_cluster_of == "acme/story"
     bad = {"name": "x", "seed": 1, "clusters": [{"id": "c", "region": "r", "manager": "lsf"}]}
-    with pytest.raises(ConfigError, match="manager must be one of process, slurm, got 'lsf'"):
+    with pytest.raises(
+        ConfigError, match="manager must be one of process, slurm, kubernetes, got 'lsf'"
+    ):
         scenario.parse(bad)
 
 
@@ -272,3 +280,152 @@ def test_kubernetes_is_built_in_a_module_that_takes_its_staging_modules_as_relea
         KwokCluster.parse(tmp_path, "kc:0")
     node = gpu_node("kc-n0000")
     assert node["status"]["allocatable"]["nvidia.com/gpu"] == "8"
+
+
+# -- Kubernetes --------------------------------------------------------------------------------
+
+
+def kube_request(directory: Path, workers: tuple[tuple[str, tuple[int, ...]], ...]) -> Any:
+    from fleetline.agents.cluster.backends import RunRequest
+
+    return RunRequest(
+        "eu-west-a", "acme/Big_Train.v2", "acme", 7, 2, "trace", "normal", workers,
+        (sys.executable, "-m", "fleetline.agents.workloads.train"),
+        {"FLEETLINE_PROGRESS_FILE": str(directory / "progress.jsonl"), "PATH": os.environ["PATH"]},
+        directory,
+    )  # fmt: skip
+
+
+def test_a_kubernetes_run_is_one_pod_per_worker_with_its_rank_node_and_gpus(tmp_path):
+    from fleetline.agents.cluster.backends.kubernetes import pods_for, run_name
+
+    request = kube_request(tmp_path, (("n1", (0, 1, 2, 3)), ("n2", (4, 5, 6, 7)), ("n3", ())))
+    name = run_name("eu-west-a", "acme/Big_Train.v2", 7, 2)
+    assert re.fullmatch(r"fl-acme-big-train-v2-e7-a2-[0-9a-f]{6}", name)
+    pods = pods_for(request, "ml", "registry.local/fleetline:1", 30, {"fleetline.io/run": name})
+    assert [p["metadata"]["name"] for p in pods] == [f"{name}-r0", f"{name}-r1", f"{name}-r2"]
+    nodes = [
+        p["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+            "nodeSelectorTerms"
+        ][0]["matchExpressions"][0]["values"]
+        for p in pods
+    ]
+    assert nodes == [["n1"], ["n2"], ["n3"]]
+    limits = [p["spec"]["containers"][0].get("resources", {}).get("limits") for p in pods]
+    assert limits == [{"nvidia.com/gpu": "4"}, {"nvidia.com/gpu": "4"}, None]
+    envs = [{e["name"]: e["value"] for e in p["spec"]["containers"][0]["env"]} for p in pods]
+    assert [e["FLEETLINE_RANK"] for e in envs] == ["0", "1", "2"]
+    assert {e["FLEETLINE_MASTER_ADDR"] for e in envs} == {f"{name}-r0.{name}.ml.svc"}
+    # Rank 0 writes the progress file the agent reads; the others write beside it.
+    assert "FLEETLINE_PROGRESS_FILE" not in envs[0]
+    assert envs[2]["FLEETLINE_PROGRESS_FILE"] == str(tmp_path / "progress.jsonl.rank2")
+    assert {p["spec"]["subdomain"] for p in pods} == {name}
+    assert pods[0]["spec"]["hostname"] == f"{name}-r0"
+    assert pods[0]["spec"]["restartPolicy"] == "Never"
+    assert pods[0]["spec"]["terminationGracePeriodSeconds"] == 30
+    assert pods[0]["spec"]["containers"][0]["command"][:2] == ["python", "-m"]
+    assert json.loads(pods[0]["metadata"]["annotations"]["fleetline.io/meta"]) == {
+        "job": "acme/Big_Train.v2", "tenant": "acme", "epoch": 7, "attempt": 2,
+        "trace_id": "trace", "dir": str(tmp_path),
+    }  # fmt: skip
+
+
+def test_kubernetes_names_and_labels_are_valid_whatever_the_job_is_called():
+    from fleetline.agents.cluster.backends.kubernetes import label_value, run_name
+
+    long = run_name("c", "t/" + "X" * 200, 123456, 99)
+    assert len(long) + len("-r99") <= 63 and re.fullmatch(r"[a-z0-9-]+", long)
+    assert run_name("c", "t/a", 1, 1) != run_name("c2", "t/a", 1, 1)
+    assert label_value("acme/train 1") == "acme-train-1"
+    assert label_value("-" * 80 + "a") == "x"
+    assert len(label_value("a" * 80)) == 63
+
+
+def test_a_pod_gets_what_fleetline_set_not_the_agent_s_host_environment():
+    from fleetline.agents.cluster.backends.kubernetes import pod_env
+
+    env = {
+        "PATH": os.environ["PATH"],
+        "FLEETLINE_JOB": "acme/a",
+        "OMP_NUM_THREADS": "1",
+        "FLEETLINE_S3_ENDPOINT": os.environ.get("FLEETLINE_S3_ENDPOINT", "s3:9000"),
+    }
+    assert set(pod_env(env)) == {"FLEETLINE_JOB", "OMP_NUM_THREADS", "FLEETLINE_S3_ENDPOINT"} - (
+        {"OMP_NUM_THREADS"} if os.environ.get("OMP_NUM_THREADS") == "1" else set()
+    )
+
+
+@pytest.mark.parametrize(
+    ("node", "usable", "why", "ours"),
+    [
+        ({"status": {"conditions": [{"type": "Ready", "status": "True"}]}}, True, "Ready", False),
+        (
+            {"status": {"conditions": [
+                {"type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown"}
+            ]}},
+            False, "NotReady (NodeStatusUnknown)", False,
+        ),
+        (
+            {
+                "spec": {"unschedulable": True},
+                "metadata": {"annotations": {"fleetline.io/drained": DRAIN_REASON}},
+                "status": {"conditions": [{"type": "Ready", "status": "True"}]},
+            },
+            False, f"Ready,SchedulingDisabled ({DRAIN_REASON})", True,
+        ),
+        (
+            {"spec": {"unschedulable": True}},
+            False, "NotReady (no Ready condition),SchedulingDisabled", False,
+        ),
+    ],
+)  # fmt: skip
+def test_a_kubernetes_node_is_usable_when_ready_and_not_cordoned(node, usable, why, ours):
+    from fleetline.agents.cluster.backends.kubernetes import manager_node as kube_node
+
+    node = {**node, "metadata": {"name": "n1", **node.get("metadata", {})}}
+    assert kube_node(node) == ManagerNode("n1", usable, why, ours)
+
+
+def test_a_kubeconfig_with_embedded_credentials_or_a_token_is_read(tmp_path):
+    import base64
+
+    from fleetline.kube import KubeApi, KubeError
+
+    config = tmp_path / "config"
+    config.write_text(
+        json.dumps(  # YAML is a superset of JSON
+            {
+                "clusters": [{"name": "c", "cluster": {"server": "https://10.0.0.1:6443/"}}],
+                "users": [{"name": "u", "user": {"token": "s3cret"}}],
+                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "x",
+            }
+        )
+    )
+    api = KubeApi.from_kubeconfig(config)
+    assert (api.server, api.token) == ("https://10.0.0.1:6443", "s3cret")
+    broken = tmp_path / "broken"
+    broken.write_text(json.dumps({"clusters": [], "contexts": []}))
+    with pytest.raises(KubeError, match="no usable context"):
+        KubeApi.from_kubeconfig(broken)
+    with pytest.raises(KubeError, match="no kubeconfig at"):
+        KubeApi.from_kubeconfig(tmp_path / "missing")
+    bad_ca = tmp_path / "bad-ca"
+    bad_ca.write_text(
+        json.dumps(
+            {
+                "clusters": [
+                    {
+                        "name": "c",
+                        "cluster": {
+                            "server": "https://h",
+                            "certificate-authority-data": base64.b64encode(b"not a cert").decode(),
+                        },
+                    }
+                ],
+                "contexts": [{"name": "x", "context": {"cluster": "c"}}],
+            }
+        )
+    )
+    with pytest.raises(KubeError, match="certificate"):
+        KubeApi.from_kubeconfig(bad_ca)

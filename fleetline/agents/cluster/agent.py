@@ -328,7 +328,7 @@ class ClusterAgent:
         if manager is None:
             return
         fenced = self._fenced_here()
-        for action in sync(manager, self.cordoned, fenced):
+        for action in sync(manager, self.cordoned, fenced, self.launcher.manager):
             try:
                 if isinstance(action, Fence | Unfence):
                     kind = "FENCE" if isinstance(action, Fence) else "UNFENCE"

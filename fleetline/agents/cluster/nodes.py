@@ -57,7 +57,7 @@ def sync(
     manager: Mapping[str, ManagerNode],
     cordoned: Mapping[str, bool],
     fenced_here: Set[str],
-    manager_name: str = "Slurm",
+    manager_name: str,
 ) -> list[NodeAction]:
     """The actions that bring the two sides together, node by node in name order.
     `cordoned`: fleetline's cordon of each node it knows (the view's NodeStates); `fenced_here`:

@@ -1,5 +1,5 @@
 """How a cluster agent runs a workload on its cluster: the port, and one backend per kind of
-cluster (`fleetline cluster-agent --backend process|slurm`).
+cluster (`fleetline cluster-agent --backend process|slurm|kubernetes`).
 
 The agent's reconcile loop, fencing, re-adoption and reporting are the same for every backend;
 a backend only starts a run, finds it again and signals it, each the way its cluster's own
@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from fleetline.agents.cluster.nodes import ManagerNode
 from fleetline.agents.cluster.workloads import RunHandle
 
-BACKENDS = ("process", "slurm")
+BACKENDS = ("process", "slurm", "kubernetes")
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,7 @@ class Launcher(Protocol):
     """One cluster's way of running workloads."""
 
     backend: str
+    manager: str  # the manager's name, as reasons name it: "Slurm", "Kubernetes" ("" for none)
 
     def start(self, request: RunRequest) -> tuple[RunHandle, str]:
         """Start the run; (its handle, what was applied: isolation, the manager's job)."""
@@ -96,7 +97,18 @@ class Launcher(Protocol):
         ...
 
 
-def launcher_for(backend: str, cluster_id: str, slurm_conf: Path | None = None) -> Launcher:
+def launcher_for(
+    backend: str,
+    cluster_id: str,
+    *,
+    slurm_conf: Path | None = None,
+    kubeconfig: Path | None = None,
+    namespace: str = "default",
+    image: str | None = None,
+    grace_s: float = 20.0,
+) -> Launcher:
+    """The backend's launcher, with what its manager needs: Slurm's configuration, or the
+    kubeconfig, namespace and workload image of a Kubernetes cluster."""
     if backend == "process":
         from fleetline.agents.cluster.backends.process import ProcessLauncher
 
@@ -105,4 +117,17 @@ def launcher_for(backend: str, cluster_id: str, slurm_conf: Path | None = None) 
         from fleetline.agents.cluster.backends.slurm import SlurmLauncher
 
         return SlurmLauncher(cluster_id, slurm_conf)
+    if backend == "kubernetes":
+        from fleetline.agents.cluster.backends.kubernetes import DEFAULT_IMAGE, KubernetesLauncher
+        from fleetline.kube import KubeApi
+
+        if kubeconfig is None:
+            raise ValueError("the kubernetes backend needs a kubeconfig")
+        return KubernetesLauncher(
+            cluster_id,
+            KubeApi.from_kubeconfig(kubeconfig),
+            namespace,
+            image or DEFAULT_IMAGE,
+            grace_s,
+        )
     raise ValueError(f"unknown backend {backend!r}: one of {', '.join(BACKENDS)}")

@@ -82,6 +82,7 @@ class ProcessRun:
 
 class ProcessLauncher:
     backend = "process"
+    manager = ""
 
     def __init__(self) -> None:
         # The agent reaps its own children (an exited launcher must not linger as a zombie); a

@@ -279,6 +279,7 @@ class SlurmRun:
 
 class SlurmLauncher:
     backend = "slurm"
+    manager = "Slurm"
 
     def __init__(self, cluster_id: str, conf: Path | None = None) -> None:
         self.cluster_id = cluster_id
