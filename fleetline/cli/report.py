@@ -170,9 +170,11 @@ def print_cluster_story(console: Console, story: dict[str, Any]) -> None:
     say(
         f"\ncluster control: {story['lost']} went dark under {story['job']}; declared lost "
         f"{story['detected_s']}s after its last heartbeat; the job ran again in "
-        f"{story['resumed_in']} {story['resumed_after_s']}s after that heartbeat, from step "
-        f"{story['resumed_at']} (checkpoint copied: {story['copy_bytes']} bytes in "
-        f"{story['copy_s']}s); {story['lost']}'s copy fenced when it returned; "
+        f"{story['ran_in'][1]} {story['resumed_after_s']}s after that heartbeat"
+        + (f", then in {', '.join(story['ran_in'][2:])}" if len(story["ran_in"]) > 2 else "")
+        + f", from step {story['resumed_at']} (checkpoint copied: {story['copy_bytes']} bytes "
+        f"in {story['copy_s']}s); {', '.join(story['ran_in'][:-1])}'s copies fenced when they "
+        "returned; "
         f"{story['reported_steps']} loss reports up to step {story['last_step']}; final "
         "parameters "
         + ("bit-identical to an uninterrupted run" if story["identical"] else "DIFFERENT")

@@ -30,6 +30,7 @@ from fleetline.agents.cluster.backends import Launcher, launcher_for
 from fleetline.agents.workloads.train import workload_env
 from fleetline.config import Settings
 from fleetline.errors import StreamError
+from fleetline.infra.kubernetes import KwokCluster
 from fleetline.infra.lab import Lab, LabHost, exec_argv
 from fleetline.infra.slurm import SlurmCluster
 from fleetline.streams import kafka as kafka_clients
@@ -93,10 +94,12 @@ class ClusterAgents:
     running: dict[str, tuple[ClusterAgent, threading.Event, threading.Thread]] = field(
         default_factory=dict
     )
-    # The clusters under Slurm (the rest run processes): a Slurm cluster of as many nodes as
-    # the simulator gives each, started here and stopped at the end.
+    # The clusters under Slurm and under Kubernetes (the rest run processes): a Slurm cluster,
+    # or a Kubernetes control plane with kwok nodes, of as many nodes as the simulator gives
+    # each, started here and stopped at the end.
     slurm_nodes: dict[str, int] = field(default_factory=dict)
-    managers: dict[str, SlurmCluster] = field(default_factory=dict)
+    kubernetes_nodes: dict[str, int] = field(default_factory=dict)
+    managers: dict[str, SlurmCluster | KwokCluster] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Checkpoints are sealed under the tenants' keys; a demo without a configured key gets
@@ -107,15 +110,30 @@ class ClusterAgents:
             )
 
     def _launcher(self, cluster_id: str) -> Launcher:
-        if cluster_id not in self.slurm_nodes:
-            return launcher_for("process", cluster_id)
-        if cluster_id not in self.managers:
-            slurm = SlurmCluster.of(
-                self.settings.cache_dir, cluster_id, self.slurm_nodes[cluster_id]
-            )
-            slurm.start()
-            self.managers[cluster_id] = slurm
-        return launcher_for("slurm", cluster_id, slurm_conf=self.managers[cluster_id].conf)
+        manager = self.managers.get(cluster_id)
+        if cluster_id in self.slurm_nodes:
+            if manager is None:
+                manager = SlurmCluster.of(
+                    self.settings.cache_dir, cluster_id, self.slurm_nodes[cluster_id]
+                )
+                manager.start()
+                self.managers[cluster_id] = manager
+            assert isinstance(manager, SlurmCluster)
+            return launcher_for("slurm", cluster_id, slurm_conf=manager.conf)
+        if cluster_id in self.kubernetes_nodes:
+            if manager is None:
+                manager = KwokCluster.parse(
+                    self.settings.cache_dir, f"{cluster_id}:{self.kubernetes_nodes[cluster_id]}"
+                )
+                manager.start()
+                self.managers[cluster_id] = manager
+            assert isinstance(manager, KwokCluster)
+            return launcher_for("kubernetes", cluster_id, kubeconfig=manager.kubeconfig)
+        return launcher_for("process", cluster_id)
+
+    def runs_nothing(self, cluster: str) -> bool:
+        """Its workloads are made but never run: a Kubernetes of kwok nodes."""
+        return cluster in self.kubernetes_nodes
 
     def start(self, cluster: str | None = None) -> None:
         for cluster_id in [cluster] if cluster else self.clusters:
@@ -135,8 +153,14 @@ class ClusterAgents:
                 raise StreamError(f"cluster agent {agent.cluster_id} did not start in 60s")
 
     def describe_dark(self, cluster: str) -> str:
-        run = "its Slurm job" if cluster in self.slurm_nodes else "its workload"
-        return f"its cluster agent stops, {run} runs on cut off"
+        run = (
+            "its Slurm job runs"
+            if cluster in self.slurm_nodes
+            else "its pod stays"
+            if cluster in self.kubernetes_nodes
+            else "its workload runs"
+        )
+        return f"its cluster agent stops, {run} on cut off"
 
     def go_dark(self, cluster: str) -> None:
         """Stop a cluster's agent as if its cluster vanished: its workloads run on, cut off."""
@@ -150,8 +174,8 @@ class ClusterAgents:
         for pid_file in self.state_dir.glob("*/*/*/pid"):
             with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
                 os.killpg(int(pid_file.read_text().split()[0]), signal.SIGKILL)
-        for slurm in self.managers.values():
-            slurm.stop()  # its jobs cancelled, its daemons stopped
+        for manager in self.managers.values():
+            manager.stop()  # its jobs cancelled, its daemons stopped
 
 
 class LabClusterAgents(ClusterAgents):
@@ -286,54 +310,84 @@ def lose_a_cluster(
             f"checkpoint at step {checkpoint['step']} ({checkpoint['bytes']} bytes in "
             f"{checkpoint['seconds']:.3f}s)"
         )
-        agents.go_dark(lost)
-        dark = time.monotonic()
-        say(f"{at()}: {lost} goes dark: {agents.describe_dark(lost)}")
-        down = until(
-            "the cluster to be lost",
-            lambda: [
-                h
-                for h in follower.health
-                if h["event"] == "CLUSTER_DOWN" and h["cluster_id"] == lost
-            ],
-        )[0]
-        last_beat = follower.heartbeats[lost]
-        detected = (down["ts"] - last_beat) / 1000
-        say(
-            f"{at()}: {lost} declared lost {detected:.1f}s after its last heartbeat: "
-            + down["reason"]
-        )
 
-        def moved() -> list[dict[str, Any]]:
-            return [e for e in follower.events(job, "RUNNING") if e["cluster_id"] != lost]
-
-        running = until("the job to run elsewhere", moved)[0]
-        restored = [
-            e for e in follower.events(job, "RESTORED") if e["from_cluster"] == lost and e["bytes"]
-        ]
-        resumed = [
-            e
-            for e in follower.events(job, "RESTORED")
-            if e["cluster_id"] == running["cluster_id"] and e["step"] is not None
-        ]
-        copy = restored[0] if restored else None
-        if copy is not None:
+        def move_off(gone: str) -> tuple[dict[str, Any], dict[str, Any] | None, float, float]:
+            """Take `gone` dark and follow the job to the cluster it runs in next: (that run,
+            the checkpoint copied out of `gone`, seconds from its last heartbeat to its loss,
+            its last heartbeat's ts)."""
+            agents.go_dark(gone)
+            dark = time.monotonic()
+            say(f"{at()}: {gone} goes dark: {agents.describe_dark(gone)}")
+            down = until(
+                f"{gone} to be lost",
+                lambda: [
+                    h
+                    for h in follower.health
+                    if h["event"] == "CLUSTER_DOWN" and h["cluster_id"] == gone
+                ],
+            )[-1]
+            last_beat = follower.heartbeats[gone]
+            detected = (down["ts"] - last_beat) / 1000
             say(
-                f"{at()}: checkpoint at step {copy['step']} copied {lost} -> "
-                f"{copy['cluster_id']}: {copy['bytes']} bytes in {copy['seconds']:.3f}s "
-                f"({copy['detail']})"
+                f"{at()}: {gone} declared lost {detected:.1f}s after its last heartbeat: "
+                + down["reason"]
             )
-        resumed_at = resumed[-1]["step"] if resumed else None
-        say(
-            f"{at()}: {job} runs in {running['cluster_id']} (epoch {running['epoch']}) from "
-            f"step {resumed_at}, {time.monotonic() - dark:.1f}s after {lost} went dark"
-        )
-        agents.start(lost)
-        fenced = until(
-            "the stale copy to be fenced",
-            lambda: [e for e in follower.events(job, "FENCED") if e["cluster_id"] == lost],
-        )[0]
-        say(f"{at()}: {lost} is back; its copy of {job} is fenced and stopped: {fenced['detail']}")
+
+            def moved() -> list[dict[str, Any]]:
+                return [e for e in follower.events(job, "RUNNING") if e["ts"] > down["ts"]]
+
+            running = until("the job to run elsewhere", moved)[0]
+            restored = [
+                e
+                for e in follower.events(job, "RESTORED")
+                if e["from_cluster"] == gone and e["bytes"]
+            ]
+            resumed = [
+                e
+                for e in follower.events(job, "RESTORED")
+                if e["cluster_id"] == running["cluster_id"]
+                and e["epoch"] == running["epoch"]
+                and e["step"] is not None
+            ]
+            copy = restored[-1] if restored else None
+            if copy is not None:
+                say(
+                    f"{at()}: checkpoint at step {copy['step']} copied {gone} -> "
+                    f"{copy['cluster_id']}: {copy['bytes']} bytes in {copy['seconds']:.3f}s "
+                    f"({copy['detail']})"
+                )
+            resumed_at = resumed[-1]["step"] if resumed else None
+            say(
+                f"{at()}: {job} runs in {running['cluster_id']} (epoch {running['epoch']}) from "
+                f"step {resumed_at}, {time.monotonic() - dark:.1f}s after {gone} went dark"
+                + (f": {running['detail']}" if agents.runs_nothing(running["cluster_id"]) else "")
+            )
+            return {**running, "resumed_at": resumed_at}, copy, detected, last_beat
+
+        running, copy, detected, last_beat = move_off(lost)
+        first_move = running
+        ran_in = [lost, running["cluster_id"]]
+        while agents.runs_nothing(running["cluster_id"]):
+            # kwok's nodes run no container: the job holds its place there and goes no further,
+            # so that cluster goes dark in turn and the job moves on from the same checkpoint.
+            say(
+                f"{at()}: {running['cluster_id']}'s nodes are kwok's: its pods run no container; "
+                "it goes dark in turn"
+            )
+            running = move_off(running["cluster_id"])[0]
+            ran_in.append(running["cluster_id"])
+        for cluster in ran_in[:-1]:
+            agents.start(cluster)
+            fenced = until(
+                f"{cluster}'s stale copy to be fenced",
+                lambda cluster=cluster: [  # type: ignore[misc]
+                    e for e in follower.events(job, "FENCED") if e["cluster_id"] == cluster
+                ],
+            )[0]
+            say(
+                f"{at()}: {cluster} is back; its copy of {job} is fenced and stopped: "
+                f"{fenced['detail']}"
+            )
         done = until(
             "the job to finish",
             lambda: (
@@ -357,10 +411,11 @@ def lose_a_cluster(
         story.update(
             lost=lost,
             resumed_in=running["cluster_id"],
+            ran_in=ran_in,
             checkpoint_step=checkpoint["step"],
-            resumed_at=resumed_at,
+            resumed_at=running["resumed_at"],
             detected_s=round(detected, 2),
-            resumed_after_s=round((running["ts"] - last_beat) / 1000, 2),
+            resumed_after_s=round((first_move["ts"] - last_beat) / 1000, 2),
             copy_bytes=copy["bytes"] if copy else None,
             copy_s=copy["seconds"] if copy else None,
             fenced=True,

@@ -388,6 +388,11 @@ def play(
             slurm_nodes={
                 c.spec.cluster_id: c.spec.nodes for c in scenario.clusters if c.manager == "slurm"
             },
+            kubernetes_nodes={
+                c.spec.cluster_id: c.spec.nodes
+                for c in scenario.clusters
+                if c.manager == "kubernetes"
+            },
         )
     )
     agents.start()
@@ -478,7 +483,7 @@ def play(
                 progress,
             )
             timings["cluster_story_s"] = time.monotonic() - began
-            clusters = len({story["lost"], story["resumed_in"]})
+            clusters = len(set(story["ran_in"]))
             story["trace"] = job_trace(fleet, scenario.lose_cluster_of, clusters)
         serving: dict[str, Any] = {}
         if scenario.serving_day:

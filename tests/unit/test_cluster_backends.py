@@ -222,14 +222,15 @@ def test_a_cluster_refuses_a_run_over_its_tenant_s_quota_there() -> None:
     assert quota_refusal("ca", order("acme/c", "acme", 64), None, running) is None
 
 
-def test_the_managers_scenario_puts_one_cluster_under_slurm() -> None:
+def test_the_managers_scenario_puts_a_cluster_under_each_manager() -> None:
     from fleetline.demo import scenario
     from fleetline.errors import ConfigError
 
     story = scenario.load("managers")
     assert {c.spec.cluster_id: c.manager for c in story.clusters} == {
         "eu-west-a": "slurm",
-        "us-east-a": "process",
+        "us-east-a": "kubernetes",
+        "ap-south-a": "process",
     }
     assert story.lose_cluster_of == "acme/story"
     bad = {"name": "x", "seed": 1, "clusters": [{"id": "c", "region": "r", "manager": "lsf"}]}

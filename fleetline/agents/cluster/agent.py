@@ -238,6 +238,7 @@ class ClusterAgent:
                 if thread.is_alive():
                     thread.join(5)
             server.close()
+            self.launcher.close()
             consumer.close()
             aside.close()
             self.producer.flush(10)

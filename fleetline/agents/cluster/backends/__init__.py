@@ -96,6 +96,10 @@ class Launcher(Protocol):
         """Give a node fleetline drained back to the manager's scheduling."""
         ...
 
+    def close(self) -> None:
+        """The agent stops: let go of what the launcher holds (its watches); runs go on."""
+        ...
+
 
 def launcher_for(
     backend: str,

@@ -34,7 +34,6 @@ import os
 import re
 import sys
 import threading
-import time
 import urllib.parse
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -205,6 +204,7 @@ class Informer:
         self.read = 0  # the number (in `began`) of the last list read
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._closed = threading.Event()
 
     def start(self) -> None:
         if self._thread is None:
@@ -226,8 +226,12 @@ class Informer:
         with self._lock:
             self.objects[obj["metadata"]["name"]] = dict(obj)
 
+    def close(self) -> None:
+        """Watch no more (the watch under way ends within its timeout)."""
+        self._closed.set()
+
     def _run(self) -> None:
-        while True:
+        while not self._closed.is_set():
             try:
                 self.began += 1
                 number = self.began
@@ -240,10 +244,12 @@ class Informer:
                 self.error = None
                 self.listed.set()
                 version = str(listed["metadata"]["resourceVersion"])
-                while True:
+                while not self._closed.is_set():
                     for event in self.api.watch(
                         self.collection, self.query, version, WATCH_TIMEOUT_S
                     ):
+                        if self._closed.is_set():
+                            return
                         obj = event["object"]
                         version = str(obj["metadata"].get("resourceVersion") or version)
                         with self._lock:
@@ -256,10 +262,10 @@ class Informer:
                     if self.error != str(exc):
                         log.warning("%s", exc)
                     self.error = str(exc)
-                    time.sleep(1.0)
+                    self._closed.wait(1.0)
             except (KeyError, TypeError, ValueError) as exc:
                 self.error = f"watch {self.collection}: unreadable answer ({exc!r})"
-                time.sleep(1.0)
+                self._closed.wait(1.0)
 
 
 def _terminated(pod: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -386,6 +392,10 @@ class KubernetesLauncher:
 
     def refresh(self) -> None:
         self._started()
+
+    def close(self) -> None:
+        self.pods.close()
+        self.nodes.close()
 
     def control_error(self) -> str | None:
         error = self.pods.error or self.nodes.error

@@ -149,6 +149,9 @@ class ProcessLauncher:
     def resume(self, node: str) -> None:
         raise NotImplementedError("the process backend has no manager to resume a node in")
 
+    def close(self) -> None:
+        pass  # it holds nothing: its runs are processes of their own
+
 
 def cgroup_root() -> Path | None:
     """Where cgroup v2 is mounted, if anywhere."""

@@ -326,6 +326,9 @@ class SlurmLauncher:
         self.client.update_node(node, "RESUME")
         self.stale()
 
+    def close(self) -> None:
+        pass  # it holds nothing: each look at Slurm is a command of its own
+
     def hostnames(self, nodes: str) -> list[str]:
         """A Slurm node list ("sa-n[0000-0001]") as names."""
         if nodes not in self._hostnames:
