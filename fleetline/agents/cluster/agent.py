@@ -3,8 +3,9 @@
 It follows the scheduler's workload orders (a compacted topic: the latest order of each job is
 the desired state) and reconciles them with the workloads it runs (`reconcile.plan`): for a RUN
 it reserves the GPUs, fetches the job's newest complete checkpoint from whichever cluster's
-store holds it (copied ciphertext, verified on arrival), starts the workload as an OS process
-under its class's cgroup limits, watches it, and reports every transition (WorkloadEvent) and
+store holds it (`stores.py`: copied ciphertext, verified on arrival), starts the workload
+through its backend (`backends/`: an OS process under its class's cgroup limits, a Slurm job, a
+pod per worker), watches it, and reports every transition (WorkloadEvent) and
 what the scheduler needs (PROGRESS requests: running, checkpoints, exits); anything it runs
 that no order wants any more is stopped, with a final checkpoint when the order asks for one.
 Every second it publishes the cluster's status (a HEARTBEAT signal: reserved GPUs, workloads,
@@ -18,18 +19,14 @@ runs from the run directories (`workloads.py`) and starts nothing twice.
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import os
 import shutil
 import signal
-import ssl
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -44,9 +41,10 @@ from fleetline.agents.cluster.backends.process import ProcessLauncher
 from fleetline.agents.cluster.nodes import DRAIN_REASON, Drain, Fence, Resume, Unfence, sync
 from fleetline.agents.cluster.peers import Peers
 from fleetline.agents.cluster.reconcile import Actual, Order, Start, Stop, plan, quota_refusal
-from fleetline.agents.cluster.registry import endpoint_record, replica_state
+from fleetline.agents.cluster.replicas import ReplicaRegistry
 from fleetline.agents.cluster.reports import Event, said
 from fleetline.agents.cluster.sharing import gpu_memory_mib, gpu_sharing, mps_running
+from fleetline.agents.cluster.stores import JobStores
 from fleetline.agents.workloads.train import workload_env
 from fleetline.config import Settings
 from fleetline.errors import FleetlineError
@@ -61,13 +59,9 @@ from fleetline.processors.scheduling.specs import TrainingJobSpec
 from fleetline.processors.scheduling.tenancy import TenantPolicy
 from fleetline.processors.view.model import CORDONED_LABEL
 from fleetline.schemas.records import (
-    ReplicaEndpoint,
-    ReplicaState,
     WorkloadEvent,
     WorkloadEventKind,
 )
-from fleetline.storage.checkpoints import Checkpoints, best_of, cluster_bucket, tenant_key
-from fleetline.storage.objects import ObjectStore
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.events import (
     CLUSTER_HEALTH,
@@ -145,11 +139,7 @@ class ClusterAgent:
         self.lock = threading.Lock()
         self.root = self.state_dir / self.cluster_id
         self.root.mkdir(parents=True, exist_ok=True)
-        master = self.settings.object_encryption_key
-        self._master = base64.b64decode(master) if master else None
-        # This host's certificate, shown to its replicas when it reads their load.
-        tls = self.settings.tls
-        self._tls_client = tls.client_context() if tls else None
+        self.job_stores = JobStores(self.settings, self.topics, self.cluster_id)
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -202,7 +192,8 @@ class ClusterAgent:
         ]
         for thread in alive:
             thread.start()
-        threads = [*alive, threading.Thread(target=self._registry, args=(stop,), daemon=True)]
+        registry = ReplicaRegistry(self)
+        threads = [*alive, threading.Thread(target=registry.run, args=(stop,), daemon=True)]
         try:
             # The desired state first: read every order there is before acting on any.
             self._catch_up(consumer, stop)
@@ -438,10 +429,10 @@ class ClusterAgent:
         gpus = " ".join(f"{node}:{','.join(map(str, ids))}" for node, ids in order.workers)
         self._event(order, "RESERVED", detail=f"GPUs {gpus}")
         if order.kind == REPLICA_KIND:
-            checkpoints_env, restored = self._serving_env(order, body), None
+            checkpoints_env, restored = self.job_stores.serving_env(order, body), None
             command = workload_spec.get("command") or DEFAULT_SERVER
         else:
-            checkpoints_env, restored = self._prepare(order)
+            checkpoints_env, restored = self.job_stores.prepare(order, self._event)
             command = workload_spec.get("command") or DEFAULT_TRAINER
         sharing_env, sharing = gpu_sharing(
             order.workers, body.get("gpus_per_replica", 1), gpu_memory_mib, mps_running()
@@ -559,85 +550,6 @@ class ClusterAgent:
             **(self.settings.tls.as_env() if self.settings.tls else {}),
         }
         return env | workload_env(workload_spec)
-
-    # -- the checkpoint data plane --------------------------------------------------------------
-
-    def checkpoints(self, cluster_id: str, order: Order) -> tuple[str, Checkpoints]:
-        """(bucket, the job's checkpoints there) in a cluster's own store."""
-        bucket = cluster_bucket(self.settings.s3.bucket, cluster_id)
-        store = ObjectStore.from_settings(self.settings.s3, bucket)
-        if cluster_id == self.cluster_id:
-            store.ensure_bucket()
-        name = order.job.split("/", 1)[-1]
-        key = tenant_key(self._master, order.tenant) if self._master else None
-        # One folder per deployment (topic prefix) and per submission (trace id): a job
-        # submitted again under the same name starts afresh, and never reads another run's.
-        prefix = f"checkpoints/{self.topics.prefix}/{order.tenant}/{name}/{order.trace_id}"
-        return bucket, Checkpoints(store, prefix, key)
-
-    def _serving_env(self, order: Order, body: Mapping[str, Any]) -> dict[str, str]:
-        """A replica's storage and serving environment: its model's prefix in this cluster's
-        store (one per deployment, tenant and model: every replica serves the same bytes)."""
-        bucket = cluster_bucket(self.settings.s3.bucket, self.cluster_id)
-        ObjectStore.from_settings(self.settings.s3, bucket).ensure_bucket()
-        serving = body.get("serving") or {}
-        env = {
-            **self.settings.s3.as_env(),
-            "FLEETLINE_CHECKPOINT_BUCKET": bucket,
-            "FLEETLINE_MODEL": str(body.get("model", "model")),
-            "FLEETLINE_MODEL_PREFIX": f"models/{self.topics.prefix}/{order.tenant}/"
-            f"{body.get('model', 'model')}",
-            "FLEETLINE_SERVE_CONCURRENCY": str(serving.get("concurrency", 4)),
-            "FLEETLINE_SERVE_COMPUTE_MS": str(serving.get("compute_ms", 20.0)),
-        }
-        if self._master:
-            env["FLEETLINE_CHECKPOINT_KEY"] = base64.b64encode(
-                tenant_key(self._master, order.tenant)
-            ).decode()
-        return env
-
-    def _prepare(self, order: Order) -> tuple[dict[str, str], str | None]:
-        """Bring the job's newest complete checkpoint into this cluster's store (from any
-        cluster it ran in) and return the workload's storage environment."""
-        clusters = [self.cluster_id, *(c for c in order.resume_from if c != self.cluster_id)]
-        located = [self.checkpoints(c, order) for c in clusters]
-        bucket, own = located[0]
-        sources = [store for _, store in located]
-        best = best_of(sources, order.admits)
-        for cluster_id, store in zip(clusters, sources, strict=True):
-            for why in store.skipped:
-                self._event(
-                    order, "RESTORED", from_cluster=cluster_id, detail=f"passed over: {why}"
-                )
-        restored = None
-        if best is not None:
-            source, manifest = best
-            if source is not own:
-                size, seconds = source.copy_to(own, manifest.name)
-                self._event(
-                    order,
-                    "RESTORED",
-                    step=manifest.step,
-                    checkpoint_uri=f"s3://{bucket}/{own.prefix}/{manifest.name}",
-                    bytes=size,
-                    seconds=round(seconds, 4),
-                    from_cluster=clusters[sources.index(source)],
-                    detail="copied sealed under the tenant's key"
-                    if manifest.sealed
-                    else "copied unsealed: no object-encryption key is configured",
-                )
-            restored = f"{manifest.name} (step {manifest.step})"
-        env = {
-            **self.settings.s3.as_env(),
-            "FLEETLINE_CHECKPOINT_BUCKET": bucket,
-            "FLEETLINE_CHECKPOINT_PREFIX": own.prefix,
-            # The one to resume from (empty: start afresh), so that the workload never picks a
-            # checkpoint the fence rules out.
-            "FLEETLINE_RESUME_CHECKPOINT": best[1].name if best is not None else "",
-        }
-        if own.key is not None:
-            env["FLEETLINE_CHECKPOINT_KEY"] = base64.b64encode(own.key).decode()
-        return env, restored
 
     # -- watching -------------------------------------------------------------------------------
 
@@ -894,85 +806,6 @@ class ClusterAgent:
         )
         produce(self.producer, request_output(self.topics, request, self.codec))
 
-    # -- the service registry -------------------------------------------------------------------
-
-    def _registry(self, stop: threading.Event) -> None:
-        """Publish every replica this agent runs to the registry: at once when one changes
-        (ready, promoted, draining, gone), else every `registry_s` with its load."""
-        producer = kafka_clients.producer(
-            self.settings.kafka, {"linger.ms": 0, **kafka_clients.ACROSS_LINKS}
-        )
-        published: dict[str, str] = {}  # replica -> the state last published
-        try:
-            while not stop.is_set():
-                self.registry_wake.clear()
-                with self.lock:
-                    workloads = [w for runs in self.running.values() for w in runs]
-                seen = set()
-                for workload in workloads:
-                    order = self.orders.get(workload.job)
-                    if order is None or order.kind != REPLICA_KIND or workload.reported:
-                        continue
-                    if workload.job in seen:
-                        continue  # an older run of the replica: the current one speaks
-                    seen.add(workload.job)
-                    record = self._endpoint(workload, order)
-                    published[workload.job] = record["state"]
-                    produce(producer, self._endpoint_output(record))
-                for replica in sorted(set(published) - seen):
-                    if published.pop(replica) != "GONE":
-                        order = self.orders.get(replica)
-                        if order is not None:
-                            record = self._endpoint_record(order, "GONE", None, {})
-                            produce(producer, self._endpoint_output(record))
-                producer.poll(0)
-                self.registry_wake.wait(self.registry_s)
-        finally:
-            producer.flush(5)
-
-    def _endpoint(self, workload: procs.Workload, order: Order) -> ReplicaEndpoint:
-        lines = workload.serving_lines()
-        address = (lines.get("ready") or lines.get("listening") or {}).get("address")
-        load: dict[str, Any] = {}
-        if address and workload.alive:
-            answer = _get_json(f"{address}/v1/load", self.probe_timeout_s, self._tls_client)
-            # A busy replica that is slow to say how busy it is keeps what it said last: only
-            # its exit, a stop or its own word takes it out of the registry.
-            load = answer if answer is not None else workload.serving.get("load", {})
-            workload.serving["load"] = load
-        alive = workload.alive
-        state = replica_state(
-            order, alive, workload.stop_deadline is not None, "ready" in lines, load
-        )
-        return self._endpoint_record(order, state, address, load, lines.get("ready") or {})
-
-    def _endpoint_record(
-        self,
-        order: Order,
-        state: ReplicaState,
-        address: str | None,
-        load: Mapping[str, Any],
-        ready: Mapping[str, Any] | None = None,
-    ) -> ReplicaEndpoint:
-        return endpoint_record(
-            order,
-            self.cluster_id,
-            self.region,
-            _now_ms(),
-            state,
-            address,
-            load,
-            int(self.registry_s * 1000),
-            ready,
-        )
-
-    def _endpoint_output(self, record: ReplicaEndpoint) -> Output:
-        return Output(
-            self.topics.replicas,
-            record["replica"].encode(),
-            self.codec.encode(self.topics.record_of(self.topics.replicas), record),
-        )
-
     # -- status and peers -----------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
@@ -1027,22 +860,3 @@ class ClusterAgent:
                 stop.wait(self.heartbeat_s)
         finally:
             producer.flush(5)
-
-
-def _get_json(
-    url: str, timeout_s: float, tls: ssl.SSLContext | None = None
-) -> dict[str, Any] | None:
-    """A GET's JSON body, or None when it does not answer in time (any status: a draining
-    replica says so with a 503 and its load)."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s, context=tls) as answer:
-            body = answer.read()
-    except urllib.error.HTTPError as exc:
-        body = exc.read()
-    except (OSError, ValueError):
-        return None
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return None
-    return data if isinstance(data, dict) else None
