@@ -288,6 +288,22 @@ def running_stack(
         fleet.close()
 
 
+def training(name: str, retry: Mapping[str, Any] | None = None, **workload: Any) -> dict[str, Any]:
+    """A TrainingJob of tenant acme: one worker of 2 H100s running the built-in trainer with
+    `workload`, under `retry` when given."""
+    return {
+        "kind": "TrainingJob",
+        "metadata": {"name": name, "tenant": "acme"},
+        "spec": {
+            "accelerator": "H100",
+            "gpus_per_worker": 2,
+            "workers": 1,
+            "workload": workload,
+            **({"retry": dict(retry)} if retry else {}),
+        },
+    }
+
+
 def reference_run(stack: Stack, tmp: Path, **workload: Any) -> list[dict[str, Any]]:
     """The built-in trainer run once, never interrupted, with `workload`: its progress lines
     (the last one has the final parameters' digest)."""

@@ -34,7 +34,7 @@ from fleetline.processors.scheduling.codec import new_request
 from fleetline.processors.view import read as view_read
 from fleetline.streams import kafka as kafka_clients
 from tests.services import service_env, submits
-from tests.stack import Stack, codec, now_ms, reference_run, running_stack
+from tests.stack import Stack, codec, now_ms, reference_run, running_stack, training
 from tests.support import wait_until
 
 pytestmark = pytest.mark.services
@@ -49,21 +49,6 @@ def stack(services: Settings) -> Iterator[Stack]:
     options = Options(tick_interval_s=0.3, health_policy=POLICY, clock_interval_s=0.25)
     with running_stack(services, CLUSTERS, options, "cluster-control") as built:
         yield built
-
-
-def training(name: str, **workload: Any) -> dict[str, Any]:
-    retry = workload.pop("retry", {})
-    return {
-        "kind": "TrainingJob",
-        "metadata": {"name": name, "tenant": "acme"},
-        "spec": {
-            "accelerator": "H100",
-            "gpus_per_worker": 2,
-            "workers": 1,
-            "workload": workload,
-            **({"retry": retry} if retry else {}),
-        },
-    }
 
 
 def test_one_broken_link_between_two_clusters_evicts_neither(stack):

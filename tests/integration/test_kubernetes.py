@@ -35,7 +35,7 @@ from fleetline.processors.health.fold import ClusterHealthPolicy
 from fleetline.processors.scheduling.client import submit
 from fleetline.processors.scheduling.codec import new_request
 from tests.services import submits
-from tests.stack import Stack, now_ms, running_stack
+from tests.stack import Stack, now_ms, running_stack, training
 from tests.support import wait_until
 
 pytestmark = pytest.mark.services
@@ -100,18 +100,8 @@ def end_pod(kube: KwokCluster, pod: dict[str, Any], phase: str, exit_code: int) 
     )
 
 
-def training(name: str) -> dict[str, Any]:
-    return {
-        "kind": "TrainingJob",
-        "metadata": {"name": name, "tenant": "acme"},
-        "spec": {
-            "accelerator": "H100",
-            "gpus_per_worker": 2,
-            "workers": 1,
-            "retry": {"max_attempts": 3, "backoff_s": 0.1},
-            "workload": {"steps": 100},
-        },
-    }
+# Nothing runs on kwok's nodes: a failed pod is retried at once.
+RETRY = {"max_attempts": 3, "backoff_s": 0.1}
 
 
 def running(stack: Stack, key: str) -> list[dict[str, Any]]:
@@ -119,7 +109,11 @@ def running(stack: Stack, key: str) -> list[dict[str, Any]]:
 
 
 def test_a_job_s_pods_run_on_its_placement_and_their_ends_are_reported(stack, kube):
-    submit(stack.settings.kafka, stack.topics, submits(training("through-kubernetes")))
+    submit(
+        stack.settings.kafka,
+        stack.topics,
+        submits(training("through-kubernetes", RETRY, steps=100)),
+    )
     key = "acme/through-kubernetes"
     wait_until(lambda: running(stack, key), 60, "the pods to run")
     starting = next(e for e in stack.events(key) if e["event"] == "STARTING")
@@ -178,7 +172,7 @@ def test_a_job_s_pods_run_on_its_placement_and_their_ends_are_reported(stack, ku
 
 
 def test_a_killed_agent_re_adopts_its_pods_and_a_deleted_job_s_pods_are_deleted(stack, kube):
-    submit(stack.settings.kafka, stack.topics, submits(training("adopted")))
+    submit(stack.settings.kafka, stack.topics, submits(training("adopted", RETRY, steps=100)))
     key = "acme/adopted"
     wait_until(lambda: running(stack, key), 60, "the pod to run")
     before = [p["metadata"]["uid"] for p in pods(kube, key)]

@@ -36,7 +36,7 @@ from fleetline.processors.scheduling.client import submit
 from fleetline.processors.scheduling.codec import canonical_json, new_request
 from fleetline.streams import kafka as kafka_clients
 from tests.services import submits
-from tests.stack import Stack, codec, now_ms, reference_run, running_stack
+from tests.stack import Stack, codec, now_ms, reference_run, running_stack, training
 from tests.support import wait_until
 
 pytestmark = pytest.mark.services
@@ -95,14 +95,6 @@ def fence_requests(stack: Stack, node_id: str) -> list[tuple[str, str]]:
         for r in stack.records(stack.topics.scheduler_requests)
         if r["kind"] in ("FENCE", "UNFENCE") and r["key"] == node_id
     ]
-
-
-def training(name: str, **workload: Any) -> dict[str, Any]:
-    return {
-        "kind": "TrainingJob",
-        "metadata": {"name": name, "tenant": "acme"},
-        "spec": {"accelerator": "H100", "gpus_per_worker": 2, "workers": 1, "workload": workload},
-    }
 
 
 def test_a_job_runs_through_slurm_and_ends_with_an_uninterrupted_run_s_parameters(

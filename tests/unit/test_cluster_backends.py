@@ -430,3 +430,57 @@ def test_a_kubeconfig_with_embedded_credentials_or_a_token_is_read(tmp_path):
     )
     with pytest.raises(KubeError, match="certificate"):
         KubeApi.from_kubeconfig(bad_ca)
+
+
+class _NoApi:
+    """An API server that is never reached: the run's verdicts read the watch's cache only
+    (deleting the ended run's Service is the one call, and its refusal is only logged)."""
+
+    server = "https://nowhere"
+
+    def call(self, method: str, path: str, *args: Any, **kwargs: Any) -> tuple[int, Any]:
+        self.calls = [*getattr(self, "calls", []), (method, path)]
+        return 200, {}
+
+
+def _pod(name: str, phase: str, exit_code: int | None = None, message: str = "") -> dict:
+    status: dict[str, Any] = {"phase": phase}
+    if exit_code is not None:
+        terminated = {"exitCode": exit_code, "reason": "Error", "message": message}
+        status["containerStatuses"] = [{"state": {"terminated": terminated}}]
+    return {"metadata": {"name": name}, "status": status, "spec": {"containers": [{}]}}
+
+
+def test_a_kubernetes_run_ends_as_its_pods_say(tmp_path):
+    from fleetline.agents.cluster.backends.kubernetes import KubernetesLauncher, KubernetesRun
+
+    api = _NoApi()
+    launcher = KubernetesLauncher("ka", api)  # type: ignore[arg-type]
+    launcher.pods.listed.set()
+    launcher.pods.began = launcher.pods.read = 1
+    run = KubernetesRun(launcher, tmp_path, "fl-r", ("fl-r-r0", "fl-r-r1"), made_after=1)
+    # Made since the last list: a pod the watch has not shown yet is not gone.
+    assert run.alive()
+    launcher.pods.began = launcher.pods.read = 2
+    assert not run.alive()  # listed since, and missing: gone
+    assert run.ended(None) == (137, "Kubernetes: pod fl-r-r0 was deleted")
+    assert ("DELETE", "/api/v1/namespaces/default/services/fl-r?gracePeriodSeconds=0"
+            "&propagationPolicy=Background") in api.calls  # fmt: skip
+    launcher.pods.objects = {
+        "fl-r-r0": _pod("fl-r-r0", "Running"),
+        "fl-r-r1": _pod("fl-r-r1", "Running"),
+    }
+    assert run.alive()
+    launcher.pods.objects["fl-r-r1"] = _pod("fl-r-r1", "Failed", 3, "loss is NaN")
+    assert not run.alive()  # one worker failed: the run has
+    assert run.ended(None) == (3, "Kubernetes: pod fl-r-r1 Failed (Error: loss is NaN)")
+    launcher.pods.objects = {n: _pod(n, "Succeeded", 0) for n in ("fl-r-r0", "fl-r-r1")}
+    assert not run.alive()
+    assert run.ended(None) == (0, "Kubernetes pods fl-r-r* Succeeded")
+    # The API server does not answer: nothing is known to have ended.
+    launcher.pods.error = "the Kubernetes API at https://nowhere does not answer"
+    launcher.pods.objects = {}
+    assert run.alive()
+    assert launcher.control_error() == (
+        "Kubernetes: the Kubernetes API at https://nowhere does not answer"
+    )

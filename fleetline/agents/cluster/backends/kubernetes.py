@@ -361,7 +361,7 @@ class KubernetesRun:
         if gone:
             return 137, f"Kubernetes: pod {gone[0]} was deleted"
         codes = [int(_terminated(p).get("exitCode") or 0) for p in pods.values() if p is not None]
-        return (max(codes, default=0), f"Kubernetes: {self.label} Succeeded")
+        return (max(codes, default=0), f"{self.label} Succeeded")
 
 
 class KubernetesLauncher:
