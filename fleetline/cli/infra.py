@@ -73,8 +73,9 @@ def start(
             metavar="CLUSTER[:NODES]",
             help="also run a Kubernetes control plane for fleetline cluster CLUSTER on this "
             "host (repeatable): kube-apiserver, kube-scheduler, kube-controller-manager and etcd "
-            "built from their Go modules (about 20 minutes the first time, cached under "
-            ".cache/kubernetes), run by kwokctl on loopback, with NODES kwok nodes (default 1) "
+            "built from their Go modules (about 20 minutes the first time, cached in "
+            "~/.cache/fleetline/kubernetes), run by kwokctl on loopback, with NODES kwok "
+            "nodes (default 1) "
             "named as the simulator names CLUSTER's, 8 nvidia.com/gpu each",
         ),
     ] = None,

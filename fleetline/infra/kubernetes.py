@@ -5,21 +5,23 @@ The real kube-apiserver, kube-scheduler and kube-controller-manager are built fr
 module `k8s.io/kubernetes` (a plain `go install` refuses it: its go.mod replaces its staging
 modules with folders of its own repository, so they are built inside a throwaway module that
 replaces each staging module with its release); etcd from a throwaway module whose main calls
-`etcdmain.Main`; kwok and kwokctl with `go install`. All under `.cache/kubernetes/` (the first
-build takes about 20 minutes on two cores; later starts take seconds). `kwokctl create cluster
---runtime binary` runs them on loopback, and the cluster's nodes are Node objects kwok keeps
-alive: named as the simulator names the fleetline cluster's nodes (`<cluster>-n0000`, ...),
-each with `nvidia.com/gpu: 8` allocatable. The real kube-scheduler places pods on them; kwok
-moves the pods through their phases; nothing executes.
+`etcdmain.Main`; kwok and kwokctl with `go install`. All into the user's cache,
+`~/.cache/fleetline/kubernetes/<version>/bin` (the first build takes about 20 minutes on two
+cores; into a fresh cache with Go's caches warm, under a minute; later starts take seconds).
+`kwokctl create cluster --runtime binary` runs them on loopback, and the cluster's nodes are
+Node objects kwok keeps alive: named as the simulator names the fleetline cluster's nodes
+(`<cluster>-n0000`, ...), each with `nvidia.com/gpu: 8` allocatable. The real kube-scheduler
+places pods on them; kwok moves the pods through their phases; nothing executes.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -75,11 +77,25 @@ def build_go_mod(kubernetes_go_mod: str) -> str:
     )
 
 
+def shared_cache() -> Path:
+    """Where the binaries are built once for every checkout of this user: the user's cache
+    (`$XDG_CACHE_HOME`, else `~/.cache`), as Go keeps its own, so that a clean clone (CI's)
+    starts in seconds rather than building for minutes; `FLEETLINE_KUBERNETES_CACHE` says
+    otherwise."""
+    given = os.environ.get("FLEETLINE_KUBERNETES_CACHE")
+    if given:
+        return Path(given).resolve()
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base.resolve() / "fleetline" / "kubernetes" / KUBERNETES_VERSION
+
+
 @dataclass(frozen=True)
 class KubernetesBinaries:
-    """The control plane's binaries, built once into the cache."""
+    """The control plane's binaries, built once into the user's cache (`shared_cache`); what
+    a checkout runs of them (kwokctl's clusters, the logs) under its own `.cache/kubernetes`."""
 
     cache_dir: Path
+    shared: Path = field(default_factory=shared_cache)
 
     @property
     def root(self) -> Path:
@@ -88,7 +104,7 @@ class KubernetesBinaries:
 
     @property
     def bin_dir(self) -> Path:
-        return self.root / "bin"
+        return self.shared / "bin"
 
     def path(self, name: str) -> Path:
         return self.bin_dir / name
@@ -108,7 +124,7 @@ class KubernetesBinaries:
         logs = self.root / "logs"
         env = {"GOFLAGS": "-modcacherw"}
         if set(missing) & set(COMPONENTS):
-            module = self.root / "build"
+            module = self.shared / "build"
             module.mkdir(parents=True, exist_ok=True)
             run_checked(
                 ["go", "mod", "download", f"k8s.io/kubernetes@{KUBERNETES_VERSION}"],
@@ -150,7 +166,7 @@ class KubernetesBinaries:
                 log=logs / "kubernetes-build.log",
             )
         if "etcd" in missing:
-            module = self.root / "etcd"
+            module = self.shared / "etcd"
             module.mkdir(parents=True, exist_ok=True)
             (module / "main.go").write_text(ETCD_MAIN)
             (module / "go.mod").write_text("module fleetline.local/etcd-build\n\ngo 1.26.0\n")
