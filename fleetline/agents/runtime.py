@@ -3,7 +3,8 @@
 Every record is appended to the on-disk spool first, then sent in spool order by an idempotent
 producer keyed by node id. Kafka's acknowledgements advance the spool's `acked` mark; a failed
 delivery (a broker outage outlasting `message.timeout.ms`) rewinds sending to the first
-unacknowledged record once the in-flight ones have all reported. So a node's records reach the
+unacknowledged record once the in-flight ones have all reported; the records queued behind it
+are purged at once, so none of them reaches the topic ahead of it. So a node's records reach the
 topic in order with none lost; an outage can repeat some, which consumers drop by the per-node
 `seq` they carry.
 """
@@ -49,6 +50,7 @@ class TelemetryPublisher:
     _in_flight: int = field(init=False, default=0)
     _delivered: set[int] = field(init=False, default_factory=set)
     _failed: bool = field(init=False, default=False)
+    _purged: bool = field(init=False, default=False)
     _retry_at: float = field(init=False, default=0.0)
     _highest_sent: int = field(init=False, default=-1)
     _dropped_seen: int = field(init=False, default=0)
@@ -128,8 +130,15 @@ class TelemetryPublisher:
         self._advance_acked()
         if self._failed:
             if self._in_flight > 0:
+                if not self._purged:
+                    # Records still queued behind the failed one would reach the topic ahead
+                    # of it when the link returns (a cut outlasting the timeout of its first
+                    # records only): fail them now, so that the resend keeps the node's order.
+                    self.producer.purge(in_queue=True, in_flight=False, blocking=False)
+                    self._purged = True
                 return  # wait until every outstanding delivery has reported
             self._failed = False
+            self._purged = False
             self._delivered.clear()
             self._next = self.spool.acked + 1
             self._retry_at = time.monotonic() + self.retry_backoff_s

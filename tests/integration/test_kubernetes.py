@@ -1,7 +1,7 @@
 """The Kubernetes backend on a real Kubernetes control plane: kube-apiserver, kube-scheduler,
 kube-controller-manager and etcd built from their Go modules, nodes kept by kwok (started as
-`fleetline infra start --kubernetes` starts them). Cluster `ka` runs its workloads as pods,
-`kb` as processes. kwok runs no container: a pod is scheduled by the real kube-scheduler and kwok
+`fleetline infra start --kubernetes` starts them). Cluster `ka`, the only one, runs its
+workloads as pods. kwok runs no container: a pod is scheduled by the real kube-scheduler and kwok
 marks it Running; the tests end pods as a kubelet would, by writing their status.
 
 In order: a job's pods are made on the placement's node with its GPU requests, scheduled, and
@@ -62,7 +62,7 @@ def stack(services: Settings, kube: KwokCluster) -> Iterator[Stack]:
     options = Options(tick_interval_s=0.3, health_policy=POLICY, clock_interval_s=0.25)
     agent_args = {"ka": ["--backend", "kubernetes", "--kubeconfig", str(kube.kubeconfig)]}
     with running_stack(
-        services, ("ka", "kb"), options, "kube", commands=True, agent_args=agent_args
+        services, ("ka",), options, "kube", commands=True, agent_args=agent_args
     ) as built:
         yield built
 
