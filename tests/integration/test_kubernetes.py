@@ -7,11 +7,12 @@ marks it Running; the tests end pods as a kubelet would, by writing their status
 In order: a job's pods are made on the placement's node with its GPU requests, scheduled, and
 reported RUNNING; a pod that fails is reported with its exit code and the job retried, and pods
 that succeed end the job; a cluster agent killed with SIGKILL re-adopts its pods and makes none
-twice, and a deleted job's pods are deleted with a grace period; pods of a run no order wants
-(left by an agent whose state directory is gone) are found by label and deleted; an order for
-a node Kubernetes does not know fails with its message; an API server that refuses the agent
-(401) is the cluster's control error in the server's words; a cordon in fleetline cordons the
-Kubernetes node, and an operator's cordon there fences the node in fleetline.
+twice (its run directory without the record of its pods, as if killed between making and
+recording them), and a deleted job's pods are deleted with a grace period; pods of a run no
+order wants (left by an agent whose state directory is gone) are found by label and deleted; an
+order for a node Kubernetes does not know fails with its message; an API server that refuses
+the agent (401) is the cluster's control error in the server's words; a cordon in fleetline
+cordons the Kubernetes node, and an operator's cordon there fences the node in fleetline.
 """
 
 from __future__ import annotations
@@ -177,6 +178,9 @@ def test_a_killed_agent_re_adopts_its_pods_and_a_deleted_job_s_pods_are_deleted(
     wait_until(lambda: running(stack, key), 60, "the pod to run")
     before = [p["metadata"]["uid"] for p in pods(kube, key)]
     stack.kill_agent("ka")
+    # As if killed between making the pods and recording them: found again by label.
+    (record,) = (stack.state_dir / "agents" / "ka").glob("acme_adopted/*/kubernetes-run")
+    record.unlink()
     stack.start_agent("ka")
     log = stack.state_dir / "agent-ka.log"
     wait_until(lambda: "adopted acme/adopted" in log.read_text(), 60, "the agent to adopt")

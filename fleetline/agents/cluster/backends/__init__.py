@@ -76,8 +76,9 @@ class Launcher(Protocol):
         ...
 
     def unrecorded(self, root: Path) -> list[tuple[Path, dict[str, Any]]]:
-        """Runs the manager knows whose run directory under `root` is gone (a state directory
-        lost with its host): (the directory to record each in, its meta)."""
+        """Runs the manager knows that no run directory under `root` records (a state directory
+        lost with its host, or an agent killed between starting a run and recording it): (the
+        directory to record each in, its meta)."""
         ...
 
     def control_error(self) -> str | None:

@@ -528,8 +528,8 @@ class KubernetesLauncher:
             if None in meta.values():
                 continue
             directory = run_dir(root, str(meta["job"]), int(meta["epoch"]), int(meta["attempt"]))
-            if (directory / "meta.json").exists():
-                continue
+            if (directory / RUN_FILE).exists():
+                continue  # recorded (a directory without it: the agent died before writing it)
             directory.mkdir(parents=True, exist_ok=True)
             ranks = sorted(pods, key=lambda p: int(p["metadata"]["labels"].get(f"{LABEL}/rank", 0)))
             (directory / RUN_FILE).write_text(

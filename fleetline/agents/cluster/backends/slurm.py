@@ -408,7 +408,8 @@ class SlurmLauncher:
             if None in meta.values() or not job.live:
                 continue
             directory = run_dir(root, str(meta["job"]), int(meta["epoch"]), int(meta["attempt"]))
-            if not (directory / "meta.json").exists():
+            # Unrecorded: no directory, or one the agent died in before writing the job's id.
+            if not (directory / JOB_FILE).exists():
                 directory.mkdir(parents=True, exist_ok=True)
                 (directory / JOB_FILE).write_text(str(job.job_id))
                 found.append((directory, meta))
