@@ -47,7 +47,8 @@ class RunRequest:
         return f"e{self.epoch}-a{self.attempt}"
 
     def meta(self) -> dict[str, Any]:
-        """What names the run wherever it is found again (its directory, its manager's job)."""
+        """What names the run wherever it is found again (its directory, its manager's job;
+        read back by `found_meta`)."""
         return {
             "job": self.job,
             "tenant": self.tenant,
@@ -55,6 +56,13 @@ class RunRequest:
             "attempt": self.attempt,
             "trace_id": self.trace_id,
         }
+
+
+def found_meta(kept: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A run's meta from what its manager kept of it (a job's comment, a pod's annotation);
+    None when anything of it is missing."""
+    meta = {k: kept.get(k) for k in ("job", "tenant", "epoch", "attempt", "trace_id")}
+    return None if None in meta.values() else meta
 
 
 class Launcher(Protocol):

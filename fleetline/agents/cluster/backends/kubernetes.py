@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fleetline.agents.cluster.backends import RunRequest
+from fleetline.agents.cluster.backends import RunRequest, found_meta
 from fleetline.agents.cluster.nodes import ManagerNode
 from fleetline.agents.cluster.workloads import run_dir
 from fleetline.kube import KubeApi, KubeError
@@ -85,6 +85,11 @@ def container_command(command: Iterable[str]) -> list[str]:
     return argv
 
 
+def meta_annotation(request: RunRequest) -> str:
+    """The run's meta as its objects carry it (with its run directory)."""
+    return json.dumps({**request.meta(), "dir": str(request.directory)}, sort_keys=True)
+
+
 def pods_for(
     request: RunRequest,
     namespace: str,
@@ -94,7 +99,7 @@ def pods_for(
 ) -> list[dict[str, Any]]:
     """The run's pods, one per worker (rank order), as the API takes them."""
     name = run_name(request.cluster_id, request.job, request.epoch, request.attempt)
-    meta = json.dumps({**request.meta(), "dir": str(request.directory)}, sort_keys=True)
+    meta = meta_annotation(request)
     master = f"{name}-r0.{name}.{namespace}.svc"
     pods = []
     for rank, (node, gpus) in enumerate(request.workers):
@@ -461,7 +466,7 @@ class KubernetesLauncher:
             f"{LABEL}/attempt": str(request.attempt),
             f"{LABEL}/run": name,
         }
-        meta = json.dumps({**request.meta(), "dir": str(request.directory)}, sort_keys=True)
+        meta = meta_annotation(request)
         service = self.api.ok(
             "POST",
             f"{self.base}/services",
@@ -521,11 +526,11 @@ class KubernetesLauncher:
         found = []
         for name, pods in sorted(runs.items()):
             try:
-                meta = json.loads(pods[0]["metadata"]["annotations"][META_ANNOTATION])
-            except (KeyError, TypeError, ValueError):
+                kept = json.loads(pods[0]["metadata"]["annotations"][META_ANNOTATION])
+                meta = found_meta(kept)
+            except (AttributeError, KeyError, TypeError, ValueError):
                 continue
-            meta = {k: meta.get(k) for k in ("job", "tenant", "epoch", "attempt", "trace_id")}
-            if None in meta.values():
+            if meta is None:
                 continue
             directory = run_dir(root, str(meta["job"]), int(meta["epoch"]), int(meta["attempt"]))
             if (directory / RUN_FILE).exists():

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fleetline.agents.cluster.backends import RunRequest
+from fleetline.agents.cluster.backends import RunRequest, found_meta
 from fleetline.agents.cluster.nodes import DRAIN_REASON, ManagerNode
 from fleetline.agents.cluster.workloads import run_dir
 from fleetline.errors import FleetlineError
@@ -402,10 +402,8 @@ class SlurmLauncher:
         self.refresh()
         found = []
         for job in self.queue.values():
-            meta: dict[str, Any] = {
-                k: job.comment.get(k) for k in ("job", "tenant", "epoch", "attempt", "trace_id")
-            }
-            if None in meta.values() or not job.live:
+            meta = found_meta(job.comment)
+            if meta is None or not job.live:
                 continue
             directory = run_dir(root, str(meta["job"]), int(meta["epoch"]), int(meta["attempt"]))
             # Unrecorded: no directory, or one the agent died in before writing the job's id.
