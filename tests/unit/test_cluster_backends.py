@@ -7,6 +7,8 @@ import json
 import os
 import re
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -484,3 +486,53 @@ def test_a_kubernetes_run_ends_as_its_pods_say(tmp_path):
     assert launcher.control_error() == (
         "Kubernetes: the Kubernetes API at https://nowhere does not answer"
     )
+
+
+class _WatchedApi:
+    """A list, then the given watch events, then a watch that stays quiet."""
+
+    def __init__(self, events: list[dict[str, Any]]) -> None:
+        self.events = events
+        self.shown = threading.Event()
+
+    def ok(self, method: str, path: str, *args: Any, **kwargs: Any) -> Any:
+        return {"items": [], "metadata": {"resourceVersion": "5"}}
+
+    def watch(self, collection: str, query: Any, version: str, timeout_s: int) -> Any:
+        yield from self.events
+        self.events = []
+        self.shown.set()
+        time.sleep(0.05)
+
+
+def _versioned(name: str, phase: str, version: int) -> dict[str, Any]:
+    pod = _pod(name, phase)
+    pod["metadata"]["resourceVersion"] = str(version)
+    return pod
+
+
+def test_a_created_pod_s_late_answer_never_hides_what_the_watch_showed_since():
+    from fleetline.agents.cluster.backends.kubernetes import Informer
+
+    # The watch shows the pod created, scheduled and running (and another made and deleted)
+    # before the creating calls' answers are read.
+    api = _WatchedApi(
+        [
+            {"type": "ADDED", "object": _versioned("fl-r-r0", "Pending", 6)},
+            {"type": "MODIFIED", "object": _versioned("fl-r-r0", "Running", 8)},
+            {"type": "ADDED", "object": _versioned("fl-r-r1", "Pending", 7)},
+            {"type": "DELETED", "object": _versioned("fl-r-r1", "Pending", 9)},
+        ]
+    )
+    informer = Informer(api, "/api/v1/namespaces/default/pods")  # type: ignore[arg-type]
+    informer.start()
+    try:
+        assert api.shown.wait(5)
+        informer.put(_versioned("fl-r-r0", "Pending", 6))
+        informer.put(_versioned("fl-r-r1", "Pending", 7))
+        assert informer.get("fl-r-r0")["status"]["phase"] == "Running"  # type: ignore[index]
+        assert informer.get("fl-r-r1") is None
+        informer.put(_versioned("fl-r-r2", "Pending", 10))  # one the watch has not shown yet
+        assert informer.get("fl-r-r2") is not None
+    finally:
+        informer.close()

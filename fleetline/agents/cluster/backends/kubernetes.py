@@ -54,6 +54,7 @@ DRAINED_ANNOTATION = f"{LABEL}/drained"
 RUN_FILE = "kubernetes-run"
 DEFAULT_IMAGE = "fleetline:latest"
 WATCH_TIMEOUT_S = 30
+DELETED_KEPT = 1024  # deletions remembered to refuse a late answer reviving one
 SYNC_WAIT_S = 10.0  # how long a restarted agent waits for its first list before adopting
 LIVE_PHASES = frozenset({"Pending", "Running", "Unknown"})
 
@@ -195,6 +196,15 @@ def manager_node(node: Mapping[str, Any]) -> ManagerNode:
     )
 
 
+def _version(obj: Mapping[str, Any]) -> int:
+    """An object's resourceVersion as a number, to tell which of two states is newer. The API
+    calls versions opaque; every server built on etcd (all of them) hands out its revision."""
+    try:
+        return int(obj["metadata"].get("resourceVersion") or -1)
+    except ValueError:
+        return -1
+
+
 class Informer:
     """One collection kept current in memory: listed, then watched from the list's version."""
 
@@ -208,6 +218,8 @@ class Informer:
         self.began = 0  # lists asked for so far
         self.read = 0  # the number (in `began`) of the last list read
         self._lock = threading.Lock()
+        # Names the watch saw deleted, with the deletion's version (the newest few).
+        self._deleted: dict[str, int] = {}
         self._thread: threading.Thread | None = None
         self._closed = threading.Event()
 
@@ -227,9 +239,19 @@ class Informer:
             return self.objects.get(name)
 
     def put(self, obj: Mapping[str, Any]) -> None:
-        """What a call of ours has just made (a created pod): known before the watch says so."""
+        """What a call of ours has just made (a created pod): known before the watch says so.
+        The watch may have overtaken the call's answer (the pod already scheduled and running,
+        or deleted): an answer older than what the watch showed is dropped, or the pod would
+        stay Pending, or alive, in memory while no further event comes to correct it."""
+        name = obj["metadata"]["name"]
+        version = _version(obj)
         with self._lock:
-            self.objects[obj["metadata"]["name"]] = dict(obj)
+            seen = self.objects.get(name)
+            if seen is not None and _version(seen) >= version:
+                return
+            if self._deleted.get(name, -1) >= version:
+                return
+            self.objects[name] = dict(obj)
 
     def close(self) -> None:
         """Watch no more (the watch under way ends within its timeout)."""
@@ -260,6 +282,9 @@ class Informer:
                         with self._lock:
                             if event["type"] == "DELETED":
                                 self.objects.pop(obj["metadata"]["name"], None)
+                                self._deleted[obj["metadata"]["name"]] = _version(obj)
+                                while len(self._deleted) > DELETED_KEPT:
+                                    del self._deleted[next(iter(self._deleted))]
                             elif event["type"] in ("ADDED", "MODIFIED"):
                                 self.objects[obj["metadata"]["name"]] = obj
             except KubeError as exc:
