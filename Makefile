@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml fleetline/streams/_avrocols.c
 	touch $(STAMP)
 
 # Installs, starts Kafka and the S3 server, runs the simulated fleet, prints, stops them.
-run: $(STAMP)
+run: $(STAMP) $(MPIRUN)
 	$(VENV)/bin/fleetline run
 
 $(CHROMIUM):
@@ -33,6 +33,13 @@ $(SLURMCTLD):
 	$(SUDO) apt-get update -qq
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client munge
 
+# A training job's workers talk through Open MPI (Debian's; mpi4py from PyPI loads it): the
+# process backend starts them under `mpirun`, Slurm under `srun --mpi=pmix`.
+MPIRUN := /usr/bin/mpirun
+$(MPIRUN):
+	$(SUDO) apt-get update -qq
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin
+
 $(CONTRACT_TOOLS): contract/package.json contract/package-lock.json
 	cd contract && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
@@ -40,7 +47,7 @@ $(CONTRACT_TOOLS): contract/package.json contract/package-lock.json
 # Starts (and afterwards stops) the services the tests need, from tests/conftest.py; the
 # browser tests start Chromium headless; the contract test builds the Go consumer; the Slurm
 # tests start a Slurm cluster of their own.
-test: $(STAMP) $(CHROMIUM) $(SLURMCTLD)
+test: $(STAMP) $(CHROMIUM) $(SLURMCTLD) $(MPIRUN)
 	$(PY) -m pytest
 
 # Style, formatting, types (strict in processors/), the layering contracts (pyproject.toml),
@@ -57,14 +64,14 @@ lint: $(STAMP) $(CONTRACT_TOOLS)
 
 # The fault-injection suite in full: more rounds of each fault, and the long runs (`make test`
 # runs one round of each).
-chaos: $(STAMP)
+chaos: $(STAMP) $(MPIRUN)
 	FLEETLINE_CHAOS=full $(PY) -m pytest tests/chaos
 
 # The pure tests alone: no services, seconds.
 test-unit: $(STAMP)
 	$(PY) -m pytest tests/unit
 
-bench: $(STAMP)
+bench: $(STAMP) $(MPIRUN)
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/agents.py
 	$(PY) benchmarks/view.py

@@ -157,11 +157,18 @@ class OrderWorker(TypedDict):
     gpus: list[int]
 
 
+class OrderPart(TypedDict):
+    cluster_id: str
+    first_rank: int
+    workers: list[OrderWorker]
+
+
 class WorkloadOrder(TypedDict):
     """What the scheduler committed in a cluster for one job: RUN it there under this placement
     epoch and attempt, or STOP it. Keyed by job on a compacted topic, so the latest order per
     job is the desired state; each cluster agent reconciles the orders naming its cluster
-    against the workloads it runs."""
+    against the workloads it runs. v2: parts, the clusters of a job split across several, each
+    with its workers and the first of its global ranks."""
 
     job: str
     tenant: str
@@ -179,6 +186,7 @@ class WorkloadOrder(TypedDict):
     resume_from: NotRequired[list[str]]
     resume_step: NotRequired[None | int]
     final_checkpoint: NotRequired[bool]
+    parts: NotRequired[list[OrderPart]]
 
 
 class CommandResult(TypedDict):

@@ -45,6 +45,7 @@ from fleetline.agents.cluster.replicas import ReplicaRegistry
 from fleetline.agents.cluster.reports import Event, said
 from fleetline.agents.cluster.sharing import gpu_memory_mib, gpu_sharing, mps_running
 from fleetline.agents.cluster.stores import JobStores
+from fleetline.agents.dataplane.shards import Part, World
 from fleetline.agents.workloads.train import workload_env
 from fleetline.config import Settings
 from fleetline.errors import FleetlineError
@@ -62,6 +63,7 @@ from fleetline.schemas.records import (
     WorkloadEvent,
     WorkloadEventKind,
 )
+from fleetline.storage.checkpoints import cluster_bucket
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.events import (
     CLUSTER_HEALTH,
@@ -262,7 +264,7 @@ class ClusterAgent:
             record = decoded.record
             name = decoded.schema.full_name
             if name == WORKLOAD_ORDER:
-                order = Order.from_record(record)
+                order = Order.from_record(record).seen_from(self.cluster_id)
                 current = self.orders.get(order.job)
                 if current is None or (order.epoch, order.attempt, order.ts) >= (
                     current.epoch,
@@ -527,7 +529,7 @@ class ClusterAgent:
     def _contract(self, order: Order, workload_spec: Mapping[str, Any]) -> dict[str, str]:
         """The workload contract's environment (see agents/workloads/train.py)."""
         workers = [
-            {"rank": rank, "node_id": node, "gpus": list(ids)}
+            {"rank": order.first_rank + rank, "node_id": node, "gpus": list(ids)}
             for rank, (node, ids) in enumerate(order.workers)
         ]
         env = {
@@ -539,7 +541,9 @@ class ClusterAgent:
             "FLEETLINE_TRACE_ID": order.trace_id,
             "TRACEPARENT": _traceparent(order, "workload") or "",
             "FLEETLINE_WORKERS": json.dumps(workers),
-            "FLEETLINE_WORLD_SIZE": str(len(workers)),
+            "FLEETLINE_WORLD_SIZE": str(order.world_size),
+            "FLEETLINE_LOCAL_WORKERS": str(len(workers)),
+            "FLEETLINE_RANK_BASE": str(order.first_rank),
             # One thread: the same sums in the same order on every cluster (bit-identical).
             "OPENBLAS_NUM_THREADS": "1",
             "OMP_NUM_THREADS": "1",
@@ -549,6 +553,15 @@ class ClusterAgent:
             "FLEETLINE_ADVERTISE_HOST": self.settings.advertise_host,
             **(self.settings.tls.as_env() if self.settings.tls else {}),
         }
+        if order.parts:
+            # The job's world across clusters, and where its leaders meet: the store of the
+            # cluster with rank 0 (the data plane's rendezvous).
+            env["FLEETLINE_PARTS"] = World(
+                tuple(Part(c, first, len(w)) for c, first, w in order.parts)
+            ).to_json()
+            env["FLEETLINE_DATAPLANE_BUCKET"] = cluster_bucket(
+                self.settings.s3.bucket, order.parts[0][0]
+            )
         return env | workload_env(workload_spec)
 
     # -- watching -------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ until the scheduler orders a new attempt.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ class Order:
     resume_from: tuple[str, ...]
     resume_step: int | None
     final_checkpoint: bool
+    # A job split across clusters: every part (cluster, first global rank, workers).
+    parts: tuple[tuple[str, int, tuple[tuple[str, tuple[int, ...]], ...]], ...] = ()
 
     @classmethod
     def from_record(cls, r: Mapping[str, Any]) -> Order:
@@ -60,7 +63,32 @@ class Order:
             tuple(r["resume_from"]),
             r.get("resume_step"),
             bool(r["final_checkpoint"]),
+            tuple(
+                (
+                    p["cluster_id"],
+                    int(p["first_rank"]),
+                    tuple((w["node_id"], tuple(w["gpus"])) for w in p["workers"]),
+                )
+                for p in r.get("parts") or ()
+            ),
         )
+
+    def seen_from(self, cluster_id: str) -> Order:
+        """The order as one cluster's agent acts on it: a split job's RUN names every part's
+        cluster; to the cluster of a part it is its own RUN, of that part's workers."""
+        for cluster, _, workers in self.parts:
+            if cluster == cluster_id and cluster != self.cluster_id:
+                return dataclasses.replace(self, cluster_id=cluster, workers=workers)
+        return self
+
+    @property
+    def first_rank(self) -> int:
+        """The global rank of this cluster's first worker (seen from it)."""
+        return next((f for c, f, _ in self.parts if c == self.cluster_id), 0)
+
+    @property
+    def world_size(self) -> int:
+        return sum(len(w) for _, _, w in self.parts) if self.parts else len(self.workers)
 
     @property
     def run_id(self) -> tuple[int, int]:

@@ -45,12 +45,27 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from fleetline.agents.dataplane.channel import DataPlaneError, run_key
+from fleetline.agents.dataplane.collective import (
+    PEER_TIMEOUT_S,
+    Collective,
+    Rendezvous,
+    world_from_env,
+)
+from fleetline.agents.dataplane.shards import (
+    GRADIENT_SHARDS,
+    World,
+    describe,
+    ordered_sum,
+    shard_samples,
+)
 from fleetline.config import S3Settings
 from fleetline.errors import FleetlineError
 from fleetline.storage.checkpoints import Checkpoints, params_digest
 from fleetline.storage.objects import ObjectStore
 
 Arrays = dict[str, NDArray[np.float64]]
+EXIT_PEER_LOST = 75  # EX_TEMPFAIL: a part of the job cannot be reached; the job resumes whole
 # A Workload spec's fields (processors/scheduling/specs.py) and the variables they reach the
 # workload in.
 WORKLOAD_ENV = {
@@ -118,29 +133,58 @@ def initial(config: TrainConfig) -> tuple[Arrays, Arrays, np.random.Generator]:
     return params, optimizer, np.random.default_rng([config.seed, 3])
 
 
-def train_step(
-    config: TrainConfig,
-    params: Arrays,
-    optimizer: Arrays,
-    rng: np.random.Generator,
-    x: NDArray[np.float64],
-    y: NDArray[np.int64],
-) -> float:
-    """One Adam step on a batch the generator draws; the batch's loss before the step."""
-    index = rng.integers(0, len(x), config.batch)
-    xb, yb = x[index], y[index]
+PARAMETERS = ("w1", "b1", "w2", "b2")  # the order a gradient is flattened in
+
+
+def batch_index(config: TrainConfig, rng: np.random.Generator) -> NDArray[np.int64]:
+    """The samples of the next global batch (every worker draws the same: same generator)."""
+    return rng.integers(0, config.samples, config.batch)
+
+
+def shard_gradient(
+    config: TrainConfig, params: Arrays, xb: NDArray[np.float64], yb: NDArray[np.int64]
+) -> NDArray[np.float64]:
+    """One gradient shard's part of the batch gradient (scaled by the whole batch, so the
+    shards sum to it), flattened in PARAMETERS order, with the shard's summed loss last."""
     h = np.tanh(xb @ params["w1"] + params["b1"])
     logits = h @ params["w2"] + params["b2"]
     logits -= logits.max(axis=1, keepdims=True)
     p = np.exp(logits)
     p /= p.sum(axis=1, keepdims=True)
-    loss = float(-np.log(p[np.arange(len(yb)), yb] + 1e-12).mean())
+    loss_sum = float(-np.log(p[np.arange(len(yb)), yb] + 1e-12).sum())
     d_logits = p
     d_logits[np.arange(len(yb)), yb] -= 1
-    d_logits /= len(yb)
+    d_logits /= config.batch
     grads = {"w2": h.T @ d_logits, "b2": d_logits.sum(axis=0)}
     dh = (d_logits @ params["w2"].T) * (1 - h**2)
     grads |= {"w1": xb.T @ dh, "b1": dh.sum(axis=0)}
+    return np.concatenate([grads[k].ravel() for k in PARAMETERS] + [np.array([loss_sum])])
+
+
+def my_shard_gradients(
+    config: TrainConfig,
+    params: Arrays,
+    index: NDArray[np.int64],
+    x: NDArray[np.float64],
+    y: NDArray[np.int64],
+    shards: range,
+) -> dict[int, NDArray[np.float64]]:
+    bounds = shard_samples(config.batch, GRADIENT_SHARDS)
+    return {
+        i: shard_gradient(config, params, x[index[a:b]], y[index[a:b]])
+        for i, (a, b) in ((i, bounds[i]) for i in shards)
+    }
+
+
+def apply_gradient(
+    config: TrainConfig, params: Arrays, optimizer: Arrays, total: NDArray[np.float64]
+) -> float:
+    """One Adam step with the summed gradient; the batch's mean loss before the step."""
+    grads, offset = {}, 0
+    for k in PARAMETERS:
+        size = params[k].size
+        grads[k] = total[offset : offset + size].reshape(params[k].shape)
+        offset += size
     optimizer["t"] += 1
     t = optimizer["t"][0]
     beta1, beta2, eps = 0.9, 0.999, 1e-8
@@ -151,7 +195,22 @@ def train_step(
         v *= beta2
         v += (1 - beta2) * g * g
         params[k] -= config.lr * (m / (1 - beta1**t)) / (np.sqrt(v / (1 - beta2**t)) + eps)
-    return loss
+    return float(total[offset]) / config.batch
+
+
+def train_step(
+    config: TrainConfig,
+    params: Arrays,
+    optimizer: Arrays,
+    rng: np.random.Generator,
+    x: NDArray[np.float64],
+    y: NDArray[np.int64],
+) -> float:
+    """One step on one process (every shard here): the step a data-parallel world takes."""
+    index = batch_index(config, rng)
+    mine = my_shard_gradients(config, params, index, x, y, range(GRADIENT_SHARDS))
+    total = ordered_sum([mine[i] for i in range(GRADIENT_SHARDS)])
+    return apply_gradient(config, params, optimizer, total)
 
 
 def _npz(arrays: Arrays) -> bytes:
@@ -219,36 +278,85 @@ def checkpoints_from_env(env: Mapping[str, str]) -> Checkpoints:
     )
 
 
+def rendezvous_from_env(env: Mapping[str, str], world: World) -> Rendezvous | None:
+    """Where the leaders of a job split across clusters find each other, and the key of their
+    channel: None for a job in one cluster."""
+    if len(world.parts) == 1:
+        return None
+    key = env.get("FLEETLINE_CHECKPOINT_KEY")
+    if not key:
+        raise DataPlaneError(
+            "a job split across clusters exchanges its gradients sealed under the tenant's key, "
+            "and none is set (FLEETLINE_OBJECT_ENCRYPTION_KEY of the deployment)"
+        )
+    epoch, attempt = int(env.get("FLEETLINE_EPOCH", "1")), int(env.get("FLEETLINE_ATTEMPT", "1"))
+    bucket = env.get("FLEETLINE_DATAPLANE_BUCKET") or env["FLEETLINE_CHECKPOINT_BUCKET"]
+    return Rendezvous(
+        ObjectStore.from_settings(S3Settings.from_env(env), bucket),
+        f"{env['FLEETLINE_CHECKPOINT_PREFIX']}/dataplane/e{epoch:010d}-a{attempt:06d}/root",
+        run_key(base64.b64decode(key), env.get("FLEETLINE_JOB", ""), epoch, attempt),
+        env.get("FLEETLINE_ADVERTISE_HOST") or "127.0.0.1",
+        float(env.get("FLEETLINE_PEER_TIMEOUT_S") or PEER_TIMEOUT_S),
+    )
+
+
 def main(env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     progress = Progress(env.get("FLEETLINE_PROGRESS_FILE"))
-    rank = int(env.get("FLEETLINE_RANK") or 0)
-    if rank != 0:
-        # The built-in trainer is one process: its data-parallel ranks come with the data
-        # plane's collective. A backend that starts one task per worker (Slurm) gets the
-        # training from rank 0 and an idle line from each other rank.
-        progress.write(event="idle", rank=rank, detail="the built-in trainer trains on rank 0")
-        return 0
     config = TrainConfig.from_env(env)
     epoch = int(env.get("FLEETLINE_EPOCH", "1"))
-    store = checkpoints_from_env(env)
     stopping: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
+    try:
+        world = world_from_env(env)
+        collective = Collective.join(
+            world, env.get("FLEETLINE_CLUSTER", "local"), rendezvous_from_env(env, world)
+        )
+    except (DataPlaneError, ValueError) as exc:
+        progress.write(event="dataplane_failed", error=str(exc)[:500])
+        print(f"train: {exc}", file=sys.stderr)
+        return EXIT_PEER_LOST
+    try:
+        return _train(env, config, epoch, progress, collective, stopping)
+    except DataPlaneError as exc:
+        # A part of the job is gone: the whole job stops, to resume from one checkpoint.
+        progress.write(event="peer_lost", error=str(exc)[:500])
+        print(f"train: {exc}", file=sys.stderr)
+        return EXIT_PEER_LOST
+    finally:
+        collective.close()
+
+
+def _train(
+    env: Mapping[str, str],
+    config: TrainConfig,
+    epoch: int,
+    progress: Progress,
+    collective: Collective,
+    stopping: list[int],
+) -> int:
+    # Global rank 0 reads and writes the checkpoints; every worker trains on what it read.
+    store = checkpoints_from_env(env) if collective.root else None
     x, y = data(config)
-    chosen = env.get("FLEETLINE_RESUME_CHECKPOINT")
-    if chosen is None:
-        found = store.latest()  # run on its own: the newest complete checkpoint
-    elif chosen:
-        found = store.load(chosen)  # chosen by the cluster agent (and verified again here)
-    else:
-        found = None  # the agent found none that may be resumed from
-    if found is not None:
-        manifest, parts = found
-        params, optimizer, rng, step = from_parts(parts, config)
-        progress.write(event="resumed", step=step, checkpoint=manifest.name, skipped=store.skipped)
+    found = None
+    if store is not None:
+        chosen = env.get("FLEETLINE_RESUME_CHECKPOINT")
+        if chosen is None:
+            found = store.latest()  # run on its own: the newest complete checkpoint
+        elif chosen:
+            found = store.load(chosen)  # chosen by the cluster agent (and verified again here)
+    shared = collective.share_state(found[1] if found is not None else None)
+    if shared is not None:
+        params, optimizer, rng, step = from_parts(shared, config)
+        resumed: dict[str, Any] = {"event": "resumed", "step": step}
+        if found is not None and store is not None:
+            resumed |= {"checkpoint": found[0].name, "skipped": store.skipped}
+        progress.write(**resumed)
     else:
         params, optimizer, rng = initial(config)
         step = 0
+    if collective.world.size > 1:
+        progress.write(event="world", step=step, rank=collective.rank, **describe(collective.world))
     began, done_before = time.perf_counter(), step
     control = env.get("FLEETLINE_CONTROL_FILE")
     interval_s: list[float | None] = [read_interval(control)]
@@ -268,6 +376,7 @@ def main(env: Mapping[str, str] | None = None) -> int:
         is reported and training goes on, to try again at the next. A required one (on a stop,
         at the end) that fails stops the workload: what it did since its last checkpoint is
         not saved."""
+        assert store is not None
         try:
             manifest, seconds = store.save(
                 epoch,
@@ -292,24 +401,34 @@ def main(env: Mapping[str, str] | None = None) -> int:
         return True
 
     while step < config.steps:
-        if stopping:
-            checkpoint(required=True)
+        before = rng.bit_generator.state
+        index = batch_index(config, rng)
+        mine = my_shard_gradients(config, params, index, x, y, collective.my_shards)
+        total, stop = collective.exchange(step, mine, bool(stopping))
+        if stop:  # asked anywhere in the job: every worker stops after the same step
+            rng.bit_generator.state = before  # the batch not taken is the next one
+            if store is not None:
+                checkpoint(required=True)
             progress.write(event="stopped", step=step)
             return 0
-        loss = train_step(config, params, optimizer, rng, x, y)
+        loss = apply_gradient(config, params, optimizer, total)
         step += 1
         if step % config.report_every == 0 or step == config.steps:
             elapsed = time.perf_counter() - began
-            progress.write(
-                event="progress",
-                step=step,
-                loss=loss,
-                samples_per_s=round((step - done_before) * config.batch / elapsed, 1)
+            line: dict[str, Any] = {
+                "event": "progress",
+                "step": step,
+                "loss": loss,
+                "samples_per_s": round((step - done_before) * config.batch / elapsed, 1)
                 if elapsed
                 else None,
-            )
+            }
+            if collective.world.size > 1 and collective.steps:
+                line["exchange_ms"] = round(1000 * collective.exchange_s / collective.steps, 3)
+                line["cross_bytes_per_step"] = collective.channel_bytes // collective.steps
+            progress.write(**line)
         interval = interval_s[0]
-        if (
+        if store is not None and (
             step % config.checkpoint_every == 0
             or step == config.steps
             or (interval is not None and time.monotonic() - last_saved[0] >= interval)

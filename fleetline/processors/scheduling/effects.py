@@ -179,6 +179,8 @@ class WorkloadOrder:
     resume_from: tuple[str, ...] = ()
     resume_step: int | None = None
     final_checkpoint: bool = False
+    # A job split across clusters: (cluster, first global rank, workers) per part, rank order.
+    parts: tuple[tuple[str, int, tuple[tuple[str, tuple[int, ...]], ...]], ...] = ()
 
     def as_record(self) -> dict[str, Any]:
         return {
@@ -198,6 +200,14 @@ class WorkloadOrder:
             "resume_from": list(self.resume_from),
             "resume_step": self.resume_step,
             "final_checkpoint": self.final_checkpoint,
+            "parts": [
+                {
+                    "cluster_id": cluster,
+                    "first_rank": first,
+                    "workers": [{"node_id": n, "gpus": list(g)} for n, g in workers],
+                }
+                for cluster, first, workers in self.parts
+            ],
         }
 
 

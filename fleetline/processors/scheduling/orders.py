@@ -11,14 +11,17 @@ from fleetline.processors.scheduling.state import Condition, Job, SchedulerState
 
 
 def order_run(s: SchedulerState, out: EffectLog, job: Job) -> None:
-    """A RUN order for the job's current epoch and attempt (one cluster: the first placed)."""
+    """A RUN order for the job's current epoch and attempt: in its one cluster, or, split
+    across several, in every one (one order, each cluster's part in it, rank 0 in the first)."""
     cluster_id = min(job.allocation)
     job.ordered_cluster = cluster_id
-    out.add(run_order(s, job))
+    order = run_order(s, job)
+    out.add(order)
+    where = ", ".join(c for c, _, _ in order.parts) if order.parts else cluster_id
     job.condition(
         Condition.RUNNING,
         False,
-        f"ordered to start in {cluster_id} (epoch {job.epoch}, attempt {job.attempt})",
+        f"ordered to start in {where} (epoch {job.epoch}, attempt {job.attempt})",
         s.now_ms,
     )
     job.actual = {
@@ -34,6 +37,7 @@ def run_order(s: SchedulerState, job: Job, reason: str | None = None) -> Workloa
     """The RUN order of the job's current epoch and attempt in its ordered cluster (sent again
     with a new document when only what the workload is told changes: a replica's role)."""
     cluster_id = job.ordered_cluster or min(job.allocation)
+    parts = split_parts(job, cluster_id)
     return WorkloadOrder(
         job.key,
         job.tenant,
@@ -50,7 +54,24 @@ def run_order(s: SchedulerState, job: Job, reason: str | None = None) -> Workloa
         workers=_ranked_workers(job, cluster_id),
         resume_from=(cluster_id, *(c for c in job.ran_in if c != cluster_id)),
         resume_step=job.checkpoint_step,
+        parts=parts,
     )
+
+
+def split_parts(
+    job: Job, root: str
+) -> tuple[tuple[str, int, tuple[tuple[str, tuple[int, ...]], ...]], ...]:
+    """A training job's parts when it holds GPUs in several clusters: the root (rank 0) first,
+    the others by name, each with its workers and the first of its global ranks. () for a job
+    in one cluster, and for a replica (a service's replicas are jobs of their own)."""
+    if len(job.allocation) < 2 or job.service:
+        return ()
+    parts, first = [], 0
+    for cluster in [root, *sorted(c for c in job.allocation if c != root)]:
+        workers = _ranked_workers(job, cluster)
+        parts.append((cluster, first, workers))
+        first += len(workers)
+    return tuple(parts)
 
 
 def _ranked_workers(job: Job, cluster_id: str) -> tuple[tuple[str, tuple[int, ...]], ...]:

@@ -238,6 +238,14 @@ def progress(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> N
         job.stale_reports += 1
         return
     cluster = request.get("cluster_id") or job.ordered_cluster or "its cluster"
+    if (
+        phase in (Progress.RUNNING, Progress.SUCCEEDED)
+        and job.ordered_cluster is not None
+        and cluster != job.ordered_cluster
+    ):
+        # A split job's other parts: the part with rank 0 speaks for the job's running and
+        # its end (it writes the last checkpoint); a failure anywhere fails the whole attempt.
+        return
     if phase == Progress.CHECKPOINT:
         if request.get("checkpoint_ms") is not None and (job.holds or epoch is not None):
             job.checkpoint_ms = max(job.checkpoint_ms or 0, int(request["checkpoint_ms"]))

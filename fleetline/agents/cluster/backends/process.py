@@ -27,6 +27,31 @@ CLASS_LIMITS: Mapping[str, Mapping[str, int]] = {
     "best-effort": {"cpus": 1, "memory_bytes": 2 * 2**30, "io_weight": 10},
 }
 PID_FILE = "pid"
+# Open MPI on one host, as root where the agent runs as root, in containers without
+# cross-memory attach; its own binding off (the workers share the host with everything else).
+MPI_ENV = {
+    "OMPI_ALLOW_RUN_AS_ROOT": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
+    "OMPI_MCA_hwloc_base_binding_policy": "none",
+    "OMPI_MCA_rmaps_base_oversubscribe": "1",
+}
+
+
+def worker_command(request: RunRequest) -> list[str]:
+    """One process for a run of one worker; one per worker under `mpirun` otherwise, each told
+    its rank and GPUs by `rank.py` (what torchrun or mpirun gives any such program)."""
+    if len(request.workers) <= 1:
+        return list(request.command)
+    return [
+        "mpirun",
+        "-np",
+        str(len(request.workers)),
+        sys.executable,
+        "-m",
+        "fleetline.agents.cluster.rank",
+        *request.command,
+    ]
 
 
 def _stat(pid: int) -> tuple[str, str] | None:
@@ -103,13 +128,17 @@ class ProcessLauncher:
                 "-m",
                 "fleetline.agents.cluster.launch",
                 str(directory),
+                *(["--own-group"] if len(request.workers) > 1 else []),
                 "--",
-                *request.command,
+                *worker_command(request),
             ],
             env={
                 **request.env,
-                "FLEETLINE_RANK": "0",
-                "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)),
+                **(
+                    MPI_ENV
+                    if len(request.workers) > 1
+                    else {"FLEETLINE_RANK": "0", "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+                ),
             },
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
