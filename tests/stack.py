@@ -188,6 +188,7 @@ def running_stack(
     lab: Lab | None = None,
     cluster_env: Mapping[str, dict[str, str]] | None = None,
     agent_args: Mapping[str, list[str]] | None = None,
+    cluster_nodes: Mapping[str, int] | None = None,
 ) -> Iterator[Stack]:
     """The stack up, every cluster's first heartbeat seen; jobs go to the clusters in the
     order given while they are in the pool (the preference scorer outweighs the others).
@@ -196,7 +197,7 @@ def running_stack(
     `clusters` are the simulator's first clusters by name (eu-west-a, us-east-a, ...), and
     each one's cluster agent and node agents run on its host there (`settings` must point at
     Kafka and S3 on the lab's control address). `cluster_env` adds to one cluster's processes'
-    environment, `agent_args` to its agent's flags."""
+    environment, `agent_args` to its agent's flags; `cluster_nodes` gives a cluster more than one node."""
     settings = dataclasses.replace(
         services,
         clickhouse_database=f"t_{uuid.uuid4().hex[:12]}",
@@ -211,7 +212,12 @@ def running_stack(
     pumping: threading.Thread | None = None
     if lab is None:
         simulator = FleetSimulator(
-            [ClusterSpec(c, (regions or {}).get(c, f"region-{c}"), 1) for c in clusters],
+            [
+                ClusterSpec(
+                    c, (regions or {}).get(c, f"region-{c}"), (cluster_nodes or {}).get(c, 1)
+                )
+                for c in clusters
+            ],
             seed=3,
             interval_ms=500,
         )

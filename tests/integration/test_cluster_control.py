@@ -47,7 +47,10 @@ POLICY = ClusterHealthPolicy(
 @pytest.fixture(scope="module")
 def stack(services: Settings) -> Iterator[Stack]:
     options = Options(tick_interval_s=0.3, health_policy=POLICY, clock_interval_s=0.25)
-    with running_stack(services, CLUSTERS, options, "cluster-control") as built:
+    # cc has two nodes: a job of two workers fits it (one worker a node), and no other cluster.
+    with running_stack(
+        services, CLUSTERS, options, "cluster-control", cluster_nodes={"cc": 2}
+    ) as built:
         yield built
 
 
@@ -442,3 +445,65 @@ def test_a_tuned_checkpoint_interval_reaches_the_running_workload(stack):
         stack.topics,
         [new_request("DELETE", "acme/tuned", "acme", now_ms(), uuid.uuid4().hex)],
     )
+
+
+def data_parallel(name: str, workers: int, per_worker: int, **workload: Any) -> dict[str, Any]:
+    """A data-parallel TrainingJob of the built-in trainer, which may be split across
+    clusters (by whole workers: each one holds a full model replica)."""
+    return {
+        "kind": "TrainingJob",
+        "metadata": {"name": name, "tenant": "acme"},
+        "spec": {
+            "accelerator": "H100",
+            "gpus_per_worker": per_worker,
+            "workers": workers,
+            "parallelism": {"tensor": per_worker},
+            "allow_split_across_clusters": True,
+            "workload": workload,
+        },
+    }
+
+
+def exited(stack: Stack, key: str) -> list[dict[str, Any]]:
+    return [e for e in stack.events(key) if e["event"] == "EXITED" and e["exit_code"] == 0]
+
+
+def test_a_two_worker_job_and_a_split_job_train_as_one_process_does(stack, tmp_path):
+    """Two workers in one cluster (one MPI world under mpirun) and two workers split across
+    two clusters (an MPI world each, their leaders over the sealed channel) end with the
+    parameters, bit for bit, of one process training on the same global batches."""
+    workload = {"steps": 300, "checkpoint_every_steps": 100, "report_every_steps": 50, "seed": 11}
+    reference = reference_run(stack, tmp_path, **workload)
+    expected = f"params sha256 {reference[-1]['params_sha256']}"
+
+    def cc_nodes() -> int:
+        capacity = stack.fleet.view.read(view_read.cluster_capacity)
+        return next(c["nodes"] for c in capacity if c["cluster_id"] == "cc")
+
+    wait_until(lambda: cc_nodes() == 2, 30, "both of cc's nodes in the view")
+    # Two workers of 2 GPUs fit cc, the cluster of two nodes; two of 8 GPUs fit in one cluster
+    # only there, and cc is taken: the second job is split across two one-node clusters.
+    submit(
+        stack.settings.kafka,
+        stack.topics,
+        submits(
+            data_parallel("dp-one", 2, 2, **workload), data_parallel("dp-split", 2, 8, **workload)
+        ),
+    )
+    for key in ("acme/dp-one", "acme/dp-split"):
+        wait_until(lambda key=key: stack.phase(key) == "Succeeded", 120, f"{key} to finish")
+    one = stack.events("acme/dp-one")
+    print("EXPL", json.dumps(stack.job("acme/dp-one").get("explanation"), default=str)[:3000])
+    (started,) = [e for e in one if e["event"] == "STARTING"]
+    assert started["cluster_id"] == "cc"  # the one cluster with two nodes
+    assert [e["detail"] for e in exited(stack, "acme/dp-one")] == [expected]
+
+    split = stack.events("acme/dp-split")
+    starting = {e["cluster_id"]: e for e in split if e["event"] == "STARTING"}
+    assert len(starting) == 2, split  # one part in each of two clusters
+    assert len({(e["epoch"], e["attempt"]) for e in starting.values()}) == 1
+    ends = {e["cluster_id"]: e["detail"] for e in exited(stack, "acme/dp-split")}
+    assert ends == dict.fromkeys(starting, expected)  # every part holds the same parameters
+    # The root part says what crossing clusters cost.
+    crossing = [e for e in split if e["event"] == "PROGRESS" and e.get("detail")]
+    assert crossing, split

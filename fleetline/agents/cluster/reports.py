@@ -45,7 +45,10 @@ def said(line: Mapping[str, Any]) -> list[Event | Report]:
     out: list[Event | Report] = []
     if isinstance(kind, str) and kind in LINE_EVENTS:
         event, fields = LINE_EVENTS[kind]
-        out.append(Event(event, {f: line.get(src) for f, src in fields.items()}))
+        values = {f: line.get(src) for f, src in fields.items()}
+        if kind == "progress" and line.get("exchange_ms") is not None:
+            values["detail"] = exchange_detail(line)
+        out.append(Event(event, values))
     if kind == "checkpoint":
         out.append(
             Report(
@@ -76,6 +79,30 @@ def said(line: Mapping[str, Any]) -> list[Event | Report]:
                 {"step": line.get("step"), "detail": f"resumed from {line.get('checkpoint')}"},
             )
         )
+    elif kind == "world":
+        parts = line.get("parts") or []
+        out.append(
+            Event(
+                "PROGRESS",
+                {
+                    "step": line.get("step"),
+                    "detail": f"a world of {line.get('world_size')} workers: "
+                    + ", ".join(
+                        f"{p.get('cluster_id')} ranks {p.get('first_rank')}-"
+                        f"{int(p.get('first_rank', 0)) + int(p.get('workers', 1)) - 1}"
+                        for p in parts
+                        if isinstance(p, Mapping)
+                    ),
+                },
+            )
+        )
+    elif kind in ("peer_lost", "dataplane_failed"):
+        out.append(
+            Event(
+                "PROGRESS",
+                {"step": line.get("step"), "detail": f"data plane: {line.get('error')}"},
+            )
+        )
     elif kind == "ready":
         out.append(
             Event(
@@ -88,3 +115,10 @@ def said(line: Mapping[str, Any]) -> list[Event | Report]:
             )
         )
     return out
+
+
+def exchange_detail(line: Mapping[str, Any]) -> str:
+    """What a data-parallel step's exchange costs, as a progress line of the root says it."""
+    crossing = line.get("cross_bytes_per_step") or 0
+    text = f"data plane: {line.get('exchange_ms')} ms a step exchanging gradients"
+    return text + (f", {crossing} bytes a step across clusters" if crossing else "")

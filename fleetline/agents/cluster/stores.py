@@ -74,6 +74,10 @@ class JobStores:
         cluster it ran in), reporting each copy and each checkpoint passed over; (the
         workload's storage environment, what it resumes from)."""
         clusters = [self.cluster_id, *(c for c in order.resume_from if c != self.cluster_id)]
+        if order.first_rank:
+            # Another part of a split job: the part with rank 0 reads the checkpoint and hands
+            # it to every worker; nothing is copied here.
+            clusters = clusters[:1]
         located = [self.checkpoints(c, order) for c in clusters]
         bucket, own = located[0]
         sources = [store for _, store in located]
