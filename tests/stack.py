@@ -197,7 +197,8 @@ def running_stack(
     `clusters` are the simulator's first clusters by name (eu-west-a, us-east-a, ...), and
     each one's cluster agent and node agents run on its host there (`settings` must point at
     Kafka and S3 on the lab's control address). `cluster_env` adds to one cluster's processes'
-    environment, `agent_args` to its agent's flags; `cluster_nodes` gives a cluster more than one node."""
+    environment, `agent_args` to its agent's flags; `cluster_nodes` gives a cluster more than
+    one node."""
     settings = dataclasses.replace(
         services,
         clickhouse_database=f"t_{uuid.uuid4().hex[:12]}",

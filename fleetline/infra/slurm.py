@@ -31,6 +31,11 @@ GPUS_PER_NODE = 8
 READY_TIMEOUT_S = 60.0
 
 
+# The first line of a slurm.conf this code wrote: one written by an earlier version (without
+# the nodes' own TmpFS, say) is written again.
+CONF_VERSION = "# fleetline slurm.conf v2"
+
+
 def slurm_conf_path(cache_dir: Path, cluster_id: str) -> Path:
     return cache_dir / "slurm" / cluster_id / "slurm.conf"
 
@@ -99,7 +104,11 @@ class SlurmCluster:
         began = time.monotonic()
         if self.running():
             return 0.0
-        if not self.conf.exists() or self.found_nodes(self.conf) != self.nodes:
+        if (
+            not self.conf.exists()
+            or self.found_nodes(self.conf) != self.nodes
+            or not self.conf.read_text().startswith(CONF_VERSION)
+        ):
             self.stop()
             self._configure()
         munge = self.directory / "munge"
@@ -124,6 +133,7 @@ class SlurmCluster:
             daemon = self._daemon(f"slurmd-{node}", port)
             if daemon.pid() is None:
                 (self.directory / "spool" / node).mkdir(parents=True, exist_ok=True)
+                (self.directory / "tmp" / node).mkdir(parents=True, exist_ok=True)
                 daemon.start(["slurmd", "-D", "-N", node, "-f", str(self.conf)], env=self.env)
         self._await(self._nodes_idle, "every node to be idle", controller)
         return time.monotonic() - began
@@ -150,6 +160,7 @@ class SlurmCluster:
         d = self.directory
         ports = [_free_port(self.host) for _ in range(len(self.nodes) + 2)]
         lines = [
+            CONF_VERSION,
             f"ClusterName={self.cluster_id.lower().replace('-', '')[:40] or 'fleetline'}",
             f"SlurmctldHost=localhost({self.host})",
             f"SlurmctldPort={ports[0]}",
@@ -175,6 +186,9 @@ class SlurmCluster:
             # A node that stopped answering comes back by itself; one set DOWN stays down.
             "ReturnToService=1",
             "MpiDefault=none",
+            # Each node's own temporary directory: PMIx (srun --mpi=pmix) makes its step
+            # directories there, and the nodes sharing this host would otherwise collide.
+            f"TmpFS={d / 'tmp'}/%n",
             "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none",
             "SchedulerType=sched/backfill",

@@ -507,3 +507,85 @@ def test_a_two_worker_job_and_a_split_job_train_as_one_process_does(stack, tmp_p
     # The root part says what crossing clusters cost.
     crossing = [e for e in split if e["event"] == "PROGRESS" and e.get("detail")]
     assert crossing, split
+
+
+def test_losing_one_cluster_of_a_split_job_resumes_all_of_it_from_one_checkpoint(stack, tmp_path):
+    """A job of three workers split over ca (rank 0, the checkpoints), cb and cc; cb is lost.
+    The whole job moves to a new epoch in ca and cc (never half of it training on), resumes
+    from one checkpoint of ca's, and ends with the parameters of one process never stopped."""
+    workload = {"steps": 1200, "checkpoint_every_steps": 100, "report_every_steps": 100, "seed": 5}
+    key = "acme/dp-lost"
+    submit(
+        stack.settings.kafka,
+        stack.topics,
+        submits(data_parallel("dp-lost", 3, 8, step_delay_ms=8, **workload)),
+    )
+
+    def running_in(epoch: int | None = None) -> set[str]:
+        return {
+            e["cluster_id"]
+            for e in stack.events(key)
+            if e["event"] == "RUNNING" and (epoch is None or e["epoch"] == epoch)
+        }
+
+    wait_until(lambda: running_in() == set(CLUSTERS), 60, "a part in each cluster")
+    first = next(e for e in stack.events(key) if e["event"] == "STARTING")
+    wait_until(
+        lambda: any(e["event"] == "CHECKPOINTED" and e["step"] >= 200 for e in stack.events(key)),
+        60,
+        "two checkpoints in ca",
+    )
+    assert {e["cluster_id"] for e in stack.events(key) if e["event"] == "CHECKPOINTED"} == {"ca"}
+    # cb goes dark: its agent is killed and its nodes lose their link to the control plane.
+    stack.kill_agent("cb")
+    link_loss = Fault("cluster_link_loss", "cb", now_ms())
+    stack.simulator.add_fault(link_loss)
+    try:
+        wait_until(
+            lambda: (
+                {e["epoch"] for e in stack.events(key) if e["event"] == "RUNNING"}
+                != {first["epoch"]}
+            ),
+            60,
+            "the job to move to a new epoch",
+        )
+        moved = max(e["epoch"] for e in stack.events(key) if e["event"] == "RUNNING")
+        wait_until(lambda: running_in(moved) == {"ca", "cc"}, 30, "the whole job in ca and cc")
+
+        def world() -> list[str]:
+            return [
+                e["detail"]
+                for e in stack.events(key)
+                if e["epoch"] == moved and (e["detail"] or "").startswith("a world")
+            ]
+
+        wait_until(world, 30, "the new world's workers to meet")
+        assert world()[0] == "a world of 3 workers: ca ranks 0-0, cc ranks 1-2"
+        events = stack.events(key)
+        restored = [
+            e for e in events if e["event"] == "RESTORED" and e["epoch"] == moved and e["step"]
+        ]
+        # One checkpoint, read by rank 0 in ca and handed to every worker.
+        assert {e["cluster_id"] for e in restored} == {"ca", "cc"}
+        assert len({(e["step"], e["detail"]) for e in restored}) == 1, restored
+        checkpointed = {
+            e["step"] for e in events if e["event"] == "CHECKPOINTED" and e["epoch"] < moved
+        }
+        assert restored[0]["step"] in checkpointed
+        wait_until(lambda: stack.phase(key) == "Succeeded", 120, "the job to finish")
+    finally:
+        ended = dataclasses.replace(link_loss, end_ms=now_ms())
+        stack.simulator.faults[stack.simulator.faults.index(link_loss)] = ended
+        stack.start_agent("cb")
+    reference = reference_run(stack, tmp_path, **workload)
+    ends = {
+        e["cluster_id"]: e
+        for e in stack.events(key)
+        if e["event"] == "EXITED" and e["epoch"] == moved
+    }
+    assert ends["ca"]["detail"] == f"params sha256 {reference[-1]['params_sha256']}"
+    # cc's part ended with ca's: it exited, or was still exiting when the job's end (ca's)
+    # had it stopped.
+    assert ends["cc"]["exit_code"] == 0 or "the job succeeded" in ends["cc"]["detail"], ends
+    # Nothing of the new epoch ran in cb; its old part stopped with the rest of the old world.
+    assert not [e for e in stack.events(key) if e["cluster_id"] == "cb" and e["epoch"] == moved]

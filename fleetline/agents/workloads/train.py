@@ -65,6 +65,8 @@ from fleetline.storage.checkpoints import Checkpoints, params_digest
 from fleetline.storage.objects import ObjectStore
 
 Arrays = dict[str, NDArray[np.float64]]
+# The name of the checkpoint global rank 0 read, handed to every worker with its state.
+CHECKPOINT_NAME = "checkpoint.name"
 EXIT_PEER_LOST = 75  # EX_TEMPFAIL: a part of the job cannot be reached; the job resumes whole
 # A Workload spec's fields (processors/scheduling/specs.py) and the variables they reach the
 # workload in.
@@ -345,12 +347,18 @@ def _train(
             found = store.latest()  # run on its own: the newest complete checkpoint
         elif chosen:
             found = store.load(chosen)  # chosen by the cluster agent (and verified again here)
-    shared = collective.share_state(found[1] if found is not None else None)
+    shared = collective.share_state(
+        {**found[1], CHECKPOINT_NAME: found[0].name.encode()} if found is not None else None
+    )
     if shared is not None:
         params, optimizer, rng, step = from_parts(shared, config)
-        resumed: dict[str, Any] = {"event": "resumed", "step": step}
-        if found is not None and store is not None:
-            resumed |= {"checkpoint": found[0].name, "skipped": store.skipped}
+        resumed: dict[str, Any] = {
+            "event": "resumed",
+            "step": step,
+            "checkpoint": shared[CHECKPOINT_NAME].decode(),
+        }
+        if store is not None:
+            resumed["skipped"] = store.skipped
         progress.write(**resumed)
     else:
         params, optimizer, rng = initial(config)

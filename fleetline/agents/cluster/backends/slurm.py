@@ -351,21 +351,29 @@ class SlurmLauncher:
         )
         tasks = max(len(request.workers), 1)
         directory = request.directory
-        # Each task is one worker: its rank is Slurm's task id, its master the first task's
-        # node; ranks above 0 write their progress beside rank 0's, which the agent reads.
-        rank = (
-            "export FLEETLINE_RANK=$SLURM_PROCID FLEETLINE_MASTER_ADDR=$SLURM_LAUNCH_NODE_IPADDR; "
-            '[ "$SLURM_PROCID" = 0 ] || '
-            'export FLEETLINE_PROGRESS_FILE="$FLEETLINE_PROGRESS_FILE.rank$SLURM_PROCID"; '
-            'exec "$@"'
-        )
-        step = ["srun", f"--ntasks={tasks}", "--kill-on-bad-exit=1", "bash", "-c", rank]
+        # Each task is one worker, its master the first task's node; `rank.py` tells it its
+        # rank (Slurm's task id) and gives ranks above 0 a progress file beside rank 0's,
+        # which the agent reads. Several workers are one MPI world through Slurm's PMIx.
+        rank = 'export FLEETLINE_MASTER_ADDR=$SLURM_LAUNCH_NODE_IPADDR; exec "$@"'
+        step = [
+            "srun",
+            f"--ntasks={tasks}",
+            "--kill-on-bad-exit=1",
+            *(["--mpi=pmix"] if tasks > 1 else []),
+            "bash",
+            "-c",
+            rank,
+            "fleetline-rank",
+            sys.executable,
+            "-m",
+            "fleetline.agents.cluster.rank",
+        ]
         script = directory / "slurm-batch.sh"
         script.write_text(
             "#!/bin/bash\n"
             f"# fleetline {request.job} epoch {request.epoch} attempt {request.attempt}\n"
             f"exec {shlex.quote(sys.executable)} -m fleetline.agents.cluster.launch "
-            f"{shlex.quote(str(directory))} -- {shlex.join(step)} fleetline-rank "
+            f"{shlex.quote(str(directory))} -- {shlex.join(step)} "
             f"{shlex.join(request.command)}\n"
         )
         script.chmod(0o755)
