@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from fleetline.agents.cluster import workloads as procs
+from fleetline.agents.cluster.backends import RunRequest
 from fleetline.agents.cluster.backends.slurm import (
     SlurmJob,
     SlurmLauncher,
@@ -536,3 +537,21 @@ def test_a_created_pod_s_late_answer_never_hides_what_the_watch_showed_since():
         assert informer.get("fl-r-r2") is not None
     finally:
         informer.close()
+
+
+def test_a_slurm_run_of_several_workers_is_one_mpi_world_of_tasks(tmp_path):
+    launcher = SlurmLauncher("sa")
+    submitted: list[tuple[list[str], Path]] = []
+    launcher.client.submit = lambda argv, script, env: submitted.append((argv, script)) or 9  # type: ignore[method-assign,func-returns-value]
+    launcher.stale = lambda: None  # type: ignore[method-assign]
+    workers = (("sa-n0000", (0, 1)), ("sa-n0001", (0, 1)))
+    for count in (1, 2):
+        request = RunRequest(
+            "sa", "acme/dp", "acme", 1, 1, "t" * 32, "normal", workers[:count],
+            ("trainer",), {}, tmp_path,
+        )  # fmt: skip
+        launcher.start(request)
+        script = submitted[-1][1].read_text()
+        assert "-m fleetline.agents.cluster.rank trainer" in script
+        assert ("--mpi=pmix" in script) == (count == 2)
+        assert f"--ntasks={count}" in script

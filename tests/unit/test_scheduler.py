@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fleetline.agents.simulator import ClusterSpec, Fault
-from fleetline.processors.scheduling.effects import AllocationChange, DatasetRecord, PrewarmOrder
+from fleetline.processors.scheduling.effects import (
+    AllocationChange,
+    DatasetRecord,
+    PrewarmOrder,
+    WorkloadOrder,
+)
 from fleetline.processors.scheduling.policy import DEFAULT_WEIGHTS, SchedulingPolicy
+from fleetline.processors.scheduling.state import Phase
 from tests.scheduling_support import (
     THREE,
     Driver,
@@ -272,6 +280,30 @@ def test_a_job_that_allows_it_is_split_across_clusters_by_pipeline_replicas():
     assert decision.outcome == "PLACED" and len(decision.placements) >= 2
     assert sum(len(p.workers) for p in decision.placements) == 8
     assert all(len(p.workers) % 2 == 0 for p in decision.placements)
+
+
+def test_a_split_job_is_ordered_to_run_in_every_cluster_it_holds_with_global_ranks():
+    view, _ = fleet_view(THREE)
+    d = Driver(view, agents=False)
+    d.submit(training("split", workers=8, tensor=8, pipeline=2, allow_split_across_clusters=True))
+    decision = d.last("acme/split")
+    held = {p.cluster_id: len(p.workers) for p in decision.placements}
+    (order,) = [e for e in d.effects if isinstance(e, WorkloadOrder) and e.job == "acme/split"]
+    root = min(held)
+    assert order.cluster_id == root and order.parts[0][0] == root
+    assert {c: len(w) for c, _, w in order.parts} == held
+    firsts = [first for _, first, _ in order.parts]
+    assert firsts == [sum(len(w) for _, _, w in order.parts[:i]) for i in range(len(order.parts))]
+    assert order.workers == order.parts[0][2]
+    # Rank 0's part speaks for the job's running and its end; a failure anywhere fails it.
+    other = order.parts[1][0]
+    d.report(replace(order, cluster_id=other), "SUCCEEDED")
+    assert d.job("acme/split").phase == Phase.STARTING
+    d.report(order, "RUNNING")
+    assert d.job("acme/split").phase == Phase.RUNNING
+    d.report(replace(order, cluster_id=other), "FAILED", exit_code=75)
+    job = d.job("acme/split")
+    assert (job.phase, job.attempt) == (Phase.STARTING, order.attempt + 1)  # retried whole
 
 
 def test_an_elastic_job_starts_with_fewer_workers_when_that_is_all_there_is():
