@@ -85,6 +85,7 @@ bench: $(STAMP) $(MPIRUN)
 	$(PY) benchmarks/serving.py
 	$(PY) benchmarks/replay.py
 	$(PY) benchmarks/sharded.py
+	$(PY) benchmarks/dataplane.py
 
 services-start: $(STAMP)
 	$(VENV)/bin/fleetline infra start

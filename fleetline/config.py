@@ -27,6 +27,9 @@ class KafkaSettings:
     # default.replication.factor) and its min.insync.replicas (None: the cluster's default).
     replication_factor: int = -1
     min_insync_replicas: int | None = None
+    # How long a consumer group waits for a member that stopped heartbeating (a killed
+    # process) before its partitions go to another (None: librdkafka's 45 s).
+    session_timeout_ms: int | None = None
 
     def client_config(self, **extra: object) -> dict[str, object]:
         # librdkafka's own log lines go through Python logging, not straight to stderr.
@@ -144,6 +147,7 @@ class Settings:
                 env, "FLEETLINE_KAFKA_REPLICATION", defaults.kafka.replication_factor
             ),
             min_insync_replicas=_number(env, "FLEETLINE_KAFKA_MIN_INSYNC", 0) or None,
+            session_timeout_ms=_number(env, "FLEETLINE_KAFKA_SESSION_TIMEOUT_MS", 0) or None,
         )
         return cls(
             kafka=kafka,

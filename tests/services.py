@@ -102,8 +102,17 @@ def submits(*documents: dict) -> list[dict]:
     ]
 
 
-def service_env(settings: Settings, chdb_dir: Path | None = None) -> dict[str, str]:
-    """The FLEETLINE_* settings that point a `fleetline` command at the test services."""
+# A `serve` killed and started again (or a shard instance lost) hands its partitions on after
+# this long, not librdkafka's 45 s: what a test of a kill waits for is the work moving, not the
+# session running out.
+KILLED_MEMBER_SESSION_MS = 10_000
+
+
+def service_env(
+    settings: Settings, chdb_dir: Path | None = None, killed_members: bool = False
+) -> dict[str, str]:
+    """The FLEETLINE_* settings that point a `fleetline` command at the test services (with
+    `killed_members`, for a test that kills a consumer group's member: its session shortened)."""
     env = {
         "FLEETLINE_KAFKA_BOOTSTRAP": settings.kafka.bootstrap_servers,
         "FLEETLINE_S3_ENDPOINT": settings.s3.endpoint,
@@ -113,6 +122,8 @@ def service_env(settings: Settings, chdb_dir: Path | None = None) -> dict[str, s
     }
     if chdb_dir is not None:
         env["FLEETLINE_CLICKHOUSE_URL"] = f"chdb://{chdb_dir}"
+    if killed_members:
+        env["FLEETLINE_KAFKA_SESSION_TIMEOUT_MS"] = str(KILLED_MEMBER_SESSION_MS)
     return env
 
 

@@ -132,6 +132,34 @@ def actual_line(job: dict[str, Any], short: bool = False) -> str:
     )
 
 
+def data_plane_lines(config: Settings, topics: Topics, record: dict[str, Any]) -> list[str]:
+    """What the job's workers say of their data plane in its current epoch (its world and what
+    a step's exchange costs), from the workload events of its clusters: empty for a job of one
+    worker. Read from the one partition that holds the job's events."""
+    from fleetline.streams import kafka as kafka_clients
+    from fleetline.streams.partitioner import partition_for
+    from fleetline.streams.serde import default_codec
+
+    if int(record["document"]["spec"].get("workers") or 1) < 2:
+        return []
+    partitions = kafka_clients.partitions_of(config.kafka, topics.workloads)
+    partition = partition_for(record["key"].encode(), len(partitions))
+    codec = default_codec()
+    latest: dict[tuple[str, str], str] = {}
+    for message in kafka_clients.read_to_end(
+        config.kafka, topics.workloads, [partition], f"explain-{uuid.uuid4().hex[:12]}", 30
+    ):
+        event = codec.decode(message.value()).record
+        detail = event.get("detail") or ""
+        if event["job"] != record["key"] or event["epoch"] != record["epoch"]:
+            continue
+        for kind in ("a world", "data plane:"):
+            if detail.startswith(kind):
+                latest[(event["cluster_id"], kind)] = detail
+    rows = [f"  {cluster}: {detail}" for (cluster, _), detail in sorted(latest.items())]
+    return ["its workers' data plane (epoch " + str(record["epoch"]) + "):", *rows] if rows else []
+
+
 def _job_or_fail(config: Settings, topics: Topics, key: str) -> dict[str, Any]:
     value = _state(config, topics).committed(0, f"job:{key}".encode())
     if not isinstance(value, dict):
@@ -252,6 +280,9 @@ def explain(
         )
     )
     print(f"its cluster reports: {actual_line(record)}")
+    if record["kind"] == "TrainingJob" and not history:
+        for line in data_plane_lines(config, topics, record):
+            print(line)
     if record["kind"] == "InferenceService" and not history:
         from fleetline.cli.serving import explain_service
 

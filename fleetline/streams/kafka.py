@@ -176,6 +176,11 @@ def consumer(
                 "enable.auto.commit": False,
                 "enable.auto.offset.store": False,
                 "auto.offset.reset": "earliest",
+                **(
+                    {"session.timeout.ms": kafka.session_timeout_ms}
+                    if kafka.session_timeout_ms
+                    else {}
+                ),
                 **(config or {}),
             }
         )

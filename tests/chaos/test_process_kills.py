@@ -61,7 +61,7 @@ def test_sigkill_loops_lose_repeat_and_change_nothing(replicated, tmp_path, monk
     kafka_clients.ensure_topics(settings.kafka, scheduler_topics(topics))
     produce(settings, topics, [("ClusterInfo", cluster_info(c, 1, BASE_MS)) for c in CLUSTERS])
     env = {
-        **service_env(settings, tmp_path / "chdb"),
+        **service_env(settings, tmp_path / "chdb", killed_members=True),
         "FLEETLINE_AUDIT_SIGNING_KEY": str(tmp_path / "signing-key.pem"),
         "FLEETLINE_CLICKHOUSE_DATABASE": settings.clickhouse_database,
     }

@@ -78,7 +78,7 @@ def test_a_killed_view_instance_s_shards_are_taken_over(replicated, tmp_path) ->
                 group,
                 *("--sharded", "--instance-id", str(i), "--snapshot-interval", "1", *roles[i]),
             ),
-            service_env(settings, tmp_path / f"chdb{i}"),
+            service_env(settings, tmp_path / f"chdb{i}", killed_members=True),
             tmp_path / f"serve{i}.log",
         )
         for i in range(2)

@@ -468,7 +468,9 @@ def exited(stack: Stack, key: str) -> list[dict[str, Any]]:
     return [e for e in stack.events(key) if e["event"] == "EXITED" and e["exit_code"] == 0]
 
 
-def test_a_two_worker_job_and_a_split_job_train_as_one_process_does(stack, tmp_path):
+def test_a_two_worker_job_and_a_split_job_train_as_one_process_does(
+    stack, tmp_path, monkeypatch, capsys
+):
     """Two workers in one cluster (one MPI world under mpirun) and two workers split across
     two clusters (an MPI world each, their leaders over the sealed channel) end with the
     parameters, bit for bit, of one process training on the same global batches."""
@@ -504,9 +506,16 @@ def test_a_two_worker_job_and_a_split_job_train_as_one_process_does(stack, tmp_p
     assert len({(e["epoch"], e["attempt"]) for e in starting.values()}) == 1
     ends = {e["cluster_id"]: e["detail"] for e in exited(stack, "acme/dp-split")}
     assert ends == dict.fromkeys(starting, expected)  # every part holds the same parameters
-    # The root part says what crossing clusters cost.
-    crossing = [e for e in split if e["event"] == "PROGRESS" and e.get("detail")]
-    assert crossing, split
+    # What crossing clusters costs, as every part reports it and `explain` shows it.
+    crossing = [e for e in split if "bytes a step across clusters" in (e["detail"] or "")]
+    assert {e["cluster_id"] for e in crossing} == set(starting)
+    for name, value in service_env(stack.settings).items():
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    assert main(["explain", "acme/dp-split", "--topic-prefix", stack.topics.prefix]) == 0
+    explained = capsys.readouterr().out
+    assert "its workers' data plane" in explained
+    assert "a world of 2 workers" in explained and "bytes a step across clusters" in explained
 
 
 def test_losing_one_cluster_of_a_split_job_resumes_all_of_it_from_one_checkpoint(stack, tmp_path):

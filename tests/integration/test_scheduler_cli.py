@@ -52,7 +52,7 @@ def test_serve_schedules_what_the_cli_applies_through_a_sigkill(
     kafka_clients.ensure_topics(settings.kafka, scheduler_topics(topics))
     produce(settings, topics, [("ClusterInfo", cluster_info(c, 1, BASE_MS)) for c in CLUSTERS])
     produce(settings, topics, scenario_events(seconds=4))
-    env = service_env(settings, tmp_path / "chdb")
+    env = service_env(settings, tmp_path / "chdb", killed_members=True)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     group = f"v-{uuid.uuid4().hex[:8]}"

@@ -137,7 +137,7 @@ def test_sigkill_mid_stream_then_restart_equals_a_clean_replay(settings, tmp_pat
     group = f"v-{uuid.uuid4().hex[:10]}"
     root = f"views/{topics.prefix}/{group}"
     snapshots = snapshot_store(settings, root)
-    env = {**os.environ, **service_env(settings, tmp_path / "chdb")}
+    env = {**os.environ, **service_env(settings, tmp_path / "chdb", killed_members=True)}
     command = serve_command(topics.prefix, group, "--snapshot-interval", "0.3")
     events = scenario_events(seconds=40)
     produce(settings, topics, events[: len(events) // 3])

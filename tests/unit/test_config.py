@@ -71,6 +71,13 @@ def test_replication_comes_from_the_environment_or_the_cluster() -> None:
         Settings.from_env({"FLEETLINE_KAFKA_REPLICATION": "0"})
 
 
+def test_a_consumer_session_is_librdkafka_s_unless_the_environment_shortens_it() -> None:
+    assert Settings.from_env({}).kafka.session_timeout_ms is None
+    shortened = Settings.from_env({"FLEETLINE_KAFKA_SESSION_TIMEOUT_MS": "10000"}).kafka
+    assert shortened.session_timeout_ms == 10_000
+    assert "session.timeout.ms" not in shortened.client_config()  # producers take none
+
+
 def _properties(text: str) -> dict[str, str]:
     return dict(line.split("=", 1) for line in text.splitlines())
 
