@@ -12,14 +12,24 @@ reported and training goes on, to try again at the next, so a copy cut off from 
 still running when the link returns (and is fenced then, if its job has moved); one on SIGTERM
 or at the end that cannot be written is an exit 1.
 
+Data-parallel: a run of several workers (one process each, under `mpirun` or `srun`) trains as
+one: every worker draws the same global batch, computes its block of the batch's gradient
+shards, and the data plane (`agents/dataplane/`) sums every shard in shard order and hands the
+sum to every worker, within its cluster over MPI and across clusters over the leaders' sealed
+channel, so the parameters stay bit-identical to one process's. Global rank 0 alone reads and
+writes checkpoints; what it resumed from is handed to every worker. A SIGTERM on any worker
+stops every worker after the same step; a part of the job that cannot be reached is an exit 75
+(`peer_lost`), the whole job to be retried or moved.
+
 The contract, which any other command can keep (a PyTorch job, say): environment in
-(FLEETLINE_JOB, _TENANT, _CLUSTER, _EPOCH, _ATTEMPT, _TRACE_ID, _WORKERS, _RANK, _WORLD_SIZE,
-_MASTER_ADDR (where a backend starts one task per worker: the first one's node),
+(FLEETLINE_JOB, _TENANT, _CLUSTER, _EPOCH, _ATTEMPT, _TRACE_ID, _WORKERS, _RANK (global),
+_LOCAL_RANK, _RANK_BASE, _LOCAL_WORKERS, _WORLD_SIZE, _PARTS and _DATAPLANE_BUCKET (a job split
+across clusters), _MASTER_ADDR (where a backend starts one task per worker: the first one's node),
 CUDA_VISIBLE_DEVICES, the S3 endpoint and credentials, FLEETLINE_CHECKPOINT_BUCKET and _PREFIX,
 _CHECKPOINT_KEY when sealed, FLEETLINE_RESUME_CHECKPOINT (the checkpoint to resume from; empty:
 start afresh; unset: the newest complete one), FLEETLINE_PROGRESS_FILE, FLEETLINE_CONTROL_FILE);
-out: JSON lines appended to the progress file (`resumed`, `progress`, `checkpoint`,
-`checkpoint_failed`, `tuned`, `done`, `stopped`) and checkpoints with a manifest written last.
+out: JSON lines appended to the progress file (`resumed`, `world`, `progress`, `checkpoint`,
+`checkpoint_failed`, `tuned`, `done`, `stopped`, `peer_lost`, `dataplane_failed`) and checkpoints with a manifest written last.
 
 The control file (JSON, replaced whole by the cluster agent while the workload runs) says what
 may change after the start: `checkpoint_interval_s`, the job spec's, which operations may tune.

@@ -106,7 +106,9 @@ def pods_for(
     for rank, (node, gpus) in enumerate(request.workers):
         progress = request.env.get("FLEETLINE_PROGRESS_FILE", "")
         env = {
-            "FLEETLINE_RANK": str(rank),
+            # Global: a split job's part starts at its first rank.
+            "FLEETLINE_RANK": str(int(request.env.get("FLEETLINE_RANK_BASE") or 0) + rank),
+            "FLEETLINE_LOCAL_RANK": str(rank),
             "FLEETLINE_MASTER_ADDR": master,
             # Ranks above 0 write their progress beside rank 0's, which the agent reads.
             **({"FLEETLINE_PROGRESS_FILE": f"{progress}.rank{rank}"} if rank and progress else {}),

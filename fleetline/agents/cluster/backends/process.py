@@ -132,14 +132,16 @@ class ProcessLauncher:
                 "--",
                 *worker_command(request),
             ],
-            env={
-                **request.env,
-                **(
-                    MPI_ENV
-                    if len(request.workers) > 1
-                    else {"FLEETLINE_RANK": "0", "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
-                ),
-            },
+            env=(
+                # Each worker's GPUs are rank.py's to set, from FLEETLINE_WORKERS.
+                {k: v for k, v in request.env.items() if k != "CUDA_VISIBLE_DEVICES"} | MPI_ENV
+                if len(request.workers) > 1
+                else {
+                    **request.env,
+                    "FLEETLINE_RANK": "0",
+                    "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)),
+                }
+            ),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
