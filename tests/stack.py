@@ -295,18 +295,28 @@ def running_stack(
         fleet.close()
 
 
-def training(name: str, retry: Mapping[str, Any] | None = None, **workload: Any) -> dict[str, Any]:
-    """A TrainingJob of tenant acme: one worker of 2 H100s running the built-in trainer with
-    `workload`, under `retry` when given."""
+def training(
+    name: str,
+    retry: Mapping[str, Any] | None = None,
+    *,
+    workers: int = 1,
+    per_worker: int = 2,
+    split: bool = False,
+    **workload: Any,
+) -> dict[str, Any]:
+    """A TrainingJob of tenant acme: `workers` data-parallel workers (one by default) of
+    `per_worker` H100s running the built-in trainer with `workload`, under `retry` when given,
+    split across clusters (by whole workers) when `split` allows it and no cluster holds it."""
     return {
         "kind": "TrainingJob",
         "metadata": {"name": name, "tenant": "acme"},
         "spec": {
             "accelerator": "H100",
-            "gpus_per_worker": 2,
-            "workers": 1,
+            "gpus_per_worker": per_worker,
+            "workers": workers,
             "workload": workload,
             **({"retry": dict(retry)} if retry else {}),
+            **({"allow_split_across_clusters": True} if split else {}),
         },
     }
 

@@ -447,23 +447,6 @@ def test_a_tuned_checkpoint_interval_reaches_the_running_workload(stack):
     )
 
 
-def data_parallel(name: str, workers: int, per_worker: int, **workload: Any) -> dict[str, Any]:
-    """A data-parallel TrainingJob of the built-in trainer, which may be split across
-    clusters (by whole workers: each one holds a full model replica)."""
-    return {
-        "kind": "TrainingJob",
-        "metadata": {"name": name, "tenant": "acme"},
-        "spec": {
-            "accelerator": "H100",
-            "gpus_per_worker": per_worker,
-            "workers": workers,
-            "parallelism": {"tensor": per_worker},
-            "allow_split_across_clusters": True,
-            "workload": workload,
-        },
-    }
-
-
 def exited(stack: Stack, key: str) -> list[dict[str, Any]]:
     return [e for e in stack.events(key) if e["event"] == "EXITED" and e["exit_code"] == 0]
 
@@ -489,7 +472,8 @@ def test_a_two_worker_job_and_a_split_job_train_as_one_process_does(
         stack.settings.kafka,
         stack.topics,
         submits(
-            data_parallel("dp-one", 2, 2, **workload), data_parallel("dp-split", 2, 8, **workload)
+            training("dp-one", workers=2, per_worker=2, split=True, **workload),
+            training("dp-split", workers=2, per_worker=8, split=True, **workload),
         ),
     )
     for key in ("acme/dp-one", "acme/dp-split"):
@@ -527,7 +511,9 @@ def test_losing_one_cluster_of_a_split_job_resumes_all_of_it_from_one_checkpoint
     submit(
         stack.settings.kafka,
         stack.topics,
-        submits(data_parallel("dp-lost", 3, 8, step_delay_ms=8, **workload)),
+        submits(
+            training("dp-lost", workers=3, per_worker=8, split=True, step_delay_ms=8, **workload)
+        ),
     )
 
     def running_in(epoch: int | None = None) -> set[str]:
