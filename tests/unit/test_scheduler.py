@@ -212,6 +212,38 @@ def test_data_locality_wins_when_the_job_fits_where_the_data_is():
     assert feasible and all(o.total < best.total for o in feasible)
 
 
+def test_a_dataset_s_residency_keeps_its_data_and_its_jobs_in_its_regions():
+    view, _ = fleet_view(THREE)
+    d = Driver(view)
+    resident = dataset("patients", "10TB", ["eu-west-a"])
+    resident["spec"] |= {"residency": ["eu-west"], "sensitivity": "restricted"}
+    d.submit(resident)
+    assert d.last("dataset:patients").outcome == "ACCEPTED"
+    # Placed where the data may be, never prewarmed elsewhere, whatever scores higher.
+    d.submit(training("study", workers=1, dataset="patients"))
+    decision = d.last("acme/study")
+    assert decision.cluster_id == "eu-west-a" and not decision.prewarms
+    outside = {a.cluster_id: a for a in decision.alternatives if a.by == "residency"}
+    assert set(outside) == {"us-east-a", "ap-south-a"}
+    assert "dataset patients stays in eu-west (its residency); region us-east is outside" in (
+        outside["us-east-a"].rejected or ""
+    )
+    # eu-west-a full: the next job waits there rather than moving the data out.
+    d.submit(training("big", workers=4, dataset="patients"))
+    queued = d.last("acme/big")
+    assert queued.outcome == "QUEUED" and not queued.prewarms
+    # A replica outside the residency, or a job asking for another region: refused, the
+    # field named.
+    stray = dataset("stray", "1TB", ["us-east-a"])
+    stray["spec"]["residency"] = ["eu-west"]
+    d.submit(stray)
+    refused = d.last("dataset:stray")
+    assert refused.outcome == "REJECTED" and refused.reason.startswith("spec.replicas: ")
+    d.submit(training("far", workers=1, dataset="patients", region="us-east"))
+    far = d.last("acme/far")
+    assert far.outcome == "REJECTED" and far.reason.startswith("spec.region: us-east is outside")
+
+
 def test_without_data_the_cheapest_wins_unless_the_operator_prefers_another():
     view, _ = fleet_view(THREE)
     cheap = Driver(view)

@@ -123,6 +123,12 @@ spec:
             "fleetline/v1",
         ),
         ("key: [unclosed", "(text)", "not YAML or JSON"),
+        (
+            "kind: Dataset\nmetadata: {name: d, tenant: t}\n"
+            "spec: {size: 1, sensitivity: restricted}",
+            "spec.residency",
+            "a restricted dataset must name the regions its data stays in",
+        ),
     ],
 )
 def test_specific_errors(text, path, message):

@@ -29,7 +29,8 @@ CUDA_VISIBLE_DEVICES, the S3 endpoint and credentials, FLEETLINE_CHECKPOINT_BUCK
 _CHECKPOINT_KEY when sealed, FLEETLINE_RESUME_CHECKPOINT (the checkpoint to resume from; empty:
 start afresh; unset: the newest complete one), FLEETLINE_PROGRESS_FILE, FLEETLINE_CONTROL_FILE);
 out: JSON lines appended to the progress file (`resumed`, `world`, `progress`, `checkpoint`,
-`checkpoint_failed`, `tuned`, `done`, `stopped`, `peer_lost`, `dataplane_failed`) and checkpoints with a manifest written last.
+`checkpoint_failed`, `tuned`, `done`, `stopped`, `peer_lost`, `dataplane_failed`) and
+checkpoints with a manifest written last.
 
 The control file (JSON, replaced whole by the cluster agent while the workload runs) says what
 may change after the start: `checkpoint_interval_s`, the job spec's, which operations may tune.

@@ -107,6 +107,7 @@ class DatasetFacts:
     tenant: str
     size_bytes: int
     replicas: tuple[str, ...]
+    residency: tuple[str, ...] = ()  # the regions its data may be in; empty: any
 
 
 # (the view's node object, its epoch, its status, its capacity)

@@ -220,6 +220,7 @@ class DatasetRecord:
     size_bytes: int
     replicas: tuple[str, ...]
     deleted: bool = False
+    residency: tuple[str, ...] = ()  # kept in the scheduler's state, not (yet) on the topic
 
 
 Effect = Decision | AllocationChange | PrewarmOrder | DatasetRecord | WorkloadOrder

@@ -217,6 +217,21 @@ def _pool(ctx: Context, cluster_id: str) -> str | None:
     return None
 
 
+def _residency(ctx: Context, cluster_id: str) -> str | None:
+    """A dataset's residency: its data never goes to a cluster outside its regions. Not a
+    policy's to switch off (always the first check)."""
+    d = ctx.request.dataset
+    if d is None or not d.residency:
+        return None
+    c = ctx.cluster(cluster_id)
+    if c is not None and c.region in d.residency:
+        return None
+    return (
+        f"dataset {d.dataset_id} stays in {', '.join(d.residency)} (its residency); "
+        f"region {c.region if c else '?'} is outside"
+    )
+
+
 FILTERS: dict[str, Filter] = {
     "reachable": _reachable,
     "accelerator": _accelerator,
@@ -318,7 +333,7 @@ def rank_clusters(ctx: Context) -> list[ClusterScore]:
             default=0.0,
         )
     scorers = [(name, SCORERS[name], weights[name]) for name in sorted(weights) if weights[name]]
-    filters = [(name, FILTERS[name]) for name in ctx.policy.filters]
+    filters = [("residency", _residency), *((name, FILTERS[name]) for name in ctx.policy.filters)]
     out = []
     for cluster_id in _cluster_ids(ctx.index):
         reason = rejected_by = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from enum import StrEnum
 from typing import Any
@@ -113,6 +113,10 @@ def submit(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> Non
         return
     if isinstance(spec, Dataset):
         register_dataset(s, out, spec)
+        return
+    refusal = residency_refusal(s, spec.spec)
+    if refusal is not None:
+        decide_about(s, out, key, tenant, spec.kind, Outcome.REJECTED, refusal, 0)
         return
     priority = PRIORITIES[spec.spec.priority_class]
     job = s.jobs.get(key)
@@ -359,6 +363,7 @@ def dataset_ready(s: SchedulerState, out: EffectLog, request: Mapping[str, Any])
                 0,
                 current.size_bytes,
                 tuple(sorted({*current.replicas, cluster})),
+                residency=current.residency,
             ),
         )
     for key in sorted(s.jobs):
@@ -401,13 +406,34 @@ def register_dataset(s: SchedulerState, out: EffectLog, spec: Dataset) -> None:
     if block is not None:
         decide_about(s, out, f"dataset:{name}", tenant, "Dataset", Outcome.REJECTED, block, 0)
         return
+    outside = outside_residency(s, spec.spec.replicas, spec.spec.residency)
+    if outside:
+        decide_about(
+            s,
+            out,
+            f"dataset:{name}",
+            tenant,
+            "Dataset",
+            Outcome.REJECTED,
+            f"spec.replicas: {outside}",
+            0,
+        )
+        return
     usage.storage_bytes += after - before
     s.dirty.add(f"tenant:{tenant}")
     s.pass_wanted = True
     record_dataset(
         s,
         out,
-        DatasetRecord(name, tenant, 0, 0, spec.spec.size_bytes, tuple(sorted(spec.spec.replicas))),
+        DatasetRecord(
+            name,
+            tenant,
+            0,
+            0,
+            spec.spec.size_bytes,
+            tuple(sorted(spec.spec.replicas)),
+            residency=tuple(spec.spec.residency),
+        ),
     )
     decide_about(
         s,
@@ -420,6 +446,38 @@ def register_dataset(s: SchedulerState, out: EffectLog, spec: Dataset) -> None:
         f"tenant {tenant} stores {usage.storage_bytes} bytes",
         0,
     )
+
+
+def residency_refusal(s: SchedulerState, spec: object) -> str | None:
+    """Why a training job may not have its dataset where it asks for it (its `region` outside
+    the dataset's residency), or None."""
+    if not isinstance(spec, TrainingJobSpec) or not spec.dataset or spec.region is None:
+        return None
+    dataset = s.dataset(spec.dataset)
+    if dataset is None or not dataset.residency or spec.region in dataset.residency:
+        return None
+    return (
+        f"spec.region: {spec.region} is outside the residency of dataset {spec.dataset} "
+        f"({', '.join(dataset.residency)}): its data may not leave those regions"
+    )
+
+
+def outside_residency(
+    s: SchedulerState, clusters: Iterable[str], residency: Iterable[str]
+) -> str | None:
+    """Why a dataset's replicas break its residency (a cluster outside its regions), or None;
+    a cluster the scheduler has not seen yet is judged when a job would use it."""
+    regions = tuple(residency)
+    if not regions:
+        return None
+    for cluster_id in clusters:
+        facts = s.facts.clusters.get(cluster_id)
+        if facts is not None and facts.region not in regions:
+            return (
+                f"a replica in {cluster_id} (region {facts.region}) is outside its residency "
+                f"({', '.join(regions)})"
+            )
+    return None
 
 
 def delete_dataset(s: SchedulerState, out: EffectLog, name: str, tenant: str) -> None:

@@ -415,6 +415,14 @@ class DatasetSpec(Model):
     size: Bytes
     replicas: Names = ()
     source: Text | None = None
+    residency: Names = Field(
+        default=(),
+        description="the regions its data may be in (empty: any); placement and prewarm "
+        "keep it there",
+    )
+    sensitivity: Literal["public", "internal", "restricted"] = Field(
+        default="internal", description="restricted: it must declare its residency"
+    )
 
     @property
     def size_bytes(self) -> int:
@@ -613,6 +621,17 @@ def _cross_field(kind: str, document: Mapping[str, Any]) -> list[FieldError]:
         replicas = spec.get("replicas") if isinstance(spec, Mapping) else None
         if isinstance(replicas, list) and len(set(map(str, replicas))) != len(replicas):
             errors.append(FieldError("spec.replicas", "names a cluster or region twice"))
+        if (
+            isinstance(spec, Mapping)
+            and spec.get("sensitivity") == "restricted"
+            and not spec.get("residency")
+        ):
+            errors.append(
+                FieldError(
+                    "spec.residency",
+                    "a restricted dataset must name the regions its data stays in",
+                )
+            )
     return errors
 
 

@@ -334,7 +334,9 @@ class SchedulerState:
             return (
                 None
                 if own.deleted
-                else DatasetFacts(own.dataset_id, own.tenant, own.size_bytes, own.replicas)
+                else DatasetFacts(
+                    own.dataset_id, own.tenant, own.size_bytes, own.replicas, own.residency
+                )
             )
         return self.facts.datasets.get(dataset_id)
 
@@ -436,6 +438,7 @@ class SchedulerState:
                         "size_bytes": d.size_bytes,
                         "replicas": list(d.replicas),
                         "deleted": d.deleted,
+                        "residency": list(d.residency),
                     },
                 )
             else:
@@ -489,6 +492,7 @@ class SchedulerState:
                     value["size_bytes"],
                     tuple(value["replicas"]),
                     value["deleted"],
+                    tuple(value.get("residency") or ()),  # absent from older snapshots
                 )
         self.rebuild_index()
 
