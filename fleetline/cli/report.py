@@ -110,6 +110,7 @@ def print_result(console: Console, result: SliceResult, clickhouse_url: str, pre
     )
     print_scheduling(console, result.scheduling)
     print_cluster_story(console, result.cluster_story)
+    print_split_story(console, result.split_story)
     print_serving_day(console, result.serving_day)
     say("timings: " + ", ".join(f"{k} {v:.1f}s" for k, v in result.timings.items()))
 
@@ -185,6 +186,18 @@ def print_cluster_story(console: Console, story: dict[str, Any]) -> None:
             f"its trace {trace['trace_id']}: {trace['hops']} hops over {trace['span_s']:.1f}s "
             f"across {', '.join(trace['clusters'])} (`fleetline trace {trace['trace_id']}`)"
         )
+
+
+def print_split_story(console: Console, story: dict[str, Any]) -> None:
+    if not story:
+        return
+    console.print(
+        f"\ndata plane: {story['job']} split across {', '.join(story['clusters'])} "
+        f"({story['world']}); {story['data_plane'] or 'no exchange reported'}; final "
+        "parameters "
+        + ("bit-identical to one process's" if story["identical"] else "DIFFERENT")
+        + f" (`fleetline explain {story['job']}`)"
+    )
 
 
 def print_serving_day(console: Console, day: dict[str, Any]) -> None:

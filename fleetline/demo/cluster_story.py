@@ -426,3 +426,81 @@ def lose_a_cluster(
         return story
     finally:
         follower.close()
+
+
+def follow_a_split_job(
+    agents: ClusterAgents,
+    job: str,
+    workload: dict[str, Any],
+    job_of: Callable[[str], dict[str, Any] | None],
+    say: Callable[[str], None],
+    timeout_s: float = 180.0,
+) -> dict[str, Any]:
+    """Follow `job`, split across clusters, to its end: the clusters its parts ran in, its world,
+    what its gradient exchange cost and whether its parameters are one process's."""
+    follower = Follower(agents.settings, agents.topics)
+    began = time.monotonic()
+    deadline = began + timeout_s
+
+    def at() -> str:
+        return f"+{time.monotonic() - began:.1f}s"
+
+    def until(what: str, condition: Callable[[], Any]) -> Any:
+        while time.monotonic() < deadline:
+            follower.poll()
+            found = condition()
+            if found:
+                return found
+        record = job_of(job) or {}
+        raise StreamError(
+            f"the data-plane story timed out waiting for {what}: {job} is {record.get('phase')}"
+        )
+
+    try:
+        world = until(
+            "its workers to meet",
+            lambda: [
+                e
+                for e in follower.events(job, "PROGRESS")
+                if (e["detail"] or "").startswith("a world")
+            ],
+        )[0]
+        parts = sorted({e["cluster_id"] for e in follower.events(job, "RUNNING")})
+        say(f"{at()}: {job} runs in {', '.join(parts)}: {world['detail']}")
+        done = until(
+            "the job to finish",
+            lambda: (
+                (job_of(job) or {}).get("phase") == "Succeeded"
+                and [
+                    e
+                    for e in follower.events(job, "EXITED")
+                    if e["exit_code"] == 0 and (e["detail"] or "").startswith("params")
+                ]
+            ),
+        )[0]
+        costs = [
+            e
+            for e in follower.events(job, "PROGRESS")
+            if e["cluster_id"] == done["cluster_id"]
+            and (e["detail"] or "").startswith("data plane:")
+        ]
+        last = costs[-1] if costs else None
+        digest, reference_s = _reference(agents.settings, workload)
+        identical = done["detail"] == f"params sha256 {digest}"
+        say(
+            f"{at()}: {job} finished; "
+            + (f"{last['detail']}; " if last else "")
+            + "its parameters are "
+            + ("bit-identical to" if identical else "DIFFERENT from")
+            + f" one process's on the same batches ({reference_s:.1f}s)"
+        )
+        return {
+            "job": job,
+            "clusters": parts,
+            "world": world["detail"],
+            "data_plane": last["detail"] if last else None,
+            "samples_per_s": last["samples_per_s"] if last else None,
+            "identical": identical,
+        }
+    finally:
+        follower.close()

@@ -27,7 +27,12 @@ from fleetline.agents.simulator import FleetSimulator
 from fleetline.api.auth import AuthConfig, Authenticator, token_digest
 from fleetline.app import Fleetline, Options, api_server, build
 from fleetline.config import Settings
-from fleetline.demo.cluster_story import ClusterAgents, LabClusterAgents, lose_a_cluster
+from fleetline.demo.cluster_story import (
+    ClusterAgents,
+    LabClusterAgents,
+    follow_a_split_job,
+    lose_a_cluster,
+)
 from fleetline.demo.scenario import Scenario
 from fleetline.demo.serving_story import serving_day
 from fleetline.errors import StreamError
@@ -76,6 +81,7 @@ class SliceResult:
     audit: dict[str, Any]
     scheduling: dict[str, Any] = field(default_factory=dict)
     cluster_story: dict[str, Any] = field(default_factory=dict)
+    split_story: dict[str, Any] = field(default_factory=dict)
     serving_day: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -485,6 +491,17 @@ def play(
             timings["cluster_story_s"] = time.monotonic() - began
             clusters = len(set(story["ran_in"]))
             story["trace"] = job_trace(fleet, scenario.lose_cluster_of, clusters)
+        split: dict[str, Any] = {}
+        if scenario.split_job:
+            began = time.monotonic()
+            split = follow_a_split_job(
+                agents,
+                scenario.split_job,
+                _workload_of(scenario, scenario.split_job),
+                lambda key: _job(fleet, key),
+                progress,
+            )
+            timings["split_story_s"] = time.monotonic() - began
         serving: dict[str, Any] = {}
         if scenario.serving_day:
             began = time.monotonic()
@@ -544,6 +561,7 @@ def play(
         audit=audit,
         scheduling=scheduling,
         cluster_story=story,
+        split_story=split,
         serving_day=serving,
         timings=timings,
     )

@@ -83,6 +83,8 @@ class Scenario:
     lose_cluster_of: str | None = None
     # After that: a compressed day of an inference service (demo/serving_story.py).
     serving_day: Mapping[str, Any] | None = None
+    # After the timeline: this job, split across clusters, followed to its end (tenant/name).
+    split_job: str | None = None
     source: Path | None = field(default=None, compare=False)
 
     def sized(
@@ -309,6 +311,7 @@ def parse(data: Any, name: str = "scenario", source: Path | None = None) -> Scen
             "timeline",
             "lose_cluster_of",
             "serving_day",
+            "split_job",
         },
         name,
     )
@@ -338,6 +341,7 @@ def parse(data: Any, name: str = "scenario", source: Path | None = None) -> Scen
         events=tuple(_event(e, i) for i, e in enumerate(_list(top.get("timeline"), "timeline"))),
         lose_cluster_of=str(top["lose_cluster_of"]) if top.get("lose_cluster_of") else None,
         serving_day=_serving_day(top.get("serving_day")),
+        split_job=str(top["split_job"]) if top.get("split_job") else None,
         source=source,
     )
 

@@ -162,3 +162,16 @@ def test_a_split_job_s_order_is_each_part_s_own_run_in_its_cluster():
     assert (cc.first_rank, cc.world_size) == (1, 3)
     # A cluster holding no part sees the order as one for another cluster: it runs nothing.
     assert order.seen_from("cb").cluster_id == "ca"
+
+
+def test_the_dataplane_scenario_s_job_fits_no_cluster_alone_and_two_together() -> None:
+    from fleetline.demo import scenario
+
+    story = scenario.load("dataplane")
+    assert story.split_job == "acme/split"
+    (job,) = [d for e in story.events for d in e.apply if d["metadata"]["name"] == "split"]
+    spec = job["spec"]
+    gpus = spec["workers"] * spec["gpus_per_worker"]
+    per_cluster = [c.spec.nodes * 8 for c in story.clusters]
+    assert spec["allow_split_across_clusters"] is True
+    assert all(held < gpus for held in per_cluster) and sum(per_cluster) >= gpus
