@@ -21,7 +21,8 @@ def run(
     scenario: Annotated[
         str,
         typer.Option(
-            help="a scenario in fleetline/demo/scenarios (default, managers, dataplane) or a YAML file"
+            help="a scenario in fleetline/demo/scenarios (default, managers, dataplane) "
+            "or a YAML file"
         ),
     ] = "default",
     clusters: Annotated[
