@@ -269,6 +269,39 @@ def _reference(settings: Settings, workload: dict[str, Any]) -> tuple[str, float
     return str(done["params_sha256"]), time.monotonic() - began
 
 
+class StoryClock:
+    """A story's time: `until` a condition holds (polling the topics), within its deadline;
+    `at` says how far into the story."""
+
+    def __init__(
+        self,
+        follower: Follower,
+        job: str,
+        job_of: Callable[[str], dict[str, Any] | None],
+        story: str,
+        timeout_s: float,
+    ) -> None:
+        self.follower, self.job, self.job_of, self.story = follower, job, job_of, story
+        self.began = time.monotonic()
+        self.deadline = self.began + timeout_s
+
+    def until(self, what: str, condition: Callable[[], Any]) -> Any:
+        while time.monotonic() < self.deadline:
+            self.follower.poll()
+            found = condition()
+            if found:
+                return found
+        record = self.job_of(self.job) or {}
+        conditions = {k: v["reason"] for k, v in (record.get("conditions") or {}).items()}
+        raise StreamError(
+            f"{self.story} timed out waiting for {what}: {self.job} is "
+            f"{record.get('phase')} ({conditions})"
+        )
+
+    def at(self) -> str:
+        return f"+{time.monotonic() - self.began:.1f}s"
+
+
 def lose_a_cluster(
     agents: ClusterAgents,
     job: str,
@@ -281,24 +314,8 @@ def lose_a_cluster(
     happened, with the seconds each step took."""
     follower = Follower(agents.settings, agents.topics)
     story: dict[str, Any] = {"job": job}
-    began = time.monotonic()
-    deadline = began + timeout_s
-
-    def until(what: str, condition: Callable[[], Any]) -> Any:
-        while time.monotonic() < deadline:
-            follower.poll()
-            found = condition()
-            if found:
-                return found
-        record = job_of(job) or {}
-        conditions = {k: v["reason"] for k, v in (record.get("conditions") or {}).items()}
-        raise StreamError(
-            f"the cluster story timed out waiting for {what}: {job} is "
-            f"{record.get('phase')} ({conditions})"
-        )
-
-    def at() -> str:
-        return f"+{time.monotonic() - began:.1f}s"
+    clock = StoryClock(follower, job, job_of, "the cluster story", timeout_s)
+    until, at = clock.until, clock.at
 
     try:
         first = until("the job to run", lambda: follower.events(job, "RUNNING"))[0]
@@ -439,22 +456,8 @@ def follow_a_split_job(
     """Follow `job`, split across clusters, to its end: the clusters its parts ran in, its world,
     what its gradient exchange cost and whether its parameters are one process's."""
     follower = Follower(agents.settings, agents.topics)
-    began = time.monotonic()
-    deadline = began + timeout_s
-
-    def at() -> str:
-        return f"+{time.monotonic() - began:.1f}s"
-
-    def until(what: str, condition: Callable[[], Any]) -> Any:
-        while time.monotonic() < deadline:
-            follower.poll()
-            found = condition()
-            if found:
-                return found
-        record = job_of(job) or {}
-        raise StreamError(
-            f"the data-plane story timed out waiting for {what}: {job} is {record.get('phase')}"
-        )
+    clock = StoryClock(follower, job, job_of, "the data-plane story", timeout_s)
+    until, at = clock.until, clock.at
 
     try:
         world = until(

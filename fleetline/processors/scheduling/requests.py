@@ -385,39 +385,21 @@ def record_dataset(s: SchedulerState, out: EffectLog, record: DatasetRecord) -> 
 def register_dataset(s: SchedulerState, out: EffectLog, spec: Dataset) -> None:
     tenant, name = spec.metadata.tenant, spec.metadata.name
     current = s.dataset(name)
-    if current is not None and current.tenant != tenant:
-        decide_about(
-            s,
-            out,
-            f"dataset:{name}",
-            tenant,
-            "Dataset",
-            Outcome.REJECTED,
-            f"dataset {name} belongs to another tenant",
-            0,
-        )
-        return
     usage = s.usage_of(tenant)
     before = current.size_bytes * len(current.replicas) if current else 0
     after = spec.spec.size_bytes * len(spec.spec.replicas)
-    block = quota_block(
-        s.tenant_policy_of(tenant), usage, Request(storage_bytes=max(0, after - before))
-    )
-    if block is not None:
-        decide_about(s, out, f"dataset:{name}", tenant, "Dataset", Outcome.REJECTED, block, 0)
-        return
-    outside = outside_residency(s, spec.spec.replicas, spec.spec.residency)
-    if outside:
-        decide_about(
-            s,
-            out,
-            f"dataset:{name}",
-            tenant,
-            "Dataset",
-            Outcome.REJECTED,
-            f"spec.replicas: {outside}",
-            0,
+    refusal = (
+        f"dataset {name} belongs to another tenant"
+        if current is not None and current.tenant != tenant
+        else quota_block(
+            s.tenant_policy_of(tenant), usage, Request(storage_bytes=max(0, after - before))
         )
+    )
+    if refusal is None:
+        outside = outside_residency(s, spec.spec.replicas, spec.spec.residency)
+        refusal = f"spec.replicas: {outside}" if outside else None
+    if refusal is not None:
+        decide_about(s, out, f"dataset:{name}", tenant, "Dataset", Outcome.REJECTED, refusal, 0)
         return
     usage.storage_bytes += after - before
     s.dirty.add(f"tenant:{tenant}")
