@@ -34,11 +34,12 @@ $(SLURMCTLD):
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client munge
 
 # A training job's workers talk through Open MPI (Debian's; mpi4py from PyPI loads it): the
-# process backend starts them under `mpirun`, Slurm under `srun --mpi=pmix`.
+# process backend starts them under `mpirun`, Slurm under `srun --mpi=pmix` (whose plugin loads
+# libpmix.so, which only libpmix-dev provides).
 MPIRUN := /usr/bin/mpirun
 $(MPIRUN):
 	$(SUDO) apt-get update -qq
-	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libpmix-dev
 
 $(CONTRACT_TOOLS): contract/package.json contract/package-lock.json
 	cd contract && npm ci --no-audit --no-fund --loglevel=error
