@@ -1,7 +1,7 @@
 """What a workload's progress lines say to the fleet, pure: each line of the contract's
 progress file (`progress`, `checkpoint`, `tuned`, `resumed`, `ready`, ...) -> the
 WorkloadEvents the cluster agent publishes and the PROGRESS reports it sends the scheduler.
-Lines of other kinds (`done`, `stopped`, `listening`, `idle`) tell the agent itself, and say
+Lines of other kinds (`done`, `stopped`, `listening`) tell the agent itself, and say
 nothing here."""
 
 from __future__ import annotations
