@@ -41,7 +41,11 @@ def main(argv: list[str]) -> int:
                 argv[2:],
                 stdout=out,
                 stderr=err,
-                env={**os.environ, "FLEETLINE_SIGNAL_GROUP": str(os.getpgid(0))},
+                env=(
+                    {**os.environ, "FLEETLINE_SIGNAL_GROUP": str(os.getpgid(0))}
+                    if own_group
+                    else None
+                ),
                 process_group=0 if own_group else None,
                 # The workload gets SIGTERM back (the launcher ignores it).
                 preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL),
