@@ -488,8 +488,12 @@ def test_a_two_worker_job_and_a_split_job_train_as_one_process_does(
     starting = {e["cluster_id"]: e for e in split if e["event"] == "STARTING"}
     assert len(starting) == 2, split  # one part in each of two clusters
     assert len({(e["epoch"], e["attempt"]) for e in starting.values()}) == 1
-    ends = {e["cluster_id"]: e["detail"] for e in exited(stack, "acme/dp-split")}
-    assert ends == dict.fromkeys(starting, expected)  # every part holds the same parameters
+    # Rank 0's part (the first cluster by name) ends with one process's parameters; the other
+    # exited with it, or was still exiting when the job's end (rank 0's) had it stopped.
+    ends = {e["cluster_id"]: e for e in split if e["event"] == "EXITED"}
+    root, other = sorted(starting)
+    assert (ends[root]["exit_code"], ends[root]["detail"]) == (0, expected)
+    assert ends[other]["exit_code"] == 0 or "the job succeeded" in ends[other]["detail"], ends
     # What crossing clusters costs, as every part reports it and `explain` shows it.
     crossing = [e for e in split if "bytes a step across clusters" in (e["detail"] or "")]
     assert {e["cluster_id"] for e in crossing} == set(starting)
