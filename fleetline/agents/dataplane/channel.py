@@ -102,20 +102,25 @@ class SealedChannel:
         return payload
 
     def _read(self, size: int, kind: str) -> bytes:
-        chunks, left = [], size
-        while left:
-            try:
-                chunk = self.sock.recv(min(left, 1 << 20))
-            except OSError as exc:  # a timeout included: the peer went silent
-                raise DataPlaneError(f"waiting for a {kind} from part {self.peer}: {exc}") from exc
-            if not chunk:
-                raise DataPlaneError(f"part {self.peer} closed the channel (waiting for {kind})")
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
+        return read_exact(self.sock, size, f"part {self.peer}", kind)
 
     def close(self) -> None:
         self.sock.close()
+
+
+def read_exact(sock: socket.socket, size: int, peer: str, kind: str) -> bytes:
+    """`size` bytes from `sock`, or DataPlaneError naming the peer and what was awaited."""
+    chunks, left = [], size
+    while left:
+        try:
+            chunk = sock.recv(min(left, 1 << 20))
+        except OSError as exc:  # a timeout included: the peer went silent
+            raise DataPlaneError(f"waiting for a {kind} from {peer}: {exc}") from exc
+        if not chunk:
+            raise DataPlaneError(f"{peer} closed the channel (waiting for {kind})")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
 
 
 def publish_address(store: ObjectStore, key: str, run: bytes, address: str) -> None:

@@ -30,9 +30,10 @@ from fleetline.agents.dataplane.channel import (
     DataPlaneError,
     SealedChannel,
     publish_address,
+    read_exact,
     wait_address,
 )
-from fleetline.agents.dataplane.shards import GRADIENT_SHARDS, World, ordered_sum, shards_of
+from fleetline.agents.dataplane.shards import GRADIENT_SHARDS, Part, World, ordered_sum, shards_of
 from fleetline.storage.objects import ObjectStore
 
 Shards = dict[int, NDArray[np.float64]]
@@ -95,13 +96,13 @@ class Collective:
     steps: int = 0
 
     @property
-    def part(self) -> Any:
+    def part(self) -> Part:
         return self.world.part(self.cluster_id)
 
     @property
     def rank(self) -> int:
         """This worker's global rank."""
-        return int(self.part.first_rank) + self.local_rank
+        return self.part.first_rank + self.local_rank
 
     @property
     def leader(self) -> bool:
@@ -179,7 +180,8 @@ class Collective:
                         ) from exc
                     sock.settimeout(rendezvous.timeout_s)
                     try:
-                        peer = int.from_bytes(_read_exact(sock, 4), "big")
+                        index_bytes = read_exact(sock, 4, "a new peer", "part index")
+                        peer = int.from_bytes(index_bytes, "big")
                         channel = SealedChannel(sock, rendezvous.run_key, 0, peer)
                         hello = json.loads(channel.recv("hello"))
                         if not 0 < peer < len(self.world.parts) or peer in peers:
@@ -291,16 +293,6 @@ class Collective:
     def close(self) -> None:
         for channel in self.channels:
             channel.close()
-
-
-def _read_exact(sock: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        if not chunk:
-            raise DataPlaneError("the peer closed the connection")
-        data += chunk
-    return data
 
 
 def world_from_env(env: Mapping[str, str]) -> World:
