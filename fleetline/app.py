@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from clickhouse_connect.driver.client import Client
 from fastapi import FastAPI
 
-from fleetline.agents.data_mover import SimulatedDataMover
+from fleetline.agents.data_mover import DataMover
 from fleetline.api.app import create_app
 from fleetline.api.auth import Authenticator
 from fleetline.config import Settings
@@ -105,7 +105,7 @@ class Options:
     tier_every_s: float = 0.0  # 0: no tiering in this process
     # Every tiered table's lifetime (`storage/tiering/policy.LIFETIMES`).
     lifetimes: dict[str, DataClass] = field(default_factory=lambda: dict(LIFETIMES))
-    data_mover: bool = False  # the simulated cluster layer that carries out prewarms
+    data_mover: bool = True  # copies datasets for the scheduler's prewarms (agents/data_mover.py)
     cluster_health: bool = True  # the health fold and the control plane's clock
     health_policy: ClusterHealthPolicy = field(default_factory=ClusterHealthPolicy)
     clock_interval_s: float = 0.5
@@ -197,7 +197,7 @@ class Fleetline:
     linker: StreamLoop | None = None  # decisions, orders, workload transitions -> the chainer
     audit_table: AuditTable | None = None
     signer: Signer | None = None
-    mover: SimulatedDataMover | None = None
+    mover: DataMover | None = None
     health: ClusterHealthService | None = None
     operations: OpsService | None = None
     tiering: TierLoop | None = None
@@ -410,7 +410,7 @@ def build(settings: Settings, options: Options) -> Fleetline:
             instance_id=options.instance_id,
         )
     if options.data_mover:
-        fleet.mover = SimulatedDataMover(kafka, topics)
+        fleet.mover = DataMover(kafka, settings.s3, topics)
     if options.tier_every_s:
         stores = tiered_stores(
             client, db, ObjectStore.from_settings(settings.s3), settings.s3, options.lifetimes

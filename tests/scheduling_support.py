@@ -267,6 +267,19 @@ class Driver:
     def dataset_ready(self, dataset_id: str, cluster: str, tenant: str = "acme") -> list[Effect]:
         return self.feed(self._request("DATASET_READY", f"{dataset_id}@{cluster}", tenant))
 
+    def dataset_progress(
+        self, dataset_id: str, cluster: str, report: dict[str, Any], tenant: str = "acme"
+    ) -> list[Effect]:
+        """The data mover's DATASET_PROGRESS: {copied_bytes, total_bytes} or {error}."""
+        return self.feed(
+            self._request(
+                "DATASET_PROGRESS",
+                f"{dataset_id}@{cluster}",
+                tenant,
+                spec_json=canonical_json(report),
+            )
+        )
+
     def decisions(self, job: str | None = None, outcome: str | None = None) -> list[Decision]:
         return [
             e

@@ -128,11 +128,16 @@ def service_env(
 
 
 def serve_command(
-    prefix: str, group: str, *flags: str, audit: bool = False, verbose: bool = False
+    prefix: str,
+    group: str,
+    *flags: str,
+    audit: bool = False,
+    verbose: bool = False,
+    data_mover: bool = False,
 ) -> list[str]:
     """`fleetline serve` as a child process: the view and the scheduler, without the API or
-    tiering unless `flags` ask for more, and without the audit linker and chainer unless
-    `audit`; logging at INFO with `verbose`."""
+    tiering unless `flags` ask for more, without the audit linker and chainer unless `audit`,
+    and without the data mover unless `data_mover`; logging at INFO with `verbose`."""
     return [
         sys.executable,
         "-m",
@@ -141,6 +146,7 @@ def serve_command(
         "serve",
         "--no-api",
         *(() if audit else ("--no-audit",)),
+        *(() if data_mover else ("--no-data-mover",)),
         "--tier-every",
         "0",
         "--topic-prefix",

@@ -301,26 +301,25 @@ def command(
 @agent.command(name="data-mover")
 def data_mover(
     topic_prefix: TopicPrefix = "fleetline",
-    speedup: Annotated[
-        float, typer.Option(min=1.0, help="how much faster than the order's estimate to answer")
-    ] = 3600.0,
+    copies: Annotated[int, typer.Option(min=1, help="copies carried out at once")] = 4,
 ) -> None:
-    """The simulated data mover on its own: answers the scheduler's dataset prewarm orders with
-    DATASET_READY when the copy would be done (until interrupted)."""
-    from fleetline.agents.data_mover import SimulatedDataMover
+    """The data mover on its own: carries out the scheduler's dataset prewarms, copying each
+    dataset's objects between the clusters' stores (digests verified, at the granted rate),
+    and answers DATASET_READY (until interrupted; a copy cut short goes on after a restart)."""
+    from fleetline.agents.data_mover import DataMover
     from fleetline.processors.scheduling.runtime import scheduler_topics
     from fleetline.streams import kafka as kafka_clients
     from fleetline.streams.topics import Topics
 
-    config = settings("kafka")
+    config = settings("kafka", "s3")
     topics = Topics(topic_prefix)
     kafka_clients.ensure_topics(config.kafka, scheduler_topics(topics))
-    mover = SimulatedDataMover(config.kafka, topics, speedup=speedup)
+    mover = DataMover(config.kafka, config.s3, topics, copies=copies)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with contextlib.suppress(KeyboardInterrupt):
         mover.run(stop)
-    print(f"{len(mover.moved)} prewarms answered")
+    print(f"{len(mover.moved)} prewarms done, {len(mover.failed)} failed")
 
 
 def register(app: typer.Typer) -> None:

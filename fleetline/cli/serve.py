@@ -94,11 +94,11 @@ def serve(
     data_mover: Annotated[
         bool,
         typer.Option(
-            "--data-mover",
-            help="also answer the scheduler's dataset prewarm orders with the simulated data "
-            "mover (for a simulated fleet; `fleetline agent data-mover` runs it on its own)",
+            "--data-mover/--no-data-mover",
+            help="also carry out the scheduler's dataset prewarms: copy each dataset's objects "
+            "between the clusters' stores (`fleetline agent data-mover` runs it on its own)",
         ),
-    ] = False,
+    ] = True,
     tls_cert: Annotated[
         Path | None, typer.Option(help="serve HTTPS with this certificate (PEM)")
     ] = None,

@@ -88,7 +88,7 @@ class SliceResult:
 
 def demo_options(topics: Topics) -> Options:
     """`serve`'s services, tuned for a run of seconds: frequent snapshots and ticks, a digest
-    every 10 audit links, and a simulated data mover answering prewarms."""
+    every 10 audit links, and the data mover carrying out prewarms."""
     return Options(
         topics=topics,
         snapshot_interval_s=5.0,

@@ -20,7 +20,7 @@ ClusterKind = Literal["ON_PREMISES", "CLOUD", "UNKNOWN"]
 OpsKind = Literal["OBSERVE", "TICKET_UPDATE", "OPS_POLICY", "CAPACITY_REQUEST", "RECOMMENDATION", "UNKNOWN"]
 TicketState = Literal["OPEN", "IN_REPAIR", "VERIFYING", "CLOSED", "ESCALATED", "UNKNOWN"]
 AllocationKind = Literal["ALLOCATED", "RELEASED", "UNKNOWN"]
-RequestKind = Literal["SUBMIT", "DELETE", "PROGRESS", "TENANT_POLICY", "POLICY", "DATASET_READY", "TICK", "FENCE", "UNFENCE", "ENERGY", "SERVICE_LOAD", "UNKNOWN"]
+RequestKind = Literal["SUBMIT", "DELETE", "PROGRESS", "TENANT_POLICY", "POLICY", "DATASET_READY", "TICK", "FENCE", "UNFENCE", "ENERGY", "SERVICE_LOAD", "DATASET_PROGRESS", "UNKNOWN"]
 DecisionOutcome = Literal["PLACED", "QUEUED", "PREEMPTED", "REJECTED", "RELEASED", "ACCEPTED", "SCALED", "UNKNOWN"]
 ReplicaState = Literal["STARTING", "WARM", "READY", "DRAINING", "GONE", "UNKNOWN"]
 NodeLifecycle = Literal["UP", "DRAINING", "DOWN"]
@@ -383,9 +383,11 @@ class Allocation(TypedDict):
 
 
 class DatasetPrewarm(TypedDict):
-    """An order to copy a dataset to the cluster a job was placed in, ahead of the job. Keyed by
-    <dataset>@<cluster>; the data mover answers with a DATASET_READY request when the replica is
-    complete."""
+    """An order to copy a dataset to the cluster a job will be placed in, ahead of the job (which
+    holds no GPUs until the copy is done). Keyed by <dataset>@<cluster>; the data mover copies
+    the objects under `prefix` from the source cluster's store to the same keys in the target's,
+    reports DATASET_PROGRESS, and answers with a DATASET_READY request when the replica is
+    complete and verified. v2: prefix."""
 
     dataset_id: str
     tenant: str
@@ -397,6 +399,7 @@ class DatasetPrewarm(TypedDict):
     size_bytes: int
     estimated_s: float
     rate_gbps: float
+    prefix: NotRequired[str]
 
 
 class TopicOffset(TypedDict):
@@ -419,7 +422,9 @@ class SchedulerRequest(TypedDict):
     daily electricity price and renewable share, hour by hour: key is the cluster, spec_json the
     profile). v5: SERVICE_LOAD (what a router measured of one inference service over a window:
     requests by client region, latency percentiles, the replicas' utilisation and queues; key is
-    the service, spec_json the measure, actor the router); the autoscaler scales on it."""
+    the service, spec_json the measure, actor the router); the autoscaler scales on it. v6:
+    DATASET_PROGRESS (the data mover's progress on a copy: key <dataset>@<cluster>, spec_json
+    {copied_bytes, total_bytes} or {error}); the jobs waiting for the copy say how far it is."""
 
     request_id: str
     kind: RequestKind

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -138,6 +139,20 @@ class ObjectStore:
             raise _translate(f"reading s3://{self.bucket}/{key}", exc) from None
         try:
             return response.read()
+        finally:
+            response.close()
+            response.release_conn()
+
+    def chunks(self, key: str, size: int = 1 << 18) -> Iterator[bytes]:
+        """The object's bytes, `size` at a time, as they arrive (a reader may pace itself)."""
+        try:
+            response = self.client.get_object(self.bucket, key)
+        except (S3Error, HTTPError, OSError) as exc:
+            raise _translate(f"reading s3://{self.bucket}/{key}", exc) from None
+        try:
+            yield from response.stream(size)
+        except (HTTPError, OSError) as exc:
+            raise _translate(f"reading s3://{self.bucket}/{key}", exc) from None
         finally:
             response.close()
             response.release_conn()

@@ -89,5 +89,5 @@ def test_a_go_consumer_decodes_every_message_of_live_topics(settings, tmp_path):
 
     log, records = read_with_go(binary, settings.kafka.bootstrap_servers, topics.scheduler_requests)
     assert log["messages"] == log["decoded"] == 4, log
-    assert log["by_schema"] == {"SchedulerRequest.v5": 3, "SchedulerRequest.v1": 1}
+    assert log["by_schema"] == {"SchedulerRequest.v6": 3, "SchedulerRequest.v1": 1}
     assert [r["record"]["key"] for r in records[:3]] == ["acme/j0", "acme/j1", "acme/j2"]

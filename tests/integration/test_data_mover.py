@@ -1,88 +1,240 @@
-"""The simulated data mover (the cluster layer's stand-in for dataset prewarms): an order is
-answered once it would be done, and an order taken but not answered is answered after a
-restart. It runs on its own (`fleetline agent data-mover`) and in `fleetline serve`."""
+"""The data mover copies a dataset's real objects between two clusters' stores for the
+scheduler's prewarms: at the rate the tenant's bandwidth quota grants, each object verified by
+its digest on arrival, resumed where it was after a SIGKILL, a torn or tampered object fetched
+again and never passed; the job waits Queued, holding no GPUs, until the copy is done."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
 import threading
+import uuid
+from typing import Any
 
 import pytest
 
-from fleetline.agents.data_mover import SimulatedDataMover
-from fleetline.processors.scheduling.client import read_topic
-from fleetline.processors.scheduling.runtime import scheduler_topics
-from fleetline.streams import kafka as kafka_clients
+from fleetline.agents.data_mover import DataMover
+from fleetline.agents.dataplane.prewarm import MANIFEST, CopyError, copy_dataset, upload
+from fleetline.app import Options
+from fleetline.config import Settings
+from fleetline.processors.scheduling.client import read_topic, submit
+from fleetline.processors.scheduling.codec import new_request
+from fleetline.processors.scheduling.specs import dataset_prefix
+from fleetline.storage.checkpoints import cluster_bucket
+from fleetline.storage.objects import ObjectStore
 from fleetline.streams.serde import default_codec
-from tests.support import BASE_MS, fresh_topics, wait_until
+from tests.services import KILLED_MEMBER_SESSION_MS, service_env
+from tests.stack import Stack, now_ms, running_stack
+from tests.support import wait_until
 
 pytestmark = pytest.mark.services
 CODEC = default_codec()
+QUOTA_GBPS = 0.064  # 8 MB/s: 32 MiB take ~4 s
+OBJECTS = 16
+OBJECT_BYTES = 2 << 20
 
 
-def order(dataset: str) -> bytes:
-    return CODEC.encode(
-        "DatasetPrewarm",
+def store(settings: Settings, cluster: str) -> ObjectStore:
+    return ObjectStore.from_settings(settings.s3, cluster_bucket(settings.s3.bucket, cluster))
+
+
+def objects(seed: str) -> dict[str, bytes]:
+    """Shards of pseudo-random bytes (nothing a store could compress or deduplicate)."""
+    return {
+        f"shard-{i:03d}.bin": hashlib.shake_256(f"{seed}/{i}".encode()).digest(OBJECT_BYTES)
+        for i in range(OBJECTS)
+    }
+
+
+def requests(stack: Stack, kind: str, key: str) -> list[dict[str, Any]]:
+    return [
+        r
+        for r in (
+            CODEC.decode(m.value()).record
+            for m in read_topic(stack.settings.kafka, stack.topics.scheduler_requests)
+        )
+        if r["kind"] == kind and r["key"] == key
+    ]
+
+
+def send(stack: Stack, kind: str, key: str, tenant: str, body: dict[str, Any]) -> None:
+    submit(
+        stack.settings.kafka,
+        stack.topics,
+        [
+            new_request(
+                kind,
+                key,
+                tenant,
+                now_ms(),
+                uuid.uuid4().hex,
+                spec_json=json.dumps(body),
+                actor="test",
+            )
+        ],
+    )
+
+
+def job_spec(name: str, tenant: str, dataset: str | None, steps: int) -> dict[str, Any]:
+    return {
+        "kind": "TrainingJob",
+        "metadata": {"name": name, "tenant": tenant},
+        "spec": {
+            "accelerator": "H100",
+            "gpus_per_worker": 8,
+            "workers": 1,
+            **({"dataset": dataset} if dataset else {}),
+            "workload": {"steps": steps, "step_delay_ms": 10, "report_every_steps": 50},
+        },
+    }
+
+
+@pytest.fixture
+def stack(services: Settings):
+    # The mover runs apart (`fleetline agent data-mover`), so that it can be SIGKILLed alone.
+    options = Options(tick_interval_s=0.3, clock_interval_s=0.25, data_mover=False)
+    with running_stack(services, ["ca", "cb"], options, prefix="prewarm") as built:
+        yield built
+
+
+def test_a_prewarm_copies_real_objects_at_the_quota_through_a_sigkill_and_the_job_waits_gpu_less(
+    stack: Stack, tmp_path
+):
+    name = f"corpus-{uuid.uuid4().hex[:8]}"
+    prefix = dataset_prefix("acme", name)
+    source, target = store(stack.settings, "ca"), store(stack.settings, "cb")
+    data = objects(name)
+    upload(source, prefix, data)
+    ticket = f"{name}@cb"
+    send(
+        stack,
+        "TENANT_POLICY",
+        "acme",
+        "acme",
+        {"tenant": "acme", "quota": {"bandwidth_gbps": QUOTA_GBPS}},
+    )
+    send(
+        stack,
+        "SUBMIT",
+        f"dataset:{name}",
+        "acme",
         {
-            "dataset_id": dataset,
-            "tenant": "acme",
-            "job": "acme/train",
-            "decision_id": "7.0",
-            "ts": BASE_MS,
-            "from_cluster": "eu-west-a",
-            "to_cluster": "us-east-a",
-            "size_bytes": 10**12,
-            "estimated_s": 800.0,
-            "rate_gbps": 10.0,
+            "apiVersion": "fleetline/v1",
+            "kind": "Dataset",
+            "metadata": {"name": name, "tenant": "acme"},
+            "spec": {"size": OBJECTS * OBJECT_BYTES, "replicas": ["ca"]},
         },
     )
+    # Another tenant's long job fills ca, where the data is: acme's job can only go to cb.
+    send(stack, "SUBMIT", "other/fill", "other", job_spec("fill", "other", None, 100_000))
+    wait_until(lambda: stack.phase("other/fill") in ("Starting", "Running"), 60, "the filler")
+    send(stack, "SUBMIT", "acme/train", "acme", job_spec("train", "acme", name, 200))
 
+    def waiting() -> dict[str, Any] | None:
+        job = stack.job("acme/train")
+        return job if job and "waiting for data in cb" in (job["queued_reason"] or "") else None
 
-def answers(settings, topics) -> list[str]:
-    requests = (
-        CODEC.decode(m.value()).record
-        for m in read_topic(settings.kafka, topics.scheduler_requests)
-    )
-    return [r["key"] for r in requests if r["kind"] == "DATASET_READY"]
+    wait_until(waiting, 60, "the job to wait for its data")
+    # The killed mover's group membership lapses in 10 s, not 45, for the next to take over.
+    env = {**os.environ, **service_env(stack.settings, killed_members=True)}
+    command = [
+        sys.executable,
+        "-m",
+        "fleetline.cli",
+        "agent",
+        "data-mover",
+        "--topic-prefix",
+        stack.topics.prefix,
+    ]
+    with open(tmp_path / "mover.log", "wb") as log:
+        mover = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=log)
+    try:
 
+        def a_third_copied() -> bool:
+            assert mover.poll() is None, (tmp_path / "mover.log").read_text()
+            reports = [
+                json.loads(r["spec_json"]) for r in requests(stack, "DATASET_PROGRESS", ticket)
+            ]
+            return any(r.get("copied_bytes", 0) * 3 >= r.get("total_bytes", 1) for r in reports)
 
-def run(mover: SimulatedDataMover, until) -> None:
+        wait_until(a_third_copied, 60, "a third of the copy", every_s=0.2)
+        mover.send_signal(signal.SIGKILL)
+        mover.wait(10)
+    finally:
+        if mover.poll() is None:
+            mover.kill()
+    # The job waits, holding no GPU, and says how far its data is.
+    job = waiting()
+    assert job is not None and not job["allocation"], job
+    assert " % of " + name in job["queued_reason"]
+    assert requests(stack, "DATASET_READY", ticket) == []
+    assert not target.keys(prefix + MANIFEST)
+    # One object that arrived before the kill is tampered with in cb (same size).
+    arrived = sorted(k for k in target.keys(prefix) if k != prefix + MANIFEST)
+    assert arrived, "nothing was copied before the kill"
+    tampered = arrived[0]
+    target.put(tampered, b"\0" * OBJECT_BYTES)
+
+    # The next mover takes the order up where it was: the tampered object fetched again.
+    kafka = dataclasses.replace(stack.settings.kafka, session_timeout_ms=KILLED_MEMBER_SESSION_MS)
+    again = DataMover(kafka, stack.settings.s3, stack.topics)
     stop = threading.Event()
-    thread = threading.Thread(target=mover.run, args=(stop,), daemon=True)
+    thread = threading.Thread(target=again.run, args=(stop,), daemon=True)
     thread.start()
     try:
-        wait_until(until, 60, what="the data mover")
+        wait_until(lambda: again.moved == [ticket], 90, "the copy to be done")
     finally:
         stop.set()
         thread.join(30)
+    report = again.reports[ticket]
+    assert tampered.removeprefix(prefix) in report.refetched
+    assert report.kept_bytes > 0 and report.copied_bytes < report.total_bytes  # resumed
+    # Its rate held to the tenant's quota, within 10 %.
+    assert 0.9 * QUOTA_GBPS * 1e9 <= report.rate_bps <= 1.1 * QUOTA_GBPS * 1e9, report
+    # Every byte in cb is the source's, and the manifest marks the replica complete.
+    for key, body in data.items():
+        assert hashlib.sha256(target.get(prefix + key)).digest() == hashlib.sha256(body).digest()
+    assert target.get(prefix + MANIFEST) == source.get(prefix + MANIFEST)
+    assert len(requests(stack, "DATASET_READY", ticket)) == 1
+    # Then, and only then, the job is placed: where its data now is.
+    wait_until(
+        lambda: (stack.job("acme/train") or {}).get("allocation", {}).keys() == {"cb"},
+        60,
+        "the job to be placed in cb",
+    )
+    decisions = [r for r in stack.records(stack.topics.decisions) if r["job"] == "acme/train"]
+    outcomes = [d["outcome"] for d in decisions]
+    assert outcomes.index("PLACED") > outcomes.index("QUEUED")
+    assert (
+        next(d for d in decisions if d["outcome"] == "PLACED")["placements"][0]["cluster_id"]
+        == "cb"
+    )
 
 
-def test_an_order_taken_but_not_answered_is_answered_after_a_restart(settings):
-    topics = fresh_topics()
-    kafka_clients.ensure_topics(settings.kafka, scheduler_topics(topics))
-    producer = kafka_clients.producer(settings.kafka)
-    producer.produce(topics.prewarms, key=b"web-corpus", value=order("web-corpus"))
-    producer.flush(10)
-    # Stopped after taking the order and before its copy would be done: nothing is answered.
-    slow = SimulatedDataMover(settings.kafka, topics, speedup=1.0, max_delay_s=600)
-    run(slow, lambda: slow.received == 1)
-    assert slow.moved == [] and answers(settings, topics) == []
-    # The next mover of the group gets the order again and answers it.
-    quick = SimulatedDataMover(settings.kafka, topics, speedup=1.0, max_delay_s=0.1)
-    run(quick, lambda: quick.moved == ["web-corpus@us-east-a"])
-    assert answers(settings, topics) == ["web-corpus@us-east-a"]
-    # Answered orders are committed: a third mover answers only what is new.
-    producer.produce(topics.prewarms, key=b"logs", value=order("logs"))
-    producer.flush(10)
-    third = SimulatedDataMover(settings.kafka, topics, speedup=1.0, max_delay_s=0.1)
-    run(third, lambda: third.moved == ["logs@us-east-a"])
-    assert third.received == 1
-    assert answers(settings, topics) == ["web-corpus@us-east-a", "logs@us-east-a"]
+def test_a_source_that_does_not_match_its_manifest_is_never_marked_ready(services: Settings):
+    name = f"broken-{uuid.uuid4().hex[:8]}"
+    prefix = dataset_prefix("acme", name)
+    source, target = store(services, "src"), store(services, "dst")
+    upload(source, prefix, {"a.bin": b"a" * 1000, "b.bin": b"b" * 1000})
+    source.put(prefix + "b.bin", b"B" * 1000)  # changed after its manifest was written
+    with pytest.raises(CopyError, match=r"b\.bin: its digest did not match the manifest after 3"):
+        copy_dataset(source, target, prefix, 1e9, threading.Event())
+    assert not target.keys(prefix + MANIFEST)
+    # Nothing under the prefix at all: said so.
+    with pytest.raises(CopyError, match="no objects under"):
+        copy_dataset(
+            source, target, f"datasets/acme/none-{uuid.uuid4().hex[:6]}/", 1e9, threading.Event()
+        )
 
 
-def test_serve_and_the_agent_command_run_the_mover(settings, monkeypatch):
+def test_serve_runs_the_mover_unless_told_not_to(settings, monkeypatch):
     from fleetline import app as composition
     from fleetline.cli import main
-    from tests.services import service_env
 
     for name, value in service_env(settings).items():
         monkeypatch.setenv(name, value)
@@ -96,7 +248,7 @@ def test_serve_and_the_agent_command_run_the_mover(settings, monkeypatch):
         raise _Stop
 
     monkeypatch.setattr(composition, "build", build)
-    for flags in ([], ["--data-mover"]):
+    for flags in ([], ["--no-data-mover"]):
         with pytest.raises(_Stop):
             main(["serve", "--no-api", *flags])
-    assert seen == [False, True]
+    assert seen == [True, False]

@@ -78,9 +78,39 @@ def test_serve_schedules_what_the_cli_applies_through_a_sigkill(
         ), log_path.read_text()
         out = capsys.readouterr().out
         assert "dataset:web-corpus: ACCEPTED" in out
-        # 8 workers of 8 GPUs do not fit on a 4-node cluster: elastic, 4 of them.
-        assert "acme/llm-pretrain: PLACED - elastic: 4 of 8 workers" in out
+        # 8 workers of 8 GPUs do not fit on a 4-node cluster: elastic, 4 of them, where its
+        # data must first be copied.
+        (line,) = [x for x in out.splitlines() if x.startswith("acme/llm-pretrain: QUEUED")]
+        assert "waiting for data in " in line and "elastic: 4 of 8 workers" in line, out
         assert "acme/chat: SCALED - 2 serving replica(s) (min 2, max 8)" in out
+        # eu-west-a holds the data but a degraded GPU leaves it 3 clean nodes: the job waits,
+        # holding no GPUs, for its data to be copied elsewhere; the data mover's report places it.
+        assert main(["describe", "acme/llm-pretrain", *common]) == 0
+        described = capsys.readouterr().out
+        assert "Phase:      Queued" in described and "DataReady  False" in described
+        assert "waiting for data in " in described
+        ticket = described.split("Waiting for: ")[1].split()[0]
+        assert main(["explain", "acme/llm-pretrain", *common]) == 0
+        explained = capsys.readouterr().out
+        assert "CLUSTER" in explained and "prewarm web-corpus eu-west-a -> " in explained
+        (eu,) = [line for line in explained.splitlines() if line.strip().startswith("eu-west-a")]
+        assert "needs 4 nodes with 8 free healthy h100 GPUs" in eu
+        submit(
+            settings.kafka,
+            topics,
+            [new_request("DATASET_READY", ticket, "acme", int(time.time() * 1000), "mover-1")],
+        )
+        described = ""
+
+        def running() -> bool:
+            nonlocal described
+            assert main(["describe", "acme/llm-pretrain", *common]) == 0
+            described = capsys.readouterr().out
+            return "Phase:      Starting" in described
+
+        wait_until(running, 30, what="acme/llm-pretrain to be started", every_s=0.3)
+        assert "Actual:     Ordered in " + ticket.split("@")[1] in described
+        assert "DataReady  True" in described
         assert main(["quota", "set", "globex", "--gpus", "16", *common]) == 0
         # A stream of jobs; the server is killed while they arrive.
         keys = set()
@@ -127,37 +157,10 @@ def test_serve_schedules_what_the_cli_applies_through_a_sigkill(
         assert sum(j["phase"] == "Starting" for j in jobs) == 8, [
             (j["key"], j["phase"]) for j in jobs
         ]
-        # eu-west-a holds the data but a degraded GPU leaves it 3 clean nodes: the job went
-        # elsewhere and waits for its prewarm; the data mover's report starts it.
-        assert main(["describe", "acme/llm-pretrain", *common]) == 0
-        described = capsys.readouterr().out
-        assert "Phase:      Placed" in described and "DataReady  False" in described
-        ticket = described.split("Waiting for: ")[1].split()[0]
-        submit(
-            settings.kafka,
-            topics,
-            [new_request("DATASET_READY", ticket, "acme", int(time.time() * 1000), "mover-1")],
-        )
-        described = ""
-
-        def running() -> bool:
-            nonlocal described
-            assert main(["describe", "acme/llm-pretrain", *common]) == 0
-            described = capsys.readouterr().out
-            return "Phase:      Starting" in described
-
-        wait_until(running, 30, what="acme/llm-pretrain to be started", every_s=0.3)
-        assert "Actual:     Ordered in " in described
-        assert "DataReady  True" in described
         queued = sorted(keys - placed)[0]
         assert main(["explain", queued, *common]) == 0
         explained = capsys.readouterr().out
         assert f"{queued} is Queued: quota: tenant globex holds 16 of its 16 GPUs" in explained
-        assert main(["explain", "acme/llm-pretrain", *common]) == 0
-        explained = capsys.readouterr().out
-        assert "CLUSTER" in explained and "prewarm web-corpus eu-west-a -> " in explained
-        (eu,) = [line for line in explained.splitlines() if line.strip().startswith("eu-west-a")]
-        assert "needs 4 nodes with 8 free healthy h100 GPUs" in eu
         assert main(["delete", "globex/batch0", "globex/batch2", *common]) == 0
         capsys.readouterr()
         wait_decided(settings, topics, keys)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from fleetline.agents.simulator import ClusterSpec, Fault
+from fleetline.errors import InvalidEventError
 from fleetline.processors.scheduling.effects import (
     AllocationChange,
     DatasetRecord,
@@ -170,7 +173,7 @@ def test_preemption_frees_whole_nodes_under_one_leaf_for_a_gang():
     assert lost == {"acme/low4": 960.0, "acme/low5": 720.0, "acme/low6": 480.0, "acme/low7": 240.0}
 
 
-def test_a_prewarm_goes_ahead_of_a_job_placed_away_from_its_data():
+def test_a_job_away_from_its_data_waits_for_the_copy_holding_no_gpus():
     view, _ = fleet_view(THREE)
     d = Driver(view)
     d.submit(dataset("corpus", "100TB", ["eu-west-a"]))
@@ -181,22 +184,77 @@ def test_a_prewarm_goes_ahead_of_a_job_placed_away_from_its_data():
     assert d.job("other/fill").allocation.keys() == {"eu-west-a"}
     d.submit(training("train", workers=2, dataset="corpus"))
     decision = d.last("acme/train")
-    assert decision.outcome == "PLACED" and decision.cluster_id != "eu-west-a"
-    assert decision.prewarm is not None
-    assert (
-        decision.prewarm.dataset_id,
-        decision.prewarm.from_cluster,
-        decision.prewarm.to_cluster,
-    ) == ("corpus", "eu-west-a", decision.cluster_id)
+    assert decision.outcome == "QUEUED" and decision.prewarm is not None
+    target = decision.prewarm.to_cluster
+    assert target != "eu-west-a"
+    assert (decision.prewarm.dataset_id, decision.prewarm.from_cluster) == ("corpus", "eu-west-a")
     assert decision.prewarm.estimated_s == 100 * 10**12 * 8 / 10e9
+    assert f"waiting for data in {target}: 0 % of corpus before it is placed" in decision.reason
     orders = [e for e in d.effects if isinstance(e, PrewarmOrder)]
-    assert orders and orders[-1].prewarm == decision.prewarm
+    assert [o.prewarm for o in orders] == [decision.prewarm]
+    assert orders[0].prefix == "datasets/acme/corpus/"
+    # No GPU is bound while the data moves: nothing allocated, nothing counted.
     job = d.job("acme/train")
-    assert job.phase == "Placed" and job.conditions["DataReady"]["status"] is False
-    d.dataset_ready("corpus", decision.cluster_id)
-    assert job.phase == "Running"
+    assert job.phase == "Queued" and not job.allocation
+    assert d.scheduler.usage["acme"].gpus == 0
+    assert job.conditions["DataReady"]["status"] is False
+    # The mover's progress shows on the job; passes and ticks neither place it nor order the
+    # copy again.
+    d.dataset_progress("corpus", target, {"copied_bytes": 42, "total_bytes": 100})
+    assert job.queued_reason == f"waiting for data in {target}: 42 % of corpus"
+    d.tick(seconds=30)
+    assert job.phase == "Queued" and not job.allocation
+    assert len([e for e in d.effects if isinstance(e, PrewarmOrder)]) == 1
+    # The copy is done: the job is placed where its data now is.
+    d.dataset_ready("corpus", target)
+    placed = d.last("acme/train")
+    assert placed.outcome == "PLACED" and placed.cluster_id == target and not placed.prewarms
+    assert job.phase in ("Starting", "Running") and job.allocation.keys() == {target}
+    assert job.conditions["DataReady"]["status"] is True
     record = [e for e in d.effects if isinstance(e, DatasetRecord)][-1]
-    assert set(record.replicas) == {"eu-west-a", decision.cluster_id}
+    assert set(record.replicas) == {"eu-west-a", target}
+
+
+def test_a_job_that_may_preempt_evicts_where_its_data_is_rather_than_copy_it():
+    view, _ = fleet_view(THREE)
+    d = Driver(view)
+    d.submit(dataset("corpus", "100TB", ["eu-west-a"]))
+    d.submit(dataset("logs", "10TB", ["eu-west-a"], tenant="other"))
+    d.submit(training("fill", workers=4, tenant="other", priority="low", dataset="logs"))
+    assert d.job("other/fill").allocation.keys() == {"eu-west-a"}
+    d.submit(training("urgent", workers=2, priority="high", dataset="corpus"))
+    placed = d.last("acme/urgent")
+    assert placed.outcome == "PLACED" and placed.cluster_id == "eu-west-a"
+    assert not placed.prewarms and placed.victims == ("other/fill",)
+    assert not [e for e in d.effects if isinstance(e, PrewarmOrder)]
+
+
+def test_a_failed_copy_says_why_and_is_ordered_again_when_the_dataset_is_applied_again():
+    view, _ = fleet_view(THREE)
+    d = Driver(view)
+    d.submit(dataset("corpus", "100TB", ["eu-west-a"]))
+    d.submit(dataset("logs", "10TB", ["eu-west-a"], tenant="other"))
+    d.submit(training("fill", workers=4, tenant="other", dataset="logs"))
+    assert d.job("other/fill").allocation.keys() == {"eu-west-a"}
+    d.submit(training("train", workers=2, dataset="corpus"))
+    target = d.last("acme/train").prewarm.to_cluster
+    d.dataset_progress("corpus", target, {"error": "shard-3: its digest did not match"})
+    job = d.job("acme/train")
+    assert job.queued_reason is not None
+    assert (
+        "the copy of corpus@" in job.queued_reason and "digest did not match" in job.queued_reason
+    )
+    assert "apply dataset corpus again" in job.queued_reason
+    assert d.scheduler.usage["acme"].prewarms == {}  # its bandwidth given back
+    d.tick(seconds=30)
+    assert not job.allocation and len([e for e in d.effects if isinstance(e, PrewarmOrder)]) == 1
+    # Mended and applied again: ordered afresh.
+    d.submit(dataset("corpus", "100TB", ["eu-west-a"]))
+    d.tick(seconds=1)
+    assert len([e for e in d.effects if isinstance(e, PrewarmOrder)]) == 2
+    # A report that makes no sense is refused, naming what is wrong.
+    with pytest.raises(InvalidEventError, match="copied_bytes <= total_bytes"):
+        d.dataset_progress("corpus", target, {"copied_bytes": 5, "total_bytes": 1})
 
 
 def test_data_locality_wins_when_the_job_fits_where_the_data_is():

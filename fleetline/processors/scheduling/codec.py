@@ -170,6 +170,7 @@ def effect_record(effect: Effect) -> tuple[str, str, dict[str, Any]]:
                     "size_bytes": p.size_bytes,
                     "estimated_s": p.estimated_s,
                     "rate_gbps": p.rate_gbps,
+                    "prefix": effect.prefix,
                 },
             )
         case DatasetRecord():

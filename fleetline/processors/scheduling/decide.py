@@ -9,6 +9,7 @@ clock: time is `state.now_ms`, the requests' event time.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -34,6 +35,7 @@ from fleetline.processors.scheduling.pipeline import (
     place_split,
     rank_clusters,
     replace_request,
+    unreserve,
 )
 from fleetline.processors.scheduling.placement import (
     inference_shape,
@@ -43,7 +45,11 @@ from fleetline.processors.scheduling.placement import (
 )
 from fleetline.processors.scheduling.policy import FLEET_FILTERS
 from fleetline.processors.scheduling.preemption import Victim, plan_eviction
-from fleetline.processors.scheduling.specs import InferenceServiceSpec, TrainingJobSpec
+from fleetline.processors.scheduling.specs import (
+    InferenceServiceSpec,
+    TrainingJobSpec,
+    dataset_prefix,
+)
 from fleetline.processors.scheduling.state import (
     Condition,
     Job,
@@ -63,6 +69,7 @@ def request_for(
     job: Job,
     workers: int | None = None,
     regions: tuple[str, ...] | None = None,
+    data_only: bool = False,
 ) -> JobRequest:
     spec = job.spec
     if isinstance(spec, TrainingJobSpec):
@@ -76,6 +83,7 @@ def request_for(
             user_region=spec.region,
             gpu_ms=shape.gpus * s.runtime_ms(spec),
             pool_keep=_pool_keep(s),
+            data_only=data_only,
         )
     # One replica: each replica of a service is a job of its own.
     return JobRequest(
@@ -302,11 +310,22 @@ def attempt(
     for regions in replica_regions(job):
         placed = try_place(s, job, regions)
         may_preempt = failed_shapes is None or s.preemptions_left > 0
-        if not placed.placed and s.policy.preemption and job.priority > 0 and may_preempt:
+        # Copying a dataset is the last resort: a job that may preempt is placed where its data
+        # is, evicting lower priorities there, before its data is sent after free GPUs (which
+        # others may take while it copies).
+        copies = placed.placed and bool(placed.prewarms)
+        if (
+            (not placed.placed or copies)
+            and s.policy.preemption
+            and job.priority > 0
+            and may_preempt
+        ):
             if failed_shapes is not None:
                 s.preemptions_left -= 1
-            preempted = preempt_for(s, out, job, regions)
+            preempted = preempt_for(s, out, job, regions, data_only=copies)
             if preempted is not None:
+                if copies:
+                    unreserve(s.index, placed.placements)
                 victims, placed = preempted
         if placed.placed:
             break
@@ -324,6 +343,9 @@ def attempt(
             job.queued_reason = placed.reason
             decide(s, out, job, Outcome.QUEUED, placed.reason, alternatives=placed.alternatives)
         s.dirty.add(f"job:{job.key}")
+        return False
+    if placed.prewarms:
+        stage(s, out, job, placed)
         return False
     bind(s, out, job, placed, tuple(v.job for v in victims))
     return True
@@ -418,12 +440,6 @@ def bind(
         job.limit_end_ms = s.now_ms + s.runtime_ms(spec)
         heapq.heappush(s.limits, (job.limit_end_ms, job.key))
     job.waiting_for = []
-    for prewarm in placed.prewarms:
-        ticket = f"{prewarm.dataset_id}@{prewarm.to_cluster}"
-        job.waiting_for.append(ticket)
-        if ticket not in usage.prewarms:
-            usage.prewarms[ticket] = (prewarm.rate_gbps, s.now_ms + int(prewarm.estimated_s * 1000))
-            usage.storage_bytes += prewarm.size_bytes
     s.dirty.add(f"tenant:{job.tenant}")
     s.dirty.add(f"job:{job.key}")
     reason = placed.reason
@@ -431,7 +447,7 @@ def bind(
         reason = f"after preempting {', '.join(victims)}: " + reason
     if resume is not None:
         reason += f"; resumes from its checkpoint at {resume}"
-    decision = decide(
+    decide(
         s,
         out,
         job,
@@ -439,21 +455,70 @@ def bind(
         reason,
         placements=placed.placements,
         alternatives=placed.alternatives,
-        prewarms=placed.prewarms,
         victims=victims,
         resume_from_checkpoint_ms=resume,
     )
-    for prewarm in placed.prewarms:
-        out.add(PrewarmOrder(job.key, job.tenant, decision.decision_id, s.now_ms, prewarm))
     job.condition(Condition.PLACED, True, reason, s.now_ms)
     job.condition(Condition.PREEMPTED, False, "", s.now_ms)
-    if job.waiting_for:
-        job.phase = Phase.PLACED
-        job.condition(
-            Condition.DATA_READY, False, "waiting for " + ", ".join(job.waiting_for), s.now_ms
+    start(s, out, job)
+
+
+def stage(s: SchedulerState, out: EffectLog, job: Job, placed: Attempt) -> None:
+    """The job's data is not where it would run: order the copies and keep the job Queued,
+    holding no GPUs, until every copy is done (DATASET_READY); then a queue pass places it,
+    where the data now is. A copy already under way for another job is not ordered again."""
+    unreserve(s.index, placed.placements)
+    usage = s.usage_of(job.tenant)
+    job.waiting_for = [f"{p.dataset_id}@{p.to_cluster}" for p in placed.prewarms]
+    fresh = []
+    for prewarm, ticket in zip(placed.prewarms, job.waiting_for, strict=True):
+        if ticket not in usage.prewarms:
+            usage.prewarms[ticket] = (prewarm.rate_gbps, s.now_ms + int(prewarm.estimated_s * 1000))
+            usage.storage_bytes += prewarm.size_bytes
+            fresh.append(prewarm)
+    s.dirty.add(f"tenant:{job.tenant}")
+    s.dirty.add(f"job:{job.key}")
+    reason = waiting_reason(job.waiting_for, {}) + " before it is placed: " + placed.reason
+    job.phase = Phase.QUEUED
+    job.queued_reason = waiting_reason(job.waiting_for, {})
+    job.condition(Condition.PLACED, False, job.queued_reason, s.now_ms)
+    job.condition(Condition.DATA_READY, False, job.queued_reason, s.now_ms)
+    decision = decide(
+        s,
+        out,
+        job,
+        Outcome.QUEUED,
+        reason,
+        alternatives=placed.alternatives,
+        prewarms=placed.prewarms,
+    )
+    for prewarm in fresh:
+        out.add(
+            PrewarmOrder(
+                job.key,
+                job.tenant,
+                decision.decision_id,
+                s.now_ms,
+                prewarm,
+                dataset_prefix_of(s, prewarm.dataset_id),
+            )
         )
-    else:
-        start(s, out, job)
+
+
+def waiting_reason(tickets: list[str], copied: Mapping[str, float]) -> str:
+    """'waiting for data in C: 42 %' for each copy a job waits for (`copied`: the fraction
+    done by ticket, as the data mover last reported)."""
+    parts = []
+    for ticket in tickets:
+        dataset_id, _, cluster = ticket.partition("@")
+        parts.append(f"{cluster}: {int(copied.get(ticket, 0.0) * 100)} % of {dataset_id}")
+    return "waiting for data in " + ", ".join(parts)
+
+
+def dataset_prefix_of(s: SchedulerState, dataset_id: str) -> str:
+    own = s.datasets.get(dataset_id)
+    tenant = own.tenant if own is not None else ""
+    return dataset_prefix(tenant, dataset_id, own.source if own is not None else None)
 
 
 def start(s: SchedulerState, out: EffectLog, job: Job) -> None:
@@ -619,11 +684,16 @@ def victims_in(s: SchedulerState, cluster_id: str, below: int) -> list[Victim]:
 
 
 def preempt_for(
-    s: SchedulerState, out: EffectLog, job: Job, regions: tuple[str, ...] | None = None
+    s: SchedulerState,
+    out: EffectLog,
+    job: Job,
+    regions: tuple[str, ...] | None = None,
+    data_only: bool = False,
 ) -> tuple[list[Decision], Attempt] | None:
-    """Evict the lower-priority jobs that lose the least work so the job fits; None when no
-    eviction makes room (nothing is evicted then)."""
-    request = request_for(s, job, regions=regions)
+    """Evict the lower-priority jobs that lose the least work so the job fits (with
+    `data_only`, only in clusters that hold its dataset); None when no eviction makes room
+    (nothing is evicted then)."""
+    request = request_for(s, job, regions=regions, data_only=data_only)
     filters = tuple(f for f in s.policy.filters if f not in ("capacity", "reservation"))
     ranked = rank_clusters(
         Context(s.index, replace(s.policy, filters=filters), s.tenants, s.usage, request)

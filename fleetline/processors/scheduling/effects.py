@@ -152,6 +152,7 @@ class PrewarmOrder:
     decision_id: str
     ts: int
     prewarm: DatasetPrewarm
+    prefix: str  # the dataset's objects, in the source cluster's store and the target's
 
 
 class OrderAction(StrEnum):
@@ -221,6 +222,7 @@ class DatasetRecord:
     replicas: tuple[str, ...]
     deleted: bool = False
     residency: tuple[str, ...] = ()  # kept in the scheduler's state, not (yet) on the topic
+    source: str | None = None  # its objects' key prefix in a replica's store (spec.source)
 
 
 Effect = Decision | AllocationChange | PrewarmOrder | DatasetRecord | WorkloadOrder

@@ -73,6 +73,7 @@ class JobRequest:
     # inference share; a training job's GPUs each cluster keeps for inference.
     pool_room: Mapping[str, int] | None = None
     pool_keep: Mapping[str, int] | None = None
+    data_only: bool = False  # only clusters that hold its dataset (no copy)
 
 
 @dataclass
@@ -217,6 +218,15 @@ def _pool(ctx: Context, cluster_id: str) -> str | None:
     return None
 
 
+def _data_here(ctx: Context, cluster_id: str) -> str | None:
+    """With `data_only`, a cluster without the dataset is out (a placement that preempts
+    rather than copies)."""
+    d = ctx.request.dataset
+    if not ctx.request.data_only or d is None or cluster_id in d.replicas:
+        return None
+    return f"dataset {d.dataset_id} is not here (preempting where it is, not copying it)"
+
+
 def _residency(ctx: Context, cluster_id: str) -> str | None:
     """A dataset's residency: its data never goes to a cluster outside its regions. Not a
     policy's to switch off (always the first check)."""
@@ -333,7 +343,11 @@ def rank_clusters(ctx: Context) -> list[ClusterScore]:
             default=0.0,
         )
     scorers = [(name, SCORERS[name], weights[name]) for name in sorted(weights) if weights[name]]
-    filters = [("residency", _residency), *((name, FILTERS[name]) for name in ctx.policy.filters)]
+    filters = [
+        ("residency", _residency),
+        ("data", _data_here),
+        *((name, FILTERS[name]) for name in ctx.policy.filters),
+    ]
     out = []
     for cluster_id in _cluster_ids(ctx.index):
         reason = rejected_by = None

@@ -191,6 +191,8 @@ def _pass(s: SchedulerState, out: EffectLog, extra_attempts: int = 0) -> None:
                 continue
             if job.deferred_until_ms is not None and job.deferred_until_ms > s.now_ms:
                 continue  # waits for its cheap window, and takes none of the pass's budget
+            if job.waiting_for:
+                continue  # waits for its data (DATASET_READY), holding no GPUs
             if budget <= 0:
                 s.pass_wanted = True
                 return

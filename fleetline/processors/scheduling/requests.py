@@ -19,7 +19,8 @@ from typing import Any
 from fleetline.errors import FleetlineError, InvalidEventError
 from fleetline.observability import traceparent
 from fleetline.processors.scheduling import reconcile, services
-from fleetline.processors.scheduling.decide import attempt, release, start
+from fleetline.processors.scheduling.capacity import DatasetFacts
+from fleetline.processors.scheduling.decide import attempt, release, start, waiting_reason
 from fleetline.processors.scheduling.decisions import decide, decide_about
 from fleetline.processors.scheduling.effects import DatasetRecord, EffectLog, Outcome
 from fleetline.processors.scheduling.energy import EnergyProfile
@@ -63,6 +64,7 @@ class RequestKind(StrEnum):
     UNFENCE = "UNFENCE"
     ENERGY = "ENERGY"
     SERVICE_LOAD = "SERVICE_LOAD"
+    DATASET_PROGRESS = "DATASET_PROGRESS"
 
 
 class Progress(StrEnum):
@@ -152,6 +154,7 @@ def submit(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> Non
             release(s, out, job, Outcome.RELEASED, "the spec changed; placing it again")
         job.set_spec(document, spec.spec, priority)
         job.phase, job.queued_reason = Phase.QUEUED, None
+        job.waiting_for, job.copied = [], {}  # the new spec's data is looked at afresh
         job.deferred_until_ms = None  # a new spec (a new deadline) is deferred afresh
         job.entered_trace = trace_of(request)
         s.dirty.add(f"job:{key}")
@@ -214,6 +217,7 @@ def delete(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> Non
     if job.holds:
         release(s, out, job, Outcome.RELEASED, f"deleted by {who}")
     job.phase = Phase.DELETED
+    job.waiting_for, job.copied = [], {}  # a copy under way goes on: the replica stays useful
     job.condition(Condition.FINISHED, True, f"deleted by {who}", s.now_ms)
     s.dirty.add(f"job:{key}")
     schedule_queue(s, out)
@@ -343,16 +347,31 @@ def scheduling_policy(s: SchedulerState, out: EffectLog, request: Mapping[str, A
     schedule_queue(s, out)
 
 
-def dataset_ready(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> None:
+def _copy_of(s: SchedulerState, request: Mapping[str, Any]) -> tuple[str, DatasetFacts]:
     dataset_id, _, cluster = request["key"].partition("@")
     current = s.dataset(dataset_id)
     if current is None or not cluster:
-        raise InvalidEventError(f"DATASET_READY for unknown dataset or cluster {request['key']!r}")
+        raise InvalidEventError(
+            f"{request['kind']} for unknown dataset or cluster {request['key']!r}"
+        )
+    return cluster, current
+
+
+def _waiting_on(s: SchedulerState, ticket: str) -> list[Job]:
+    return [s.jobs[key] for key in sorted(s.jobs) if ticket in s.jobs[key].waiting_for]
+
+
+def dataset_ready(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> None:
+    """The data mover copied a dataset to a cluster: a replica there, and the jobs that waited
+    for it go to the next queue pass (which prefers where their data now is)."""
+    ticket = request["key"]
+    cluster, current = _copy_of(s, request)
     usage = s.usage_of(current.tenant)
-    usage.prewarms.pop(request["key"], None)
+    usage.prewarms.pop(ticket, None)
     s.dirty.add(f"tenant:{current.tenant}")
     s.pass_wanted = True
     if cluster not in current.replicas:
+        own = s.datasets.get(current.dataset_id)
         record_dataset(
             s,
             out,
@@ -364,15 +383,52 @@ def dataset_ready(s: SchedulerState, out: EffectLog, request: Mapping[str, Any])
                 current.size_bytes,
                 tuple(sorted({*current.replicas, cluster})),
                 residency=current.residency,
+                source=own.source if own is not None else None,
             ),
         )
-    for key in sorted(s.jobs):
-        job = s.jobs[key]
-        if request["key"] in job.waiting_for:
-            job.waiting_for.remove(request["key"])
-            s.dirty.add(f"job:{key}")
-            if not job.waiting_for and job.holds:
-                start(s, out, job)
+    for job in _waiting_on(s, ticket):
+        job.waiting_for.remove(ticket)
+        job.copied.pop(ticket, None)
+        s.dirty.add(f"job:{job.key}")
+        if job.waiting_for:
+            job.queued_reason = waiting_reason(job.waiting_for, job.copied)
+            continue
+        job.condition(Condition.DATA_READY, True, f"the dataset is in {cluster}", s.now_ms)
+        job.queued_reason = None
+        if job.holds:  # placed before it waited (a snapshot from before GPU-less prewarms)
+            start(s, out, job)
+    schedule_queue(s, out)
+
+
+def dataset_progress(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> None:
+    """How far the data mover is with a copy ({"copied_bytes", "total_bytes"}), or why it gave
+    up ({"error"}): the waiting jobs say so. A failed copy gives its bandwidth back; its jobs
+    wait until the dataset is applied again (its objects mended), which orders it afresh."""
+    ticket = request["key"]
+    _, current = _copy_of(s, request)
+    report = _payload(request, "dataset progress")
+    if not isinstance(report, Mapping):
+        raise InvalidEventError("a dataset progress report must be a mapping")
+    error = report.get("error")
+    if error is None:
+        copied, total = report.get("copied_bytes"), report.get("total_bytes")
+        if not (isinstance(copied, int) and isinstance(total, int) and 0 <= copied <= total):
+            raise InvalidEventError("dataset progress needs 0 <= copied_bytes <= total_bytes")
+        fraction = copied / total if total else 1.0
+    else:
+        s.usage_of(current.tenant).prewarms.pop(ticket, None)
+        s.dirty.add(f"tenant:{current.tenant}")
+    for job in _waiting_on(s, ticket):
+        s.dirty.add(f"job:{job.key}")
+        if error is None:
+            job.copied[ticket] = fraction
+            job.queued_reason = waiting_reason(job.waiting_for, job.copied)
+        else:
+            job.queued_reason = (
+                f"the copy of {ticket} failed: {error}; apply dataset {current.dataset_id} "
+                "again once its objects are mended"
+            )
+        job.condition(Condition.DATA_READY, False, job.queued_reason, s.now_ms)
 
 
 def record_dataset(s: SchedulerState, out: EffectLog, record: DatasetRecord) -> None:
@@ -404,6 +460,16 @@ def register_dataset(s: SchedulerState, out: EffectLog, spec: Dataset) -> None:
     usage.storage_bytes += after - before
     s.dirty.add(f"tenant:{tenant}")
     s.pass_wanted = True
+    for key in sorted(s.jobs):
+        job = s.jobs[key]
+        stalled = [
+            t for t in job.waiting_for if t.startswith(f"{name}@") and t not in usage.prewarms
+        ]
+        if stalled and not job.holds:
+            job.waiting_for = [t for t in job.waiting_for if t not in stalled]
+            job.copied = {}
+            job.queued_reason = None
+            s.dirty.add(f"job:{key}")
     record_dataset(
         s,
         out,
@@ -415,6 +481,7 @@ def register_dataset(s: SchedulerState, out: EffectLog, spec: Dataset) -> None:
             spec.spec.size_bytes,
             tuple(sorted(spec.spec.replicas)),
             residency=tuple(spec.spec.residency),
+            source=spec.spec.source,
         ),
     )
     decide_about(

@@ -53,6 +53,8 @@ class Scheduler(SchedulerState):
                 requests.scheduling_policy(self, out, request)
             case RequestKind.DATASET_READY:
                 requests.dataset_ready(self, out, request)
+            case RequestKind.DATASET_PROGRESS:
+                requests.dataset_progress(self, out, request)
             case RequestKind.FENCE:
                 requests.fence_node(self, out, request)
             case RequestKind.UNFENCE:

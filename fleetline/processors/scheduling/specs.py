@@ -22,6 +22,7 @@ from typing import Annotated, Any, Final, Literal, cast, get_args
 
 import yaml
 from pydantic import (
+    AfterValidator,
     AwareDatetime,
     BaseModel,
     BeforeValidator,
@@ -411,10 +412,42 @@ class InferenceServiceSpec(GpuKind):
         return self.replicas.max or self.replicas.min
 
 
+def dataset_prefix(tenant: str, name: str, source: str | None = None) -> str:
+    """Where a dataset's objects are in each cluster's store that holds a replica: its spec's
+    `source` prefix, else datasets/<tenant>/<name>/. A prewarm copies them to the same keys."""
+    return source if source else f"datasets/{tenant}/{name}/"
+
+
+def _source_prefix(value: str) -> str:
+    parts = value.split("/")
+    if (
+        not value.endswith("/")
+        or {"", ".", ".."} & set(parts[:-1])
+        or not re.fullmatch(r"[A-Za-z0-9._/=-]+", value)
+    ):
+        raise ValueError(
+            f"must be a key prefix in each replica cluster's store (each cluster's store is a "
+            f"bucket of its own), like corpora/web/: letters, digits, . _ = - and /, ending "
+            f"in /, no empty, . or .. part; got {value!r}"
+        )
+    return value
+
+
+SourcePrefix = Annotated[
+    str,
+    Field(
+        strict=True,
+        description="the key prefix of its objects in each replica cluster's store, ending "
+        "in / (default datasets/<tenant>/<name>/); a prewarm copies them to the same keys",
+    ),
+    AfterValidator(_source_prefix),
+]
+
+
 class DatasetSpec(Model):
     size: Bytes
     replicas: Names = ()
-    source: Text | None = None
+    source: SourcePrefix | None = None
     residency: Names = Field(
         default=(),
         description="the regions its data may be in (empty: any); placement and prewarm "

@@ -88,6 +88,7 @@ class Job:
     checkpoint_ms: int | None = None  # reported by the cluster layer
     resume_from_ms: int | None = None
     waiting_for: list[str] = field(default_factory=list)  # "dataset@cluster" being prewarmed
+    copied: dict[str, float] = field(default_factory=dict)  # ticket -> fraction the mover copied
     queued_reason: str | None = None
     last_decision: str | None = None
     preemptions: int = 0
@@ -206,6 +207,7 @@ class Job:
             "checkpoint_ms": self.checkpoint_ms,
             "resume_from_ms": self.resume_from_ms,
             "waiting_for": self.waiting_for,
+            "copied": self.copied,
             "queued_reason": self.queued_reason,
             "last_decision": self.last_decision,
             "preemptions": self.preemptions,
@@ -238,6 +240,7 @@ class Job:
         fields.setdefault("service", None)  # ... or before services had replica jobs
         fields.setdefault("role", None)
         fields.setdefault("scaling", {})
+        fields.setdefault("copied", {})  # ... or before the data mover reported progress
         fields["phase"] = Phase(data["phase"])
         fields["allocation"] = {
             c: {n: int(m) for n, m in nodes.items()} for c, nodes in data["allocation"].items()
@@ -439,6 +442,7 @@ class SchedulerState:
                         "replicas": list(d.replicas),
                         "deleted": d.deleted,
                         "residency": list(d.residency),
+                        "source": d.source,
                     },
                 )
             else:
@@ -493,6 +497,7 @@ class SchedulerState:
                     tuple(value["replicas"]),
                     value["deleted"],
                     tuple(value.get("residency") or ()),  # absent from older snapshots
+                    value.get("source"),
                 )
         self.rebuild_index()
 
