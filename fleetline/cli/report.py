@@ -111,6 +111,7 @@ def print_result(console: Console, result: SliceResult, clickhouse_url: str, pre
     print_scheduling(console, result.scheduling)
     print_cluster_story(console, result.cluster_story)
     print_split_story(console, result.split_story)
+    print_prewarm_story(console, result.prewarm_story)
     print_serving_day(console, result.serving_day)
     say("timings: " + ", ".join(f"{k} {v:.1f}s" for k, v in result.timings.items()))
 
@@ -197,6 +198,24 @@ def print_split_story(console: Console, story: dict[str, Any]) -> None:
         "parameters "
         + ("bit-identical to one process's" if story["identical"] else "DIFFERENT")
         + f" (`fleetline explain {story['job']}`)"
+    )
+
+
+def print_prewarm_story(console: Console, story: dict[str, Any]) -> None:
+    if not story:
+        return
+    rate = (
+        f" in {story['copy_s']} s, {story['rate_gbps']} Gbit/s against the tenant's "
+        f"{story['quota_gbps']} Gbit/s quota"
+        if story["copy_s"] is not None
+        else ""
+    )
+    console.print(
+        f"\nprewarm: {story['dataset']} ({story['objects']} objects, {story['bytes']} bytes) "
+        f"copied {story['from']} -> {story['to']}{rate}, every object "
+        + ("verified against the source" if story["identical"] else "NOT matching the source")
+        + f"; {story['job']} held no GPUs while it waited ({len(story['progress'])} progress "
+        f"reports), then was placed in {story['to']} (`fleetline explain {story['job']}`)"
     )
 
 

@@ -33,6 +33,7 @@ from fleetline.demo.cluster_story import (
     follow_a_split_job,
     lose_a_cluster,
 )
+from fleetline.demo.prewarm_story import follow_a_prewarm
 from fleetline.demo.scenario import Scenario
 from fleetline.demo.serving_story import serving_day
 from fleetline.errors import StreamError
@@ -82,6 +83,7 @@ class SliceResult:
     scheduling: dict[str, Any] = field(default_factory=dict)
     cluster_story: dict[str, Any] = field(default_factory=dict)
     split_story: dict[str, Any] = field(default_factory=dict)
+    prewarm_story: dict[str, Any] = field(default_factory=dict)
     serving_day: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -502,6 +504,20 @@ def play(
                 progress,
             )
             timings["split_story_s"] = time.monotonic() - began
+        prewarmed: dict[str, Any] = {}
+        if scenario.prewarm:
+            began = time.monotonic()
+            if scenario.prewarm.get("tenant_policies"):
+                set_policies(settings, topics, list(scenario.prewarm["tenant_policies"]))
+            prewarmed = follow_a_prewarm(
+                settings,
+                topics,
+                fleet.mover,
+                scenario.prewarm,
+                lambda key: _job(fleet, key),
+                progress,
+            )
+            timings["prewarm_story_s"] = time.monotonic() - began
         serving: dict[str, Any] = {}
         if scenario.serving_day:
             began = time.monotonic()
@@ -562,6 +578,7 @@ def play(
         scheduling=scheduling,
         cluster_story=story,
         split_story=split,
+        prewarm_story=prewarmed,
         serving_day=serving,
         timings=timings,
     )

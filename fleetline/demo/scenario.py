@@ -85,6 +85,8 @@ class Scenario:
     serving_day: Mapping[str, Any] | None = None
     # After the timeline: this job, split across clusters, followed to its end (tenant/name).
     split_job: str | None = None
+    # After that: a dataset of real objects copied to where its job can run (prewarm_story.py).
+    prewarm: Mapping[str, Any] | None = None
     source: Path | None = field(default=None, compare=False)
 
     def sized(
@@ -312,6 +314,7 @@ def parse(data: Any, name: str = "scenario", source: Path | None = None) -> Scen
             "lose_cluster_of",
             "serving_day",
             "split_job",
+            "prewarm",
         },
         name,
     )
@@ -342,8 +345,28 @@ def parse(data: Any, name: str = "scenario", source: Path | None = None) -> Scen
         lose_cluster_of=str(top["lose_cluster_of"]) if top.get("lose_cluster_of") else None,
         serving_day=_serving_day(top.get("serving_day")),
         split_job=str(top["split_job"]) if top.get("split_job") else None,
+        prewarm=_prewarm(top.get("prewarm"), {c.spec.cluster_id for c in clusters}),
         source=source,
     )
+
+
+def _prewarm(data: Any, clusters: set[str]) -> Mapping[str, Any] | None:
+    if data is None:
+        return None
+    plan = _mapping(data, "prewarm")
+    _known(plan, {"cluster", "objects", "object_mib", "tenant_policies", "apply"}, "prewarm")
+    if plan.get("cluster") not in clusters:
+        raise ConfigError(f"prewarm.cluster: {plan.get('cluster')!r} is not a scenario cluster")
+    for field_name in ("objects", "object_mib"):
+        value = plan.get(field_name)
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"prewarm.{field_name}: a positive whole number, got {value!r}")
+    documents = _list(plan.get("apply"), "prewarm.apply")
+    kinds = sorted(str(_mapping(d, "prewarm.apply[]").get("kind")) for d in documents)
+    if kinds != ["Dataset", "TrainingJob"]:
+        raise ConfigError(f"prewarm.apply: one Dataset and one TrainingJob, got {kinds}")
+    _list(plan.get("tenant_policies") or [], "prewarm.tenant_policies")
+    return plan
 
 
 def _serving_day(data: Any) -> Mapping[str, Any] | None:
