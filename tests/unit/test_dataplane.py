@@ -175,3 +175,28 @@ def test_the_dataplane_scenario_s_job_fits_no_cluster_alone_and_two_together() -
     per_cluster = [c.spec.nodes * 8 for c in story.clusters]
     assert spec["allow_split_across_clusters"] is True
     assert all(held < gpus for held in per_cluster) and sum(per_cluster) >= gpus
+
+
+def test_the_dataplane_scenario_s_prewarm_needs_its_data_copied_and_bad_plans_are_refused() -> None:
+    from fleetline.demo import scenario
+    from fleetline.errors import ConfigError
+
+    story = scenario.load("dataplane")
+    plan = story.prewarm
+    assert plan is not None
+    (job,) = [d for d in plan["apply"] if d["kind"] == "TrainingJob"]
+    (data,) = [d for d in plan["apply"] if d["kind"] == "Dataset"]
+    # The data's cluster cannot run the job (another GPU model): the data must move.
+    holder = next(c for c in story.clusters if c.spec.cluster_id == plan["cluster"])
+    assert data["spec"]["replicas"] == [plan["cluster"]]
+    assert job["spec"]["accelerator"].lower() not in holder.spec.model.lower()
+    raw = {
+        "name": "x",
+        "clusters": [{"id": "a", "region": "r", "nodes": 1}],
+        "prewarm": {"cluster": "b", "objects": 1, "object_mib": 1, "apply": []},
+    }
+    with pytest.raises(ConfigError, match="prewarm.cluster: 'b' is not a scenario cluster"):
+        scenario.parse(raw)
+    raw["prewarm"] |= {"cluster": "a", "objects": 0}
+    with pytest.raises(ConfigError, match="prewarm.objects: a positive whole number"):
+        scenario.parse(raw)

@@ -129,6 +129,17 @@ spec:
             "spec.residency",
             "a restricted dataset must name the regions its data stays in",
         ),
+        (
+            "kind: Dataset\nmetadata: {name: d, tenant: t}\n"
+            "spec: {size: 1, source: 's3://corpora/web'}",
+            "spec.source",
+            "must be a key prefix in each replica cluster's store",
+        ),
+        (
+            "kind: Dataset\nmetadata: {name: d, tenant: t}\nspec: {size: 1, source: a/../b/}",
+            "spec.source",
+            "no empty, . or .. part",
+        ),
     ],
 )
 def test_specific_errors(text, path, message):
