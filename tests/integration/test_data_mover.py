@@ -22,6 +22,7 @@ from fleetline.agents.data_mover import DataMover
 from fleetline.agents.dataplane.prewarm import MANIFEST, CopyError, copy_dataset, upload
 from fleetline.app import Options
 from fleetline.config import Settings
+from fleetline.demo.prewarm_story import dataset_objects
 from fleetline.processors.scheduling.client import read_topic, submit
 from fleetline.processors.scheduling.codec import new_request
 from fleetline.processors.scheduling.specs import dataset_prefix
@@ -41,14 +42,6 @@ OBJECT_BYTES = 2 << 20
 
 def store(settings: Settings, cluster: str) -> ObjectStore:
     return ObjectStore.from_settings(settings.s3, cluster_bucket(settings.s3.bucket, cluster))
-
-
-def objects(seed: str) -> dict[str, bytes]:
-    """Shards of pseudo-random bytes (nothing a store could compress or deduplicate)."""
-    return {
-        f"shard-{i:03d}.bin": hashlib.shake_256(f"{seed}/{i}".encode()).digest(OBJECT_BYTES)
-        for i in range(OBJECTS)
-    }
 
 
 def requests(stack: Stack, kind: str, key: str) -> list[dict[str, Any]]:
@@ -108,7 +101,7 @@ def test_a_prewarm_copies_real_objects_at_the_quota_through_a_sigkill_and_the_jo
     name = f"corpus-{uuid.uuid4().hex[:8]}"
     prefix = dataset_prefix("acme", name)
     source, target = store(stack.settings, "ca"), store(stack.settings, "cb")
-    data = objects(name)
+    data = dataset_objects(name, OBJECTS, OBJECT_BYTES >> 20)
     upload(source, prefix, data)
     ticket = f"{name}@cb"
     send(
