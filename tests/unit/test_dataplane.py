@@ -195,8 +195,8 @@ def test_the_dataplane_scenario_s_prewarm_needs_its_data_copied_and_bad_plans_ar
         "clusters": [{"id": "a", "region": "r", "nodes": 1}],
         "prewarm": {"cluster": "b", "objects": 1, "object_mib": 1, "apply": []},
     }
-    with pytest.raises(ConfigError, match="prewarm.cluster: 'b' is not a scenario cluster"):
+    with pytest.raises(ConfigError, match=r"prewarm\.cluster: 'b' is not a scenario cluster"):
         scenario.parse(raw)
     raw["prewarm"] |= {"cluster": "a", "objects": 0}
-    with pytest.raises(ConfigError, match="prewarm.objects: a positive whole number"):
+    with pytest.raises(ConfigError, match=r"prewarm\.objects: a positive whole number"):
         scenario.parse(raw)
