@@ -27,7 +27,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
-from fleetline.agents.dataplane.prewarm import CopyReport, copy_dataset
+from fleetline.agents.dataplane.prewarm import CopyError, CopyReport, Mask, copy_dataset, mask_key
 from fleetline.config import KafkaSettings, S3Settings
 from fleetline.errors import FleetlineError
 from fleetline.processors.scheduling.client import send
@@ -52,6 +52,7 @@ class DataMover:
     s3: S3Settings
     topics: Topics
     group_id: str = "data-mover"
+    object_key: bytes | None = None  # the deployment's object-encryption key (masking)
     copies: int = 4  # at once (each at its own order's rate)
     progress_every_s: float = 1.0
     codec: AvroCodec = field(default_factory=default_codec)
@@ -156,6 +157,7 @@ class DataMover:
                 order["rate_gbps"] * 1e9 / 8,
                 halt,
                 progress,
+                self._mask(order),
             )
         except FleetlineError as exc:
             log.warning("data mover: the copy of %s failed: %s", ticket, exc)
@@ -176,6 +178,17 @@ class DataMover:
         self.reports[ticket] = report
         self._report(producer, "DATASET_READY", ticket, tenant)
         self.moved.append(ticket)
+
+    def _mask(self, order: dict[str, Any]) -> Mask | None:
+        fields = tuple(order.get("mask_fields") or ())
+        if not fields:
+            return None
+        if self.object_key is None:
+            raise CopyError(
+                f"the copy leaves its region and must mask {', '.join(fields)}, but no "
+                "object-encryption key is set (FLEETLINE_OBJECT_ENCRYPTION_KEY) to mask under"
+            )
+        return Mask(fields, mask_key(self.object_key, order["tenant"]))
 
     def _store(self, cluster_id: str) -> ObjectStore:
         return ObjectStore.from_settings(self.s3, cluster_bucket(self.s3.bucket, cluster_id))

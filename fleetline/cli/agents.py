@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import signal
 import socket
@@ -314,7 +315,14 @@ def data_mover(
     config = settings("kafka", "s3")
     topics = Topics(topic_prefix)
     kafka_clients.ensure_topics(config.kafka, scheduler_topics(topics))
-    mover = DataMover(config.kafka, config.s3, topics, copies=copies)
+    key = config.object_encryption_key
+    mover = DataMover(
+        config.kafka,
+        config.s3,
+        topics,
+        copies=copies,
+        object_key=base64.b64decode(key) if key else None,
+    )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with contextlib.suppress(KeyboardInterrupt):

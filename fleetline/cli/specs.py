@@ -92,7 +92,8 @@ def _wait_for_decisions(
     config: Settings, topics: Topics, keys: list[str], offsets: list[int], timeout_s: float
 ) -> dict[str, dict[str, Any]]:
     """The latest decision about each key made at or after its request's log offset, once each
-    is settled (placed, accepted or rejected) or the time is up (then it may be QUEUED)."""
+    is settled (placed, accepted, rejected, or waiting for its data to be copied: the copy
+    may take hours) or the time is up (then it may be QUEUED)."""
     from fleetline.processors.scheduling.client import DecisionFollower
 
     wanted = dict(zip(keys, offsets, strict=True))
@@ -105,7 +106,9 @@ def _wait_for_decisions(
                 key = decision["job"]
                 if key in wanted and decision["input_offset"] >= wanted[key]:
                     latest[key] = decision
-            settled = [k for k, d in latest.items() if d["outcome"] != "QUEUED"]
+            settled = [
+                k for k, d in latest.items() if d["outcome"] != "QUEUED" or d.get("prewarms")
+            ]
             if len(settled) == len(wanted) or time.monotonic() > deadline:
                 return latest
     finally:
@@ -118,8 +121,9 @@ def apply(
         float | None,
         typer.Option(
             metavar="SECONDS",
-            help="wait up to this long for each spec to be placed, accepted or "
-            "rejected, then print the latest decision about it (a job still queued shows why); "
+            help="wait up to this long for each spec to be placed, accepted, rejected or "
+            "queued for its data's copy, then print the latest decision about it (a job still "
+            "queued shows why); "
             "exit 3 if one has no decision at all",
         ),
     ] = None,

@@ -387,7 +387,7 @@ class DatasetPrewarm(TypedDict):
     holds no GPUs until the copy is done). Keyed by <dataset>@<cluster>; the data mover copies
     the objects under `prefix` from the source cluster's store to the same keys in the target's,
     reports DATASET_PROGRESS, and answers with a DATASET_READY request when the replica is
-    complete and verified. v2: prefix."""
+    complete and verified. v2: prefix and mask_fields."""
 
     dataset_id: str
     tenant: str
@@ -400,6 +400,7 @@ class DatasetPrewarm(TypedDict):
     estimated_s: float
     rate_gbps: float
     prefix: NotRequired[str]
+    mask_fields: NotRequired[list[str]]
 
 
 class TopicOffset(TypedDict):

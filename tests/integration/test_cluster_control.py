@@ -13,6 +13,7 @@ when the cluster comes back.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -23,15 +24,31 @@ from typing import Any
 
 import pytest
 
+from fleetline.agents.dataplane.prewarm import upload
+from fleetline.agents.dataplane.shards import ordered_sum
 from fleetline.agents.simulator import Fault
+from fleetline.agents.workloads.train import (
+    TrainConfig,
+    flat,
+    initial,
+    local_data,
+    local_round,
+    unflat,
+    workload_env,
+)
 from fleetline.app import Options
 from fleetline.cli import main
 from fleetline.config import Settings
+from fleetline.demo.prewarm_story import dataset_objects
+from fleetline.errors import ObjectMissing
 from fleetline.processors.health.fold import ClusterHealthPolicy
 from fleetline.processors.operations.runtime import append, ops_event
 from fleetline.processors.scheduling.client import read_topic, submit
 from fleetline.processors.scheduling.codec import new_request
+from fleetline.processors.scheduling.specs import dataset_prefix
 from fleetline.processors.view import read as view_read
+from fleetline.storage.checkpoints import cluster_bucket, params_digest
+from fleetline.storage.objects import ObjectStore
 from fleetline.streams import kafka as kafka_clients
 from tests.services import service_env, submits
 from tests.stack import Stack, codec, now_ms, reference_run, running_stack, training
@@ -479,7 +496,6 @@ def test_a_two_worker_job_and_a_split_job_train_as_one_process_does(
     for key in ("acme/dp-one", "acme/dp-split"):
         wait_until(lambda key=key: stack.phase(key) == "Succeeded", 120, f"{key} to finish")
     one = stack.events("acme/dp-one")
-    print("EXPL", json.dumps(stack.job("acme/dp-one").get("explanation"), default=str)[:3000])
     (started,) = [e for e in one if e["event"] == "STARTING"]
     assert started["cluster_id"] == "cc"  # the one cluster with two nodes
     assert [e["detail"] for e in exited(stack, "acme/dp-one")] == [expected]
@@ -588,3 +604,105 @@ def test_losing_one_cluster_of_a_split_job_resumes_all_of_it_from_one_checkpoint
     assert ends["cc"]["exit_code"] == 0 or "the job succeeded" in ends["cc"]["detail"], ends
     # Nothing of the new epoch ran in cb; its old part stopped with the rest of the old world.
     assert not [e for e in stack.events(key) if e["cluster_id"] == "cb" and e["epoch"] == moved]
+
+
+def test_a_federated_job_trains_where_its_data_lives_and_only_model_updates_cross(stack):
+    """A restricted dataset lives in two regions (each its own records, in its cluster's store);
+    a federated job runs one participant in each, averages their models each round (FedAvg,
+    sealed), checkpoints the aggregate and audits which regions contributed; no object of the
+    dataset is copied anywhere, and the result is the FedAvg of the two participants, bit for
+    bit."""
+    name = f"patients-{uuid.uuid4().hex[:8]}"
+    prefix = dataset_prefix("acme", name)
+
+    def store(cluster: str) -> ObjectStore:
+        bucket = cluster_bucket(stack.settings.s3.bucket, cluster)
+        return ObjectStore.from_settings(stack.settings.s3, bucket)
+
+    records = {c: dataset_objects(f"{name}-{c}", 2, 1) for c in ("ca", "cb")}
+    for cluster, objects in records.items():
+        upload(store(cluster), prefix, objects)
+    rounds, local_steps, seed = 4, 25, 19
+    job = training("fed", per_worker=2, seed=seed, step_delay_ms=5)
+    job["spec"] |= {"dataset": name, "federated": {"rounds": rounds, "local_steps": local_steps}}
+    dataset = {
+        "kind": "Dataset",
+        "metadata": {"name": name, "tenant": "acme"},
+        "spec": {
+            "size": 2 << 20,
+            "replicas": ["ca", "cb"],
+            "residency": ["region-ca", "region-cb"],
+            "sensitivity": "restricted",
+        },
+    }
+    submit(stack.settings.kafka, stack.topics, submits(dataset, job))
+    wait_until(lambda: stack.phase("acme/fed") == "Succeeded", 120, "the federated job to end")
+    events = stack.events("acme/fed")
+    assert {e["cluster_id"] for e in events if e["event"] == "STARTING"} == {"ca", "cb"}
+    # The FedAvg of the two participants (each on its own samples), bit for bit.
+    config = TrainConfig.from_env(workload_env({"seed": seed}))
+    params, _, _ = initial(config)
+    shares = [local_data(config, part, 2) for part in range(2)]
+    samples = sum(len(x) for x, _ in shares)
+    for r in range(rounds):
+        updates = [
+            local_round(config, params, x, y, r, part, local_steps)[0]
+            for part, (x, y) in enumerate(shares)
+        ]
+        params = unflat(
+            ordered_sum(
+                [flat(u) * (len(x) / samples) for u, (x, _) in zip(updates, shares, strict=True)]
+            ),
+            params,
+        )
+    assert f"params sha256 {params_digest(params)}" in [
+        e["detail"] for e in exited(stack, "acme/fed")
+    ]
+    # Every round's aggregate checkpointed in the root's store, and audited with its regions.
+    checkpoints = [e for e in events if e["event"] == "CHECKPOINTED"]
+    assert [e["step"] for e in checkpoints] == [local_steps * (r + 1) for r in range(rounds)]
+    assert all(e["checkpoint_uri"].startswith(f"s3://{store('ca').bucket}/") for e in checkpoints)
+    audited = [
+        r["event"]
+        for r in kafka_clients.read_to_end(
+            stack.settings.kafka,
+            stack.topics.audit_log,
+            list(range(stack.topics.audit_partitions)),
+            f"audit-{uuid.uuid4().hex}",
+            30,
+        )
+        for r in [codec.decode(r.value()).record]
+        if r.get("event") and r["event"]["target"] == "acme/fed"
+    ]
+
+    def rounds_audited() -> list[str]:
+        return sorted(
+            e["details"].get("detail", "")
+            for e in audited
+            if e["operation"] == "workload.CHECKPOINTED"
+        )
+
+    assert rounds_audited() == [
+        f"federated round {r + 1} of {rounds}: the aggregate of 2 regions (region-ca, "
+        "region-cb); only model updates crossed"
+        for r in range(rounds)
+    ]
+
+    # No byte of the dataset left its region: each store holds its own records and nothing
+    # of the other's, and no prewarm was ordered.
+    def keys(held: ObjectStore, under: str) -> list[str]:
+        try:
+            return held.keys(under)
+        except ObjectMissing:
+            return []  # the cluster's store was never written
+
+    for cluster, other in (("ca", "cb"), ("cb", "ca"), ("cc", "ca")):
+        held = store(cluster)
+        digests = {
+            hashlib.sha256(held.get(key)).hexdigest()
+            for key in keys(held, "datasets/") + keys(held, f"checkpoints/{stack.topics.prefix}/")
+        }
+        theirs = {hashlib.sha256(b).hexdigest() for b in records[other].values()}
+        assert not digests & theirs, f"{other}'s records in {cluster}'s store"
+    assert not keys(store("cc"), prefix)
+    assert not stack.records(stack.topics.prewarms)

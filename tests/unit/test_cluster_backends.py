@@ -173,12 +173,22 @@ def test_progress_lines_say_their_events_and_reports_in_order() -> None:
         Event("PROGRESS", {"step": 10, "loss": 0.5, "samples_per_s": 3.0})
     ]
     checkpoint = {"event": "checkpoint", "step": 50, "uri": "s3://b/k", "bytes": 9, "ts": 7}
+    fields = {"step": 50, "checkpoint_uri": "s3://b/k", "bytes": 9, "seconds": None}
     assert said(checkpoint) == [
-        Event(
-            "CHECKPOINTED", {"step": 50, "checkpoint_uri": "s3://b/k", "bytes": 9, "seconds": None}
-        ),
+        Event("CHECKPOINTED", {**fields, "detail": None}),
         Report("CHECKPOINT", {"step": 50, "checkpoint_ms": 7, "detail": "s3://b/k"}),
     ]
+    # A federated round's checkpoint names the regions that contributed (into the audit log).
+    round_detail = "federated round 2 of 3: the aggregate of 2 regions (eu, us)"
+    assert said({**checkpoint, "detail": round_detail})[0] == Event(
+        "CHECKPOINTED", {**fields, "detail": round_detail}
+    )
+    line = {"event": "progress", "step": 20, "round": 2, "regions": ["eu", "us"]}
+    (event,) = said({**line, "loss": 0.1, "exchange_ms": 1.5, "cross_bytes_per_step": 70})
+    assert event.fields["detail"] == (
+        "federated round 2: eu, us contributed; 1.5 ms a round averaging, 70 bytes a step "
+        "across regions (model updates only)"
+    )
     resumed = said({"event": "resumed", "step": 50, "checkpoint": "ckpt-50"})
     assert resumed == [Event("RESTORED", {"step": 50, "detail": "resumed from ckpt-50"})]
     for quiet in ("done", "stopped", "listening", "idle", "unreadable"):

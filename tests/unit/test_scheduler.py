@@ -215,6 +215,20 @@ def test_a_job_away_from_its_data_waits_for_the_copy_holding_no_gpus():
     assert set(record.replicas) == {"eu-west-a", target}
 
 
+def test_a_copy_that_leaves_its_region_masks_the_dataset_s_sensitive_fields():
+    view, _ = fleet_view(THREE)
+    d = Driver(view)
+    records = dataset("records", "100TB", ["eu-west-a"])
+    records["spec"]["sensitive_fields"] = ["patient", "email"]
+    d.submit(records)
+    d.submit(dataset("logs", "10TB", ["eu-west-a"], tenant="other"))
+    d.submit(training("fill", workers=4, tenant="other", dataset="logs"))
+    d.submit(training("train", workers=2, dataset="records"))
+    (order,) = [e for e in d.effects if isinstance(e, PrewarmOrder)]
+    assert order.prewarm.to_cluster != "eu-west-a"  # another region: masked on the way
+    assert order.mask_fields == ("patient", "email")
+
+
 def test_a_job_that_may_preempt_evicts_where_its_data_is_rather_than_copy_it():
     view, _ = fleet_view(THREE)
     d = Driver(view)
@@ -507,3 +521,40 @@ def test_cordon_keeps_new_work_off_a_node_and_uncordon_returns_it():
     d.tick(seconds=1, view=view)
     assert d.last("acme/second").outcome == "PLACED"
     assert d.nodes_of("acme/second") == {"us-east-a-n0000"}
+
+
+def test_a_federated_job_runs_one_participant_in_each_region_of_its_data():
+    view, _ = fleet_view(THREE)
+    d = Driver(view)
+    patients = dataset("patients", "10TB", ["eu-west-a", "us-east-a"])
+    patients["spec"] |= {"residency": ["eu-west", "us-east"], "sensitivity": "restricted"}
+    d.submit(patients)
+    job = training("fed", workers=1, dataset="patients")
+    job["spec"]["federated"] = {"rounds": 3, "local_steps": 20}
+    d.submit(job)
+    placed = d.last("acme/fed")
+    assert placed.outcome == "PLACED", placed.reason
+    assert {p.cluster_id for p in placed.placements} == {"eu-west-a", "us-east-a"}
+    assert not placed.prewarms and not [e for e in d.effects if isinstance(e, PrewarmOrder)]
+    assert "one participant in each region its data lives in, eu-west (eu-west-a), us-east " in (
+        placed.reason
+    )
+    # One RUN order names both participants, rank 0 in the first cluster by name.
+    (order,) = [e for e in d.effects if isinstance(e, WorkloadOrder) and e.job == "acme/fed"]
+    assert [p[0] for p in order.parts] == ["eu-west-a", "us-east-a"]
+    # No room in one region: the job waits rather than train without it.
+    d.submit(training("fill", workers=4, tenant="other", priority="high"))
+    d.submit(training("fill2", workers=4, tenant="other", priority="high"))
+    second = training("fed2", workers=1, dataset="patients")
+    second["spec"]["federated"] = {"rounds": 1, "local_steps": 1}
+    d.submit(second)
+    queued = d.last("acme/fed2")
+    assert queued.outcome == "QUEUED" and "federated: no room in " in queued.reason
+    # Over a dataset that declares no residency: refused at apply, the field named.
+    d.submit(dataset("open", "1TB", ["eu-west-a"]))
+    third = training("fed3", workers=1, dataset="open")
+    third["spec"]["federated"] = {"rounds": 1, "local_steps": 1}
+    d.submit(third)
+    refused = d.last("acme/fed3")
+    assert refused.outcome == "REJECTED"
+    assert refused.reason.startswith("spec.federated: dataset open declares no residency")

@@ -46,7 +46,7 @@ from fleetline.agents.cluster.reports import Event, said
 from fleetline.agents.cluster.sharing import gpu_memory_mib, gpu_sharing, mps_running
 from fleetline.agents.cluster.stores import JobStores
 from fleetline.agents.dataplane.shards import Part, World
-from fleetline.agents.workloads.train import workload_env
+from fleetline.agents.workloads.train import federated_env, workload_env
 from fleetline.config import Settings
 from fleetline.errors import FleetlineError
 from fleetline.observability import tracing
@@ -131,7 +131,9 @@ class ClusterAgent:
             self.probe_timeout_s,
             self.chaos_file,
         )
-        self.region: str | None = None  # this cluster's, from its ClusterInfo
+        # This cluster's region: its ClusterInfo's, else what its nodes report.
+        self.region: str | None = None
+        self.declared_region = False
         self.cordoned: dict[str, bool] = {}  # this cluster's nodes: cordoned in fleetline?
         # Each tenant's terms, from the scheduler's committed state (its changelog).
         self.tenants: dict[str, TenantPolicy] = {}
@@ -277,10 +279,13 @@ class ClusterAgent:
             elif name == CLUSTER_INFO:
                 if record["cluster_id"] == self.cluster_id:
                     self.region = record["region"]
+                    self.declared_region = True
             elif name == CLUSTER_HEALTH:
                 self.health[record["cluster_id"]] = record
             elif name == NODE_STATE:
                 if record["cluster_id"] == self.cluster_id:
+                    if not self.declared_region:  # the operator's word (ClusterInfo) first
+                        self.region = record["region"]
                     labels = record.get("labels") or {}
                     self.cordoned[record["node_id"]] = labels.get(CORDONED_LABEL) == "true"
             elif (
@@ -443,6 +448,7 @@ class ClusterAgent:
             **os.environ,
             **checkpoints_env,
             **self._contract(order, workload_spec),
+            **federated_env(body.get("federated")),
             **sharing_env,
             **{str(k): str(v) for k, v in (workload_spec.get("env") or {}).items()},
         }
@@ -551,6 +557,8 @@ class ClusterAgent:
             # Where a workload that listens (an inference replica) binds and is reached, and
             # the certificate it shows there (this host's).
             "FLEETLINE_ADVERTISE_HOST": self.settings.advertise_host,
+            # Where this cluster is (its ClusterInfo): what a federated round says contributed.
+            "FLEETLINE_REGION": self.region or self.cluster_id,
             **(self.settings.tls.as_env() if self.settings.tls else {}),
         }
         if order.parts:

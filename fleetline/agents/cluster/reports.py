@@ -18,7 +18,13 @@ LINE_EVENTS: dict[str, tuple[WorkloadEventKind, dict[str, str]]] = {
     "progress": ("PROGRESS", {"step": "step", "loss": "loss", "samples_per_s": "samples_per_s"}),
     "checkpoint": (
         "CHECKPOINTED",
-        {"step": "step", "checkpoint_uri": "uri", "bytes": "bytes", "seconds": "seconds"},
+        {
+            "step": "step",
+            "checkpoint_uri": "uri",
+            "bytes": "bytes",
+            "seconds": "seconds",
+            "detail": "detail",  # a federated round's regions, into the audit log
+        },
     ),
 }
 
@@ -120,5 +126,11 @@ def said(line: Mapping[str, Any]) -> list[Event | Report]:
 def exchange_detail(line: Mapping[str, Any]) -> str:
     """What a data-parallel step's exchange costs, as a progress line of the root says it."""
     crossing = line.get("cross_bytes_per_step") or 0
+    if line.get("round") is not None:
+        return (
+            f"federated round {line.get('round')}: {', '.join(line.get('regions') or ())} "
+            f"contributed; {line.get('exchange_ms')} ms a round averaging, {crossing} bytes a "
+            "step across regions (model updates only)"
+        )
     text = f"data plane: {line.get('exchange_ms')} ms a step exchanging gradients"
     return text + (f", {crossing} bytes a step across clusters" if crossing else "")

@@ -273,6 +273,51 @@ class Collective:
             channel.send("sum", _encode({"step": step, "stop": stop}, [total]))
         return total, stop
 
+    def average(
+        self, round_: int, params: NDArray[np.float64], weight: float, region: str, stop: bool
+    ) -> tuple[NDArray[np.float64], bool, list[str]]:
+        """Federated averaging: every participant's parameters weighted by its `weight` (its
+        samples), summed in part order at the root (the same bits on every run), and the
+        regions that contributed, in part order. Only these vectors cross: never data."""
+        if self.comm is not None:
+            raise DataPlaneError("a federated participant is one worker")
+        began = time.perf_counter()
+        if not self.channels:
+            averaged, regions = params, [region]
+        elif not self.root:
+            (channel,) = self.channels
+            update = {"round": round_, "stop": stop, "weight": weight, "region": region}
+            channel.send("update", _encode(update, [params]))
+            answer, averaged = _decode(channel.recv("aggregate"))
+            if answer.get("round") != round_:
+                raise DataPlaneError(
+                    f"the root aggregated round {answer.get('round')}, not {round_}"
+                )
+            stop, regions = bool(answer["stop"]), list(answer["regions"])
+        else:
+            updates = [(weight, params)]
+            regions = [region]
+            for channel in self.channels:
+                head, flat = _decode(channel.recv("update"))
+                if head.get("round") != round_:
+                    raise DataPlaneError(
+                        f"part {channel.peer} sent round {head.get('round')}'s update in round "
+                        f"{round_}"
+                    )
+                updates.append((float(head["weight"]), flat))
+                regions.append(str(head["region"]))
+                stop = stop or bool(head["stop"])
+            total = sum(w for w, _ in updates)
+            averaged = ordered_sum([p * (w / total) for w, p in updates])
+            for channel in self.channels:
+                channel.send(
+                    "aggregate",
+                    _encode({"round": round_, "stop": stop, "regions": regions}, [averaged]),
+                )
+        self.exchange_s += time.perf_counter() - began
+        self.steps += 1
+        return averaged, stop, regions
+
     def share_state(self, state: Mapping[str, bytes] | None) -> dict[str, bytes] | None:
         """Global rank 0's training state (what it resumed from, or None: a fresh start) on
         every worker: one checkpoint for the whole job."""

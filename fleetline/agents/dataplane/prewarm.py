@@ -10,6 +10,12 @@ digest checked against the manifest (a mismatch is fetched again, at most `FETCH
 written and read back from the target and checked once more (what arrived, not what was sent).
 The manifest is written to the target last: a replica with a manifest is complete.
 
+A copy that leaves the source's region masks the dataset's sensitive fields first: every record
+(a JSON object a line) gets those fields replaced by a keyed hash (HMAC-SHA256 under a key the
+deployment's object-encryption key derives for the tenant: the same value hashes the same, so
+joins and counts still work, and nobody without the key can test a guess). An object that is not
+JSON lines cannot be masked and is not copied. The target's manifest lists the masked bytes.
+
 A copy killed half-way starts again where it was: an object already in the target with the
 manifest's size is read back and kept if its digest holds (fetched again if not, so a torn or
 tampered object never passes); the manifest comes last, whatever happened before.
@@ -18,11 +24,15 @@ tampered object never passes); the manifest comes last, whatever happened before
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from fleetline.errors import FleetlineError, ObjectMissing
 from fleetline.storage.objects import ObjectStore
@@ -68,6 +78,51 @@ class Throttle:
     @property
     def elapsed_s(self) -> float:
         return 0.0 if self._start is None else time.monotonic() - self._start
+
+
+def mask_key(master: bytes, tenant: str) -> bytes:
+    """The tenant's masking key, derived from the deployment's object-encryption key."""
+    return HKDF(
+        algorithm=hashes.SHA256(),
+        length=32,
+        salt=None,
+        info=b"fleetline masking/" + tenant.encode(),
+    ).derive(master)
+
+
+@dataclass(frozen=True)
+class Mask:
+    """Which fields of each record are masked, under which key."""
+
+    fields: tuple[str, ...]
+    key: bytes
+
+    def value(self, value: object) -> str:
+        encoded = json.dumps(value, sort_keys=True).encode()
+        return "masked:" + hmac.new(self.key, encoded, hashlib.sha256).hexdigest()[:32]
+
+    def apply(self, name: str, data: bytes) -> bytes:
+        """The object's records with the fields masked; CopyError if it is not JSON lines."""
+        why = f"{name}: its sensitive fields cannot be masked, so it does not leave its region"
+        try:
+            lines = data.decode("utf-8").splitlines()
+        except UnicodeDecodeError:
+            raise CopyError(f"{why} (not UTF-8 JSON lines)") from None
+        out = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                raise CopyError(f"{why} (line {number} is not JSON)") from None
+            if not isinstance(record, dict):
+                raise CopyError(f"{why} (line {number} is not a JSON object)")
+            for field in self.fields:
+                if field in record:
+                    record[field] = self.value(record[field])
+            out.append(json.dumps(record, sort_keys=True, separators=(",", ":")))
+        return ("\n".join(out) + "\n").encode() if out else b""
 
 
 def read_manifest(store: ObjectStore, prefix: str) -> list[Entry] | None:
@@ -154,23 +209,28 @@ def copy_dataset(
     rate_bytes_per_s: float,
     stop: threading.Event,
     progress: Progress | None = None,
+    mask: Mask | None = None,
 ) -> CopyReport | None:
-    """Copy the dataset under `prefix` from `source` to `target`; None when stopped first."""
+    """Copy the dataset under `prefix` from `source` to `target` (its records' sensitive
+    fields masked with `mask`); None when stopped first."""
     entries = manifest_of(source, prefix)
     target.ensure_bucket()
     total = sum(e.size for e in entries)
     pace = Throttle(rate_bytes_per_s)
     done = copied = kept = 0
     refetched: list[str] = []
+    written: list[Entry] = []  # the target's manifest: what it holds (masked, if masked)
     sizes = {k[len(prefix) :]: k for k in target.keys(prefix)}
     for entry in entries:
         if stop.is_set():
             return None
         key = prefix + entry.key
-        if entry.key in sizes and target.size(key) == entry.size:
+        # (A masked copy is fetched whole again: what it should hold is known from the source.)
+        if mask is None and entry.key in sizes and target.size(key) == entry.size:
             if _digest_of(target, key) == entry.sha256:
                 done += entry.size
                 kept += entry.size
+                written.append(entry)
                 if progress:
                     progress(done, total)
                 continue
@@ -182,8 +242,11 @@ def copy_dataset(
             copied += len(data)
             arrived = hashlib.sha256(data).hexdigest() if len(data) == entry.size else None
             if arrived == entry.sha256:
-                target.put(key, data)
-                if _digest_of(target, key) == entry.sha256:
+                body = data if mask is None else mask.apply(key, data)
+                stored = Entry(entry.key, len(body), hashlib.sha256(body).hexdigest())
+                target.put(key, body)
+                if _digest_of(target, key) == stored.sha256:
+                    written.append(stored)
                     break
             if fetch == FETCHES:
                 raise CopyError(
@@ -194,7 +257,7 @@ def copy_dataset(
         done += entry.size
         if progress:
             progress(done, total)
-    target.put(prefix + MANIFEST, manifest_bytes(entries), "application/json")
+    target.put(prefix + MANIFEST, manifest_bytes(written), "application/json")
     return CopyReport(copied, kept, total, refetched, pace.elapsed_s)
 
 

@@ -96,6 +96,16 @@ def workload_env(workload: Mapping[str, Any]) -> dict[str, str]:
     return {var: str(workload[name]) for name, var in WORKLOAD_ENV.items() if name in workload}
 
 
+def federated_env(federated: Mapping[str, Any] | None) -> dict[str, str]:
+    """The contract variables of a federated job (spec.federated): rounds and local steps."""
+    if not federated:
+        return {}
+    return {
+        "FLEETLINE_FEDERATED_ROUNDS": str(federated["rounds"]),
+        "FLEETLINE_FEDERATED_LOCAL_STEPS": str(federated["local_steps"]),
+    }
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 2000
@@ -340,6 +350,41 @@ def main(env: Mapping[str, str] | None = None) -> int:
         collective.close()
 
 
+def save(
+    store: Checkpoints,
+    env: Mapping[str, str],
+    progress: Progress,
+    epoch: int,
+    step: int,
+    params: Arrays,
+    parts: Mapping[str, bytes],
+    required: bool,
+    detail: str | None = None,
+) -> bool:
+    """Save a checkpoint; a periodic one that fails (the store unreachable: the host's links
+    cut) is reported and training goes on, to try again at the next. A required one (on a
+    stop, at the end) that fails stops the workload: what it did since its last checkpoint is
+    not saved. `detail` goes with its CHECKPOINTED event (into the audit log)."""
+    try:
+        manifest, seconds = store.save(epoch, step, parts, {"params_sha256": params_digest(params)})
+    except (FleetlineError, OSError) as exc:
+        progress.write(event="checkpoint_failed", step=step, error=str(exc)[:500])
+        if required:
+            raise
+        return False
+    line: dict[str, Any] = {
+        "event": "checkpoint",
+        "step": step,
+        "uri": f"s3://{env['FLEETLINE_CHECKPOINT_BUCKET']}/{store.prefix}/{manifest.name}",
+        "bytes": manifest.bytes,
+        "seconds": round(seconds, 4),
+    }
+    if detail is not None:
+        line["detail"] = detail
+    progress.write(**line)
+    return True
+
+
 def _train(
     env: Mapping[str, str],
     config: TrainConfig,
@@ -376,6 +421,13 @@ def _train(
         step = 0
     if collective.world.size > 1:
         progress.write(event="world", step=step, rank=collective.rank, **describe(collective.world))
+    rounds = int(env.get("FLEETLINE_FEDERATED_ROUNDS") or 0)
+    if rounds:
+        local_steps = int(env.get("FLEETLINE_FEDERATED_LOCAL_STEPS") or 1)
+        return _federate(
+            env, config, epoch, progress, collective, stopping, store, params, step,
+            rounds, local_steps,
+        )  # fmt: skip
     began, done_before = time.perf_counter(), step
     control = env.get("FLEETLINE_CONTROL_FILE")
     interval_s: list[float | None] = [read_interval(control)]
@@ -391,33 +443,19 @@ def _train(
             interval_s[0] = now
 
     def checkpoint(required: bool) -> bool:
-        """Save one; a periodic one that fails (the store unreachable: the host's links cut)
-        is reported and training goes on, to try again at the next. A required one (on a stop,
-        at the end) that fails stops the workload: what it did since its last checkpoint is
-        not saved."""
         assert store is not None
-        try:
-            manifest, seconds = store.save(
-                epoch,
-                step,
-                state_parts(params, optimizer, rng, step),
-                {"params_sha256": params_digest(params)},
-            )
-        except (FleetlineError, OSError) as exc:
-            progress.write(event="checkpoint_failed", step=step, error=str(exc)[:500])
-            last_saved[0] = time.monotonic()
-            if required:
-                raise
-            return False
-        last_saved[0] = time.monotonic()
-        progress.write(
-            event="checkpoint",
-            step=step,
-            uri=f"s3://{env['FLEETLINE_CHECKPOINT_BUCKET']}/{store.prefix}/{manifest.name}",
-            bytes=manifest.bytes,
-            seconds=round(seconds, 4),
+        saved = save(
+            store,
+            env,
+            progress,
+            epoch,
+            step,
+            params,
+            state_parts(params, optimizer, rng, step),
+            required,
         )
-        return True
+        last_saved[0] = time.monotonic()
+        return saved
 
     while step < config.steps:
         before = rng.bit_generator.state
@@ -454,6 +492,109 @@ def _train(
         ):
             checkpoint(required=step == config.steps)
             retold()
+        if config.step_delay_s:
+            time.sleep(config.step_delay_s)
+    progress.write(event="done", step=step, params_sha256=params_digest(params))
+    return 0
+
+
+def flat(params: Arrays) -> NDArray[np.float64]:
+    return np.concatenate([params[k].ravel() for k in PARAMETERS])
+
+
+def unflat(vector: NDArray[np.float64], like: Arrays) -> Arrays:
+    out, offset = {}, 0
+    for k in PARAMETERS:
+        size = like[k].size
+        out[k] = vector[offset : offset + size].reshape(like[k].shape).copy()
+        offset += size
+    return out
+
+
+def local_data(
+    config: TrainConfig, part: int, parts: int
+) -> tuple[NDArray[np.float64], NDArray[np.int64]]:
+    """A federated participant's own samples: every `parts`-th sample from its index on (the
+    built-in trainer's stand-in for the records its region holds; no two regions share one)."""
+    x, y = data(config)
+    return x[part::parts], y[part::parts]
+
+
+def local_round(
+    config: TrainConfig,
+    params: Arrays,
+    x: NDArray[np.float64],
+    y: NDArray[np.int64],
+    round_: int,
+    part: int,
+    steps: int,
+) -> tuple[Arrays, float]:
+    """One participant's round: `steps` Adam steps from the round's global parameters on its
+    own samples (optimizer state fresh each round), the batches drawn from (seed, round, part);
+    the local parameters and the last batch's loss."""
+    local = {k: v.copy() for k, v in params.items()}
+    _, optimizer, _ = initial(config)
+    rng = np.random.default_rng([config.seed, 4, round_, part])
+    loss = 0.0
+    for _ in range(steps):
+        index = rng.integers(0, len(x), config.batch)
+        mine = my_shard_gradients(config, local, index, x, y, range(GRADIENT_SHARDS))
+        loss = apply_gradient(
+            config, local, optimizer, ordered_sum([mine[i] for i in range(GRADIENT_SHARDS)])
+        )
+    return local, loss
+
+
+def _federate(
+    env: Mapping[str, str],
+    config: TrainConfig,
+    epoch: int,
+    progress: Progress,
+    collective: Collective,
+    stopping: list[int],
+    store: Checkpoints | None,
+    params: Arrays,
+    step: int,
+    rounds: int,
+    local_steps: int,
+) -> int:
+    """Federated averaging: each participant trains `local_steps` on its own region's samples,
+    the root averages the participants' parameters (weighted by their samples) and checkpoints
+    the aggregate each round, naming the regions that contributed; only parameters cross."""
+    parts = collective.world.parts
+    part = parts.index(collective.part)
+    x, y = local_data(config, part, len(parts))
+    region = env.get("FLEETLINE_REGION") or collective.cluster_id
+    _, optimizer, rng = initial(config)  # a checkpoint's state: the aggregate and its round
+    for round_ in range(step // local_steps, rounds):
+        local, loss = local_round(config, params, x, y, round_, part, local_steps)
+        averaged, stop, regions = collective.average(
+            round_, flat(local), float(len(x)), region, bool(stopping)
+        )
+        if stop:  # asked anywhere: every participant stops at the same round's end
+            if store is not None:
+                save(store, env, progress, epoch, step, params,
+                     state_parts(params, optimizer, rng, step), required=True)  # fmt: skip
+            progress.write(event="stopped", step=step)
+            return 0
+        params = unflat(averaged, params)
+        step = (round_ + 1) * local_steps
+        progress.write(
+            event="progress",
+            step=step,
+            loss=loss,
+            round=round_ + 1,
+            regions=regions,
+            exchange_ms=round(1000 * collective.exchange_s / max(collective.steps, 1), 3),
+            cross_bytes_per_step=collective.channel_bytes // max(step, 1),
+        )
+        if store is not None:
+            save(
+                store, env, progress, epoch, step, params,
+                state_parts(params, optimizer, rng, step), required=round_ + 1 == rounds,
+                detail=f"federated round {round_ + 1} of {rounds}: the aggregate of "
+                f"{len(regions)} regions ({', '.join(regions)}); only model updates crossed",
+            )  # fmt: skip
         if config.step_delay_s:
             time.sleep(config.step_delay_s)
     progress.write(event="done", step=step, params_sha256=params_digest(params))

@@ -171,6 +171,7 @@ def effect_record(effect: Effect) -> tuple[str, str, dict[str, Any]]:
                     "estimated_s": p.estimated_s,
                     "rate_gbps": p.rate_gbps,
                     "prefix": effect.prefix,
+                    "mask_fields": list(effect.mask_fields),
                 },
             )
         case DatasetRecord():

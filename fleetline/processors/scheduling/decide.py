@@ -29,7 +29,9 @@ from fleetline.processors.scheduling.pipeline import (
     Attempt,
     ClusterScore,
     Context,
+    DatasetPrewarm,
     JobRequest,
+    place_federated,
     place_gang,
     place_replicas,
     place_split,
@@ -183,6 +185,8 @@ def try_place(s: SchedulerState, job: Job, regions: tuple[str, ...] | None = Non
         return place_replicas(ctx, 1)
     if spec.dataset and request.dataset is None:
         return Attempt((), f"dataset {spec.dataset} is not registered (apply its Dataset spec)", ())
+    if spec.federated is not None:
+        return place_federated(ctx)
     attempt = place_gang(ctx) if block is None else Attempt((), block, ())
     if not attempt.placed and block is None and spec.allow_split_across_clusters:
         split = place_split(ctx)
@@ -309,7 +313,11 @@ def attempt(
     # scale-out stays in the region its demand comes from until that region's pool is full.
     for regions in replica_regions(job):
         placed = try_place(s, job, regions)
-        may_preempt = failed_shapes is None or s.preemptions_left > 0
+        # (A federated job's participants are placed together or not at all: no eviction
+        # plan covers every region yet.)
+        may_preempt = (failed_shapes is None or s.preemptions_left > 0) and not (
+            isinstance(job.spec, TrainingJobSpec) and job.spec.federated is not None
+        )
         # Copying a dataset is the last resort: a job that may preempt is placed where its data
         # is, evicting lower priorities there, before its data is sent after free GPUs (which
         # others may take while it copies).
@@ -501,8 +509,21 @@ def stage(s: SchedulerState, out: EffectLog, job: Job, placed: Attempt) -> None:
                 s.now_ms,
                 prewarm,
                 dataset_prefix_of(s, prewarm.dataset_id),
+                masked_in(s, prewarm),
             )
         )
+
+
+def masked_in(s: SchedulerState, prewarm: DatasetPrewarm) -> tuple[str, ...]:
+    """The dataset's sensitive fields when the copy leaves the source's region, else ()."""
+    own = s.datasets.get(prewarm.dataset_id)
+    if own is None or not own.sensitive_fields or prewarm.from_cluster is None:
+        return ()
+    source = s.facts.clusters.get(prewarm.from_cluster)
+    target = s.facts.clusters.get(prewarm.to_cluster)
+    if source is not None and target is not None and source.region == target.region:
+        return ()
+    return own.sensitive_fields
 
 
 def waiting_reason(tickets: list[str], copied: Mapping[str, float]) -> str:

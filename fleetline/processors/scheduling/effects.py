@@ -153,6 +153,7 @@ class PrewarmOrder:
     ts: int
     prewarm: DatasetPrewarm
     prefix: str  # the dataset's objects, in the source cluster's store and the target's
+    mask_fields: tuple[str, ...] = ()  # masked by keyed hashing: the copy leaves its region
 
 
 class OrderAction(StrEnum):
@@ -223,6 +224,7 @@ class DatasetRecord:
     deleted: bool = False
     residency: tuple[str, ...] = ()  # kept in the scheduler's state, not (yet) on the topic
     source: str | None = None  # its objects' key prefix in a replica's store (spec.source)
+    sensitive_fields: tuple[str, ...] = ()  # masked in a copy that leaves its region
 
 
 Effect = Decision | AllocationChange | PrewarmOrder | DatasetRecord | WorkloadOrder

@@ -527,6 +527,63 @@ def place_split(ctx: Context) -> Attempt:
     )
 
 
+def place_federated(ctx: Context) -> Attempt:
+    """One participant (the job's gang) in each region where its dataset lives, in a cluster
+    that holds the data there: no data moves. All regions or none."""
+    d = ctx.request.dataset
+    assert d is not None
+    local = replace_request(ctx, data_only=True)
+    scores = rank_clusters(local)
+    shown = _shown(ctx, scores)
+    region_of = {c: f.region for c in d.replicas if (f := ctx.cluster(c)) is not None}
+    regions = sorted({r for r in region_of.values() if not d.residency or r in d.residency})
+    if not regions:
+        return Attempt(
+            (),
+            f"federated: dataset {d.dataset_id} has no replica in a cluster of its regions",
+            shown,
+        )
+    shape = ctx.request.shape
+    block = quota_block(
+        ctx.tenant_policy,
+        ctx.usage_of(),
+        Request(shape.gpus * len(regions), {}, ctx.request.gpu_ms * len(regions)),
+    )
+    if block is not None:
+        return Attempt((), f"federated, {len(regions)} participants: {block}", shown)
+    placements: list[Placement] = []
+    where = []
+    for region in regions:
+        here = [s for s in scores if region_of.get(s.cluster_id) == region]
+        for score in here:
+            if score.rejected is not None:
+                continue
+            gang = ctx.index.select_gang(score.cluster_id, shape)
+            if isinstance(gang, str):
+                continue
+            _reserve(ctx.index, gang)
+            placements.append(to_placement(gang, shape, ctx.index))
+            where.append(f"{region} ({score.cluster_id})")
+            break
+        else:
+            unreserve(ctx.index, placements)
+            return Attempt(
+                (),
+                f"federated: no room in {region}, where its data lives: "
+                + (_queued_reason(here) if any(s.rejected for s in here) else "no cluster fits"),
+                shown,
+            )
+    return Attempt(
+        tuple(placements),
+        "federated: one participant in each region its data lives in, "
+        + ", ".join(where)
+        + "; only model updates cross regions",
+        shown,
+        (),
+        shape.workers * len(placements),
+    )
+
+
 def place_replicas(ctx: Context, replicas: int) -> Attempt:
     """Service replicas one by one, each to the best cluster given those already placed (the
     spread scorer keeps them apart); all `replicas` or none."""

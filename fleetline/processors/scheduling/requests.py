@@ -384,6 +384,7 @@ def dataset_ready(s: SchedulerState, out: EffectLog, request: Mapping[str, Any])
                 tuple(sorted({*current.replicas, cluster})),
                 residency=current.residency,
                 source=own.source if own is not None else None,
+                sensitive_fields=own.sensitive_fields if own is not None else (),
             ),
         )
     for job in _waiting_on(s, ticket):
@@ -482,6 +483,7 @@ def register_dataset(s: SchedulerState, out: EffectLog, spec: Dataset) -> None:
             tuple(sorted(spec.spec.replicas)),
             residency=tuple(spec.spec.residency),
             source=spec.spec.source,
+            sensitive_fields=tuple(spec.spec.sensitive_fields),
         ),
     )
     decide_about(
@@ -499,10 +501,17 @@ def register_dataset(s: SchedulerState, out: EffectLog, spec: Dataset) -> None:
 
 def residency_refusal(s: SchedulerState, spec: object) -> str | None:
     """Why a training job may not have its dataset where it asks for it (its `region` outside
-    the dataset's residency), or None."""
-    if not isinstance(spec, TrainingJobSpec) or not spec.dataset or spec.region is None:
+    the dataset's residency; federated over a dataset that declares none), or None."""
+    if not isinstance(spec, TrainingJobSpec) or not spec.dataset:
         return None
     dataset = s.dataset(spec.dataset)
+    if spec.federated is not None and dataset is not None and not dataset.residency:
+        return (
+            f"spec.federated: dataset {spec.dataset} declares no residency; a federated job "
+            "trains in each region its data must stay in (give the Dataset a residency)"
+        )
+    if spec.region is None:
+        return None
     if dataset is None or not dataset.residency or spec.region in dataset.residency:
         return None
     return (

@@ -263,6 +263,14 @@ class GpuKind(Model):
         return math.ceil(self.min_gpu_memory_gb * MIB_PER_GB)
 
 
+class Federated(Model):
+    """Federated training: one participant per region where the job's dataset lives, each
+    training on its own region's data; only model updates cross regions (FedAvg)."""
+
+    rounds: Count = Field(description="aggregation rounds")
+    local_steps: Count = Field(description="steps each participant trains between aggregations")
+
+
 class TrainingJobSpec(GpuKind):
     gpus_per_worker: Count
     workers: Count
@@ -281,6 +289,11 @@ class TrainingJobSpec(GpuKind):
     retry: RetryPolicy = RetryPolicy()
     deferrable: Deferrable | None = Field(
         default=None, description="may wait for cheaper or greener hours (a deadline)"
+    )
+    federated: Federated | None = Field(
+        default=None,
+        description="train where the data lives: one participant of `workers` (1) per region of "
+        "its dataset, model updates averaged across them",
     )
 
     @model_validator(mode="after")
@@ -455,6 +468,11 @@ class DatasetSpec(Model):
     )
     sensitivity: Literal["public", "internal", "restricted"] = Field(
         default="internal", description="restricted: it must declare its residency"
+    )
+    sensitive_fields: tuple[Text, ...] = Field(
+        default=(),
+        description="fields of its records (JSON lines) masked by keyed hashing before any copy "
+        "leaves its region",
     )
 
     @property
@@ -632,6 +650,8 @@ def _cross_field(kind: str, document: Mapping[str, Any]) -> list[FieldError]:
                     "group must sit inside NVLink reach",
                 )
             )
+        if isinstance(spec, Mapping) and spec.get("federated") is not None:
+            errors.extend(_federated_errors(spec, workers))
         e = spec.get("elastic") if isinstance(spec, Mapping) else None
         low, high = _int(e, "min_workers", workers), _int(e, "max_workers", workers)
         if not low <= workers <= high:
@@ -665,6 +685,23 @@ def _cross_field(kind: str, document: Mapping[str, Any]) -> list[FieldError]:
                     "a restricted dataset must name the regions its data stays in",
                 )
             )
+    return errors
+
+
+def _federated_errors(spec: Mapping[str, Any], workers: int) -> list[FieldError]:
+    errors = []
+    if not spec.get("dataset"):
+        errors.append(FieldError("spec.dataset", "a federated job trains on a dataset; name it"))
+    if workers != 1:
+        errors.append(FieldError("spec.workers", "a federated job runs one worker per region"))
+    if spec.get("allow_split_across_clusters") or spec.get("elastic"):
+        errors.append(
+            FieldError(
+                "spec.federated",
+                "a federated job is placed one participant per region: it neither splits "
+                "nor shrinks (no allow_split_across_clusters, no elastic)",
+            )
+        )
     return errors
 
 

@@ -443,6 +443,7 @@ class SchedulerState:
                         "deleted": d.deleted,
                         "residency": list(d.residency),
                         "source": d.source,
+                        "sensitive_fields": list(d.sensitive_fields),
                     },
                 )
             else:
@@ -498,6 +499,7 @@ class SchedulerState:
                     value["deleted"],
                     tuple(value.get("residency") or ()),  # absent from older snapshots
                     value.get("source"),
+                    tuple(value.get("sensitive_fields") or ()),
                 )
         self.rebuild_index()
 
