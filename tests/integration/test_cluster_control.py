@@ -642,7 +642,11 @@ def test_a_federated_job_trains_where_its_data_lives_and_only_model_updates_cros
     # The FedAvg of the two participants (each on its own samples), bit for bit.
     config = TrainConfig.from_env(workload_env({"seed": seed}))
     params, _, _ = initial(config)
-    shares = [local_data(config, part, 2) for part in range(2)]
+    # Each participant's samples are its own region's objects, read from its cluster's store.
+    shares = [
+        local_data(config, part, 2, [records[c][k] for k in sorted(records[c])])
+        for part, c in enumerate(("ca", "cb"))
+    ]
     samples = sum(len(x) for x, _ in shares)
     for r in range(rounds):
         updates = [

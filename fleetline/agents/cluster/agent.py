@@ -56,7 +56,7 @@ from fleetline.processors.scheduling.client import changelog as scheduler_change
 from fleetline.processors.scheduling.client import request_output
 from fleetline.processors.scheduling.codec import new_request
 from fleetline.processors.scheduling.services import REPLICA_KIND
-from fleetline.processors.scheduling.specs import TrainingJobSpec
+from fleetline.processors.scheduling.specs import TrainingJobSpec, dataset_prefix
 from fleetline.processors.scheduling.tenancy import TenantPolicy
 from fleetline.processors.view.model import CORDONED_LABEL
 from fleetline.schemas.records import (
@@ -449,6 +449,7 @@ class ClusterAgent:
             **checkpoints_env,
             **self._contract(order, workload_spec),
             **federated_env(body.get("federated")),
+            **self._dataset_env(order, body.get("dataset")),
             **sharing_env,
             **{str(k): str(v) for k, v in (workload_spec.get("env") or {}).items()},
         }
@@ -531,6 +532,17 @@ class ClusterAgent:
                 wanted,
                 extra={"trace_id": order.trace_id},
             )
+
+    def _dataset_env(self, order: Order, dataset: object) -> dict[str, str]:
+        """Where the job's dataset is in this cluster's store (its default place: a Dataset
+        whose `source` names another prefix is not located for the workload yet)."""
+        if not isinstance(dataset, str) or not dataset:
+            return {}
+        return {
+            "FLEETLINE_DATASET": dataset,
+            "FLEETLINE_DATASET_BUCKET": cluster_bucket(self.settings.s3.bucket, self.cluster_id),
+            "FLEETLINE_DATASET_PREFIX": dataset_prefix(order.tenant, dataset),
+        }
 
     def _contract(self, order: Order, workload_spec: Mapping[str, Any]) -> dict[str, str]:
         """The workload contract's environment (see agents/workloads/train.py)."""

@@ -27,10 +27,18 @@ _LOCAL_RANK, _RANK_BASE, _LOCAL_WORKERS, _WORLD_SIZE, _PARTS and _DATAPLANE_BUCK
 across clusters), _MASTER_ADDR (where a backend starts one task per worker: the first one's node),
 CUDA_VISIBLE_DEVICES, the S3 endpoint and credentials, FLEETLINE_CHECKPOINT_BUCKET and _PREFIX,
 _CHECKPOINT_KEY when sealed, FLEETLINE_RESUME_CHECKPOINT (the checkpoint to resume from; empty:
-start afresh; unset: the newest complete one), FLEETLINE_PROGRESS_FILE, FLEETLINE_CONTROL_FILE);
-out: JSON lines appended to the progress file (`resumed`, `world`, `progress`, `checkpoint`,
+start afresh; unset: the newest complete one), FLEETLINE_PROGRESS_FILE, FLEETLINE_CONTROL_FILE,
+FLEETLINE_REGION; for a job with a dataset FLEETLINE_DATASET and where it is in this cluster's
+store, _DATASET_BUCKET and _DATASET_PREFIX; for a federated job FLEETLINE_FEDERATED_ROUNDS and
+_LOCAL_STEPS); out: JSON lines appended to the progress file (`resumed`, `world`, `progress`
+(a federated one with `round` and `regions`), `checkpoint` (with a `detail` for the audit log),
 `checkpoint_failed`, `tuned`, `done`, `stopped`, `peer_lost`, `dataplane_failed`) and
 checkpoints with a manifest written last.
+
+Federated (FLEETLINE_FEDERATED_ROUNDS set): each participant (one worker a region) trains
+`local_steps` on its region's dataset objects, read from its own cluster's store, and the root
+averages the participants' parameters each round (FedAvg, `Collective.average`), checkpointing
+the aggregate with the regions that contributed; only parameters cross regions.
 
 The control file (JSON, replaced whole by the cluster agent while the workload runs) says what
 may change after the start: `checkpoint_interval_s`, the job spec's, which operations may tune.
@@ -63,6 +71,7 @@ from fleetline.agents.dataplane.collective import (
     Rendezvous,
     world_from_env,
 )
+from fleetline.agents.dataplane.prewarm import read_manifest
 from fleetline.agents.dataplane.shards import (
     GRADIENT_SHARDS,
     World,
@@ -512,12 +521,36 @@ def unflat(vector: NDArray[np.float64], like: Arrays) -> Arrays:
 
 
 def local_data(
-    config: TrainConfig, part: int, parts: int
+    config: TrainConfig, part: int, parts: int, records: list[bytes] | None = None
 ) -> tuple[NDArray[np.float64], NDArray[np.int64]]:
-    """A federated participant's own samples: every `parts`-th sample from its index on (the
-    built-in trainer's stand-in for the records its region holds; no two regions share one)."""
-    x, y = data(config)
-    return x[part::parts], y[part::parts]
+    """A federated participant's own samples. From its region's dataset objects (`records`,
+    in manifest order) where it has them: their bytes are the inputs (scaled to [-1, 1]),
+    labelled by the job's teacher network (the task every region shares); else every
+    `parts`-th sample of the synthetic data from its index on (no two regions share one)."""
+    if not records:
+        x, y = data(config)
+        return x[part::parts], y[part::parts]
+    raw = np.frombuffer(b"".join(records), dtype=np.uint8)
+    rows = min(config.samples, len(raw) // config.features)
+    if rows < config.batch:
+        raise ValueError(f"the region's dataset holds {rows} samples, fewer than a batch")
+    x = raw[: rows * config.features].reshape(rows, config.features) / 127.5 - 1.0
+    teacher = np.random.default_rng([config.seed, 1]).standard_normal(
+        (config.features, config.classes)
+    )
+    return x, np.argmax(np.tanh(x @ teacher), axis=1)
+
+
+def region_records(env: Mapping[str, str]) -> list[bytes] | None:
+    """The job's dataset as this region holds it (its objects, in manifest order), read from
+    this cluster's own store: FLEETLINE_DATASET_BUCKET and _PREFIX; None when none is given
+    or the store has no manifest there."""
+    bucket, prefix = env.get("FLEETLINE_DATASET_BUCKET"), env.get("FLEETLINE_DATASET_PREFIX")
+    if not bucket or not prefix:
+        return None
+    store = ObjectStore.from_settings(S3Settings.from_env(env), bucket)
+    entries = read_manifest(store, prefix)
+    return None if entries is None else [store.get(prefix + e.key) for e in entries]
 
 
 def local_round(
@@ -563,8 +596,15 @@ def _federate(
     the aggregate each round, naming the regions that contributed; only parameters cross."""
     parts = collective.world.parts
     part = parts.index(collective.part)
-    x, y = local_data(config, part, len(parts))
+    records = region_records(env)
+    x, y = local_data(config, part, len(parts), records)
     region = env.get("FLEETLINE_REGION") or collective.cluster_id
+    progress.write(
+        event="local_data",
+        step=step,
+        samples=len(x),
+        source="the region's dataset objects" if records else "synthetic",
+    )
     _, optimizer, rng = initial(config)  # a checkpoint's state: the aggregate and its round
     for round_ in range(step // local_steps, rounds):
         local, loss = local_round(config, params, x, y, round_, part, local_steps)
