@@ -46,14 +46,20 @@ def cluster_bucket(base: str, cluster_id: str) -> str:
     return f"{base}-{cluster_id}".lower()[:63].rstrip("-")
 
 
-def tenant_key(master_key: bytes, tenant: str) -> bytes:
-    """The tenant's checkpoint key, derived from the operator's object-encryption key."""
+def derived_key(master_key: bytes, purpose: str, tenant: str) -> bytes:
+    """A tenant's key for one purpose, derived from the operator's object-encryption key
+    (HKDF-SHA256; a key of one purpose or tenant tells nothing of another's)."""
     return HKDF(
         algorithm=hashes.SHA256(),
         length=32,
         salt=None,
-        info=b"fleetline checkpoints/" + tenant.encode(),
+        info=f"fleetline {purpose}/{tenant}".encode(),
     ).derive(master_key)
+
+
+def tenant_key(master_key: bytes, tenant: str) -> bytes:
+    """The tenant's checkpoint key."""
+    return derived_key(master_key, "checkpoints", tenant)
 
 
 def checkpoint_name(epoch: int, step: int) -> str:

@@ -31,10 +31,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-
 from fleetline.errors import FleetlineError, ObjectMissing
+from fleetline.storage.checkpoints import derived_key
 from fleetline.storage.objects import ObjectStore
 
 MANIFEST = "MANIFEST.json"
@@ -82,12 +80,7 @@ class Throttle:
 
 def mask_key(master: bytes, tenant: str) -> bytes:
     """The tenant's masking key, derived from the deployment's object-encryption key."""
-    return HKDF(
-        algorithm=hashes.SHA256(),
-        length=32,
-        salt=None,
-        info=b"fleetline masking/" + tenant.encode(),
-    ).derive(master)
+    return derived_key(master, "masking", tenant)
 
 
 @dataclass(frozen=True)

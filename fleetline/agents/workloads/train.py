@@ -239,7 +239,19 @@ def train_step(
     y: NDArray[np.int64],
 ) -> float:
     """One step on one process (every shard here): the step a data-parallel world takes."""
-    index = batch_index(config, rng)
+    return step_on(config, params, optimizer, batch_index(config, rng), x, y)
+
+
+def step_on(
+    config: TrainConfig,
+    params: Arrays,
+    optimizer: Arrays,
+    index: NDArray[np.int64],
+    x: NDArray[np.float64],
+    y: NDArray[np.int64],
+) -> float:
+    """One step over the batch `index` on one process: every shard's gradient, summed in
+    shard order, and an Adam step; the batch's mean loss."""
     mine = my_shard_gradients(config, params, index, x, y, range(GRADIENT_SHARDS))
     total = ordered_sum([mine[i] for i in range(GRADIENT_SHARDS)])
     return apply_gradient(config, params, optimizer, total)
@@ -570,11 +582,7 @@ def local_round(
     rng = np.random.default_rng([config.seed, 4, round_, part])
     loss = 0.0
     for _ in range(steps):
-        index = rng.integers(0, len(x), config.batch)
-        mine = my_shard_gradients(config, local, index, x, y, range(GRADIENT_SHARDS))
-        loss = apply_gradient(
-            config, local, optimizer, ordered_sum([mine[i] for i in range(GRADIENT_SHARDS)])
-        )
+        loss = step_on(config, local, optimizer, rng.integers(0, len(x), config.batch), x, y)
     return local, loss
 
 
