@@ -7,7 +7,6 @@ of processors, sinks, stores and the API exists once. A service is anything with
 
 from __future__ import annotations
 
-import base64
 import logging
 import threading
 from collections.abc import Callable
@@ -411,10 +410,7 @@ def build(settings: Settings, options: Options) -> Fleetline:
             instance_id=options.instance_id,
         )
     if options.data_mover:
-        key = settings.object_encryption_key
-        fleet.mover = DataMover(
-            kafka, settings.s3, topics, object_key=base64.b64decode(key) if key else None
-        )
+        fleet.mover = DataMover(kafka, settings.s3, topics, object_key=settings.object_key())
     if options.tier_every_s:
         stores = tiered_stores(
             client, db, ObjectStore.from_settings(settings.s3), settings.s3, options.lifetimes

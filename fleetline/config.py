@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import ipaddress
 import logging
 import os
@@ -123,6 +124,11 @@ class Settings:
     # TLS between the router and the inference replicas, with the deployment's CA (see tls.py);
     # None: plain HTTP.
     tls: TlsSettings | None = None
+
+    def object_key(self) -> bytes | None:
+        """The object-encryption key's bytes (the setting is base64), or None when unset."""
+        key = self.object_encryption_key
+        return base64.b64decode(key) if key else None
 
     def signing_key_path(self) -> Path:
         return self.audit_signing_key or self.cache_dir / "audit" / "signing-key.pem"

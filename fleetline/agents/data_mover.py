@@ -116,14 +116,16 @@ class DataMover:
         offsets = []
         for partition in sorted(copying):
             futures = copying[partition]
-            answered = [o for o, f in futures.items() if f.done() and not f.cancelled()]
-            for o in list(answered):
+            answered = False
+            for offset, future in list(futures.items()):
+                if not future.done() or future.cancelled():
+                    continue
                 try:
-                    futures[o].result()  # a copy's own failure is answered inside it
+                    future.result()  # a copy's own failure is answered inside it
                 except _Stopped:
-                    answered.remove(o)  # not answered: held back, taken up after a restart
-                else:
-                    del futures[o]
+                    continue  # not answered: held back, taken up after a restart
+                del futures[offset]
+                answered = True
             if not answered:
                 continue
             # Up to (not past) the oldest order still being copied.

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import signal
 import socket
@@ -315,13 +314,8 @@ def data_mover(
     config = settings("kafka", "s3")
     topics = Topics(topic_prefix)
     kafka_clients.ensure_topics(config.kafka, scheduler_topics(topics))
-    key = config.object_encryption_key
     mover = DataMover(
-        config.kafka,
-        config.s3,
-        topics,
-        copies=copies,
-        object_key=base64.b64decode(key) if key else None,
+        config.kafka, config.s3, topics, copies=copies, object_key=config.object_key()
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -32,8 +32,7 @@ class JobStores:
     cluster_id: str
 
     def __post_init__(self) -> None:
-        master = self.settings.object_encryption_key
-        self._master = base64.b64decode(master) if master else None
+        self._master = self.settings.object_key()
 
     def checkpoints(self, cluster_id: str, order: Order) -> tuple[str, Checkpoints]:
         """(bucket, the job's checkpoints there) in a cluster's own store."""

@@ -3,7 +3,8 @@ each verified by its digest on arrival, at no more than the rate the scheduler g
 
 A dataset's objects sit under one key prefix (spec.source, else datasets/<tenant>/<name>/) with
 a manifest, `MANIFEST.json` there: every object's size and SHA-256, written when the dataset is
-uploaded (`fleetline data upload`), or made once here, by reading the source, when it has none.
+uploaded (`upload`, which `fleetline run` uses), or made once here, by reading the source, when it
+has none.
 A copy goes object by object: read from the source at the granted rate (the schedule is
 `bytes / rate` from the copy's start, so a slow write is made up and a fast one waits), its
 digest checked against the manifest (a mismatch is fetched again, at most `FETCHES` times), then
@@ -140,8 +141,8 @@ def manifest_bytes(entries: list[Entry]) -> bytes:
 
 
 def upload(store: ObjectStore, prefix: str, objects: dict[str, bytes]) -> list[Entry]:
-    """Write a dataset's objects under `prefix` and its manifest (what `fleetline data upload`
-    and the demo do); returns the manifest's entries."""
+    """Write a dataset's objects under `prefix` and its manifest (as `fleetline run`'s prewarm
+    story does); returns the manifest's entries."""
     store.ensure_bucket()
     entries = []
     for key in sorted(objects):
@@ -157,27 +158,29 @@ def manifest_of(store: ObjectStore, prefix: str) -> list[Entry]:
     entries = read_manifest(store, prefix)
     if entries is not None:
         return entries
-    made = []
-    for key in store.keys(prefix):
-        if key == prefix + MANIFEST:
-            continue
-        digest, size = hashlib.sha256(), 0
-        for chunk in store.chunks(key):
-            digest.update(chunk)
-            size += len(chunk)
-        made.append(Entry(key[len(prefix) :], size, digest.hexdigest()))
+    made = [
+        _entry(store, prefix, key[len(prefix) :])
+        for key in store.keys(prefix)
+        if key != prefix + MANIFEST
+    ]
     if not made:
         raise CopyError(f"no objects under s3://{store.bucket}/{prefix} to copy")
     store.put(prefix + MANIFEST, manifest_bytes(made), "application/json")
     return made
 
 
+def _entry(store: ObjectStore, prefix: str, key: str) -> Entry:
+    """An object's manifest entry, from reading it whole."""
+    digest, size = hashlib.sha256(), 0
+    for chunk in store.chunks(prefix + key):
+        digest.update(chunk)
+        size += len(chunk)
+    return Entry(key, size, digest.hexdigest())
+
+
 def _digest_of(store: ObjectStore, key: str) -> str | None:
     try:
-        digest = hashlib.sha256()
-        for chunk in store.chunks(key):
-            digest.update(chunk)
-        return digest.hexdigest()
+        return _entry(store, "", key).sha256
     except ObjectMissing:
         return None
 
@@ -213,13 +216,13 @@ def copy_dataset(
     done = copied = kept = 0
     refetched: list[str] = []
     written: list[Entry] = []  # the target's manifest: what it holds (masked, if masked)
-    sizes = {k[len(prefix) :]: k for k in target.keys(prefix)}
+    present = {k[len(prefix) :] for k in target.keys(prefix)}
     for entry in entries:
         if stop.is_set():
             return None
         key = prefix + entry.key
         # (A masked copy is fetched whole again: what it should hold is known from the source.)
-        if mask is None and entry.key in sizes and target.size(key) == entry.size:
+        if mask is None and entry.key in present and target.size(key) == entry.size:
             if _digest_of(target, key) == entry.sha256:
                 done += entry.size
                 kept += entry.size

@@ -486,7 +486,6 @@ def stage(s: SchedulerState, out: EffectLog, job: Job, placed: Attempt) -> None:
             fresh.append(prewarm)
     s.dirty.add(f"tenant:{job.tenant}")
     s.dirty.add(f"job:{job.key}")
-    reason = waiting_reason(job.waiting_for, {}) + " before it is placed: " + placed.reason
     job.phase = Phase.QUEUED
     job.queued_reason = waiting_reason(job.waiting_for, {})
     job.condition(Condition.PLACED, False, job.queued_reason, s.now_ms)
@@ -496,7 +495,7 @@ def stage(s: SchedulerState, out: EffectLog, job: Job, placed: Attempt) -> None:
         out,
         job,
         Outcome.QUEUED,
-        reason,
+        f"{job.queued_reason} before it is placed: {placed.reason}",
         alternatives=placed.alternatives,
         prewarms=placed.prewarms,
     )
@@ -537,9 +536,12 @@ def waiting_reason(tickets: list[str], copied: Mapping[str, float]) -> str:
 
 
 def dataset_prefix_of(s: SchedulerState, dataset_id: str) -> str:
+    """Where a dataset's objects are: its spec's `source`, else its tenant's default place."""
     own = s.datasets.get(dataset_id)
-    tenant = own.tenant if own is not None else ""
-    return dataset_prefix(tenant, dataset_id, own.source if own is not None else None)
+    if own is not None:
+        return dataset_prefix(own.tenant, dataset_id, own.source)
+    known = s.dataset(dataset_id)  # known from the view alone: the default place
+    return dataset_prefix(known.tenant if known is not None else "", dataset_id)
 
 
 def start(s: SchedulerState, out: EffectLog, job: Job) -> None:

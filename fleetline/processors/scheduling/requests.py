@@ -362,14 +362,13 @@ def _waiting_on(s: SchedulerState, ticket: str) -> list[Job]:
 
 
 def dataset_ready(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> None:
-    """The data mover copied a dataset to a cluster: a replica there, and the jobs that waited
-    for it go to the next queue pass (which prefers where their data now is)."""
+    """The data mover copied a dataset to a cluster: a replica there, and a queue pass at once
+    for the jobs that waited for it (it prefers where their data now is)."""
     ticket = request["key"]
     cluster, current = _copy_of(s, request)
     usage = s.usage_of(current.tenant)
     usage.prewarms.pop(ticket, None)
     s.dirty.add(f"tenant:{current.tenant}")
-    s.pass_wanted = True
     if cluster not in current.replicas:
         own = s.datasets.get(current.dataset_id)
         record_dataset(
