@@ -49,9 +49,8 @@ from fleetline.processors.scheduling.specs import dataset_prefix
 from fleetline.processors.view import read as view_read
 from fleetline.storage.checkpoints import cluster_bucket, params_digest
 from fleetline.storage.objects import ObjectStore
-from fleetline.streams import kafka as kafka_clients
 from tests.services import service_env, submits
-from tests.stack import Stack, codec, now_ms, reference_run, running_stack, training
+from tests.stack import Stack, now_ms, reference_run, running_stack, training
 from tests.support import wait_until
 
 pytestmark = pytest.mark.services
@@ -109,16 +108,7 @@ def test_an_operator_cordons_a_whole_cluster_through_the_cli(stack, monkeypatch,
 
     wait_until(lambda: cordoned()["health"] == "cordoned", 30, "cc to be cordoned in the view")
     assert "cordoned by ops: maintenance" in cordoned()["control"]["reason"]
-    audit = [
-        codec.decode(m.value()).record
-        for m in kafka_clients.read_to_end(
-            stack.settings.kafka,
-            stack.topics.audit_requests,
-            list(range(stack.topics.audit_partitions)),
-            f"audit-{uuid.uuid4().hex}",
-            30,
-        )
-    ]
+    audit = stack.records(stack.topics.audit_requests, stack.topics.audit_partitions)
     assert any(a["operation"] == "cluster.cordon" and a["target"] == "cluster:cc" for a in audit)
     capsys.readouterr()
     assert main(["cluster", "health", "--json", *prefix]) == 0
@@ -666,27 +656,14 @@ def test_a_federated_job_trains_where_its_data_lives_and_only_model_updates_cros
     checkpoints = [e for e in events if e["event"] == "CHECKPOINTED"]
     assert [e["step"] for e in checkpoints] == [local_steps * (r + 1) for r in range(rounds)]
     assert all(e["checkpoint_uri"].startswith(f"s3://{store('ca').bucket}/") for e in checkpoints)
-    audited = [
-        r["event"]
-        for r in kafka_clients.read_to_end(
-            stack.settings.kafka,
-            stack.topics.audit_log,
-            list(range(stack.topics.audit_partitions)),
-            f"audit-{uuid.uuid4().hex}",
-            30,
-        )
-        for r in [codec.decode(r.value()).record]
-        if r.get("event") and r["event"]["target"] == "acme/fed"
-    ]
-
-    def rounds_audited() -> list[str]:
-        return sorted(
-            e["details"].get("detail", "")
-            for e in audited
-            if e["operation"] == "workload.CHECKPOINTED"
-        )
-
-    assert rounds_audited() == [
+    audited = sorted(
+        r["event"]["details"].get("detail", "")
+        for r in stack.records(stack.topics.audit_log, stack.topics.audit_partitions)
+        if r.get("event")
+        and r["event"]["target"] == "acme/fed"
+        and r["event"]["operation"] == "workload.CHECKPOINTED"
+    )
+    assert audited == [
         f"federated round {r + 1} of {rounds}: the aggregate of 2 regions (region-ca, "
         "region-cb); only model updates crossed"
         for r in range(rounds)
