@@ -33,7 +33,7 @@ from fleetline.demo.cluster_story import (
     follow_a_split_job,
     lose_a_cluster,
 )
-from fleetline.demo.prewarm_story import follow_a_prewarm
+from fleetline.demo.prewarm_story import follow_a_prewarm, seed_dataset
 from fleetline.demo.scenario import Scenario
 from fleetline.demo.serving_story import serving_day
 from fleetline.errors import StreamError
@@ -451,6 +451,9 @@ def play(
                 if event.tenant_policies:
                     set_policies(settings, topics, event.tenant_policies)
                 if event.apply:
+                    for document in event.apply:
+                        if document.get("kind") == "Dataset":
+                            seed_dataset(settings, document)
                     submit_specs(settings.kafka, topics, event.apply, "fleetline-run", _now_ms())
                     submitted |= {spec_key(parse_spec(d)) for d in event.apply}
                 if event.note:
@@ -514,6 +517,7 @@ def play(
                 topics,
                 fleet.mover,
                 scenario.prewarm,
+                cluster_ids,
                 lambda key: _job(fleet, key),
                 progress,
             )

@@ -10,15 +10,16 @@ and it checks every copied object against the source.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fleetline.agents.data_mover import DataMover
 from fleetline.agents.dataplane.prewarm import MANIFEST, upload
 from fleetline.config import Settings
-from fleetline.errors import FleetlineError
+from fleetline.errors import FleetlineError, ObjectMissing
 from fleetline.processors.scheduling.client import submit_specs
 from fleetline.processors.scheduling.specs import dataset_prefix
 from fleetline.storage.checkpoints import cluster_bucket
@@ -34,11 +35,33 @@ def dataset_objects(name: str, count: int, mib: int) -> dict[str, bytes]:
     }
 
 
+STAND_IN_OBJECTS, STAND_IN_MIB = 4, 1  # what stands in for a declared dataset's bytes
+
+
+def seed_dataset(
+    settings: Settings,
+    document: Mapping[str, Any],
+    count: int = STAND_IN_OBJECTS,
+    mib: int = STAND_IN_MIB,
+) -> dict[str, bytes]:
+    """Real objects for a scenario's Dataset in each of its replicas' stores (a simulated fleet's
+    datasets declare terabytes; `count` objects of `mib` MiB stand in for them, so a prewarm
+    copies real bytes); the objects, by key."""
+    spec, meta = document["spec"], document["metadata"]
+    prefix = dataset_prefix(meta["tenant"], meta["name"], spec.get("source"))
+    objects = dataset_objects(meta["name"], count, mib)
+    for cluster in spec.get("replicas") or ():
+        bucket = cluster_bucket(settings.s3.bucket, cluster)
+        upload(ObjectStore.from_settings(settings.s3, bucket), prefix, objects)
+    return objects
+
+
 def follow_a_prewarm(
     settings: Settings,
     topics: Topics,
     mover: DataMover | None,
     plan: Mapping[str, Any],
+    clusters: Sequence[str],
     job_of: Callable[[str], dict[str, Any] | None],
     say: Callable[[str], None],
     timeout_s: float = 120.0,
@@ -54,8 +77,14 @@ def follow_a_prewarm(
     def store(cluster: str) -> ObjectStore:
         return ObjectStore.from_settings(settings.s3, cluster_bucket(settings.s3.bucket, cluster))
 
-    objects = dataset_objects(name, int(plan["objects"]), int(plan["object_mib"]))
-    upload(store(source_cluster), prefix, objects)
+    # The stores outlive a run: a copy an earlier run left elsewhere would be kept, not copied.
+    for cluster in clusters:
+        if cluster != source_cluster:
+            with contextlib.suppress(ObjectMissing):
+                for key in store(cluster).keys(prefix):
+                    store(cluster).delete(key)
+    placed_at = {**dataset, "spec": {**dataset["spec"], "replicas": [source_cluster]}}
+    objects = seed_dataset(settings, placed_at, int(plan["objects"]), int(plan["object_mib"]))
     total = sum(len(b) for b in objects.values())
     began = time.monotonic()
     submit_specs(settings.kafka, topics, documents, "fleetline-run", int(time.time() * 1000))
