@@ -59,6 +59,7 @@ lint: $(STAMP) $(CONTRACT_TOOLS)
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 	$(PY) tools/check_pure_cores.py
+	$(PY) tools/analyst_functions.py --check
 	$(VENV)/bin/fleetline contract asyncapi --check
 	$(VENV)/bin/fleetline contract records --check
 	cd contract && SUPPRESS_NO_CONFIG_WARNING=1 npx --no-install asyncapi validate asyncapi.yaml --fail-severity=warn

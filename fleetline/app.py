@@ -288,7 +288,13 @@ class Fleetline:
         expand = expander(self.settings)
 
         def sql(query: str) -> dict[str, Any]:
-            result = query_client(self.clickhouse, query, expand, self.settings.query_limits)
+            result = query_client(
+                self.clickhouse,
+                query,
+                expand,
+                self.settings.query_limits,
+                database=self.settings.clickhouse_database,
+            )
             return {"columns": result.columns, "rows": result.rows}
 
         def ready(name: str, since: str, until: str | None) -> dict[str, Any]:
@@ -423,6 +429,7 @@ def build(settings: Settings, options: Options) -> Fleetline:
         host=settings.advertise_host,
         expand=expander(settings),
         limits=settings.query_limits,
+        database=db,
     )
     return fleet
 

@@ -6,7 +6,7 @@ import json
 import sys
 import time
 from collections.abc import Iterable, Sequence
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 from rich import box
@@ -16,6 +16,9 @@ from rich.table import Table
 from fleetline.config import Settings
 from fleetline.errors import ConfigError
 from fleetline.streams.topics import Topics
+
+if TYPE_CHECKING:
+    from fleetline.storage.query_service import QueryResult
 
 # Tables are not wrapped to 80 columns when the output is a file or a pipe.
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
@@ -98,6 +101,21 @@ def settings(*needs: Need) -> Settings:
 
         probe_clickhouse(config.clickhouse_url)
     return config
+
+
+def analyst_query(config: Settings, sql: str) -> QueryResult:
+    """An analyst query (allow-listed, read-only, within the configured limits, macros over
+    every tier) on the configured store: its QueryResult."""
+    from fleetline.storage.query_service import run_query
+    from fleetline.storage.tiering.macros import expander
+
+    return run_query(
+        config.clickhouse_url,
+        sql,
+        expand=expander(config),
+        limits=config.query_limits,
+        database=config.clickhouse_database,
+    )
 
 
 def topics(prefix: str) -> Topics:

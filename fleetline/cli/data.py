@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from fleetline.cli.common import Since, Until, parse_time_ms, print_tsv, settings
+from fleetline.cli.common import Since, Until, analyst_query, parse_time_ms, print_tsv, settings
 from fleetline.errors import ConfigError, FleetlineError
 from fleetline.storage.tiering.loop import tiered_stores, wall_clock_ms
 from fleetline.storage.tiering.policy import (
@@ -119,13 +119,9 @@ def sql(query: Annotated[str, typer.Argument(help="one read-only query")]) -> No
     hot, warm and restored tiers; $samples(-1h) or $samples(FROM, TO) reads only the tiers
     that range needs.
     """
-    from fleetline.storage.query_service import run_query
-    from fleetline.storage.tiering.macros import expander
 
     config = settings("clickhouse")
-    result = run_query(
-        config.clickhouse_url, query, expand=expander(config), limits=config.query_limits
-    )
+    result = analyst_query(config, query)
     print_tsv(result.columns, result.rows)
 
 
@@ -138,8 +134,6 @@ def query(
 ) -> None:
     """Run a ready query over all storage tiers (`fleetline query list` names them)."""
     from fleetline.storage.queries import READY, ready_sql
-    from fleetline.storage.query_service import run_query
-    from fleetline.storage.tiering.macros import expander
 
     if name == "list":
         for ready, (doc, _) in sorted(READY.items()):
@@ -148,12 +142,7 @@ def query(
     if name not in READY:
         raise ConfigError(f"no ready query {name!r}; `fleetline query list` names them")
     config = settings("clickhouse")
-    result = run_query(
-        config.clickhouse_url,
-        ready_sql(name, since, until),
-        expand=expander(config),
-        limits=config.query_limits,
-    )
+    result = analyst_query(config, ready_sql(name, since, until))
     print_tsv(result.columns, result.rows)
 
 
@@ -166,16 +155,9 @@ def trace(
     decisions and GPU bindings, the cluster agents' workload events and the log lines of that
     trace, with the time of each hop since the first and since the one before."""
     from fleetline.storage.queries import trace_sql
-    from fleetline.storage.query_service import run_query
-    from fleetline.storage.tiering.macros import expander
 
     config = settings("clickhouse")
-    result = run_query(
-        config.clickhouse_url,
-        trace_sql(trace_id.strip().lower()),
-        expand=expander(config),
-        limits=config.query_limits,
-    )
+    result = analyst_query(config, trace_sql(trace_id.strip().lower()))
     if not result.rows:
         raise FleetlineError(f"no rows under trace {trace_id} (yet: sinks store within seconds)")
     first = previous = int(result.rows[0][0])

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
-from fleetline.cli.common import TopicPrefix, console, now_ms, settings
+from fleetline.cli.common import TopicPrefix, analyst_query, console, now_ms, settings
 from fleetline.cli.common import table as new_table
 from fleetline.errors import ConfigError, FleetlineError
 
@@ -171,16 +171,9 @@ def forecast(
         if cluster_id is None or model is None:
             raise ConfigError("name --cluster-id and --model (or use --simulated-weeks)")
         from fleetline.storage.queries import demand_sql
-        from fleetline.storage.query_service import run_query
-        from fleetline.storage.tiering.macros import expander
 
         config = settings("clickhouse")
-        rows = run_query(
-            config.clickhouse_url,
-            demand_sql(cluster_id, model),
-            expand=expander(config),
-            limits=config.query_limits,
-        ).rows
+        rows = analyst_query(config, demand_sql(cluster_id, model)).rows
         if not rows:
             raise FleetlineError(f"no demand history for {model} in {cluster_id}")
         hours = [int(r[0]) for r in rows]
@@ -268,17 +261,13 @@ def tune(
         failure_history_sql,
         memory_by_job_sql,
     )
-    from fleetline.storage.query_service import run_query
-    from fleetline.storage.tiering.macros import expander
     from fleetline.streams.topics import Topics
 
     config = settings("kafka", "clickhouse")
     topics = Topics(topic_prefix)
 
     def rows(sql: str) -> list[list[Any]]:
-        return run_query(
-            config.clickhouse_url, sql, expand=expander(config), limits=config.query_limits
-        ).rows
+        return analyst_query(config, sql).rows
 
     history: dict[str, tuple[int, float]] = {}
     for cluster_id, _model, failures, hours in rows(failure_history_sql(days)):

@@ -9,9 +9,11 @@ queried directly by everyone.
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import json
 import os
 import re
+import secrets
 import threading
 import urllib.error
 import urllib.request
@@ -26,6 +28,7 @@ from clickhouse_connect.driver.client import Client
 from fleetline.config import QueryLimits
 from fleetline.errors import FleetlineError, QueryError, StorageError
 from fleetline.storage.clickhouse import CLICKHOUSE_ERRORS, connect
+from fleetline.storage.sql_guard import refusal
 
 DISCOVERY_FILE = "fleetline-query-service.json"
 
@@ -80,13 +83,46 @@ def _run(client: Client, sql: str, settings: dict[str, Any], limits: QueryLimits
     return QueryResult(list(result.column_names), [list(row) for row in result.result_rows])
 
 
+_NOT_A_TREE = re.compile(r"AST node of type '(\w+)' does not support JSON serialization")
+
+
+def _guard(client: Client, sql: str, database: str) -> None:
+    """QueryError unless the query names only what analyst SQL may (storage/sql_guard.py),
+    judged on ClickHouse's own parse of it; nothing of the query runs here."""
+    try:
+        result = client.query("SELECT parseQueryToJSON({sql:String})", parameters={"sql": sql})
+    except CLICKHOUSE_ERRORS as exc:
+        first = str(exc).strip().splitlines()[0]
+        unserialisable = _NOT_A_TREE.search(str(exc))
+        if unserialisable:  # only statements other than SELECT lack a JSON form
+            raise QueryError(
+                f"query refused: only SELECT queries are answered (this is {unserialisable[1]})"
+            ) from None
+        if "parseQueryToJSON" in str(exc) and "UNKNOWN_FUNCTION" in str(exc):
+            raise QueryError(
+                "query refused: this ClickHouse cannot parse a query for the analyst allow-list "
+                "(parseQueryToJSON came in ClickHouse 25); no query runs unchecked"
+            ) from None
+        raise QueryError(first) from None
+    why = refusal(json.loads(result.result_rows[0][0]), database)
+    if why is not None:
+        raise QueryError(f"query refused: {why}")
+
+
 def query_client(
-    client: Client, sql: str, expand: Expand | None = None, limits: QueryLimits | None = None
+    client: Client,
+    sql: str,
+    expand: Expand | None = None,
+    limits: QueryLimits | None = None,
+    *,
+    database: str,
 ) -> QueryResult:
     """Run one analyst query on a client, read-only and within `limits`; ClickHouse's complaint
     becomes a QueryError.
 
-    A query is run with `readonly=1`: no writes, no SETTINGS clause (so no lifting the limits)
+    First the query is held to the analyst allow-list (the store's tables in `database`, pure
+    functions; storage/sql_guard.py), the macros standing for the hot table. Then it is run
+    with `readonly=1`: no writes, no SETTINGS clause (so no lifting the limits)
     and no table functions that reach outside the store (s3, url, file). The tiers, though, are
     read through s3(), which `readonly=1` refuses; so a query with macros is first planned under
     `readonly=1` with the hot table standing for every tier (which refuses all of the above in
@@ -98,6 +134,7 @@ def query_client(
     limits = limits or QueryLimits()
     bounded = limits.clickhouse_settings()
     checked = sql if expand is None else expand(client, sql, hot_only=True)
+    _guard(client, checked, database)
     if expand is None or checked == sql:
         return _run(client, sql, {**bounded, "readonly": 1}, limits)
     try:
@@ -119,7 +156,11 @@ def _chdb_path(url: str) -> Path | None:
 
 class QueryService:
     """Serves POST /query (body: SQL) for the process that owns a chdb store, on the host's
-    advertised address (loopback unless FLEETLINE_ADVERTISE_HOST says otherwise)."""
+    advertised address (loopback unless FLEETLINE_ADVERTISE_HOST says otherwise).
+
+    A caller must send the token the discovery file holds (readable by the store's owner
+    only, as the data folder is): whoever may open the store may query it through its owner,
+    nobody else who reaches the address."""
 
     def __init__(
         self,
@@ -129,9 +170,12 @@ class QueryService:
         port: int = 0,
         expand: Expand | None = None,
         limits: QueryLimits | None = None,
+        *,
+        database: str,
     ) -> None:
         self.client = client
         self.discovery = (_chdb_path(url) or Path(".")) / DISCOVERY_FILE
+        self.token = secrets.token_urlsafe(32)
         service = self
         lock = threading.Lock()  # one chdb connection: queries take turns
 
@@ -140,10 +184,22 @@ class QueryService:
                 if self.path != "/query":
                     self._reply(404, {"error": f"no route {self.path}; POST /query"})
                     return
+                sent = self.headers.get("Authorization", "")
+                if not hmac.compare_digest(sent.encode(), f"Bearer {service.token}".encode()):
+                    self._reply(
+                        401,
+                        {
+                            "error": "the store's query token is needed (its owner's "
+                            f"{DISCOVERY_FILE})"
+                        },
+                    )
+                    return
                 sql = self.rfile.read(int(self.headers.get("Content-Length", 0))).decode()
                 try:
                     with lock:
-                        result = query_client(service.client, sql, expand, limits)
+                        result = query_client(
+                            service.client, sql, expand, limits, database=database
+                        )
                 except FleetlineError as exc:
                     self._reply(400, {"error": str(exc)})
                     return
@@ -170,7 +226,10 @@ class QueryService:
 
     def start(self) -> QueryService:
         self.thread.start()
-        self.discovery.write_text(json.dumps({"url": self.address, "pid": os.getpid()}))
+        # Created owner-only before the token is written into it.
+        descriptor = os.open(self.discovery, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "w") as handle:
+            json.dump({"url": self.address, "pid": os.getpid(), "token": self.token}, handle)
         return self
 
     def stop(self) -> None:
@@ -179,7 +238,8 @@ class QueryService:
         self.server.server_close()
 
 
-def _owner(url: str) -> str | None:
+def _owner(url: str) -> tuple[str, str] | None:
+    """The address and token of the process serving the store at `url`, if another has it."""
     path = _chdb_path(url)
     if path is None:
         return None
@@ -188,9 +248,14 @@ def _owner(url: str) -> str | None:
         os.kill(int(info["pid"]), 0)
     except (FileNotFoundError, ValueError, KeyError, ProcessLookupError):
         return None
+    except PermissionError:
+        raise StorageError(
+            f"{path / DISCOVERY_FILE} is not readable by this user: the store at {url} belongs "
+            "to another (run as its owner)"
+        ) from None
     if int(info["pid"]) == os.getpid():
         return None  # we own it: query directly
-    return str(info["url"])
+    return str(info["url"]), str(info.get("token", ""))
 
 
 def run_query(
@@ -199,18 +264,26 @@ def run_query(
     timeout_s: float = 60.0,
     expand: Expand | None = None,
     limits: QueryLimits | None = None,
+    *,
+    database: str,
 ) -> QueryResult:
     """Run a read-only query on the store at `url`, through its owner if another process has it
     (the owner's limits apply there, this process's here)."""
     owner = _owner(url)
     if owner is None:
-        return query_client(connect(url), sql, expand, limits)
-    request = urllib.request.Request(f"{owner}/query", data=sql.encode(), method="POST")
+        return query_client(connect(url), sql, expand, limits, database=database)
+    address, token = owner
+    request = urllib.request.Request(
+        f"{address}/query",
+        data=sql.encode(),
+        method="POST",
+        headers={"Authorization": f"Bearer {token}"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             body = json.loads(response.read())
     except urllib.error.HTTPError as exc:
         raise QueryError(json.loads(exc.read()).get("error", str(exc))) from None
     except (urllib.error.URLError, OSError) as exc:
-        raise StorageError(f"the process owning {url} did not answer at {owner}: {exc}") from None
+        raise StorageError(f"the process owning {url} did not answer at {address}: {exc}") from None
     return QueryResult(body["columns"], body["rows"])

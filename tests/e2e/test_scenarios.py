@@ -4,6 +4,10 @@ view, the API, the audit chain, and the scheduler's decisions replayed byte for 
 
 from __future__ import annotations
 
+import urllib.error
+import urllib.request
+from pathlib import Path
+
 import pytest
 
 from fleetline.cli import main
@@ -116,13 +120,15 @@ def test_another_process_queries_the_embedded_store_through_its_owner(settings) 
     import sys
 
     from fleetline.storage.clickhouse import connect
-    from fleetline.storage.query_service import QueryService
+    from fleetline.storage.query_service import DISCOVERY_FILE, QueryService
 
     owner = connect(settings.clickhouse_url)
     db = settings.clickhouse_database
     owner.command(f"CREATE DATABASE {db}")
     owner.command(f"CREATE TABLE {db}.kept (v UInt8) ENGINE = MergeTree ORDER BY v")
-    service = QueryService(owner, settings.clickhouse_url).start()
+    service = QueryService(
+        owner, settings.clickhouse_url, database=settings.clickhouse_database
+    ).start()
     env = {**os.environ, "FLEETLINE_CLICKHOUSE_URL": settings.clickhouse_url}
     try:
         ok = subprocess.run(
@@ -139,8 +145,17 @@ def test_another_process_queries_the_embedded_store_through_its_owner(settings) 
             text=True,
             timeout=60,
         )
+        # Reaching the address is not enough: the token is in the owner-only discovery file.
+        discovery = Path(settings.clickhouse_url.removeprefix("chdb://")) / DISCOVERY_FILE
+        assert discovery.stat().st_mode & 0o777 == 0o600
+        anonymous = urllib.request.Request(
+            f"{service.address}/query", data=b"SELECT 1", method="POST"
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(anonymous, timeout=10)
+        assert refused.value.code == 401
     finally:
         service.stop()
     assert (ok.returncode, ok.stdout.splitlines()) == (0, ["x", "42"]), ok.stderr
-    assert bad.returncode == 1 and "readonly" in bad.stderr.lower(), bad.stderr
+    assert bad.returncode == 1 and "only SELECT" in bad.stderr, bad.stderr
     assert owner.query(f"EXISTS TABLE {db}.kept").result_rows == [(1,)]

@@ -4,6 +4,7 @@ that the query itself cannot lift, over every tier."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from datetime import UTC, datetime
 
@@ -33,9 +34,9 @@ TIGHT = QueryLimits(
         ("SELECT length(groupArray(number)) FROM numbers(100000000)", "MAX_MEMORY_BYTES"),
         ("SELECT number FROM numbers(5000)", "FLEETLINE_SQL_MAX_RESULT_ROWS"),
         # The query cannot lift its own limits, write, or reach outside the store.
-        ("SELECT 1 SETTINGS max_execution_time = 3600", "read-only"),
-        ("SELECT * FROM file('/etc/passwd', 'LineAsString')", "read-only"),
-        ("CREATE TABLE lifted (a Int8) ENGINE = Memory", "read-only"),
+        ("SELECT 1 SETTINGS max_execution_time = 3600", "SETTINGS: the query's limits"),
+        ("SELECT * FROM file('/etc/passwd', 'LineAsString')", "table function file()"),
+        ("CREATE TABLE lifted (a Int8) ENGINE = Memory", "only SELECT"),
     ],
 )
 def test_an_analyst_query_is_refused_past_its_limits_with_the_reason(clickhouse, sql, named):
@@ -43,7 +44,7 @@ def test_an_analyst_query_is_refused_past_its_limits_with_the_reason(clickhouse,
     # run past the half second first.
     limits = TIGHT if "SECONDS" in named else dataclasses.replace(TIGHT, max_execution_s=60)
     with pytest.raises(QueryError, match="query refused") as refused:
-        query_client(clickhouse, sql, limits=limits)
+        query_client(clickhouse, sql, limits=limits, database="fleetline")
     assert named in str(refused.value)
 
 
@@ -51,20 +52,32 @@ def test_a_tiered_query_is_checked_before_its_expansion_runs(settings, clickhous
     db = settings.clickhouse_database
     migrate(clickhouse, db)
     expand = expander(settings)
-    ok = query_client(clickhouse, "SELECT count() FROM $samples", expand, TIGHT)
+    ok = query_client(clickhouse, "SELECT count() FROM $samples", expand, TIGHT, database=db)
     assert ok.rows == [[0]]
     # The union view is the same surface as $samples.
-    assert query_client(clickhouse, f"SELECT count() FROM {db}.gpu_samples_all", expand) == ok
+    assert (
+        query_client(clickhouse, f"SELECT count() FROM {db}.gpu_samples_all", expand, database=db)
+        == ok
+    )
     # The expansion reads the tiers through s3() under readonly=2; what the caller wrote is
-    # planned under readonly=1 first, so no table function, write or SETTINGS of theirs runs.
-    for sql in [
-        "SELECT count() FROM $samples "
-        "WHERE 1 IN (SELECT 1 FROM file('/etc/passwd', 'LineAsString'))",
-        "INSERT INTO FUNCTION s3('http://127.0.0.1:1/x.parquet', 'Parquet') SELECT * FROM $samples",
-        "SELECT count() FROM $samples SETTINGS max_execution_time = 3600",
+    # checked (and planned under readonly=1) first, so no table function, write or SETTINGS of
+    # theirs runs.
+    for sql, reason in [
+        (
+            "SELECT count() FROM $samples "
+            "WHERE 1 IN (SELECT 1 FROM file('/etc/passwd', 'LineAsString'))",
+            "table function file()",
+        ),
+        (
+            "INSERT INTO FUNCTION s3('http://127.0.0.1:1/x.parquet', 'Parquet') "
+            "SELECT * FROM $samples",
+            "only SELECT",
+        ),
+        ("SELECT count() FROM $samples SETTINGS max_execution_time = 3600", "SETTINGS"),
     ]:
-        with pytest.raises(QueryError, match="read-only"):
-            query_client(clickhouse, sql, expand, TIGHT)
+        with pytest.raises(QueryError, match="query refused") as refused:
+            query_client(clickhouse, sql, expand, TIGHT, database=db)
+        assert reason in str(refused.value)
 
 
 def test_fleetline_sql_takes_its_limits_from_the_environment(settings, monkeypatch, capsys):
@@ -129,7 +142,12 @@ def test_energy_and_its_cost_per_job_and_tenant(settings, clickhouse):
         ],
     )
     expand = expander(settings)
-    jobs = query_client(clickhouse, ready_sql("energy-by-job", "0", None), expand)
+    jobs = query_client(
+        clickhouse,
+        ready_sql("energy-by-job", "0", None),
+        expand,
+        database=settings.clickhouse_database,
+    )
     assert jobs.columns == [
         "job",
         "tenant",
@@ -142,7 +160,12 @@ def test_energy_and_its_cost_per_job_and_tenant(settings, clickhouse):
         ["acme/a", "acme", 0.5, 0.75, 0.15, 0.4],
         ["globex/b", "globex", 0.25, 0.375, 0.075, 0.4],
     ]
-    tenants = query_client(clickhouse, ready_sql("energy-by-tenant", "0", None), expand)
+    tenants = query_client(
+        clickhouse,
+        ready_sql("energy-by-tenant", "0", None),
+        expand,
+        database=settings.clickhouse_database,
+    )
     assert [r[:4] for r in tenants.rows] == [
         ["acme", 0.5, 0.75, 0.15],
         ["globex", 0.25, 0.375, 0.075],
@@ -219,11 +242,132 @@ def test_the_tuning_inputs_come_from_the_samples_workload_events_and_allocations
         ],
     )
     expand = expander(settings)
-    history = query_client(clickhouse, failure_history_sql(7), expand).rows
+    history = query_client(
+        clickhouse, failure_history_sql(7), expand, database=settings.clickhouse_database
+    ).rows
     # One fatal XID (79; 63 only degrades), two GPUs over two hours.
     assert history == [["c1", "H100", 1, 4.001]]
-    costs = query_client(clickhouse, checkpoint_costs_sql(7), expand).rows
+    costs = query_client(
+        clickhouse, checkpoint_costs_sql(7), expand, database=settings.clickhouse_database
+    ).rows
     assert [(job, sorted(s)) for job, s in costs] == [("acme/j", [2.0, 3.0])]
-    memory = query_client(clickhouse, memory_by_job_sql(7), expand).rows
+    memory = query_client(
+        clickhouse, memory_by_job_sql(7), expand, database=settings.clickhouse_database
+    ).rows
     assert memory[0][0] == "acme/j" and memory[0][2] == 80_000
     assert 22_000 < memory[0][1] <= 24_000
+
+
+# Each of these reaches the host, the network, another store, the server's own tables or its
+# settings; a query naming one is refused before anything of it runs.
+HOST_OR_NETWORK = [
+    ("SELECT file('/etc/passwd')", "function file()"),
+    ("SELECT FiLe('/etc/passwd')", "function FiLe()"),
+    ("SELECT count() FROM '/etc/passwd'", "table '/etc/passwd'"),
+    ("SELECT * FROM file('/etc/passwd', 'LineAsString')", "table function file()"),
+    ("SELECT * FROM fileCluster('c', '/etc/passwd')", "table function fileCluster()"),
+    ("SELECT * FROM url('http://127.0.0.1:1/x.csv', 'CSV')", "table function url()"),
+    ("SELECT * FROM s3('http://127.0.0.1:1/b/x.csv', 'CSV')", "table function s3()"),
+    ("SELECT * FROM s3Cluster('c', 'http://127.0.0.1:1/b/x')", "table function s3Cluster()"),
+    ("SELECT * FROM executable('cat /etc/passwd', 'LineAsString', 'l String')", "executable()"),
+    ("SELECT * FROM remote('127.0.0.1', system.one)", "table function remote()"),
+    ("SELECT * FROM remoteSecure('127.0.0.1', system.one)", "table function remoteSecure()"),
+    ("SELECT * FROM mysql('127.0.0.1:1', 'd', 't', 'u', 'p')", "table function mysql()"),
+    ("SELECT * FROM postgresql('127.0.0.1:1', 'd', 't', 'u', 'p')", "postgresql()"),
+    ("SELECT * FROM sqlite('/etc/x.db', 't')", "table function sqlite()"),
+    ("SELECT * FROM hdfs('hdfs://127.0.0.1:1/x', 'CSV')", "table function hdfs()"),
+    ("SELECT * FROM python(x)", "table function python()"),
+    ("SELECT * FROM merge('system', '.*')", "table function merge()"),
+    ("SELECT * FROM view(SELECT file('/etc/passwd'))", "table function view()"),
+    ("SELECT * FROM dictionary('d')", "table function dictionary()"),
+    ("SELECT * FROM system.users", "table 'system.users'"),
+    ("SELECT query FROM system.processes", "table 'system.processes'"),
+    ("SELECT 1 WHERE 1 IN system.one", "table 'system.one'"),
+    ("SELECT dictGet('d', 'a', toUInt64(1))", "function dictGet()"),
+    ("SELECT joinGet('j', 'v', 1)", "function joinGet()"),
+    ("SELECT hostName()", "function hostName()"),
+    ("SELECT getSetting('max_memory_usage')", "function getSetting()"),
+    ("SELECT getServerSetting('path')", "function getServerSetting()"),
+    ("SELECT filesystemAvailable()", "function filesystemAvailable()"),
+    ("SELECT getMacro('shard')", "function getMacro()"),
+    ("SELECT sleep(3)", "function sleep()"),
+    ("SELECT aiGenerate('x')", "function aiGenerate()"),
+    ("SELECT * APPLY(file) FROM (SELECT '/etc/passwd' AS p)", "function file()"),
+    ("SELECT 1 INTO OUTFILE '/tmp/fleetline-outfile.csv'", "INTO OUTFILE"),
+    ("SELECT 1 FORMAT CSV", "FORMAT"),
+    ("SELECT 1 SETTINGS readonly = 0", "SETTINGS"),
+    ("SHOW TABLES", "only SELECT"),
+    ("DESCRIBE TABLE fleetline.gpu_samples", "only SELECT"),
+    ("EXPLAIN SELECT file('/etc/passwd')", "only SELECT"),
+    ("INSERT INTO FUNCTION file('/tmp/x.csv') SELECT 1", "only SELECT"),
+]
+
+
+@pytest.mark.parametrize(("sql", "named"), HOST_OR_NETWORK)
+def test_analyst_sql_names_only_the_stores_tables_and_pure_functions(
+    settings, clickhouse, sql, named
+):
+    db = settings.clickhouse_database
+    with pytest.raises(QueryError, match="query refused") as refused:
+        query_client(clickhouse, sql, expander(settings), database=db)
+    assert named in str(refused.value)
+    assert not os.path.exists("/tmp/fleetline-outfile.csv")
+
+
+def test_what_analysts_write_is_answered(settings, clickhouse):
+    db = settings.clickhouse_database
+    migrate(clickhouse, db)
+    expand = expander(settings)
+    rich = (
+        "WITH per AS (SELECT number % 3 AS k, number AS v FROM numbers(30)), "
+        "ks AS (SELECT k FROM per) "
+        "SELECT k, COUNT(*), sumIfOrNull(v, v > 3), quantilesState(0.5)(v) IS NOT NULL, "
+        "arrayMap(x -> x + 1, [k])[1], row_number() OVER (ORDER BY k), "
+        "formatReadableSize(sum(v)), toStartOfHour(now()) <= now() "
+        "FROM per WHERE k IN (SELECT k FROM per) AND k IN ks GROUP BY k ORDER BY k"
+    )
+    assert len(query_client(clickhouse, rich, expand, database=db).rows) == 3
+    samples = f"SELECT count() FROM $samples(-1h) AS s JOIN {db}.gpu_samples AS g USING node_id"
+    assert query_client(clickhouse, samples, expand, database=db).rows == [[0]]
+    # Every ready query passes the allow-list.
+    from fleetline.storage.queries import READY, ready_sql
+
+    for name in READY:
+        query_client(clickhouse, ready_sql(name, "-1h", None), expand, database=db)
+
+
+def test_the_api_and_fleetline_sql_refuse_a_host_function(
+    settings, clickhouse, monkeypatch, capsys
+):
+    from fastapi.testclient import TestClient
+
+    from fleetline.api.app import create_app
+    from fleetline.api.auth import AuthConfig, Authenticator, token_digest
+    from fleetline.processors.view.read import StaticView
+    from tests.fleet_events import fold
+    from tests.support import Recorder
+
+    def sql(query: str) -> dict[str, object]:
+        result = query_client(clickhouse, query, database=settings.clickhouse_database)
+        return {"columns": result.columns, "rows": result.rows}
+
+    admin = {"name": "a", "sha256": token_digest("fl_a"), "role": "platform-admin"}
+    app = create_app(
+        StaticView(fold([])),
+        Authenticator(AuthConfig.from_data({"tokens": [admin]})),
+        Recorder(),
+        sql=sql,
+    )
+    client = TestClient(app, headers={"Authorization": "Bearer fl_a"})
+    for query in ("SELECT file('/etc/passwd')", "SELECT * FROM '/etc/passwd'"):
+        response = client.post("/v1/sql", json={"query": query})
+        assert response.status_code == 400, response.text
+        assert "query refused" in response.json()["detail"]
+        assert "root:" not in response.text
+    assert client.post("/v1/sql", json={"query": "SELECT 6 * 7"}).json()["rows"] == [[42]]
+
+    monkeypatch.setenv("FLEETLINE_CLICKHOUSE_URL", settings.clickhouse_url)
+    assert main(["sql", "SELECT file('/etc/passwd')"]) == 1
+    out = capsys.readouterr()
+    assert "function file() is not on the analyst allow-list" in out.err
+    assert "root:" not in out.out + out.err

@@ -238,10 +238,10 @@ def test_a_query_goes_on_when_a_tiering_pass_moves_what_it_was_planned_over(
             planned.append(expanded)
         return expanded
 
-    answer = query_client(clickhouse, sql, expand_then_tier)
+    answer = query_client(clickhouse, sql, expand_then_tier, database=db)
     assert len(planned) == 2 and planned[0] != planned[1]
     assert "s3(" in planned[1]  # the answer still read the warm tier
-    assert answer == query_client(clickhouse, sql, expand)
+    assert answer == query_client(clickhouse, sql, expand, database=db)
     # A manifest another pass uncommits between the listing and the read is no longer there
     # (read for the first time: one this process read before is taken as listed, and a query
     # planned over it is planned again when its object is gone, as above).
