@@ -98,6 +98,8 @@ def _audit_middleware(
         refusal = getattr(request.state, "refusal", None)
         if refusal:
             details["reason"] = refusal
+        # What a data-reading route says it returned (routes/queries.py: the SQL's digest, rows).
+        details.update(getattr(request.state, "data_access", {}))
         audit.emit(
             new_event(
                 ts=entered_ms,  # when the call came in: it heads its trace

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import sys
@@ -17,6 +18,7 @@ from fleetline.cli.common import (
     Since,
     TopicPrefix,
     Until,
+    audit_read,
     exit_with,
     parse_time_ms,
     settings,
@@ -197,7 +199,7 @@ def export(
 
     if source == Source.ARCHIVE:
         raise ConfigError("audit export reads Kafka or ClickHouse")
-    config = settings(_NEEDS[source], *(("s3",) if to_s3 else ()))
+    config = settings(_NEEDS[source], "kafka", *(("s3",) if to_s3 else ()))
     entries, anchors = export_window(
         _records(config, source, topic_prefix),
         tenant,
@@ -206,6 +208,20 @@ def export(
         reveal,
     )
     count = audit_export.write(out, str(format), entries, _verify_keys(config), anchors)
+    audit_read(
+        config,
+        topic_prefix,
+        "audit.export",
+        to_s3 or out.name,
+        {
+            "links": str(count),
+            "format": str(format),
+            "window": f"{since or '-'}..{until or '-'}",
+            "revealed": str(reveal).lower(),
+            "sha256": hashlib.sha256(out.read_bytes()).hexdigest(),
+        },
+        tenant=tenant,
+    )
     if to_s3:
         sealed_objects(config).put(to_s3, out.read_bytes())
     print(f"{count} links written to {out}" + (f" and s3 {to_s3}" if to_s3 else ""))

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fleetline.config import Settings
-from fleetline.errors import ConfigError
+from fleetline.errors import ConfigError, StorageError
 from fleetline.streams.topics import Topics
 
 if TYPE_CHECKING:
@@ -116,6 +116,42 @@ def analyst_query(config: Settings, sql: str) -> QueryResult:
         limits=config.query_limits,
         database=config.clickhouse_database,
     )
+
+
+def audit_read(
+    config: Settings,
+    prefix: str,
+    operation: str,
+    target: str,
+    details: dict[str, str],
+    tenant: str | None = None,
+) -> None:
+    """Chain a read of stored data done here (a query, an export) before its result is shown:
+    who (this host's user), what and how much. When the audit log cannot take it, the command
+    fails and shows nothing."""
+    import getpass
+
+    from fleetline.processors.audit.runtime import KafkaAuditEmitter, new_event
+
+    emitter = KafkaAuditEmitter(config.kafka, Topics(prefix))
+    emitter.emit(
+        new_event(
+            ts=now_ms(),
+            actor=getpass.getuser(),
+            actor_role="operator",
+            operation=operation,
+            target=target,
+            outcome="SUCCEEDED",
+            source="cli",
+            tenant=tenant,
+            details=details,
+        )
+    )
+    if emitter.flush(30.0):
+        raise StorageError(
+            f"the audit log ({config.kafka.bootstrap_servers}) did not take the record of this "
+            "read: nothing is shown"
+        )
 
 
 def topics(prefix: str) -> Topics:

@@ -9,8 +9,18 @@ from typing import Annotated
 
 import typer
 
-from fleetline.cli.common import Since, Until, analyst_query, parse_time_ms, print_tsv, settings
+from fleetline.cli.common import (
+    Since,
+    TopicPrefix,
+    Until,
+    analyst_query,
+    audit_read,
+    parse_time_ms,
+    print_tsv,
+    settings,
+)
 from fleetline.errors import ConfigError, FleetlineError
+from fleetline.processors.audit.runtime import data_access
 from fleetline.storage.tiering.loop import tiered_stores, wall_clock_ms
 from fleetline.storage.tiering.policy import (
     DAY_MS,
@@ -111,17 +121,22 @@ def tenant_retention(values: list[str], day_ms: int) -> tuple[tuple[str, int | N
     return tuple(sorted(out.items()))
 
 
-def sql(query: Annotated[str, typer.Argument(help="one read-only query")]) -> None:
+def sql(
+    query: Annotated[str, typer.Argument(help="one read-only query")],
+    topic_prefix: TopicPrefix = "fleetline",
+) -> None:
     """Run a read-only ClickHouse SQL query on the configured store.
 
     With the embedded chdb store, a running `fleetline serve` or `fleetline run` owns it and
     answers the query; otherwise it is opened here. $samples stands for GPU samples across
     hot, warm and restored tiers; $samples(-1h) or $samples(FROM, TO) reads only the tiers
-    that range needs.
+    that range needs. Only the store's tables and functions that compute on values are
+    allowed (docs/storage.md). Each query is audited (its SHA-256 and the rows returned).
     """
 
-    config = settings("clickhouse")
+    config = settings("clickhouse", "kafka")
     result = analyst_query(config, query)
+    audit_read(config, topic_prefix, "sql.run", "sql", data_access(query, len(result.rows)))
     print_tsv(result.columns, result.rows)
 
 
@@ -131,8 +146,10 @@ def query(
         str, typer.Option("--from", help="-<n>h / -<n>d, epoch ms or ISO 8601")
     ] = "-1h",
     until: Until = None,
+    topic_prefix: TopicPrefix = "fleetline",
 ) -> None:
-    """Run a ready query over all storage tiers (`fleetline query list` names them)."""
+    """Run a ready query over all storage tiers (`fleetline query list` names them); audited
+    like `fleetline sql`."""
     from fleetline.storage.queries import READY, ready_sql
 
     if name == "list":
@@ -141,8 +158,10 @@ def query(
         return
     if name not in READY:
         raise ConfigError(f"no ready query {name!r}; `fleetline query list` names them")
-    config = settings("clickhouse")
-    result = analyst_query(config, ready_sql(name, since, until))
+    config = settings("clickhouse", "kafka")
+    sql = ready_sql(name, since, until)
+    result = analyst_query(config, sql)
+    audit_read(config, topic_prefix, "sql.ready", name, data_access(sql, len(result.rows)))
     print_tsv(result.columns, result.rows)
 
 
@@ -150,14 +169,18 @@ def trace(
     trace_id: Annotated[
         str, typer.Argument(help="32 hex digits (printed by apply, returned by the API)")
     ],
+    topic_prefix: TopicPrefix = "fleetline",
 ) -> None:
     """Follow one request across the fleet: where it entered (API or CLI), the scheduler's
     decisions and GPU bindings, the cluster agents' workload events and the log lines of that
-    trace, with the time of each hop since the first and since the one before."""
+    trace, with the time of each hop since the first and since the one before (audited like
+    `fleetline sql`)."""
     from fleetline.storage.queries import trace_sql
 
-    config = settings("clickhouse")
-    result = analyst_query(config, trace_sql(trace_id.strip().lower()))
+    config = settings("clickhouse", "kafka")
+    sql = trace_sql(trace_id.strip().lower())
+    result = analyst_query(config, sql)
+    audit_read(config, topic_prefix, "sql.trace", trace_id, data_access(sql, len(result.rows)))
     if not result.rows:
         raise FleetlineError(f"no rows under trace {trace_id} (yet: sinks store within seconds)")
     first = previous = int(result.rows[0][0])

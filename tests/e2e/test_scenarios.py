@@ -15,6 +15,7 @@ from fleetline.demo import scenario
 from fleetline.demo.play import play
 from fleetline.processors.view import codec as view_codec
 from fleetline.storage.objects import ObjectStore
+from fleetline.streams import kafka as kafka_clients
 from tests.support import BASE_MS, fresh_topics
 
 pytestmark = pytest.mark.services
@@ -107,10 +108,14 @@ def test_the_default_scenario_flows_end_to_end(settings) -> None:
 
 
 def test_cli_sql_and_bad_input(settings, monkeypatch, capsys) -> None:
+    topics = fresh_topics()
+    kafka_clients.ensure_topics(settings.kafka, topics.specs())
     monkeypatch.setenv("FLEETLINE_CLICKHOUSE_URL", settings.clickhouse_url)
-    assert main(["sql", "SELECT 40 + 2 AS answer"]) == 0
+    monkeypatch.setenv("FLEETLINE_KAFKA_BOOTSTRAP", settings.kafka.bootstrap_servers)
+    prefix = ["--topic-prefix", topics.prefix]
+    assert main(["sql", "SELECT 40 + 2 AS answer", *prefix]) == 0
     assert capsys.readouterr().out.splitlines() == ["answer", "42"]
-    assert main(["sql", "SELECT no_such_column FROM system.one"]) == 1
+    assert main(["sql", "SELECT no_such_column FROM (SELECT 1 AS a)", *prefix]) == 1
     assert "fleetline: error:" in capsys.readouterr().err
 
 
@@ -129,17 +134,24 @@ def test_another_process_queries_the_embedded_store_through_its_owner(settings) 
     service = QueryService(
         owner, settings.clickhouse_url, database=settings.clickhouse_database
     ).start()
-    env = {**os.environ, "FLEETLINE_CLICKHOUSE_URL": settings.clickhouse_url}
+    topics = fresh_topics()
+    kafka_clients.ensure_topics(settings.kafka, topics.specs())
+    env = {
+        **os.environ,
+        "FLEETLINE_CLICKHOUSE_URL": settings.clickhouse_url,
+        "FLEETLINE_KAFKA_BOOTSTRAP": settings.kafka.bootstrap_servers,
+    }
+    prefix = ["--topic-prefix", topics.prefix]
     try:
         ok = subprocess.run(
-            [sys.executable, "-m", "fleetline.cli", "sql", "SELECT 6 * 7 AS x"],
+            [sys.executable, "-m", "fleetline.cli", "sql", "SELECT 6 * 7 AS x", *prefix],
             env=env,
             capture_output=True,
             text=True,
             timeout=60,
         )
         bad = subprocess.run(
-            [sys.executable, "-m", "fleetline.cli", "sql", f"DROP TABLE {db}.kept"],
+            [sys.executable, "-m", "fleetline.cli", "sql", f"DROP TABLE {db}.kept", *prefix],
             env=env,
             capture_output=True,
             text=True,

@@ -20,6 +20,7 @@ from fleetline.app import record_sink
 from fleetline.cli import main
 from fleetline.processors.audit.chain import Signer, export_entry, verify
 from fleetline.processors.audit.runtime import (
+    AUDIT_EVENT,
     KafkaAuditEmitter,
     audit_chainer,
     new_event,
@@ -32,8 +33,9 @@ from fleetline.storage.clickhouse import migrate
 from fleetline.storage.crypto import ObjectCipher, SealedObjectStore
 from fleetline.storage.objects import ObjectStore
 from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.serde import default_codec
 from tests.fleet_events import fold
-from tests.support import BASE_MS, fresh_topics, wait_until
+from tests.support import BASE_MS, fresh_topics, read_all, wait_until
 
 pytestmark = pytest.mark.services
 TENANTS = ("acme", "globex")
@@ -264,6 +266,20 @@ def test_search_and_exports_are_tenant_scoped_and_masked(settings, audit_env, tm
         assert json.loads(capsys.readouterr().out)["ok"] is True
     uploaded = ObjectStore.from_settings(settings.s3).get(f"exports/{topics.prefix}/a.parquet")
     assert uploaded.startswith(b"FLC1")  # client-side AES-GCM
+    # Each export is itself audited: who took how much of whose records, and where to.
+    codec = default_codec()
+    requests = [
+        codec.decode(m.value(), expect=AUDIT_EVENT).record
+        for m in read_all(settings, topics.audit_requests, 16 + 3)
+    ]
+    exports = [r for r in requests if r["operation"] == "audit.export"]
+    assert [e["target"] for e in exports] == [
+        f"exports/{topics.prefix}/a.{fmt}" for fmt in ("jsonl", "csv", "parquet")
+    ]
+    assert {(e["tenant"], e["source"], e["details"]["revealed"]) for e in exports} == {
+        ("acme", "cli", "false")
+    }
+    assert all(int(e["details"]["links"]) >= 8 for e in exports)
     # The API's search holds each tenant to its own records.
     tokens = [
         {"name": "u", "sha256": token_digest("fl_u"), "role": "user", "tenant": "acme"},

@@ -150,7 +150,7 @@ def test_one_apply_is_traced_from_the_cli_through_the_decision_to_the_workload(
 
     def traced() -> bool:
         capsys.readouterr()
-        code = main(["trace", trace_id])
+        code = main(["trace", trace_id, "--topic-prefix", stack.topics.prefix])
         lines[:] = capsys.readouterr().out.splitlines() if code == 0 else []
         return all(any(hop in line for line in lines) for hop in hops)
 

@@ -4,6 +4,8 @@ that the query itself cannot lift, over every tier."""
 from __future__ import annotations
 
 import dataclasses
+import getpass
+import hashlib
 import os
 import time
 from datetime import UTC, datetime
@@ -13,9 +15,14 @@ import pytest
 from fleetline.cli import main
 from fleetline.config import QueryLimits
 from fleetline.errors import QueryError
-from fleetline.storage.clickhouse import migrate
+from fleetline.processors.audit.runtime import AUDIT_EVENT
+from fleetline.storage.clickhouse import connect, migrate
 from fleetline.storage.query_service import query_client
 from fleetline.storage.tiering.macros import expander
+from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.serde import default_codec
+from fleetline.streams.topics import Topics
+from tests.support import fresh_topics, read_all
 
 pytestmark = pytest.mark.services
 
@@ -80,8 +87,28 @@ def test_a_tiered_query_is_checked_before_its_expansion_runs(settings, clickhous
         assert reason in str(refused.value)
 
 
+def cli_store(settings, monkeypatch) -> str:
+    """`fleetline sql` pointed at the test store and broker; the topic prefix it audits to."""
+    topics = fresh_topics()
+    kafka_clients.ensure_topics(settings.kafka, topics.specs())
+    monkeypatch.setenv("FLEETLINE_CLICKHOUSE_URL", settings.clickhouse_url)
+    monkeypatch.setenv("FLEETLINE_CLICKHOUSE_DATABASE", settings.clickhouse_database)
+    monkeypatch.setenv("FLEETLINE_KAFKA_BOOTSTRAP", settings.kafka.bootstrap_servers)
+    for name, value in settings.s3.as_env().items():  # the tiers a macro expands to
+        monkeypatch.setenv(name, value)
+    migrate(connect(settings.clickhouse_url), settings.clickhouse_database)
+    return topics.prefix
+
+
+def audited_reads(settings, prefix: str, expected: int) -> list[dict]:
+    messages = read_all(settings, Topics(prefix).audit_requests, expected)
+    codec = default_codec()
+    return [codec.decode(m.value(), expect=AUDIT_EVENT).record for m in messages]
+
+
 def test_fleetline_sql_takes_its_limits_from_the_environment(settings, monkeypatch, capsys):
     monkeypatch.setenv("FLEETLINE_CLICKHOUSE_URL", settings.clickhouse_url)
+    monkeypatch.setenv("FLEETLINE_KAFKA_BOOTSTRAP", settings.kafka.bootstrap_servers)
     monkeypatch.setenv("FLEETLINE_SQL_MAX_RESULT_ROWS", "10")
     assert main(["sql", "SELECT number FROM numbers(5)"]) == 0
     capsys.readouterr()
@@ -366,8 +393,63 @@ def test_the_api_and_fleetline_sql_refuse_a_host_function(
         assert "root:" not in response.text
     assert client.post("/v1/sql", json={"query": "SELECT 6 * 7"}).json()["rows"] == [[42]]
 
-    monkeypatch.setenv("FLEETLINE_CLICKHOUSE_URL", settings.clickhouse_url)
-    assert main(["sql", "SELECT file('/etc/passwd')"]) == 1
+    prefix = cli_store(settings, monkeypatch)
+    assert main(["sql", "SELECT file('/etc/passwd')", "--topic-prefix", prefix]) == 1
     out = capsys.readouterr()
     assert "function file() is not on the analyst allow-list" in out.err
     assert "root:" not in out.out + out.err
+
+
+def test_every_read_of_stored_data_is_audited(settings, monkeypatch, capsys):
+    """`fleetline sql`, `fleetline query` and the API's SQL record who read, the SQL's digest
+    and the rows returned; a read the audit log cannot take shows nothing."""
+    prefix = cli_store(settings, monkeypatch)
+    query = "SELECT number FROM numbers(3)"
+    assert main(["sql", query, "--topic-prefix", prefix]) == 0
+    assert capsys.readouterr().out.splitlines() == ["number", "0", "1", "2"]
+    assert main(["query", "utilisation-by-cluster", "--topic-prefix", prefix]) == 0
+    capsys.readouterr()
+    sql_read, ready_read = audited_reads(settings, prefix, 2)
+    assert (sql_read["operation"], sql_read["source"], sql_read["actor"]) == (
+        "sql.run",
+        "cli",
+        getpass.getuser(),
+    )
+    assert sql_read["details"] == {
+        "sql_sha256": hashlib.sha256(query.encode()).hexdigest(),
+        "rows": "3",
+    }
+    assert (
+        ready_read["operation"] == "sql.ready" and ready_read["target"] == "utilisation-by-cluster"
+    )
+    assert ready_read["details"]["rows"] == "0"
+
+    monkeypatch.setenv("FLEETLINE_KAFKA_BOOTSTRAP", "127.0.0.1:1")  # no audit log to write to
+    assert main(["sql", query, "--topic-prefix", prefix]) == 69  # unavailable
+    out = capsys.readouterr()
+    assert out.out == "" and "127.0.0.1:1" in out.err
+
+    from fastapi.testclient import TestClient
+
+    from fleetline.api.app import create_app
+    from fleetline.api.auth import AuthConfig, Authenticator, token_digest
+    from fleetline.processors.view.read import StaticView
+    from tests.fleet_events import fold
+    from tests.support import Recorder
+
+    recorder = Recorder()
+    admin = {"name": "ana", "sha256": token_digest("fl_a"), "role": "platform-admin"}
+    app = create_app(
+        StaticView(fold([])),
+        Authenticator(AuthConfig.from_data({"tokens": [admin]})),
+        recorder,
+        sql=lambda q: {"columns": ["x"], "rows": [[1], [2]]},
+    )
+    client = TestClient(app, headers={"Authorization": "Bearer fl_a"})
+    assert client.post("/v1/sql", json={"query": "SELECT x FROM t"}).status_code == 200
+    (event,) = recorder.events
+    assert event["actor"] == "ana" and event["operation"] == "api.POST /v1/sql"
+    assert event["details"] == {
+        "sql_sha256": hashlib.sha256(b"SELECT x FROM t").hexdigest(),
+        "rows": "2",
+    }

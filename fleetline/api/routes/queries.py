@@ -10,11 +10,17 @@ from fleetline.api import models
 from fleetline.api.ports import Ports
 from fleetline.api.rbac import Rule
 from fleetline.api.routing import Routes
-from fleetline.storage.queries import READY, logs_sql, progress_sql, trace_sql
+from fleetline.processors.audit.runtime import data_access
+from fleetline.storage.queries import READY, logs_sql, progress_sql, ready_sql, trace_sql
 
 LEVELS = "(?i)^(debug|info|warning|error|critical)$"
 Since = Annotated[str, Query(alias="from", description="-<n>s|m|h|d, epoch ms or ISO 8601")]
 Until = Annotated[str | None, Query(alias="to")]
+
+
+def _answer(request: Request, sql: str, result: dict[str, Any]) -> dict[str, Any]:
+    request.state.data_access = data_access(sql, len(result["rows"]))
+    return result
 
 
 def register(route: Routes, ports: Ports) -> None:
@@ -25,8 +31,8 @@ def register(route: Routes, ports: Ports) -> None:
         response_model=models.SqlResult,
         summary="Raw read-only ClickHouse SQL: platform admins only",
     )
-    def run_sql(body: models.SqlRequest) -> dict[str, Any]:
-        return ports.sql_port()(body.query)
+    def run_sql(body: models.SqlRequest, request: Request) -> dict[str, Any]:
+        return _answer(request, body.query, ports.sql_port()(body.query))
 
     @route(
         "GET",
@@ -36,6 +42,7 @@ def register(route: Routes, ports: Ports) -> None:
         summary="A ready query over all storage tiers (see `fleetline query list`)",
     )
     def run_ready_query(
+        request: Request,
         name: str,
         since: Since = "-1h",
         until: Until = None,
@@ -44,7 +51,8 @@ def register(route: Routes, ports: Ports) -> None:
             raise HTTPException(404, f"no ready query {name!r}; known: {sorted(READY)}")
         if ports.ready_query is None:
             raise HTTPException(503, "no ClickHouse store is configured on this server")
-        return ports.ready_query(name, since, until)
+        result = ports.ready_query(name, since, until)
+        return _answer(request, ready_sql(name, since, until), result)
 
     @route(
         "GET",
@@ -55,7 +63,8 @@ def register(route: Routes, ports: Ports) -> None:
         "order (a tenant's users see their tenant's rows)",
     )
     def trace(trace_id: str, request: Request) -> dict[str, Any]:
-        result = ports.sql_port()(trace_sql(trace_id))
+        sql = trace_sql(trace_id)
+        result = ports.sql_port()(sql)
         scope = request.state.scope
         if scope is not None:
             # Only rows that name the caller's tenant (none when the store answered without
@@ -65,7 +74,7 @@ def register(route: Routes, ports: Ports) -> None:
             result["rows"] = [
                 r for r in result["rows"] if tenant is not None and r[tenant] == scope
             ]
-        return result
+        return _answer(request, sql, result)
 
     @route(
         "GET",
@@ -75,8 +84,9 @@ def register(route: Routes, ports: Ports) -> None:
         summary="A training job's reported steps, loss, throughput and checkpoints, over "
         "every placement (from the cluster agents' workload events in ClickHouse)",
     )
-    def job_progress(tenant: str, name: str) -> dict[str, Any]:
-        return ports.sql_port()(progress_sql(f"{tenant}/{name}"))
+    def job_progress(tenant: str, name: str, request: Request) -> dict[str, Any]:
+        sql = progress_sql(f"{tenant}/{name}")
+        return _answer(request, sql, ports.sql_port()(sql))
 
     @route(
         "GET",
@@ -86,6 +96,7 @@ def register(route: Routes, ports: Ports) -> None:
         summary="Log lines of every fleetline process (newest first): platform admins only",
     )
     def search_logs(
+        request: Request,
         since: Since = "-1h",
         until: Until = None,
         q: str | None = None,
@@ -94,4 +105,5 @@ def register(route: Routes, ports: Ports) -> None:
         trace_id: Annotated[str | None, Query(pattern="^[0-9a-f]{32}$")] = None,
         limit: Annotated[int, Query(ge=1, le=5000)] = 200,
     ) -> dict[str, Any]:
-        return ports.sql_port()(logs_sql(since, until, q, level, process, trace_id, limit))
+        sql = logs_sql(since, until, q, level, process, trace_id, limit)
+        return _answer(request, sql, ports.sql_port()(sql))

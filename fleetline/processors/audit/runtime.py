@@ -255,6 +255,12 @@ class AuditEmitter(Protocol):
     def emit(self, event: dict[str, Any]) -> None: ...
 
 
+def data_access(sql: str, rows: int) -> dict[str, str]:
+    """What the audit records of a read of stored data: the SQL's digest (not its text, which
+    may hold what the reader looked for) and how many rows it returned."""
+    return {"sql_sha256": hashlib.sha256(sql.encode()).hexdigest(), "rows": str(rows)}
+
+
 class KafkaAuditEmitter:
     """Sends AuditEvents to the requests topic with an idempotent producer, keyed by tenant so a
     tenant's records share one chain."""
