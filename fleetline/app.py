@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from fleetline.agents.data_mover import DataMover
 from fleetline.api.app import create_app
 from fleetline.api.auth import Authenticator
+from fleetline.api.ports import Append
 from fleetline.config import Settings
 from fleetline.errors import StreamError
 from fleetline.observability import metrics
@@ -31,7 +32,7 @@ from fleetline.processors.audit.runtime import (
 )
 from fleetline.processors.audit.runtime import changelog as audit_changelog
 from fleetline.processors.health.fold import ClusterHealthPolicy
-from fleetline.processors.health.runtime import ClusterHealthService
+from fleetline.processors.health.runtime import ClusterHealthService, signal_output
 from fleetline.processors.health.runtime import changelog as health_changelog
 from fleetline.processors.operations.fold import OpsPolicy
 from fleetline.processors.operations.rules import HealingRules
@@ -62,8 +63,8 @@ from fleetline.storage.tiering.loop import TierLoop, tiered_stores
 from fleetline.storage.tiering.macros import expander
 from fleetline.storage.tiering.policy import LIFETIMES, DataClass
 from fleetline.streams import kafka as kafka_clients
-from fleetline.streams.loop import Step, StreamLoop
-from fleetline.streams.records import Offsets
+from fleetline.streams.loop import Step, StreamLoop, deliver
+from fleetline.streams.records import Offsets, Output
 from fleetline.streams.serde import default_codec
 from fleetline.streams.topics import Topics
 
@@ -300,6 +301,20 @@ class Fleetline:
         def ready(name: str, since: str, until: str | None) -> dict[str, Any]:
             return sql(ready_sql(name, since, until))
 
+        # What operators send the fleet through the API: cluster signals, node commands.
+        producer = kafka_clients.producer(self.settings.kafka, {"linger.ms": 0})
+        codec, sending = default_codec(), threading.Lock()
+
+        def appender(to: Callable[[Mapping[str, Any]], Output], what: str) -> Append:
+            def append(record: Mapping[str, Any]) -> int:
+                with sending:
+                    (offset,) = deliver(producer, [to(record)], what)
+                return offset
+
+            return append
+
+        commands = self.topics.commands
+
         return create_app(
             self.view,
             authenticator,
@@ -312,6 +327,17 @@ class Fleetline:
             max_body_bytes=self.settings.api_max_body_bytes,
             history=ViewHistory(self.settings.kafka, self.topics, self.snapshots),
             clusters=lambda records: declare_clusters(self.settings.kafka, self.topics, records),
+            signals=appender(
+                lambda r: signal_output(self.topics, r, codec), "the cluster signal log"
+            ),
+            commands=appender(
+                lambda r: Output(
+                    commands,
+                    r["node_id"].encode(),
+                    codec.encode(self.topics.record_of(commands), r),
+                ),
+                "the node command topic",
+            ),
         )
 
 

@@ -155,3 +155,68 @@ def serve_command(
         group,
         *flags,
     ]
+
+
+# Who the test API knows: subject -> (role, tenant); each one's token is `fl_<subject>`.
+PRINCIPALS = {
+    "ops": ("platform-admin", None),
+    "ana": ("tenant-admin", "acme"),
+    "uma": ("user", "acme"),
+    "gus": ("user", "globex"),
+    "vic": ("viewer", "acme"),
+    "aud": ("auditor", None),
+}
+
+
+def auth_config(principals: dict[str, tuple[str, str | None]] = PRINCIPALS) -> dict:
+    """An auth config (FLEETLINE_AUTH_CONFIG's content) with a token `fl_<subject>` each."""
+    from fleetline.api.auth import token_digest
+
+    return {
+        "tokens": [
+            {"name": name, "sha256": token_digest(f"fl_{name}"), "role": role, "tenant": tenant}
+            for name, (role, tenant) in principals.items()
+        ]
+    }
+
+
+@contextmanager
+def serving_api(fleet) -> Iterator[str]:
+    """A built fleet's API on a free loopback port, with the PRINCIPALS' tokens: its URL."""
+    import socket
+
+    from fleetline.api.auth import AuthConfig, Authenticator
+    from fleetline.app import api_server
+    from fleetline.processors.audit.runtime import KafkaAuditEmitter
+
+    emitter = KafkaAuditEmitter(fleet.settings.kafka, fleet.topics)
+    app = fleet.api(Authenticator(AuthConfig.from_data(auth_config())), emitter)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = api_server(app, "127.0.0.1", port)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, 30, "the API to listen")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        emitter.flush()
+
+
+def signed_in(monkeypatch, url: str, subject: str = "ops") -> None:
+    """The CLI's writes go to `url` as `subject` (FLEETLINE_SERVER / FLEETLINE_TOKEN)."""
+    monkeypatch.setenv("FLEETLINE_SERVER", url)
+    monkeypatch.setenv("FLEETLINE_TOKEN", f"fl_{subject}")
+
+
+@contextmanager
+def started(fleet):
+    """A built fleet, started and closed after."""
+    fleet.start()
+    try:
+        yield fleet
+    finally:
+        fleet.close()

@@ -22,6 +22,7 @@ from fleetline.api.auth import Authenticator
 from fleetline.api.body_limit import BodyLimit
 from fleetline.api.dashboard import mount_console
 from fleetline.api.ports import (
+    Append,
     DeclareClusters,
     HistoryPort,
     JobsPort,
@@ -137,6 +138,8 @@ def create_app(
     history: HistoryPort | None = None,
     clusters: DeclareClusters | None = None,
     operations: OperationsPort | None = None,
+    signals: Append | None = None,
+    commands: Append | None = None,
 ) -> FastAPI:
     """The API over a view, the audit store, ClickHouse and the scheduler (each optional but
     the view: a route whose port is missing answers 503). A request body over `max_body_bytes`
@@ -149,7 +152,19 @@ def create_app(
         "`Authorization: Bearer <token>`.",
     )
     routes = Routes(app, authenticator)
-    ports = Ports(source, audit_table, sql, ready_query, jobs, clock, history, clusters, operations)
+    ports = Ports(
+        source,
+        audit_table,
+        sql,
+        ready_query,
+        jobs,
+        clock,
+        history,
+        clusters,
+        operations,
+        signals,
+        commands,
+    )
     # Added first, so it runs inside the audit middleware: a refused body is audited too.
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.middleware("http")(_audit_middleware(audit, clock))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -17,6 +17,8 @@ Sql = Callable[[str], dict[str, Any]]
 ReadyQuery = Callable[[str, str, str | None], dict[str, Any]]
 # ClusterInfo records appended to the clusters topic -> their offsets.
 DeclareClusters = Callable[[list[dict[str, Any]]], list[int]]
+# One record appended to a topic of the fleet (a ClusterSignal, a NodeCommand) -> its offset.
+Append = Callable[[Mapping[str, Any]], int]
 
 
 class JobsPort(Protocol):
@@ -30,6 +32,14 @@ class JobsPort(Protocol):
     def job(self, key: str) -> dict[str, Any] | None: ...
 
     def decisions(self, job: str) -> list[dict[str, Any]]: ...
+
+    def wait(
+        self, keys: list[str], offsets: list[int], timeout_s: float
+    ) -> dict[str, dict[str, Any]]:
+        """The latest decision about each key made from its request (at `offsets`) or later,
+        once each is settled (anything but QUEUED, or QUEUED for its data's copy) or
+        `timeout_s` has passed; a key without one is missing."""
+        ...
 
 
 class OperationsPort(Protocol):
@@ -60,6 +70,8 @@ class Ports:
     history: HistoryPort | None = None
     clusters: DeclareClusters | None = None
     operations: OperationsPort | None = None
+    signals: Append | None = None
+    commands: Append | None = None
 
     def audit(self) -> AuditTable:
         if self.audit_table is None:
@@ -75,6 +87,16 @@ class Ports:
         if self.clusters is None:
             raise HTTPException(503, "declaring clusters is not configured on this server")
         return self.clusters
+
+    def signal(self) -> Append:
+        if self.signals is None:
+            raise HTTPException(503, "the cluster signal log is not configured on this server")
+        return self.signals
+
+    def command(self) -> Append:
+        if self.commands is None:
+            raise HTTPException(503, "node commands are not configured on this server")
+        return self.commands
 
     def sql_port(self) -> Sql:
         if self.sql is None:

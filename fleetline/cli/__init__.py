@@ -27,12 +27,14 @@ from fleetline.cli import (
     run,
     serve,
     serving,
+    session,
     specs,
     view,
 )
 from fleetline.errors import (
     EXIT_NOPERM,
     EXIT_UNAVAILABLE,
+    AuthError,
     FleetlineError,
     NotPermitted,
     ServiceUnavailable,
@@ -54,6 +56,7 @@ app = typer.Typer(
     "FLEETLINE_* environment variables (see docs/configuration.md).",
 )
 _GROUPS = (
+    session,
     infra,
     lab,
     run,
@@ -105,7 +108,8 @@ for _group in _GROUPS:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; its exit code (1: an error fleetline names, 2: a usage error,
-    69: a service the command needs is not answering)."""
+    69: a service the command needs is not answering, 77: refused: not signed in, or not
+    allowed)."""
     try:
         app(args=list(argv) if argv is not None else None, prog_name="fleetline")
     except SystemExit as exit_:
@@ -115,6 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_UNAVAILABLE
     except NotPermitted as exc:
         print(f"fleetline: not permitted: {exc}", file=sys.stderr)
+        return EXIT_NOPERM
+    except AuthError as exc:  # the server refused who we are, or what we may do
+        print(f"fleetline: refused: {exc}", file=sys.stderr)
         return EXIT_NOPERM
     except FleetlineError as exc:
         print(f"fleetline: error: {exc}", file=sys.stderr)

@@ -10,10 +10,10 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
+from urllib.parse import quote
 
 import typer
 
@@ -27,7 +27,7 @@ from fleetline.cli.common import (
     settings,
     ship_logs,
 )
-from fleetline.errors import ConfigError, FleetlineError
+from fleetline.errors import ConfigError
 
 agent = typer.Typer(
     help="Run a node agent: real GPUs through NVML, or a simulated fleet", no_args_is_help=True
@@ -249,53 +249,24 @@ def command(
         ),
     ] = None,
     command_id: Annotated[str | None, typer.Option(help="default: a new random id")] = None,
-    issued_by: Annotated[str, typer.Option()] = "cli",
-    topic_prefix: TopicPrefix = "fleetline",
 ) -> None:
-    """Send a command to a node's agent; its CommandResult lands on
-    <prefix>.commands.result."""
-    from fleetline.processors.audit.runtime import KafkaAuditEmitter, new_event
-    from fleetline.streams import kafka as kafka_clients
-    from fleetline.streams.serde import default_codec
-    from fleetline.streams.topics import Topics
+    """Send a command to a node's agent through the API (platform admins; issued by the
+    signed-in caller, audited); its CommandResult lands on <prefix>.commands.result."""
+    from fleetline.cli.client import api
 
-    config = settings("kafka")
-    values = pairs(set_, "--set")
-    ts, request_id = int(time.time() * 1000), command_id or uuid.uuid4().hex
-    record = {
-        "command_id": request_id,
-        "cluster_id": cluster_id,
-        "node_id": node_id,
-        "ts": ts,
-        "issued_by": issued_by,
-        "kind": str(kind),
-        "power_cap_w": power_cap_w,
-        "config_version": config_version,
-        "config": values,
-    }
-    topics = Topics(topic_prefix)
-    producer = kafka_clients.producer(config.kafka)
-    value = default_codec().encode(topics.record_of(topics.commands), record)
-    producer.produce(topics.commands, key=node_id.encode(), value=value)
-    if producer.flush(30):
-        raise FleetlineError("the command was not delivered within 30 s")
-    emitter = KafkaAuditEmitter(config.kafka, topics)
-    emitter.emit(
-        new_event(
-            ts=ts,
-            actor=issued_by,
-            actor_role="operator",
-            operation=f"command.{kind}",
-            target=node_id,
-            outcome="SUCCEEDED",
-            request_id=request_id,
-            source="cli",
-            details=values,
-        )
+    answer = api().call(
+        "POST",
+        f"/v1/nodes/{quote(node_id, safe='')}/commands",
+        body={
+            "cluster_id": cluster_id,
+            "kind": str(kind),
+            "power_cap_w": power_cap_w,
+            "config_version": config_version,
+            "config": pairs(set_, "--set"),
+            "command_id": command_id,
+        },
     )
-    if emitter.flush(30):
-        raise FleetlineError("the command was sent but its audit event was not delivered")
-    print(f"sent {kind} {request_id} to {node_id} on {topics.commands}")
+    print(f"sent {kind} {answer['command_id']} to {node_id} (offset {answer['offset']})")
 
 
 @agent.command(name="data-mover")

@@ -9,21 +9,19 @@ import json
 import os
 import signal
 import threading
-import uuid
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import quote
 
 import typer
 
 from fleetline.cli.common import (
-    Actor,
     MetricsHost,
     MetricsPort,
     TopicPrefix,
     console,
     expose_metrics,
-    now_ms,
     settings,
     ship_logs,
 )
@@ -187,59 +185,33 @@ def serve() -> None:
     raise typer.Exit(main())
 
 
-def _signal(
-    kind: Literal["CORDON", "UNCORDON"],
-    cluster_id: str,
-    reason: str | None,
-    topic_prefix: str,
-    actor: str,
-) -> None:
-    """Append a CORDON or UNCORDON to the signal log, and its audit event."""
-    from fleetline.cli.specs import audit_requests
-    from fleetline.processors.health.runtime import signal as cluster_signal
-    from fleetline.processors.health.runtime import signal_output
-    from fleetline.streams import kafka as kafka_clients
-    from fleetline.streams.loop import deliver
-    from fleetline.streams.serde import default_codec
-    from fleetline.streams.topics import Topics
+def _signal(kind: Literal["cordon", "uncordon"], cluster_id: str, reason: str | None) -> None:
+    """A CORDON or UNCORDON through the API (platform admins), which appends it to the signal
+    log and audits the call."""
+    from fleetline.cli.client import api
 
-    config = settings("kafka")
-    topics = Topics(topic_prefix)
-    record = cluster_signal(kind, cluster_id, now_ms(), actor=actor, reason=reason)
-    out = signal_output(topics, record, default_codec())
-    deliver(kafka_clients.producer(config.kafka, {"linger.ms": 0}), [out], "the signal log")
-    audit_requests(
-        config,
-        topics,
-        actor,
-        f"cluster.{kind.lower()}",
-        [f"cluster:{cluster_id}"],
-        [uuid.uuid4().hex],
-        fleet_wide=True,
+    answer = api().call(
+        "POST", f"/v1/clusters/{quote(cluster_id, safe='')}/{kind}", body={"reason": reason}
     )
-    console.print(f"{cluster_id}: {kind.lower()} sent")
+    console.print(f"{cluster_id}: {kind} sent (offset {answer['offset']})")
 
 
 @cluster.command()
 def cordon(
     cluster_id: ClusterId,
     reason: Annotated[str | None, typer.Option(help="why, for the audit trail")] = None,
-    topic_prefix: TopicPrefix = "fleetline",
-    actor: Actor = "cli",
 ) -> None:
     """Take a whole cluster out of placement: what runs there stays, nothing new lands."""
-    _signal("CORDON", cluster_id, reason, topic_prefix, actor)
+    _signal("cordon", cluster_id, reason)
 
 
 @cluster.command()
 def uncordon(
     cluster_id: ClusterId,
     reason: Annotated[str | None, typer.Option(help="why, for the audit trail")] = None,
-    topic_prefix: TopicPrefix = "fleetline",
-    actor: Actor = "cli",
 ) -> None:
     """Return a cordoned cluster to placement."""
-    _signal("UNCORDON", cluster_id, reason, topic_prefix, actor)
+    _signal("uncordon", cluster_id, reason)
 
 
 @cluster.command()

@@ -63,7 +63,6 @@ def expose_metrics(host: str | None, port: int | None, process: str, *collectors
 
 
 Json = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
-Actor = Annotated[str, typer.Option("--actor", help="who is acting (for the audit log)")]
 ViewGroup = Annotated[
     str, typer.Option("--group", help="the view processors' group; its snapshots are used")
 ]

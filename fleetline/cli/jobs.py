@@ -6,12 +6,12 @@ import json
 import uuid
 from collections.abc import Iterable
 from typing import Annotated, Any
+from urllib.parse import quote
 
 import typer
 
-from fleetline.cli.common import Actor, Json, TopicPrefix, console, now_ms, print_json, settings
+from fleetline.cli.common import Json, TopicPrefix, console, now_ms, print_json, settings
 from fleetline.cli.common import table as new_table
-from fleetline.cli.specs import audit_requests
 from fleetline.config import Settings
 from fleetline.errors import ConfigError, FleetlineError
 from fleetline.streams.store import ChangelogStore
@@ -333,16 +333,14 @@ def quota_set(
         typer.Option(metavar="CLUSTER=GPUS", help="GPUs held back for this tenant in a cluster"),
     ] = None,
     share: Annotated[float, typer.Option(help="fair-share weight")] = 1.0,
-    actor: Actor = "cli",
-    topic_prefix: TopicPrefix = "fleetline",
 ) -> None:
-    """A tenant's quotas, reserved capacity and fair-share weight."""
-    from fleetline.processors.scheduling.client import submit
-    from fleetline.processors.scheduling.codec import canonical_json, new_request
+    """A tenant's quotas, reserved capacity and fair-share weight (platform admins, through
+    the API)."""
+    from fleetline.cli.client import api
+    from fleetline.processors.scheduling.codec import canonical_json
     from fleetline.processors.scheduling.tenancy import TenantPolicy
 
-    policy = {
-        "tenant": tenant,
+    terms = {
         "share": share,
         "reserved": _counts(reserve, "--reserve"),
         "quota": {
@@ -354,25 +352,14 @@ def quota_set(
         },
     }
     try:
-        TenantPolicy.from_data(policy)  # refuse here what the scheduler would dead-letter
+        TenantPolicy.from_data({"tenant": tenant, **terms})  # refused here with the field named
     except FleetlineError as exc:
         raise ConfigError(str(exc)) from None
-    config = settings("kafka")
-    topics = Topics(topic_prefix)
-    request = new_request(
-        "TENANT_POLICY",
-        tenant,
-        tenant,
-        now_ms(),
-        uuid.uuid4().hex,
-        actor=actor,
-        spec_json=canonical_json(policy),
+    answer = api().call("PUT", f"/v1/tenants/{quote(tenant, safe='')}/policy", body=terms)
+    print(
+        f"tenant {tenant}: policy set (request {answer['request_offset']}): "
+        f"{canonical_json(answer['policy'])}"
     )
-    (offset,) = submit(config.kafka, topics, [request])
-    audit_requests(
-        config, topics, actor, "tenant.policy", [tenant], [request["request_id"]], tenant=tenant
-    )
-    print(f"tenant {tenant}: policy set (request {offset}): {canonical_json(policy)}")
 
 
 def register(app: typer.Typer) -> None:

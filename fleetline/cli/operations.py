@@ -9,6 +9,7 @@ import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import quote
 
 import typer
 
@@ -103,29 +104,15 @@ def move(
         str, typer.Argument(help="IN_REPAIR, REPAIRED (starts the burn-in), ESCALATED")
     ],
     note: Annotated[str, typer.Option(help="what was done")] = "",
-    actor: Annotated[str, typer.Option(help="who moves it")] = "operator",
-    topic_prefix: TopicPrefix = "fleetline",
 ) -> None:
-    """Move a ticket (audited): a repaired node returns to the pool only after its burn-in."""
-    from fleetline.cli.specs import audit_requests
-    from fleetline.processors.operations.fold import check_move
-    from fleetline.processors.operations.runtime import append, ops_event
-    from fleetline.streams.topics import Topics
+    """Move a ticket through the API (platform admins; moved by the signed-in caller, audited):
+    a repaired node returns to the pool only after its burn-in."""
+    from fleetline.cli.client import api
 
-    config = settings("kafka")
-    topics = Topics(topic_prefix)
-    ticket = _tickets(topic_prefix).get(ticket_id)
-    if ticket is None:
-        raise FleetlineError(f"no ticket {ticket_id!r}; `fleetline tickets list` names them")
-    check_move(ticket_id, ticket["state"], state)
-    event = ops_event(
-        "TICKET_UPDATE", now_ms(), {"state": state, "note": note}, key=ticket_id, actor=actor
+    answer = api().call(
+        "POST", f"/v1/tickets/{quote(ticket_id, safe='')}", body={"state": state, "note": note}
     )
-    (offset,) = append(config.kafka, topics, [event])
-    audit_requests(
-        config, topics, actor, f"ticket.{state}", [ticket_id], [event["event_id"]], fleet_wide=True
-    )
-    print(f"{ticket_id}: {state} appended to {topics.ops} at offset {offset}")
+    print(f"{ticket_id}: {state} appended at offset {answer['ops_offset']}")
 
 
 def forecast(
@@ -321,49 +308,22 @@ def apply(
             help="YAML: a list of {cluster_id, price_per_kwh: [24], renewable_share: [24]}"
         ),
     ],
-    topic_prefix: TopicPrefix = "fleetline",
 ) -> None:
-    """Give clusters their electricity by the hour (UTC): placement's energy term and deferrable
-    jobs price by it from the scheduler's next request on."""
+    """Give clusters their electricity by the hour (UTC), through the API (platform admins):
+    placement's energy term and deferrable jobs price by it from the scheduler's next request
+    on."""
     import yaml
 
-    from fleetline.cli.specs import audit_requests
-    from fleetline.processors.scheduling.client import submit
-    from fleetline.processors.scheduling.codec import canonical_json, new_request
+    from fleetline.cli.client import api
     from fleetline.processors.scheduling.energy import EnergyProfile
-    from fleetline.streams.topics import Topics
 
     try:
         items = yaml.safe_load(file.read_text())
         profiles = [EnergyProfile.from_data(item) for item in items or []]
     except (OSError, yaml.YAMLError, TypeError, FleetlineError) as exc:
         raise ConfigError(f"{file}: {exc}") from None
-    config = settings("kafka")
-    topics = Topics(topic_prefix)
-    ts = now_ms()
-    requests = [
-        new_request(
-            "ENERGY",
-            p.cluster_id,
-            "",
-            ts,
-            uuid.uuid4().hex,
-            actor="cli",
-            spec_json=canonical_json(p.as_data()),
-        )
-        for p in profiles
-    ]
-    submit(config.kafka, topics, requests)
-    audit_requests(
-        config,
-        topics,
-        "cli",
-        "energy.apply",
-        [p.cluster_id for p in profiles],
-        [r["request_id"] for r in requests],
-        fleet_wide=True,
-    )
-    print(f"{len(profiles)} energy profiles sent to {topics.scheduler_requests}")
+    answer = api().call("PUT", "/v1/energy", body=[p.as_data() for p in profiles])
+    print(f"{len(answer['profiles'])} energy profiles sent: {', '.join(answer['profiles'])}")
 
 
 def register(app: typer.Typer) -> None:

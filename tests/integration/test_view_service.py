@@ -12,6 +12,7 @@ import uuid
 
 import pytest
 
+from fleetline.app import Options, build
 from fleetline.processors.replay import ViewHistory, log_bounds, offsets_at, rebuild, walk
 from fleetline.processors.view import codec as view_codec
 from fleetline.processors.view.fold import compose
@@ -30,7 +31,10 @@ from tests.services import (
     running,
     serve_command,
     service_env,
+    serving_api,
+    signed_in,
     snapshot_store,
+    started,
 )
 from tests.support import BASE_MS, after_now_ms, fresh_topics, read_all, wait_until
 
@@ -306,24 +310,35 @@ def test_operators_declare_clusters_with_apply_and_the_view_folds_them(
         "Cluster eu-west-a: valid",
         "Cluster us-east-a: valid",
     ]
-    assert main(["apply", "-f", clusters, "--topic-prefix", topics.prefix]) == 0
-    assert "cluster:eu-west-a: declared" in capsys.readouterr().out
-    _, end = log_bounds(settings.kafka, topics)
-    facts = observe(rebuild(settings.kafka, topics, end).view).clusters
-    assert (facts["eu-west-a"].kind, facts["eu-west-a"].pue) == ("ON_PREMISES", 1.25)
-    assert facts["us-east-a"].price_per_gpu_hour == 2.10
-    assert facts["us-east-a"].link_latency_ms == {"us-east": 0.5, "eu-west": 75, "ap-south": 190}
-    # A later declaration replaces the earlier one; a cluster is never deleted, only retired.
-    retired = "apiVersion: fleetline/v1\nkind: Cluster\nmetadata: {name: us-east-a}\n"
-    retired += "spec: {region: us-east, retired: true}\n"
-    monkeypatch.setattr("sys.stdin", io.StringIO(retired))
-    assert main(["apply", "-f", "-", "--topic-prefix", topics.prefix]) == 0
-    _, end = log_bounds(settings.kafka, topics)
-    assert observe(rebuild(settings.kafka, topics, end).view).clusters["us-east-a"].health == (
-        "retired"
-    )
-    assert main(["delete", "-f", clusters, "--topic-prefix", topics.prefix]) == 1
-    assert "applying it with `retired: true`" in capsys.readouterr().err
+    # Declared through the API by a platform admin, refused to anyone else.
+    fleet = build(settings, Options(topics=topics, scheduler=False, audit=False, data_mover=False))
+    with started(fleet), serving_api(fleet) as url:
+        signed_in(monkeypatch, url, "ana")
+        assert main(["apply", "-f", clusters]) == 77
+        assert "role tenant-admin may not write fleet" in capsys.readouterr().err
+        signed_in(monkeypatch, url, "ops")
+        assert main(["apply", "-f", clusters]) == 0
+        assert "cluster:eu-west-a: declared" in capsys.readouterr().out
+        _, end = log_bounds(settings.kafka, topics)
+        facts = observe(rebuild(settings.kafka, topics, end).view).clusters
+        assert (facts["eu-west-a"].kind, facts["eu-west-a"].pue) == ("ON_PREMISES", 1.25)
+        assert facts["us-east-a"].price_per_gpu_hour == 2.10
+        assert facts["us-east-a"].link_latency_ms == {
+            "us-east": 0.5,
+            "eu-west": 75,
+            "ap-south": 190,
+        }
+        # A later declaration replaces the earlier one; a cluster is never deleted, only retired.
+        retired = "apiVersion: fleetline/v1\nkind: Cluster\nmetadata: {name: us-east-a}\n"
+        retired += "spec: {region: us-east, retired: true}\n"
+        monkeypatch.setattr("sys.stdin", io.StringIO(retired))
+        assert main(["apply", "-f", "-"]) == 0
+        _, end = log_bounds(settings.kafka, topics)
+        assert observe(rebuild(settings.kafka, topics, end).view).clusters["us-east-a"].health == (
+            "retired"
+        )
+        assert main(["delete", "-f", clusters]) == 1
+        assert "applying it with `retired: true`" in capsys.readouterr().err
 
 
 def test_with_an_encryption_key_the_view_snapshots_are_sealed(settings):

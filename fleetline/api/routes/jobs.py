@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
-from fastapi import HTTPException, Request
+from fastapi import HTTPException, Query, Request
+from fastapi.concurrency import run_in_threadpool
 
 from fleetline.api import models
 from fleetline.api.ports import Ports
@@ -18,7 +19,7 @@ from fleetline.processors.scheduling.codec import (
     new_request,
     spec_requests,
 )
-from fleetline.processors.scheduling.specs import SpecError, parse_specs
+from fleetline.processors.scheduling.specs import Cluster, SpecError, parse_specs
 from fleetline.processors.scheduling.state import Job
 from fleetline.processors.scheduling.tenancy import TenantPolicy, TenantTerms
 
@@ -32,6 +33,17 @@ def _public(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# The longest an apply may hold its call open waiting for decisions.
+MAX_WAIT_S = 600.0
+
+
+def _decided(decision: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What `apply --wait` shows of a decision: its outcome and reason."""
+    if decision is None:
+        return None
+    return {k: decision.get(k) for k in ("outcome", "reason", "cluster_id", "decision_id")}
+
+
 def register(route: Routes, ports: Ports) -> None:
     clock = ports.clock
 
@@ -43,7 +55,19 @@ def register(route: Routes, ports: Ports) -> None:
         response_model=models.AcceptedPage,
         summary="Submit TrainingJob / InferenceService / Dataset specs (YAML or JSON body)",
     )
-    async def apply_specs(request: Request, tenant: str | None = None) -> dict[str, Any]:
+    async def apply_specs(
+        request: Request,
+        tenant: str | None = None,
+        wait: Annotated[
+            float | None,
+            Query(
+                ge=0,
+                le=MAX_WAIT_S,
+                description="seconds to wait for each spec's decision (placed, accepted, "
+                "rejected, or queued for its data's copy); each item then carries it",
+            ),
+        ] = None,
+    ) -> dict[str, Any]:
         text = (await request.body()).decode(errors="replace")
         try:
             specs = parse_specs(text)
@@ -51,6 +75,13 @@ def register(route: Routes, ports: Ports) -> None:
             raise HTTPException(
                 422, [{"path": e.path, "message": e.message} for e in exc.errors]
             ) from None
+        clusters = [s.metadata.name for s in specs if isinstance(s, Cluster)]
+        if clusters:
+            raise HTTPException(
+                422,
+                f"Cluster {', '.join(clusters)}: a cluster is declared with "
+                "PUT /v1/clusters/{name} (platform admins)",
+            )
         scope = request.state.scope
         outside = sorted({s.metadata.tenant for s in specs} - ({scope} if scope else set()))
         if scope is not None and outside:
@@ -71,10 +102,19 @@ def register(route: Routes, ports: Ports) -> None:
             lambda: trace.traceparent,
         )
         offsets = ports.scheduler().submit([r for _, r in ordered])
+        keys = [r["key"] for _, r in ordered]
+        decided = (
+            await run_in_threadpool(ports.scheduler().wait, keys, offsets, wait) if wait else {}
+        )
         return {
             "trace_id": trace.trace_id,
             "accepted": [
-                {"key": r["key"], "kind": spec.kind, "request_offset": o}
+                {
+                    "key": r["key"],
+                    "kind": spec.kind,
+                    "request_offset": o,
+                    **({"decision": _decided(decided.get(r["key"]))} if wait else {}),
+                }
                 for (spec, r), o in zip(ordered, offsets, strict=True)
             ],
         }
@@ -158,6 +198,22 @@ def register(route: Routes, ports: Ports) -> None:
             ]
         )
         return {"deleted": f"{tenant}/{name}", "request_offset": offset}
+
+    @route(
+        "DELETE",
+        "/v1/datasets/{tenant}/{name}",
+        Rule("jobs", "write"),
+        status_code=202,
+        response_model=models.Deleted,
+        summary="Delete a dataset: its replicas are forgotten and its storage quota freed",
+    )
+    def delete_dataset(request: Request, tenant: str, name: str) -> dict[str, Any]:
+        principal: Principal = request.state.principal
+        key = f"dataset:{name}"
+        (offset,) = ports.scheduler().submit(
+            [new_request("DELETE", key, tenant, clock(), uuid.uuid4().hex, actor=principal.subject)]
+        )
+        return {"deleted": f"{key} of {tenant}", "request_offset": offset}
 
     @route(
         "PUT",

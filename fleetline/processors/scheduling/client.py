@@ -4,6 +4,7 @@ the demo and the tests reach the scheduler through these."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -140,6 +141,35 @@ class DecisionFollower:
 
     def close(self) -> None:
         self._consumer.close()
+
+
+def wait_for_decisions(
+    kafka: KafkaSettings,
+    topics: Topics,
+    keys: Sequence[str],
+    offsets: Sequence[int],
+    timeout_s: float,
+) -> dict[str, dict[str, Any]]:
+    """The latest decision about each key made at or after its request's log offset, once each
+    is settled (placed, accepted, rejected, or waiting for its data to be copied: the copy
+    may take hours) or the time is up (then it may be QUEUED)."""
+    wanted = dict(zip(keys, offsets, strict=True))
+    latest: dict[str, dict[str, Any]] = {}
+    follower = DecisionFollower(kafka, topics)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            for decision in follower.poll():
+                key = decision["job"]
+                if key in wanted and decision["input_offset"] >= wanted[key]:
+                    latest[key] = decision
+            settled = [
+                k for k, d in latest.items() if d["outcome"] != "QUEUED" or d.get("prewarms")
+            ]
+            if len(settled) == len(wanted) or time.monotonic() > deadline:
+                return latest
+    finally:
+        follower.close()
 
 
 def load_policy(path: str | None) -> SchedulingPolicy | None:

@@ -39,6 +39,7 @@ from fleetline.processors.scheduling.client import (
     send,
     state_store,
     submit,
+    wait_for_decisions,
 )
 from fleetline.processors.scheduling.codec import (
     canonical_json,
@@ -358,3 +359,8 @@ class KafkaJobs:
 
     def decisions(self, job: str) -> list[dict[str, Any]]:
         return decisions_of(self.kafka, self.topics, job)
+
+    def wait(
+        self, keys: list[str], offsets: list[int], timeout_s: float
+    ) -> dict[str, dict[str, Any]]:
+        return wait_for_decisions(self.kafka, self.topics, keys, offsets, timeout_s)
