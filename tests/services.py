@@ -134,17 +134,19 @@ def serve_command(
     audit: bool = False,
     verbose: bool = False,
     data_mover: bool = False,
+    api_port: int | None = None,
 ) -> list[str]:
-    """`fleetline serve` as a child process: the view and the scheduler, without the API or
-    tiering unless `flags` ask for more, without the audit linker and chainer unless `audit`,
-    and without the data mover unless `data_mover`; logging at INFO with `verbose`."""
+    """`fleetline serve` as a child process: the view and the scheduler, without tiering
+    unless `flags` ask for more, without the API unless `api_port` (FLEETLINE_AUTH_CONFIG set),
+    without the audit linker and chainer unless `audit`, and without the data mover unless
+    `data_mover`; logging at INFO with `verbose`."""
     return [
         sys.executable,
         "-m",
         "fleetline.cli",
         *(("-v",) if verbose else ()),
         "serve",
-        "--no-api",
+        *(("--port", str(api_port)) if api_port else ("--no-api",)),
         *(() if audit else ("--no-audit",)),
         *(() if data_mover else ("--no-data-mover",)),
         "--tier-every",
@@ -183,17 +185,13 @@ def auth_config(principals: dict[str, tuple[str, str | None]] = PRINCIPALS) -> d
 @contextmanager
 def serving_api(fleet) -> Iterator[str]:
     """A built fleet's API on a free loopback port, with the PRINCIPALS' tokens: its URL."""
-    import socket
-
     from fleetline.api.auth import AuthConfig, Authenticator
     from fleetline.app import api_server
     from fleetline.processors.audit.runtime import KafkaAuditEmitter
 
     emitter = KafkaAuditEmitter(fleet.settings.kafka, fleet.topics)
     app = fleet.api(Authenticator(AuthConfig.from_data(auth_config())), emitter)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     server = api_server(app, "127.0.0.1", port)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -204,6 +202,14 @@ def serving_api(fleet) -> Iterator[str]:
         server.should_exit = True
         thread.join(10)
         emitter.flush()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def signed_in(monkeypatch, url: str, subject: str = "ops") -> None:

@@ -31,7 +31,7 @@ from fleetline.processors.scheduling.client import submit
 from fleetline.processors.scheduling.codec import canonical_json, new_request
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import default_codec
-from tests.services import service_env
+from tests.services import service_env, serving_api
 from tests.support import fresh_topics, wait_until
 
 codec = default_codec()
@@ -55,6 +55,8 @@ class Stack:
     cluster_env: dict[str, dict[str, str]] = field(default_factory=dict)
     # What one cluster's agent is started with besides the stack's flags (its backend).
     agent_args: dict[str, list[str]] = field(default_factory=dict)
+    # The fleet's API (tests.services.PRINCIPALS sign in to it): where CLI writes go.
+    api_url: str = ""
 
     @property
     def topics(self):
@@ -259,7 +261,9 @@ def running_stack(
         cluster_env=dict(cluster_env or {}),
         agent_args=dict(agent_args or {}),
     )
+    api = contextlib.ExitStack()
     try:
+        built.api_url = api.enter_context(serving_api(fleet))
         for part, cluster in enumerate(clusters):
             built.chaos(cluster).write_text("")
             built.start_agent(cluster)
@@ -292,6 +296,7 @@ def running_stack(
         if pumping is not None and nodes is not None:
             pumping.join(10)
             nodes.close()
+        api.close()
         fleet.close()
 
 

@@ -3,7 +3,8 @@
 The config file (YAML, `FLEETLINE_AUTH_CONFIG`):
 
     tokens:                       # service credentials; only their SHA-256 is stored
-      - {name: ci-bot, sha256: <hex of sha256(token)>, role: user, tenant: acme}
+      - {name: ci-bot, sha256: <hex of sha256(token)>, role: user, tenant: acme,
+         expires: 2027-03-01T00:00:00Z}   # optional: refused from then on
     jwt:
       jwks_file: sso-keys.json    # a JWKS document, as an identity provider publishes it
       issuer: https://sso.example.com
@@ -15,8 +16,9 @@ The config file (YAML, `FLEETLINE_AUTH_CONFIG`):
 
 A JWT's signature (by the JWKS key its `kid` names), expiry, issuer and audience are checked;
 a role listed in `require_mfa` also needs the second-factor claim, so an SSO provider's MFA is
-what admits the admin roles. API tokens are service accounts an admin issued and are not asked
-for a second factor.
+what admits the admin roles. API tokens are automation's credentials: they carry no second
+factor, so a token whose role is in `require_mfa` is refused (automation gets narrower roles),
+and a token past its `expires` is refused.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ import hmac
 import json
 import logging
 import re
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +71,27 @@ class JwtConfig:
 
 
 @dataclass(frozen=True)
+class ApiToken:
+    principal: Principal
+    expires_s: float | None = None  # epoch seconds; None: until it is removed from the config
+
+
+def _expiry(value: Any, name: Any) -> float | None:
+    """A token's `expires` (ISO 8601, a YAML timestamp or epoch seconds) as epoch seconds."""
+    if value is None:
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    try:
+        moment = value if isinstance(value, datetime) else datetime.fromisoformat(str(value))
+    except ValueError:
+        raise ConfigError(f"token {name!r}: expires {value!r} is not an ISO 8601 time") from None
+    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
+
+
+@dataclass(frozen=True)
 class AuthConfig:
-    tokens: Mapping[str, Principal] = field(default_factory=dict)  # sha256 hex -> principal
+    tokens: Mapping[str, ApiToken] = field(default_factory=dict)  # sha256 hex -> token
     jwt: JwtConfig | None = None
     require_mfa: frozenset[str] = frozenset()
 
@@ -82,7 +105,7 @@ class AuthConfig:
 
     @classmethod
     def from_data(cls, data: Mapping[str, Any], base: Path = Path(".")) -> AuthConfig:
-        tokens: dict[str, Principal] = {}
+        tokens: dict[str, ApiToken] = {}
         for entry in data.get("tokens", []) or []:
             role = entry.get("role")
             if role not in ROLES:
@@ -92,7 +115,10 @@ class AuthConfig:
             digest = str(entry.get("sha256", "")).lower()
             if len(digest) != 64:
                 raise ConfigError(f"token {entry.get('name')!r}: sha256 must be 64 hex digits")
-            tokens[digest] = Principal(entry["name"], role, entry.get("tenant"), "token")
+            tokens[digest] = ApiToken(
+                Principal(entry["name"], role, entry.get("tenant"), "token"),
+                _expiry(entry.get("expires"), entry.get("name")),
+            )
         jwt_config = None
         if data.get("jwt"):
             j = data["jwt"]
@@ -117,8 +143,9 @@ class AuthConfig:
 
 
 class Authenticator:
-    def __init__(self, config: AuthConfig) -> None:
+    def __init__(self, config: AuthConfig, clock: Callable[[], float] = time.time) -> None:
         self.config = config
+        self.clock = clock
 
     def authenticate(self, authorization: str | None) -> Principal:
         """The principal behind an `Authorization: Bearer ...` header, or AuthenticationError
@@ -132,10 +159,22 @@ class Authenticator:
         if credential.count(".") == 2:
             return self._jwt(credential)
         digest = token_digest(credential)
-        for known, principal in self.config.tokens.items():
+        for known, token in self.config.tokens.items():
             if hmac.compare_digest(known, digest):
-                return principal
+                return self._admit(token)
         raise AuthenticationError("unknown API token")
+
+    def _admit(self, token: ApiToken) -> Principal:
+        principal = token.principal
+        if token.expires_s is not None and self.clock() >= token.expires_s:
+            when = datetime.fromtimestamp(token.expires_s, UTC).isoformat()
+            raise AuthenticationError(f"API token {principal.subject} expired at {when}")
+        if principal.role in self.config.require_mfa:
+            raise AuthenticationError(
+                f"role {principal.role} requires a second factor and an API token carries "
+                "none: sign in through SSO, or give automation a narrower role"
+            )
+        return principal
 
     def _jwt(self, token: str) -> Principal:
         config = self.config.jwt

@@ -20,6 +20,7 @@ from fleetline.cli.common import (
     Until,
     audit_read,
     exit_with,
+    now_ms,
     parse_time_ms,
     settings,
 )
@@ -235,12 +236,34 @@ def token(
     name: Annotated[str, typer.Option(help="who the token is for")],
     role: Annotated[Role, typer.Option()],
     tenant: Annotated[str | None, typer.Option()] = None,
+    expires: Annotated[
+        str | None,
+        typer.Option(
+            metavar="WHEN",
+            help="refused from then on: +<n>h|d (from now), an ISO 8601 time or epoch ms",
+        ),
+    ] = None,
 ) -> None:
-    """Mint an API token and print its config line (only its SHA-256 is stored)."""
+    """Mint an API token (for automation) and print its config line (only its SHA-256 is
+    stored). A role the config lists under require_mfa cannot be served by a token."""
+    from datetime import UTC, datetime
+
     from fleetline.api.auth import token_digest
 
     value = "fl_" + secrets.token_urlsafe(32)
-    entry = {"name": name, "sha256": token_digest(value), "role": str(role), "tenant": tenant}
+    entry: dict[str, Any] = {
+        "name": name,
+        "sha256": token_digest(value),
+        "role": str(role),
+        "tenant": tenant,
+    }
+    if expires:
+        if expires.startswith("+"):  # "+30d": as far after now as "-30d" is before it
+            now = now_ms()
+            at_ms = 2 * now - parse_time_ms("-" + expires[1:])
+        else:
+            at_ms = parse_time_ms(expires)
+        entry["expires"] = datetime.fromtimestamp(at_ms / 1000, UTC).isoformat()
     print(f"token (shown once; give it to {name}): {value}")
     print("add to the tokens list in FLEETLINE_AUTH_CONFIG:")
     print("  - " + json.dumps(entry))

@@ -31,7 +31,7 @@ from fleetline.processors.operations.runtime import (
 )
 from fleetline.processors.scheduling.client import decisions_of, submit
 from fleetline.processors.scheduling.codec import canonical_json, new_request
-from tests.services import service_env, submits
+from tests.services import service_env, signed_in, submits
 from tests.stack import Stack, now_ms, running_stack
 from tests.support import wait_until
 
@@ -206,7 +206,8 @@ def test_an_xid_cordons_the_node_its_job_resumes_elsewhere_and_a_repaired_node_r
     assert '"xid_codes": [79]' in why or "xid 79" in why.lower(), why
 
     # Repair: someone takes it, reboots the node (which clears the failure) and marks it done.
-    move = ["tickets", "move", ticket["ticket_id"], "IN_REPAIR", "--note", "reseat", *prefix]
+    signed_in(monkeypatch, stack.api_url, "ops")
+    move = ["tickets", "move", ticket["ticket_id"], "IN_REPAIR", "--note", "reseat"]
     assert main(move) == 0
     wait_until(lambda: tickets(stack, NODE)[0]["state"] == "IN_REPAIR", 10, "IN_REPAIR")
     capsys.readouterr()

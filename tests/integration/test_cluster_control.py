@@ -49,7 +49,7 @@ from fleetline.processors.scheduling.specs import dataset_prefix
 from fleetline.processors.view import read as view_read
 from fleetline.storage.checkpoints import cluster_bucket, params_digest
 from fleetline.storage.objects import ObjectStore
-from tests.services import service_env, submits
+from tests.services import service_env, signed_in, submits
 from tests.stack import Stack, now_ms, reference_run, running_stack, training
 from tests.support import wait_until
 
@@ -98,9 +98,12 @@ def test_an_operator_cordons_a_whole_cluster_through_the_cli(stack, monkeypatch,
     for name, value in service_env(stack.settings).items():
         monkeypatch.setenv(name, value)
     prefix = ["--topic-prefix", stack.topics.prefix]
-    assert (
-        main(["cluster", "cordon", "cc", "--reason", "maintenance", "--actor", "ops", *prefix]) == 0
-    )
+    # Through the API, as the signed-in caller: a tenant's admin may not, a platform admin may.
+    signed_in(monkeypatch, stack.api_url, "ana")
+    assert main(["cluster", "cordon", "cc", "--reason", "maintenance"]) == 77
+    assert "role tenant-admin may not write fleet" in capsys.readouterr().err
+    signed_in(monkeypatch, stack.api_url, "ops")
+    assert main(["cluster", "cordon", "cc", "--reason", "maintenance"]) == 0
 
     def cordoned() -> dict[str, Any]:
         clusters = {c["cluster_id"]: c for c in stack.fleet.view.read(view_read.cluster_capacity)}
@@ -109,12 +112,20 @@ def test_an_operator_cordons_a_whole_cluster_through_the_cli(stack, monkeypatch,
     wait_until(lambda: cordoned()["health"] == "cordoned", 30, "cc to be cordoned in the view")
     assert "cordoned by ops: maintenance" in cordoned()["control"]["reason"]
     audit = stack.records(stack.topics.audit_requests, stack.topics.audit_partitions)
-    assert any(a["operation"] == "cluster.cordon" and a["target"] == "cluster:cc" for a in audit)
+    calls = [
+        (a["operation"], a["actor"], a["outcome"])
+        for a in audit
+        if a["target"].endswith("/cc/cordon")
+    ]
+    assert calls == [
+        ("api.POST /v1/clusters/{cluster_id}/cordon", "ana", "DENIED"),
+        ("api.POST /v1/clusters/{cluster_id}/cordon", "ops", "SUCCEEDED"),
+    ]
     capsys.readouterr()
     assert main(["cluster", "health", "--json", *prefix]) == 0
     health = json.loads(capsys.readouterr().out)
     assert health["clusters"]["cc"]["cordoned"] is True
-    assert main(["cluster", "uncordon", "cc", *prefix]) == 0
+    assert main(["cluster", "uncordon", "cc"]) == 0
     wait_until(lambda: cordoned()["health"] == "healthy", 30, "cc to take work again")
 
 
@@ -128,12 +139,13 @@ def test_one_apply_is_traced_from_the_cli_through_the_decision_to_the_workload(
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("FLEETLINE_CLICKHOUSE_URL", stack.settings.clickhouse_url)
     monkeypatch.setenv("FLEETLINE_CLICKHOUSE_DATABASE", stack.settings.clickhouse_database)
+    signed_in(monkeypatch, stack.api_url, "uma")
     spec = stack.state_dir / "traced.yaml"
     spec.write_text(json.dumps(training("traced", steps=20, checkpoint_every_steps=10)))
     trace_id = "0af7651916cd43dd8448eb211c80319c"
     monkeypatch.setenv("TRACEPARENT", f"00-{trace_id}-b7ad6b7169203331-01")
     capsys.readouterr()
-    assert main(["apply", "-f", str(spec), "--topic-prefix", stack.topics.prefix]) == 0
+    assert main(["apply", "-f", str(spec)]) == 0
     assert f"trace {trace_id}" in capsys.readouterr().out
     wait_until(lambda: stack.phase("acme/traced") == "Succeeded", 90, "traced to finish")
     # The trace travels in the Kafka headers of what the submission caused.
@@ -145,7 +157,7 @@ def test_one_apply_is_traced_from_the_cli_through_the_decision_to_the_workload(
         ), topic
     # Entered, decided, started (with the cluster agent's log line, shipped through the logs
     # topic; in the same millisecond as STARTING, after it by name), running.
-    hops = ("job.apply", "decision PLACED", "STARTING", "started acme/traced", "RUNNING")
+    hops = ("POST /v1/jobs", "decision PLACED", "STARTING", "started acme/traced", "RUNNING")
     lines: list[str] = []
 
     def traced() -> bool:

@@ -265,7 +265,7 @@ def test_an_api_server_that_refuses_the_agent_is_its_control_error(kube, tmp_pat
 
 def test_a_cordon_cordons_the_node_and_an_operator_s_cordon_fences_it(stack, kube, monkeypatch):
     from fleetline.cli import main
-    from tests.services import service_env
+    from tests.services import signed_in
 
     def node() -> dict[str, Any]:
         return kube.api().get("/api/v1/nodes/ka-n0000")
@@ -277,9 +277,8 @@ def test_a_cordon_cordons_the_node_and_an_operator_s_cordon_fences_it(stack, kub
             if r["kind"] in ("FENCE", "UNFENCE") and r["key"] == "ka-n0000"
         ]
 
-    for name, value in service_env(stack.settings).items():
-        monkeypatch.setenv(name, value)
-    prefix = ["--topic-prefix", stack.topics.prefix, "--cluster-id", "ka"]
+    signed_in(monkeypatch, stack.api_url, "ops")
+    prefix = ["--cluster-id", "ka"]
     assert main(["command", "ka-n0000", "CORDON", *prefix]) == 0
     wait_until(lambda: node()["spec"].get("unschedulable"), 60, "the node to be cordoned")
     assert node()["metadata"]["annotations"]["fleetline.io/drained"] == "fleetline: cordoned"

@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 import uuid
 from pathlib import Path
 
 import pytest
+import yaml
 
 from fleetline.agents.simulator import ClusterSpec, cluster_info
 from fleetline.cli import main
@@ -22,7 +24,7 @@ from fleetline.processors.scheduling.runtime import scheduler_topics
 from fleetline.streams import kafka as kafka_clients
 from tests.fleet_events import scenario_events
 from tests.scheduling_support import training
-from tests.services import produce, serve_command, service_env, submits
+from tests.services import auth_config, free_port, produce, serve_command, service_env, submits
 from tests.support import BASE_MS, fresh_topics, wait_until
 
 pytestmark = pytest.mark.services
@@ -32,6 +34,11 @@ CLUSTERS = [
     ClusterSpec("eu-west-a", "eu-west", 4),
     ClusterSpec("ap-south-a", "ap-south", 4),
 ]
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 def wait_decided(settings, topics, keys: set[str], timeout_s: float = 90) -> list[dict]:
@@ -53,10 +60,16 @@ def test_serve_schedules_what_the_cli_applies_through_a_sigkill(
     produce(settings, topics, [("ClusterInfo", cluster_info(c, 1, BASE_MS)) for c in CLUSTERS])
     produce(settings, topics, scenario_events(seconds=4))
     env = service_env(settings, tmp_path / "chdb", killed_members=True)
+    auth = tmp_path / "auth.yaml"
+    auth.write_text(yaml.safe_dump(auth_config()))
+    env["FLEETLINE_AUTH_CONFIG"] = str(auth)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setenv("FLEETLINE_CONTEXTS", str(tmp_path / "contexts.yaml"))
     group = f"v-{uuid.uuid4().hex[:8]}"
-    common = ["--topic-prefix", topics.prefix]
+    common = ["--topic-prefix", topics.prefix]  # reads stay direct
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
     policy = tmp_path / "policy.yaml"
     policy.write_text("cluster_preference: [eu-west-a]\nweights: {preference: 0.2}\n")
     command = serve_command(
@@ -68,14 +81,18 @@ def test_serve_schedules_what_the_cli_applies_through_a_sigkill(
         "0.5",
         "--scheduler-policy",
         str(policy),
+        api_port=port,
     )
     log_path = tmp_path / "serve.log"
     log = log_path.open("w")
     serve = subprocess.Popen(command, env={**os.environ, **env}, stdout=log, stderr=log)
     try:
-        assert (
-            main(["apply", "-f", str(SPECS), "--wait", "90", "--actor", "alice", *common]) == 0
-        ), log_path.read_text()
+        wait_until(lambda: listening(port), 60, "the API to listen")
+        # Two contexts: a platform admin's, and acme's user (current).
+        assert main(["login", "--server", url, "--token", "fl_ops", "--name", "admin"]) == 0
+        assert main(["login", "--server", url, "--token", "fl_uma", "--name", "acme"]) == 0
+        assert "signed in to " + url + " as uma (user, tenant acme)" in capsys.readouterr().out
+        assert main(["apply", "-f", str(SPECS), "--wait", "90"]) == 0, log_path.read_text()
         out = capsys.readouterr().out
         assert "dataset:web-corpus: ACCEPTED" in out
         # 8 workers of 8 GPUs do not fit on a 4-node cluster: elastic, 4 of them, where its
@@ -111,7 +128,10 @@ def test_serve_schedules_what_the_cli_applies_through_a_sigkill(
         wait_until(running, 30, what="acme/llm-pretrain to be started", every_s=0.3)
         assert "Actual:     Ordered in " + ticket.split("@")[1] in described
         assert "DataReady  True" in described
-        assert main(["quota", "set", "globex", "--gpus", "16", *common]) == 0
+        assert main(["quota", "set", "globex", "--gpus", "16"]) == 77  # a user may not
+        assert "role user may not write quotas" in capsys.readouterr().err
+        assert main(["context", "use", "admin"]) == 0
+        assert main(["quota", "set", "globex", "--gpus", "16"]) == 0
         # A stream of jobs; the server is killed while they arrive.
         keys = set()
         for i in range(30):
@@ -161,7 +181,13 @@ def test_serve_schedules_what_the_cli_applies_through_a_sigkill(
         assert main(["explain", queued, *common]) == 0
         explained = capsys.readouterr().out
         assert f"{queued} is Queued: quota: tenant globex holds 16 of its 16 GPUs" in explained
-        assert main(["delete", "globex/batch0", "globex/batch2", *common]) == 0
+        wait_until(lambda: listening(port), 60, "the restarted API to listen")
+        assert main(["context", "use", "acme"]) == 0
+        capsys.readouterr()
+        assert main(["delete", "globex/batch0"]) == 77  # another tenant's
+        assert "uma may only reach tenant acme" in capsys.readouterr().err
+        assert main(["context", "use", "admin"]) == 0
+        assert main(["delete", "globex/batch0", "globex/batch2"]) == 0
         capsys.readouterr()
         wait_decided(settings, topics, keys)
         released: list[dict] = []
@@ -186,5 +212,5 @@ def test_serve_schedules_what_the_cli_applies_through_a_sigkill(
     assert summary["ok"] and summary["matched"] == summary["decisions"] >= 35
     bad = tmp_path / "bad.yaml"
     bad.write_text("kind: TrainingJob\nmetadata: {name: x, tenant: acme}\nspec: {workers: 0}\n")
-    assert main(["apply", "-f", str(bad), *common]) == 1
+    assert main(["apply", "-f", str(bad)]) == 1  # refused here, before any call
     assert "spec.workers: must be >= 1" in capsys.readouterr().err

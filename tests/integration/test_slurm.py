@@ -198,11 +198,10 @@ def test_a_cordon_in_fleetline_drains_the_slurm_node_and_an_uncordon_resumes_it(
     stack, slurm, monkeypatch
 ):
     from fleetline.cli import main
-    from tests.services import service_env
+    from tests.services import signed_in
 
-    for name, value in service_env(stack.settings).items():
-        monkeypatch.setenv(name, value)
-    prefix = ["--topic-prefix", stack.topics.prefix, "--cluster-id", "sa"]
+    signed_in(monkeypatch, stack.api_url, "ops")
+    prefix = ["--cluster-id", "sa"]
     assert main(["command", "sa-n0000", "CORDON", *prefix]) == 0
     wait_until(lambda: "DRAIN" in node(slurm, "sa-n0000")["state_flags"], 60, "Slurm to drain")
     assert node(slurm, "sa-n0000")["reason"] == "fleetline: cordoned"

@@ -15,11 +15,13 @@ from fastapi.testclient import TestClient
 from fleetline.api.app import create_app
 from fleetline.api.auth import AuthConfig, Authenticator, token_digest
 from fleetline.api.rbac import PERMISSIONS, ROLES
+from fleetline.errors import AuthenticationError, ConfigError
 from fleetline.processors.view.read import StaticView
 from tests.fleet_events import allocation, fold, scenario_events
 from tests.support import Recorder
 
 ISSUER, AUDIENCE = "https://sso.example.test", "fleetline"
+MFA_ROLES = {"tenant-admin"}
 SSO_KEY = rsa.generate_private_key(public_exponent=65537, key_size=2048)
 OTHER_KEY = rsa.generate_private_key(public_exponent=65537, key_size=2048)
 
@@ -65,7 +67,7 @@ def setup(tmp_path_factory):
     config = AuthConfig.from_data(
         {
             "tokens": tokens,
-            "require_mfa": ["tenant-admin"],
+            "require_mfa": sorted(MFA_ROLES),
             "jwt": {"jwks_file": keys.name, "issuer": ISSUER, "audience": AUDIENCE},
         },
         base=keys.parent,
@@ -91,8 +93,15 @@ def setup(tmp_path_factory):
 
 
 def api(setup, role: str = "platform-admin", tenant: str | None = "acme") -> TestClient:
+    """A client as `role` of `tenant`: with an API token, or for a role that needs a second
+    factor (tenant-admin here; tokens carry none) with an SSO JWT asserting MFA."""
     app, _ = setup
-    return TestClient(app, headers={"Authorization": f"Bearer {token_for(role, tenant)}"})
+    bearer = token_for(role, tenant)
+    if role in MFA_ROLES:
+        bearer = sso_token(
+            sub=f"{role}@{tenant}", fleetline_role=role, tenant=tenant, amr=["pwd", "mfa"]
+        )
+    return TestClient(app, headers={"Authorization": f"Bearer {bearer}"})
 
 
 def test_openapi_lists_every_route(setup):
@@ -125,6 +134,11 @@ def test_openapi_lists_every_route(setup):
         "/v1/tickets",
         "/v1/tickets/{ticket_id}",
         "/v1/forecast",
+        "/v1/clusters/{cluster_id}/cordon",
+        "/v1/clusters/{cluster_id}/uncordon",
+        "/v1/nodes/{node_id}/commands",
+        "/v1/energy",
+        "/v1/datasets/{tenant}/{name}",
     }
 
 
@@ -204,7 +218,7 @@ def _request(client: TestClient, method: str, path: str, tenant: str | None = No
 def test_every_route_with_every_role_and_no_route_escapes_the_rules(setup):
     app, _ = setup
     rules = app.state.rules
-    assert len(rules) == 31
+    assert len(rules) == 36
     for (method, path), rule in rules.items():
         anonymous = _request(TestClient(app), method, path)
         assert anonymous.status_code == 401, (method, path)
@@ -630,10 +644,8 @@ def test_platform_admins_declare_clusters_through_the_api(setup):
     bad = {**document, "spec": {**document["spec"], "pue": 0.8}}
     refused = admin.put("/v1/clusters/eu-west-b", json=bad)
     assert refused.status_code == 422 and "pue" in refused.text
-    tenant_admin = TestClient(
-        fleet, headers={"Authorization": f"Bearer {token_for('tenant-admin')}"}
-    )
-    assert tenant_admin.put("/v1/clusters/eu-west-b", json=document).status_code == 403
+    user = TestClient(fleet, headers={"Authorization": f"Bearer {token_for('user')}"})
+    assert user.put("/v1/clusters/eu-west-b", json=document).status_code == 403
     assert len(declared) == 1
 
 
@@ -741,3 +753,102 @@ def test_the_forecast_route_fits_the_demand_history_clickhouse_returns(setup):
     rows[:] = rows[:100]  # under two weeks of history: said, not guessed
     short = viewer.get("/v1/forecast", params={"cluster_id": "c1", "model": "H100"})
     assert short.status_code == 422 and "two weeks" in short.text
+
+
+def test_operator_writes_are_for_platform_admins_and_carry_the_callers_identity():
+    """What `fleetline cluster cordon`, `command`, `energy apply` and `delete dataset:` send:
+    refused for every other role, and the record names who sent it (not a typed --actor)."""
+    from tests.services import PRINCIPALS, auth_config
+
+    port, signals, commands = SchedulerPort(), [], []
+
+    def recorded(into: list):
+        def append(record) -> int:
+            into.append(dict(record))
+            return len(into) - 1
+
+        return append
+
+    recorder = Recorder()
+    app = create_app(
+        StaticView(fold([])),
+        Authenticator(AuthConfig.from_data(auth_config())),
+        recorder,
+        jobs=port,
+        signals=recorded(signals),
+        commands=recorded(commands),
+    )
+
+    def as_(subject: str) -> TestClient:
+        return TestClient(app, headers={"Authorization": f"Bearer fl_{subject}"})
+
+    day = {"cluster_id": "us-east-a", "price_per_kwh": [0.1] * 24, "renewable_share": [0.5] * 24}
+    writes = [
+        ("POST", "/v1/clusters/us-east-a/cordon", {"reason": "maintenance"}),
+        ("POST", "/v1/clusters/us-east-a/uncordon", {}),
+        ("POST", "/v1/nodes/n1/commands", {"cluster_id": "us-east-a", "kind": "CORDON"}),
+        ("PUT", "/v1/energy", [day]),
+    ]
+    for subject, (role, _) in PRINCIPALS.items():
+        for method, path, body in writes:
+            answer = as_(subject).request(method, path, json=body)
+            expected = 202 if role == "platform-admin" else 403
+            assert answer.status_code == expected, (subject, path, answer.text)
+    assert [(s["kind"], s["actor"], s["reason"]) for s in signals] == [
+        ("CORDON", "ops", "maintenance"),
+        ("UNCORDON", "ops", None),
+    ]
+    assert [(c["node_id"], c["kind"], c["issued_by"]) for c in commands] == [
+        ("n1", "CORDON", "ops")
+    ]
+    (energy,) = [r for r in port.requests if r["kind"] == "ENERGY"]
+    assert (energy["key"], energy["actor"]) == ("us-east-a", "ops")
+    # Every refusal is audited with who asked.
+    denied = [e for e in recorder.events if e["outcome"] == "DENIED"]
+    assert len(denied) == 4 * (len(PRINCIPALS) - 1)
+    assert {e["actor"] for e in denied} == set(PRINCIPALS) - {"ops"}
+    # Bad input: a power cap without watts, a profile of 23 hours.
+    admin = as_("ops")
+    capped = admin.post("/v1/nodes/n1/commands", json={"cluster_id": "c", "kind": "SET_POWER_CAP"})
+    assert capped.status_code == 422 and "power_cap_w" in capped.text
+    short = admin.put("/v1/energy", json=[{**day, "price_per_kwh": [0.1] * 23}])
+    assert short.status_code == 422 and "24 hourly values" in short.text
+    # A dataset is deleted within its tenant only.
+    assert as_("gus").delete("/v1/datasets/acme/corpus").status_code == 403
+    assert as_("vic").delete("/v1/datasets/acme/corpus").status_code == 403  # a viewer
+    assert as_("uma").delete("/v1/datasets/acme/corpus").status_code == 202
+    (deleted,) = [r for r in port.requests if r["kind"] == "DELETE"]
+    assert (deleted["key"], deleted["tenant"], deleted["actor"]) == (
+        "dataset:corpus",
+        "acme",
+        "uma",
+    )
+
+
+def test_api_tokens_are_refused_past_their_expiry_and_for_roles_that_need_a_second_factor():
+    config = AuthConfig.from_data(
+        {
+            "tokens": [
+                {
+                    "name": "bot",
+                    "sha256": token_digest("fl_bot"),
+                    "role": "user",
+                    "tenant": "acme",
+                    "expires": "2026-12-01T00:00:00Z",
+                },
+                {"name": "root", "sha256": token_digest("fl_root"), "role": "platform-admin"},
+            ],
+            "require_mfa": ["platform-admin", "tenant-admin"],
+        }
+    )
+    before = Authenticator(config, clock=lambda: 1_764_000_000.0)  # 2025-11-24
+    assert before.authenticate("Bearer fl_bot").subject == "bot"
+    after = Authenticator(config, clock=lambda: 1_800_000_000.0)  # 2027
+    with pytest.raises(AuthenticationError, match="API token bot expired at 2026-12-01"):
+        after.authenticate("Bearer fl_bot")
+    with pytest.raises(AuthenticationError, match="platform-admin requires a second factor"):
+        before.authenticate("Bearer fl_root")
+    with pytest.raises(ConfigError, match="expires 'soon' is not an ISO 8601 time"):
+        AuthConfig.from_data(
+            {"tokens": [{"name": "x", "sha256": "0" * 64, "role": "user", "expires": "soon"}]}
+        )
