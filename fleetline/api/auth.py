@@ -6,8 +6,14 @@ The config file (YAML, `FLEETLINE_AUTH_CONFIG`):
       - {name: ci-bot, sha256: <hex of sha256(token)>, role: user, tenant: acme,
          expires: 2027-03-01T00:00:00Z}   # optional: refused from then on
     jwt:
-      jwks_file: sso-keys.json    # a JWKS document, as an identity provider publishes it
       issuer: https://sso.example.com
+      # Where the signing keys come from (one of):
+      discovery: true             # OIDC discovery: {issuer}/.well-known/openid-configuration
+      # jwks_uri: https://sso.example.com/keys
+      # jwks_file: sso-keys.json  # a JWKS document kept beside this file (no rotation)
+      refresh_s: 300              # keys are read again this often; a token naming a key not
+                                  # seen yet reads them at once (at most every 10 s)
+      ca: /etc/fleetline/idp-ca.pem   # optional: the CA of the provider's certificate
       audience: fleetline
       role_claim: fleetline_role  # default
       tenant_claim: tenant        # default
@@ -28,12 +34,15 @@ import hmac
 import json
 import logging
 import re
+import ssl
+import threading
 import time
+import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jwt
 import yaml
@@ -59,9 +68,94 @@ def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+class KeySet(Protocol):
+    def key(self, kid: str) -> jwt.PyJWK | None:
+        """The signing key `kid` names, or None when the provider has none by that id."""
+        ...
+
+
+@dataclass(frozen=True)
+class StaticKeys:
+    """A JWKS document read once (`jwks_file`): keys rotate only with a restart."""
+
+    keys: jwt.PyJWKSet
+
+    def key(self, kid: str) -> jwt.PyJWK | None:
+        try:
+            return self.keys[kid]
+        except KeyError:
+            return None
+
+
+class ProviderKeys:
+    """The identity provider's published keys (its JWKS, found through OIDC discovery or named
+    by `jwks_uri`), read when first needed, again every `refresh_s`, and at once when a token
+    names a key not seen yet (at most every `min_interval_s`, so made-up ids cannot make us
+    hammer the provider): keys rotate without a restart, and a key the provider dropped stops
+    verifying at the next refresh."""
+
+    def __init__(
+        self,
+        issuer: str,
+        jwks_uri: str | None = None,
+        refresh_s: float = 300.0,
+        min_interval_s: float = 10.0,
+        ca: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.issuer = issuer.rstrip("/")
+        self.jwks_uri = jwks_uri
+        self.refresh_s, self.min_interval_s = refresh_s, min_interval_s
+        self.clock = clock
+        self._tls = ssl.create_default_context(cafile=ca) if ca else None
+        self._keys: dict[str, jwt.PyJWK] = {}
+        self._read_at: float | None = None
+        self._lock = threading.Lock()
+
+    def _get(self, url: str) -> Any:
+        try:
+            with urllib.request.urlopen(url, timeout=10, context=self._tls) as response:
+                return json.loads(response.read())
+        except (OSError, ValueError) as exc:
+            raise AuthenticationError(
+                f"the identity provider's keys could not be read from {url}: {exc}"
+            ) from None
+
+    def _read(self) -> None:
+        uri = self.jwks_uri
+        if uri is None:
+            found = self._get(f"{self.issuer}/.well-known/openid-configuration")
+            if found.get("issuer", "").rstrip("/") != self.issuer or "jwks_uri" not in found:
+                raise AuthenticationError(
+                    f"{self.issuer}'s discovery document names another issuer or no jwks_uri"
+                )
+            uri = str(found["jwks_uri"])
+        keys = {}
+        for entry in self._get(uri).get("keys", []):
+            try:
+                key = jwt.PyJWK.from_dict(entry)
+            except jwt.PyJWTError:
+                continue  # a key of a kind we do not verify with (e.g. encryption)
+            if key.key_id:
+                keys[key.key_id] = key
+        self._keys, self._read_at = keys, self.clock()
+
+    def key(self, kid: str) -> jwt.PyJWK | None:
+        with self._lock:
+            now = self.clock()
+            age = None if self._read_at is None else now - self._read_at
+            if (
+                age is None
+                or age >= self.refresh_s
+                or (kid not in self._keys and age >= self.min_interval_s)
+            ):
+                self._read()
+            return self._keys.get(kid)
+
+
 @dataclass(frozen=True)
 class JwtConfig:
-    jwks: jwt.PyJWKSet
+    keys: KeySet
     issuer: str
     audience: str
     role_claim: str = "fleetline_role"
@@ -123,10 +217,24 @@ class AuthConfig:
         if data.get("jwt"):
             j = data["jwt"]
             try:
-                jwks_path = base / j["jwks_file"]
-                jwks = jwt.PyJWKSet.from_dict(json.loads(jwks_path.read_text()))
+                keys: KeySet
+                if j.get("jwks_file"):
+                    keys = StaticKeys(
+                        jwt.PyJWKSet.from_dict(json.loads((base / j["jwks_file"]).read_text()))
+                    )
+                elif j.get("discovery") or j.get("jwks_uri"):
+                    keys = ProviderKeys(
+                        j["issuer"],
+                        j.get("jwks_uri"),
+                        float(j.get("refresh_s", 300)),
+                        ca=str(base / j["ca"]) if j.get("ca") else None,
+                    )
+                else:
+                    raise ConfigError(
+                        "auth config jwt: name the keys: discovery: true, jwks_uri or jwks_file"
+                    )
                 jwt_config = JwtConfig(
-                    jwks=jwks,
+                    keys=keys,
                     issuer=j["issuer"],
                     audience=j["audience"],
                     role_claim=j.get("role_claim", "fleetline_role"),
@@ -181,13 +289,14 @@ class Authenticator:
         if config is None:
             raise AuthenticationError("JWT bearer tokens are not configured")
         try:
-            header = jwt.get_unverified_header(token)
-            kid = header.get("kid")
-            key = config.jwks[kid] if kid else None
-        except (jwt.PyJWTError, KeyError):
-            raise AuthenticationError("token names no signing key this server knows") from None
-        if key is None:
+            kid = jwt.get_unverified_header(token).get("kid")
+        except jwt.PyJWTError:
+            raise AuthenticationError("token is not a JWT this server can read") from None
+        if not kid:
             raise AuthenticationError("token has no kid header")
+        key = config.keys.key(str(kid))
+        if key is None:
+            raise AuthenticationError("token names no signing key this server knows")
         try:
             claims = jwt.decode(
                 token,

@@ -293,7 +293,7 @@ def test_raw_sql_is_for_platform_admins_only(setup):
         (lambda: sso_token(fleetline_role="tenant-admin"), "requires a second factor"),
         (lambda: sso_token(fleetline_role="emperor"), "names no known role"),
         (lambda: "fl_not_a_token", "unknown API token"),
-        (lambda: "a.b.c", "no signing key"),
+        (lambda: "a.b.c", "not a JWT this server can read"),
     ],
 )
 def test_bad_tokens_are_refused_with_401_and_audited(setup, token, reason):
