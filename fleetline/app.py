@@ -66,7 +66,7 @@ from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.loop import Step, StreamLoop, deliver
 from fleetline.streams.records import Offsets, Output
 from fleetline.streams.serde import default_codec
-from fleetline.streams.topics import Topics
+from fleetline.streams.topics import Topics, TopicSpec
 
 log = logging.getLogger(__name__)
 
@@ -345,13 +345,17 @@ class Fleetline:
 CHANGELOGS = (scheduler_changelog, audit_changelog, health_changelog, ops_changelog)
 
 
+def deployment_topics(topics: Topics) -> list[TopicSpec]:
+    """Every topic of a deployment: the shared ones and the folds' changelogs (what `build`
+    creates, and what a secured broker's ACLs cover)."""
+    return [*topics.specs(), *(changelog(topics) for changelog in CHANGELOGS)]
+
+
 def build(settings: Settings, options: Options) -> Fleetline:
     """Every service `options` asks for, wired to the configured Kafka, S3 and ClickHouse."""
     topics = options.topics
     kafka = settings.kafka
-    kafka_clients.ensure_topics(
-        kafka, [*topics.specs(), *(changelog(topics) for changelog in CHANGELOGS)]
-    )
+    kafka_clients.ensure_topics(kafka, deployment_topics(topics))
     client = connect(settings.clickhouse_url)
     migrate(client, settings.clickhouse_database)
     db = settings.clickhouse_database

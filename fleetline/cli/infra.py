@@ -8,8 +8,9 @@ from typing import Annotated
 
 import typer
 
-from fleetline.cli.common import settings
+from fleetline.cli.common import TopicPrefix, settings
 from fleetline.config import host_address
+from fleetline.errors import ConfigError
 from fleetline.infra import LocalServices
 from fleetline.infra.kubernetes import KwokCluster
 from fleetline.infra.kubernetes import found as kubernetes_found
@@ -79,6 +80,17 @@ def start(
             "named as the simulator names CLUSTER's, 8 nvidia.com/gpu each",
         ),
     ] = None,
+    secure: Annotated[
+        bool,
+        typer.Option(
+            "--secure",
+            help="Kafka takes SASL/SCRAM clients only, under ACLs: one principal per kind of "
+            "process (control-plane, node-agent, cluster-agent, router, data-mover, operator), "
+            "each allowed exactly the topics of --topic-prefix its specs name "
+            "(`fleetline infra credentials KIND` prints a kind's settings)",
+        ),
+    ] = False,
+    topic_prefix: TopicPrefix = "fleetline",
 ) -> None:
     """Start the broker(s) and the S3 server (fetching and building them the first time), and
     the Slurm and Kubernetes clusters asked for."""
@@ -92,8 +104,20 @@ def start(
         planes = [KwokCluster.parse(config.cache_dir, text) for text in kubernetes or []]
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--kubernetes") from exc
-    services = LocalServices.from_settings(config, brokers, address)
+    services = LocalServices.from_settings(config, brokers, address, secure or None)
     started = services.start()
+    secrets = services.kafka.secrets
+    if secrets is not None:
+        from fleetline.app import deployment_topics
+        from fleetline.infra.kafka_access import grant
+        from fleetline.streams.topics import Topics
+
+        specs = deployment_topics(Topics(topic_prefix))
+        count = grant(services.kafka.bootstrap_servers, secrets, topic_prefix, specs)
+        print(
+            f"kafka: SASL/SCRAM with {count} ACLs for topics {topic_prefix}.*; "
+            "`fleetline infra credentials KIND` prints each kind's settings"
+        )
     for cluster in clusters:
         started[f"slurm {cluster.cluster_id}"] = cluster.start()
     for plane in planes:
@@ -104,6 +128,26 @@ def start(
         # Clients bootstrap from every broker, so one that is down does not stop them starting.
         for name, value in services.client_env().items():
             print(f"export {name}={value}")
+
+
+@infra.command()
+def credentials(
+    kind: Annotated[
+        str,
+        typer.Argument(
+            help="control-plane, node-agent, cluster-agent, router, data-mover, operator or admin"
+        ),
+    ],
+) -> None:
+    """The settings a process of KIND signs in to the secured broker with (`eval` them; they
+    hold a password)."""
+    services = LocalServices.from_settings(settings())
+    if services.kafka.secrets is None:
+        raise ConfigError("Kafka here is not secured: `fleetline infra start --secure`")
+    env = {"FLEETLINE_KAFKA_BOOTSTRAP": services.kafka.bootstrap_servers}
+    env.update(services.kafka.secrets.client_env(kind))
+    for name, value in env.items():
+        print(f"export {name}={value}")
 
 
 @infra.command()

@@ -17,6 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fleetline.errors import ServiceError
+from fleetline.infra.kafka_access import (
+    KafkaSecrets,
+    broker_properties,
+    create_principals,
+    format_args,
+)
 from fleetline.infra.process import ServiceProcess, run_checked
 
 KAFKA_VERSION = "4.1.1"
@@ -38,6 +44,8 @@ class KafkaBroker:
     # How many brokers the cluster has: the replication of internal topics and the defaults a
     # topic created without its own replication takes (at most 3, and min.insync.replicas 2).
     cluster_size: int = 1
+    # Set: SASL/SCRAM and ACLs (`infra start --secure`, see kafka_access.py); None: PLAINTEXT.
+    secrets: KafkaSecrets | None = None
 
     @property
     def libs_dir(self) -> Path:
@@ -124,6 +132,10 @@ class KafkaBroker:
             "auto.create.topics.enable": "false",
             "num.partitions": "1",
         }
+        if self.secrets is not None:
+            lines.update(
+                broker_properties(self.secrets, self.host, self.port, self.controller_port)
+            )
         return "".join(f"{key}={value}\n" for key, value in lines.items())
 
     def _java(self, main: str, *args: str) -> list[str]:
@@ -154,6 +166,7 @@ class KafkaBroker:
                 "format",
                 f"--cluster-id={cluster_id}",
                 f"--config={config}",
+                *(format_args(self.secrets) if self.secrets is not None else ()),
             ),
             what="formatting Kafka KRaft storage",
         )
@@ -194,7 +207,13 @@ class KafkaCluster:
 
     @classmethod
     def on_loopback(
-        cls, cache_dir: Path, host: str, port: int, size: int = 1, heap: str = "512m"
+        cls,
+        cache_dir: Path,
+        host: str,
+        port: int,
+        size: int = 1,
+        heap: str = "512m",
+        secure: bool = False,
     ) -> KafkaCluster:
         if size < 1:
             raise ServiceError(f"a Kafka cluster needs at least one broker, not {size}")
@@ -213,6 +232,11 @@ class KafkaCluster:
                     node_id=i + 1,
                     voters=voters,
                     cluster_size=size,
+                    secrets=(
+                        KafkaSecrets.load_or_create(credentials_path(cache_dir, port))
+                        if secure
+                        else None
+                    ),
                 )
                 for i, (p, c) in enumerate(ports)
             )
@@ -220,17 +244,30 @@ class KafkaCluster:
 
     @classmethod
     def recorded(
-        cls, cache_dir: Path, host: str, port: int, size: int | None = None
+        cls,
+        cache_dir: Path,
+        host: str,
+        port: int,
+        size: int | None = None,
+        secure: bool | None = None,
     ) -> KafkaCluster:
         """The cluster whose first broker listens on `port`: `size` brokers, or as many as its
-        layout file says (one when there is none)."""
+        layout file says (one when there is none); secured when `secure`, or (None) when its
+        layout says it was."""
         first = KafkaBroker(cache_dir, port=port, controller_port=port + 1, host=host)
+        try:
+            layout = json.loads(_layout(first).read_text())
+        except (FileNotFoundError, ValueError):
+            layout = {}
         if size is None:
-            try:
-                size = int(json.loads(_layout(first).read_text())["brokers"])
-            except (FileNotFoundError, ValueError, KeyError):
-                size = 1
-        return cls.on_loopback(cache_dir, host, port, size)
+            size = int(layout.get("brokers", 1))
+        if secure is None:
+            secure = bool(layout.get("secure", False))
+        return cls.on_loopback(cache_dir, host, port, size, secure=secure)
+
+    @property
+    def secrets(self) -> KafkaSecrets | None:
+        return self.first.secrets
 
     @property
     def first(self) -> KafkaBroker:
@@ -247,19 +284,27 @@ class KafkaCluster:
         """Fetch, format and start every broker; seconds until all answered (0 if all ran).
         They are spawned together: a member of a quorum does not serve before a majority runs."""
         layout = _layout(self.first)
+        secure = self.secrets is not None
         if layout.exists():
-            recorded = int(json.loads(layout.read_text())["brokers"])
-            if recorded != len(self.brokers):
+            recorded = json.loads(layout.read_text())
+            if int(recorded["brokers"]) != len(self.brokers):
                 raise ServiceError(
-                    f"the Kafka data under {self.first.run_dir} belongs to a cluster of {recorded} "
-                    f"broker(s), not {len(self.brokers)}; run `fleetline infra wipe` first"
+                    f"the Kafka data under {self.first.run_dir} belongs to a cluster of "
+                    f"{recorded['brokers']} broker(s), not {len(self.brokers)}; run "
+                    "`fleetline infra wipe` first"
+                )
+            if bool(recorded.get("secure", False)) != secure:
+                raise ServiceError(
+                    f"the Kafka data under {self.first.run_dir} is of a "
+                    f"{'secured' if recorded.get('secure') else 'plaintext'} broker; run "
+                    "`fleetline infra wipe` first to change that"
                 )
         self.fetch()
         cluster_id = new_cluster_id()
         for broker in self.brokers:
             broker.format(cluster_id)
         layout.parent.mkdir(parents=True, exist_ok=True)
-        layout.write_text(json.dumps({"brokers": len(self.brokers)}))
+        layout.write_text(json.dumps({"brokers": len(self.brokers), "secure": secure}))
         began = time.monotonic()
         spawned = [(b, b.process.spawn(b.argv())) for b in self.brokers]
         if all(proc is None for _, proc in spawned):
@@ -267,6 +312,8 @@ class KafkaCluster:
         for broker, proc in spawned:
             if proc is not None:
                 broker.process.await_port(proc, began, timeout_s)
+        if self.secrets is not None:
+            create_principals(self.bootstrap_servers, self.secrets)
         return time.monotonic() - began
 
     def stop(self) -> bool:
@@ -289,6 +336,11 @@ class KafkaCluster:
         """Start one stopped or killed broker again on its data."""
         broker = self.brokers[index]
         return broker.process.start(broker.argv(), timeout_s=timeout_s)
+
+
+def credentials_path(cache_dir: Path, port: int) -> Path:
+    """Where a secured cluster (first broker on `port`) keeps its credentials."""
+    return cache_dir / "run" / f"kafka-{port}" / "credentials.json"
 
 
 def _layout(first: KafkaBroker) -> Path:

@@ -25,13 +25,18 @@ class LocalServices:
 
     @classmethod
     def from_settings(
-        cls, settings: Settings, brokers: int | None = None, listen: str | None = None
+        cls,
+        settings: Settings,
+        brokers: int | None = None,
+        listen: str | None = None,
+        secure: bool | None = None,
     ) -> LocalServices:
         """The services the settings point at. Kafka is `brokers` brokers from the first
         bootstrap server's port on (every other port: each broker's controller takes the next);
         by default as many as the bootstrap list names, or as the running cluster recorded.
         With `listen`, Kafka (its listeners and the address it advertises) and the S3 server
-        run on that address instead of the settings' host, at the settings' ports."""
+        run on that address instead of the settings' host, at the settings' ports. With
+        `secure`, Kafka takes SASL/SCRAM clients under ACLs only (None: as it was started)."""
         servers = [
             _port(s.strip(), "FLEETLINE_KAFKA_BOOTSTRAP")
             for s in settings.kafka.bootstrap_servers.split(",")
@@ -41,7 +46,9 @@ class LocalServices:
         kafka_host, kafka_port = servers[0]
         if brokers is None and len(servers) > 1:
             brokers = len(servers)
-        kafka = KafkaCluster.recorded(settings.cache_dir, kafka_host, kafka_port, brokers)
+        kafka = KafkaCluster.recorded(
+            settings.cache_dir, kafka_host, kafka_port, brokers, secure=secure
+        )
         if len(servers) > 1:
             expected = [(b.host, b.port) for b in kafka.brokers]
             if servers != expected:
@@ -82,13 +89,17 @@ class LocalServices:
         self.object_store.stop()
         self.kafka.stop()
 
-    def client_env(self) -> dict[str, str]:
-        """The FLEETLINE_* variables that point clients at these services."""
+    def client_env(self, kind: str | None = None) -> dict[str, str]:
+        """The FLEETLINE_* variables that point clients at these services (on a secured broker,
+        as a process of `kind`: its principal's credentials)."""
         s3 = self.object_store
-        return {
+        env = {
             "FLEETLINE_KAFKA_BOOTSTRAP": self.kafka.bootstrap_servers,
             "FLEETLINE_S3_ENDPOINT": f"{s3.host}:{s3.port}",
         }
+        if self.kafka.secrets is not None and kind is not None:
+            env.update(self.kafka.secrets.client_env(kind))
+        return env
 
     def status(self) -> dict[str, bool]:
         s3 = self.object_store

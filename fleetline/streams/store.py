@@ -174,9 +174,10 @@ def json_store(name: str, changelog_topic: str) -> ChangelogStore[Any]:
 FOLD_STORE = "state"
 
 
-def fold_changelog(topics: Topics, application_id: str) -> TopicSpec:
-    """The changelog topic of a fold's store (`fold_store`): one compacted partition."""
-    return topics.changelog_spec(application_id, FOLD_STORE, partitions=1)
+def fold_changelog(topics: Topics, application_id: str, readers: tuple[str, ...] = ()) -> TopicSpec:
+    """The changelog topic of a fold's store (`fold_store`): one compacted partition, read by
+    `readers` besides the control plane."""
+    return topics.changelog_spec(application_id, FOLD_STORE, partitions=1, readers=readers)
 
 
 def fold_store(topics: Topics, application_id: str) -> ChangelogStore[Any]:

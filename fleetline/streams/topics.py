@@ -35,6 +35,20 @@ DAY_MS = 24 * 3600 * 1000
 LOG_APPEND_TIME = {"message.timestamp.type": "LogAppendTime"}
 
 
+# The kinds of process that reach Kafka, each its own principal on a secured broker
+# (streams/access.py turns who writes and reads each topic into ACLs). The control plane
+# (`serve`: view, scheduler, sinks, audit, operations, health, API) and the operator's
+# read-only commands read every topic; the agents read what their specs name.
+CONTROL_PLANE = "control-plane"
+NODE_AGENT = "node-agent"
+CLUSTER_AGENT = "cluster-agent"
+ROUTER = "router"
+DATA_MOVER = "data-mover"
+OPERATOR = "operator"
+SERVICE_KINDS = (CONTROL_PLANE, NODE_AGENT, CLUSTER_AGENT, ROUTER, DATA_MOVER, OPERATOR)
+EVERY_PROCESS = (CONTROL_PLANE, NODE_AGENT, CLUSTER_AGENT, ROUTER, DATA_MOVER)
+
+
 @dataclass(frozen=True)
 class TopicSpec:
     name: str
@@ -43,6 +57,9 @@ class TopicSpec:
     doc: str = ""
     record: str | None = None  # the Avro record every message holds (None: not Avro)
     key: str = ""  # what the message key is
+    # Who may append to it and who reads it besides the control plane and the operator.
+    writers: tuple[str, ...] = (CONTROL_PLANE,)
+    readers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -182,6 +199,7 @@ class Topics:
                 "NodeTelemetry, one record per node per interval, keyed by node id",
                 record=NODE_TELEMETRY,
                 key="node id",
+                writers=(NODE_AGENT,),
             ),
             TopicSpec(
                 self.node_state,
@@ -194,6 +212,8 @@ class Topics:
                 "NodeState, keyed by node id; compacted to the latest state of each node",
                 record=NODE_STATE,
                 key="node id",
+                writers=(NODE_AGENT,),
+                readers=(CLUSTER_AGENT,),
             ),
             TopicSpec(
                 self.commands,
@@ -202,6 +222,7 @@ class Topics:
                 "NodeCommand, keyed by node id; each agent reads its nodes' partitions",
                 record=NODE_COMMAND,
                 key="node id",
+                readers=(NODE_AGENT,),
             ),
             TopicSpec(
                 self.command_results,
@@ -210,6 +231,7 @@ class Topics:
                 "CommandResult, the agents' acknowledgements, keyed by node id",
                 record=COMMAND_RESULT,
                 key="node id",
+                writers=(NODE_AGENT,),
             ),
             TopicSpec(
                 self.clusters,
@@ -218,6 +240,7 @@ class Topics:
                 "ClusterInfo, keyed by cluster id; compacted to each cluster's latest facts",
                 record=CLUSTER_INFO,
                 key="cluster id",
+                readers=(CLUSTER_AGENT, ROUTER),
             ),
             TopicSpec(
                 self.datasets,
@@ -259,6 +282,7 @@ class Topics:
                 record=SCHEDULER_REQUEST,
                 key="job key (tenant/name), dataset:<name>, <dataset>@<cluster>, a tenant, "
                 "or - for POLICY and TICK",
+                writers=(CONTROL_PLANE, CLUSTER_AGENT, DATA_MOVER),
             ),
             TopicSpec(
                 self.decisions,
@@ -275,6 +299,7 @@ class Topics:
                 "DatasetPrewarm orders for the data movers, keyed by dataset@cluster",
                 record=DATASET_PREWARM,
                 key="<dataset>@<cluster>",
+                readers=(DATA_MOVER,),
             ),
             TopicSpec(
                 self.orders,
@@ -284,6 +309,7 @@ class Topics:
                 "desired state the cluster agents reconcile",
                 record=WORKLOAD_ORDER,
                 key="job key (tenant/name)",
+                readers=(CLUSTER_AGENT,),
             ),
             TopicSpec(
                 self.replicas,
@@ -298,6 +324,8 @@ class Topics:
                 "replica's latest record",
                 record=REPLICA_ENDPOINT,
                 key="replica (tenant/service.rN)",
+                writers=(CLUSTER_AGENT,),
+                readers=(ROUTER,),
             ),
             TopicSpec(
                 self.workloads,
@@ -307,6 +335,7 @@ class Topics:
                 "keyed by job",
                 record=WORKLOAD_EVENT,
                 key="job key (tenant/name)",
+                writers=(CLUSTER_AGENT,),
             ),
             TopicSpec(
                 self.cluster_signals,
@@ -316,6 +345,8 @@ class Topics:
                 "cordons, in one total order for the health fold",
                 record=CLUSTER_SIGNAL,
                 key="cluster id",
+                writers=(CONTROL_PLANE, CLUSTER_AGENT),
+                readers=(CLUSTER_AGENT,),
             ),
             TopicSpec(
                 self.emergency,
@@ -325,6 +356,7 @@ class Topics:
                 "keyed by cluster; read by the view and every cluster agent",
                 record=CLUSTER_HEALTH,
                 key="cluster id",
+                readers=(CLUSTER_AGENT,),
             ),
             TopicSpec(
                 self.audit_requests,
@@ -334,6 +366,7 @@ class Topics:
                 "every decision, order and workload transition, keyed by tenant",
                 record=AUDIT_EVENT,
                 key="tenant (_fleet for fleet-wide events)",
+                writers=(CONTROL_PLANE, OPERATOR),
             ),
             TopicSpec(
                 self.audit_log,
@@ -368,6 +401,7 @@ class Topics:
                 "LogRecord: structured log lines of every fleetline process, keyed by process",
                 record=LOG_RECORD,
                 key="process",
+                writers=EVERY_PROCESS,
             ),
             TopicSpec(
                 self.dead_letter,
@@ -375,17 +409,23 @@ class Topics:
                 {"cleanup.policy": "delete", "retention.ms": str(30 * DAY_MS)},
                 "messages no processor could handle: original bytes, reason in headers",
                 key="the original message's key",
+                writers=(CONTROL_PLANE, NODE_AGENT),
             ),
         ]
 
     def changelog_spec(
-        self, application_id: str, store: str, partitions: int | None = None
+        self,
+        application_id: str,
+        store: str,
+        partitions: int | None = None,
+        readers: tuple[str, ...] = (),
     ) -> TopicSpec:
         return TopicSpec(
             self.changelog(application_id, store),
             self.node_partitions if partitions is None else partitions,
             {"cleanup.policy": "compact"},
             f"changelog of {application_id}'s {store} store",
+            readers=readers,
         )
 
 

@@ -23,15 +23,16 @@ from fleetline.streams.loop import deliver, produce
 from fleetline.streams.records import Output
 from fleetline.streams.serde import AvroCodec, default_codec
 from fleetline.streams.store import FOLD_STORE, ChangelogStore, fold_changelog, fold_store
-from fleetline.streams.topics import Topics, TopicSpec
+from fleetline.streams.topics import CLUSTER_AGENT, Topics, TopicSpec
 
 APPLICATION_ID = "scheduler"
 STORE = FOLD_STORE
 
 
 def changelog(topics: Topics) -> TopicSpec:
-    """The scheduler's state changelog, as the composition root creates it."""
-    return fold_changelog(topics, APPLICATION_ID)
+    """The scheduler's state changelog, as the composition root creates it (cluster agents read
+    their tenants' terms from it)."""
+    return fold_changelog(topics, APPLICATION_ID, readers=(CLUSTER_AGENT,))
 
 
 def state_store(topics: Topics) -> ChangelogStore[Any]:

@@ -1,0 +1,160 @@
+"""A secured broker (`fleetline infra start --secure`): SASL/SCRAM only, and each kind of
+process allowed exactly the topics its specs name. A client without credentials, with a wrong
+password or as another service's principal cannot write a control topic."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+
+from fleetline.app import deployment_topics
+from fleetline.config import KafkaSettings, Settings
+from fleetline.infra.kafka import KafkaCluster
+from fleetline.infra.kafka_access import KafkaSecrets, grant
+from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.topics import (
+    CLUSTER_AGENT,
+    CONTROL_PLANE,
+    DATA_MOVER,
+    NODE_AGENT,
+    OPERATOR,
+    ROUTER,
+    SERVICE_KINDS,
+    Topics,
+)
+from tests.support import fresh_topics
+
+PORT = 39092  # beside the tests' own broker (29092) and the chaos suite's (28092)
+
+
+@dataclasses.dataclass
+class Secured:
+    bootstrap: str
+    secrets: KafkaSecrets
+    topics: Topics
+
+
+@pytest.fixture(scope="module")
+def secured(services: Settings) -> Iterator[Secured]:
+    cluster = KafkaCluster.on_loopback(services.cache_dir, "127.0.0.1", PORT, secure=True)
+    cluster.wipe()
+    cluster = KafkaCluster.on_loopback(services.cache_dir, "127.0.0.1", PORT, secure=True)
+    assert cluster.secrets is not None
+    try:
+        cluster.start()
+        topics = fresh_topics()
+        specs = deployment_topics(topics)
+        # The control plane creates its deployment's topics, as `serve` does at start.
+        control = KafkaSettings(
+            cluster.bootstrap_servers, cluster.secrets.client_conf(CONTROL_PLANE)
+        )
+        grant(cluster.bootstrap_servers, cluster.secrets, topics.prefix, specs)
+        kafka_clients.ensure_topics(control, specs)
+        yield Secured(cluster.bootstrap_servers, cluster.secrets, topics)
+    finally:
+        cluster.wipe()
+
+
+def appended(secured: Secured, topic: str, conf: dict[str, str]) -> str | None:
+    """None when the broker took one message on `topic` from a client with `conf`, else the
+    error's name."""
+    producer = Producer(
+        {"bootstrap.servers": secured.bootstrap, "message.timeout.ms": 6000, **conf}
+    )
+    outcome: list[KafkaError | None] = []
+    producer.produce(topic, b"x", on_delivery=lambda err, msg: outcome.append(err))
+    producer.flush(15)
+    assert outcome, "no delivery report"
+    return None if outcome[0] is None else outcome[0].name()
+
+
+def test_a_client_without_credentials_or_with_a_wrong_password_is_refused(secured):
+    topic = secured.topics.scheduler_requests
+    assert appended(secured, topic, {}) is not None  # PLAINTEXT to a SASL listener
+    wrong = {**secured.secrets.client_conf(CONTROL_PLANE), "sasl.password": "guess"}
+    assert appended(secured, topic, wrong) is not None
+    assert appended(secured, topic, secured.secrets.client_conf(CONTROL_PLANE)) is None
+
+
+@pytest.mark.parametrize(
+    ("topic", "writers"),
+    [
+        ("scheduler_requests", {CONTROL_PLANE, CLUSTER_AGENT, DATA_MOVER}),
+        ("commands", {CONTROL_PLANE}),
+        ("emergency", {CONTROL_PLANE}),
+        ("audit_log", {CONTROL_PLANE}),
+        ("telemetry", {NODE_AGENT}),
+    ],
+)
+def test_each_principal_writes_only_what_its_topics_specs_name(secured, topic, writers):
+    name = getattr(secured.topics, topic)
+    for kind in SERVICE_KINDS:
+        error = appended(secured, name, secured.secrets.client_conf(kind))
+        if kind in writers:
+            assert error is None, (kind, name, error)
+        else:
+            assert error == "TOPIC_AUTHORIZATION_FAILED", (kind, name, error)
+
+
+def test_an_agent_reads_its_own_topics_and_not_the_audit_chain(secured):
+    def read_error(kind: str, topic: str) -> str | None:
+        consumer = Consumer(
+            {
+                "bootstrap.servers": secured.bootstrap,
+                "group.id": f"t-{uuid.uuid4().hex[:8]}",
+                **secured.secrets.client_conf(kind),
+            }
+        )
+        try:
+            consumer.assign([TopicPartition(topic, 0, 0)])
+            for _ in range(20):
+                msg = consumer.poll(0.5)
+                if msg is not None and msg.error() is not None:
+                    if msg.error().code() == KafkaError._PARTITION_EOF:
+                        return None
+                    return msg.error().name()
+                if msg is not None:
+                    return None
+            return None
+        finally:
+            consumer.close()
+
+    topics = secured.topics
+    assert read_error(NODE_AGENT, topics.audit_log) == "TOPIC_AUTHORIZATION_FAILED"
+    assert read_error(ROUTER, topics.scheduler_requests) == "TOPIC_AUTHORIZATION_FAILED"
+    assert read_error(CLUSTER_AGENT, topics.orders) is None
+    assert read_error(OPERATOR, topics.audit_log) is None  # read-only commands see everything
+
+
+def test_the_control_plane_runs_under_its_own_principal(secured, services):
+    """`serve`'s processors (transactions, changelogs, consumer groups, sinks) need no more
+    than the control plane's grant: a spec applied is decided, and an operator reads it."""
+    from fleetline.app import Options, build
+    from fleetline.processors.scheduling.client import decisions_of, submit
+    from tests.scheduling_support import training
+    from tests.services import started, submits
+    from tests.support import wait_until
+
+    def as_(kind: str) -> Settings:
+        return dataclasses.replace(
+            services,
+            kafka=KafkaSettings(secured.bootstrap, secured.secrets.client_conf(kind)),
+            clickhouse_database=f"t_{uuid.uuid4().hex[:12]}",
+        )
+
+    fleet = build(
+        as_(CONTROL_PLANE),
+        Options(topics=secured.topics, tick_interval_s=0.3, data_mover=False, audit=True),
+    )
+    with started(fleet):
+        submit(as_(CONTROL_PLANE).kafka, secured.topics, submits(training("secured")))
+        operator = as_(OPERATOR).kafka
+        wait_until(
+            lambda: any(d["job"] == "acme/secured" for d in decisions_of(operator, secured.topics)),
+            60,
+            "a decision about acme/secured",
+        )
