@@ -8,7 +8,7 @@ import logging
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,6 +31,30 @@ class KafkaSettings:
     # How long a consumer group waits for a member that stopped heartbeating (a killed
     # process) before its partitions go to another (None: librdkafka's 45 s).
     session_timeout_ms: int | None = None
+    # On a secured broker, a launcher (`fleetline run`) holds each kind of process's sign-in
+    # (kind -> client settings) and hands each process its own (`as_kind`); empty otherwise.
+    principals: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+
+    def as_kind(self, kind: str) -> KafkaSettings:
+        """These settings signed in as a process of `kind` (unchanged on a plaintext broker)."""
+        if not self.principals:
+            return self
+        return replace(
+            self,
+            client_overrides={**self.client_overrides, **self.principals[kind]},
+            principals={},
+        )
+
+    def as_env(self) -> dict[str, str]:
+        """The FLEETLINE_KAFKA_* variables `Settings.from_env` reads back (for a child
+        process: give it `as_kind(...)`'s)."""
+        return {
+            "FLEETLINE_KAFKA_BOOTSTRAP": self.bootstrap_servers,
+            **{
+                "FLEETLINE_KAFKA_CONF_" + key.upper().replace(".", "_"): value
+                for key, value in self.client_overrides.items()
+            },
+        }
 
     def client_config(self, **extra: object) -> dict[str, object]:
         # librdkafka's own log lines go through Python logging, not straight to stderr.
@@ -124,6 +148,27 @@ class Settings:
     # TLS between the router and the inference replicas, with the deployment's CA (see tls.py);
     # None: plain HTTP.
     tls: TlsSettings | None = None
+
+    def as_kind(self, kind: str) -> Settings:
+        """These settings as a process of `kind` signs in to Kafka with (see KafkaSettings)."""
+        return replace(self, kafka=self.kafka.as_kind(kind))
+
+    def deployment_key_path(self) -> Path:
+        return self.cache_dir / "keys" / "object-encryption.key"
+
+    def with_deployment_key(self) -> Settings:
+        """These settings sealing objects by default: FLEETLINE_OBJECT_ENCRYPTION_KEY, or the
+        deployment key made (random, owner-only) on first start like the audit signing key.
+        Other hosts' processes must be given it as FLEETLINE_OBJECT_ENCRYPTION_KEY."""
+        if self.object_encryption_key:
+            return self
+        path = self.deployment_key_path()
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(descriptor, "w") as handle:
+                handle.write(base64.b64encode(os.urandom(32)).decode())
+        return replace(self, object_encryption_key=path.read_text().strip())
 
     def object_key(self) -> bytes | None:
         """The object-encryption key's bytes (the setting is base64), or None when unset."""

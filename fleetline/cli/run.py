@@ -70,6 +70,14 @@ def run(
         ),
     ] = False,
     lab_name: Annotated[str, typer.Option(help="with --lab: the lab's name")] = "fl",
+    plaintext_kafka: Annotated[
+        bool,
+        typer.Option(
+            "--plaintext-kafka",
+            help="run Kafka without SASL/SCRAM and ACLs (by default each process signs in as "
+            "its kind and may reach only its topics)",
+        ),
+    ] = False,
 ) -> None:
     """Run a simulated fleet end to end from a scenario and print what it saw."""
     from dataclasses import replace
@@ -103,6 +111,12 @@ def run(
     )
     services = LocalServices.from_settings(config)
     already_up = all(services.status().values())
+    if not external_services and not already_up:
+        secure = not plaintext_kafka
+        if services.kafka.secrets is None if secure else services.kafka.secrets is not None:
+            # The broker's data is of the other kind (a demo's topics only): start afresh.
+            services.kafka.wipe()
+        services = LocalServices.from_settings(config, secure=secure)
     if not external_services:
         console.print(
             "starting Kafka and the S3 server (the first run downloads and builds them)..."
@@ -110,6 +124,20 @@ def run(
         for step, seconds in services.start().items():
             console.print(f"  {step}: {seconds:.1f}s")
     prefix = topic_prefix or f"fleetline.run{int(time.time())}"
+    key_from_env = bool(config.object_encryption_key)
+    config = config.with_deployment_key()
+    acls = 0
+    secrets = None if external_services else services.kafka.secrets
+    if secrets is not None:
+        from fleetline.app import deployment_topics
+        from fleetline.infra.kafka_access import grant
+
+        acls = grant(
+            services.kafka.bootstrap_servers, secrets, prefix, deployment_topics(Topics(prefix))
+        )
+        config = replace(config, kafka=replace(config.kafka, principals=secrets.principals()))
+    for line in security_summary(config, acls, prefix, key_from_env):
+        console.print(line)
     start_ms = (int(time.time() * 1000) // story.interval_ms) * story.interval_ms
     if not realtime:
         # Played at once, the story's intervals end where the clock is now, not in the future
@@ -134,6 +162,24 @@ def run(
         if not external_services and not keep_services and not already_up:
             services.stop()
     report.print_result(console, result, config.clickhouse_url, prefix)
+
+
+def security_summary(config: Settings, acls: int, prefix: str, key_from_env: bool) -> list[str]:
+    """What guards this run, one line each: on, or off and why."""
+    key = "FLEETLINE_OBJECT_ENCRYPTION_KEY" if key_from_env else config.deployment_key_path()
+    kafka = (
+        f"on: SASL/SCRAM, {len(config.kafka.principals)} principals, {acls} ACLs on {prefix}.*"
+        if config.kafka.principals
+        else "off (--plaintext-kafka, or services started without --secure)"
+    )
+    return [
+        "security:",
+        f"  Kafka sign-in and ACLs per kind of process: {kafka}",
+        f"  objects sealed (snapshots, checkpoints, audit archives): on, key {key}",
+        "  analyst SQL allow-list, audited data reads, API tokens and roles: on",
+        "  TLS on the API and the query service: off in this run (`serve --tls-cert`; the "
+        "router and replicas use mutual TLS when FLEETLINE_TLS_* is set)",
+    ]
 
 
 def _in_lab(config: Settings, name: str) -> tuple[Settings, Lab]:

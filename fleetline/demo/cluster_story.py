@@ -201,7 +201,7 @@ class LabClusterAgents(ClusterAgents):
         env = {
             **os.environ,
             **self.settings.s3.as_env(),
-            "FLEETLINE_KAFKA_BOOTSTRAP": self.settings.kafka.bootstrap_servers,
+            **self.settings.kafka.as_env(),
             "FLEETLINE_OBJECT_ENCRYPTION_KEY": self.settings.object_encryption_key or "",
         }
         for cluster_id in [cluster] if cluster else self.clusters:

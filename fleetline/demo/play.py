@@ -61,7 +61,7 @@ from fleetline.storage.queries import ready_sql, trace_sql
 from fleetline.storage.tiering.macros import expander
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import default_codec
-from fleetline.streams.topics import Topics
+from fleetline.streams.topics import CLUSTER_AGENT, CONTROL_PLANE, NODE_AGENT, Topics
 
 
 @dataclass
@@ -383,14 +383,17 @@ def play(
     interval = scenario.interval_ms
     timings: dict[str, float] = {}
     began = time.monotonic()
+    # On a secured broker each process signs in as its kind; the story itself (declarations,
+    # submissions, reads) acts as the control plane.
+    kinds, settings = settings, settings.as_kind(CONTROL_PLANE)
     fleet = build(settings, demo_options(topics)).start()
     # One cluster agent per cluster: the training jobs run as processes, reported back.
     cluster_ids = [c.spec.cluster_id for c in scenario.clusters]
     agents = (
-        LabClusterAgents(settings, topics, cluster_ids, lab)
+        LabClusterAgents(kinds.as_kind(CLUSTER_AGENT), topics, cluster_ids, lab)
         if lab is not None
         else ClusterAgents(
-            settings,
+            kinds.as_kind(CLUSTER_AGENT),
             topics,
             cluster_ids,
             slurm_nodes={
@@ -412,8 +415,9 @@ def play(
         simulator.add_fault(fault)
     state_dir = Path(tempfile.mkdtemp(prefix="fleetline-agents-"))
     codec = default_codec()
-    agent = FleetAgent.create(settings, codec, topics, simulator, state_dir, commands=False)
-    injector = kafka_clients.producer(settings.kafka)
+    nodes = kinds.as_kind(NODE_AGENT)
+    agent = FleetAgent.create(nodes, codec, topics, simulator, state_dir, commands=False)
+    injector = kafka_clients.producer(nodes.kafka)  # a node agent gone wrong
     events = {scenario.tick_of(e.at): e for e in scenario.events}
     half = scenario.ticks // 2
     try:

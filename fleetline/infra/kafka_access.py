@@ -67,6 +67,10 @@ class KafkaSecrets:
             "sasl.password": password,
         }
 
+    def principals(self) -> dict[str, dict[str, str]]:
+        """Every kind's sign-in (KafkaSettings.principals of a launcher)."""
+        return {kind: self.client_conf(kind) for kind in self.kinds}
+
     def client_env(self, principal: str) -> dict[str, str]:
         """The FLEETLINE_KAFKA_CONF_* variables a process of that kind is started with."""
         return {
