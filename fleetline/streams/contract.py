@@ -125,6 +125,10 @@ def asyncapi(version: str, codec: AvroCodec | None = None) -> dict[str, Any]:
                 }
             },
             "x-fleetline-topic-config": dict(sorted(spec.config.items())),
+            # Who may append and read besides the control plane and the operator: the ACLs of
+            # a secured broker (`fleetline infra start --secure`, streams/access.py).
+            "x-fleetline-writers": list(spec.writers),
+            "x-fleetline-readers": list(spec.readers),
         }
         operations[f"consume-{channel_id}"] = {
             "action": "receive",
