@@ -85,20 +85,22 @@ Need = Literal["kafka", "s3", "clickhouse"]
 
 def settings(*needs: Need) -> Settings:
     """The settings from the environment, once each service the command `needs` has answered
-    (a few seconds at most): a command fails fast, in one line, when one is down."""
+    (a few seconds at most, in the order named): a command fails fast, in one line, when one is
+    down."""
     config = Settings.from_env()
-    if "kafka" in needs:
-        from fleetline.streams.kafka import probe as probe_kafka
+    for need in needs:  # in the order given: the one named first is reported first
+        if need == "kafka":
+            from fleetline.streams.kafka import probe as probe_kafka
 
-        probe_kafka(config.kafka)
-    if "s3" in needs:
-        from fleetline.storage.objects import probe as probe_s3
+            probe_kafka(config.kafka)
+        elif need == "s3":
+            from fleetline.storage.objects import probe as probe_s3
 
-        probe_s3(config.s3)
-    if "clickhouse" in needs:
-        from fleetline.storage.clickhouse import probe as probe_clickhouse
+            probe_s3(config.s3)
+        else:
+            from fleetline.storage.clickhouse import probe as probe_clickhouse
 
-        probe_clickhouse(config.clickhouse_url)
+            probe_clickhouse(config.clickhouse_url)
     return config
 
 

@@ -318,9 +318,23 @@ def lose_a_cluster(
     until, at = clock.until, clock.at
 
     try:
-        first = until("the job to run", lambda: follower.events(job, "RUNNING"))[0]
+
+        def checkpointed() -> list[tuple[dict[str, Any], dict[str, Any]]]:
+            """The job's latest run once it has checkpointed: a job moved before that (off a
+            GPU that failed, say) is followed to where it runs now."""
+            runs = follower.events(job, "RUNNING")
+            if not runs:
+                return []
+            latest = runs[-1]
+            saved = [
+                c
+                for c in follower.events(job, "CHECKPOINTED")
+                if (c["cluster_id"], c["epoch"]) == (latest["cluster_id"], latest["epoch"])
+            ]
+            return [(latest, saved[-1])] if saved else []
+
+        first, checkpoint = until("the job to run and checkpoint", checkpointed)[0]
         lost = first["cluster_id"]
-        checkpoint = until("a checkpoint", lambda: follower.events(job, "CHECKPOINTED"))[-1]
         where = f"pid {first['pid']}" if first["pid"] else first["detail"]
         say(
             f"{at()}: {job} runs in {lost} (epoch {first['epoch']}, {where}); "
