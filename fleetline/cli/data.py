@@ -206,7 +206,7 @@ def _stores(chosen: dict[str, DataClass]) -> dict[str, TieredStore]:
     from fleetline.storage.clickhouse import connect, migrate
     from fleetline.storage.objects import ObjectStore
 
-    config = settings("clickhouse", "s3")
+    config = settings("s3", "clickhouse")
     client = connect(config.clickhouse_url)
     migrate(client, config.clickhouse_database)
     objects = ObjectStore.from_settings(config.s3)

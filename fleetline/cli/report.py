@@ -99,7 +99,10 @@ def print_result(console: Console, result: SliceResult, clickhouse_url: str, pre
     say("\nview snapshots in object storage (the newest per part):")
     for key in result.snapshots:
         say(f"  {key}")
-    say("\nHTTP API, called as viewer@acme (and once with a made-up token):")
+    say(
+        "\nHTTP API over TLS (a certificate from the deployment CA in .cache/ca), called as "
+        "viewer@acme (and once with a made-up token):"
+    )
     for path, status in result.api_calls:
         say(f"  GET {path:<34} -> {status}")
     audit = result.audit

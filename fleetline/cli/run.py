@@ -177,8 +177,8 @@ def security_summary(config: Settings, acls: int, prefix: str, key_from_env: boo
         f"  Kafka sign-in and ACLs per kind of process: {kafka}",
         f"  objects sealed (snapshots, checkpoints, audit archives): on, key {key}",
         "  analyst SQL allow-list, audited data reads, API tokens and roles: on",
-        "  TLS on the API and the query service: off in this run (`serve --tls-cert`; the "
-        "router and replicas use mutual TLS when FLEETLINE_TLS_* is set)",
+        f"  TLS on the API: on (a certificate from the deployment CA in {config.cache_dir / 'ca'}"
+        "); the query service stays plain HTTP on loopback with its token (TLS not yet)",
     ]
 
 

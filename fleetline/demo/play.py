@@ -11,6 +11,7 @@ import json
 import secrets
 import shutil
 import socket
+import ssl
 import tempfile
 import threading
 import time
@@ -37,6 +38,7 @@ from fleetline.demo.prewarm_story import follow_a_prewarm, seed_dataset
 from fleetline.demo.scenario import Scenario
 from fleetline.demo.serving_story import serving_day
 from fleetline.errors import StreamError
+from fleetline.infra import ca as deployment_ca
 from fleetline.infra.lab import Lab
 from fleetline.processors.audit.chain import export_entry, verify
 from fleetline.processors.audit.runtime import KafkaAuditEmitter, published_decisions
@@ -172,8 +174,9 @@ def wait_drained(
 
 
 def call_api(fleet: Fleetline) -> list[tuple[str, int]]:
-    """Serve the HTTP API on a loopback port for a moment and call it as a tenant's viewer
-    would, plus two calls that must be refused; every call lands in the audit log."""
+    """Serve the HTTP API over TLS (a certificate from the deployment CA this run keeps in its
+    cache) on a loopback port for a moment and call it as a tenant's viewer would, plus two
+    calls that must be refused; every call lands in the audit log."""
     token = "fl_" + secrets.token_urlsafe(24)
     auth = Authenticator(
         AuthConfig.from_data(
@@ -193,7 +196,13 @@ def call_api(fleet: Fleetline) -> list[tuple[str, int]]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = api_server(fleet.api(auth, emitter), "127.0.0.1", port)
+    authority = fleet.settings.cache_dir / "ca"
+    deployment_ca.init(authority)
+    issued = deployment_ca.issue(authority, "api", ["127.0.0.1"])
+    tls = ssl.create_default_context(cafile=str(issued.ca))
+    server = api_server(
+        fleet.api(auth, emitter), "127.0.0.1", port, str(issued.cert), str(issued.key)
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     calls = []
@@ -207,10 +216,10 @@ def call_api(fleet: Fleetline) -> list[tuple[str, int]]:
             ("/v1/clusters", "fl_guess"),
         ):
             request = urllib.request.Request(
-                f"http://127.0.0.1:{port}{path}", headers={"Authorization": f"Bearer {bearer}"}
+                f"https://127.0.0.1:{port}{path}", headers={"Authorization": f"Bearer {bearer}"}
             )
             try:
-                with urllib.request.urlopen(request, timeout=10) as response:
+                with urllib.request.urlopen(request, timeout=10, context=tls) as response:
                     json.loads(response.read())
                     calls.append((path, response.status))
             except urllib.error.HTTPError as exc:
