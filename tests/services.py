@@ -186,11 +186,22 @@ def auth_config(principals: dict[str, tuple[str, str | None]] = PRINCIPALS) -> d
 def serving_api(fleet) -> Iterator[str]:
     """A built fleet's API on a free loopback port, with the PRINCIPALS' tokens: its URL."""
     from fleetline.api.auth import AuthConfig, Authenticator
-    from fleetline.app import api_server
     from fleetline.processors.audit.runtime import KafkaAuditEmitter
 
     emitter = KafkaAuditEmitter(fleet.settings.kafka, fleet.topics)
     app = fleet.api(Authenticator(AuthConfig.from_data(auth_config())), emitter)
+    try:
+        with serving(app) as url:
+            yield url
+    finally:
+        emitter.flush()
+
+
+@contextmanager
+def serving(app) -> Iterator[str]:
+    """An API app served on a free loopback port in a thread: its URL."""
+    from fleetline.app import api_server
+
     port = free_port()
     server = api_server(app, "127.0.0.1", port)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -201,7 +212,6 @@ def serving_api(fleet) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(10)
-        emitter.flush()
 
 
 def free_port() -> int:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import stat
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,12 +14,11 @@ import yaml
 
 from fleetline.api.app import create_app
 from fleetline.api.auth import AuthConfig, Authenticator
-from fleetline.app import api_server
 from fleetline.cli import main
 from fleetline.processors.view.read import StaticView
 from tests.fleet_events import fold
-from tests.services import PRINCIPALS, auth_config, free_port
-from tests.support import Recorder, wait_until
+from tests.services import PRINCIPALS, auth_config, free_port, serving
+from tests.support import Recorder
 from tests.unit.test_api import AUDIENCE, ISSUER, SchedulerPort, jwks, sso_token
 
 TRAIN = """kind: TrainingJob
@@ -55,16 +53,8 @@ def server(tmp_path_factory) -> Iterator[Server]:
         signals=lambda record: signals.append(dict(record)) or len(signals),
         commands=lambda record: 0,
     )
-    number = free_port()
-    http = api_server(app, "127.0.0.1", number)
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
-    wait_until(lambda: http.started, 30, "the API to listen")
-    try:
-        yield Server(f"http://127.0.0.1:{number}", recorder, port)
-    finally:
-        http.should_exit = True
-        thread.join(10)
+    with serving(app) as url:
+        yield Server(url, recorder, port)
 
 
 @pytest.fixture

@@ -136,6 +136,14 @@ def register(route: Routes, ports: Ports) -> None:
         ]
         return {"items": [_public(j) for j in items]}
 
+    def delete(request: Request, key: str, tenant: str) -> int:
+        """Append a DELETE of `key` by the caller; its offset in the request log."""
+        principal: Principal = request.state.principal
+        (offset,) = ports.scheduler().submit(
+            [new_request("DELETE", key, tenant, clock(), uuid.uuid4().hex, actor=principal.subject)]
+        )
+        return offset
+
     def one_job(tenant: str, name: str) -> dict[str, Any]:
         job = ports.scheduler().job(f"{tenant}/{name}")
         if job is None:
@@ -184,19 +192,7 @@ def register(route: Routes, ports: Ports) -> None:
     )
     def delete_job(request: Request, tenant: str, name: str) -> dict[str, Any]:
         one_job(tenant, name)
-        principal: Principal = request.state.principal
-        (offset,) = ports.scheduler().submit(
-            [
-                new_request(
-                    "DELETE",
-                    f"{tenant}/{name}",
-                    tenant,
-                    clock(),
-                    uuid.uuid4().hex,
-                    actor=principal.subject,
-                )
-            ]
-        )
+        offset = delete(request, f"{tenant}/{name}", tenant)
         return {"deleted": f"{tenant}/{name}", "request_offset": offset}
 
     @route(
@@ -208,11 +204,8 @@ def register(route: Routes, ports: Ports) -> None:
         summary="Delete a dataset: its replicas are forgotten and its storage quota freed",
     )
     def delete_dataset(request: Request, tenant: str, name: str) -> dict[str, Any]:
-        principal: Principal = request.state.principal
         key = f"dataset:{name}"
-        (offset,) = ports.scheduler().submit(
-            [new_request("DELETE", key, tenant, clock(), uuid.uuid4().hex, actor=principal.subject)]
-        )
+        offset = delete(request, key, tenant)
         return {"deleted": f"{key} of {tenant}", "request_offset": offset}
 
     @route(
