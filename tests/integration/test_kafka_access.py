@@ -28,7 +28,7 @@ from fleetline.streams.topics import (
 )
 from tests.support import fresh_topics
 
-PORT = 39092  # beside the tests' own broker (29092) and the chaos suite's (28092)
+PORT = 26092  # below the ephemeral range; beside the tests' broker (29092), chaos (28092)
 
 
 @dataclasses.dataclass
