@@ -152,7 +152,7 @@ class Api:
         if text is not None:
             data, sent["Content-Type"] = text.encode(), "application/yaml"
         elif body is not None:
-            data, sent["Content-Type"] = json.dumps(body).encode(), "application/json"
+            data, sent["Content-Type"] = json.dumps(body, default=str).encode(), "application/json"
         request = urllib.request.Request(url, data=data, method=method, headers=sent)
         try:
             with urllib.request.urlopen(
