@@ -45,10 +45,16 @@ $(CONTRACT_TOOLS): contract/package.json contract/package-lock.json
 	cd contract && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
+# The OpenID provider the sign-in tests start (node-oidc-provider, pinned by its lock file).
+IDP_TOOLS := fleetline/infra/oidc_provider/node_modules/.installed
+$(IDP_TOOLS): fleetline/infra/oidc_provider/package.json fleetline/infra/oidc_provider/package-lock.json
+	cd fleetline/infra/oidc_provider && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
 # Starts (and afterwards stops) the services the tests need, from tests/conftest.py; the
 # browser tests start Chromium headless; the contract test builds the Go consumer; the Slurm
-# tests start a Slurm cluster of their own.
-test: $(STAMP) $(CHROMIUM) $(SLURMCTLD) $(MPIRUN)
+# tests start a Slurm cluster of their own; the sign-in tests an OpenID provider.
+test: $(STAMP) $(CHROMIUM) $(SLURMCTLD) $(MPIRUN) $(IDP_TOOLS)
 	$(PY) -m pytest
 
 # Style, formatting, types (strict in processors/), the layering contracts (pyproject.toml),
@@ -97,4 +103,4 @@ services-stop: $(STAMP)
 
 clean:
 	-$(VENV)/bin/fleetline infra wipe
-	rm -rf $(VENV) .data contract/node_modules
+	rm -rf $(VENV) .data contract/node_modules fleetline/infra/oidc_provider/node_modules

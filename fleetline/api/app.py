@@ -20,7 +20,7 @@ from fastapi.routing import APIRoute
 
 from fleetline.api.auth import Authenticator
 from fleetline.api.body_limit import BodyLimit
-from fleetline.api.dashboard import mount_console
+from fleetline.api.dashboard import SIGN_IN, mount_console
 from fleetline.api.ports import (
     Append,
     DeclareClusters,
@@ -53,7 +53,7 @@ from fleetline.processors.view.read import ViewSource
 from fleetline.storage.audit_store import AuditTable
 
 log = logging.getLogger(__name__)
-_UNAUDITED = ("/", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc", "/metrics")
+_UNAUDITED = ("/", SIGN_IN, "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc", "/metrics")
 # The dashboard's static files (code and styles, no data): served to anyone, not audited.
 UI_PREFIX = "/ui"
 
@@ -190,7 +190,8 @@ def create_app(
         status = 503 if isinstance(exc, StorageError) and not isinstance(exc, QueryError) else 400
         return JSONResponse({"detail": str(exc)}, status_code=status)
 
-    mount_console(app, UI_PREFIX)
+    jwt_config = authenticator.config.jwt
+    mount_console(app, UI_PREFIX, jwt_config.sign_in() if jwt_config else None)
     missing = routes.unruled()
     if missing:
         raise RuntimeError(f"routes without an access rule: {missing}")

@@ -14,7 +14,9 @@ The config file (YAML, `FLEETLINE_AUTH_CONFIG`):
       refresh_s: 300              # keys are read again this often; a token naming a key not
                                   # seen yet reads them at once (at most every 10 s)
       ca: /etc/fleetline/idp-ca.pem   # optional: the CA of the provider's certificate
-      audience: fleetline
+      audience: fleetline         # or a list: the clients whose id tokens are accepted
+      console_client: fleetline   # optional: the console signs in with this public client
+      cli_client: fleetline-cli   # optional: `fleetline login --oidc` signs in with this one
       role_claim: fleetline_role  # default
       tenant_claim: tenant        # default
       algorithms: [RS256, ES256, EdDSA]
@@ -157,11 +159,23 @@ class ProviderKeys:
 class JwtConfig:
     keys: KeySet
     issuer: str
-    audience: str
+    audience: tuple[str, ...]
     role_claim: str = "fleetline_role"
     tenant_claim: str = "tenant"
     algorithms: tuple[str, ...] = ("RS256", "ES256", "EdDSA")
     leeway_s: int = 30
+    console_client: str | None = None
+    cli_client: str | None = None
+
+    def sign_in(self) -> dict[str, Any]:
+        """What a console or CLI needs to sign in through the provider (authorization code +
+        PKCE): the issuer to discover from, and the public client each uses."""
+        return {
+            "issuer": self.issuer,
+            "console_client": self.console_client,
+            "cli_client": self.cli_client,
+            "scope": "openid fleetline",
+        }
 
 
 @dataclass(frozen=True)
@@ -181,6 +195,13 @@ def _expiry(value: Any, name: Any) -> float | None:
     except ValueError:
         raise ConfigError(f"token {name!r}: expires {value!r} is not an ISO 8601 time") from None
     return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
+
+
+def _audiences(value: Any) -> tuple[str, ...]:
+    audiences = (value,) if isinstance(value, str) else tuple(value or ())
+    if not audiences or not all(isinstance(a, str) and a for a in audiences):
+        raise ValueError("audience must be a client id or a list of them")
+    return audiences
 
 
 @dataclass(frozen=True)
@@ -236,10 +257,12 @@ class AuthConfig:
                 jwt_config = JwtConfig(
                     keys=keys,
                     issuer=j["issuer"],
-                    audience=j["audience"],
+                    audience=_audiences(j["audience"]),
                     role_claim=j.get("role_claim", "fleetline_role"),
                     tenant_claim=j.get("tenant_claim", "tenant"),
                     algorithms=tuple(j.get("algorithms", JwtConfig.algorithms)),
+                    console_client=j.get("console_client"),
+                    cli_client=j.get("cli_client"),
                 )
             except (KeyError, OSError, ValueError, jwt.PyJWTError) as exc:
                 raise ConfigError(f"auth config jwt: {type(exc).__name__}: {exc}") from None
@@ -302,7 +325,7 @@ class Authenticator:
                 token,
                 key=key,
                 algorithms=list(config.algorithms),
-                audience=config.audience,
+                audience=list(config.audience),
                 issuer=config.issuer,
                 leeway=config.leeway_s,
                 options={"require": ["exp", "sub", "aud", "iss"]},

@@ -9,18 +9,27 @@ import typer
 
 from fleetline.cli.client import Api, Context, contexts_path, read_contexts, write_contexts
 from fleetline.cli.common import console, table
+from fleetline.cli.oidc import sign_in
 from fleetline.errors import ConfigError
 
 
 def login(
     server: Annotated[str, typer.Option(help="the API, e.g. https://fleetline.example.com:8080")],
     token: Annotated[
-        str,
+        str | None,
         typer.Option(
             help="an API token or an SSO JWT; `-` reads it from stdin (kept out of the "
             "shell's history)"
         ),
-    ],
+    ] = None,
+    oidc: Annotated[
+        bool,
+        typer.Option(
+            "--oidc",
+            help="sign in through the server's identity provider in a browser (authorization "
+            "code + PKCE, a loopback redirect); the id token becomes the context's token",
+        ),
+    ] = False,
     name: Annotated[str, typer.Option("--name", help="the context's name")] = "default",
     ca: Annotated[
         str | None, typer.Option(help="the PEM of the CA that signed the server's certificate")
@@ -29,7 +38,11 @@ def login(
     """Sign in to a fleetline server: the credentials are checked there (GET /v1/me) and kept
     in the contexts file as its current context. Every write command (apply, delete, quota,
     cluster cordon, command, tickets move, energy apply) then goes through the API with them."""
-    if token == "-":
+    if oidc == (token is not None):
+        raise ConfigError("sign in with one of --token or --oidc")
+    if oidc:
+        token = sign_in(server, ca)
+    elif token == "-":
         token = sys.stdin.readline().strip()
     if not token:
         raise ConfigError("an empty token")

@@ -193,7 +193,7 @@ def signed_in(console: Console, browser: Any) -> Iterator[Any]:
         session = Session(context.new_page())
         session.page.goto(f"{console.url}/ui/")
         session.page.fill("#token", token(who))
-        session.page.click("#login button")
+        session.page.click("#login button[type=submit]")
         session.wait_rendered("fleet")
         return session
 

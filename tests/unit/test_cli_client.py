@@ -103,6 +103,19 @@ def test_login_keeps_a_context_owner_only_and_refuses_what_it_cannot_check(
     assert yaml.safe_load(contexts.read_text())["current"] is None
 
 
+def test_login_takes_one_of_token_or_oidc_and_oidc_needs_the_server_s_provider(
+    server, contexts, capsys
+):
+    assert main(["login", "--server", server.url]) == 1
+    assert "sign in with one of --token or --oidc" in capsys.readouterr().err
+    assert main(["login", "--server", server.url, "--token", "fl_uma", "--oidc"]) == 1
+    capsys.readouterr()
+    # This server's SSO is a JWKS file with no public client: --oidc says so, in one line.
+    assert main(["login", "--server", server.url, "--oidc"]) == 1
+    assert "names no identity provider with a CLI client" in capsys.readouterr().err
+    assert not contexts.exists()
+
+
 @pytest.mark.parametrize(
     ("argv", "allowed"),
     [

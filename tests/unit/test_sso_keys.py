@@ -71,9 +71,9 @@ def provider() -> Iterator[Provider]:
     idp.server.server_close()
 
 
-def token(issuer: str, kid: str, key: rsa.RSAPrivateKey) -> str:
+def token(issuer: str, kid: str, key: rsa.RSAPrivateKey, audience: str = "fleetline") -> str:
     now = int(time.time())
-    claims = {"iss": issuer, "aud": "fleetline", "sub": "alice", "exp": now + 300,
+    claims = {"iss": issuer, "aud": audience, "sub": "alice", "exp": now + 300,
               "fleetline_role": "user", "tenant": "acme"}  # fmt: skip
     return "Bearer " + jwt.encode(claims, key, algorithm="RS256", headers={"kid": kid})
 
@@ -130,3 +130,33 @@ def test_an_unreachable_provider_or_one_naming_another_issuer_is_a_refusal_not_a
         Authenticator(wrong).authenticate(token(provider.issuer, "k1", OLD))
     with pytest.raises(ConfigError, match="name the keys"):
         AuthConfig.from_data({"jwt": {"issuer": provider.issuer, "audience": "fleetline"}})
+
+
+def test_the_accepted_audiences_and_the_sign_in_document(provider):
+    config = AuthConfig.from_data(
+        {
+            "jwt": {
+                "issuer": provider.issuer,
+                "discovery": True,
+                "audience": ["fleetline", "fleetline-cli"],
+                "console_client": "fleetline",
+                "cli_client": "fleetline-cli",
+            }
+        }
+    )
+    assert config.jwt is not None and config.jwt.sign_in() == {
+        "issuer": provider.issuer,
+        "console_client": "fleetline",
+        "cli_client": "fleetline-cli",
+        "scope": "openid fleetline",
+    }
+    for audience in ("fleetline", "fleetline-cli"):
+        signed = token(provider.issuer, "k1", OLD, audience=audience)
+        assert Authenticator(config).authenticate(signed).subject == "alice"
+    with pytest.raises(AuthenticationError, match="another audience"):
+        Authenticator(config).authenticate(token(provider.issuer, "k1", OLD, audience="other"))
+    for bad in ([], "", [3]):
+        with pytest.raises(ConfigError, match="audience must be a client id"):
+            AuthConfig.from_data(
+                {"jwt": {"issuer": provider.issuer, "discovery": True, "audience": bad}}
+            )

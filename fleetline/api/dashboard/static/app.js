@@ -20,11 +20,12 @@ async function api(path) {
   const response = await fetch(path, {
     headers: { Authorization: `Bearer ${sessionStorage.getItem(TOKEN_KEY) || ""}` },
   });
+  const body = await response.json().catch(() => ({}));
   if (response.status === 401) {
-    signOut("Your session is not valid any more; sign in again.");
+    // The server's reason (expired, a key rotated away, no second factor) is the user's to see.
+    signOut(`Not signed in: ${typeof body.detail === "string" ? body.detail : "sign in again"}.`);
     throw new ApiError(401, "not signed in");
   }
-  const body = await response.json().catch(() => ({}));
   if (!response.ok) {
     const detail = typeof body.detail === "string" ? body.detail : JSON.stringify(body.detail);
     throw new ApiError(response.status, detail || response.statusText);
@@ -581,6 +582,99 @@ async function signIn() {
   render();
 }
 
+// -- signing in through the organisation's identity provider (authorization code + PKCE) ----
+
+const PENDING_KEY = "fleetline.sign-in";
+
+function base64url(bytes) {
+  return btoa(String.fromCharCode(...bytes)).replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "");
+}
+
+async function provider() {
+  const response = await fetch("/v1/sign-in");
+  const config = response.ok ? await response.json() : {};
+  if (!config.issuer || !config.console_client) return null;
+  const discovery = await fetch(`${config.issuer.replace(/\/$/, "")}/.well-known/openid-configuration`);
+  if (!discovery.ok) throw new Error(`the identity provider answered ${discovery.status}`);
+  return { ...config, metadata: await discovery.json() };
+}
+
+async function startSignIn(sso) {
+  const verifier = base64url(crypto.getRandomValues(new Uint8Array(32)));
+  const digest = await crypto.subtle.digest("SHA-256", new TextEncoder().encode(verifier));
+  const nonce = base64url(crypto.getRandomValues(new Uint8Array(16)));
+  const redirect = `${location.origin}${location.pathname}`;
+  sessionStorage.setItem(
+    PENDING_KEY,
+    JSON.stringify({
+      verifier,
+      state: nonce,
+      redirect,
+      client: sso.console_client,
+      tokenEndpoint: sso.metadata.token_endpoint,
+      page: location.hash,
+    }),
+  );
+  const url = new URL(sso.metadata.authorization_endpoint);
+  url.search = new URLSearchParams({
+    response_type: "code",
+    client_id: sso.console_client,
+    redirect_uri: redirect,
+    scope: sso.scope,
+    state: nonce,
+    code_challenge: base64url(new Uint8Array(digest)),
+    code_challenge_method: "S256",
+  }).toString();
+  location.assign(url.toString());
+}
+
+// The provider sent the browser back with ?code=&state= (or ?error=): trade the code and the
+// verifier for the id token, which is then the bearer token like any other. True if this
+// page load was such a return.
+async function finishSignIn() {
+  const answer = new URLSearchParams(location.search);
+  if (!answer.has("code") && !answer.has("error")) return false;
+  const pending = JSON.parse(sessionStorage.getItem(PENDING_KEY) || "null");
+  sessionStorage.removeItem(PENDING_KEY);
+  history.replaceState(null, "", location.pathname + (pending?.page || ""));
+  if (answer.has("error")) {
+    signOut(`The identity provider refused: ${answer.get("error_description") || answer.get("error")}`);
+  } else if (!pending || pending.state !== answer.get("state")) {
+    signOut("That sign-in answer is not for a sign-in this page started; sign in again.");
+  } else {
+    const response = await fetch(pending.tokenEndpoint, {
+      method: "POST",
+      headers: { "Content-Type": "application/x-www-form-urlencoded" },
+      body: new URLSearchParams({
+        grant_type: "authorization_code",
+        code: answer.get("code"),
+        redirect_uri: pending.redirect,
+        client_id: pending.client,
+        code_verifier: pending.verifier,
+      }),
+    });
+    const tokens = await response.json().catch(() => ({}));
+    if (!response.ok || !tokens.id_token) {
+      signOut(`Sign-in failed: ${tokens.error_description || tokens.error || response.status}`);
+    } else {
+      sessionStorage.setItem(TOKEN_KEY, tokens.id_token);
+      signIn();
+    }
+  }
+  return true;
+}
+
+async function offerSignIn() {
+  try {
+    const sso = await provider();
+    if (!sso) return;
+    $("#sso-offer").hidden = false;
+    $("#sso").onclick = () => startSignIn(sso);
+  } catch (error) {
+    $("#login-error").textContent = `Single sign-on is unavailable: ${error.message}`;
+  }
+}
+
 document.addEventListener("DOMContentLoaded", () => {
   $("#login").addEventListener("submit", (e) => {
     e.preventDefault();
@@ -590,6 +684,10 @@ document.addEventListener("DOMContentLoaded", () => {
   });
   $("#signout").addEventListener("click", () => signOut());
   window.addEventListener("hashchange", () => render());
-  if (sessionStorage.getItem(TOKEN_KEY)) signIn();
-  else signOut();
+  offerSignIn();
+  finishSignIn().then((returned) => {
+    if (returned) return;
+    if (sessionStorage.getItem(TOKEN_KEY)) signIn();
+    else signOut();
+  });
 });
