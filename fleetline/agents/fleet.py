@@ -20,6 +20,7 @@ from fleetline.agents.simulator import FleetSimulator, SimNode
 from fleetline.agents.spool import DiskSpool
 from fleetline.config import Settings
 from fleetline.schemas.records import NodeLifecycle, NodeState, NodeTelemetry
+from fleetline.storage.crypto import cipher_for
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import AvroCodec
 from fleetline.streams.topics import Topics
@@ -64,6 +65,7 @@ class FleetAgent:
                     state_dir / "spool" / cluster.cluster_id,
                     max_bytes=spool_max_bytes,
                     segment_bytes=min(8 * 2**20, spool_max_bytes // 4),
+                    cipher=cipher_for(settings.object_key()),
                 ),
             )
             for cluster in simulator.clusters

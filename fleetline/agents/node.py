@@ -25,6 +25,7 @@ from fleetline.agents.spool import DiskSpool
 from fleetline.config import Settings
 from fleetline.errors import ConfigError
 from fleetline.schemas.records import NodeState, NodeTelemetry, NodeTopology
+from fleetline.storage.crypto import cipher_for
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import AvroCodec
 from fleetline.streams.topics import Topics
@@ -91,7 +92,7 @@ class NodeAgent:
             kafka_clients.producer(settings.kafka, kafka_clients.ACROSS_LINKS),
             codec,
             topics,
-            DiskSpool(state_dir / "spool"),
+            DiskSpool(state_dir / "spool", cipher=cipher_for(settings.object_key())),
         )
         agent = cls(
             identity,

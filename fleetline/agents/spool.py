@@ -10,6 +10,12 @@ A full disk (or quota) does not stop the agent either: a record that cannot be w
 memory only (counted in `unspooled`; it is still sent and acknowledged, and lost only if the
 agent dies before that), a torn frame is cut off, and writing resumes in a new segment starting
 at its own offset once a later attempt finds room, so offsets on disk stay consistent.
+
+With the deployment key (FLEETLINE_OBJECT_ENCRYPTION_KEY) each entry is sealed on disk
+(AES-256-GCM, storage/crypto.py) with its offset as associated data, so the node's disk holds
+no telemetry in clear and an entry moved to another place in the spool fails to open. A spool
+written in clear before sealing was turned on is still read (and sent); a sealed one opened
+without its key is refused, naming the folder, rather than dropped.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from fleetline.agents.durable import DISK_FULL, write_if_room
-from fleetline.errors import FleetlineError
+from fleetline.errors import FleetlineError, IntegrityError
+from fleetline.storage.crypto import MAGIC, ObjectCipher
 
 _FRAME = struct.Struct("<II")  # payload length, CRC32 of payload
 # While the disk is full, one append in this many tries the disk again (the rest go straight to
@@ -45,13 +52,33 @@ class SpoolEntry:
     key: bytes
     value: bytes
 
-    def encode(self) -> bytes:
+    def encode(self, cipher: ObjectCipher | None = None) -> bytes:
         topic = self.topic.encode()
         payload = _STRINGS.pack(len(topic), len(self.key)) + topic + self.key + self.value
+        if cipher is not None:
+            payload = cipher.seal(_sealed_as(self.offset), payload)
         return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
 
 
-def _decode(offset: int, payload: bytes) -> SpoolEntry:
+def _sealed_as(offset: int) -> str:
+    return f"spool/{offset}"
+
+
+def _decode(offset: int, payload: bytes, cipher: ObjectCipher | None, where: Path) -> SpoolEntry:
+    # A clear entry starts with its topic's length (a few dozen), never with the seal's magic.
+    if payload.startswith(MAGIC):
+        if cipher is None:
+            raise SpoolError(
+                f"spool folder {where} is sealed: the agent needs the key it was sealed with "
+                "(FLEETLINE_OBJECT_ENCRYPTION_KEY)"
+            )
+        try:
+            payload = cipher.open(_sealed_as(offset), payload)
+        except IntegrityError:
+            raise SpoolError(
+                f"spool folder {where}: entry {offset} does not open with this key (sealed "
+                "under another key, or altered); nothing was dropped"
+            ) from None
     topic_len, key_len = _STRINGS.unpack_from(payload)
     start = _STRINGS.size
     topic = payload[start : start + topic_len].decode()
@@ -66,6 +93,7 @@ class DiskSpool:
         max_bytes: int = 256 * 2**20,
         segment_bytes: int = 8 * 2**20,
         fsync: bool = False,
+        cipher: ObjectCipher | None = None,
     ) -> None:
         if segment_bytes > max_bytes:
             raise SpoolError(f"segment_bytes {segment_bytes} exceeds max_bytes {max_bytes}")
@@ -73,6 +101,7 @@ class DiskSpool:
         self.max_bytes = max_bytes
         self.segment_bytes = segment_bytes
         self.fsync = fsync
+        self.cipher = cipher
         self.dropped = 0  # records deleted unacknowledged because of the bound
         self.corrupt_tail = 0  # torn entries found at the end of a segment on open
         self.unspooled = 0  # records kept in memory only: the disk was full
@@ -101,7 +130,7 @@ class DiskSpool:
                 if len(payload) < length or zlib.crc32(payload) != crc:
                     break
                 if offset > self.acked:
-                    self._unacked.append(_decode(offset, payload))
+                    self._unacked.append(_decode(offset, payload, self.cipher, self.directory))
                 position += _FRAME.size + length
                 offset += 1
             if position < len(data):
@@ -134,7 +163,7 @@ class DiskSpool:
     def _write(self, entry: SpoolEntry) -> bool:
         """Append the entry's frame to the newest segment (a new one when it is full or the
         last write failed); False when the disk has no room for it."""
-        frame = entry.encode()
+        frame = entry.encode(self.cipher)
         rolled = False
         try:
             if (

@@ -175,7 +175,7 @@ def security_summary(config: Settings, acls: int, prefix: str, key_from_env: boo
     return [
         "security:",
         f"  Kafka sign-in and ACLs per kind of process: {kafka}",
-        f"  objects sealed (snapshots, checkpoints, audit archives): on, key {key}",
+        f"  objects sealed (snapshots, checkpoints, audit archives, agent spools): on, key {key}",
         "  analyst SQL allow-list, audited data reads, API tokens and roles: on",
         f"  TLS on the API: on (a certificate from the deployment CA in {config.cache_dir / 'ca'}"
         "); the query service stays plain HTTP on loopback with its token (TLS not yet)",

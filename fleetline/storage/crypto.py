@@ -49,6 +49,11 @@ class ObjectCipher:
             ) from None
 
 
+def cipher_for(key: bytes | None) -> ObjectCipher | None:
+    """The cipher of a configured key (Settings.object_key()), None when sealing is off."""
+    return ObjectCipher(key) if key else None
+
+
 class SealedObjectStore:
     """An ObjectStore whose objects are encrypted on the way in and checked on the way out."""
 

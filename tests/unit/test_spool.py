@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from fleetline.agents.spool import DiskSpool, SpoolError
+from fleetline.storage.crypto import ObjectCipher
 
 
 def fill(spool: DiskSpool, n: int, start: int = 0, size: int = 100) -> None:
@@ -124,3 +125,53 @@ def test_a_write_torn_by_a_full_disk_is_cut_off(tmp_path: Path, monkeypatch) -> 
     assert (tmp_path / f"{0:020d}.seg").stat().st_size == 3 * 119  # the torn half is gone
     spool.close()
     assert [e.offset for e in DiskSpool(tmp_path).entries_from(0)] == [0, 1, 2]
+
+
+def test_a_sealed_spool_holds_no_plaintext_and_opens_only_with_its_key(tmp_path: Path) -> None:
+    key, other = bytes(range(32)), bytes(32)
+    secret = b'{"node":"gpu-17","model":"H100","serial":"SN-4711"}'
+    spool = DiskSpool(tmp_path, cipher=ObjectCipher(key))
+    for i in range(5):
+        spool.append("telemetry", f"gpu-{i}".encode(), secret)
+    spool.ack(1)
+    spool.close()
+    on_disk = b"".join(p.read_bytes() for p in tmp_path.glob("*.seg"))
+    assert on_disk and b"SN-4711" not in on_disk and b"telemetry" not in on_disk
+    assert b"gpu-3" not in on_disk
+    reopened = DiskSpool(tmp_path, cipher=ObjectCipher(key))
+    entries = list(reopened.entries_from(0))
+    assert [(e.offset, e.topic, e.key, e.value) for e in entries] == [
+        (i, "telemetry", f"gpu-{i}".encode(), secret) for i in range(2, 5)
+    ]
+    reopened.close()
+    # Without the key, or with another, the agent is refused (naming the folder); nothing is
+    # dropped, so with the right key everything is still there.
+    with pytest.raises(SpoolError, match="is sealed: the agent needs the key"):
+        DiskSpool(tmp_path)
+    with pytest.raises(SpoolError, match="entry 2 does not open with this key"):
+        DiskSpool(tmp_path, cipher=ObjectCipher(other))
+    assert len(DiskSpool(tmp_path, cipher=ObjectCipher(key))) == 3
+
+
+def test_an_entry_moved_within_a_sealed_spool_does_not_open(tmp_path: Path) -> None:
+    cipher = ObjectCipher(bytes(range(32)))
+    spool = DiskSpool(tmp_path, cipher=cipher)
+    spool.append("t", b"a", b"first")
+    spool.append("t", b"b", b"second")
+    spool.close()
+    segment = next(tmp_path.glob("*.seg"))
+    data = segment.read_bytes()
+    length = int.from_bytes(data[:4], "little")
+    first, second = data[: 8 + length], data[8 + length :]
+    segment.write_bytes(second + first)  # each entry now sits at the other's offset
+    with pytest.raises(SpoolError, match="entry 0 does not open"):
+        DiskSpool(tmp_path, cipher=cipher)
+
+
+def test_a_clear_spool_from_before_sealing_is_still_read_and_sent(tmp_path: Path) -> None:
+    fill(DiskSpool(tmp_path), 3)
+    sealed = DiskSpool(tmp_path, cipher=ObjectCipher(bytes(range(32))))
+    fill(sealed, 2, start=3)
+    sealed.close()
+    offsets = [e.offset for e in DiskSpool(tmp_path, cipher=sealed.cipher).entries_from(0)]
+    assert offsets == [0, 1, 2, 3, 4]
