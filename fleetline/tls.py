@@ -132,3 +132,61 @@ def peer_identity(peercert: Mapping[str, Any] | None) -> str | None:
 
 def scheme(tls: TlsSettings | None) -> str:
     return "https" if tls is not None else "http"
+
+
+def pinned_identity(host: str, days: int = 30) -> tuple[ssl.SSLContext, str]:
+    """A server context with a fresh self-signed certificate for `host`, and that certificate's
+    PEM, for a service whose callers learn the certificate from somewhere they already trust
+    (an owner-only file beside the token): they pin it, so no CA is involved. The key never
+    leaves memory but for the moment `load_cert_chain` needs it in a file (owner-only, deleted)."""
+    import datetime
+    import ipaddress
+    import os
+    import tempfile
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    try:
+        names: list[x509.GeneralName] = [x509.IPAddress(ipaddress.ip_address(host))]
+    except ValueError:
+        names = [x509.DNSName(host)]
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)])
+    now = datetime.datetime.now(datetime.UTC)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    pem = certificate.public_bytes(serialization.Encoding.PEM).decode()
+    secret = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    descriptor, path = tempfile.mkstemp(suffix=".pem")  # mkstemp creates it 0600
+    try:
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(pem.encode() + secret)
+        context.load_cert_chain(path)
+    finally:
+        os.unlink(path)
+    return context, pem
+
+
+def pinned_client(pem: str) -> ssl.SSLContext:
+    """A client context that trusts the one certificate `pem` (see `pinned_identity`)."""
+    context = ssl.create_default_context(cadata=pem)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context

@@ -178,7 +178,7 @@ def security_summary(config: Settings, acls: int, prefix: str, key_from_env: boo
         f"  objects sealed (snapshots, checkpoints, audit archives, agent spools): on, key {key}",
         "  analyst SQL allow-list, audited data reads, API tokens and roles: on",
         f"  TLS on the API: on (a certificate from the deployment CA in {config.cache_dir / 'ca'}"
-        "); the query service stays plain HTTP on loopback with its token (TLS not yet)",
+        "); the query service: TLS with a pinned certificate and a token",
     ]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import json
+import logging
 import os
 import re
 import secrets
@@ -29,8 +30,10 @@ from fleetline.config import QueryLimits
 from fleetline.errors import FleetlineError, QueryError, StorageError
 from fleetline.storage.clickhouse import CLICKHOUSE_ERRORS, connect
 from fleetline.storage.sql_guard import refusal
+from fleetline.tls import pinned_client, pinned_identity
 
 DISCOVERY_FILE = "fleetline-query-service.json"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,13 @@ def _chdb_path(url: str) -> Path | None:
     return Path(parts.path) if parts.scheme == "chdb" else None
 
 
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A caller that is not a TLS client, or that went away: its connection is closed,
+        # and nothing about it is worth a traceback on the owner's terminal.
+        log.debug("query service: a connection from %s failed", client_address, exc_info=True)
+
+
 class QueryService:
     """Serves POST /query (body: SQL) for the process that owns a chdb store, on the host's
     advertised address (loopback unless FLEETLINE_ADVERTISE_HOST says otherwise).
@@ -180,6 +190,15 @@ class QueryService:
         lock = threading.Lock()  # one chdb connection: queries take turns
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = 30  # a caller that stalls, in the handshake or after, is let go
+
+            def setup(self) -> None:
+                # The handshake happens here, in the request's thread, not in the accepting
+                # one, where a caller that never speaks would hold up every other.
+                self.request.settimeout(self.timeout)
+                self.request.do_handshake()
+                super().setup()
+
             def do_POST(self) -> None:
                 if self.path != "/query":
                     self._reply(404, {"error": f"no route {self.path}; POST /query"})
@@ -216,20 +235,34 @@ class QueryService:
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.server = _QuietServer((host, port), Handler)
+        # TLS always: the certificate is made for this start and pinned by the callers, who
+        # read it from the owner-only discovery file with the token.
+        tls, self.certificate = pinned_identity(host)
+        self.server.socket = tls.wrap_socket(
+            self.server.socket, server_side=True, do_handshake_on_connect=False
+        )
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     @property
     def address(self) -> str:
         host, port = self.server.server_address[:2]
-        return f"http://{host!s}:{port}"
+        return f"https://{host!s}:{port}"
 
     def start(self) -> QueryService:
         self.thread.start()
         # Created owner-only before the token is written into it.
         descriptor = os.open(self.discovery, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(descriptor, "w") as handle:
-            json.dump({"url": self.address, "pid": os.getpid(), "token": self.token}, handle)
+            json.dump(
+                {
+                    "url": self.address,
+                    "pid": os.getpid(),
+                    "token": self.token,
+                    "certificate": self.certificate,
+                },
+                handle,
+            )
         return self
 
     def stop(self) -> None:
@@ -238,8 +271,9 @@ class QueryService:
         self.server.server_close()
 
 
-def _owner(url: str) -> tuple[str, str] | None:
-    """The address and token of the process serving the store at `url`, if another has it."""
+def _owner(url: str) -> tuple[str, str, str | None] | None:
+    """The address, token and certificate of the process serving the store at `url`, if
+    another has it."""
     path = _chdb_path(url)
     if path is None:
         return None
@@ -255,7 +289,7 @@ def _owner(url: str) -> tuple[str, str] | None:
         ) from None
     if int(info["pid"]) == os.getpid():
         return None  # we own it: query directly
-    return str(info["url"]), str(info.get("token", ""))
+    return str(info["url"]), str(info.get("token", "")), info.get("certificate")
 
 
 def run_query(
@@ -272,7 +306,7 @@ def run_query(
     owner = _owner(url)
     if owner is None:
         return query_client(connect(url), sql, expand, limits, database=database)
-    address, token = owner
+    address, token, certificate = owner
     request = urllib.request.Request(
         f"{address}/query",
         data=sql.encode(),
@@ -280,7 +314,9 @@ def run_query(
         headers={"Authorization": f"Bearer {token}"},
     )
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        with urllib.request.urlopen(
+            request, timeout=timeout_s, context=pinned_client(certificate) if certificate else None
+        ) as response:
             body = json.loads(response.read())
     except urllib.error.HTTPError as exc:
         raise QueryError(json.loads(exc.read()).get("error", str(exc))) from None

@@ -4,6 +4,7 @@ view, the API, the audit chain, and the scheduler's decisions replayed byte for 
 
 from __future__ import annotations
 
+import json
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -126,6 +127,7 @@ def test_another_process_queries_the_embedded_store_through_its_owner(settings) 
 
     from fleetline.storage.clickhouse import connect
     from fleetline.storage.query_service import DISCOVERY_FILE, QueryService
+    from fleetline.tls import pinned_client
 
     owner = connect(settings.clickhouse_url)
     db = settings.clickhouse_database
@@ -163,9 +165,18 @@ def test_another_process_queries_the_embedded_store_through_its_owner(settings) 
         anonymous = urllib.request.Request(
             f"{service.address}/query", data=b"SELECT 1", method="POST"
         )
+        pinned = pinned_client(json.loads(discovery.read_text())["certificate"])
         with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(anonymous, timeout=10)
+            urllib.request.urlopen(anonymous, timeout=10, context=pinned)
         assert refused.value.code == 401
+        # TLS, with the certificate of this start: unknown to anyone without the file, and
+        # plain HTTP gets no answer.
+        assert service.address.startswith("https://")
+        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+            urllib.request.urlopen(anonymous, timeout=10)
+        plain = service.address.replace("https://", "http://")
+        with pytest.raises((urllib.error.URLError, ConnectionError)):
+            urllib.request.urlopen(f"{plain}/query", data=b"SELECT 1", timeout=10)
     finally:
         service.stop()
     assert (ok.returncode, ok.stdout.splitlines()) == (0, ["x", "42"]), ok.stderr
