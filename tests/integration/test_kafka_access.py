@@ -29,6 +29,7 @@ from fleetline.streams.topics import (
 from tests.support import fresh_topics
 
 PORT = 26092  # below the ephemeral range; beside the tests' broker (29092), chaos (28092)
+THREE_BROKERS = 26100  # 26100-26105: three brokers and their controllers
 
 
 @dataclasses.dataclass
@@ -158,3 +159,44 @@ def test_the_control_plane_runs_under_its_own_principal(secured, services):
             60,
             "a decision about acme/secured",
         )
+
+
+def test_a_secured_cluster_of_three_brokers_enforces_the_same_grants(services):
+    """Three brokers (KRaft voters on SASL too, replicas fetched between brokers as the
+    inter-broker principal), each partition on all three: the grants hold wherever a
+    partition's leader is."""
+    from confluent_kafka.admin import AdminClient
+
+    def cluster() -> KafkaCluster:
+        return KafkaCluster.on_loopback(
+            services.cache_dir, "127.0.0.1", THREE_BROKERS, size=3, secure=True
+        )
+
+    cluster().wipe()
+    three = cluster()
+    assert three.secrets is not None
+    try:
+        three.start()
+        topics = fresh_topics()
+        specs = deployment_topics(topics)
+        grant(three.bootstrap_servers, three.secrets, topics.prefix, specs)
+        control = KafkaSettings(three.bootstrap_servers, three.secrets.client_conf(CONTROL_PLANE))
+        kafka_clients.ensure_topics(control, specs)
+        admin = AdminClient(dict(control.client_config()))
+        partitions = admin.list_topics(topics.commands, timeout=30).topics[topics.commands]
+        replicas = {len(p.replicas) for p in partitions.partitions.values()}
+        leaders = {
+            p.leader
+            for spec in specs
+            for p in admin.list_topics(spec.name, timeout=30).topics[spec.name].partitions.values()
+        }
+        assert replicas == {3} and leaders == {1, 2, 3}, (replicas, leaders)
+        secured = Secured(three.bootstrap_servers, three.secrets, topics)
+        for topic in (topics.commands, topics.emergency, topics.scheduler_requests):
+            assert appended(secured, topic, three.secrets.client_conf(CONTROL_PLANE)) is None
+            for kind in (NODE_AGENT, ROUTER):
+                refused = appended(secured, topic, three.secrets.client_conf(kind))
+                assert refused == "TOPIC_AUTHORIZATION_FAILED", (kind, topic, refused)
+            assert appended(secured, topic, {}) is not None
+    finally:
+        cluster().wipe()
