@@ -21,7 +21,7 @@ from urllib.request import Request, urlopen
 
 import pytest
 import uvicorn
-from playwright.sync_api import ConsoleMessage, Page, sync_playwright
+from playwright.sync_api import ConsoleMessage, Page
 
 from fleetline.agents.simulator import Fault
 from fleetline.api.auth import AuthConfig, Authenticator, token_digest
@@ -34,7 +34,6 @@ from tests.services import submits
 from tests.stack import Stack, now_ms, running_stack
 from tests.support import wait_until
 
-CHROMIUM = "/usr/bin/chromium"
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "console"
 CLUSTERS = ("ca", "cb")
 TOKENS = {
@@ -145,18 +144,6 @@ def console(services: Settings) -> Iterator[Console]:
             server.should_exit = True
             serving.join(15)
             emitter.flush()
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    with sync_playwright() as playwright:
-        launched = playwright.chromium.launch(
-            executable_path=CHROMIUM, headless=True, args=["--no-sandbox"]
-        )
-        try:
-            yield launched
-        finally:
-            launched.close()
 
 
 class Session:

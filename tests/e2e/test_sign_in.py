@@ -22,7 +22,7 @@ from urllib.request import Request, urlopen
 
 import pytest
 import yaml
-from playwright.sync_api import Page, sync_playwright
+from playwright.sync_api import Page
 
 from fleetline.api.app import create_app
 from fleetline.api.auth import AuthConfig, Authenticator
@@ -34,7 +34,6 @@ from tests.services import free_port, serving
 from tests.support import Recorder, wait_until
 from tests.unit.test_api import SchedulerPort
 
-CHROMIUM = "/usr/bin/chromium"
 USERS = {
     "uma": IdentityUser("uma-password", "user", "acme"),
     "ana": IdentityUser("ana-password", "tenant-admin", "acme", otp="246810"),
@@ -76,18 +75,6 @@ def deployment(tmp_path_factory) -> Iterator[Deployment]:
             yield Deployment(url, idp)
         finally:
             idp.wipe()
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    with sync_playwright() as playwright:
-        launched = playwright.chromium.launch(
-            executable_path=CHROMIUM, headless=True, args=["--no-sandbox"]
-        )
-        try:
-            yield launched
-        finally:
-            launched.close()
 
 
 @pytest.fixture
