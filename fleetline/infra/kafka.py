@@ -321,9 +321,12 @@ class KafkaCluster:
         return any(stopped)
 
     def wipe(self) -> None:
-        """Stop every broker and delete their data (topics, offsets) and the layout."""
+        """Stop every broker and delete their data (topics, offsets) and the layout. The data
+        goes, so nothing is worth a controlled shutdown: brokers stopped one by one wait for a
+        quorum that the ones stopped before took away (a minute for three)."""
         for broker in self.brokers:
-            broker.wipe()
+            broker.process.kill()
+            shutil.rmtree(broker.run_dir, ignore_errors=True)
 
     def answers(self) -> dict[str, bool]:
         return {f"kafka {b.bootstrap_servers}": b.process.answers() for b in self.brokers}
