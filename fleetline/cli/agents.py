@@ -153,6 +153,10 @@ def simulator(
     from fleetline.streams.serde import default_codec
     from fleetline.streams.topics import Topics
 
+    # SIGTERM ends collection like the last tick: what is spooled is sent before exiting. Set
+    # first, so a SIGTERM while the agent is still starting (topics, spool) ends it as cleanly.
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     config = settings("kafka")
     topics = Topics(topic_prefix)
     kafka_clients.ensure_topics(config.kafka, topics.specs())
@@ -185,9 +189,6 @@ def simulator(
         metrics.spool_collector(agents.spool_metrics),
     )
     shipped = ship_logs(config, topics, "agent/simulator")
-    # SIGTERM ends collection like the last tick: what is spooled is sent before exiting.
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     tick = 0
     try:
         agents.start(start_ms)

@@ -2,9 +2,9 @@
 certified OpenID Connect implementation, npm, pinned by oidc_provider/package-lock.json) with a
 login page that asks for a password and an optional one-time code (`provider.mjs`).
 
-Its signing keys are ours to rotate: `rotate()` restarts it with a new key first (signing)
-and the old ones still published, `retire()` with the newest alone, which is what an
-enterprise IdP's key rollover looks like from fleetline's side.
+Its signing keys are ours to roll over as an enterprise IdP does: `publish_next_key()` (the
+new key published, the old one still signing), `sign_with_next_key()`, then `retire()` (the
+signing key alone), each a restart of the provider.
 """
 
 from __future__ import annotations
@@ -127,11 +127,17 @@ class IdentityProvider:
     def stop(self) -> bool:
         return self.process.stop(timeout_s=10.0)
 
-    def rotate(self) -> str:
-        """Restart signing with a new key, the old ones still published; the new key's kid."""
-        self.keys = [signing_key(), *self.keys]
+    def publish_next_key(self) -> str:
+        """Restart publishing a new key beside the signing one, which still signs (a rollover's
+        first step: relying parties learn the key before any token names it); its kid."""
+        self.keys = [*self.keys, signing_key()]
         self._restart()
-        return self.signing_kid
+        return str(self.keys[-1]["kid"])
+
+    def sign_with_next_key(self) -> None:
+        """Restart signing with the key published last, the others still published."""
+        self.keys = [self.keys[-1], *self.keys[:-1]]
+        self._restart()
 
     def retire(self) -> None:
         """Restart publishing the signing key alone: tokens signed by older keys stop verifying."""

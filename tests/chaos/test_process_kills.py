@@ -76,6 +76,7 @@ def test_sigkill_loops_lose_repeat_and_change_nothing(replicated, tmp_path, monk
         tmp_path / "serve.log",
     )
     agents = Child(node_agents(topics.prefix, tmp_path / "agent"), env, tmp_path / "agents.log")
+    spool = tmp_path / "agent" / "spool"
     submitted = 0
     try:
         for victim in [serve, agents] * rounds(1, 4):
@@ -86,6 +87,14 @@ def test_sigkill_loops_lose_repeat_and_change_nothing(replicated, tmp_path, monk
                 time.sleep(1.5)
             victim.kill_and_restart()
         time.sleep(3)
+        # The restarted agents have sent something (a SIGTERM before they set their handler,
+        # still importing under load, would end them as the signal's default does).
+        restarted = time.time()
+        wait_until(
+            lambda: any(a.stat().st_mtime > restarted for a in spool.glob("*/acked")),
+            60,
+            what="the restarted agents to send",
+        )
         agents.stop()  # collection ends; the agents' spool has been handed over on the way
         assert agents.proc.returncode == 0, agents.log()
         wait_lag_drained(settings, f"{topics.prefix}.{group}", topics.node_topics)
