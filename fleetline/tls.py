@@ -134,13 +134,25 @@ def scheme(tls: TlsSettings | None) -> str:
     return "https" if tls is not None else "http"
 
 
+def subject_name(host: str) -> x509.GeneralName:
+    """How a certificate names `host` among its subject alternative names: an IP address as
+    one, anything else as a DNS name."""
+    import ipaddress
+
+    from cryptography import x509
+
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        return x509.DNSName(host)
+
+
 def pinned_identity(host: str, days: int = 30) -> tuple[ssl.SSLContext, str]:
     """A server context with a fresh self-signed certificate for `host`, and that certificate's
     PEM, for a service whose callers learn the certificate from somewhere they already trust
     (an owner-only file beside the token): they pin it, so no CA is involved. The key never
     leaves memory but for the moment `load_cert_chain` needs it in a file (owner-only, deleted)."""
     import datetime
-    import ipaddress
     import os
     import tempfile
 
@@ -150,10 +162,6 @@ def pinned_identity(host: str, days: int = 30) -> tuple[ssl.SSLContext, str]:
     from cryptography.x509.oid import NameOID
 
     key = ec.generate_private_key(ec.SECP256R1())
-    try:
-        names: list[x509.GeneralName] = [x509.IPAddress(ipaddress.ip_address(host))]
-    except ValueError:
-        names = [x509.DNSName(host)]
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)])
     now = datetime.datetime.now(datetime.UTC)
     certificate = (
@@ -164,7 +172,7 @@ def pinned_identity(host: str, days: int = 30) -> tuple[ssl.SSLContext, str]:
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=days))
-        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.SubjectAlternativeName([subject_name(host)]), critical=False)
         .sign(key, hashes.SHA256())
     )
     pem = certificate.public_bytes(serialization.Encoding.PEM).decode()

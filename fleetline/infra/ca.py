@@ -15,7 +15,6 @@ alternative name (what a caller checks against the address it dialled).
 from __future__ import annotations
 
 import datetime
-import ipaddress
 import os
 import re
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fleetline.config import host_address
 from fleetline.errors import ConfigError
+from fleetline.tls import subject_name
 
 IDENTITY = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 CA_DAYS = 3650
@@ -106,14 +106,7 @@ def init(directory: Path, name: str = "fleetline deployment CA") -> Path:
 
 
 def _subject_names(hosts: Sequence[str]) -> list[x509.GeneralName]:
-    names: list[x509.GeneralName] = []
-    for host in hosts:
-        text = host_address(host, "--host")
-        try:
-            names.append(x509.IPAddress(ipaddress.ip_address(text)))
-        except ValueError:
-            names.append(x509.DNSName(text))
-    return names
+    return [subject_name(host_address(host, "--host")) for host in hosts]
 
 
 def issue(directory: Path, identity: str, hosts: Sequence[str]) -> Issued:

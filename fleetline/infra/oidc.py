@@ -75,10 +75,6 @@ class IdentityProvider:
     def process(self) -> ServiceProcess:
         return ServiceProcess("oidc-provider", self.run_dir, self.host, self.port)
 
-    @property
-    def signing_kid(self) -> str:
-        return str(self.keys[0]["kid"])
-
     def config(self) -> dict[str, Any]:
         return {
             "issuer": self.issuer,

@@ -11,7 +11,6 @@ loopback by fleetline/infra/oidc.py) and a real browser (Debian's Chromium via P
 
 from __future__ import annotations
 
-import base64
 import json
 import queue
 import threading
@@ -22,6 +21,7 @@ from typing import Any
 from urllib.error import HTTPError
 from urllib.request import Request, urlopen
 
+import jwt
 import pytest
 import yaml
 from playwright.sync_api import Page
@@ -107,13 +107,11 @@ def me(api: str, token: str) -> tuple[int, Any]:
 
 
 def claims(token: str) -> dict[str, Any]:
-    payload = token.split(".")[1]
-    return json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    return dict(jwt.decode(token, options={"verify_signature": False}))
 
 
 def header(token: str) -> dict[str, Any]:
-    part = token.split(".")[0]
-    return json.loads(base64.urlsafe_b64decode(part + "=" * (-len(part) % 4)))
+    return dict(jwt.get_unverified_header(token))
 
 
 def console_sign_in(page: Page, deployment: Deployment, user: str, otp: str = "") -> None:
