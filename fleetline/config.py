@@ -156,14 +156,17 @@ class Settings:
     def deployment_key_path(self) -> Path:
         return self.cache_dir / "keys" / "object-encryption.key"
 
-    def with_deployment_key(self) -> Settings:
+    def with_deployment_key(self, *, create: bool = True) -> Settings:
         """These settings sealing objects by default: FLEETLINE_OBJECT_ENCRYPTION_KEY, or the
-        deployment key made (random, owner-only) on first start like the audit signing key.
+        deployment key made (random, owner-only) on first start like the audit signing key
+        (`create`; without it, the key only where this host's deployment already made one).
         Other hosts' processes must be given it as FLEETLINE_OBJECT_ENCRYPTION_KEY."""
         if self.object_encryption_key:
             return self
         path = self.deployment_key_path()
         if not path.exists():
+            if not create:
+                return self
             path.parent.mkdir(parents=True, exist_ok=True)
             descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(descriptor, "w") as handle:

@@ -51,7 +51,7 @@ def services(chdb_path: Path) -> Iterator[Settings]:
         kafka=KafkaSettings(TEST_KAFKA, base.kafka.client_overrides),
         s3=S3Settings(endpoint=TEST_S3, bucket="fleetline-test"),
         clickhouse_url=f"chdb://{chdb_path}",
-    )
+    ).with_deployment_key()  # objects sealed, as `serve` seals them by default
     local = LocalServices.from_settings(settings)
     started = not all(local.status().values())
     if started:

@@ -19,7 +19,7 @@ from fleetline.processors.view.fold import compose
 from fleetline.processors.view.model import ResourceView
 from fleetline.processors.view.runtime import ViewProcessor
 from fleetline.processors.view.snapshots import ViewSnapshots
-from fleetline.storage.objects import Objects, ObjectStore
+from fleetline.storage.objects import Objects
 from fleetline.storage.snapshots import SnapshotStore
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import default_codec
@@ -32,12 +32,12 @@ CODEC = default_codec()
 def snapshot_store(
     settings: Settings, root: str | None = None, objects: Objects | None = None
 ) -> ViewSnapshots:
-    """Snapshots under a fresh root of the test bucket (through `objects` when given, such as
-    a sealing store)."""
+    """Snapshots under a fresh root of the test bucket, sealed with the settings' key as the
+    processes under test seal them (through `objects` when given)."""
     if objects is None:
-        store = ObjectStore.from_settings(settings.s3)
-        store.ensure_bucket()
-        objects = store
+        from fleetline.app import sealed_objects
+
+        objects = sealed_objects(settings)
     return ViewSnapshots(
         SnapshotStore(objects, root or f"views/test-{uuid.uuid4().hex[:8]}", keep=5)
     )
@@ -120,6 +120,8 @@ def service_env(
         "FLEETLINE_S3_ACCESS_KEY": settings.s3.access_key,
         "FLEETLINE_S3_SECRET_KEY": settings.s3.secret_key,
     }
+    if settings.object_encryption_key:
+        env["FLEETLINE_OBJECT_ENCRYPTION_KEY"] = settings.object_encryption_key
     if chdb_dir is not None:
         env["FLEETLINE_CLICKHOUSE_URL"] = f"chdb://{chdb_dir}"
     if killed_members:

@@ -87,7 +87,9 @@ def settings(*needs: Need) -> Settings:
     """The settings from the environment, once each service the command `needs` has answered
     (a few seconds at most, in the order named): a command fails fast, in one line, when one is
     down."""
-    config = Settings.from_env()
+    # A command on the host of a deployment seals and opens objects with its key, as `serve`
+    # made it (another host's processes are given FLEETLINE_OBJECT_ENCRYPTION_KEY).
+    config = Settings.from_env().with_deployment_key(create=False)
     for need in needs:  # in the order given: the one named first is reported first
         if need == "kafka":
             from fleetline.streams.kafka import probe as probe_kafka

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -103,6 +104,15 @@ def serve(
         Path | None, typer.Option(help="serve HTTPS with this certificate (PEM)")
     ] = None,
     tls_key: Annotated[Path | None, typer.Option(help="... and this private key (PEM)")] = None,
+    plaintext_objects: Annotated[
+        bool,
+        typer.Option(
+            "--plaintext-objects",
+            help="store snapshots, checkpoints, models and audit archives unsealed (only where "
+            "the object store encrypts at rest itself); by default they are sealed with "
+            "FLEETLINE_OBJECT_ENCRYPTION_KEY or the deployment key made on first start",
+        ),
+    ] = False,
     router_port: Annotated[
         int | None,
         typer.Option(
@@ -126,6 +136,15 @@ def serve(
         )
     if bool(tls_cert) != bool(tls_key):
         raise ConfigError("--tls-cert and --tls-key go together")
+    if plaintext_objects:
+        config = replace(config, object_encryption_key=None)
+    elif not config.object_encryption_key:
+        config = config.with_deployment_key()
+        typer.echo(
+            f"objects sealed with the deployment key {config.deployment_key_path()} (give "
+            "other hosts' processes its contents as FLEETLINE_OBJECT_ENCRYPTION_KEY)",
+            err=True,
+        )
     ops, rules = load_ops_policy(str(ops_policy) if ops_policy else None)
     options = Options(
         topics=Topics(topic_prefix),

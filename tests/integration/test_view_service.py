@@ -19,6 +19,7 @@ from fleetline.processors.view.fold import compose
 from fleetline.processors.view.folder import FLEET_PART, shard_part
 from fleetline.processors.view.runtime import ViewProcessor
 from fleetline.processors.view.snapshots import ViewSnapshots
+from fleetline.storage.crypto import SealedObjectStore
 from fleetline.storage.objects import ObjectStore
 from fleetline.storage.snapshots import SnapshotStore
 from fleetline.streams import kafka as kafka_clients
@@ -281,8 +282,12 @@ def test_replay_goes_on_when_the_live_process_prunes_the_snapshot_it_picked(sett
     shards = {part for part in processor.parts if len(snapshots.list(part)) >= 3}
     assert shards
     _, end = log_bounds(settings.kafka, topics)
-    store = PrunedAfterListing(snapshots.blobs.store)
-    racing = ViewSnapshots(SnapshotStore(store, snapshots.blobs.root))
+    sealed = snapshots.blobs.store
+    assert isinstance(sealed, SealedObjectStore)
+    store = PrunedAfterListing(sealed.store)
+    racing = ViewSnapshots(
+        SnapshotStore(SealedObjectStore(store, sealed.cipher), snapshots.blobs.root)
+    )
     replayed = rebuild(settings.kafka, topics, end, racing)
     assert view_codec.to_data(replayed.view) == live
     # The newest manifest went after the listing and the next snapshot's blob before its read:
@@ -360,3 +365,39 @@ def test_with_an_encryption_key_the_view_snapshots_are_sealed(settings):
     stored = [raw.get(k) for k in raw.keys(f"views/{prefix}/")]
     assert len(stored) == 2 and all(blob.startswith(MAGIC) for blob in stored)
     assert view_codec.to_data(snapshots.load(info)) == view_codec.to_data(view)
+
+
+def test_serve_seals_its_snapshots_with_the_deployment_key_it_makes_on_first_start(
+    settings, tmp_path
+):
+    import dataclasses
+
+    from fleetline.app import view_snapshots
+    from fleetline.storage.crypto import MAGIC
+
+    topics = fresh_topics()
+    kafka_clients.ensure_topics(settings.kafka, topics.specs())
+    group = f"v-{uuid.uuid4().hex[:10]}"
+    produce(settings, topics, scenario_events(seconds=2))
+    env = {**os.environ, **service_env(settings, tmp_path / "chdb")}
+    del env["FLEETLINE_OBJECT_ENCRYPTION_KEY"]  # a deployment given no key: serve makes one
+    env["FLEETLINE_CACHE_DIR"] = str(tmp_path / "cache")
+    raw = ObjectStore.from_settings(settings.s3)
+    command = serve_command(topics.prefix, group, "--snapshot-interval", "0.3")
+    with (tmp_path / "serve.log").open("w") as log:
+        serve = subprocess.Popen(command, env=env, stdout=log, stderr=log)
+        try:
+            wait_until(lambda: raw.keys(f"views/{topics.prefix}/{group}/"), 60, what="a snapshot")
+        finally:
+            serve.send_signal(signal.SIGTERM)
+            serve.wait(60)
+    assert "objects sealed with the deployment key" in (tmp_path / "serve.log").read_text()
+    made = dataclasses.replace(settings, cache_dir=tmp_path / "cache", object_encryption_key=None)
+    key_file = made.deployment_key_path()
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    stored = [raw.get(k) for k in raw.keys(f"views/{topics.prefix}/{group}/")]
+    assert stored and all(blob.startswith(MAGIC) for blob in stored)
+    # Opened with the key serve made, the snapshots hold the view of the events it folded.
+    snapshots = view_snapshots(made.with_deployment_key(create=False), topics.prefix, group)
+    latest = snapshots.latest(shard_part(0))
+    assert latest is not None and snapshots.load(latest).node_events > 0

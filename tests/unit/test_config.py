@@ -105,3 +105,18 @@ def test_three_local_brokers_form_one_quorum_and_replicate_three_times(tmp_path)
     )
     assert alone["controller.quorum.voters"] == "1@127.0.0.1:39093"
     assert alone["default.replication.factor"] == alone["min.insync.replicas"] == "1"
+
+
+def test_a_command_seals_with_the_deployment_key_only_where_one_was_made(tmp_path) -> None:
+    settings = Settings.from_env({"FLEETLINE_CACHE_DIR": str(tmp_path)})
+    assert settings.with_deployment_key(create=False).object_encryption_key is None
+    assert not settings.deployment_key_path().exists()
+    made = settings.with_deployment_key()
+    assert made.object_key() is not None and len(made.object_key() or b"") == 32
+    assert settings.deployment_key_path().stat().st_mode & 0o777 == 0o600
+    adopted = settings.with_deployment_key(create=False)
+    assert adopted.object_encryption_key == made.object_encryption_key
+    given = Settings.from_env(
+        {"FLEETLINE_CACHE_DIR": str(tmp_path), "FLEETLINE_OBJECT_ENCRYPTION_KEY": "c2VjcmV0"}
+    )
+    assert given.with_deployment_key().object_encryption_key == "c2VjcmV0"
