@@ -155,14 +155,14 @@ def hgx_gpu(index: int, **overrides) -> dict:
 
 
 def hgx_collector(device: str = "NVIDIA H100 80GB HBM3", memory_gib: int = 80, count: int = 8):
-    """An opened NvmlCollector over `count` GPUs of one kind (an HGX board: two NVLink islands
+    """An opened NvmlDevices over `count` GPUs of one kind (an HGX board: two NVLink islands
     of four), as `fleetline agent nvml` would open one on such a node."""
     from pathlib import Path
 
-    from fleetline.agents.nvml import NvmlCollector, RdmaCounters
+    from fleetline.agents.devices.nvml import NvmlDevices, RdmaCounters
 
     gpus = [hgx_gpu(i, name=device.encode(), memory=(0, memory_gib * 2**30)) for i in range(count)]
-    return NvmlCollector(nvml=FakeNvml(gpus), rdma=RdmaCounters(Path("/nonexistent"))).open()
+    return NvmlDevices(nvml=FakeNvml(gpus), rdma=RdmaCounters(Path("/nonexistent"))).open()
 
 
 def node_agent_offline(collector, node_id: str, state_dir, cluster_id: str = "lab-a", **identity):

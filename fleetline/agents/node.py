@@ -1,5 +1,5 @@
-"""The agent for one real GPU server: NVML readings -> NodeTelemetry/NodeState -> spool -> Kafka,
-and its node's commands applied to the GPUs."""
+"""The agent for one real accelerator server: the device port's readings (NVML, AMD SMI) ->
+NodeTelemetry/NodeState -> spool -> Kafka, and its node's commands applied to the chips."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from fleetline.agents.commands import (
     control_labels,
     reserved_labels,
 )
+from fleetline.agents.devices import Devices
 from fleetline.agents.fleet import SequenceStore
-from fleetline.agents.nvml import NvmlCollector
 from fleetline.agents.runtime import TelemetryPublisher
 from fleetline.agents.simulator import AGENT_VERSION
 from fleetline.agents.spool import DiskSpool
@@ -66,7 +66,7 @@ class NodeIdentity:
 @dataclass
 class NodeAgent:
     identity: NodeIdentity
-    collector: NvmlCollector
+    devices: Devices
     publisher: TelemetryPublisher
     controls: ControlStore
     sequences: SequenceStore
@@ -83,7 +83,7 @@ class NodeAgent:
         codec: AvroCodec,
         topics: Topics,
         identity: NodeIdentity,
-        collector: NvmlCollector,
+        devices: Devices,
         state_dir: Path,
         interval_ms: int = 1000,
         commands: bool = True,
@@ -96,7 +96,7 @@ class NodeAgent:
         )
         agent = cls(
             identity,
-            collector,
+            devices,
             publisher,
             ControlStore(state_dir / "controls.json"),
             SequenceStore(state_dir / "sequences.json"),
@@ -128,19 +128,20 @@ class NodeAgent:
 
     def _apply(self, node_id: str, control: NodeControl) -> None:
         if control.power_cap_w is not None:
-            self.collector.set_power_limit(control.power_cap_w)
+            self.devices.set_power_limit(control.power_cap_w)
         if control.interval_ms:
             self.interval_ms = control.interval_ms
 
     def state(self, ts_ms: int) -> NodeState:
         control = self.controls.get(self.identity.node_id)
         topology: NodeTopology = {
-            **self.collector.topology(),
+            **self.devices.topology(),
             "leaf_switch": self.identity.leaf_switch,
             "spine_switch": self.identity.spine_switch,
         }
         labels = {**self.identity.labels, **control_labels(control)}
         spool = self.publisher.spool
+        accelerator = self.devices.accelerator()
         return {
             "cluster_id": self.identity.cluster_id,
             "region": self.identity.region,
@@ -154,7 +155,7 @@ class NodeAgent:
             "agent_version": AGENT_VERSION,
             "agent_spool_bytes": spool.size_bytes,
             "agent_spool_dropped": spool.dropped,
-            "accelerator": self.collector.accelerator().as_record(),
+            "accelerator": accelerator.as_record() if accelerator is not None else None,
         }
 
     def telemetry(self, ts_ms: int) -> NodeTelemetry:
@@ -165,9 +166,9 @@ class NodeAgent:
             "seq": self._next_seq(),
             "ts": ts_ms,
             "interval_ms": self.interval_ms,
-            "gpus": self.collector.sample(),
+            "gpus": self.devices.sample(),
             "agent_version": AGENT_VERSION,
-            "collector": "nvml",
+            "collector": self.devices.collector,
         }
 
     def run(self, stop: threading.Event, max_ticks: int | None = None) -> int:
@@ -195,7 +196,7 @@ class NodeAgent:
         if self.commands is not None:
             self.commands.close()
         self.publisher.spool.close()
-        self.collector.close()
+        self.devices.close()
 
 
 def _now_ms() -> int:

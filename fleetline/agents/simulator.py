@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from fleetline.agents.devices.simulated import ChipProfile, profile
 from fleetline.errors import ConfigError
 from fleetline.processors.view.accelerators import Accelerator
 from fleetline.schemas.records import (
@@ -33,14 +34,8 @@ from fleetline.schemas.records import (
     NodeTelemetry,
 )
 
-GPUS_PER_NODE = 8
-ISLAND_SIZE = 4
+GPUS_PER_NODE = 8  # the NVIDIA parts' (a node of another chip has its profile's count)
 NODES_PER_LEAF = 2
-H100_FB_MIB = 81559
-# What NVML reports as the memory total of the devices the simulator plays, MiB.
-DEVICE_FB_MIB = {"NVIDIA H100 80GB HBM3": H100_FB_MIB, "NVIDIA H200": 143771}
-DEFAULT_POWER_LIMIT_W = 700.0
-NVLINK_LINKS = 18
 DAY_MS = 24 * 3600 * 1000
 AGENT_VERSION = "0.2.0"
 # GPUs whose load bias is at least this run training jobs; the others serve inference.
@@ -118,6 +113,7 @@ class SimNode:
     region: str
     node_id: str
     model: str
+    chip: ChipProfile
     leaf_switch: str
     spine_switch: str
     # Per-GPU load bias in [0, 1): some GPUs run busy jobs, some sit idle.
@@ -193,14 +189,9 @@ def _uuid(seed: int, node_id: str, index: int) -> str:
     return f"GPU-{digest}-{index:04x}-{seed & 0xFFFF:04x}-{len(node_id):04x}-{digest}{index:04x}"
 
 
-def device_memory_mib(device_name: str) -> int:
-    """The memory total NVML reports for a simulated device (a name it does not know plays an
-    80 GB part)."""
-    return DEVICE_FB_MIB.get(device_name, H100_FB_MIB)
-
-
-def _islands() -> list[list[int]]:
-    return [list(range(i, i + ISLAND_SIZE)) for i in range(0, GPUS_PER_NODE, ISLAND_SIZE)]
+def _domains(chip: ChipProfile) -> list[list[int]]:
+    size = chip.domain_size
+    return [list(range(i, min(i + size, chip.per_node))) for i in range(0, chip.per_node, size)]
 
 
 @dataclass
@@ -221,6 +212,7 @@ class FleetSimulator:
         self._rng = random.Random(self.seed)
         self.nodes = []
         for cluster in self.clusters:
+            chip = profile(cluster.model)
             for n in range(cluster.nodes):
                 node_id = f"{cluster.cluster_id}-n{n:04d}"
                 self.nodes.append(
@@ -229,10 +221,11 @@ class FleetSimulator:
                         region=cluster.region,
                         node_id=node_id,
                         model=cluster.model,
+                        chip=chip,
                         leaf_switch=f"{cluster.cluster_id}-leaf{n // cluster.nodes_per_leaf:03d}",
                         spine_switch=f"{cluster.cluster_id}-spine0",
-                        load_bias=tuple(self._rng.random() for _ in range(GPUS_PER_NODE)),
-                        gpu_uuids=tuple(_uuid(self.seed, node_id, i) for i in range(GPUS_PER_NODE)),
+                        load_bias=tuple(self._rng.random() for _ in range(chip.per_node)),
+                        gpu_uuids=tuple(_uuid(self.seed, node_id, i) for i in range(chip.per_node)),
                     )
                 )
         self._by_id = {node.node_id: node for node in self.nodes}
@@ -248,7 +241,11 @@ class FleetSimulator:
     def _check_target(self, fault: Fault) -> None:
         if fault.kind in ("nvlink_errors", "xid", "ecc_dbe"):
             node_id, _, index = fault.target.rpartition("/")
-            ok = node_id in self._by_id and index.isdigit() and int(index) < GPUS_PER_NODE
+            ok = (
+                node_id in self._by_id
+                and index.isdigit()
+                and int(index) < self._by_id[node_id].chip.per_node
+            )
         elif fault.kind == "rdma_loss":
             ok = any(n.leaf_switch == fault.target for n in self.nodes)
         elif fault.kind == "node_down":
@@ -279,7 +276,9 @@ class FleetSimulator:
         labels: Mapping[str, str] | None = None,
         spool: tuple[int, int] | None = None,
     ) -> NodeState:
-        peers = {str(i): [j for j in island if j != i] for island in _islands() for i in island}
+        chip = node.chip
+        domains = _domains(chip)
+        peers = {str(i): [j for j in domain if j != i] for domain in domains for i in domain}
         return {
             "cluster_id": node.cluster_id,
             "region": node.region,
@@ -290,18 +289,18 @@ class FleetSimulator:
             "reason": reason,
             "labels": {"pool": "training", **(labels or {})},
             "topology": {
-                "gpu_count": GPUS_PER_NODE,
-                "nvlink_islands": _islands(),
+                "gpu_count": chip.per_node,
+                "nvlink_islands": domains,
                 "leaf_switch": node.leaf_switch,
                 "spine_switch": node.spine_switch,
-                "gpu_numa_nodes": [i * 2 // GPUS_PER_NODE for i in range(GPUS_PER_NODE)],
+                "gpu_numa_nodes": [i * 2 // chip.per_node for i in range(chip.per_node)],
                 "nvlink_peers": peers,
             },
             "agent_version": AGENT_VERSION,
             "agent_spool_bytes": None if spool is None else spool[0],
             "agent_spool_dropped": None if spool is None else spool[1],
             "accelerator": Accelerator.of_device(
-                "nvidia", node.model, device_memory_mib(node.model)
+                chip.vendor, node.model, chip.memory_mib
             ).as_record(),
         }
 
@@ -329,7 +328,7 @@ class FleetSimulator:
         self._power_limit[node_id] = watts
 
     def power_limit(self, node_id: str) -> float:
-        return self._power_limit.get(node_id, DEFAULT_POWER_LIMIT_W)
+        return self._power_limit.get(node_id, self._by_id[node_id].chip.power_limit_w)
 
     def link_up(self, node_id: str, ts_ms: int) -> bool:
         """False while a cluster_link_loss fault cuts the node's cluster off from Kafka."""
@@ -383,9 +382,10 @@ class FleetSimulator:
                 continue
             limit = self.power_limit(node.node_id)
             loss = rdma_faults.get(node.leaf_switch)
-            memory_mib = device_memory_mib(node.model)
+            chip = node.chip
+            memory_mib = chip.memory_mib
             gpus: list[GpuSample] = []
-            for index in range(GPUS_PER_NODE):
+            for index in range(chip.per_node):
                 bias = node.load_bias[index]
                 # A training job runs steady and near full, whatever the hour; inference
                 # follows the users' day.
@@ -402,13 +402,15 @@ class FleetSimulator:
                 if link_errors is not None:
                     counters[2] += max(1, int(link_errors))
                 # Errors force replays: a degraded link moves a fraction of the data.
-                link_bytes = (0.3 if link_errors is not None else 1.0) * busy * 180e9
-                power = min(limit, 90 + 600 * busy + rng.gauss(0, 10))
+                link_bytes = (
+                    (0.3 if link_errors is not None else 1.0) * busy * chip.link_bytes_per_s
+                )
+                power = min(limit, chip.idle_w + chip.busy_w * busy + rng.gauss(0, 10))
                 gpus.append(
                     {
                         "gpu_index": index,
                         "gpu_uuid": node.gpu_uuids[index],
-                        "vendor": "nvidia",
+                        "vendor": chip.vendor,
                         "model": node.model,
                         # NVML reports utilisation and temperature in whole percent and degrees.
                         "gpu_util_pct": float(round(util)),
@@ -430,10 +432,12 @@ class FleetSimulator:
                         "xid_codes": xids.get(key, []),
                         "pcie_tx_bytes_per_s": _kib(busy * 20e9),
                         "pcie_rx_bytes_per_s": _kib(busy * 22e9),
-                        "sm_clock_mhz": int(1980 * min(1.0, limit / DEFAULT_POWER_LIMIT_W)),
-                        "mem_clock_mhz": 2619,
+                        "sm_clock_mhz": int(
+                            chip.sm_clock_mhz * min(1.0, limit / chip.power_limit_w)
+                        ),
+                        "mem_clock_mhz": chip.mem_clock_mhz,
                         "power_limit_w": limit,
-                        "nvlink_links_active": NVLINK_LINKS,
+                        "nvlink_links_active": chip.links,
                     }
                 )
             out.append(

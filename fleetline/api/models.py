@@ -55,6 +55,10 @@ class HealthPolicyBody(Body):
     fail_xids: list[int]
     recover_after_samples: int
     unreachable_after_ms: int
+    vendor_codes: dict[str, dict[str, list[int]]] = Field(
+        default_factory=dict,
+        description="other vendors' chip error events: vendor -> degrade and fail codes",
+    )
 
 
 class ViewMeta(ViewRead):

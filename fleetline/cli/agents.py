@@ -1,5 +1,5 @@
-"""Node agents: `agent nvml` on a GPU server, `agent simulator` for a simulated fleet, and
-`command`, which sends a node's agent a command."""
+"""Node agents: `agent node` on an accelerator server, `agent simulator` for a simulated
+fleet, and `command`, which sends a node's agent a command."""
 
 from __future__ import annotations
 
@@ -40,8 +40,16 @@ StateDir = Annotated[
 ]
 
 
-@agent.command()
-def nvml(
+def node(
+    devices: Annotated[
+        str,
+        typer.Option(
+            metavar="auto|nvml|amdsmi",
+            help="the device library the chips are read through (auto: the first that finds "
+            "any); a library missing or failing is named in the log and the node is reported "
+            "with no accelerators",
+        ),
+    ] = "auto",
     cluster_id: Annotated[str, typer.Option(help="this node's cluster")] = "local",
     region: Annotated[str, typer.Option(help="this node's region")] = "local",
     node_id: Annotated[
@@ -67,12 +75,12 @@ def nvml(
     metrics_port: MetricsPort = None,
     metrics_host: MetricsHost = None,
 ) -> None:
-    """The node agent on a real GPU server: NodeTelemetry every interval and NodeState
-    heartbeats through an on-disk spool; applies the node's commands. The GPUs' vendor, model
-    and memory and their NVLink islands are read from the driver; labels and switches are the
-    operator's."""
+    """The node agent on a real accelerator server (NVIDIA through NVML, AMD through AMD SMI):
+    NodeTelemetry every interval and NodeState heartbeats through an on-disk spool; applies the
+    node's commands. The chips' vendor, model and memory and their interconnect domains (NVLink
+    islands, xGMI hives) are read from the driver; labels and switches are the operator's."""
+    from fleetline.agents.devices import open_devices
     from fleetline.agents.node import NodeAgent, NodeIdentity, operator_labels
-    from fleetline.agents.nvml import NvmlCollector
     from fleetline.observability import logs, metrics
     from fleetline.streams import kafka as kafka_clients
     from fleetline.streams.serde import default_codec
@@ -95,7 +103,7 @@ def nvml(
         default_codec(),
         topics,
         identity,
-        NvmlCollector().open(),
+        open_devices(devices),
         state_dir or config.cache_dir / "agent",
         interval_ms=interval_ms,
     )
@@ -113,6 +121,11 @@ def nvml(
         node.close()
         logs.unship(shipped)
     print(f"{identity.node_id}: {sent} intervals sent to {topics.telemetry}")
+
+
+agent.command(name="node")(node)
+# The command's name before other vendors' chips were read; reads through `--devices` as `node`.
+agent.command(name="nvml", hidden=True)(node)
 
 
 @agent.command()

@@ -9,15 +9,16 @@ import time
 
 import pytest
 
-from fleetline.agents.nvml import CollectorError, NvmlCollector
+from fleetline.agents.devices import DeviceError
+from fleetline.agents.devices.nvml import NvmlDevices
 from fleetline.streams.serde import default_codec
 
 
 @pytest.fixture(scope="module")
 def nvml():
     try:
-        collector = NvmlCollector().open()
-    except CollectorError as exc:
+        collector = NvmlDevices().open()
+    except DeviceError as exc:
         pytest.skip(f"no NVIDIA GPU here: {exc}")
     if collector.gpu_count == 0:
         pytest.skip("NVML loaded but reports no GPU")
@@ -180,7 +181,7 @@ def test_a_power_cap_outside_the_gpu_s_range_is_refused_before_nvml_is_asked(nvm
     if not known:
         pytest.skip("NVML states no power limit range for these GPUs")
     too_low = min(low for low, _ in known) - 50
-    with pytest.raises(CollectorError, match=r"outside GPU \d+.s allowed"):
+    with pytest.raises(DeviceError, match=r"outside GPU \d+.s allowed"):
         nvml.set_power_limit(too_low)
     assert [g["power_limit_w"] for g in nvml.sample()] == before
 

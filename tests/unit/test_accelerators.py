@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from fleetline.agents.devices.nvml import NvmlDevices, RdmaCounters
 from fleetline.agents.node import NodeAgent, operator_labels
-from fleetline.agents.nvml import NvmlCollector, RdmaCounters
 from fleetline.agents.simulator import ClusterSpec, FleetSimulator, cluster_info
 from fleetline.errors import ConfigError
 from fleetline.processors.scheduling.capacity import CapacityIndex, observe
@@ -127,7 +127,7 @@ def test_the_nvml_agent_states_what_its_gpus_are(tmp_path: Path) -> None:
 
 def test_a_node_of_mixed_gpus_is_scheduled_as_its_weakest(tmp_path: Path) -> None:
     gpus = [hgx_gpu(0), hgx_gpu(1, name=b"NVIDIA H100 PCIe", memory=(0, 40 * 2**30))]
-    collector = NvmlCollector(nvml=FakeNvml(gpus), rdma=RdmaCounters(Path("/nonexistent"))).open()
+    collector = NvmlDevices(nvml=FakeNvml(gpus), rdma=RdmaCounters(Path("/nonexistent"))).open()
     assert collector.accelerator() == Accelerator("nvidia", "h100-80gb-hbm3", 40 * 1024)
 
 
@@ -208,10 +208,13 @@ def test_placement_honours_model_list_and_memory(tmp_path: Path) -> None:
     # No model named: any node, the A100 as well as the H100.
     anywhere = place_training(view, "lab-a", training_spec())
     assert isinstance(anywhere, Placement)
+    # A gang never mixes kinds of chip: two workers do not take the H100 and the A100.
     two = place_training(view, "lab-a", training_spec(workers=2))
-    assert isinstance(two, Placement)
-    assert {node for node, _ in two.gpus} == {"gpu-host-1", "gpu-host-2"}
-    assert "on nvidia a100-sxm4-40gb 40 GiB and nvidia h100-80gb-hbm3 80 GiB" in two.reasons
+    assert not isinstance(two, Placement)
+    assert two.reason == (
+        "needs 2 nodes of one kind of chip with 8 free GPUs; of those that fit, "
+        "1 a100-sxm4-40gb, 1 h100-80gb-hbm3"
+    )
     # 48 GB rules the A100 out in the lab and leaves the H200 cluster in.
     big = place_training(view, "lab-a", training_spec(min_gpu_memory_gb=48))
     assert isinstance(big, Placement) and {n for n, _ in big.gpus} == {"gpu-host-1"}

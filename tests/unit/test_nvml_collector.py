@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from fleetline.agents.nvml import CollectorError, NvmlCollector, RdmaCounters
+from fleetline.agents.devices import DeviceError
+from fleetline.agents.devices.nvml import NvmlDevices, RdmaCounters
 from fleetline.streams.serde import default_codec
 from tests.fake_nvml import FakeNvml, hgx_gpu
 
@@ -16,7 +17,7 @@ codec = default_codec()
 
 def collector(gpus: list[dict], rdma_root: Path = Path("/nonexistent")) -> tuple:
     fake = FakeNvml(gpus)
-    return NvmlCollector(nvml=fake, rdma=RdmaCounters(rdma_root)).open(), fake
+    return NvmlDevices(nvml=fake, rdma=RdmaCounters(rdma_root)).open(), fake
 
 
 def test_units_and_names_follow_dcgm() -> None:
@@ -125,12 +126,12 @@ def test_power_cap_goes_to_every_gpu_or_fails_clearly() -> None:
     nvml.set_power_limit(450)
     assert fake.power_limits_set == [(0, 450_000), (1, 450_000)]
     fake.allow_set_power = False
-    with pytest.raises(CollectorError, match="450 W power cap"):
+    with pytest.raises(DeviceError, match="450 W power cap"):
         nvml.set_power_limit(450)
     # Outside what a GPU allows: refused before any GPU is touched.
     fake.allow_set_power = True
     fake.gpus[1]["limit_range_mw"] = (300_000, 700_000)
-    with pytest.raises(CollectorError, match="250 W power cap is outside GPU 1's allowed 300-700"):
+    with pytest.raises(DeviceError, match="250 W power cap is outside GPU 1's allowed 300-700"):
         nvml.set_power_limit(250)
     assert fake.power_limits_set == [(0, 450_000), (1, 450_000)]
     assert nvml.power_limit_range_w() == [(200.0, 700.0), (300.0, 700.0)]
@@ -143,5 +144,5 @@ def test_no_driver_is_a_collector_error() -> None:
         def nvmlInit(self):
             raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
 
-    with pytest.raises(CollectorError, match="NVML is not available"):
-        NvmlCollector(nvml=NoDriver([])).open()
+    with pytest.raises(DeviceError, match="NVML is not available"):
+        NvmlDevices(nvml=NoDriver([])).open()

@@ -43,11 +43,12 @@ def gpu_sharing(
 
 def gpu_memory_mib(index: int) -> int | None:
     """A local GPU's memory, from NVML; None without NVML or that GPU."""
-    from fleetline.agents.nvml import CollectorError, load_nvml
+    from fleetline.agents.devices import DeviceError
+    from fleetline.agents.devices.nvml import load_nvml
 
     try:
         nv = load_nvml()
-    except CollectorError:
+    except DeviceError:
         return None
     try:
         nv.nvmlInit()

@@ -23,6 +23,7 @@ from typing import Any
 
 from fleetline.errors import InvalidEventError
 from fleetline.processors.view.accelerators import MIB_PER_GB, Accelerator, suits
+from fleetline.processors.view.catalogue import builtin as catalogue
 from fleetline.processors.view.fold import node_status
 from fleetline.processors.view.model import ClusterHealth, NodeStatus, NodeView, ResourceView
 from fleetline.processors.view.summary import (
@@ -304,6 +305,13 @@ def fenced_facts(facts: FleetFacts, fenced: Mapping[str, str]) -> FleetFacts:
 BucketKey = tuple[Accelerator, tuple[int, ...], int, int]
 
 
+def computes(accelerator: Accelerator, precision: str) -> bool:
+    """Whether the chip has `precision`'s arithmetic, as the catalogue says (a model it does
+    not list is not trusted with work that needs a precision: nobody said it has it)."""
+    capability = catalogue().of(accelerator)
+    return capability is not None and bool(capability.peak(precision))
+
+
 @dataclass(frozen=True)
 class GangShape:
     """What one placement asks of a cluster: `workers` x `per_worker` GPUs in NVLink groups of
@@ -317,19 +325,31 @@ class GangShape:
     replica_workers: int
     allow_degraded: bool
     min_memory_mib: int = 0
+    precision: str | None = None  # only chips whose catalogue entry computes in it
 
     @property
     def gpus(self) -> int:
         return self.workers * self.per_worker
 
     def matches(self, accelerator: Accelerator) -> bool:
-        return suits(accelerator, self.accelerators, self.min_memory_mib)
+        if not suits(accelerator, self.accelerators, self.min_memory_mib):
+            return False
+        return self.precision is None or computes(accelerator, self.precision)
 
     def wants(self) -> str:
-        """What GPUs it asks for, in words: `h100 or h200 GPUs with 80+ GB`, `GPUs`."""
+        """What GPUs it asks for, in words: `h100 or h200 GPUs with 80+ GB`, `GPUs`, `GPUs
+        computing fp8`."""
         models = " or ".join(self.accelerators)
         memory = f" with {self.min_memory_mib / MIB_PER_GB:g}+ GB" if self.min_memory_mib else ""
-        return f"{models} GPUs{memory}".strip()
+        arithmetic = f" computing {self.precision}" if self.precision else ""
+        return f"{models} GPUs{memory}{arithmetic}".strip()
+
+
+def one_kind(shape: GangShape, kind: Accelerator) -> GangShape:
+    """The shape narrowed to one kind of chip (its model, at least its memory)."""
+    return replace(
+        shape, accelerators=(kind.model,), min_memory_mib=max(shape.min_memory_mib, kind.memory_mib)
+    )
 
 
 @dataclass(frozen=True)
@@ -498,8 +518,32 @@ class CapacityIndex:
             left -= count
         return used / total if total else 0.0
 
+    def fitting_kinds(self, cluster_id: str, shape: GangShape) -> dict[Accelerator, int]:
+        """How many nodes of each kind of chip could host one worker of the shape."""
+        counts = self.counts.get(cluster_id, {})
+        kinds: dict[Accelerator, int] = {}
+        for _, key, _ in self.fitting(cluster_id, shape):
+            kinds[key[0]] = kinds.get(key[0], 0) + counts[key]
+        return kinds
+
     def select_gang(self, cluster_id: str, shape: GangShape) -> Gang | str:
-        """The nodes and GPUs for every worker, or why the cluster cannot hold the gang."""
+        """The nodes and GPUs for every worker, or why the cluster cannot hold the gang. A gang
+        never mixes kinds of chip (their vendors' collectives do not talk to each other): in a
+        cluster of several, the kind with the most nodes that fit is tried first."""
+        kinds = self.fitting_kinds(cluster_id, shape)
+        if len(kinds) > 1:
+            for kind in sorted(kinds, key=lambda k: (-kinds[k], k)):
+                gang = self._select_gang(cluster_id, one_kind(shape, kind))
+                if not isinstance(gang, str):
+                    return gang
+            held = ", ".join(f"{kinds[k]} {k.model}" for k in sorted(kinds))
+            return (
+                f"needs {shape.workers} nodes of one kind of chip with {shape.per_worker} free "
+                f"{shape.wants()}; of those that fit, {held}"
+            )
+        return self._select_gang(cluster_id, shape)
+
+    def _select_gang(self, cluster_id: str, shape: GangShape) -> Gang | str:
         buckets = self.buckets.get(cluster_id, {})
         counts = self.counts.get(cluster_id, {})
         fitting = self.fitting(cluster_id, shape)

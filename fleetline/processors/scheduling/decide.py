@@ -24,6 +24,7 @@ from fleetline.processors.scheduling.effects import (
     PrewarmOrder,
 )
 from fleetline.processors.scheduling.energy import best_start
+from fleetline.processors.scheduling.estimate import DEFAULT_PRECISION, WorkSize
 from fleetline.processors.scheduling.orders import order_run, order_stop
 from fleetline.processors.scheduling.pipeline import (
     Attempt,
@@ -86,6 +87,7 @@ def request_for(
             gpu_ms=shape.gpus * s.runtime_ms(spec),
             pool_keep=_pool_keep(s),
             data_only=data_only,
+            work=work_size(spec),
         )
     # One replica: each replica of a service is a job of its own.
     return JobRequest(
@@ -97,6 +99,17 @@ def request_for(
         user_region=(regions or spec.regions)[0],
         spread=_sibling_spread(s, job),
         pool_room=_pool_room(s),
+    )
+
+
+def work_size(spec: TrainingJobSpec) -> WorkSize | None:
+    if spec.work is None:
+        return None
+    return WorkSize(
+        spec.work.pflop_per_step,
+        spec.work.steps,
+        spec.precision or DEFAULT_PRECISION,
+        spec.work.deadline_ms,
     )
 
 
@@ -719,7 +732,14 @@ def preempt_for(
     request = request_for(s, job, regions=regions, data_only=data_only)
     filters = tuple(f for f in s.policy.filters if f not in ("capacity", "reservation"))
     ranked = rank_clusters(
-        Context(s.index, replace(s.policy, filters=filters), s.tenants, s.usage, request)
+        Context(
+            s.index,
+            replace(s.policy, filters=filters),
+            s.tenants,
+            s.usage,
+            request,
+            now_ms=s.now_ms,
+        )
     )
     best = None
     found = 0
@@ -758,7 +778,12 @@ def preempt_for(
             )
         )
     single = Context(
-        s.index, replace(s.policy, filters=(*filters, "capacity")), s.tenants, s.usage, request
+        s.index,
+        replace(s.policy, filters=(*filters, "capacity")),
+        s.tenants,
+        s.usage,
+        request,
+        now_ms=s.now_ms,
     )
     if isinstance(job.spec, InferenceServiceSpec):
         placed = place_replicas(single, 1)

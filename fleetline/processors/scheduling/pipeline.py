@@ -22,8 +22,11 @@ from fleetline.processors.scheduling.capacity import (
     FleetFacts,
     Gang,
     GangShape,
+    computes,
+    one_kind,
 )
 from fleetline.processors.scheduling.energy import GPU_POWER_KW, EnergyProfile, effective_price
+from fleetline.processors.scheduling.estimate import Estimate, WorkSize, best, estimate
 from fleetline.processors.scheduling.placement import Placement, refs_by_node, to_placement
 from fleetline.processors.scheduling.policy import SchedulingPolicy
 from fleetline.processors.scheduling.tenancy import (
@@ -34,6 +37,7 @@ from fleetline.processors.scheduling.tenancy import (
     reserved_for_others,
 )
 from fleetline.processors.view.accelerators import did_you_mean
+from fleetline.processors.view.catalogue import builtin as catalogue
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ class JobRequest:
     pool_room: Mapping[str, int] | None = None
     pool_keep: Mapping[str, int] | None = None
     data_only: bool = False  # only clusters that hold its dataset (no copy)
+    work: WorkSize | None = None  # its size, for the estimate on each kind of chip
 
 
 @dataclass
@@ -87,6 +92,9 @@ class Context:
     now_ms: int = 0
     energy: Mapping[str, EnergyProfile] = field(default_factory=dict)
     greenest: float = 0.0  # the lowest effective energy price in the fleet now
+    # With a work size: each cluster's best estimate, and the least cost among them.
+    estimates: dict[str, Estimate] = field(default_factory=dict)
+    cheapest_work: float = 0.0
 
     @property
     def tenant_policy(self) -> TenantPolicy | None:
@@ -139,6 +147,9 @@ def _accelerator(ctx: Context, cluster_id: str) -> str | None:
         for name in shape.accelerators
         if not any(name in m.names for m in fleet)
     )
+    precision = shape.precision
+    if precision and not any(computes(m, precision) for m in fleet):
+        hints += f" (no chip in the fleet computes {precision}, as the accelerator catalogue says)"
     return f"has no {shape.wants()} (it has {present}){hints}"
 
 
@@ -172,7 +183,8 @@ def _reservation(ctx: Context, cluster_id: str) -> str | None:
 
 def _capacity(ctx: Context, cluster_id: str) -> str | None:
     shape = ctx.request.shape
-    if ctx.index.fitting_nodes(cluster_id, shape) >= shape.workers:
+    kinds = ctx.index.fitting_kinds(cluster_id, shape)
+    if len(kinds) <= 1 and sum(kinds.values()) >= shape.workers:
         return None
     gang = ctx.index.select_gang(cluster_id, shape)
     return gang if isinstance(gang, str) else None
@@ -302,6 +314,52 @@ def _fit(ctx: Context, cluster_id: str) -> float:
     return ctx.index.fill_after(cluster_id, ctx.request.shape)
 
 
+def _work(ctx: Context, cluster_id: str) -> float:
+    """With a work size: half for finishing by the deadline, half for the least cost of a run
+    that meets it over this cluster's (1: the cheapest run that meets the deadline; a run that
+    misses it scores at most 0.5, below every one that meets it); 0 where no catalogue figure
+    allows an estimate."""
+    found = ctx.estimates.get(cluster_id)
+    if found is None:
+        return 0.0
+    if found.cost <= 0 or ctx.cheapest_work <= 0:
+        return 1.0 if found.meets_deadline else 0.5
+    cheaper = min(1.0, ctx.cheapest_work / found.cost)
+    return (0.5 if found.meets_deadline else 0.0) + 0.5 * cheaper
+
+
+def _estimates(ctx: Context) -> None:
+    """Each cluster's best estimate of the request's work: on the kinds of chip it has enough
+    nodes of for the gang (else every kind that matches), priced at the cluster's GPU-hour."""
+    work, shape = ctx.request.work, ctx.request.shape
+    assert work is not None
+    ctx.estimates = {}
+    for cluster_id in _cluster_ids(ctx.index):
+        facts = ctx.cluster(cluster_id)
+        if facts is None:
+            continue
+        kinds = [
+            k for k, n in ctx.index.fitting_kinds(cluster_id, shape).items() if n >= shape.workers
+        ]
+        kinds = kinds or [m for m in ctx.index.models(cluster_id) if shape.matches(m)]
+        found = best(
+            [
+                e
+                for kind in sorted(kinds)
+                if (
+                    e := estimate(
+                        work, kind, shape.gpus, cost_per_gpu_hour(facts), ctx.now_ms, catalogue()
+                    )
+                )
+                is not None
+            ]
+        )
+        if found is not None:
+            ctx.estimates[cluster_id] = found
+    meeting = [e.cost for e in ctx.estimates.values() if e.meets_deadline]
+    ctx.cheapest_work = min(meeting or [e.cost for e in ctx.estimates.values()], default=0.0)
+
+
 def _preference(ctx: Context, cluster_id: str) -> float:
     order = ctx.policy.cluster_preference
     return 1.0 / (order.index(cluster_id) + 1) if cluster_id in order else 0.0
@@ -320,6 +378,7 @@ SCORERS: dict[str, Scorer] = {
     "preference": _preference,
     "spread": _spread,
     "energy": _energy,
+    "work": _work,
 }
 
 
@@ -342,7 +401,18 @@ def rank_clusters(ctx: Context) -> list[ClusterScore]:
             ),
             default=0.0,
         )
-    scorers = [(name, SCORERS[name], weights[name]) for name in sorted(weights) if weights[name]]
+    # The work scorer judges only requests that say their size (the others' decisions are as
+    # they were before it existed); for those, the cost of the whole run on the chip it would
+    # get replaces the cost of a GPU-hour, which knows nothing of the chip's speed.
+    work = ctx.request.work is not None and bool(weights.get("work"))
+    if work:
+        _estimates(ctx)
+    skipped = "cost" if work else "work"
+    scorers = [
+        (name, SCORERS[name], weights[name])
+        for name in sorted(weights)
+        if weights[name] and name != skipped
+    ]
     filters = [
         ("residency", _residency),
         ("data", _data_here),
@@ -465,15 +535,20 @@ def place_gang(ctx: Context) -> Attempt:
     for score in scores:
         if score.rejected is not None:
             break
-        gang = ctx.index.select_gang(score.cluster_id, ctx.request.shape)
+        shape = ctx.request.shape
+        found = ctx.estimates.get(score.cluster_id)
+        if found is not None:
+            shape = one_kind(shape, found.kind)  # the chip the estimate is for
+        gang = ctx.index.select_gang(score.cluster_id, shape)
         if isinstance(gang, str):
             continue
         _reserve(ctx.index, gang)
-        placement = to_placement(gang, ctx.request.shape, ctx.index)
+        placement = to_placement(gang, shape, ctx.index)
         prewarm = _prewarm(ctx, score.cluster_id)
+        estimated = [found.describe()] if found is not None else []
         return Attempt(
             (placement,),
-            _explain(score) + "; " + "; ".join(placement.reasons),
+            "; ".join([_explain(score), *estimated, *placement.reasons]),
             shown,
             (prewarm,) if prewarm else (),
             ctx.request.shape.workers,

@@ -21,6 +21,7 @@ from fleetline.processors.scheduling.capacity import (
     mask_of,
 )
 from fleetline.processors.scheduling.specs import InferenceServiceSpec, TrainingJobSpec
+from fleetline.processors.view.catalogue import domain_word
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ def training_shape(job: TrainingJobSpec, workers: int | None = None) -> GangShap
         replica_workers=max(1, per_replica_gpus // job.gpus_per_worker),
         allow_degraded=job.communication == "light",
         min_memory_mib=job.min_gpu_memory_mib,
+        precision=job.precision,
     )
 
 
@@ -65,6 +67,7 @@ def inference_shape(service: InferenceServiceSpec, replicas: int) -> GangShape:
         replica_workers=1,
         allow_degraded=service.whole_gpus == 1,
         min_memory_mib=service.min_gpu_memory_mib,
+        precision=service.precision,
     )
 
 
@@ -79,7 +82,7 @@ def to_placement(gang: Gang, shape: GangShape, index: CapacityIndex) -> Placemen
     tensor = min(shape.tensor, shape.per_worker)
     if tensor > 1:
         reasons.append(
-            f"tensor-parallel groups of {tensor} inside one NVLink island"
+            f"tensor-parallel groups of {tensor} inside one {domain_word(kinds[0])}"
             if all(
                 tensor <= max(i.bit_count() for i in index.facts.nodes[n].islands)
                 for n, _ in gang.workers

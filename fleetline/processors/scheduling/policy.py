@@ -22,7 +22,9 @@ FLEET_FILTERS = frozenset({"reachable", "accelerator", "region", "capacity", "po
 FILTER_NAMES = frozenset(
     {"reachable", "accelerator", "region", "quota", "reservation", "capacity", "bandwidth", "pool"}
 )
-SCORER_NAMES = frozenset({"locality", "latency", "cost", "fit", "preference", "spread", "energy"})
+SCORER_NAMES = frozenset(
+    {"locality", "latency", "cost", "fit", "preference", "spread", "energy", "work"}
+)
 DEFAULT_FILTERS = (
     "reachable",
     "accelerator",
@@ -41,6 +43,9 @@ DEFAULT_WEIGHTS: Mapping[str, float] = {
     "preference": 0.5,
     "spread": 1.0,
     "energy": 1.0,
+    # Only for jobs that say their size (`work`): the most work per cost that meets the
+    # deadline, weighed above the cluster-level cost it refines.
+    "work": 3.0,
 }
 
 

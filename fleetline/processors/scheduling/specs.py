@@ -239,6 +239,27 @@ def _models(value: Any) -> Any:
     return value
 
 
+Precision = Literal["fp32", "bf16", "fp8", "int8"]
+
+
+class Work(Model):
+    """How much computing a training job does: the scheduler estimates its time and cost on
+    each kind of chip from it (the accelerator catalogue's peak in the job's precision x the
+    share of peak a step reaches) and prefers the most work per cost that meets the deadline."""
+
+    pflop_per_step: Annotated[float, Field(strict=False, gt=0, allow_inf_nan=False)] = Field(
+        description="PFLOP one training step computes, the whole job (all its GPUs)"
+    )
+    steps: Count = Field(description="steps to run")
+    deadline: AwareDatetime | None = Field(
+        default=None, description="when it must be done (ISO 8601 with a zone)"
+    )
+
+    @property
+    def deadline_ms(self) -> int | None:
+        return None if self.deadline is None else int(self.deadline.timestamp() * 1000)
+
+
 class GpuKind(Model):
     """Which GPUs the work may run on: a model or family by name, or any, with at least so much
     memory per GPU (names are matched as `processors/view/accelerators.py` says)."""
@@ -249,6 +270,11 @@ class GpuKind(Model):
     )
     min_gpu_memory_gb: Positive | None = Field(
         default=None, description="memory each GPU must have, GB (10^9 bytes, as vendors count)"
+    )
+    precision: Precision | None = Field(
+        default=None,
+        description="the arithmetic it computes in (fp32, bf16, fp8, int8): only chips that "
+        "have it (the accelerator catalogue says which) take it; default: any",
     )
 
     @property
@@ -289,6 +315,11 @@ class TrainingJobSpec(GpuKind):
     retry: RetryPolicy = RetryPolicy()
     deferrable: Deferrable | None = Field(
         default=None, description="may wait for cheaper or greener hours (a deadline)"
+    )
+    work: Work | None = Field(
+        default=None,
+        description="its size (PFLOP per step, steps, a deadline): chooses the chip with the "
+        "most work per cost that finishes in time",
     )
     federated: Federated | None = Field(
         default=None,

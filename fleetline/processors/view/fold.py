@@ -168,11 +168,15 @@ def fold_telemetry(
         if sample.ecc_dbe_total > previous.ecc_dbe_total:
             failure = "ecc_dbe"
         if sample.xid_codes:
+            vendor = node.accelerator.vendor
+            degrade_codes, fail_codes = policy.codes(vendor)
+            # NVIDIA calls its events XIDs; another vendor's are named with the vendor.
+            word = "xid" if fail_codes is policy.fail_xids else f"{vendor} event"
             for code in sample.xid_codes:
-                if code in policy.fail_xids:
-                    failure = f"xid {code}"
-                elif code in policy.degrade_xids:
-                    fault = f"xid {code}"
+                if code in fail_codes:
+                    failure = f"{word} {code}"
+                elif code in degrade_codes:
+                    fault = f"{word} {code}"
         errors, before = sample.nvlink_errors_total, previous.nvlink_errors_total
         loss = sample.rdma_packet_loss_ratio
         if errors is not None and before is not None and errors - before >= nvlink_limit:

@@ -96,14 +96,28 @@ def gpu_sample(gpu: Mapping[str, Any]) -> Sample:
     return sample_of_row(_gpu_values(gpu))
 
 
+# Each vendor's error events that change a chip's health, as its adapter reports them
+# (agents/devices/): (vendor, degrade, fail).
+VENDOR_CODES: tuple[tuple[str, frozenset[int], frozenset[int]], ...] = (
+    # AMD SMI's event notifications (AmdSmiEvtNotificationType): 2 THERMAL_THROTTLE slows the
+    # GPU; 3 GPU_PRE_RESET is the driver resetting it after a hang or a fatal RAS error.
+    ("amd", frozenset({2}), frozenset({3})),
+    # The simulated NPU and TPU families (agents/devices/simulated.py) number theirs as their
+    # profiles say: 1xx degrade (link retrain, thermal), 2xx fail (HBM, core or link lost).
+    ("simnpu", frozenset({101, 102}), frozenset({201, 202, 203})),
+    ("simtpu", frozenset({101, 102}), frozenset({201, 202, 203})),
+)
+
+
 @dataclass(frozen=True)
 class HealthPolicy:
     """When a GPU counts as degraded or failed, and a node as unreachable (all in event time).
 
-    XID codes follow NVIDIA's XID catalogue: 48 (double-bit ECC), 61/62 (internal
+    A chip's error events (GpuSample `xid_codes`) are numbered by its vendor, and read by the
+    vendor its node declared. NVIDIA's XID catalogue: 48 (double-bit ECC), 61/62 (internal
     micro-controller), 79 (fallen off the bus), 95 (uncontained ECC), 119/120 (GSP) take a GPU
     out; 63/64 (row remapping), 74 (NVLink), 92 (high single-bit ECC rate), 94 (contained ECC)
-    leave it usable but suspect.
+    leave it usable but suspect. Other vendors' codes are in `vendor_codes` (VENDOR_CODES).
     """
 
     nvlink_errors_per_interval: int = 3
@@ -112,6 +126,20 @@ class HealthPolicy:
     fail_xids: frozenset[int] = frozenset({48, 61, 62, 79, 95, 119, 120})
     recover_after_samples: int = 30
     unreachable_after_ms: int = 10_000
+    # vendor -> (codes that degrade a chip, codes that fail it), for vendors other than nvidia.
+    vendor_codes: tuple[tuple[str, frozenset[int], frozenset[int]], ...] = field(
+        default_factory=lambda: VENDOR_CODES
+    )
+
+    def codes(self, vendor: str) -> tuple[frozenset[int], frozenset[int]]:
+        """The (degrade, fail) event codes of a vendor's chips; an unknown vendor's events are
+        kept in telemetry and judge nothing."""
+        if vendor in ("nvidia", "unknown"):  # "unknown": nodes from before NodeState v3
+            return self.degrade_xids, self.fail_xids
+        for name, degrade, fail in self.vendor_codes:
+            if name == vendor:
+                return degrade, fail
+        return frozenset(), frozenset()
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -121,6 +149,10 @@ class HealthPolicy:
             "fail_xids": sorted(self.fail_xids),
             "recover_after_samples": self.recover_after_samples,
             "unreachable_after_ms": self.unreachable_after_ms,
+            "vendor_codes": {
+                vendor: {"degrade": sorted(degrade), "fail": sorted(fail)}
+                for vendor, degrade, fail in self.vendor_codes
+            },
         }
 
     @classmethod
@@ -132,6 +164,13 @@ class HealthPolicy:
             fail_xids=frozenset(data["fail_xids"]),
             recover_after_samples=int(data["recover_after_samples"]),
             unreachable_after_ms=int(data["unreachable_after_ms"]),
+            # Snapshots from before other vendors were read carry none: the defaults then.
+            vendor_codes=tuple(
+                (vendor, frozenset(codes["degrade"]), frozenset(codes["fail"]))
+                for vendor, codes in sorted(data["vendor_codes"].items())
+            )
+            if "vendor_codes" in data
+            else VENDOR_CODES,
         )
 
 

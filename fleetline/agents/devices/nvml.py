@@ -1,4 +1,4 @@
-"""Reads a node's NVIDIA GPUs through NVML (the nvidia-ml-py bindings) into GpuSample records.
+"""The NVIDIA adapter of the device port: a node's GPUs through NVML (nvidia-ml-py).
 
 Field names follow the DCGM exporter's metric names where one exists. A capability the GPU or
 host lacks (no NVLink, no RDMA, a counter the driver does not expose) is None, never zero.
@@ -19,7 +19,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from fleetline.errors import FleetlineError
+from fleetline.agents.devices import DeviceError, check_power_cap, interconnect_domains
 from fleetline.processors.view.accelerators import Accelerator
 from fleetline.schemas.records import GpuSample, NodeTopology
 
@@ -29,15 +29,11 @@ MIB = 1024 * 1024
 NVML_ERROR_TIMEOUT = 10
 
 
-class CollectorError(FleetlineError):
-    """The GPU collector cannot start or act (no driver, no permission)."""
-
-
 def load_nvml() -> ModuleType:
     try:
         import pynvml
     except ImportError as exc:  # pragma: no cover - a declared dependency
-        raise CollectorError(f"nvidia-ml-py is not installed: {exc}") from None
+        raise DeviceError(f"nvidia-ml-py is not installed: {exc}") from None
     return pynvml  # type: ignore[no-any-return]  # the module has no type information
 
 
@@ -89,7 +85,7 @@ class RdmaCounters:
 
 
 @dataclass
-class NvmlCollector:
+class NvmlDevices:
     """One node's GPUs through NVML. `nvml` is the pynvml module (a stand-in in unit tests)."""
 
     nvml: Any = None
@@ -100,13 +96,13 @@ class NvmlCollector:
     _previous_nvlink: dict[int, tuple[int, int, int]] = field(default_factory=dict, init=False)
     _events: Any = field(default=None, init=False)
 
-    def open(self) -> NvmlCollector:
+    def open(self) -> NvmlDevices:
         self.nvml = self.nvml or load_nvml()
         nv = self.nvml
         try:
             nv.nvmlInit()
         except nv.NVMLError as exc:
-            raise CollectorError(f"NVML is not available here: {exc}") from None
+            raise DeviceError(f"NVML is not available here: {exc}") from None
         self._handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(nv.nvmlDeviceGetCount())]
         self._links = [self._active_links(h) for h in self._handles]
         try:
@@ -146,6 +142,10 @@ class NvmlCollector:
         return links
 
     @property
+    def collector(self) -> str:
+        return "nvml"
+
+    @property
     def gpu_count(self) -> int:
         return len(self._handles)
 
@@ -173,12 +173,12 @@ class NvmlCollector:
             numa.append(-1 if node is None else int(node))
         return {
             "gpu_count": self.gpu_count,
-            "nvlink_islands": _islands(peers, self.gpu_count),
+            "nvlink_islands": interconnect_domains(peers, self.gpu_count),
             "gpu_numa_nodes": numa,
             "nvlink_peers": peers,
         }
 
-    def accelerator(self) -> Accelerator:
+    def accelerator(self) -> Accelerator | None:
         """What the node's GPUs are, from the driver: GPU 0's name and the smallest memory (a
         node of mixed GPUs is rare and is scheduled as its weakest; its names are logged)."""
         nv = self.nvml
@@ -190,9 +190,11 @@ class NvmlCollector:
             info = self._try(nv.nvmlDeviceGetMemoryInfo, handle)
             if info is not None:
                 memory.append(int(info.total) // MIB)
+        if not names:
+            return None
         if len(set(names)) > 1:
             log.warning("mixed GPU models on one node: %s; scheduled as %s", names, names[0])
-        return Accelerator.of_device(self.vendor, names[0] if names else "", min(memory, default=0))
+        return Accelerator.of_device(self.vendor, names[0], min(memory, default=0))
 
     def _xids(self) -> dict[int, list[int]]:
         found: dict[int, list[int]] = {}
@@ -333,18 +335,13 @@ class NvmlCollector:
     def set_power_limit(self, watts: float) -> None:
         """Cap every GPU's power; needs root. A cap outside a GPU's allowed range is refused
         before any GPU is touched (so a node never ends up half capped); otherwise NVML's
-        refusal is raised as a CollectorError with its reason."""
-        for index, allowed in enumerate(self.power_limit_range_w()):
-            if allowed is not None and not allowed[0] <= watts <= allowed[1]:
-                raise CollectorError(
-                    f"a {watts:.0f} W power cap is outside GPU {index}'s allowed "
-                    f"{allowed[0]:.0f}-{allowed[1]:.0f} W"
-                )
+        refusal is raised as a DeviceError with its reason."""
+        check_power_cap(watts, self.power_limit_range_w())
         for handle in self._handles:
             try:
                 self.nvml.nvmlDeviceSetPowerManagementLimit(handle, int(watts * 1000))
             except self.nvml.NVMLError as exc:
-                raise CollectorError(f"setting a {watts:.0f} W power cap: {exc}") from None
+                raise DeviceError(f"setting a {watts:.0f} W power cap: {exc}") from None
 
 
 def _text(value: Any) -> str:
@@ -366,22 +363,3 @@ def _address(handle: Any) -> int:
 def _same_handle(a: Any, b: Any) -> bool:
     """NVML device handles are ctypes pointers: equal when they point at one device."""
     return a is b or _address(a) == _address(b)
-
-
-def _islands(peers: dict[str, list[int]], count: int) -> list[list[int]]:
-    """Connected groups of GPUs over NVLink; a GPU with no NVLink is an island of one."""
-    seen: set[int] = set()
-    islands = []
-    for start in range(count):
-        if start in seen:
-            continue
-        group, todo = set(), [start]
-        while todo:
-            gpu = todo.pop()
-            if gpu in group:
-                continue
-            group.add(gpu)
-            todo.extend(peers.get(str(gpu), []))
-        seen |= group
-        islands.append(sorted(group))
-    return islands

@@ -1,0 +1,182 @@
+"""Task-aware placement over a fleet of different chips: the accelerator catalogue, the work
+estimate, precision, deadlines, and gangs that never mix kinds of chip."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+
+from fleetline.agents.simulator import ClusterSpec, FleetSimulator, cluster_info
+from fleetline.errors import ConfigError
+from fleetline.processors.scheduling.estimate import WorkSize, estimate
+from fleetline.processors.view.accelerators import Accelerator
+from fleetline.processors.view.catalogue import builtin, parse_catalogue
+from fleetline.processors.view.model import ResourceView
+from tests.fleet_events import fold
+from tests.scheduling_support import Driver, advance, training
+from tests.support import BASE_MS
+
+NOW_MS = BASE_MS + 10_000
+
+
+def mixed_fleet(clusters: list[tuple[ClusterSpec, float]]) -> ResourceView:
+    """A view of simulated clusters, each at its own price per GPU-hour."""
+    sim = FleetSimulator([c for c, _ in clusters], seed=5)
+    events: list[tuple[str, dict]] = []
+    for spec, price in clusters:
+        info = cluster_info(spec, 1, BASE_MS)
+        info.update(price_per_gpu_hour=price, energy_price_per_kwh=0.0)
+        events.append(("ClusterInfo", info))
+    events += [("NodeState", r) for r in sim.initial_states(BASE_MS)]
+    view = fold(events)
+    advance(view, sim, 1, 2)
+    return view
+
+
+FLEET = [
+    (ClusterSpec("h100-a", "eu-west", 2), 2.40),
+    (ClusterSpec("mi300x-a", "us-east", 2, model="AMD Instinct MI300X"), 2.10),
+    (ClusterSpec("a100-a", "us-east", 2, model="NVIDIA A100-SXM4-80GB"), 1.20),
+    (ClusterSpec("tpu-a", "ap-south", 4, model="SimTPU T1 16GB"), 0.90),
+]
+
+
+def sized(name: str, pflop: float, steps: int, **extra) -> dict:
+    return training(name, accelerator=None, work={"pflop_per_step": pflop, "steps": steps}, **extra)
+
+
+def test_the_estimate_is_the_work_over_the_chips_effective_throughput() -> None:
+    work = WorkSize(pflop_per_step=3.2, steps=1000, precision="bf16")
+    h100 = Accelerator("nvidia", "h100-80gb-hbm3", 81559)
+    found = estimate(work, h100, gpus=8, cost_per_gpu_hour=2.0, now_ms=0, catalogue=builtin())
+    assert found is not None
+    # 3,200 TFLOP over 8 x 989 TFLOPS x 0.40: 1.011 s a step.
+    assert found.step_s == pytest.approx(3200 / (8 * 989 * 0.40))
+    assert found.cost == pytest.approx(found.run_s / 3600 * 8 * 2.0)
+    assert "bf16 989 TFLOPS x 0.4 of peak" in found.describe()
+    a100 = Accelerator("nvidia", "a100-sxm4-80gb", 81920)
+    fp8 = WorkSize(3.2, 1000, "fp8")
+    assert estimate(fp8, a100, 8, 2.0, 0, builtin()) is None  # no fp8 arithmetic on an A100
+
+
+def test_a_sized_job_lands_on_the_chip_with_the_most_work_per_cost_and_says_why() -> None:
+    driver = Driver(mixed_fleet(FLEET), now_ms=NOW_MS)
+    driver.submit(sized("big", pflop=3.2, steps=2000))
+    decision = driver.last("acme/big")
+    # The MI300X's 1307 x 0.32 bf16 TFLOPS at 2.10 beat the H100's 989 x 0.40 at 2.40 and
+    # the A100's 312 x 0.45 at 1.20 per unit of work; the TPU-like hosts have four chips.
+    assert decision.cluster_id == "mi300x-a"
+    assert "est. " in decision.reason and "on 8 mi300x (bf16 1307.4 TFLOPS x 0.32 of peak)" in (
+        decision.reason
+    )
+    parts = {s.cluster_id: s.parts for s in decision.alternatives if s.rejected is None}
+    assert parts["mi300x-a"]["work"] == 1.0
+    assert parts["mi300x-a"]["work"] > parts["h100-a"]["work"] > parts["a100-a"]["work"]
+
+
+def test_a_deadline_the_cheapest_chip_would_miss_goes_to_one_that_meets_it() -> None:
+    a100_cheap = (ClusterSpec("a100-a", "us-east", 2, model="NVIDIA A100-SXM4-80GB"), 0.60)
+    view = mixed_fleet([FLEET[0], a100_cheap])
+    # Per unit of work the A100s at 0.60 are cheaper (0.60 / 140 vs 2.40 / 396 effective
+    # TFLOPS) but 2.8x slower.
+    relaxed = Driver(view, now_ms=NOW_MS)
+    relaxed.submit(sized("j", pflop=3.2, steps=10_000))
+    assert relaxed.last("acme/j").cluster_id == "a100-a"
+    # 10,000 steps: 2.8 h on the H100s, 7.9 h on the A100s; due in 4 hours.
+    due = dt.datetime.fromtimestamp((NOW_MS + 4 * 3_600_000) / 1000, dt.UTC).isoformat()
+    urgent = Driver(view, now_ms=NOW_MS)
+    document = sized("j", pflop=3.2, steps=10_000)
+    document["spec"]["work"]["deadline"] = due
+    urgent.submit(document)
+    decision = urgent.last("acme/j")
+    assert decision.cluster_id == "h100-a"
+    assert "finishes before its deadline" in decision.reason
+    a100 = next(s for s in decision.alternatives if s.cluster_id == "a100-a")
+    assert a100.parts["work"] == 0.5  # cheaper, but it would finish after the deadline
+
+
+def test_a_precision_only_some_chips_have_keeps_the_job_off_the_others() -> None:
+    driver = Driver(mixed_fleet(FLEET), now_ms=NOW_MS)
+    driver.submit(sized("fp8", pflop=3.2, steps=100, precision="fp8"))
+    decision = driver.last("acme/fp8")
+    assert decision.cluster_id in ("mi300x-a", "h100-a")
+    rejected = {s.cluster_id: s.rejected for s in decision.alternatives if s.rejected}
+    assert rejected["a100-a"] == ("has no GPUs computing fp8 (it has nvidia a100-sxm4-80gb 80 GiB)")
+
+
+def test_a_precision_no_chip_in_the_fleet_has_waits_with_that_reason() -> None:
+    driver = Driver(mixed_fleet(FLEET[2:]), now_ms=NOW_MS)  # A100s and TPU-like chips
+    driver.submit(sized("fp8", pflop=3.2, steps=100, precision="fp8", per_worker=4, tensor=4))
+    decision = driver.last("acme/fp8")
+    assert decision.outcome == "QUEUED"
+    assert "no chip in the fleet computes fp8" in decision.reason
+
+
+def test_a_job_without_a_size_is_scored_as_before() -> None:
+    driver = Driver(mixed_fleet(FLEET), now_ms=NOW_MS)
+    driver.submit(training("plain", accelerator=None))
+    decision = driver.last("acme/plain")
+    assert decision.alternatives and all("work" not in s.parts for s in decision.alternatives)
+    assert "est." not in decision.reason
+
+
+def test_a_gang_in_a_cluster_of_two_chips_takes_one_kind_the_one_estimated() -> None:
+    # One cluster, H100 and MI300X nodes side by side (two clusters' nodes, one cluster id).
+    sim_h100 = FleetSimulator([ClusterSpec("mixed", "eu-west", 2)], seed=5)
+    sim_mi = FleetSimulator(
+        [ClusterSpec("mixed-amd", "eu-west", 2, model="AMD Instinct MI300X")], seed=6
+    )
+    events: list[tuple[str, dict]] = [
+        ("ClusterInfo", cluster_info(ClusterSpec("mixed", "eu-west", 2), 1, BASE_MS))
+    ]
+    for sim in (sim_h100, sim_mi):
+        for record in sim.initial_states(BASE_MS):
+            events.append(("NodeState", {**record, "cluster_id": "mixed"}))
+    view = fold(events)
+    for sim in (sim_h100, sim_mi):
+        for t in (1, 2):
+            fold(
+                [
+                    ("NodeTelemetry", {**r, "cluster_id": "mixed"})
+                    for r in sim.telemetry(BASE_MS + t * 1000)
+                ],
+                view,
+            )
+    driver = Driver(view, now_ms=NOW_MS)
+    driver.submit(sized("two", pflop=6.4, steps=100, workers=2))
+    nodes = driver.nodes_of("acme/two")
+    assert len(nodes) == 2 and {n.split("-n")[0] for n in nodes} == {"mixed-amd"}
+    assert "on 16 mi300x" in driver.last("acme/two").reason
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"memory_gb": None}, "h100-80gb-hbm3: memory_gb must be a number, not None"),
+        ({"power_w": -700}, "h100-80gb-hbm3: power_w is -700; a figure may not be negative"),
+        ({"efficiency": 1.5}, "efficiency is a share of peak, above 0 and at most 1"),
+        ({"peak_tflops": {"fp32": 67, "bf16": 989, "int8": 1979}}, "peak_tflops.fp8 is missing"),
+        ({"source": ""}, "h100-80gb-hbm3: source must be named"),
+        ({"watts": 1}, "unknown fields ['watts']"),
+    ],
+)
+def test_a_catalogue_entry_with_a_bad_figure_is_refused_naming_it(change, message) -> None:
+    entry = builtin().models["h100-80gb-hbm3"].as_dict()
+    del entry["model"]
+    parse_catalogue({"models": {"h100-80gb-hbm3": entry}})  # as shipped: accepted
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse_catalogue({"models": {"h100-80gb-hbm3": {**entry, **change}}})
+    missing = {k: v for k, v in entry.items() if k != "memory_bandwidth_gbps"}
+    with pytest.raises(ConfigError, match="h100-80gb-hbm3: memory_bandwidth_gbps is missing"):
+        parse_catalogue({"models": {"h100-80gb-hbm3": missing}})
+
+
+def test_every_simulated_chip_is_in_the_catalogue_with_its_source() -> None:
+    from fleetline.agents.devices.simulated import PROFILES
+    from fleetline.processors.view.accelerators import normalise_model
+
+    catalogue = builtin()
+    for name, chip in PROFILES.items():
+        entry = catalogue.models[normalise_model(name)]
+        assert entry.vendor == chip.vendor and entry.source
