@@ -94,6 +94,7 @@ bench: $(STAMP) $(MPIRUN)
 	$(PY) benchmarks/replay.py
 	$(PY) benchmarks/sharded.py
 	$(PY) benchmarks/dataplane.py
+	$(PY) benchmarks/heterogeneous.py
 
 services-start: $(STAMP)
 	$(VENV)/bin/fleetline infra start
