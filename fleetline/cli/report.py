@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -119,6 +120,9 @@ def print_result(console: Console, result: SliceResult, clickhouse_url: str, pre
     say("timings: " + ", ".join(f"{k} {v:.1f}s" for k, v in result.timings.items()))
 
 
+_ESTIMATE = re.compile(r"est\. [^;]*(?:; finishes [^;]*)?")
+
+
 def print_scheduling(console: Console, scheduling: dict[str, Any]) -> None:
     say = console.print
     say(
@@ -129,6 +133,19 @@ def print_scheduling(console: Console, scheduling: dict[str, Any]) -> None:
     for decision_id, job, outcome, where, reason in scheduling["decisions"]:
         decisions.add_row(decision_id, job, outcome, where, reason[:70])
     say(decisions)
+    # The jobs that said their size: which chip the estimate chose, and why (the reason's
+    # estimate, as `fleetline explain` shows it whole).
+    estimated = [
+        (job, where, found.group(0))
+        for _, job, outcome, where, reason in scheduling["decisions"]
+        if outcome == "PLACED" and (found := _ESTIMATE.search(reason))
+    ]
+    if estimated:
+        say("\nchips chosen by each sized job's estimate (the cheapest run meeting its deadline):")
+        chosen = table("job", "where", "estimate")
+        for job, where, text in estimated:
+            chosen.add_row(job, where, text)
+        say(chosen)
     say("\njobs as the scheduler holds them:")
     jobs = table("job", "phase", "GPUs", "where", numeric=("GPUs",))
     for key, phase, where, gpus in scheduling["jobs"]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING, Annotated
 
@@ -124,7 +125,8 @@ def run(
         for step, seconds in services.start().items():
             console.print(f"  {step}: {seconds:.1f}s")
     prefix = topic_prefix or f"fleetline.run{int(time.time())}"
-    key_from_env = bool(config.object_encryption_key)
+    # Given in the environment, or the deployment's own key (found here, or made now).
+    key_from_env = bool(os.environ.get("FLEETLINE_OBJECT_ENCRYPTION_KEY"))
     config = config.with_deployment_key()
     acls = 0
     secrets = None if external_services else services.kafka.secrets

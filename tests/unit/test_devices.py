@@ -210,6 +210,8 @@ def test_a_mixed_simulated_fleet_folds_into_one_view_with_each_node_s_chip() -> 
             data["nvlink_islands"],
         )
         assert len(data["gpus"]) == data["gpu_count"]
+        # The catalogue's figures for its model ride with the node.
+        assert data["capability"]["model"] == data["accelerator"]["model"]
     assert seen == {
         "eu-west-a": ("nvidia", "h100-80gb-hbm3", 81559, 8, [[0, 1, 2, 3], [4, 5, 6, 7]]),
         "us-east-a": ("amd", "mi300x", 196592, 8, [list(range(8))]),

@@ -20,9 +20,15 @@ from tests.support import BASE_MS
 NOW_MS = BASE_MS + 10_000
 
 
-def mixed_fleet(clusters: list[tuple[ClusterSpec, float]]) -> ResourceView:
+def mixed_fleet(clusters: list[tuple[ClusterSpec, float]], faults=()) -> ResourceView:
     """A view of simulated clusters, each at its own price per GPU-hour."""
-    sim = FleetSimulator([c for c, _ in clusters], seed=5)
+    return mixed_fleet_and_simulator(clusters, faults)[0]
+
+
+def mixed_fleet_and_simulator(
+    clusters: list[tuple[ClusterSpec, float]], faults=()
+) -> tuple[ResourceView, FleetSimulator]:
+    sim = FleetSimulator([c for c, _ in clusters], seed=5, faults=list(faults))
     events: list[tuple[str, dict]] = []
     for spec, price in clusters:
         info = cluster_info(spec, 1, BASE_MS)
@@ -31,7 +37,7 @@ def mixed_fleet(clusters: list[tuple[ClusterSpec, float]]) -> ResourceView:
     events += [("NodeState", r) for r in sim.initial_states(BASE_MS)]
     view = fold(events)
     advance(view, sim, 1, 2)
-    return view
+    return view, sim
 
 
 FLEET = [
@@ -42,8 +48,9 @@ FLEET = [
 ]
 
 
-def sized(name: str, pflop: float, steps: int, **extra) -> dict:
-    return training(name, accelerator=None, work={"pflop_per_step": pflop, "steps": steps}, **extra)
+def sized(name: str, pflop: float, steps: int, accelerator: str | None = None, **extra) -> dict:
+    work = {"pflop_per_step": pflop, "steps": steps}
+    return training(name, accelerator=accelerator, work=work, **extra)
 
 
 def test_the_estimate_is_the_work_over_the_chips_effective_throughput() -> None:
@@ -94,6 +101,16 @@ def test_a_deadline_the_cheapest_chip_would_miss_goes_to_one_that_meets_it() -> 
     assert "finishes before its deadline" in decision.reason
     a100 = next(s for s in decision.alternatives if s.cluster_id == "a100-a")
     assert a100.parts["work"] == 0.5  # cheaper, but it would finish after the deadline
+    # `within` says the same relative to the submission.
+    relative = Driver(view, now_ms=NOW_MS)
+    document = sized("j", pflop=3.2, steps=10_000)
+    document["spec"]["work"]["within"] = "4h"
+    relative.submit(document)
+    assert relative.last("acme/j").reason == decision.reason
+    both = sized("k", pflop=1, steps=1)
+    both["spec"]["work"].update(within="4h", deadline=due)
+    relative.submit(both)
+    assert "give a deadline or `within`, not both" in relative.last("acme/k").reason
 
 
 def test_a_precision_only_some_chips_have_keeps_the_job_off_the_others() -> None:
@@ -180,3 +197,94 @@ def test_every_simulated_chip_is_in_the_catalogue_with_its_source() -> None:
     for name, chip in PROFILES.items():
         entry = catalogue.models[normalise_model(name)]
         assert entry.vendor == chip.vendor and entry.source
+
+
+def test_checkpoint_reports_measure_a_model_s_share_of_peak_and_estimates_use_it() -> None:
+    from fleetline.processors.scheduling.effects import WorkloadOrder
+    from fleetline.processors.scheduling.scheduler import Scheduler
+
+    driver = Driver(mixed_fleet(FLEET[:1]), now_ms=NOW_MS)  # the H100s alone
+    driver.submit(sized("first", pflop=2.0, steps=10_000, accelerator="h100"))
+    (order,) = [
+        e
+        for e in driver.effects
+        if isinstance(e, WorkloadOrder) and e.job == "acme/first" and e.action == "RUN"
+    ]
+    # 100 steps a minute on 8 H100s: 100 x 2,000 TFLOP over 60 s x 8 x 989 TFLOPS = 0.421.
+    for n in range(4):
+        driver.tick(60)
+        driver.report(order, "CHECKPOINT", step=100 * (n + 1), checkpoint_ms=driver.now_ms)
+    # A report whose steps the stated size cannot explain (above peak) measures nothing.
+    driver.tick(1)
+    driver.report(order, "CHECKPOINT", step=10_000, checkpoint_ms=driver.now_ms)
+    measured = driver.scheduler.measured["h100-80gb-hbm3/bf16"]
+    assert measured.intervals == 3
+    assert measured.efficiency == pytest.approx(200_000 / (60 * 8 * 989), rel=1e-9)
+    driver.submit(sized("second", pflop=2.0, steps=1000, accelerator="h100"))
+    assert "bf16 989 TFLOPS x 0.421 of peak measured over 3 intervals" in (
+        driver.last("acme/second").reason
+    )
+    # The measurement is state of record: a scheduler restored from its records keeps it.
+    restored = Scheduler.from_records(dict(driver.scheduler.records()), driver.last_facts)
+    assert restored.measured == driver.scheduler.measured
+
+
+@pytest.mark.parametrize("portable", [False, True])
+def test_a_moved_job_resumes_on_the_chip_that_wrote_its_checkpoint_unless_portable(
+    portable: bool,
+) -> None:
+    from fleetline.agents.simulator import Fault
+
+    fleet = [
+        (ClusterSpec("h100-a", "eu-west", 1), 2.40),
+        (ClusterSpec("mi300x-a", "us-east", 1, model="AMD Instinct MI300X"), 2.10),
+    ]
+    down = Fault("node_down", "mi300x-a-n0000", BASE_MS + 20_000, None)
+    view, sim = mixed_fleet_and_simulator(fleet, [down])
+    driver = Driver(view, now_ms=NOW_MS)
+    document = sized("j", pflop=3.2, steps=2000, checkpoint_interval_s=5)
+    document["spec"]["portable"] = portable
+    driver.submit(document)
+    assert driver.last("acme/j").cluster_id == "mi300x-a"  # the cheaper run
+    driver.progress("acme/j", "CHECKPOINT", checkpoint_ms=BASE_MS + 15_000)
+    advance(view, sim, 3, 22)
+    driver.tick(seconds=12, view=view)
+    moved = driver.last("acme/j")
+    if portable:
+        assert moved.outcome == "PLACED" and moved.cluster_id == "h100-a"
+        assert "on 8 h100-80gb-hbm3" in moved.reason
+    else:
+        assert moved.outcome == "QUEUED"
+        assert (
+            "h100-a: has no mi300x GPUs (it has nvidia h100-80gb-hbm3 80 GiB) "
+            "(its checkpoint was written on mi300x; `portable: true` lets it resume on another "
+            "chip)"
+        ) in moved.reason
+
+
+def test_the_heterogeneous_scenario_places_as_its_story_says() -> None:
+    """`fleetline run --scenario heterogeneous`'s jobs through the pure scheduler: the file's
+    comments stay true."""
+    from fleetline.demo import scenario
+
+    story = scenario.load("heterogeneous")
+    view = mixed_fleet([(c.spec, c.price_per_gpu_hour or 0.0) for c in story.clusters])
+    driver = Driver(view, now_ms=NOW_MS)
+    (event,) = [e for e in story.events if e.apply]
+    for policy in event.tenant_policies:
+        driver.tenant(dict(policy))
+    for document in event.apply:
+        driver.submit({"apiVersion": "fleetline/v1", **document})
+    driver.tick(1)
+    where = {key: driver.last(f"acme/{key}").cluster_id for key in ("pretrain", "fp8-finetune")}
+    where["int8-distill"] = driver.last("acme/int8-distill").cluster_id
+    assert where == {
+        "pretrain": "us-east-a",
+        "fp8-finetune": "eu-west-a",
+        "int8-distill": "ap-south-a",
+    }
+    pretrain = driver.last("acme/pretrain")
+    npu = next(s for s in pretrain.alternatives if s.cluster_id == "ap-south-a")
+    assert npu.parts["work"] == 0.5  # the cheapest run, after the deadline
+    waiting = driver.last("acme/long-context")
+    assert waiting.outcome == "QUEUED" and "us-east-a: needs 1 nodes" in waiting.reason

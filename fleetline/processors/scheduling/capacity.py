@@ -314,9 +314,9 @@ def computes(accelerator: Accelerator, precision: str) -> bool:
 
 @dataclass(frozen=True)
 class GangShape:
-    """What one placement asks of a cluster: `workers` x `per_worker` GPUs in NVLink groups of
-    `tensor`, `replica_workers` consecutive workers forming one pipeline (a data-parallel
-    replica)."""
+    """What one placement asks of a cluster: `workers` x `per_worker` GPUs in groups of `tensor`
+    inside one interconnect domain (an NVLink island, an xGMI hive), `replica_workers`
+    consecutive workers forming one pipeline (a data-parallel replica)."""
 
     accelerators: tuple[str, ...]  # normalised models or families; empty: any
     workers: int
@@ -340,7 +340,7 @@ class GangShape:
         """What GPUs it asks for, in words: `h100 or h200 GPUs with 80+ GB`, `GPUs`, `GPUs
         computing fp8`."""
         models = " or ".join(self.accelerators)
-        memory = f" with {self.min_memory_mib / MIB_PER_GB:g}+ GB" if self.min_memory_mib else ""
+        memory = f" with {self.min_memory_mib / MIB_PER_GB:.4g}+ GB" if self.min_memory_mib else ""
         arithmetic = f" computing {self.precision}" if self.precision else ""
         return f"{models} GPUs{memory}{arithmetic}".strip()
 
@@ -553,8 +553,9 @@ class CapacityIndex:
             kind = "" if shape.allow_degraded else "healthy "
             return (
                 f"needs {need} nodes with {shape.per_worker} free {kind}"
-                f"{shape.wants()} in NVLink groups of "
-                f"{min(shape.tensor, shape.per_worker)}; {available} have them"
+                f"{shape.wants()} in tensor-parallel groups of "
+                f"{min(shape.tensor, shape.per_worker)} (one NVLink island or interconnect "
+                f"domain each); {available} have them"
             )
         if need == 1:
             # The tightest nodes, in the leaf with the fewest of them: filling leaves that are

@@ -77,6 +77,11 @@ def request_for(
     spec = job.spec
     if isinstance(spec, TrainingJobSpec):
         shape = training_shape(spec, workers)
+        resumes_on = None
+        if not spec.portable and job.ran_on and job.checkpoint_ms is not None:
+            # Its checkpoint resumes on the chip that wrote it, unless the spec allows another.
+            resumes_on = job.ran_on
+            shape = replace(shape, accelerators=(job.ran_on,))
         return JobRequest(
             job.key,
             job.tenant,
@@ -87,7 +92,8 @@ def request_for(
             gpu_ms=shape.gpus * s.runtime_ms(spec),
             pool_keep=_pool_keep(s),
             data_only=data_only,
-            work=work_size(spec),
+            work=work_size(spec, job.submitted_ms),
+            resumes_on=resumes_on,
         )
     # One replica: each replica of a service is a job of its own.
     return JobRequest(
@@ -102,14 +108,14 @@ def request_for(
     )
 
 
-def work_size(spec: TrainingJobSpec) -> WorkSize | None:
+def work_size(spec: TrainingJobSpec, submitted_ms: int) -> WorkSize | None:
     if spec.work is None:
         return None
     return WorkSize(
         spec.work.pflop_per_step,
         spec.work.steps,
         spec.precision or DEFAULT_PRECISION,
-        spec.work.deadline_ms,
+        spec.work.deadline_ms(submitted_ms),
     )
 
 
@@ -177,7 +183,21 @@ def replica_regions(job: Job) -> list[tuple[str, ...] | None]:
 
 
 def context(s: SchedulerState, request: JobRequest) -> Context:
-    return Context(s.index, s.policy, s.tenants, s.usage, request, now_ms=s.now_ms, energy=s.energy)
+    return Context(
+        s.index,
+        s.policy,
+        s.tenants,
+        s.usage,
+        request,
+        now_ms=s.now_ms,
+        energy=s.energy,
+        measured=measured_shares(s),
+    )
+
+
+def measured_shares(s: SchedulerState) -> dict[str, tuple[float, int]]:
+    """Each model's measured share of peak by precision, for the work estimates."""
+    return {key: (m.efficiency, m.intervals) for key, m in s.measured.items()}
 
 
 def try_place(s: SchedulerState, job: Job, regions: tuple[str, ...] | None = None) -> Attempt:
@@ -420,6 +440,9 @@ def bind(
     for placement in placed.placements:
         nodes = refs_by_node(placement.gpus)
         job.allocation[placement.cluster_id] = nodes
+        first = s.facts.nodes.get(min(nodes))
+        if first is not None:
+            job.ran_on = first.accelerator.model
         if share is not None:
             job.scaling["share"] = share
             for node, mask in nodes.items():
@@ -739,6 +762,7 @@ def preempt_for(
             s.usage,
             request,
             now_ms=s.now_ms,
+            measured=measured_shares(s),
         )
     )
     best = None
@@ -784,6 +808,7 @@ def preempt_for(
         s.usage,
         request,
         now_ms=s.now_ms,
+        measured=measured_shares(s),
     )
     if isinstance(job.spec, InferenceServiceSpec):
         placed = place_replicas(single, 1)

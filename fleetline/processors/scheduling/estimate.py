@@ -18,6 +18,9 @@ from fleetline.processors.view.accelerators import Accelerator
 from fleetline.processors.view.catalogue import Catalogue
 
 DEFAULT_PRECISION = "bf16"
+# Intervals between checkpoint reports a model must have been measured over before its
+# measured share of peak replaces the catalogue's.
+MIN_MEASURED_INTERVALS = 3
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class Estimate:
     cost: float  # the whole run, in the clusters' price unit
     finish_ms: int
     deadline_ms: int | None
+    measured_intervals: int = 0  # 0: the catalogue's share of peak
 
     @property
     def meets_deadline(self) -> bool:
@@ -59,10 +63,15 @@ class Estimate:
                 "after its deadline"
             )
         )
+        share = (
+            f"{self.efficiency:.3g} of peak measured over {self.measured_intervals} intervals"
+            if self.measured_intervals
+            else f"{self.efficiency:g} of peak"
+        )
         return (
             f"est. {self.step_s:.3g} s/step, {self.run_s / 3600:.3g} h on {self.gpus} "
             f"{self.kind.model} ({self.precision} {self.peak_tflops:g} TFLOPS x "
-            f"{self.efficiency:g} of peak), cost {self.cost:.2f}{deadline}"
+            f"{share}), cost {self.cost:.2f}{deadline}"
         )
 
 
@@ -73,26 +82,46 @@ def estimate(
     cost_per_gpu_hour: float,
     now_ms: int,
     catalogue: Catalogue,
+    measured: tuple[float, int] | None = None,
 ) -> Estimate | None:
-    """The job on `gpus` chips of `kind` (None: the catalogue has no figure for it)."""
+    """The job on `gpus` chips of `kind` (None: the catalogue has no figure for it), at the
+    share of peak `measured` for the model and precision ((share, intervals)) once it spans
+    MIN_MEASURED_INTERVALS, else the catalogue's."""
     capability = catalogue.of(kind)
     peak = capability.peak(work.precision) if capability else None
     if capability is None or not peak or gpus <= 0:
         return None
-    step_s = work.pflop_per_step * 1000 / (gpus * peak * capability.efficiency)
+    efficiency, intervals = capability.efficiency, 0
+    if measured is not None and measured[1] >= MIN_MEASURED_INTERVALS and measured[0] > 0:
+        efficiency, intervals = measured
+    step_s = work.pflop_per_step * 1000 / (gpus * peak * efficiency)
     run_s = step_s * work.steps
     return Estimate(
         kind=kind,
         precision=work.precision,
         peak_tflops=peak,
-        efficiency=capability.efficiency,
+        efficiency=efficiency,
         gpus=gpus,
         step_s=step_s,
         run_s=run_s,
         cost=run_s / 3600 * gpus * cost_per_gpu_hour,
         finish_ms=now_ms + int(run_s * 1000),
         deadline_ms=work.deadline_ms,
+        measured_intervals=intervals,
     )
+
+
+def interval_share(
+    pflop_per_step: float, steps: int, seconds: float, gpus: int, peak_tflops: float
+) -> tuple[float, float] | None:
+    """(TFLOP computed, TFLOP the chips' peak allowed) over one interval between two reports;
+    None where it is no measurement: a share of peak above 1 says the job's stated size does
+    not match what it runs (or the run is simulated), and is not believed."""
+    if steps <= 0 or seconds <= 0 or gpus <= 0 or peak_tflops <= 0:
+        return None
+    achieved = steps * pflop_per_step * 1000
+    possible = seconds * gpus * peak_tflops
+    return (achieved, possible) if achieved <= possible else None
 
 
 def best(estimates: list[Estimate]) -> Estimate | None:

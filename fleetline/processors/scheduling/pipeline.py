@@ -79,6 +79,7 @@ class JobRequest:
     pool_keep: Mapping[str, int] | None = None
     data_only: bool = False  # only clusters that hold its dataset (no copy)
     work: WorkSize | None = None  # its size, for the estimate on each kind of chip
+    resumes_on: str | None = None  # the chip model its checkpoint must resume on
 
 
 @dataclass
@@ -95,6 +96,8 @@ class Context:
     # With a work size: each cluster's best estimate, and the least cost among them.
     estimates: dict[str, Estimate] = field(default_factory=dict)
     cheapest_work: float = 0.0
+    # Measured shares of peak by "model/precision": (share, intervals measured).
+    measured: Mapping[str, tuple[float, int]] = field(default_factory=dict)
 
     @property
     def tenant_policy(self) -> TenantPolicy | None:
@@ -147,6 +150,11 @@ def _accelerator(ctx: Context, cluster_id: str) -> str | None:
         for name in shape.accelerators
         if not any(name in m.names for m in fleet)
     )
+    if ctx.request.resumes_on:
+        hints += (
+            f" (its checkpoint was written on {ctx.request.resumes_on}; `portable: true` lets "
+            "it resume on another chip)"
+        )
     precision = shape.precision
     if precision and not any(computes(m, precision) for m in fleet):
         hints += f" (no chip in the fleet computes {precision}, as the accelerator catalogue says)"
@@ -348,7 +356,13 @@ def _estimates(ctx: Context) -> None:
                 for kind in sorted(kinds)
                 if (
                     e := estimate(
-                        work, kind, shape.gpus, cost_per_gpu_hour(facts), ctx.now_ms, catalogue()
+                        work,
+                        kind,
+                        shape.gpus,
+                        cost_per_gpu_hour(facts),
+                        ctx.now_ms,
+                        catalogue(),
+                        ctx.measured.get(f"{kind.model}/{work.precision}"),
                     )
                 )
                 is not None

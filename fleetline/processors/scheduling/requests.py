@@ -24,6 +24,7 @@ from fleetline.processors.scheduling.decide import attempt, release, start, wait
 from fleetline.processors.scheduling.decisions import decide, decide_about
 from fleetline.processors.scheduling.effects import DatasetRecord, EffectLog, Outcome
 from fleetline.processors.scheduling.energy import EnergyProfile
+from fleetline.processors.scheduling.estimate import DEFAULT_PRECISION, interval_share
 from fleetline.processors.scheduling.orders import run_order
 from fleetline.processors.scheduling.policy import SchedulingPolicy
 from fleetline.processors.scheduling.reconcile import schedule_queue
@@ -39,6 +40,7 @@ from fleetline.processors.scheduling.state import (
     TERMINAL,
     Condition,
     Job,
+    Measured,
     Phase,
     SchedulerState,
     spec_key,
@@ -50,6 +52,7 @@ from fleetline.processors.scheduling.tenancy import (
     TenantUsage,
     quota_block,
 )
+from fleetline.processors.view.catalogue import builtin as catalogue
 
 
 class RequestKind(StrEnum):
@@ -260,6 +263,8 @@ def progress(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> N
         if request.get("step") is not None:
             job.checkpoint_step = max(job.checkpoint_step or 0, int(request["step"]))
             job.actual = {**job.actual, "checkpoint_step": job.checkpoint_step}
+            if epoch == job.epoch and job.holds:
+                _measure(s, job, int(request["step"]))
         return
     if phase == Progress.RUNNING:
         if job.holds:
@@ -314,6 +319,36 @@ def progress(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> N
     job.condition(Condition.FINISHED, True, f"{cluster} reports: {reason}", s.now_ms)
     _replica_moved(s, job)
     schedule_queue(s, out)
+
+
+def _measure(s: SchedulerState, job: Job, step: int) -> None:
+    """A sized job's steps since its last checkpoint report of this epoch, against what its
+    chips' peak allowed in that time: the model's measured share of peak (estimate.py)."""
+    spec = job.spec
+    if not isinstance(spec, TrainingJobSpec) or spec.work is None or not job.allocation:
+        return
+    mark, job.rate_mark = job.rate_mark, [job.epoch, step, s.now_ms]
+    if mark is None or mark[0] != job.epoch:
+        return
+    nodes = [n for placed in job.allocation.values() for n in placed]
+    facts = s.facts.nodes.get(nodes[0])
+    capability = catalogue().of(facts.accelerator) if facts is not None else None
+    precision = spec.precision or DEFAULT_PRECISION
+    peak = capability.peak(precision) if capability is not None else None
+    if facts is None or not peak:
+        return
+    gpus = sum(m.bit_count() for placed in job.allocation.values() for m in placed.values())
+    share = interval_share(
+        spec.work.pflop_per_step, step - mark[1], (s.now_ms - mark[2]) / 1000, gpus, peak
+    )
+    if share is None:
+        return
+    key = f"{facts.accelerator.model}/{precision}"
+    found = s.measured.get(key) or Measured()
+    s.measured[key] = Measured(
+        found.achieved_tflop + share[0], found.peak_tflop + share[1], found.intervals + 1
+    )
+    s.dirty.add(f"measured:{key}")
 
 
 def _replica_moved(s: SchedulerState, job: Job) -> None:

@@ -254,9 +254,21 @@ class Work(Model):
     deadline: AwareDatetime | None = Field(
         default=None, description="when it must be done (ISO 8601 with a zone)"
     )
+    within: Annotated[int | None, BeforeValidator(_duration)] = Field(
+        default=None,
+        description="... or how long after its submission (seconds or a duration like 6h)",
+    )
 
-    @property
-    def deadline_ms(self) -> int | None:
+    @model_validator(mode="after")
+    def _one_deadline(self) -> Work:
+        if self.deadline is not None and self.within is not None:
+            raise PydanticCustomError("deadline", "give a deadline or `within`, not both", {})
+        return self
+
+    def deadline_ms(self, submitted_ms: int) -> int | None:
+        """When it must be done: its deadline, or `within` after it was submitted."""
+        if self.within is not None:
+            return submitted_ms + self.within * 1000
         return None if self.deadline is None else int(self.deadline.timestamp() * 1000)
 
 
@@ -315,6 +327,11 @@ class TrainingJobSpec(GpuKind):
     retry: RetryPolicy = RetryPolicy()
     deferrable: Deferrable | None = Field(
         default=None, description="may wait for cheaper or greener hours (a deadline)"
+    )
+    portable: StrictBool = Field(
+        default=False,
+        description="its checkpoints resume on another kind of chip (the workload contract "
+        "keeps them portable); otherwise a move keeps it on the model it ran on",
     )
     work: Work | None = Field(
         default=None,

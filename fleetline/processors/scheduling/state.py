@@ -67,6 +67,30 @@ class Condition(StrEnum):
 
 
 @dataclass
+class Measured:
+    """What sized jobs computed on one model in one precision, against its peak."""
+
+    achieved_tflop: float = 0.0
+    peak_tflop: float = 0.0
+    intervals: int = 0
+
+    @property
+    def efficiency(self) -> float:
+        return self.achieved_tflop / self.peak_tflop if self.peak_tflop > 0 else 0.0
+
+    def as_data(self) -> dict[str, Any]:
+        return {
+            "achieved_tflop": self.achieved_tflop,
+            "peak_tflop": self.peak_tflop,
+            "intervals": self.intervals,
+        }
+
+    @classmethod
+    def from_data(cls, data: Mapping[str, Any]) -> Measured:
+        return cls(float(data["achieved_tflop"]), float(data["peak_tflop"]), int(data["intervals"]))
+
+
+@dataclass
 class Job:
     """One job's desired and actual state, conditions and the latest decision about it."""
 
@@ -103,7 +127,11 @@ class Job:
     # A deferrable job's start, chosen once for the cheapest hours before its deadline.
     deferred_until_ms: int | None = None
     ran_in: list[str] = field(default_factory=list)  # clusters of earlier epochs, newest first
+    ran_on: str | None = None  # the model of the chips its latest placement got
     checkpoint_step: int | None = None
+    # A sized job's last checkpoint report of its epoch: [epoch, step, ts] (its step rate
+    # between two reports measures its chips' share of peak).
+    rate_mark: list[int] | None = None
     # What the cluster reports (actual state), beside the phase (desired state).
     actual: dict[str, Any] = field(default_factory=dict)
     stale_reports: int = 0
@@ -219,7 +247,9 @@ class Job:
             "retry_at_ms": self.retry_at_ms,
             "deferred_until_ms": self.deferred_until_ms,
             "ran_in": self.ran_in,
+            "ran_on": self.ran_on,
             "checkpoint_step": self.checkpoint_step,
+            "rate_mark": self.rate_mark,
             "actual": self.actual,
             "stale_reports": self.stale_reports,
             "entered_trace": self.entered_trace,
@@ -241,6 +271,8 @@ class Job:
         fields.setdefault("role", None)
         fields.setdefault("scaling", {})
         fields.setdefault("copied", {})  # ... or before the data mover reported progress
+        fields.setdefault("rate_mark", None)  # ... or before step rates were measured
+        fields.setdefault("ran_on", None)  # ... or before chips were told apart
         fields["phase"] = Phase(data["phase"])
         fields["allocation"] = {
             c: {n: int(m) for n, m in nodes.items()} for c, nodes in data["allocation"].items()
@@ -321,6 +353,9 @@ class SchedulerState:
         self.bound_floor: int | None = None
         self.preemptions_left = 0
         self.dirty: set[str] = set()  # store keys changed by the last steps
+        # The share of peak sized jobs reached, per "model/precision": the TFLOP they computed
+        # and the TFLOP their chips' peak allowed in the same time, and how many intervals.
+        self.measured: dict[str, Measured] = {}
 
     # -- derived ----------------------------------------------------------------------------
 
@@ -408,6 +443,7 @@ class SchedulerState:
                 {f"job:{k}" for k in self.jobs}
                 | {f"tenant:{t}" for t in set(self.tenants) | set(self.usage)}
                 | {f"dataset:{d}" for d in self.datasets}
+                | {f"measured:{m}" for m in self.measured}
                 | {"meta"}
             )
         )
@@ -446,6 +482,9 @@ class SchedulerState:
                         "sensitive_fields": list(d.sensitive_fields),
                     },
                 )
+            elif kind == "measured":
+                found = self.measured.get(name)
+                yield key, None if found is None else found.as_data()
             else:
                 yield (
                     key,
@@ -501,6 +540,8 @@ class SchedulerState:
                     value.get("source"),
                     tuple(value.get("sensitive_fields") or ()),
                 )
+            elif kind == "measured":
+                self.measured[name] = Measured.from_data(value)
         self.rebuild_index()
 
 

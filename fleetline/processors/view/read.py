@@ -9,6 +9,7 @@ from dataclasses import asdict
 from enum import StrEnum
 from typing import Any, Protocol, TypeVar
 
+from fleetline.processors.view.catalogue import builtin as catalogue
 from fleetline.processors.view.fold import gpu_health, node_status, takes_new_work
 from fleetline.processors.view.model import (
     DEGRADED,
@@ -177,6 +178,7 @@ def gpu_data(
 
 def node_data(view: ResourceView, node: NodeView, with_gpus: bool = True) -> dict[str, Any]:
     status = node_status(view, node)
+    capability = catalogue().of(node.accelerator)
     data: dict[str, Any] = {
         "node_id": node.node_id,
         "cluster_id": node.cluster_id,
@@ -186,6 +188,8 @@ def node_data(view: ResourceView, node: NodeView, with_gpus: bool = True) -> dic
         "reason": node.reason,
         "labels": dict(node.labels),
         "accelerator": {**node.accelerator.as_record(), "family": node.accelerator.family},
+        # What the accelerator catalogue says its chips can do (None: a model it lacks).
+        "capability": capability.as_dict() if capability is not None else None,
         "gpu_count": node.gpu_count or len(node.gpus),
         "leaf_switch": node.leaf_switch,
         "spine_switch": node.spine_switch,
