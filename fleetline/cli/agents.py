@@ -30,7 +30,8 @@ from fleetline.cli.common import (
 from fleetline.errors import ConfigError
 
 agent = typer.Typer(
-    help="Run a node agent: real GPUs through NVML, or a simulated fleet", no_args_is_help=True
+    help="Run a node agent: real accelerators (NVML, AMD SMI), or a simulated fleet",
+    no_args_is_help=True,
 )
 
 IntervalMs = Annotated[int, typer.Option(min=1, help="sampling interval")]

@@ -22,7 +22,8 @@ def run(
     scenario: Annotated[
         str,
         typer.Option(
-            help="a scenario in fleetline/demo/scenarios (default, managers, dataplane) "
+            help="a scenario in fleetline/demo/scenarios (default, managers, dataplane, "
+            "heterogeneous) "
             "or a YAML file"
         ),
     ] = "default",
