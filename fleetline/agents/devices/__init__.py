@@ -108,6 +108,17 @@ def interconnect_domains(peers: dict[str, list[int]], count: int) -> list[list[i
     return islands
 
 
+def node_topology(peers: dict[str, list[int]], numa: list[int]) -> NodeTopology:
+    """The NodeTopology fields a library reads: each chip's scale-up peers on the node (by
+    index, as strings), the domains they make, and each chip's NUMA node (-1: unknown)."""
+    return {
+        "gpu_count": len(numa),
+        "nvlink_islands": interconnect_domains(peers, len(numa)),
+        "gpu_numa_nodes": numa,
+        "nvlink_peers": peers,
+    }
+
+
 def check_power_cap(watts: float, allowed: list[tuple[float, float] | None]) -> None:
     """Refuse a cap outside any chip's allowed range before any chip is touched, so a node
     never ends up half capped."""

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from fleetline.agents.devices import DeviceError, check_power_cap, interconnect_domains
+from fleetline.agents.devices import DeviceError, check_power_cap, node_topology
 from fleetline.processors.view.accelerators import Accelerator
 from fleetline.schemas.records import GpuSample, NodeTopology
 
@@ -122,12 +122,7 @@ class AmdSmiDevices:
         for handle in self._handles:
             node = self._try(smi.amdsmi_topo_get_numa_node_number, handle)
             numa.append(-1 if node is None else int(node))
-        return {
-            "gpu_count": self.gpu_count,
-            "nvlink_islands": interconnect_domains(peers, self.gpu_count),
-            "gpu_numa_nodes": numa,
-            "nvlink_peers": peers,
-        }
+        return node_topology(peers, numa)
 
     def _name(self, handle: Any) -> str:
         asic = self._try(self.amdsmi.amdsmi_get_gpu_asic_info, handle)

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from fleetline.agents.devices import DeviceError, check_power_cap, interconnect_domains
+from fleetline.agents.devices import DeviceError, check_power_cap, node_topology
 from fleetline.processors.view.accelerators import Accelerator
 from fleetline.schemas.records import GpuSample, NodeTopology
 
@@ -171,12 +171,7 @@ class NvmlDevices:
             getter = getattr(nv, "nvmlDeviceGetNumaNodeId", None)
             node = self._try(getter, handle) if getter else None
             numa.append(-1 if node is None else int(node))
-        return {
-            "gpu_count": self.gpu_count,
-            "nvlink_islands": interconnect_domains(peers, self.gpu_count),
-            "gpu_numa_nodes": numa,
-            "nvlink_peers": peers,
-        }
+        return node_topology(peers, numa)
 
     def accelerator(self) -> Accelerator | None:
         """What the node's GPUs are, from the driver: GPU 0's name and the smallest memory (a
