@@ -277,9 +277,27 @@ class CapacitySummary(TypedDict):
     dataset: NotRequired[None | DatasetPlacement]
 
 
+class AcceleratorModel(TypedDict):
+    """What one accelerator model can do, as the accelerator catalogue
+    (processors/view/catalogue.yaml) says it, per chip."""
+
+    model: str
+    vendor: str
+    peak_tflops: dict[str, None | float]
+    memory_gb: float
+    memory_bandwidth_gbps: float
+    interconnect: str
+    interconnect_gbps: float
+    power_w: float
+    efficiency: float
+    source: str
+
+
 class ClusterInfo(TypedDict):
     """What an operator declares about one GPU cluster: where it is, what it costs, how far it is
-    from each region. Keyed by cluster_id on a compacted topic; the latest record wins."""
+    from each region. Keyed by cluster_id on a compacted topic; the latest record wins. v2 adds
+    the accelerator models its operator declares (figures the accelerator catalogue lacks or
+    corrects)."""
 
     cluster_id: str
     region: str
@@ -291,6 +309,7 @@ class ClusterInfo(TypedDict):
     pue: NotRequired[None | float]
     link_latency_ms: NotRequired[dict[str, float]]
     retired: NotRequired[bool]
+    accelerator_models: NotRequired[list[AcceleratorModel]]
 
 
 class DatasetState(TypedDict):

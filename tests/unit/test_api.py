@@ -638,6 +638,7 @@ def test_platform_admins_declare_clusters_through_the_api(setup):
             "pue": 1.3,
             "link_latency_ms": {"eu-west": 0.5, "us-east": 80.0},
             "retired": False,
+            "accelerator_models": [],
         }
     )
     assert admin.put("/v1/clusters/other", json=document).status_code == 422

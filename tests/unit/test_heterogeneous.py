@@ -288,3 +288,78 @@ def test_the_heterogeneous_scenario_places_as_its_story_says() -> None:
     assert npu.parts["work"] == 0.5  # the cheapest run, after the deadline
     waiting = driver.last("acme/long-context")
     assert waiting.outcome == "QUEUED" and "us-east-a: needs 1 nodes" in waiting.reason
+
+
+B200 = {
+    "vendor": "nvidia",
+    "peak_tflops": {"fp32": 80, "bf16": 2250, "fp8": 4500, "int8": 4500},
+    "memory_gb": 180,
+    "memory_bandwidth_gbps": 7700,
+    "interconnect": {"name": "nvlink", "bandwidth_gbps": 1800},
+    "power_w": 1000,
+    "efficiency": 0.4,
+    "source": "the operator's acceptance run",
+}
+
+
+def test_an_operator_declares_a_model_the_catalogue_lacks_in_a_cluster_document(
+    tmp_path,
+) -> None:
+    from fleetline.processors.scheduling.specs import DOCUMENT_KINDS, SpecError, parse_document
+    from fleetline.processors.view import codec as view_codec
+    from fleetline.processors.view.catalogue import of_record
+    from tests.fake_nvml import hgx_collector, node_agent_offline
+
+    def cluster(accelerators: dict) -> dict:
+        return {
+            "apiVersion": "fleetline/v1",
+            "kind": "Cluster",
+            "metadata": {"name": "lab-b"},
+            "spec": {"region": "eu-west", "price_per_gpu_hour": 4.0, "accelerators": accelerators},
+        }
+
+    declared = parse_document(cluster({"b200": B200}), DOCUMENT_KINDS)
+    record = declared.record(1, BASE_MS)  # type: ignore[union-attr]
+    assert [m["model"] for m in record["accelerator_models"]] == ["b200"]
+    assert of_record(record["accelerator_models"][0]).peak("fp8") == 4500
+    with pytest.raises(SpecError, match="b200: power_w is -1; a figure may not be negative"):
+        parse_document(cluster({"b200": {**B200, "power_w": -1}}), DOCUMENT_KINDS)
+
+    agent = node_agent_offline(hgx_collector("NVIDIA B200", 180), "b200-host-1", tmp_path, "lab-b")
+    node_events = [("NodeState", agent.state(BASE_MS))]
+    node_events += [("NodeTelemetry", agent.telemetry(BASE_MS + t * 1000)) for t in (1, 2)]
+    undeclared = {**record, "accelerator_models": []}
+    job = sized("fp8", pflop=4.0, steps=100, precision="fp8")
+
+    without = Driver(fold([("ClusterInfo", undeclared), *node_events]), now_ms=NOW_MS)
+    without.submit(job)
+    assert "has no GPUs computing fp8 (it has nvidia b200" in without.last("acme/fp8").reason
+
+    view = fold([("ClusterInfo", record), *node_events])
+    with_model = Driver(view, now_ms=NOW_MS)
+    with_model.submit(job)
+    decision = with_model.last("acme/fp8")
+    assert decision.cluster_id == "lab-b"
+    assert "on 8 b200 (fp8 4500 TFLOPS x 0.4 of peak)" in decision.reason
+    # The view keeps the declaration, in its reads and its snapshots.
+    restored = view_codec.from_data(view_codec.to_data(view))
+    assert (
+        restored.clusters["lab-b"].accelerator_models == view.clusters["lab-b"].accelerator_models
+    )
+
+
+def test_a_cluster_record_declaring_a_bad_model_is_refused_by_the_view() -> None:
+    from fleetline.errors import InvalidEventError
+
+    record = cluster_info(ClusterSpec("lab-b", "eu-west", 1), 1, BASE_MS)
+    peaks = {"fp32": 80, "bf16": 2250, "int8": 4500}  # fp8 left out
+    bad = {
+        **B200,
+        "model": "b200",
+        "peak_tflops": peaks,
+        "interconnect": "nvlink",
+        "interconnect_gbps": 1800,
+    }
+    record["accelerator_models"] = [bad]  # type: ignore[typeddict-unknown-key]
+    with pytest.raises(InvalidEventError, match="lab-b: accelerator catalogue, b200: peak_tflops"):
+        fold([("ClusterInfo", record)])

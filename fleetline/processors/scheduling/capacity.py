@@ -23,9 +23,16 @@ from typing import Any
 
 from fleetline.errors import InvalidEventError
 from fleetline.processors.view.accelerators import MIB_PER_GB, Accelerator, suits
+from fleetline.processors.view.catalogue import Catalogue
 from fleetline.processors.view.catalogue import builtin as catalogue
 from fleetline.processors.view.fold import node_status
-from fleetline.processors.view.model import ClusterHealth, NodeStatus, NodeView, ResourceView
+from fleetline.processors.view.model import (
+    ClusterHealth,
+    NodeStatus,
+    NodeView,
+    ResourceView,
+    declared_catalogue,
+)
 from fleetline.processors.view.summary import (
     CLUSTER,
     DATASET,
@@ -129,6 +136,8 @@ class FleetFacts:
     _lost_reasons: dict[str, str] = field(default_factory=dict)
     # Values derived from these facts alone, computed once (cheapest GPU-hour, cluster ids).
     memo: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # The accelerator catalogue with the models the clusters' operators declared.
+    catalogue: Catalogue = field(default_factory=catalogue, repr=False, compare=False)
     # What the next observation of the same view may reuse, per node.
     node_cache: dict[str, NodeEntry] = field(default_factory=dict, repr=False, compare=False)
     # What the next observation of the same summaries may reuse: key -> (record, capacities).
@@ -239,6 +248,7 @@ def observe(view: ResourceView, previous: FleetFacts | None = None) -> FleetFact
         view.watermark_ms,
         fleet.reasons,
         node_cache=fresh,
+        catalogue=declared_catalogue(view.clusters),
     )
 
 
@@ -305,10 +315,10 @@ def fenced_facts(facts: FleetFacts, fenced: Mapping[str, str]) -> FleetFacts:
 BucketKey = tuple[Accelerator, tuple[int, ...], int, int]
 
 
-def computes(accelerator: Accelerator, precision: str) -> bool:
+def computes(accelerator: Accelerator, precision: str, known: Catalogue | None = None) -> bool:
     """Whether the chip has `precision`'s arithmetic, as the catalogue says (a model it does
     not list is not trusted with work that needs a precision: nobody said it has it)."""
-    capability = catalogue().of(accelerator)
+    capability = (known or catalogue()).of(accelerator)
     return capability is not None and bool(capability.peak(precision))
 
 
@@ -331,10 +341,12 @@ class GangShape:
     def gpus(self) -> int:
         return self.workers * self.per_worker
 
-    def matches(self, accelerator: Accelerator) -> bool:
+    def matches(self, accelerator: Accelerator, known: Catalogue | None = None) -> bool:
+        """Whether chips of this kind may take it (`known`: the fleet's catalogue, declared
+        models included; the shipped one without)."""
         if not suits(accelerator, self.accelerators, self.min_memory_mib):
             return False
-        return self.precision is None or computes(accelerator, self.precision)
+        return self.precision is None or computes(accelerator, self.precision, known)
 
     def wants(self) -> str:
         """What GPUs it asks for, in words: `h100 or h200 GPUs with 80+ GB`, `GPUs`, `GPUs
@@ -483,7 +495,7 @@ class CapacityIndex:
         out = []
         for key in self.counts.get(cluster_id, {}):
             accelerator, islands, free_h, free_d = key
-            if not shape.matches(accelerator):
+            if not shape.matches(accelerator, self.facts.catalogue):
                 continue
             free = free_h | free_d if shape.allow_degraded else free_h
             if free.bit_count() < need:
@@ -639,7 +651,7 @@ class CapacityIndex:
         """Free GPUs in the cluster of the kind the shape asks for."""
         total = 0
         for (accelerator, _, free_h, free_d), count in self.counts.get(cluster_id, {}).items():
-            if not shape.matches(accelerator):
+            if not shape.matches(accelerator, self.facts.catalogue):
                 continue
             total += (free_h | free_d if shape.allow_degraded else free_h).bit_count() * count
         return total

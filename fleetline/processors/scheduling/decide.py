@@ -270,7 +270,7 @@ def place_share(s: SchedulerState, ctx: Context, eighths: int) -> Attempt | None
                 or facts is None
                 or not facts.schedulable
                 or not (facts.healthy | facts.degraded) >> gpu & 1
-                or not ctx.request.shape.matches(facts.accelerator)
+                or not ctx.request.shape.matches(facts.accelerator, ctx.index.facts.catalogue)
             ):
                 continue
             if best is None or (-used, node, gpu) < (-best[0], best[1], best[2]):
@@ -403,7 +403,8 @@ def defer(s: SchedulerState, out: EffectLog, job: Job) -> bool:
         candidates = [
             c
             for cluster_id, c in sorted(s.facts.clusters.items())
-            if c.health.takes_work and any(shape.matches(m) for m in s.index.models(cluster_id))
+            if c.health.takes_work
+            and any(shape.matches(m, s.facts.catalogue) for m in s.index.models(cluster_id))
         ]
         deferral = best_start(
             s.now_ms,

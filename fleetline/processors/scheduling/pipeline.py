@@ -37,7 +37,6 @@ from fleetline.processors.scheduling.tenancy import (
     reserved_for_others,
 )
 from fleetline.processors.view.accelerators import did_you_mean
-from fleetline.processors.view.catalogue import builtin as catalogue
 
 
 @dataclass(frozen=True)
@@ -138,7 +137,8 @@ def _reachable(ctx: Context, cluster_id: str) -> str | None:
 def _accelerator(ctx: Context, cluster_id: str) -> str | None:
     shape = ctx.request.shape
     models = ctx.index.models(cluster_id)
-    if any(shape.matches(m) for m in models):
+    known = ctx.index.facts.catalogue
+    if any(shape.matches(m, known) for m in models):
         return None
     if not models:
         return "has no GPUs"
@@ -156,7 +156,7 @@ def _accelerator(ctx: Context, cluster_id: str) -> str | None:
             "it resume on another chip)"
         )
     precision = shape.precision
-    if precision and not any(computes(m, precision) for m in fleet):
+    if precision and not any(computes(m, precision, known) for m in fleet):
         hints += f" (no chip in the fleet computes {precision}, as the accelerator catalogue says)"
     return f"has no {shape.wants()} (it has {present}){hints}"
 
@@ -349,7 +349,9 @@ def _estimates(ctx: Context) -> None:
         kinds = [
             k for k, n in ctx.index.fitting_kinds(cluster_id, shape).items() if n >= shape.workers
         ]
-        kinds = kinds or [m for m in ctx.index.models(cluster_id) if shape.matches(m)]
+        kinds = kinds or [
+            m for m in ctx.index.models(cluster_id) if shape.matches(m, ctx.index.facts.catalogue)
+        ]
         found = best(
             [
                 e
@@ -361,7 +363,7 @@ def _estimates(ctx: Context) -> None:
                         shape.gpus,
                         cost_per_gpu_hour(facts),
                         ctx.now_ms,
-                        catalogue(),
+                        ctx.index.facts.catalogue,
                         ctx.measured.get(f"{kind.model}/{work.precision}"),
                     )
                 )

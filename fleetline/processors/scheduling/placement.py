@@ -82,7 +82,8 @@ def to_placement(gang: Gang, shape: GangShape, index: CapacityIndex) -> Placemen
     tensor = min(shape.tensor, shape.per_worker)
     if tensor > 1:
         reasons.append(
-            f"tensor-parallel groups of {tensor} inside one {domain_word(kinds[0])}"
+            f"tensor-parallel groups of {tensor} inside one "
+            f"{domain_word(kinds[0], index.facts.catalogue)}"
             if all(
                 tensor <= max(i.bit_count() for i in index.facts.nodes[n].islands)
                 for n, _ in gang.workers

@@ -90,7 +90,11 @@ def plan_eviction(
 
     def option(node_id: str) -> tuple[float, tuple[str, ...]] | None:
         node = nodes.get(node_id)
-        if node is None or not node.schedulable or not shape.matches(node.accelerator):
+        if (
+            node is None
+            or not node.schedulable
+            or not shape.matches(node.accelerator, index.facts.catalogue)
+        ):
             return None
         usable = node.healthy | (node.degraded if shape.allow_degraded else 0)
         if usable.bit_count() < need:

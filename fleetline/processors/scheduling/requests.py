@@ -52,7 +52,6 @@ from fleetline.processors.scheduling.tenancy import (
     TenantUsage,
     quota_block,
 )
-from fleetline.processors.view.catalogue import builtin as catalogue
 
 
 class RequestKind(StrEnum):
@@ -332,7 +331,7 @@ def _measure(s: SchedulerState, job: Job, step: int) -> None:
         return
     nodes = [n for placed in job.allocation.values() for n in placed]
     facts = s.facts.nodes.get(nodes[0])
-    capability = catalogue().of(facts.accelerator) if facts is not None else None
+    capability = s.facts.catalogue.of(facts.accelerator) if facts is not None else None
     precision = spec.precision or DEFAULT_PRECISION
     peak = capability.peak(precision) if capability is not None else None
     if facts is None or not peak:

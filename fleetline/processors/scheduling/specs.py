@@ -31,12 +31,14 @@ from pydantic import (
     StrictBool,
     StrictInt,
     ValidationError,
+    field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
-from fleetline.errors import FleetlineError
+from fleetline.errors import ConfigError, FleetlineError
 from fleetline.processors.view.accelerators import MIB_PER_GB, normalise_model, wanted
+from fleetline.processors.view.catalogue import Capability, parse_catalogue
 
 API_VERSION: Final = "fleetline/v1"
 PriorityClass = Literal["critical", "high", "normal", "low", "best-effort"]
@@ -573,6 +575,24 @@ class ClusterSpec(Model):
         default={}, description="round-trip time from this cluster to each region, ms"
     )
     retired: StrictBool = Field(default=False, description="true takes it out of the pool")
+    accelerators: dict[Text, dict[str, Any]] = Field(
+        default={},
+        description="accelerator models its operator declares, by model id, with the figures "
+        "the catalogue (processors/view/catalogue.yaml) gives each model: a model the catalogue "
+        "lacks, or corrected figures for one it has",
+    )
+
+    @field_validator("accelerators")
+    @classmethod
+    def _catalogued(cls, value: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        try:
+            parse_catalogue({"models": value})
+        except ConfigError as exc:
+            raise PydanticCustomError("catalogue", "{why}", {"why": str(exc)}) from None
+        return value
+
+    def declared_models(self) -> list[Capability]:
+        return list(parse_catalogue({"models": self.accelerators}).models.values())
 
 
 class Cluster(Model):
@@ -598,6 +618,7 @@ class Cluster(Model):
             "pue": spec.pue,
             "link_latency_ms": {spec.region: 0.5, **spec.link_latency_ms},
             "retired": spec.retired,
+            "accelerator_models": [m.as_record() for m in spec.declared_models()],
         }
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -21,6 +21,7 @@ import yaml
 
 from fleetline.errors import ConfigError
 from fleetline.processors.view.accelerators import Accelerator, normalise_model
+from fleetline.schemas.records import AcceleratorModel
 
 PRECISIONS = ("fp32", "bf16", "fp8", "int8")
 _FIELDS = (
@@ -71,6 +72,41 @@ class Capability:
             "source": self.source,
         }
 
+    def as_record(self) -> AcceleratorModel:
+        """The ClusterInfo `accelerator_models` item that declares it."""
+        return {
+            "model": self.model,
+            "vendor": self.vendor,
+            "peak_tflops": dict(self.peak_tflops),
+            "memory_gb": self.memory_gb,
+            "memory_bandwidth_gbps": self.memory_bandwidth_gbps,
+            "interconnect": self.interconnect,
+            "interconnect_gbps": self.interconnect_gbps,
+            "power_w": self.power_w,
+            "efficiency": self.efficiency,
+            "source": self.source,
+        }
+
+
+def of_record(record: Mapping[str, Any]) -> Capability:
+    """A declared model from its ClusterInfo item, checked as a catalogue entry is."""
+    model = str(record["model"])
+    if normalise_model(model) != model or not model:
+        raise ConfigError(f"accelerator catalogue: {model!r} is not a model id")
+    return _entry(
+        model,
+        {
+            **{k: record[k] for k in ("vendor", "peak_tflops", "memory_gb", "power_w")},
+            "memory_bandwidth_gbps": record["memory_bandwidth_gbps"],
+            "interconnect": {
+                "name": record["interconnect"],
+                "bandwidth_gbps": record["interconnect_gbps"],
+            },
+            "efficiency": record["efficiency"],
+            "source": record["source"],
+        },
+    )
+
 
 @dataclass(frozen=True)
 class Catalogue:
@@ -83,6 +119,14 @@ class Catalogue:
     def supports(self, precision: str) -> bool:
         """Whether any catalogued chip computes in `precision`."""
         return any(c.peak(precision) for c in self.models.values())
+
+    def with_declared(self, declared: Iterable[Capability]) -> Catalogue:
+        """This catalogue with models operators declared (a declared model's figures replace
+        the shipped ones; the caller orders the declarations, the last one standing)."""
+        models = dict(self.models)
+        for capability in declared:
+            models[capability.model] = capability
+        return Catalogue(models)
 
 
 def _figure(model: str, name: str, value: Any, *, allow_null: bool = False) -> float | None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from fleetline.errors import IntegrityError
 from fleetline.processors.view.accelerators import of_node_state
+from fleetline.processors.view.catalogue import of_record
 from fleetline.processors.view.model import (
     ClusterHealthInfo,
     ClusterInfo,
@@ -45,7 +46,13 @@ def to_data(view: ResourceView) -> dict[str, Any]:
         "fleet_events": view.fleet_events,
         "watermark_ms": view.watermark_ms,
         "nodes": {node_id: _node_data(view.nodes[node_id]) for node_id in sorted(view.nodes)},
-        "clusters": {k: vars(view.clusters[k]) for k in sorted(view.clusters)},
+        "clusters": {
+            k: {
+                **vars(view.clusters[k]),
+                "accelerator_models": [m.as_record() for m in view.clusters[k].accelerator_models],
+            }
+            for k in sorted(view.clusters)
+        },
         "cluster_health": {k: vars(view.cluster_health[k]) for k in sorted(view.cluster_health)},
         "datasets": {k: vars(view.datasets[k]) for k in sorted(view.datasets)},
         "allocations": {k: _allocation_data(view.allocations[k]) for k in sorted(view.allocations)},
@@ -94,7 +101,16 @@ def from_data(data: dict[str, Any]) -> ResourceView:
             gpu.health = Health(gpu.health)
             node.gpus[gpu.index] = gpu
         view.nodes[node_id] = node
-    view.clusters = {k: ClusterInfo(**v) for k, v in data["clusters"].items()}
+    view.clusters = {
+        k: ClusterInfo(
+            **{
+                **v,
+                # Absent from snapshots written before operators declared models.
+                "accelerator_models": tuple(of_record(m) for m in v.get("accelerator_models", ())),
+            }
+        )
+        for k, v in data["clusters"].items()
+    }
     view.datasets = {k: DatasetInfo(**v) for k, v in data["datasets"].items()}
     # Absent from snapshots written before clusters had a health state.
     view.cluster_health = {

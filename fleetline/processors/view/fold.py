@@ -17,8 +17,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import cast
 
-from fleetline.errors import InvalidEventError
+from fleetline.errors import ConfigError, InvalidEventError
 from fleetline.processors.view.accelerators import of_node_state
+from fleetline.processors.view.catalogue import of_record
 from fleetline.processors.view.model import (
     DEGRADED,
     FAILED,
@@ -290,6 +291,10 @@ def _fold_cluster(view: ResourceView, record: ClusterInfoRecord) -> None:
     for name, price in prices.items():
         if price is not None and price < 0:
             raise InvalidEventError(f"cluster {record['cluster_id']}: {name} is negative")
+    try:
+        models = tuple(of_record(m) for m in record.get("accelerator_models") or ())
+    except ConfigError as exc:
+        raise InvalidEventError(f"cluster {record['cluster_id']}: {exc}") from None
     view.clusters[record["cluster_id"]] = ClusterInfo(
         cluster_id=record["cluster_id"],
         region=record["region"],
@@ -301,6 +306,7 @@ def _fold_cluster(view: ResourceView, record: ClusterInfoRecord) -> None:
         retired=record["retired"],
         seq=record["seq"],
         ts=record["ts"],
+        accelerator_models=models,
     )
     view.fleet_events += 1
 

@@ -15,6 +15,7 @@ from operator import itemgetter
 from typing import Any, NamedTuple
 
 from fleetline.processors.view.accelerators import UNKNOWN, Accelerator
+from fleetline.processors.view.catalogue import Capability, Catalogue, builtin
 
 
 class Health(StrEnum):
@@ -308,6 +309,15 @@ class ClusterInfo:
     retired: bool
     seq: int
     ts: int
+    # Accelerator models its operator declares (over the shipped catalogue's).
+    accelerator_models: tuple[Capability, ...] = ()
+
+
+def declared_catalogue(clusters: Mapping[str, ClusterInfo]) -> Catalogue:
+    """The shipped accelerator catalogue with every cluster's declared models over it (in
+    cluster id order: where two clusters declare one model, the later id's figures stand)."""
+    declared = [m for cid in sorted(clusters) for m in clusters[cid].accelerator_models]
+    return builtin().with_declared(declared) if declared else builtin()
 
 
 @dataclass

@@ -9,7 +9,6 @@ from dataclasses import asdict
 from enum import StrEnum
 from typing import Any, Protocol, TypeVar
 
-from fleetline.processors.view.catalogue import builtin as catalogue
 from fleetline.processors.view.fold import gpu_health, node_status, takes_new_work
 from fleetline.processors.view.model import (
     DEGRADED,
@@ -20,6 +19,7 @@ from fleetline.processors.view.model import (
     NodeView,
     ResourceView,
     Sample,
+    declared_catalogue,
 )
 from fleetline.processors.view.summary import cluster_health, node_capacity
 
@@ -152,7 +152,14 @@ def cluster_capacity(view: ResourceView, region: str | None = None) -> list[dict
                     declared=declared.word if declared else None,
                 ),
                 **c,
-                "info": asdict(info) if info else None,
+                "info": (
+                    {
+                        **asdict(info),
+                        "accelerator_models": [m.as_record() for m in info.accelerator_models],
+                    }
+                    if info
+                    else None
+                ),
                 "control": asdict(declared) if declared else None,
             }
         )
@@ -178,7 +185,7 @@ def gpu_data(
 
 def node_data(view: ResourceView, node: NodeView, with_gpus: bool = True) -> dict[str, Any]:
     status = node_status(view, node)
-    capability = catalogue().of(node.accelerator)
+    capability = declared_catalogue(view.clusters).of(node.accelerator)
     data: dict[str, Any] = {
         "node_id": node.node_id,
         "cluster_id": node.cluster_id,
