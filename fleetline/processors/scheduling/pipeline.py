@@ -324,9 +324,9 @@ def _fit(ctx: Context, cluster_id: str) -> float:
 
 def _work(ctx: Context, cluster_id: str) -> float:
     """With a work size: half for finishing by the deadline, half for the least cost of a run
-    that meets it over this cluster's (1: the cheapest run that meets the deadline; a run that
-    misses it scores at most 0.5, below every one that meets it); 0 where no catalogue figure
-    allows an estimate."""
+    that meets it (where a cluster has room now) over this cluster's (1: the cheapest such run;
+    a run that misses the deadline scores at most 0.5, below every one that meets it); 0 where
+    no catalogue figure allows an estimate."""
     found = ctx.estimates.get(cluster_id)
     if found is None:
         return 0.0
@@ -342,6 +342,7 @@ def _estimates(ctx: Context) -> None:
     work, shape = ctx.request.work, ctx.request.shape
     assert work is not None
     ctx.estimates = {}
+    with_room: set[str] = set()
     for cluster_id in _cluster_ids(ctx.index):
         facts = ctx.cluster(cluster_id)
         if facts is None:
@@ -349,6 +350,8 @@ def _estimates(ctx: Context) -> None:
         kinds = [
             k for k, n in ctx.index.fitting_kinds(cluster_id, shape).items() if n >= shape.workers
         ]
+        if kinds:
+            with_room.add(cluster_id)
         kinds = kinds or [
             m for m in ctx.index.models(cluster_id) if shape.matches(m, ctx.index.facts.catalogue)
         ]
@@ -372,8 +375,11 @@ def _estimates(ctx: Context) -> None:
         )
         if found is not None:
             ctx.estimates[cluster_id] = found
-    meeting = [e.cost for e in ctx.estimates.values() if e.meets_deadline]
-    ctx.cheapest_work = min(meeting or [e.cost for e in ctx.estimates.values()], default=0.0)
+    # The least cost is taken among the clusters with room for the gang now (the others are
+    # out of the running at this attempt), among runs that meet the deadline where any does.
+    now = [e for c, e in ctx.estimates.items() if c in with_room] or list(ctx.estimates.values())
+    meeting = [e.cost for e in now if e.meets_deadline]
+    ctx.cheapest_work = min(meeting or [e.cost for e in now], default=0.0)
 
 
 def _preference(ctx: Context, cluster_id: str) -> float:
