@@ -179,8 +179,9 @@ def test_a_gang_in_a_cluster_of_two_chips_takes_one_kind_the_one_estimated() -> 
     ],
 )
 def test_a_catalogue_entry_with_a_bad_figure_is_refused_naming_it(change, message) -> None:
-    entry = builtin().models["h100-80gb-hbm3"].as_dict()
-    del entry["model"]
+    record = builtin().models["h100-80gb-hbm3"].as_record()
+    entry: dict = {k: v for k, v in record.items() if k not in ("model", "interconnect_gbps")}
+    entry["interconnect"] = {"name": record["interconnect"], "bandwidth_gbps": 900}
     parse_catalogue({"models": {"h100-80gb-hbm3": entry}})  # as shipped: accepted
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         parse_catalogue({"models": {"h100-80gb-hbm3": {**entry, **change}}})

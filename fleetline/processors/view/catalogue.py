@@ -59,21 +59,9 @@ class Capability:
     def precisions(self) -> tuple[str, ...]:
         return tuple(p for p, v in self.peak_tflops if v)
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "vendor": self.vendor,
-            "peak_tflops": dict(self.peak_tflops),
-            "memory_gb": self.memory_gb,
-            "memory_bandwidth_gbps": self.memory_bandwidth_gbps,
-            "interconnect": {"name": self.interconnect, "bandwidth_gbps": self.interconnect_gbps},
-            "power_w": self.power_w,
-            "efficiency": self.efficiency,
-            "source": self.source,
-        }
-
     def as_record(self) -> AcceleratorModel:
-        """The ClusterInfo `accelerator_models` item that declares it."""
+        """The ClusterInfo `accelerator_models` item that declares it (and how reads show
+        it)."""
         return {
             "model": self.model,
             "vendor": self.vendor,

@@ -196,7 +196,7 @@ def node_data(view: ResourceView, node: NodeView, with_gpus: bool = True) -> dic
         "labels": dict(node.labels),
         "accelerator": {**node.accelerator.as_record(), "family": node.accelerator.family},
         # What the accelerator catalogue says its chips can do (None: a model it lacks).
-        "capability": capability.as_dict() if capability is not None else None,
+        "capability": capability.as_record() if capability is not None else None,
         "gpu_count": node.gpu_count or len(node.gpus),
         "leaf_switch": node.leaf_switch,
         "spine_switch": node.spine_switch,
