@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,6 +10,7 @@ from rich.table import Table
 
 from fleetline.cli.common import table
 from fleetline.demo.play import SliceResult
+from fleetline.processors.scheduling.estimate import described_in
 
 _CAPACITY = (
     "cluster",
@@ -120,9 +120,6 @@ def print_result(console: Console, result: SliceResult, clickhouse_url: str, pre
     say("timings: " + ", ".join(f"{k} {v:.1f}s" for k, v in result.timings.items()))
 
 
-_ESTIMATE = re.compile(r"est\. [^;]*(?:; finishes [^;]*)?")
-
-
 def print_scheduling(console: Console, scheduling: dict[str, Any]) -> None:
     say = console.print
     say(
@@ -136,9 +133,9 @@ def print_scheduling(console: Console, scheduling: dict[str, Any]) -> None:
     # The jobs that said their size: which chip the estimate chose, and why (the reason's
     # estimate, as `fleetline explain` shows it whole).
     estimated = [
-        (job, where, found.group(0))
+        (job, where, found)
         for _, job, outcome, where, reason in scheduling["decisions"]
-        if outcome == "PLACED" and (found := _ESTIMATE.search(reason))
+        if outcome == "PLACED" and (found := described_in(reason))
     ]
     if estimated:
         say("\nchips chosen by each sized job's estimate (the cheapest run meeting its deadline):")

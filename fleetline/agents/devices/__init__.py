@@ -70,7 +70,7 @@ class NoDevices:
         return 0
 
     def topology(self) -> NodeTopology:
-        return {"gpu_count": 0, "nvlink_islands": [], "gpu_numa_nodes": [], "nvlink_peers": {}}
+        return node_topology({}, [])
 
     def accelerator(self) -> Accelerator | None:
         return None

@@ -60,6 +60,7 @@ class AmdSmiDevices:
     amdsmi: Any = None
     vendor: str = "amd"
     _handles: list[Any] = field(default_factory=list, init=False)
+    _names: list[str] = field(default_factory=list, init=False)  # market names, read at open
     _readers: list[Any] = field(default_factory=list, init=False)
 
     @property
@@ -74,6 +75,7 @@ class AmdSmiDevices:
             self._handles = list(smi.amdsmi_get_processor_handles())
         except smi.AmdSmiException as exc:
             raise DeviceError(f"AMD SMI did not start: {exc}") from None
+        self._names = [self._name(h) for h in self._handles]
         kinds = [smi.AmdSmiEvtNotificationType[name] for name in EVENTS]
         for handle in self._handles:
             try:
@@ -134,7 +136,7 @@ class AmdSmiDevices:
         weakest)."""
         if not self._handles:
             return None
-        names = [self._name(h) for h in self._handles]
+        names = self._names
         memory = []
         for handle in self._handles:
             vram = self._try(self.amdsmi.amdsmi_get_gpu_vram_info, handle)
@@ -186,7 +188,7 @@ class AmdSmiDevices:
                     "gpu_index": index,
                     "gpu_uuid": str(self._try(smi.amdsmi_get_gpu_device_uuid, handle) or ""),
                     "vendor": self.vendor,
-                    "model": self._name(handle) or "unknown",
+                    "model": self._names[index] or "unknown",
                     "gpu_util_pct": _number(activity.get("gfx_activity")) or 0.0,
                     "mem_copy_util_pct": _number(activity.get("umc_activity")),
                     "fb_used_mib": int(_number(vram.get("vram_used")) or 0),

@@ -8,8 +8,9 @@ are simulated; their figures in the capability catalogue are modelled on public 
 kind and say so.
 
 A profile is what the simulator needs to play telemetry: chips per node, interconnect domain
-size and links, memory, power at idle and at full load, its limit, clocks, and the error codes
-its vendor's events use (the view's HealthPolicy.vendor_codes reads the same numbers).
+size and links, memory, power at idle and at full load, its limit and clocks. A scripted `xid`
+fault on a sim chip raises the code it is given; the view's HealthPolicy.vendor_codes says
+which of the family's codes fail or degrade it.
 """
 
 from __future__ import annotations
@@ -35,13 +36,23 @@ class ChipProfile:
     mem_clock_mhz: int
 
 
-H100 = ChipProfile(
-    "nvidia", "NVIDIA H100 80GB HBM3", 81559, 8, 4, 18, 180e9, 90.0, 600.0, 700.0, 1980, 2619
-)
 PROFILES: dict[str, ChipProfile] = {
     p.device_name: p
     for p in (
-        H100,
+        ChipProfile(
+            "nvidia",
+            "NVIDIA H100 80GB HBM3",
+            81559,
+            8,
+            4,
+            18,
+            180e9,
+            90.0,
+            600.0,
+            700.0,
+            1980,
+            2619,
+        ),
         ChipProfile(
             "nvidia", "NVIDIA H200", 143771, 8, 4, 18, 180e9, 90.0, 600.0, 700.0, 1980, 2619
         ),

@@ -191,13 +191,8 @@ def context(s: SchedulerState, request: JobRequest) -> Context:
         request,
         now_ms=s.now_ms,
         energy=s.energy,
-        measured=measured_shares(s),
+        measured=s.measured,
     )
-
-
-def measured_shares(s: SchedulerState) -> dict[str, tuple[float, int]]:
-    """Each model's measured share of peak by precision, for the work estimates."""
-    return {key: (m.efficiency, m.intervals) for key, m in s.measured.items()}
 
 
 def try_place(s: SchedulerState, job: Job, regions: tuple[str, ...] | None = None) -> Attempt:
@@ -763,7 +758,7 @@ def preempt_for(
             s.usage,
             request,
             now_ms=s.now_ms,
-            measured=measured_shares(s),
+            measured=s.measured,
         )
     )
     best = None
@@ -809,7 +804,7 @@ def preempt_for(
         s.usage,
         request,
         now_ms=s.now_ms,
-        measured=measured_shares(s),
+        measured=s.measured,
     )
     if isinstance(job.spec, InferenceServiceSpec):
         placed = place_replicas(single, 1)

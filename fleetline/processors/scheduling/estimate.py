@@ -12,7 +12,10 @@ interconnect domain where it can be, and the catalogue's share is taken from who
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from fleetline.processors.view.accelerators import Accelerator
 from fleetline.processors.view.catalogue import Catalogue
@@ -21,6 +24,35 @@ DEFAULT_PRECISION = "bf16"
 # Intervals between checkpoint reports a model must have been measured over before its
 # measured share of peak replaces the catalogue's.
 MIN_MEASURED_INTERVALS = 3
+
+
+@dataclass
+class Measured:
+    """What sized jobs computed on one model in one precision, against its peak (the
+    scheduler's state of record, keyed by `measured_key`)."""
+
+    achieved_tflop: float = 0.0
+    peak_tflop: float = 0.0
+    intervals: int = 0
+
+    @property
+    def efficiency(self) -> float:
+        return self.achieved_tflop / self.peak_tflop if self.peak_tflop > 0 else 0.0
+
+    def as_data(self) -> dict[str, Any]:
+        return {
+            "achieved_tflop": self.achieved_tflop,
+            "peak_tflop": self.peak_tflop,
+            "intervals": self.intervals,
+        }
+
+    @classmethod
+    def from_data(cls, data: Mapping[str, Any]) -> Measured:
+        return cls(float(data["achieved_tflop"]), float(data["peak_tflop"]), int(data["intervals"]))
+
+
+def measured_key(model: str, precision: str) -> str:
+    return f"{model}/{precision}"
 
 
 @dataclass(frozen=True)
@@ -82,18 +114,19 @@ def estimate(
     cost_per_gpu_hour: float,
     now_ms: int,
     catalogue: Catalogue,
-    measured: tuple[float, int] | None = None,
+    measured: Mapping[str, Measured] | None = None,
 ) -> Estimate | None:
     """The job on `gpus` chips of `kind` (None: the catalogue has no figure for it), at the
-    share of peak `measured` for the model and precision ((share, intervals)) once it spans
+    share of peak `measured` for the model and precision once it spans
     MIN_MEASURED_INTERVALS, else the catalogue's."""
     capability = catalogue.of(kind)
     peak = capability.peak(work.precision) if capability else None
     if capability is None or not peak or gpus <= 0:
         return None
     efficiency, intervals = capability.efficiency, 0
-    if measured is not None and measured[1] >= MIN_MEASURED_INTERVALS and measured[0] > 0:
-        efficiency, intervals = measured
+    found = (measured or {}).get(measured_key(kind.model, work.precision))
+    if found is not None and found.intervals >= MIN_MEASURED_INTERVALS and found.efficiency > 0:
+        efficiency, intervals = found.efficiency, found.intervals
     step_s = work.pflop_per_step * 1000 / (gpus * peak * efficiency)
     run_s = step_s * work.steps
     return Estimate(
@@ -109,6 +142,16 @@ def estimate(
         deadline_ms=work.deadline_ms,
         measured_intervals=intervals,
     )
+
+
+# The estimate as `describe` writes it into a decision's reason (a reason has other parts).
+_DESCRIBED = re.compile(r"est\. [^;]*(?:; finishes [^;]*)?")
+
+
+def described_in(reason: str) -> str | None:
+    """The estimate a decision's reason carries, as `Estimate.describe` wrote it, or None."""
+    found = _DESCRIBED.search(reason)
+    return found.group(0) if found else None
 
 
 def interval_share(

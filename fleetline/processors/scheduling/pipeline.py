@@ -26,7 +26,13 @@ from fleetline.processors.scheduling.capacity import (
     one_kind,
 )
 from fleetline.processors.scheduling.energy import GPU_POWER_KW, EnergyProfile, effective_price
-from fleetline.processors.scheduling.estimate import Estimate, WorkSize, best, estimate
+from fleetline.processors.scheduling.estimate import (
+    Estimate,
+    Measured,
+    WorkSize,
+    best,
+    estimate,
+)
 from fleetline.processors.scheduling.placement import Placement, refs_by_node, to_placement
 from fleetline.processors.scheduling.policy import SchedulingPolicy
 from fleetline.processors.scheduling.tenancy import (
@@ -95,8 +101,8 @@ class Context:
     # With a work size: each cluster's best estimate, and the least cost among them.
     estimates: dict[str, Estimate] = field(default_factory=dict)
     cheapest_work: float = 0.0
-    # Measured shares of peak by "model/precision": (share, intervals measured).
-    measured: Mapping[str, tuple[float, int]] = field(default_factory=dict)
+    # Measured shares of peak, by `measured_key` (the scheduler's own, not a copy).
+    measured: Mapping[str, Measured] = field(default_factory=dict)
 
     @property
     def tenant_policy(self) -> TenantPolicy | None:
@@ -367,7 +373,7 @@ def _estimates(ctx: Context) -> None:
                         cost_per_gpu_hour(facts),
                         ctx.now_ms,
                         ctx.index.facts.catalogue,
-                        ctx.measured.get(f"{kind.model}/{work.precision}"),
+                        ctx.measured,
                     )
                 )
                 is not None

@@ -20,11 +20,17 @@ from fleetline.errors import FleetlineError, InvalidEventError
 from fleetline.observability import traceparent
 from fleetline.processors.scheduling import reconcile, services
 from fleetline.processors.scheduling.capacity import DatasetFacts
-from fleetline.processors.scheduling.decide import attempt, release, start, waiting_reason
+from fleetline.processors.scheduling.decide import (
+    attempt,
+    release,
+    start,
+    waiting_reason,
+    work_size,
+)
 from fleetline.processors.scheduling.decisions import decide, decide_about
 from fleetline.processors.scheduling.effects import DatasetRecord, EffectLog, Outcome
 from fleetline.processors.scheduling.energy import EnergyProfile
-from fleetline.processors.scheduling.estimate import DEFAULT_PRECISION, interval_share
+from fleetline.processors.scheduling.estimate import Measured, interval_share, measured_key
 from fleetline.processors.scheduling.orders import run_order
 from fleetline.processors.scheduling.policy import SchedulingPolicy
 from fleetline.processors.scheduling.reconcile import schedule_queue
@@ -40,7 +46,6 @@ from fleetline.processors.scheduling.state import (
     TERMINAL,
     Condition,
     Job,
-    Measured,
     Phase,
     SchedulerState,
     spec_key,
@@ -324,25 +329,24 @@ def _measure(s: SchedulerState, job: Job, step: int) -> None:
     """A sized job's steps since its last checkpoint report of this epoch, against what its
     chips' peak allowed in that time: the model's measured share of peak (estimate.py)."""
     spec = job.spec
-    if not isinstance(spec, TrainingJobSpec) or spec.work is None or not job.allocation:
+    work = work_size(spec, job.submitted_ms) if isinstance(spec, TrainingJobSpec) else None
+    if work is None or not job.allocation:
         return
     mark, job.rate_mark = job.rate_mark, [job.epoch, step, s.now_ms]
     if mark is None or mark[0] != job.epoch:
         return
-    nodes = [n for placed in job.allocation.values() for n in placed]
-    facts = s.facts.nodes.get(nodes[0])
-    capability = s.facts.catalogue.of(facts.accelerator) if facts is not None else None
-    precision = spec.precision or DEFAULT_PRECISION
-    peak = capability.peak(precision) if capability is not None else None
-    if facts is None or not peak:
+    facts = s.facts.nodes.get(min(n for placed in job.allocation.values() for n in placed))
+    if facts is None:
         return
+    capability = s.facts.catalogue.of(facts.accelerator)
+    peak = capability.peak(work.precision) if capability is not None else None
     gpus = sum(m.bit_count() for placed in job.allocation.values() for m in placed.values())
     share = interval_share(
-        spec.work.pflop_per_step, step - mark[1], (s.now_ms - mark[2]) / 1000, gpus, peak
+        work.pflop_per_step, step - mark[1], (s.now_ms - mark[2]) / 1000, gpus, peak or 0.0
     )
     if share is None:
         return
-    key = f"{facts.accelerator.model}/{precision}"
+    key = measured_key(facts.accelerator.model, work.precision)
     found = s.measured.get(key) or Measured()
     s.measured[key] = Measured(
         found.achieved_tflop + share[0], found.peak_tflop + share[1], found.intervals + 1

@@ -25,6 +25,7 @@ from fleetline.processors.scheduling.capacity import (
 )
 from fleetline.processors.scheduling.effects import DatasetRecord, Decision
 from fleetline.processors.scheduling.energy import EnergyProfile
+from fleetline.processors.scheduling.estimate import Measured
 from fleetline.processors.scheduling.policy import SchedulingPolicy
 from fleetline.processors.scheduling.preemption import Victim
 from fleetline.processors.scheduling.specs import (
@@ -64,30 +65,6 @@ class Condition(StrEnum):
     RUNNING = "Running"
     PREEMPTED = "Preempted"
     FINISHED = "Finished"
-
-
-@dataclass
-class Measured:
-    """What sized jobs computed on one model in one precision, against its peak."""
-
-    achieved_tflop: float = 0.0
-    peak_tflop: float = 0.0
-    intervals: int = 0
-
-    @property
-    def efficiency(self) -> float:
-        return self.achieved_tflop / self.peak_tflop if self.peak_tflop > 0 else 0.0
-
-    def as_data(self) -> dict[str, Any]:
-        return {
-            "achieved_tflop": self.achieved_tflop,
-            "peak_tflop": self.peak_tflop,
-            "intervals": self.intervals,
-        }
-
-    @classmethod
-    def from_data(cls, data: Mapping[str, Any]) -> Measured:
-        return cls(float(data["achieved_tflop"]), float(data["peak_tflop"]), int(data["intervals"]))
 
 
 @dataclass

@@ -56,9 +56,6 @@ class Capability:
         arithmetic."""
         return dict(self.peak_tflops).get(precision)
 
-    def precisions(self) -> tuple[str, ...]:
-        return tuple(p for p, v in self.peak_tflops if v)
-
     def as_record(self) -> AcceleratorModel:
         """The ClusterInfo `accelerator_models` item that declares it (and how reads show
         it)."""
@@ -103,10 +100,6 @@ class Catalogue:
     def of(self, accelerator: Accelerator) -> Capability | None:
         """The figures of a node's chips, by their model id (None: a model not catalogued)."""
         return self.models.get(accelerator.model)
-
-    def supports(self, precision: str) -> bool:
-        """Whether any catalogued chip computes in `precision`."""
-        return any(c.peak(precision) for c in self.models.values())
 
     def with_declared(self, declared: Iterable[Capability]) -> Catalogue:
         """This catalogue with models operators declared (a declared model's figures replace

@@ -46,13 +46,7 @@ def to_data(view: ResourceView) -> dict[str, Any]:
         "fleet_events": view.fleet_events,
         "watermark_ms": view.watermark_ms,
         "nodes": {node_id: _node_data(view.nodes[node_id]) for node_id in sorted(view.nodes)},
-        "clusters": {
-            k: {
-                **vars(view.clusters[k]),
-                "accelerator_models": [m.as_record() for m in view.clusters[k].accelerator_models],
-            }
-            for k in sorted(view.clusters)
-        },
+        "clusters": {k: view.clusters[k].as_data() for k in sorted(view.clusters)},
         "cluster_health": {k: vars(view.cluster_health[k]) for k in sorted(view.cluster_health)},
         "datasets": {k: vars(view.datasets[k]) for k in sorted(view.datasets)},
         "allocations": {k: _allocation_data(view.allocations[k]) for k in sorted(view.allocations)},

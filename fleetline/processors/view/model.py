@@ -312,6 +312,14 @@ class ClusterInfo:
     # Accelerator models its operator declares (over the shipped catalogue's).
     accelerator_models: tuple[Capability, ...] = ()
 
+    def as_data(self) -> dict[str, Any]:
+        """As JSON data (the view's reads and snapshots), its declared models as records."""
+        return {
+            **vars(self),
+            "link_latency_ms": dict(self.link_latency_ms),
+            "accelerator_models": [m.as_record() for m in self.accelerator_models],
+        }
+
 
 def declared_catalogue(clusters: Mapping[str, ClusterInfo]) -> Catalogue:
     """The shipped accelerator catalogue with every cluster's declared models over it (in

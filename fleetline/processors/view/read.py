@@ -152,14 +152,7 @@ def cluster_capacity(view: ResourceView, region: str | None = None) -> list[dict
                     declared=declared.word if declared else None,
                 ),
                 **c,
-                "info": (
-                    {
-                        **asdict(info),
-                        "accelerator_models": [m.as_record() for m in info.accelerator_models],
-                    }
-                    if info
-                    else None
-                ),
+                "info": info.as_data() if info else None,
                 "control": asdict(declared) if declared else None,
             }
         )
