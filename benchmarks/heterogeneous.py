@@ -35,7 +35,7 @@ import statistics
 import time
 from typing import Any
 
-from _common import fold_telemetry_records, report
+from _common import fold_telemetry_records, progress_report, report
 
 from fleetline.agents.simulator import ClusterSpec, FleetSimulator, cluster_info
 from fleetline.processors.scheduling.capacity import observe
@@ -173,21 +173,7 @@ def run(
                 sequence += 1
                 heapq.heappush(events, (finish, sequence, "finish", effect))
                 position += 1
-                scheduler.step(
-                    new_request(
-                        "PROGRESS",
-                        effect.job,
-                        effect.tenant,
-                        request["ts"],
-                        f"r{position}",
-                        phase="RUNNING",
-                        cluster_id=effect.cluster_id,
-                        epoch=effect.epoch,
-                        attempt=effect.attempt,
-                    ),
-                    position,
-                    facts,
-                )
+                scheduler.step(progress_report(effect, "RUNNING", request["ts"]), position, facts)
         position += 1
 
     feed(new_request("TICK", "", "", BASE_MS, "r-start", view_offsets=facts.offsets))
@@ -205,20 +191,7 @@ def run(
                 )
             )
         else:
-            order: WorkloadOrder = payload
-            feed(
-                new_request(
-                    "PROGRESS",
-                    order.job,
-                    order.tenant,
-                    now,
-                    f"p{position}",
-                    phase="SUCCEEDED",
-                    cluster_id=order.cluster_id,
-                    epoch=order.epoch,
-                    attempt=order.attempt,
-                )
-            )
+            feed(progress_report(payload, "SUCCEEDED", now))
         feed(new_request("TICK", "", "", now, f"t{position}", view_offsets=facts.offsets))
     seconds = time.perf_counter() - started
     unfinished = [k for k in by_key if k not in done]
