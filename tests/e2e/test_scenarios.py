@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from fleetline.app import sealed_objects
 from fleetline.cli import main
 from fleetline.demo import scenario
 from fleetline.demo.play import play
 from fleetline.processors.view import codec as view_codec
-from fleetline.storage.crypto import SealedObjectStore, cipher_for
-from fleetline.storage.objects import ObjectStore
 from fleetline.streams import kafka as kafka_clients
 from tests.support import BASE_MS, fresh_topics
 
@@ -63,11 +62,9 @@ def test_the_default_scenario_flows_end_to_end(settings) -> None:
     parts = []
     for url in result.snapshots:
         bucket, key = url.removeprefix("s3://").split("/", 1)
+        assert bucket == settings.s3.bucket
         # Sealed with the deployment's key, as `serve` seals them.
-        store = SealedObjectStore(
-            ObjectStore.from_settings(settings.s3, bucket=bucket), cipher_for(settings.object_key())
-        )
-        parts.append(view_codec.decode(store.get(key)))
+        parts.append(view_codec.decode(sealed_objects(settings).get(key)))
     assert sum(p.node_events for p in parts) == result.states_sent + result.telemetry_sent
     # One ClusterInfo per cluster, the scheduler's dataset record and its allocation records.
     assert sum(p.fleet_events for p in parts) >= 3 + 1 + 1
