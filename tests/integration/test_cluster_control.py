@@ -3,11 +3,14 @@ scheduler, cluster health), a simulated fleet of three one-node clusters, and on
 `fleetline cluster-agent` process per cluster running real workload processes.
 
 In order: a broken link between two clusters evicts neither; a failing start is retried then
-reported Failed (and a flaky one succeeds on its second attempt); a cluster agent killed with
-SIGKILL re-adopts its workload and starts nothing twice; and a lost cluster's training job
+reported Failed (and a flaky one succeeds on its second attempt); and a lost cluster's training job
 resumes on another cluster from its last complete checkpoint and ends with parameters
 bit-identical to a run never interrupted, while the copy left on the lost cluster is fenced
 when the cluster comes back.
+
+A cluster agent killed with SIGKILL and started again is tested in
+tests/chaos/test_cluster_agent_kills.py, under a health policy that leaves a restart the
+seconds it takes on a loaded host; here a cluster is lost after 4 s.
 """
 
 from __future__ import annotations
@@ -251,32 +254,6 @@ def can_create_group(root: str) -> bool:
         return False
     os.rmdir(probe)
     return True
-
-
-def test_a_cluster_agent_killed_with_sigkill_starts_nothing_twice(stack):
-    submit(
-        stack.settings.kafka,
-        stack.topics,
-        submits(training("steady", steps=150, checkpoint_every_steps=50, step_delay_ms=30)),
-    )
-    wait_until(
-        lambda: any(e["event"] == "RUNNING" for e in stack.events("acme/steady")),
-        60,
-        "steady to run",
-    )
-    running = next(e for e in stack.events("acme/steady") if e["event"] == "RUNNING")
-    cluster = running["cluster_id"]
-    stack.kill_agent(cluster)
-    stack.start_agent(cluster)
-    wait_until(lambda: stack.phase("acme/steady") == "Succeeded", 90, "steady to succeed")
-    events = stack.events("acme/steady")
-    starts = [(e["epoch"], e["attempt"]) for e in events if e["event"] == "STARTING"]
-    assert starts == [(running["epoch"], running["attempt"])]
-    exits = [e for e in events if e["event"] == "EXITED"]
-    assert [e["exit_code"] for e in exits] == [0]
-    # Steps were published once each, across the restart.
-    steps = [e["step"] for e in events if e["event"] == "PROGRESS"]
-    assert steps == sorted(set(steps)) and steps[-1] == 150
 
 
 def test_a_deleted_job_checkpoints_on_its_way_out(stack):
