@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import random
 import statistics
@@ -51,6 +52,15 @@ SHAPES = [  # (weight, workers, gpus per worker, tensor, pipeline)
     (5, 16, 8, 8, 4),
 ]
 PRIORITIES = [(5, "critical"), (20, "high"), (50, "normal"), (20, "low"), (5, "best-effort")]
+# What the core decided at 10,000 nodes and 10,000 jobs (the defaults) before it was made faster:
+# a change that makes it faster must leave every effect as it was, or explain the difference.
+BASELINE_DECISION_DIGEST = "f896d363aef39e01aecd6c21fc7b734b80546a68a3c4ee8a21a2cbef2bbd0b77"
+
+
+def effect_text(effect: object) -> str:
+    """One effect as the digest reads it: its record where it has one, else its fields."""
+    as_record = getattr(effect, "as_record", None)
+    return canonical_json(as_record()) if as_record is not None else repr(effect)
 
 
 def build_view(
@@ -313,6 +323,7 @@ def core(
         )
     latencies: list[float] = []
     outcomes: dict[str, int] = {}
+    digest = hashlib.sha256()
     gc.collect()
     gc.freeze()
     requests = submit_requests(workload(jobs), start + 1000)
@@ -330,9 +341,12 @@ def core(
         # measured, so they are folded off the clock).
         paused = time.perf_counter()
         for e in effects:
+            digest.update(effect_text(e).encode())
+        for e in effects:
             if isinstance(e, WorkloadOrder) and e.action == "RUN":
                 position += 1
-                scheduler.step(running_report(e, start + 1000), position)
+                for reported in scheduler.step(running_report(e, start + 1000), position):
+                    digest.update(effect_text(reported).encode())
         began += time.perf_counter() - paused
         if n == len(requests) // 4:
             # Fragmentation means something while the fleet still has room.
@@ -350,12 +364,16 @@ def core(
     # A reconcile pass over the full queue, as every TICK runs it.
     position += 1
     t0 = time.perf_counter()
-    scheduler.step(
+    ticked = scheduler.step(
         new_request("TICK", "", "", start + 60_000, "tick-1", view_offsets=facts.offsets),
         position,
         facts,
     )
     tick_s = time.perf_counter() - t0
+    for e in ticked:
+        digest.update(effect_text(e).encode())
+    decision_digest = digest.hexdigest()
+    at_baseline_size = (nodes, jobs, clusters) == (10_000, 10_000, 8)
     # A rebuild of the scheduler from its store's records (JSON, as the changelog holds them):
     # what every offset gap in the request log cost before fold steps stopped taking a gap
     # (transaction markers) for a lost state, and what a restore after an assignment or an
@@ -383,6 +401,10 @@ def core(
         "state_records": len(records),
         "rebuild_from_store_s": round(rebuild_s, 3),
         "queued_after_submissions": len(scheduler.queue()),
+        "decision_digest": decision_digest,
+        "decisions_as_baseline": (
+            decision_digest == BASELINE_DECISION_DIGEST if at_baseline_size else None
+        ),
         **{f"decisions_{k.lower()}": v for k, v in sorted(outcomes.items())},
         **midway,
         **quality(scheduler),
