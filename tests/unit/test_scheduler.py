@@ -477,6 +477,34 @@ def test_applying_the_same_spec_again_changes_nothing_and_a_priority_change_keep
     assert outcomes[-2:] == ["RELEASED", "PLACED"] and len(d.nodes_of("acme/j")) == 2
 
 
+def test_a_job_raised_in_priority_while_running_is_preempted_as_its_new_priority():
+    view, _ = one_cluster(nodes=1)
+    d = Driver(view)
+    d.submit(training("raised", per_worker=8, tensor=8, priority="low"))
+    d.submit(training("raised", per_worker=8, tensor=8, priority="critical"))
+    assert d.job("acme/raised").holds
+    # A high job may evict low ones, not a critical one: it waits.
+    d.submit(training("urgent", per_worker=8, tensor=8, priority="high"))
+    assert d.last("acme/urgent").outcome == "QUEUED"
+    assert d.decisions(outcome="PREEMPTED") == []
+    # Lowered again, it yields to the high job.
+    d.submit(training("raised", per_worker=8, tensor=8, priority="low"))
+    d.tick()
+    assert [p.job for p in d.decisions(outcome="PREEMPTED")] == ["acme/raised"]
+    assert d.job("acme/urgent").holds
+
+
+def test_a_service_s_replicas_keep_their_gpus_at_its_new_priority():
+    view, _ = fleet_view([ClusterSpec("eu-west-a", "eu-west", 1)], 2, ())
+    d = Driver(view)
+    d.submit(service("chat", 8, priority="low"))
+    assert sum(1 for j in d.scheduler.jobs.values() if j.service and j.holds) == 8
+    d.submit(service("chat", 8, priority="critical"))
+    d.submit(training("urgent", per_worker=8, tensor=8, priority="high"))
+    assert d.last("acme/urgent").outcome == "QUEUED"
+    assert d.decisions(outcome="PREEMPTED") == []
+
+
 def test_cordon_keeps_new_work_off_a_node_and_uncordon_returns_it():
     from fleetline.agents.commands import NodeControl, apply_command, control_labels
     from fleetline.processors.view.read import cluster_capacity

@@ -445,8 +445,7 @@ def bind(
                 key = (placement.cluster_id, node, mask.bit_length() - 1)
                 s.shared.setdefault(key, {})[job.key] = share
         job.allocation_changed()
-        s.cluster_jobs.setdefault(placement.cluster_id, set()).add(job.key)
-        s.count_priority(placement.cluster_id, job.priority, len(placement.gpus))
+        s.hold(placement.cluster_id, job, len(placement.gpus))
         for node in nodes:
             s.node_jobs.setdefault(node, set()).add(job.key)
         count = len(placement.gpus)
@@ -631,10 +630,7 @@ def release(
     refs: list[tuple[str, int]] = []
     for cluster_id, nodes in sorted(job.allocation.items()):
         count = 0
-        holding = s.cluster_jobs.get(cluster_id)
-        if holding is not None:
-            holding.discard(job.key)
-        s.count_priority(cluster_id, job.priority, -sum(m.bit_count() for m in nodes.values()))
+        s.unhold(cluster_id, job, sum(m.bit_count() for m in nodes.values()))
         for node, mask in sorted(nodes.items()):
             s.index.release(node, _unshared(s, job, cluster_id, node, mask))
             holders = s.node_jobs.get(node)
@@ -725,12 +721,16 @@ def victims_in(s: SchedulerState, cluster_id: str, below: int) -> list[Victim]:
         return cached
     now = s.now_ms
     out: list[Victim] = []
-    for job_key in s.cluster_jobs.get(cluster_id, ()):
-        job = s.jobs[job_key]
-        if job.priority >= below or job.scaling.get("share") is not None:
-            continue  # evicting one share of a GPU frees nothing while others hold it
-        cost = lost_work_s(job, now) if job.phase == Phase.RUNNING else 0.0
-        out.append((cost, job_key, job.allocation[cluster_id]))
+    jobs = s.jobs
+    for priority, holding in s.priority_jobs.get(cluster_id, {}).items():
+        if priority >= below:
+            continue
+        for job_key in holding:
+            job = jobs[job_key]
+            if job.scaling.get("share") is not None:
+                continue  # evicting one share of a GPU frees nothing while others hold it
+            cost = lost_work_s(job, now) if job.phase == Phase.RUNNING else 0.0
+            out.append((cost, job_key, job.allocation[cluster_id]))
     out.sort()  # by loss, then job key (unique), so the masks are never compared
     if len(s.victim_cache) > 64:
         s.victim_cache.clear()

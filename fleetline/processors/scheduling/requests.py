@@ -146,12 +146,8 @@ def submit(s: SchedulerState, out: EffectLog, request: Mapping[str, Any]) -> Non
             services.update(s, out, job, document, spec.spec, priority)
             return
         if job.holds and _same_shape(job.spec, spec.spec):
-            for cluster_id, nodes in job.allocation.items():
-                held = sum(m.bit_count() for m in nodes.values())
-                s.count_priority(cluster_id, job.priority, -held)
-                s.count_priority(cluster_id, priority, held)
             retold = _retold(job.spec, spec.spec)
-            job.set_spec(document, spec.spec, priority)
+            s.respec(job, document, spec.spec, priority)
             s.dirty.add(f"job:{key}")
             if retold and job.ordered_cluster is not None:
                 # Its cluster agent tells the running workload (the contract's control file).

@@ -201,7 +201,7 @@ def update(
     }
     keeps = old.model_copy(update=scaling_only) == spec.model_copy(update=scaling_only)
     for replica in replicas_of(s, service):
-        replica.set_spec(_document(service, replica.role or SERVING), spec, priority)
+        s.respec(replica, _document(service, replica.role or SERVING), spec, priority)
         s.dirty.add(f"job:{replica.key}")
         if not keeps and replica.holds:
             release(s, out, replica, Outcome.RELEASED, "the service spec changed; placing again")

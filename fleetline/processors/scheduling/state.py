@@ -312,6 +312,9 @@ class SchedulerState:
         self.node_jobs: dict[str, set[str]] = {}
         self.cluster_jobs: dict[str, set[str]] = {}  # jobs holding GPUs, per cluster
         self.priority_gpus: dict[str, dict[int, int]] = {}  # cluster -> priority -> GPUs held
+        # cluster -> priority -> the jobs holding GPUs there at it: a preemption looks only at
+        # the priorities below its own (changed through hold, unhold and respec alone).
+        self.priority_jobs: dict[str, dict[int, set[str]]] = {}
         self.limits: list[tuple[int, str]] = []  # (limit end, job) heap
         self.retries: list[tuple[int, str]] = []  # (next attempt due, job) heap
         self.deferrals: list[tuple[int, str]] = []  # (deferred start, job) heap
@@ -358,9 +361,31 @@ class SchedulerState:
     def usage_of(self, tenant: str) -> TenantUsage:
         return self.usage.setdefault(tenant, TenantUsage())
 
-    def count_priority(self, cluster_id: str, priority: int, gpus: int) -> None:
+    def hold(self, cluster_id: str, job: Job, gpus: int) -> None:
+        """The job holds `gpus` GPUs in the cluster (more, when it held some already)."""
+        self.cluster_jobs.setdefault(cluster_id, set()).add(job.key)
+        self.priority_jobs.setdefault(cluster_id, {}).setdefault(job.priority, set()).add(job.key)
         held = self.priority_gpus.setdefault(cluster_id, {})
-        held[priority] = held.get(priority, 0) + gpus
+        held[job.priority] = held.get(job.priority, 0) + gpus
+
+    def unhold(self, cluster_id: str, job: Job, gpus: int) -> None:
+        """The job holds its `gpus` GPUs in the cluster no more."""
+        holding = self.cluster_jobs.get(cluster_id)
+        if holding is not None:
+            holding.discard(job.key)
+        self.priority_jobs.get(cluster_id, {}).get(job.priority, set()).discard(job.key)
+        held = self.priority_gpus.setdefault(cluster_id, {})
+        held[job.priority] = held.get(job.priority, 0) - gpus
+
+    def respec(self, job: Job, document: dict[str, Any], spec: JobSpec, priority: int) -> None:
+        """The job takes a new spec at `priority`, keeping whatever GPUs it holds (counted at
+        its new priority from now on)."""
+        held = {c: sum(m.bit_count() for m in ns.values()) for c, ns in job.allocation.items()}
+        for cluster_id, gpus in held.items():
+            self.unhold(cluster_id, job, gpus)
+        job.set_spec(document, spec, priority)
+        for cluster_id, gpus in held.items():
+            self.hold(cluster_id, job, gpus)
 
     def queue(self) -> list[Job]:
         """Queued jobs by priority, then submission order (fair share reorders tenants)."""
@@ -380,6 +405,7 @@ class SchedulerState:
         self.node_jobs = {}
         self.cluster_jobs = {}
         self.priority_gpus = {}
+        self.priority_jobs = {}
         self.limits = []
         self.retries = []
         self.deferrals = []
@@ -394,10 +420,7 @@ class SchedulerState:
                         gpu = mask.bit_length() - 1
                         self.shared.setdefault((cluster_id, node, gpu), {})[key] = share
             for cluster_id, nodes in job.allocation.items():
-                self.cluster_jobs.setdefault(cluster_id, set()).add(key)
-                self.count_priority(
-                    cluster_id, job.priority, sum(m.bit_count() for m in nodes.values())
-                )
+                self.hold(cluster_id, job, sum(m.bit_count() for m in nodes.values()))
                 for node, mask in nodes.items():
                     taken[node] = taken.get(node, 0) | mask
                     self.node_jobs.setdefault(node, set()).add(key)

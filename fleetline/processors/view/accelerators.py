@@ -14,6 +14,7 @@ import difflib
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from fleetline.schemas.records import NodeAccelerator
@@ -45,11 +46,11 @@ class Accelerator:
     # (which do not carry it) sees the same facts as one that reads the whole view.
     name: str = field(default="", compare=False)
 
-    @property
+    @cached_property
     def family(self) -> str:
         return self.model.split("-", 1)[0]
 
-    @property
+    @cached_property
     def names(self) -> frozenset[str]:
         """What a spec may call it: its model or its family."""
         return frozenset({self.model, self.family})
@@ -118,7 +119,7 @@ def wanted(accelerator: str | Iterable[str] | None) -> tuple[str, ...]:
 def suits(accelerator: Accelerator, models: tuple[str, ...], min_memory_mib: int = 0) -> bool:
     """Whether GPUs of this kind may take work that asks for `models` (empty: any) with at least
     `min_memory_mib` each."""
-    if models and not accelerator.names.intersection(models):
+    if models and accelerator.model not in models and accelerator.family not in models:
         return False
     return accelerator.memory_mib >= min_memory_mib
 
