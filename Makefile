@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-unit chaos lint bench services-start services-stop clean
+.PHONY: run test test-unit chaos lint bench bench-peers services-start services-stop clean
 # The browser tests drive Debian's Chromium (Playwright's own browser download is not used).
 CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -79,7 +79,7 @@ chaos: $(STAMP) $(MPIRUN)
 test-unit: $(STAMP)
 	$(PY) -m pytest tests/unit
 
-bench: $(STAMP) $(MPIRUN)
+bench: $(STAMP) $(MPIRUN) $(SLURMCTLD)
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/agents.py
 	$(PY) benchmarks/view.py
@@ -95,6 +95,13 @@ bench: $(STAMP) $(MPIRUN)
 	$(PY) benchmarks/sharded.py
 	$(PY) benchmarks/dataplane.py
 	$(PY) benchmarks/heterogeneous.py
+	$(PY) benchmarks/peers.py
+
+# fleetline's scheduler beside Slurm's controller and the Kubernetes scheduler, on one fleet and
+# one job stream (benchmarks/peers.py): Slurm from Debian's packages, Kubernetes built once into
+# the user's cache on its first run (minutes).
+bench-peers: $(STAMP) $(SLURMCTLD)
+	$(PY) benchmarks/peers.py
 
 services-start: $(STAMP)
 	$(VENV)/bin/fleetline infra start

@@ -8,6 +8,7 @@ import os
 import platform
 import threading
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from fleetline.agents.simulator import ClusterSpec, FleetSimulator, cluster_info
 from fleetline.config import Settings
 from fleetline.infra import LocalServices
+from fleetline.infra.kafka_access import ADMIN
 from fleetline.processors.scheduling.codec import new_request
 from fleetline.processors.scheduling.effects import WorkloadOrder
 from fleetline.processors.view.fold import apply, fold_telemetry
@@ -28,15 +30,34 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 @contextlib.contextmanager
-def local_services(settings: Settings) -> Iterator[None]:
-    """Use the configured broker and S3 server, starting (then stopping) them if they are down."""
+def local_services(settings: Settings) -> Iterator[Settings]:
+    """Use the configured broker and S3 server, starting (then stopping) them if they are down;
+    the settings to reach them with. A broker started secured (as `fleetline run` and the tests
+    leave it) takes the benchmark as its admin: in the settings, and in the environment its child
+    processes inherit."""
     services = LocalServices.from_settings(settings)
     started = not all(services.status().values())
     if started:
         services.start()
+    secrets = services.kafka.secrets
+    signed_in = secrets.client_conf(ADMIN) if secrets is not None else {}
+    exported = secrets.client_env(ADMIN) if secrets is not None else {}
+    before = {name: os.environ.get(name) for name in exported}
+    os.environ.update(exported)
     try:
-        yield
+        yield replace(
+            settings,
+            kafka=replace(
+                settings.kafka,
+                client_overrides={**settings.kafka.client_overrides, **signed_in},
+            ),
+        )
     finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         if started:
             services.stop()
 

@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--big-ticks", type=int, default=3)
     args = parser.parse_args()
     settings = Settings.from_env()
-    with local_services(settings):
+    with local_services(settings) as settings:
         figures = {
             **paced(settings, args.nodes, args.seconds),
             **push(settings, args.big_nodes, args.big_ticks),

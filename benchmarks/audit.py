@@ -72,7 +72,7 @@ def main() -> None:
     figures["verify_pure_records_per_s"] = len(entries) / (time.perf_counter() - began)
 
     settings = Settings.from_env()
-    with local_services(settings):
+    with local_services(settings) as settings:
         topics = Topics(prefix=f"bench.audit.{uuid.uuid4().hex[:8]}")
         kafka_clients.ensure_topics(settings.kafka, [*topics.specs(), audit_changelog(topics)])
         emitter = KafkaAuditEmitter(settings.kafka, topics)

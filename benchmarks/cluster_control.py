@@ -244,7 +244,7 @@ def main() -> None:
     figures = loss(args.nodes, args.jobs)
     if not args.no_s3:
         settings = Settings.from_env()
-        with local_services(settings):
+        with local_services(settings) as settings:
             figures |= checkpoints(settings, args.checkpoint_mb)
     report("cluster_control", figures)
 

@@ -140,7 +140,7 @@ def main() -> None:
         "two_workers_two_clusters": [("ca", 1), ("cb", 1)],
         "three_workers_split_1_2": [("ca", 1), ("cb", 2)],
     }
-    with local_services(settings):
+    with local_services(settings) as settings:
         results = {name: measure(settings, args.steps, layout) for name, layout in layouts.items()}
         copies = prewarm(settings)
     reference = results["one_process"]["params"]

@@ -180,7 +180,7 @@ def main() -> None:
         Settings.from_env(), clickhouse_url=f"chdb://{tempfile.mkdtemp(prefix='bench-obs-')}"
     )
     figures: dict[str, object] = {"nodes": args.nodes, "ticks": args.ticks, "rounds": args.rounds}
-    with local_services(settings):
+    with local_services(settings) as settings:
         topics = Topics(prefix=f"bench.obs.{uuid.uuid4().hex[:8]}")
         kafka_clients.ensure_topics(settings.kafka, topics.specs())
         events, _ = produce(settings, topics, args.nodes, args.ticks)

@@ -177,7 +177,7 @@ def main() -> None:
     parser.add_argument("--sharded", action="store_true", help="TICKs name shard summaries")
     args = parser.parse_args()
     settings = Settings.from_env()
-    with local_services(settings):
+    with local_services(settings) as settings:
         topics = Topics(prefix=f"bench.replay.{uuid.uuid4().hex[:8]}")
         kafka_clients.ensure_topics(settings.kafka, scheduler_topics(topics))
         made, make_s = make_log(

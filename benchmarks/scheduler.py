@@ -456,7 +456,7 @@ def e2e(nodes: int, jobs: int, rate: float) -> dict[str, object]:
     from fleetline.streams.topics import Topics
 
     settings = Settings.from_env()
-    with local_services(settings):
+    with local_services(settings) as settings:
         topics = Topics(prefix=f"bench.sched.{uuid.uuid4().hex[:8]}")
         kafka_clients.ensure_topics(settings.kafka, scheduler_topics(topics))
         context = multiprocessing.get_context("spawn")

@@ -354,7 +354,7 @@ def main() -> None:
     figures["tidal_utilisation_gain"] = tidal["utilisation"] / fixed["utilisation"] - 1
     figures["published_gain_lyra"] = 0.25
     settings = Settings.from_env()
-    with local_services(settings):
+    with local_services(settings) as settings:
         figures |= router_figures(settings, args.requests, args.inflight)
     report("serving", figures)
 

@@ -102,7 +102,7 @@ def main() -> None:
         "FLEETLINE_AUDIT_SIGNING_KEY": str(work / "signing-key.pem"),
     }
     cli = [sys.executable, "-m", "fleetline.cli"]
-    with local_services(settings):
+    with local_services(settings) as settings:
         kafka_clients.ensure_topics(settings.kafka, scheduler_topics(topics))
         per_cluster = max(1, args.nodes // args.clusters)
         clusters = default_clusters(per_cluster, args.clusters)

@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--ticks", type=int, default=30)
     args = parser.parse_args()
     settings = Settings.from_env()
-    with local_services(settings):
+    with local_services(settings) as settings:
         figures = bench(args.nodes, args.ticks)
     report("throughput", figures)
 

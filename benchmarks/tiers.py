@@ -174,7 +174,7 @@ def main() -> None:
     settings = Settings.from_env()
     client = connect(f"chdb://{tempfile.mkdtemp(prefix='bench-tiers-')}")
     figures: dict[str, object] = {}
-    with local_services(settings):
+    with local_services(settings) as settings:
         if args.only in (None, "sink"):
             migrate(client, "sink")
             figures.update(sink_rate(settings, client, "sink", args.sink_records))

@@ -96,7 +96,7 @@ def main() -> None:
     settings = Settings.from_env()
     tune_gc_for_large_state()  # as `fleetline serve` and `fleetline replay` do
     figures: dict[str, object] = {"nodes": args.nodes, "gpus": args.nodes * 8, "ticks": args.ticks}
-    with local_services(settings):
+    with local_services(settings) as settings:
         topics = Topics(prefix=f"bench.view.{uuid.uuid4().hex[:8]}")
         kafka_clients.ensure_topics(settings.kafka, topics.specs())
         sent, seconds = produce(settings, topics, args.nodes, args.ticks)

@@ -58,6 +58,10 @@ class SlurmCluster:
     nodes: tuple[str, ...]
     directory: Path
     host: str = "127.0.0.1"
+    # The fabric, when Slurm is to know it: each leaf switch and its nodes (`topology/tree`,
+    # one spine above them), and the GPUs of a node that share an NVLink island (gres `Links`).
+    leaves: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    nvlink_islands: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
     def of(cls, cache_dir: Path, cluster_id: str, node_count: int) -> SlurmCluster:
@@ -208,11 +212,28 @@ class SlurmCluster:
                 f"CPUs=8 RealMemory=16000 Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN"
             )
         lines.append("PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
+        if self.leaves:
+            lines.append("TopologyPlugin=topology/tree")
+            (self.directory / "topology.conf").write_text(
+                "".join(f"SwitchName={leaf} Nodes={','.join(ns)}\n" for leaf, ns in self.leaves)
+                + f"SwitchName=spine Switches={','.join(leaf for leaf, _ in self.leaves)}\n"
+            )
         self.conf.write_text("\n".join(lines) + "\n")
-        (self.directory / "gres.conf").write_text(
-            "AutoDetect=off\n"
-            f"NodeName={','.join(self.nodes)} Name=gpu File={devices}/gpu[0-{GPUS_PER_NODE - 1}]\n"
-        )
+        nodes = ",".join(self.nodes)
+        if self.nvlink_islands:
+            island_of = {g: i for i, island in enumerate(self.nvlink_islands) for g in island}
+            gres = "".join(
+                f"NodeName={nodes} Name=gpu File={devices}/gpu{g} Links="
+                + ",".join(
+                    "-1" if o == g else str(int(island_of.get(o) == island_of.get(g)))
+                    for o in range(GPUS_PER_NODE)
+                )
+                + "\n"
+                for g in range(GPUS_PER_NODE)
+            )
+        else:
+            gres = f"NodeName={nodes} Name=gpu File={devices}/gpu[0-{GPUS_PER_NODE - 1}]\n"
+        (self.directory / "gres.conf").write_text("AutoDetect=off\n" + gres)
 
     def _setting(self, name: str) -> str:
         for line in self.conf.read_text().splitlines():
