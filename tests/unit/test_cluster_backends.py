@@ -271,6 +271,35 @@ def test_a_slurm_cluster_is_named_and_configured_for_its_fleetline_cluster(tmp_p
     assert (cluster.directory / "munge" / "munge.key").stat().st_mode & 0o077 == 0
 
 
+def test_a_slurm_cluster_told_its_fabric_knows_its_leaves_and_nvlink_islands(tmp_path) -> None:
+    from fleetline.infra.slurm import SlurmCluster
+
+    nodes = ("sa-n0000", "sa-n0001", "sa-n0002")
+    cluster = SlurmCluster(
+        "sa",
+        nodes,
+        tmp_path / "sa",
+        leaves=(("leaf0", nodes[:2]), ("leaf1", nodes[2:])),
+        nvlink_islands=((0, 1, 2, 3), (4, 5, 6, 7)),
+    )
+    cluster._configure()
+    assert "TopologyPlugin=topology/tree" in cluster.conf.read_text()
+    assert (cluster.directory / "topology.conf").read_text().splitlines() == [
+        "SwitchName=leaf0 Nodes=sa-n0000,sa-n0001",
+        "SwitchName=leaf1 Nodes=sa-n0002",
+        "SwitchName=spine Switches=leaf0,leaf1",
+    ]
+    gres = (cluster.directory / "gres.conf").read_text().splitlines()
+    links = {line.split(" File=")[1].split()[0][-1]: line.split("Links=")[1] for line in gres[1:]}
+    assert links["0"] == "-1,1,1,1,0,0,0,0"  # linked to its own island only
+    assert links["6"] == "0,0,0,0,1,1,-1,1"
+    # Told nothing, Slurm knows no fabric: no topology, the GPUs in one line.
+    plain = SlurmCluster.parse(tmp_path / "plain", "sb:1")
+    plain._configure()
+    assert "TopologyPlugin" not in plain.conf.read_text()
+    assert "Links=" not in (plain.directory / "gres.conf").read_text()
+
+
 def test_kubernetes_is_built_in_a_module_that_takes_its_staging_modules_as_releases(
     tmp_path,
 ) -> None:
