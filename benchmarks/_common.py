@@ -130,7 +130,19 @@ def report(name: str, figures: dict[str, object]) -> None:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}.json"
     path.write_text(json.dumps(full, indent=2) + "\n")
+    # Every run kept, one line each: a figure is told as the range of the last runs.
+    with (RESULTS_DIR / f"{name}.runs.jsonl").open("a") as runs:
+        runs.write(json.dumps(full) + "\n")
     print(f"written to {path}")
+
+
+def recent_runs(name: str, count: int = 3) -> list[dict[str, Any]]:
+    """The last `count` runs of a benchmark (as `report` kept them here), oldest first."""
+    path = RESULTS_DIR / f"{name}.runs.jsonl"
+    if not path.exists():
+        return []
+    runs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return runs[-count:]
 
 
 def fold_telemetry_records(view: ResourceView, records: Iterable[dict[str, Any]]) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -40,10 +41,37 @@ def slurm_conf_path(cache_dir: Path, cluster_id: str) -> Path:
     return cache_dir / "slurm" / cluster_id / "slurm.conf"
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def _ephemeral_low() -> int:
+    """The first port the kernel hands out to outgoing connections."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _free_ports(host: str, count: int) -> list[int]:
+    """`count` ports free now, below the kernel's ephemeral range: a port the kernel handed out
+    (a bind to port 0) may be taken by an outgoing connection before the daemon binds it, and
+    with 30 nodes starting beside a busy broker, one was."""
+    low = _ephemeral_low()
+    candidates = list(range(20_000, low)) if low > 21_000 else []
+    random.shuffle(candidates)
+    found: list[int] = []
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        found.append(port)
+        if len(found) == count:
+            return found
+    # No room below the ephemeral range: the kernel's choice, as before.
+    while len(found) < count:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            found.append(int(s.getsockname()[1]))
+    return found
 
 
 def missing_programs() -> list[str]:
@@ -162,7 +190,7 @@ class SlurmCluster:
         for sub in ("state", "spool", "log", "run"):
             (self.directory / sub).mkdir(exist_ok=True)
         d = self.directory
-        ports = [_free_port(self.host) for _ in range(len(self.nodes) + 2)]
+        ports = _free_ports(self.host, len(self.nodes) + 2)
         lines = [
             CONF_VERSION,
             f"ClusterName={self.cluster_id.lower().replace('-', '')[:40] or 'fleetline'}",

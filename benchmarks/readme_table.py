@@ -1,0 +1,110 @@
+"""The README's performance table, made again from the benchmarks' last runs.
+
+Reads `benchmarks/results/peers.runs.jsonl` and `scheduler.runs.jsonl` (what `report` keeps of
+every run), tells each figure as the range of the last three runs, and writes the table between
+the README's `<!-- performance table -->` markers. Run after `make bench-peers` (which runs it)
+or `benchmarks/scheduler.py`.
+
+    .venv/bin/python benchmarks/readme_table.py [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from _common import recent_runs
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+START, END = "<!-- performance table -->", "<!-- end of performance table -->"
+SYSTEMS = ("fleetline", "slurm", "kubernetes")
+
+
+def span(values: list[Any], unit: str = "", fmt: Callable[[float], str] = "{:,.0f}".format) -> str:
+    """'12-15 unit' over the runs ('-' where a system cannot say)."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return "-"
+    low, high = min(known), max(known)
+    text = fmt(low) if low == high else f"{fmt(low)}-{fmt(high)}"
+    return f"{text}{unit}"
+
+
+def share(values: list[Any]) -> str:
+    return span([v * 100 if v is not None else None for v in values], " %")
+
+
+def table(peers: list[dict[str, Any]], core: list[dict[str, Any]]) -> str:
+    last = peers[-1]
+    rows: list[tuple[str, Callable[[str], str]]] = []
+
+    def figure(name: str, render: Callable[[list[Any]], str] = span) -> Callable[[str], str]:
+        return lambda system: render([run.get(f"{system}_{name}") for run in peers])
+
+    def two(a: str, b: str, unit: str) -> Callable[[str], str]:
+        return lambda system: (
+            f"{figure(a)(system)} / {figure(b)(system)}{unit}" if figure(a)(system) != "-" else "-"
+        )
+
+    fits = f"{last['fits_jobs']} jobs asking {last['fits_gpus_asked']} of {last['gpus']} GPUs"
+    contended = (
+        f"{last['contended_jobs']} jobs asking {last['contended_gpus_asked']} of {last['gpus']}"
+    )
+    rows = [
+        (f"burst that fits ({fits}): jobs started per second", figure("fits_jobs_per_s")),
+        ("... submit to start, p50 / p99", two("fits_submit_to_start_p50_ms",
+                                                "fits_submit_to_start_p99_ms", " ms")),
+        ("... jobs started whole", figure("fits_jobs_started")),
+        ("... tensor-parallel groups inside one NVLink island",
+         figure("fits_tp_groups_in_one_nvlink_island", share)),
+        ("... multi-node pipelines under one leaf switch",
+         figure("fits_pipelines_under_one_leaf", share)),
+        (f"contended ({contended}): GPUs held by whole gangs",
+         figure("contended_gpus_in_whole_gangs")),
+        ("... jobs holding GPUs with part of their gang pending",
+         figure("contended_jobs_started_in_part")),
+        ("... GPUs asked at high / low priority that started",
+         lambda system: f"{figure('contended_high_priority_gpus_started_share', share)(system)}"
+         f" / {figure('contended_low_priority_gpus_started_share', share)(system)}"),
+    ]  # fmt: skip
+    header = (
+        "| figure (ranges over the last "
+        f"{len(peers)} runs of `make bench-peers`, {last['machine']}) | fleetline | "
+        "Slurm 22.05 | Kubernetes 1.37 scheduler |\n| --- | --- | --- | --- |\n"
+    )
+    body = "".join(
+        f"| {label} | " + " | ".join(render(s) for s in SYSTEMS) + " |\n" for label, render in rows
+    )
+    if core:
+        rate = span([r.get("core_requests_per_s") for r in core], "/s")
+        p99 = span([r.get("core_latency_p99_ms") for r in core], " ms", "{:.1f}".format)
+        same = all(r.get("decisions_as_baseline") for r in core)
+        body += (
+            f"| scheduler core alone, {core[-1]['gpus']:,} GPUs, {core[-1]['requests']:,} "
+            f"requests (`benchmarks/scheduler.py`; target 2,000/s, p99 < 10 ms) | {rate}, "
+            f"p99 {p99}{'' if same else ' (decisions differ from the baseline)'} | - | - |\n"
+        )
+    return header + body
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    peers = recent_runs("peers", args.runs)
+    if not peers:
+        raise SystemExit("no runs of benchmarks/peers.py here yet: run `make bench-peers`")
+    text = README.read_text()
+    if START not in text or END not in text:
+        raise SystemExit(f"README.md has no {START} ... {END} block")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    made = table(peers, recent_runs("scheduler", args.runs))
+    README.write_text(f"{head}{START}\n{made}{END}{tail}")
+    print(made)
+
+
+if __name__ == "__main__":
+    main()
