@@ -442,7 +442,11 @@ class Slurm:
             leaves=tuple((leaf, tuple(ns)) for leaf, ns in sorted(leaves.items())),
             nvlink_islands=ISLANDS,
         )
-        print(f"slurm: {nodes} slurmd started in {self.cluster.start():.1f} s")
+        try:
+            print(f"slurm: {nodes} slurmd started in {self.cluster.start():.1f} s")
+        except BaseException:
+            self.cluster.stop()  # the daemons that did start
+            raise
         self.env = {**os.environ, **self.cluster.env}
         self.ids: dict[str, str] = {}
         self._started: dict[str, float] = {}
@@ -498,6 +502,7 @@ class Slurm:
         self._run("scancel", "--user=root")
         if not _wait(lambda: not self._run("squeue", "-h", "-o", "%i").split(), 60):
             raise SystemExit("slurm: jobs still queued 60 s after scancel")
+        self.cluster.kill_orphaned_jobs()
         self.ids, self._started = {}, {}
 
     def close(self) -> None:
@@ -552,7 +557,12 @@ class Kubernetes:
 
     def __init__(self, nodes: int, per_leaf: int, work: Path) -> None:
         self.cluster = KwokCluster(CLUSTER, node_names(CLUSTER, nodes), KubernetesBinaries(work))
-        print(f"kubernetes: control plane and {nodes} kwok nodes in {self.cluster.start():.1f} s")
+        try:
+            took = self.cluster.start()
+        except BaseException:
+            self.cluster.stop()
+            raise
+        print(f"kubernetes: control plane and {nodes} kwok nodes in {took:.1f} s")
         self.api = api = self.cluster.api()
         for node, leaf in leaves_of(nodes, per_leaf).items():
             labels = gpu_node(node)["metadata"]["labels"]

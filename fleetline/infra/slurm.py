@@ -16,6 +16,7 @@ import contextlib
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -332,7 +333,45 @@ class SlurmCluster:
         ran = False
         for daemon in reversed(self._daemons()):
             ran = daemon.stop(timeout_s=10) or ran
+        self.kill_orphaned_jobs()
         return ran
+
+    def kill_orphaned_jobs(self) -> int:
+        """SIGKILL what is left of this cluster's jobs: a batch script running from one of its
+        nodes' spool directories, the `slurmstepd` above it and everything below it. A job
+        cancelled while its node was still launching it can leave them running with no
+        controller that knows of them (seen with 32 nodes and jobs cancelled within a second of
+        starting). How many processes were killed."""
+        spool = str(self.directory / "spool") + "/"
+        children: dict[int, list[int]] = {}
+        commands: dict[int, str] = {}
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                stat = (proc / "stat").read_text()
+                command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue  # gone meanwhile
+            pid, parent = int(proc.name), int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(pid)
+            commands[pid] = command
+        parents = {pid: parent for parent, pids in children.items() for pid in pids}
+        doomed: set[int] = set()
+        for pid, command in commands.items():
+            if spool not in command:
+                continue
+            parent = parents.get(pid, 0)
+            if commands.get(parent, "").startswith("slurmstepd"):
+                doomed.add(parent)
+            below = [pid]
+            while below:
+                doomed.add(below[-1])
+                below.extend(children.get(below.pop(), []))
+        for pid in doomed:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return len(doomed)
 
     @staticmethod
     def found_nodes(conf: Path) -> tuple[str, ...]:

@@ -300,6 +300,30 @@ def test_a_slurm_cluster_told_its_fabric_knows_its_leaves_and_nvlink_islands(tmp
     assert "Links=" not in (plain.directory / "gres.conf").read_text()
 
 
+def test_a_slurm_cluster_s_orphaned_job_processes_are_killed_and_nothing_else(tmp_path) -> None:
+    import subprocess
+    import time
+
+    from fleetline.infra.slurm import SlurmCluster
+
+    cluster = SlurmCluster.parse(tmp_path, "sa:1")
+    job = cluster.directory / "spool" / "sa-n0000" / "job00001"
+    job.mkdir(parents=True)
+    (job / "slurm_script").write_text("sleep 60\n")
+    # A batch script left running, its child, and an unrelated process of the same command.
+    orphan = subprocess.Popen(["sh", str(job / "slurm_script")])
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        time.sleep(0.2)
+        assert cluster.kill_orphaned_jobs() == 2  # the script and its sleep
+        assert orphan.wait(5) == -9
+        assert bystander.poll() is None
+        assert cluster.kill_orphaned_jobs() == 0
+    finally:
+        bystander.kill()
+        orphan.kill()
+
+
 def test_kubernetes_is_built_in_a_module_that_takes_its_staging_modules_as_releases(
     tmp_path,
 ) -> None:
