@@ -7,7 +7,7 @@ import json
 import os
 import platform
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -136,13 +136,15 @@ def report(name: str, figures: dict[str, object]) -> None:
     print(f"written to {path}")
 
 
-def recent_runs(name: str, count: int = 3) -> list[dict[str, Any]]:
-    """The last `count` runs of a benchmark (as `report` kept them here), oldest first."""
+def recent_runs(name: str, count: int = 3, **size: object) -> list[dict[str, Any]]:
+    """The last `count` runs of a benchmark (as `report` kept them here), oldest first; with
+    `size`, only runs whose figures have those values (a smaller trial run is not counted)."""
     path = RESULTS_DIR / f"{name}.runs.jsonl"
     if not path.exists():
         return []
     runs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return runs[-count:]
+    sized = [r for r in runs if all(r.get(k) == v for k, v in size.items())]
+    return sized[-count:]
 
 
 def fold_telemetry_records(view: ResourceView, records: Iterable[dict[str, Any]]) -> None:
@@ -187,3 +189,37 @@ def progress_report(order: WorkloadOrder, phase: str, now: int) -> dict[str, Any
         epoch=order.epoch,
         attempt=order.attempt,
     )
+
+
+def serve_scheduler(
+    view_of: Callable[..., ResourceView],
+    view_args: tuple[Any, ...],
+    prefix: str,
+    started: Any,
+    stop: Any,
+) -> None:
+    """The scheduler in a process of its own, as `fleetline serve` runs it, over the fleet
+    `view_of(*view_args)` makes (in the child: a multiprocessing target, `started` and `stop`
+    its events)."""
+    from fleetline.processors.scheduling.capacity import observe
+    from fleetline.processors.scheduling.runtime import SchedulerService
+    from fleetline.processors.view.read import StaticView
+    from fleetline.processors.view.runtime import tune_gc_for_large_state
+
+    tune_gc_for_large_state()
+    view = view_of(*view_args)
+    service = SchedulerService(
+        Settings.from_env().kafka,
+        Topics(prefix=prefix),
+        StaticView(view),
+        lambda offsets: observe(view),
+        tick_interval_s=1.0,
+    )
+    halt = threading.Event()
+    runner = threading.Thread(target=service.run, args=(halt,), daemon=True)
+    runner.start()
+    if service.ready.wait(120):
+        started.set()
+    stop.wait()
+    halt.set()
+    runner.join(60)

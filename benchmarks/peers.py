@@ -53,13 +53,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from _common import local_services, report, simulated_view
+from _common import local_services, report, serve_scheduler, simulated_view
 
 from fleetline.agents.simulator import ClusterSpec
 from fleetline.config import Settings
 from fleetline.infra.kubernetes import GPU_RESOURCE, KubernetesBinaries, KwokCluster, gpu_node
 from fleetline.infra.managed import node_names
 from fleetline.infra.slurm import SlurmCluster, missing_programs
+from fleetline.processors.view.model import ResourceView
 from fleetline.streams.serde import default_codec
 
 CLUSTER = "peers"
@@ -267,29 +268,8 @@ def figures(
 # -- fleetline ------------------------------------------------------------------------------------
 
 
-def _serve_scheduler(nodes: int, per_leaf: int, prefix: str, started: Any, stop: Any) -> None:
-    """The scheduler in a process of its own, as `fleetline serve` runs it, over the fleet."""
-    from fleetline.processors.scheduling.capacity import observe
-    from fleetline.processors.scheduling.runtime import SchedulerService
-    from fleetline.processors.view.read import StaticView
-    from fleetline.streams.topics import Topics
-
-    view = simulated_view([ClusterSpec(CLUSTER, REGION, nodes, nodes_per_leaf=per_leaf)], BASE_MS)
-    service = SchedulerService(
-        Settings.from_env().kafka,
-        Topics(prefix=prefix),
-        StaticView(view),
-        lambda offsets: observe(view),
-        tick_interval_s=1.0,
-    )
-    halt = threading.Event()
-    runner = threading.Thread(target=service.run, args=(halt,), daemon=True)
-    runner.start()
-    if service.ready.wait(120):
-        started.set()
-    stop.wait()
-    halt.set()
-    runner.join(60)
+def peers_view(nodes: int, per_leaf: int) -> ResourceView:
+    return simulated_view([ClusterSpec(CLUSTER, REGION, nodes, nodes_per_leaf=per_leaf)], BASE_MS)
 
 
 def training_doc(job: PeerJob) -> dict[str, Any]:
@@ -337,8 +317,8 @@ class Fleetline:
         context = multiprocessing.get_context("spawn")
         ready, self.stop = context.Event(), context.Event()
         self.server = context.Process(
-            target=_serve_scheduler,
-            args=(self.nodes, self.per_leaf, self.topics.prefix, ready, self.stop),
+            target=serve_scheduler,
+            args=(peers_view, (self.nodes, self.per_leaf), self.topics.prefix, ready, self.stop),
             daemon=True,
         )
         self.server.start()

@@ -63,6 +63,8 @@ def table(peers: list[dict[str, Any]], core: list[dict[str, Any]]) -> str:
          figure("fits_pipelines_under_one_leaf", share)),
         (f"contended ({contended}): GPUs held by whole gangs",
          figure("contended_gpus_in_whole_gangs")),
+        ("... multi-node pipelines under one leaf switch",
+         figure("contended_pipelines_under_one_leaf", share)),
         ("... jobs holding GPUs with part of their gang pending",
          figure("contended_jobs_started_in_part")),
         ("... GPUs asked at high / low priority that started",
@@ -93,15 +95,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
-    peers = recent_runs("peers", args.runs)
+    # The sizes the README speaks of: the scripts' defaults.
+    peers = recent_runs("peers", args.runs, nodes=32, nodes_per_leaf=8)
     if not peers:
-        raise SystemExit("no runs of benchmarks/peers.py here yet: run `make bench-peers`")
+        raise SystemExit("no default-size run of benchmarks/peers.py here: `make bench-peers`")
     text = README.read_text()
     if START not in text or END not in text:
         raise SystemExit(f"README.md has no {START} ... {END} block")
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
-    made = table(peers, recent_runs("scheduler", args.runs))
+    made = table(peers, recent_runs("scheduler", args.runs, nodes=10_000, requests=10_010))
     README.write_text(f"{head}{START}\n{made}{END}{tail}")
     print(made)
 

@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from _common import fold_telemetry_records, report
+from _common import fold_telemetry_records, report, serve_scheduler
 
 from fleetline.agents.simulator import ClusterSpec, Fault, FleetSimulator, cluster_info
 from fleetline.processors.scheduling.capacity import FleetFacts, indices_of, observe
@@ -412,34 +412,6 @@ def core(
     return figures
 
 
-def _serve_scheduler(nodes: int, prefix: str, started, stop) -> None:
-    """The scheduler in a process of its own, as `fleetline serve` runs it, over the fleet."""
-    import threading
-
-    from fleetline.config import Settings
-    from fleetline.processors.scheduling.runtime import SchedulerService
-    from fleetline.processors.view.read import StaticView
-    from fleetline.streams.topics import Topics
-
-    tune_gc_for_large_state()
-    view = build_view(nodes)
-    service = SchedulerService(
-        Settings.from_env().kafka,
-        Topics(prefix=prefix),
-        StaticView(view),
-        lambda offsets: observe(view),
-        tick_interval_s=1.0,
-    )
-    halt = threading.Event()
-    runner = threading.Thread(target=service.run, args=(halt,), daemon=True)
-    runner.start()
-    if service.ready.wait(120):
-        started.set()
-    stop.wait()
-    halt.set()
-    runner.join(60)
-
-
 def e2e(nodes: int, jobs: int, rate: float) -> dict[str, object]:
     """Submit-to-decision latency through Kafka: requests appended at `rate` per second by this
     process, the scheduler's exactly-once loop (transactions, changelog) in another, decisions
@@ -462,7 +434,9 @@ def e2e(nodes: int, jobs: int, rate: float) -> dict[str, object]:
         context = multiprocessing.get_context("spawn")
         started, stop = context.Event(), context.Event()
         server = context.Process(
-            target=_serve_scheduler, args=(nodes, topics.prefix, started, stop), daemon=True
+            target=serve_scheduler,
+            args=(build_view, (nodes,), topics.prefix, started, stop),
+            daemon=True,
         )
         server.start()
         assert started.wait(180), "the scheduler did not start"

@@ -155,6 +155,24 @@ def test_preemption_takes_the_victim_losing_least_work_and_frees_a_whole_island(
     assert d.job("acme/new").phase == "Running"
 
 
+def test_a_job_that_reports_its_checkpoints_resumes_from_the_last_one_it_reported():
+    view, _ = one_cluster(nodes=1)
+    d = Driver(view)
+    d.submit(training("steady", per_worker=8, tensor=8, priority="low", checkpoint_interval_s=60))
+    (order,) = [e for e in d.effects if isinstance(e, WorkloadOrder) and e.action == "RUN"]
+    started = d.now_ms
+    # Its first checkpoint after 10 s of start-up and a 60 s interval; the next would have
+    # been due at 140 s, but a job is preempted at 150 s before that one was written.
+    d.tick(seconds=70)
+    d.report(order, "CHECKPOINT", checkpoint_ms=started + 70_000)
+    d.tick(seconds=80)
+    d.submit(training("urgent", per_worker=8, tensor=8, priority="critical"))
+    (preempted,) = d.decisions(outcome="PREEMPTED")
+    # Not the 120 s its interval alone implies (it has no checkpoint from then).
+    assert preempted.resume_from_checkpoint_ms == started + 70_000
+    assert preempted.lost_gpu_s == 8 * 80
+
+
 def test_preemption_frees_whole_nodes_under_one_leaf_for_a_gang():
     view, _ = one_cluster(nodes=4)
     d = Driver(view)

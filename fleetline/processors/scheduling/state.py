@@ -270,13 +270,16 @@ def spec_key(spec: TrainingJob | InferenceService | Dataset) -> str:
 
 
 def checkpoint_before(job: Job, now: int) -> int:
-    """The last checkpoint a training job has by `now`: the one it reported, or the last one its
-    interval implies since it started (or resumed)."""
+    """The last checkpoint a training job has by `now`: the last one it reported since it
+    started (or resumed), else the last one its interval implies since then. A workload that
+    reports its checkpoints is taken at its word: its first comes after its start-up and each
+    after its own stall, so the interval's count from the start would run ahead of them and
+    name a checkpoint that does not exist."""
     start = job.started_ms if job.started_ms is not None else now
+    if job.checkpoint_ms is not None and job.checkpoint_ms >= start:
+        return min(job.checkpoint_ms, now)
     interval = job.interval_ms
-    implied = start + ((now - start) // interval) * interval if interval else start
-    reported = job.checkpoint_ms if job.checkpoint_ms is not None else start
-    return max(implied, reported, start)
+    return start + ((now - start) // interval) * interval if interval else start
 
 
 def lost_work_s(job: Job, now: int) -> float:
