@@ -95,7 +95,9 @@ bench: $(STAMP) $(MPIRUN) $(SLURMCTLD)
 	$(PY) benchmarks/sharded.py
 	$(PY) benchmarks/dataplane.py
 	$(PY) benchmarks/heterogeneous.py
+	$(PY) benchmarks/ettr.py
 	$(PY) benchmarks/peers.py
+	$(PY) benchmarks/readme_table.py
 
 # fleetline's scheduler beside Slurm's controller and the Kubernetes scheduler, on one fleet and
 # one job stream (benchmarks/peers.py): Slurm from Debian's packages, Kubernetes built once into
