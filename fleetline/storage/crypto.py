@@ -40,9 +40,12 @@ class ObjectCipher:
     def open(self, object_key: str, blob: bytes) -> bytes:
         if not blob.startswith(MAGIC) or len(blob) < len(MAGIC) + 12 + 16:
             raise IntegrityError(f"{object_key}: not an encrypted fleetline object")
-        nonce = blob[len(MAGIC) : len(MAGIC) + 12]
+        # Views, not slices: a slice of a large blob is a copy, and on these machines copying
+        # into fresh memory cost three times the decryption itself.
+        view = memoryview(blob)
+        nonce = view[len(MAGIC) : len(MAGIC) + 12]
         try:
-            return self._aead.decrypt(nonce, blob[len(MAGIC) + 12 :], object_key.encode())
+            return self._aead.decrypt(nonce, view[len(MAGIC) + 12 :], object_key.encode())
         except InvalidTag:
             raise IntegrityError(
                 f"{object_key}: decryption failed (wrong key or altered object)"

@@ -92,6 +92,21 @@ def test_a_run_stopped_mid_way_and_resumed_ends_bit_identical(settings, tmp_path
     assert resumed == losses
 
 
+def test_a_sealed_part_altered_in_place_fails_to_open(settings, tmp_path):
+    """A sealed part is not hashed on restore: its decryption authenticates it, so one byte
+    flipped at the same length is refused there."""
+    bucket = f"ckpt-{uuid.uuid4().hex[:8]}"
+    own = store(settings, bucket, "flip", tenant_key(MASTER, "acme"))
+    manifest, _ = own.save(1, 10, {"a.bin": b"w" * 4096}, {})
+    key = f"flip/{manifest.name}/a.bin"
+    blob = bytearray(own.store.get(key))
+    blob[100] ^= 0x01
+    own.store.put(key, bytes(blob))
+    with pytest.raises(IntegrityError, match="decryption failed"):
+        own.load(manifest.name)
+    assert own.latest() is None
+
+
 def test_a_torn_checkpoint_is_never_resumed_from(settings, tmp_path):
     bucket = f"ckpt-{uuid.uuid4().hex[:8]}"
     key = tenant_key(MASTER, "acme")
