@@ -95,6 +95,30 @@ def test_load_over_target_promotes_the_standby_in_place_and_places_a_new_one():
     assert len(d.decisions("acme/chat", "SCALED")) == 3
 
 
+def test_several_routers_loads_add_up_and_a_silent_router_drops_out():
+    view, _ = fleet_view(TWO)
+    d = Driver(view)
+    d.submit(chat())
+    d.tick(1)
+    # Each of two routers kept the one replica 30 % busy: under the 50 % target alone, 60 %
+    # together.
+    d.load("acme/chat", router="a", utilisation=0.3, requests=40)
+    assert len(d.decisions("acme/chat", "SCALED")) == 1  # the start only
+    d.load("acme/chat", router="b", utilisation=0.3, requests=60, latency_ms={"p95": 90.0})
+    decision = d.last("acme/chat")
+    assert decision.reason.startswith("scale out 1 -> 2 serving replicas: utilisation")
+    assert "100 requests in 1s" in decision.reason
+    load = d.job("acme/chat").scaling["load"]
+    assert load["router"] == "a+b" and load["utilisation"] == 0.6
+    assert load["latency_ms"]["p95"] == 90.0  # the worst router's
+    # Router b goes quiet: two of its windows later only a's reports count.
+    d.tick(3)
+    d.load("acme/chat", router="a", utilisation=0.2, requests=40)
+    load = d.job("acme/chat").scaling["load"]
+    assert load["router"] == "a" and load["utilisation"] == 0.2
+    assert sorted(d.job("acme/chat").scaling["routers"]) == ["a"]
+
+
 def test_scale_out_fills_the_home_region_up_to_its_pool_then_the_next_region():
     view, _ = fleet_view(TWO)
     d = Driver(view, pools(0.5))

@@ -8,8 +8,9 @@ not routed; `autoscaling.warm_standby` of them): a scale-out promotes a standby 
 ordering its cluster again with the new role (the same epoch and attempt: the process is not
 restarted), and places a new standby behind it.
 
-The autoscaler folds SERVICE_LOAD requests (what the router measured over a window: requests
-by client region, latency percentiles, the replicas' utilisation and queues) and decides, from
+The autoscaler folds SERVICE_LOAD requests (what a router measured over a window: requests
+by client region, latency percentiles, the replicas' utilisation and queues; several routers'
+latest reports summed, `merged`) and decides, from
 those events alone, when to add replicas (as soon as a target is passed, once the replicas
 already on their way serve and the scale-out cool-down has passed) and when to drain one (when
 every measure has stayed `hysteresis` under its target for the scale-in cool-down, and the rest
@@ -92,6 +93,38 @@ class ServiceLoad:
             "utilisation": self.utilisation,
             "queue": self.queue,
         }
+
+
+# A router's last report counts toward a service's load while it is younger than this many of
+# its own windows: a router that stopped reporting (gone, or cut off) drops out of the sum.
+ROUTER_FRESH_WINDOWS = 2
+
+
+def merged(reports: list[ServiceLoad]) -> ServiceLoad:
+    """Several routers' measures of one service over about the same window, as one (one
+    report: itself). Requests, errors and their client regions add up, and so do the shares of
+    the replicas' slots each router kept busy; each latency percentile is the worst router's,
+    which is at least the whole's (no more than 1 % of all requests can be slower than every
+    router's p99); the queue is the replicas' own, which every router sees alike."""
+    if len(reports) == 1:
+        return reports[0]
+    regions: dict[str, int] = {}
+    latency: dict[str, float] = {}
+    for r in reports:
+        for region, n in r.by_region.items():
+            regions[region] = regions.get(region, 0) + n
+        for name, ms in r.latency_ms.items():
+            latency[name] = max(latency.get(name, 0.0), ms)
+    return ServiceLoad(
+        "+".join(r.router for r in reports),
+        max(r.window_ms for r in reports),
+        sum(r.requests for r in reports),
+        sum(r.errors for r in reports),
+        regions,
+        latency,
+        round(sum(r.utilisation for r in reports), 4),
+        max(r.queue for r in reports),
+    )
 
 
 def _spec(service: Job) -> InferenceServiceSpec:
@@ -289,9 +322,19 @@ def tick(s: SchedulerState, out: EffectLog) -> None:
 def service_load(s: SchedulerState, out: EffectLog, key: str, payload: Any) -> None:
     """Fold one load report and decide whether to scale (see the module's docstring)."""
     service = s.jobs.get(key)
-    load = ServiceLoad.from_data(payload)
+    report = ServiceLoad.from_data(payload)
     if service is None or not service.is_service or service.phase in TERMINAL:
         return  # a report on a service deleted meanwhile
+    # Every router measures only the requests it routed: the service's load is the sum of the
+    # routers' latest reports, each while it is fresh.
+    routers = {
+        name: data
+        for name, data in (service.scaling.get("routers") or {}).items()
+        if s.now_ms - data["ts"] <= ROUTER_FRESH_WINDOWS * data["window_ms"]
+    }
+    routers[report.router] = {**report.as_data(), "ts": s.now_ms}
+    service.scaling["routers"] = dict(sorted(routers.items()))
+    load = merged([ServiceLoad.from_data(data) for _, data in sorted(routers.items())])
     service.scaling["load"] = {**load.as_data(), "ts": s.now_ms}
     s.dirty.add(f"job:{key}")
     spec = _spec(service)
