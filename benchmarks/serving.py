@@ -4,7 +4,9 @@ and GPU utilisation over a simulated day with tidal pools against a fixed split.
 - Router: replicas of `fleetline workload serve` (no simulated accelerator time, so only the
   HTTP path is measured) called directly and through `fleetline router`, closed-loop at a fixed
   number of requests in flight; requests/s and p50/p99 latency each way, and the difference.
-  Target: the router adds under 2 ms at p50.
+  Target: the router adds under 2 ms at p50. Then `fleetline router --processes N` (1 and 2)
+  on one port, the registry read from Kafka, at twice the requests in flight. Target: 5,000
+  requests/s, p99 < 20 ms.
 - Start: cold, a replica process from exec to ready (model loaded from S3, probe answered);
   warm, a loaded standby promoted: from its READY record on the registry topic to the first
   request the router sends it. Target: warm under 1 s, cold under 10 s.
@@ -28,6 +30,8 @@ import asyncio
 import json
 import math
 import os
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -337,6 +341,68 @@ def tidal_day(tidal: bool) -> dict[str, float]:
     }
 
 
+def router_processes_figures(
+    settings: Settings, requests: int, inflight: int, counts: tuple[int, ...] = (1, 2)
+) -> dict[str, Any]:
+    """`fleetline router --processes N` on one port (SO_REUSEPORT) before one replica, the
+    registry read from Kafka as deployed: requests/s and latency at `inflight` for each N."""
+    from fleetline.streams import kafka as kafka_clients
+    from fleetline.streams.serde import default_codec
+
+    replica, address, _ = start_replica(settings, "bench/svc.r0", 0.0)
+    topics = Topics(f"bench-{uuid.uuid4().hex[:8]}")
+    kafka_clients.ensure_topics(settings.kafka, topics.specs())
+    codec = default_codec()
+    producer = kafka_clients.producer(settings.kafka, {"linger.ms": 0})
+    record = endpoint("bench/svc.r0", address)
+    producer.produce(
+        topics.replicas,
+        key=record["replica"].encode(),
+        value=codec.encode(topics.record_of(topics.replicas), record),
+    )
+    producer.flush(10)
+    env = {**os.environ, **settings.kafka.as_env()}
+    figures: dict[str, Any] = {}
+    try:
+        for count in counts:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+            router = subprocess.Popen(
+                [
+                    sys.executable, "-m", "fleetline.cli", "router", "--processes", str(count),
+                    "--port", str(port), "--host", "127.0.0.1", "--open", "--no-report",
+                    "--topic-prefix", topics.prefix,
+                ],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            url = f"http://127.0.0.1:{port}/v1/services/bench/svc/infer"
+            try:
+                deadline = time.monotonic() + 60
+                while True:  # every process has read the registry: requests succeed
+                    try:
+                        asyncio.run(closed_loop(url, 4 * count, 1))
+                        break
+                    except (OSError, AssertionError) as exc:
+                        if time.monotonic() > deadline:
+                            raise RuntimeError(f"{count} router processes never answered") from exc
+                        time.sleep(0.2)
+                client(url, 500, inflight)  # warm up
+                routed = client(url, requests, inflight)
+            finally:
+                router.send_signal(signal.SIGTERM)
+                router.wait(30)
+            figures[f"router_{count}_processes_rps"] = routed["rps"]
+            figures[f"router_{count}_processes_p50_ms"] = routed["p50_ms"]
+            figures[f"router_{count}_processes_p99_ms"] = routed["p99_ms"]
+        figures["router_processes_target"] = ">= 5000 requests/s, p99 < 20 ms"
+    finally:
+        replica.terminate()
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=5000)
@@ -356,6 +422,7 @@ def main() -> None:
     settings = Settings.from_env()
     with local_services(settings) as settings:
         figures |= router_figures(settings, args.requests, args.inflight)
+        figures |= router_processes_figures(settings, args.requests, args.inflight * 2)
     report("serving", figures)
 
 

@@ -49,6 +49,14 @@ def router(
             "(one host, tests)",
         ),
     ] = False,
+    processes: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="router processes on the one port (SO_REUSEPORT; the kernel spreads the "
+            "connections), each reporting its own load; the autoscaler adds them up",
+        ),
+    ] = 1,
 ) -> None:
     """Run the router: forward POST /v1/services/TENANT/NAME/infer to the ready replica with
     the lowest expected latency for the client's region (header X-Fleetline-Region), fail over
@@ -58,20 +66,69 @@ def router(
     Callers need a bearer token from FLEETLINE_AUTH_CONFIG (an API token or a JWT whose role
     may call the tenant's services); with FLEETLINE_TLS_* set it serves HTTPS and reaches the
     replicas over mutual TLS."""
-    from fleetline.agents.router.server import Router, load_policy
-    from fleetline.streams.topics import Topics
-
     config = settings("kafka")
     data = yaml.safe_load(policy.read_text()) if policy else None
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    address = listen_host(host)
+    if processes == 1:
+        with contextlib.suppress(KeyboardInterrupt):
+            _route(config, topic_prefix, data, not no_report, open_, address, port, False, stop)
+        return
+    if port == 0:
+        raise ConfigError("--processes above 1 needs a fixed --port (each process binds it)")
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    ended = context.Event()
+    children = [
+        context.Process(
+            target=_router_process,
+            args=(config, topic_prefix, data, not no_report, open_, address, port, ended),
+            daemon=True,
+        )
+        for _ in range(processes)
+    ]
+    for child in children:
+        child.start()
+    console.print(f"router: {processes} processes on port {port}")
+    try:
+        while not stop.is_set() and all(child.is_alive() for child in children):
+            stop.wait(0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        ended.set()
+        for child in children:
+            child.join(10)
+            if child.is_alive():
+                child.kill()
+    failed = [c.exitcode for c in children if c.exitcode not in (0, None)]
+    if failed and not stop.is_set():
+        raise ConfigError(f"a router process ended with exit code {failed[0]}")
+
+
+def _route(
+    config: Settings,
+    topic_prefix: str,
+    data: Any,
+    report: bool,
+    open_: bool,
+    host: str,
+    port: int,
+    reuse_port: bool,
+    stop: threading.Event,
+) -> None:
+    """One router, serving until `stop` (printing where it listens once it does)."""
+    from fleetline.agents.router.server import Router, load_policy
+
     router_ = Router(
         config,
         Topics(topic_prefix),
         load_policy(data),
-        report=not no_report,
+        report=report,
         admit=inference_admission(config, open_),
     )
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
 
     def announce() -> None:
         while router_.address is None and not stop.is_set():
@@ -79,8 +136,30 @@ def router(
         console.print(f"router listening on {router_.address}")
 
     threading.Thread(target=announce, daemon=True).start()
-    with contextlib.suppress(KeyboardInterrupt):
-        router_.run(listen_host(host), port, stop)
+    router_.run(host, port, stop, reuse_port)
+
+
+def _router_process(
+    config: Settings,
+    topic_prefix: str,
+    data: Any,
+    report: bool,
+    open_: bool,
+    host: str,
+    port: int,
+    ended: Any,
+) -> None:
+    """One of several router processes (a multiprocessing target): until `ended` is set."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent ends its processes itself
+
+    def follow_parent() -> None:
+        ended.wait()
+        stop.set()
+
+    threading.Thread(target=follow_parent, daemon=True).start()
+    _route(config, topic_prefix, data, report, open_, host, port, True, stop)
 
 
 def inference_admission(config: Settings, open_: bool) -> Any:

@@ -286,7 +286,9 @@ class Router:
 
     async def healthz(self, request: web.Request) -> web.Response:
         synced = self.synced.is_set()
-        return web.json_response({"synced": synced}, status=200 if synced else 503)
+        return web.json_response(
+            {"synced": synced, "router": self.name}, status=200 if synced else 503
+        )
 
     # -- load reports -------------------------------------------------------------------------
 
@@ -337,7 +339,9 @@ class Router:
 
     # -- the server ---------------------------------------------------------------------------
 
-    async def serve(self, host: str, port: int, stop: threading.Event) -> None:
+    async def serve(
+        self, host: str, port: int, stop: threading.Event, reuse_port: bool = False
+    ) -> None:
         tls = self.settings.tls
         self.session = ClientSession(
             connector=TCPConnector(
@@ -350,7 +354,11 @@ class Router:
         app.router.add_get("/v1/routes", self.routes_handler)
         app.router.add_get("/healthz", self.healthz)
         runner, self.address = await listen(
-            app, host, port, tls.server_context(verify_clients=False) if tls else None
+            app,
+            host,
+            port,
+            tls.server_context(verify_clients=False) if tls else None,
+            reuse_port=reuse_port,
         )
         producer = (
             kafka_clients.producer(self.settings.kafka, {"linger.ms": 5}) if self.report else None
@@ -367,12 +375,13 @@ class Router:
             if producer is not None:
                 producer.flush(5)
 
-    def run(self, host: str, port: int, stop: threading.Event) -> None:
-        """Follow the registry and serve until `stop` is set."""
+    def run(self, host: str, port: int, stop: threading.Event, reuse_port: bool = False) -> None:
+        """Follow the registry and serve until `stop` is set (`reuse_port`: one of several
+        router processes on one port)."""
         follower = threading.Thread(target=self.follow, args=(stop,), daemon=True)
         follower.start()
         try:
-            asyncio.run(self.serve(host, port, stop))
+            asyncio.run(self.serve(host, port, stop, reuse_port))
         finally:
             stop.set()
             follower.join(5)
