@@ -9,6 +9,7 @@ import json
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -70,10 +71,10 @@ def router(
     data = yaml.safe_load(policy.read_text()) if policy else None
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    address = listen_host(host)
+    run = RouterRun(config, topic_prefix, data, not no_report, open_, listen_host(host), port)
     if processes == 1:
         with contextlib.suppress(KeyboardInterrupt):
-            _route(config, topic_prefix, data, not no_report, open_, address, port, False, stop)
+            run.serve(stop, reuse_port=False)
         return
     if port == 0:
         raise ConfigError("--processes above 1 needs a fixed --port (each process binds it)")
@@ -84,7 +85,7 @@ def router(
     children = [
         context.Process(
             target=_router_process,
-            args=(config, topic_prefix, data, not no_report, open_, address, port, ended),
+            args=(run, ended),
             daemon=True,
         )
         for _ in range(processes)
@@ -108,47 +109,40 @@ def router(
         raise ConfigError(f"a router process ended with exit code {failed[0]}")
 
 
-def _route(
-    config: Settings,
-    topic_prefix: str,
-    data: Any,
-    report: bool,
-    open_: bool,
-    host: str,
-    port: int,
-    reuse_port: bool,
-    stop: threading.Event,
-) -> None:
-    """One router, serving until `stop` (printing where it listens once it does)."""
-    from fleetline.agents.router.server import Router, load_policy
+@dataclass(frozen=True)
+class RouterRun:
+    """What each router process is started with (a multiprocessing target's argument)."""
 
-    router_ = Router(
-        config,
-        Topics(topic_prefix),
-        load_policy(data),
-        report=report,
-        admit=inference_admission(config, open_),
-    )
+    config: Settings
+    topic_prefix: str
+    policy: Any  # the routing policy's data, or None
+    report: bool
+    open_: bool
+    host: str
+    port: int
 
-    def announce() -> None:
-        while router_.address is None and not stop.is_set():
-            stop.wait(0.05)
-        console.print(f"router listening on {router_.address}")
+    def serve(self, stop: threading.Event, reuse_port: bool) -> None:
+        """One router, serving until `stop` (printing where it listens once it does)."""
+        from fleetline.agents.router.server import Router, load_policy
 
-    threading.Thread(target=announce, daemon=True).start()
-    router_.run(host, port, stop, reuse_port)
+        router_ = Router(
+            self.config,
+            Topics(self.topic_prefix),
+            load_policy(self.policy),
+            report=self.report,
+            admit=inference_admission(self.config, self.open_),
+        )
+
+        def announce() -> None:
+            while router_.address is None and not stop.is_set():
+                stop.wait(0.05)
+            console.print(f"router listening on {router_.address}")
+
+        threading.Thread(target=announce, daemon=True).start()
+        router_.run(self.host, self.port, stop, reuse_port)
 
 
-def _router_process(
-    config: Settings,
-    topic_prefix: str,
-    data: Any,
-    report: bool,
-    open_: bool,
-    host: str,
-    port: int,
-    ended: Any,
-) -> None:
+def _router_process(run: RouterRun, ended: Any) -> None:
     """One of several router processes (a multiprocessing target): until `ended` is set."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -159,7 +153,7 @@ def _router_process(
         stop.set()
 
     threading.Thread(target=follow_parent, daemon=True).start()
-    _route(config, topic_prefix, data, report, open_, host, port, True, stop)
+    run.serve(stop, reuse_port=True)
 
 
 def inference_admission(config: Settings, open_: bool) -> Any:
