@@ -153,6 +153,10 @@ class Settings:
         """These settings as a process of `kind` signs in to Kafka with (see KafkaSettings)."""
         return replace(self, kafka=self.kafka.as_kind(kind))
 
+    def deployment_ca_path(self) -> Path:
+        """The directory of this host's deployment CA (infra/ca.py), made on first use."""
+        return self.cache_dir / "ca"
+
     def deployment_key_path(self) -> Path:
         return self.cache_dir / "keys" / "object-encryption.key"
 

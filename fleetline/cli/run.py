@@ -12,7 +12,9 @@ from fleetline.cli.common import console, settings
 from fleetline.config import Settings
 from fleetline.errors import ConfigError
 from fleetline.infra import LocalServices
+from fleetline.infra.ca import deployment_identity
 from fleetline.streams.topics import Topics
+from fleetline.tls import ROUTER_IDENTITY
 
 if TYPE_CHECKING:
     from fleetline.infra.lab import Lab
@@ -129,6 +131,13 @@ def run(
     # Given in the environment, or the deployment's own key (found here, or made now).
     key_from_env = bool(os.environ.get("FLEETLINE_OBJECT_ENCRYPTION_KEY"))
     config = config.with_deployment_key()
+    # The router, the cluster agents' probes and the replicas speak mutual TLS with identities
+    # from the deployment CA (the operator's own when FLEETLINE_TLS_* names them).
+    tls_from_env = config.tls is not None
+    authority = None if tls_from_env else config.deployment_ca_path()
+    if authority is not None:
+        router = deployment_identity(authority, ROUTER_IDENTITY, ["127.0.0.1", "localhost"])
+        config = replace(config, tls=router.settings())
     acls = 0
     secrets = None if external_services else services.kafka.secrets
     if secrets is not None:
@@ -139,7 +148,7 @@ def run(
             services.kafka.bootstrap_servers, secrets, prefix, deployment_topics(Topics(prefix))
         )
         config = replace(config, kafka=replace(config.kafka, principals=secrets.principals()))
-    for line in security_summary(config, acls, prefix, key_from_env):
+    for line in security_summary(config, acls, prefix, key_from_env, tls_from_env):
         console.print(line)
     start_ms = (int(time.time() * 1000) // story.interval_ms) * story.interval_ms
     if not realtime:
@@ -160,6 +169,7 @@ def run(
             topics=Topics(prefix),
             progress=lambda line: console.print("  " + line),
             lab=the_lab,
+            authority=authority,
         )
     finally:
         if not external_services and not keep_services and not already_up:
@@ -167,9 +177,17 @@ def run(
     report.print_result(console, result, config.clickhouse_url, prefix)
 
 
-def security_summary(config: Settings, acls: int, prefix: str, key_from_env: bool) -> list[str]:
+def security_summary(
+    config: Settings, acls: int, prefix: str, key_from_env: bool, tls_from_env: bool
+) -> list[str]:
     """What guards this run, one line each: on, or off and why."""
     key = "FLEETLINE_OBJECT_ENCRYPTION_KEY" if key_from_env else config.deployment_key_path()
+    mutual = (
+        "off (FLEETLINE_TLS_* unset)"
+        if config.tls is None
+        else f"on, certificates from {'FLEETLINE_TLS_*' if tls_from_env else config.tls.ca.parent}"
+        " (a replica serves inference to the router's identity only)"
+    )
     kafka = (
         f"on: SASL/SCRAM, {len(config.kafka.principals)} principals, {acls} ACLs on {prefix}.*"
         if config.kafka.principals
@@ -180,8 +198,10 @@ def security_summary(config: Settings, acls: int, prefix: str, key_from_env: boo
         f"  Kafka sign-in and ACLs per kind of process: {kafka}",
         f"  objects sealed (snapshots, checkpoints, audit archives, agent spools): on, key {key}",
         "  analyst SQL allow-list, audited data reads, API tokens and roles: on",
-        f"  TLS on the API: on (a certificate from the deployment CA in {config.cache_dir / 'ca'}"
-        "); the query service: TLS with a pinned certificate and a token",
+        "  TLS on the API: on (a certificate from the deployment CA in "
+        f"{config.deployment_ca_path()}); the query service: TLS with a pinned certificate "
+        "and a token",
+        f"  mutual TLS between the router, the cluster agents and the replicas: {mutual}",
     ]
 
 

@@ -12,6 +12,7 @@ import typer
 
 from fleetline.cli.common import ListenHost, TopicPrefix, listen_host, settings, ship_logs
 from fleetline.cli.data import TierPolicy, lifetimes
+from fleetline.config import Settings
 from fleetline.errors import ConfigError
 from fleetline.processors.view.runtime import APPLICATION_ID as VIEW_APP
 from fleetline.streams.topics import Topics
@@ -101,9 +102,20 @@ def serve(
         ),
     ] = True,
     tls_cert: Annotated[
-        Path | None, typer.Option(help="serve HTTPS with this certificate (PEM)")
+        Path | None,
+        typer.Option(
+            help="serve HTTPS with this certificate (PEM); by default one from the deployment "
+            "CA made on first start (FLEETLINE_CACHE_DIR/ca)"
+        ),
     ] = None,
     tls_key: Annotated[Path | None, typer.Option(help="... and this private key (PEM)")] = None,
+    plaintext_http: Annotated[
+        bool,
+        typer.Option(
+            "--plaintext-http",
+            help="serve the API over plain HTTP (only behind a proxy that terminates TLS)",
+        ),
+    ] = False,
     plaintext_objects: Annotated[
         bool,
         typer.Option(
@@ -136,6 +148,8 @@ def serve(
         )
     if bool(tls_cert) != bool(tls_key):
         raise ConfigError("--tls-cert and --tls-key go together")
+    if plaintext_http and tls_cert:
+        raise ConfigError("--plaintext-http and --tls-cert/--tls-key exclude each other")
     if plaintext_objects:
         config = replace(config, object_encryption_key=None)
     elif not config.object_encryption_key:
@@ -191,9 +205,12 @@ def serve(
             assert config.auth_config is not None
             emitter = KafkaAuditEmitter(config.kafka, options.topics)
             app = fleet.api(Authenticator(AuthConfig.from_file(config.auth_config)), emitter)
+            bound = listen_host(host)
+            if not tls_cert and not plaintext_http:
+                tls_cert, tls_key = _deployment_certificate(config, bound, port)
             server = api_server(
                 app,
-                listen_host(host),
+                bound,
                 port,
                 str(tls_cert) if tls_cert else None,
                 str(tls_key) if tls_key else None,
@@ -206,6 +223,24 @@ def serve(
         router_stop.set()
         fleet.close()
         logs.unship(shipped)
+
+
+def _deployment_certificate(config: Settings, bound: str, port: int) -> tuple[Path, Path]:
+    """The API's certificate from the deployment CA, for every address it is reached at (the
+    advertised one, the one it listens on unless a wildcard, loopback), issued at each start."""
+    from fleetline.infra.ca import deployment_identity
+
+    hosts = [config.advertise_host, "127.0.0.1", "localhost"]
+    if bound not in ("0.0.0.0", "::", ""):
+        hosts.insert(0, bound)
+    issued = deployment_identity(config.deployment_ca_path(), "api", list(dict.fromkeys(hosts)))
+    typer.echo(
+        f"API over HTTPS at https://{config.advertise_host}:{port} with a certificate from the "
+        f"deployment CA {issued.ca} (clients: `fleetline login --server ... --ca {issued.ca}`; "
+        "--tls-cert/--tls-key for your own, --plaintext-http behind a TLS proxy)",
+        err=True,
+    )
+    return issued.cert, issued.key
 
 
 def register(app: typer.Typer) -> None:

@@ -30,6 +30,7 @@ from fleetline.agents.cluster.backends import Launcher, launcher_for
 from fleetline.agents.workloads.train import workload_env
 from fleetline.config import Settings
 from fleetline.errors import StreamError
+from fleetline.infra import ca as deployment_ca
 from fleetline.infra.kubernetes import KwokCluster
 from fleetline.infra.lab import Lab, LabHost, exec_argv
 from fleetline.infra.slurm import SlurmCluster
@@ -100,6 +101,10 @@ class ClusterAgents:
     slurm_nodes: dict[str, int] = field(default_factory=dict)
     kubernetes_nodes: dict[str, int] = field(default_factory=dict)
     managers: dict[str, SlurmCluster | KwokCluster] = field(default_factory=dict)
+    # The deployment CA's directory, when the settings' TLS comes from it: each cluster's agent
+    # gets a certificate of its own (its replicas serve with it and admit inference from the
+    # router's identity only). Without it every agent shares the settings' certificate.
+    authority: Path | None = None
 
     def __post_init__(self) -> None:
         # Checkpoints are sealed under the tenants' keys; a demo without a configured key gets
@@ -131,6 +136,15 @@ class ClusterAgents:
             return launcher_for("kubernetes", cluster_id, kubeconfig=manager.kubeconfig)
         return launcher_for("process", cluster_id)
 
+    def settings_of(self, cluster_id: str, hosts: list[str]) -> Settings:
+        """The settings a cluster's agent runs with: its own certificate, for the addresses
+        its replicas are reached at, when there is a CA to issue it."""
+        tls = self.settings.tls
+        if tls is None or self.authority is None:
+            return self.settings
+        issued = deployment_ca.issue(self.authority, cluster_id, hosts)
+        return dataclasses.replace(self.settings, tls=issued.settings(tls.router_identity))
+
     def runs_nothing(self, cluster: str) -> bool:
         """Its workloads are made but never run: a Kubernetes of kwok nodes."""
         return cluster in self.kubernetes_nodes
@@ -138,7 +152,7 @@ class ClusterAgents:
     def start(self, cluster: str | None = None) -> None:
         for cluster_id in [cluster] if cluster else self.clusters:
             agent = ClusterAgent(
-                self.settings,
+                self.settings_of(cluster_id, ["127.0.0.1", "localhost"]),
                 self.topics,
                 cluster_id,
                 self.state_dir,
@@ -183,8 +197,15 @@ class LabClusterAgents(ClusterAgents):
     lab (`fleetline lab`); a cluster goes dark by a real cut of its links, and comes back when
     they are healed. The workloads run where their agent runs: inside its namespace."""
 
-    def __init__(self, settings: Settings, topics: Topics, clusters: list[str], lab: Lab) -> None:
-        super().__init__(settings, topics, clusters)
+    def __init__(
+        self,
+        settings: Settings,
+        topics: Topics,
+        clusters: list[str],
+        lab: Lab,
+        authority: Path | None = None,
+    ) -> None:
+        super().__init__(settings, topics, clusters, authority=authority)
         self.lab = lab
         self.host = LabHost(settings.cache_dir, lab.name)
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
@@ -205,15 +226,17 @@ class LabClusterAgents(ClusterAgents):
             "FLEETLINE_OBJECT_ENCRYPTION_KEY": self.settings.object_encryption_key or "",
         }
         for cluster_id in [cluster] if cluster else self.clusters:
+            tls = self.settings_of(cluster_id, [self.lab.cluster(cluster_id).address]).tls
             command = [
                 sys.executable, "-m", "fleetline.cli", "cluster-agent",
                 "--cluster-id", cluster_id, "--topic-prefix", self.topics.prefix,
                 "--state-dir", str(self.state_dir),
             ]  # fmt: skip
             log = (self.state_dir / f"{cluster_id}.log").open("ab")
+            own_env = {**env, **(tls.as_env() if tls else {})}
             self.processes[cluster_id] = subprocess.Popen(
-                exec_argv(self.lab, cluster_id, command, env),
-                env=env,
+                exec_argv(self.lab, cluster_id, command, own_env),
+                env=own_env,
                 stdout=log,
                 stderr=log,
                 start_new_session=True,

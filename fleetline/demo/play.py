@@ -196,9 +196,9 @@ def call_api(fleet: Fleetline) -> list[tuple[str, int]]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    authority = fleet.settings.cache_dir / "ca"
-    deployment_ca.init(authority)
-    issued = deployment_ca.issue(authority, "api", ["127.0.0.1"])
+    issued = deployment_ca.deployment_identity(
+        fleet.settings.deployment_ca_path(), "api", ["127.0.0.1"]
+    )
     tls = ssl.create_default_context(cafile=str(issued.ca))
     server = api_server(
         fleet.api(auth, emitter), "127.0.0.1", port, str(issued.cert), str(issued.key)
@@ -384,10 +384,13 @@ def play(
     topics: Topics | None = None,
     progress: Callable[[str], None] = lambda line: None,
     lab: Lab | None = None,
+    authority: Path | None = None,
 ) -> SliceResult:
     """Run the scenario for its intervals of event time and return what every stage saw. With a
     `lab`, each cluster's agent (and so its workloads) runs on its cluster's host in the lab,
-    and the cluster is lost by a real cut of its links."""
+    and the cluster is lost by a real cut of its links. With the deployment CA's directory
+    (`authority`) and the settings' TLS from it, each cluster's agent gets its own certificate
+    (see ClusterAgents)."""
     topics = topics or Topics()
     interval = scenario.interval_ms
     timings: dict[str, float] = {}
@@ -399,12 +402,13 @@ def play(
     # One cluster agent per cluster: the training jobs run as processes, reported back.
     cluster_ids = [c.spec.cluster_id for c in scenario.clusters]
     agents = (
-        LabClusterAgents(kinds.as_kind(CLUSTER_AGENT), topics, cluster_ids, lab)
+        LabClusterAgents(kinds.as_kind(CLUSTER_AGENT), topics, cluster_ids, lab, authority)
         if lab is not None
         else ClusterAgents(
             kinds.as_kind(CLUSTER_AGENT),
             topics,
             cluster_ids,
+            authority=authority,
             slurm_nodes={
                 c.spec.cluster_id: c.spec.nodes for c in scenario.clusters if c.manager == "slurm"
             },

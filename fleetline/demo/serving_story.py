@@ -26,6 +26,9 @@ from fleetline.processors.scheduling.client import decisions_of, submit, submit_
 from fleetline.processors.scheduling.codec import canonical_json, new_request
 from fleetline.streams.topics import Topics
 
+# Phases a job does not leave.
+ENDED = ("Deleted", "Failed", "Succeeded")
+
 
 def _jobs(fleet: Fleetline) -> dict[str, dict[str, Any]]:
     assert fleet.scheduler is not None
@@ -46,7 +49,7 @@ def snapshot(fleet: Fleetline, service: str, training: str) -> dict[str, Any]:
     standby: dict[str, int] = {}
     pool: dict[str, int] = {}
     for job in jobs.values():
-        if job.get("service") != service or job["phase"] in ("Deleted", "Failed", "Succeeded"):
+        if job.get("service") != service or job["phase"] in ENDED:
             continue
         for cluster, gpus in _gpus(job).items():
             pool[cluster] = pool.get(cluster, 0) + gpus
@@ -86,6 +89,7 @@ def serving_day(
         if d["kind"] == "TrainingJob"
     )
 
+    _end_the_story(fleet, settings, topics, say)
     submit(
         settings.kafka,
         topics,
@@ -147,6 +151,7 @@ def serving_day(
         offset_h=offsets,
         # On into the next night, so that the replicas drain and training comes back.
         duration_s=day_s * float(day.get("days", 1.25)),
+        ca_file=str(settings.tls.ca) if settings.tls else None,
     )
     result: list[LoadResult] = []
     loader = threading.Thread(target=lambda: result.append(asyncio.run(run_load(plan))))
@@ -211,6 +216,40 @@ def serving_day(
 
 def _per(counts: Mapping[str, int]) -> str:
     return ", ".join(f"{c} {n}" for c, n in sorted(counts.items()))
+
+
+def _end_the_story(
+    fleet: Fleetline, settings: Settings, topics: Topics, say: Callable[[str], None]
+) -> None:
+    """The day begins on the morning after the story: its jobs still queued or holding GPUs
+    are deleted (their workloads stopped by the cluster agents), so the day's training and
+    service meet a fleet that only its faults and repairs still hold back."""
+    left = sorted(key for key, job in _jobs(fleet).items() if job["phase"] not in ENDED)
+    if not left:
+        return
+    now = int(time.time() * 1000)
+    submit(
+        settings.kafka,
+        topics,
+        [
+            new_request(
+                "DELETE",
+                key,
+                key.partition("/")[0],
+                now,
+                f"serving-day-ends-{key}",
+                actor="fleetline-run",
+            )
+            for key in left
+        ],
+    )
+    ended = _until(
+        lambda: all((_jobs(fleet).get(key) or {}).get("phase") in ENDED for key in left), 60
+    )
+    say(
+        f"the story's {len(left)} jobs still queued or running end before the day begins"
+        + ("" if ended else " (not all seen deleted within 60s)")
+    )
 
 
 def _until(condition: Callable[[], Any], timeout_s: float) -> bool:

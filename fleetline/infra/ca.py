@@ -28,7 +28,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fleetline.config import host_address
 from fleetline.errors import ConfigError
-from fleetline.tls import subject_name
+from fleetline.tls import ROUTER_IDENTITY, TlsSettings, subject_name
 
 IDENTITY = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 CA_DAYS = 3650
@@ -48,6 +48,10 @@ class Issued:
             "FLEETLINE_TLS_CERT": str(self.cert),
             "FLEETLINE_TLS_KEY": str(self.key),
         }
+
+    def settings(self, router_identity: str = ROUTER_IDENTITY) -> TlsSettings:
+        """The TLS settings of a process holding this certificate."""
+        return TlsSettings(self.ca, self.cert, self.key, router_identity)
 
 
 def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
@@ -157,3 +161,10 @@ def issue(directory: Path, identity: str, hosts: Sequence[str]) -> Issued:
     _write_key(key_path, key)
     cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
     return Issued(identity, ca_cert_path, cert_path, key_path)
+
+
+def deployment_identity(directory: Path, identity: str, hosts: Sequence[str]) -> Issued:
+    """`identity`'s certificate for `hosts` from the deployment CA in `directory`, the CA made
+    on first use (what `fleetline run` and `serve` use when no certificate is given)."""
+    init(directory)
+    return issue(directory, identity, hosts)

@@ -63,13 +63,16 @@ def test_serve_schedules_what_the_cli_applies_through_a_sigkill(
     auth = tmp_path / "auth.yaml"
     auth.write_text(yaml.safe_dump(auth_config()))
     env["FLEETLINE_AUTH_CONFIG"] = str(auth)
+    env["FLEETLINE_CACHE_DIR"] = str(tmp_path / "cache")
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("FLEETLINE_CONTEXTS", str(tmp_path / "contexts.yaml"))
     group = f"v-{uuid.uuid4().hex[:8]}"
     common = ["--topic-prefix", topics.prefix]  # reads stay direct
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
+    # serve's API speaks HTTPS by default, its certificate from the deployment CA it makes.
+    url = f"https://127.0.0.1:{port}"
+    ca = str(tmp_path / "cache" / "ca" / "ca.pem")
     policy = tmp_path / "policy.yaml"
     policy.write_text("cluster_preference: [eu-west-a]\nweights: {preference: 0.2}\n")
     command = serve_command(
@@ -89,8 +92,10 @@ def test_serve_schedules_what_the_cli_applies_through_a_sigkill(
     try:
         wait_until(lambda: listening(port), 60, "the API to listen")
         # Two contexts: a platform admin's, and acme's user (current).
-        assert main(["login", "--server", url, "--token", "fl_ops", "--name", "admin"]) == 0
-        assert main(["login", "--server", url, "--token", "fl_uma", "--name", "acme"]) == 0
+        assert "API over HTTPS at https://127.0.0.1" in log_path.read_text()
+        signed_in = ["--server", url, "--ca", ca]
+        assert main(["login", *signed_in, "--token", "fl_ops", "--name", "admin"]) == 0
+        assert main(["login", *signed_in, "--token", "fl_uma", "--name", "acme"]) == 0
         assert "signed in to " + url + " as uma (user, tenant acme)" in capsys.readouterr().out
         assert main(["apply", "-f", str(SPECS), "--wait", "90"]) == 0, log_path.read_text()
         out = capsys.readouterr().out

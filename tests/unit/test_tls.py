@@ -219,3 +219,23 @@ def test_tls_settings_and_the_ca_refuse_bad_input(tmp_path, pki) -> None:
     with pytest.raises(ConfigError, match="FLEETLINE_TLS_CERT/KEY"):
         mixed.client_context()
     assert (tmp_path / "ca-key.pem").stat().st_mode & 0o077 == 0
+
+
+def test_run_gives_each_cluster_agent_a_certificate_of_its_own(tmp_path) -> None:
+    from fleetline.demo.cluster_story import ClusterAgents
+
+    authority = tmp_path / "ca"
+    router = ca.deployment_identity(authority, "router", ["127.0.0.1"])
+    settings = Settings(tls=router.settings(), object_encryption_key="a2V5")
+    agents = ClusterAgents(
+        settings, Topics("tls-test"), ["eu-west-a"], state_dir=tmp_path, authority=authority
+    )
+    own = agents.settings_of("eu-west-a", ["127.0.0.1", "localhost"]).tls
+    assert own is not None and own.identity() == "eu-west-a"
+    # Issued by the router's CA, so each trusts the other; the router stays the one identity
+    # a replica serves inference to.
+    assert own.ca == router.ca and own.router_identity == "router"
+    own.client_context()
+    # Without a CA to issue from, every agent shares the settings' certificate.
+    shared = ClusterAgents(settings, Topics("tls-test"), ["eu-west-a"], state_dir=tmp_path)
+    assert shared.settings_of("eu-west-a", ["127.0.0.1"]).tls == router.settings()
