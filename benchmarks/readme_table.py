@@ -1,9 +1,10 @@
 """The README's performance table, made again from the benchmarks' last runs.
 
-Reads `benchmarks/results/peers.runs.jsonl` and `scheduler.runs.jsonl` (what `report` keeps of
-every run), tells each figure as the range of the last three runs, and writes the table between
-the README's `<!-- performance table -->` markers. Run after `make bench-peers` (which runs it)
-or `benchmarks/scheduler.py`.
+Reads `benchmarks/results/peers.runs.jsonl`, `scheduler.runs.jsonl` and
+`cluster_control.runs.jsonl` (what `report` keeps of every run), tells each figure as the range
+of the last three runs, and writes the table between the README's `<!-- performance table -->`
+markers. Run after `make bench-peers` (which runs it), `benchmarks/scheduler.py` or
+`benchmarks/cluster_control.py`.
 
     .venv/bin/python benchmarks/readme_table.py [--runs 3]
 """
@@ -36,7 +37,9 @@ def share(values: list[Any]) -> str:
     return span([v * 100 if v is not None else None for v in values], " %")
 
 
-def table(peers: list[dict[str, Any]], core: list[dict[str, Any]]) -> str:
+def table(
+    peers: list[dict[str, Any]], core: list[dict[str, Any]], restore: list[dict[str, Any]]
+) -> str:
     last = peers[-1]
     rows: list[tuple[str, Callable[[str], str]]] = []
 
@@ -88,6 +91,17 @@ def table(peers: list[dict[str, Any]], core: list[dict[str, Any]]) -> str:
             f"requests (`benchmarks/scheduler.py`; target 2,000/s, p99 < 10 ms) | {rate}, "
             f"p99 {p99}{'' if same else ' (decisions differ from the baseline)'} | - | - |\n"
         )
+    if restore:
+        ratio = span([r.get("sealed_restore_vs_raw_get") for r in restore], "x", "{:.2f}".format)
+        speed = span([r.get("sealed_restore_mb_s (digests or tags verified)") for r in restore])
+        peak = span([r.get("file_peak_python_memory_mb") for r in restore], " MiB")
+        body += (
+            f"| sealed checkpoint restore, {restore[-1]['checkpoint_mb']:.0f} MiB in 4 parts, "
+            "vs a raw S3 GET of the same bytes (`benchmarks/cluster_control.py`, medians of "
+            f"{restore[-1]['rounds (medians)']} rounds; target 0.8x) | {ratio} ({speed} MB/s); "
+            f"a {restore[-1]['file_checkpoint_mb (sealed, one part)']} MiB part saved from and "
+            f"restored to a file holds at most {peak} | - | - |\n"
+        )
     return header + body
 
 
@@ -104,7 +118,12 @@ def main() -> None:
         raise SystemExit(f"README.md has no {START} ... {END} block")
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
-    made = table(peers, recent_runs("scheduler", args.runs, nodes=10_000, requests=10_010))
+    made = table(
+        peers,
+        recent_runs("scheduler", args.runs, nodes=10_000, requests=10_010),
+        # Runs that took medians (since the checkpoint figures are measured that way).
+        recent_runs("cluster_control", args.runs, checkpoint_mb=64.0, **{"rounds (medians)": 5}),
+    )
     README.write_text(f"{head}{START}\n{made}{END}{tail}")
     print(made)
 

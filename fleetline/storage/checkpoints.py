@@ -16,24 +16,31 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import io
 import json
 import os
 import re
+import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any, BinaryIO, TypeVar
 
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from fleetline.errors import IntegrityError, ObjectMissing, StorageError
-from fleetline.storage.crypto import ObjectCipher
-from fleetline.storage.objects import Objects
+from fleetline.storage.crypto import OVERHEAD, ObjectCipher
+from fleetline.storage.objects import ObjectStore, Readable
 
 FORMAT = "fleetline.checkpoint/1"
 _PARALLEL_PARTS = 8
+# A part written from a file goes up in pieces of this size (S3 multipart), one piece after
+# another: the memory a save holds is about this per part written at once, whatever the size.
+PART_SIZE = 16 << 20
 T = TypeVar("T")
 # Whether a checkpoint (epoch, step) may be resumed from.
 Admit = Callable[[int, int], bool]
@@ -94,12 +101,17 @@ class Manifest:
 
 @dataclass
 class Checkpoints:
-    """One job's checkpoints in one store."""
+    """One job's checkpoints in one store. Parts are sealed (or hashed) a piece at a time as
+    they upload; checked, copied and restored to files a piece at a time as they download, so
+    a part from or to a file is never held whole (`save_files`, `complete`, `copy_to`,
+    `restore_files`). A restore into memory (`load`) reads each part whole: it is held anyway,
+    and one GET and one AES-GCM call beat pieces here."""
 
-    store: Objects
+    store: ObjectStore
     prefix: str  # checkpoints/<tenant>/<job name>
     key: bytes | None = None  # the tenant's key; None: parts are stored as they are
     skipped: list[str] = field(default_factory=list)  # torn checkpoints passed over, and why
+    part_size: int = PART_SIZE  # a file's multipart piece
 
     def _key(self, name: str, part: str) -> str:
         return f"{self.prefix}/{name}/{part}"
@@ -107,7 +119,30 @@ class Checkpoints:
     def save(
         self, epoch: int, step: int, parts: Mapping[str, bytes], meta: Mapping[str, Any]
     ) -> tuple[Manifest, float]:
-        """Write the parts, then the manifest; (the manifest, seconds taken)."""
+        """Write the parts (in memory), then the manifest; (the manifest, seconds taken)."""
+        return self._save(
+            epoch, step, {p: _memory_source(data) for p, data in parts.items()}, meta, whole=True
+        )
+
+    def save_files(
+        self, epoch: int, step: int, files: Mapping[str, Path], meta: Mapping[str, Any]
+    ) -> tuple[Manifest, float]:
+        """Write each part from its file, streamed in `part_size` pieces (multipart: a part
+        larger than memory is never read whole), then the manifest."""
+        for part in files:
+            _part_file_name(part, "a part")
+        return self._save(
+            epoch, step, {p: _file_source(path) for p, path in files.items()}, meta, whole=False
+        )
+
+    def _save(
+        self,
+        epoch: int,
+        step: int,
+        sources: Mapping[str, Source],
+        meta: Mapping[str, Any],
+        whole: bool,
+    ) -> tuple[Manifest, float]:
         began = time.perf_counter()
         name = checkpoint_name(epoch, step)
         data_key = os.urandom(32) if self.key is not None else None
@@ -115,11 +150,16 @@ class Checkpoints:
 
         def write(part: str) -> dict[str, Any]:
             key = self._key(name, part)
-            blob = cipher.seal(key, parts[part]) if cipher is not None else parts[part]
-            self.store.put(key, blob)
-            return {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+            with sources[part]() as (source, length):
+                reader = cipher.sealing(key, source) if cipher is not None else Digesting(source)
+                stored = length + OVERHEAD if cipher is not None else length
+                # From memory in one PUT (the part is held anyway); from a file in pieces.
+                self.store.put_stream(key, reader, stored, stored if whole else self.part_size)
+            if reader.length != stored:
+                raise StorageError(f"{key}: {reader.length} bytes read, {stored} expected")
+            return {"bytes": stored, "sha256": reader.digest.hexdigest()}
 
-        digests = dict(zip(sorted(parts), _each(write, sorted(parts)), strict=True))
+        digests = dict(zip(sorted(sources), in_parallel(write, sorted(sources)), strict=True))
         manifest_key = self._key(name, MANIFEST)
         wrapped = (
             base64.b64encode(ObjectCipher(self.key).seal(manifest_key, data_key)).decode()
@@ -157,34 +197,86 @@ class Checkpoints:
         except (ValueError, KeyError, TypeError) as exc:
             raise IntegrityError(f"{name}: manifest does not parse: {exc}") from None
 
-    def _blob(self, manifest: Manifest, part: str, digest: bool = True) -> bytes:
-        """A part as stored, its size and (with `digest`) its SHA-256 checked against the
-        manifest."""
-        expected = manifest.parts[part]
+    def _whole(self, manifest: Manifest, part: str, cipher: ObjectCipher | None) -> bytes:
+        """A part read whole and opened: the fastest way into memory here (one GET, one
+        AES-GCM call or one hash; streamed pieces measured 5-30 % slower)."""
+        key = self._key(manifest.name, part)
         try:
-            blob = self.store.get(self._key(manifest.name, part))
+            blob = self.store.get(key)
         except ObjectMissing:
             raise IntegrityError(f"{manifest.name}: part {part} is missing") from None
-        if len(blob) != expected["bytes"] or (
-            digest and hashlib.sha256(blob).hexdigest() != expected["sha256"]
-        ):
+        if cipher is None:
+            self._check(manifest, part, len(blob), hashlib.sha256(blob).hexdigest())
+            return blob
+        self._check(manifest, part, len(blob), None)
+        return cipher.open(key, blob)
+
+    def _read(
+        self,
+        manifest: Manifest,
+        part: str,
+        cipher: ObjectCipher | None,
+        write: Callable[[bytes | memoryview], object] | None,
+    ) -> None:
+        """Stream a part as stored, never holding it whole, the plaintext handed to `write`
+        as it arrives (none: only checked)."""
+        key = self._key(manifest.name, part)
+        opening = cipher.opening(key, write) if cipher is not None and write is not None else None
+        digest = hashlib.sha256() if opening is None else None
+
+        def take(piece: memoryview) -> None:
+            if digest is not None:
+                digest.update(piece)
+            if opening is not None:
+                opening.feed(piece)
+            elif write is not None:
+                write(piece)
+
+        try:
+            size = self.store.stream(key, take)
+        except ObjectMissing:
+            raise IntegrityError(f"{manifest.name}: part {part} is missing") from None
+        self._check(manifest, part, size, digest.hexdigest() if digest is not None else None)
+        if opening is not None:
+            opening.close()
+
+    @staticmethod
+    def _check(manifest: Manifest, part: str, size: int, sha256: str | None) -> None:
+        """A part's size against its manifest, and its SHA-256 where one was taken: a part
+        opened from its seal is not hashed, its AES-GCM tag (under the checkpoint's own data
+        key, its object key bound in) refuses a torn, altered or swapped part already."""
+        expected = manifest.parts[part]
+        if size != expected["bytes"] or (sha256 is not None and sha256 != expected["sha256"]):
             raise IntegrityError(f"{manifest.name}: part {part} does not match its digest")
-        return blob
 
     def load(self, name: str) -> tuple[Manifest, dict[str, bytes]]:
-        """A complete checkpoint's manifest and parts (opened), or IntegrityError."""
+        """A complete checkpoint's manifest and parts (opened, in memory), or IntegrityError."""
         manifest = self.manifest(name)
         cipher = self._cipher(manifest)
-
-        def read(part: str) -> bytes:
-            # A sealed part is authenticated by its decryption (AES-GCM under the checkpoint's
-            # own data key, its object key bound in): a torn, altered or swapped part fails
-            # there, so hashing it first as well would only double the work.
-            blob = self._blob(manifest, part, digest=cipher is None)
-            return cipher.open(self._key(name, part), blob) if cipher is not None else blob
-
         names = sorted(manifest.parts)
-        return manifest, dict(zip(names, _each(read, names), strict=True))
+        parts = in_parallel(lambda part: self._whole(manifest, part, cipher), names)
+        return manifest, dict(zip(names, parts, strict=True))
+
+    def restore_files(self, name: str, directory: Path) -> Manifest:
+        """Restore a complete checkpoint's parts into `directory`, a file each, streamed (a
+        part larger than memory is never held whole); a part's file appears only once all of
+        it has been checked (decrypted and authenticated, or its digest matched)."""
+        manifest = self.manifest(name)
+        cipher = self._cipher(manifest)
+        directory.mkdir(parents=True, exist_ok=True)
+
+        def restore(part: str) -> None:
+            file_name = _part_file_name(part, f"{name}: part")
+            partial = directory / f".{file_name}.partial"
+            try:
+                with partial.open("wb") as out:
+                    self._read(manifest, part, cipher, out.write)
+                partial.replace(directory / file_name)
+            finally:
+                partial.unlink(missing_ok=True)
+
+        in_parallel(restore, sorted(manifest.parts))
+        return manifest
 
     def _cipher(self, manifest: Manifest) -> ObjectCipher | None:
         """What opens the checkpoint's parts (None: stored as they are), or IntegrityError
@@ -207,7 +299,7 @@ class Checkpoints:
         try:
             manifest = self.manifest(name)
             self._cipher(manifest)
-            _each(lambda part: self._blob(manifest, part), sorted(manifest.parts))
+            in_parallel(lambda part: self._read(manifest, part, None, None), sorted(manifest.parts))
             return manifest
         except (IntegrityError, ObjectMissing) as exc:
             self.skipped.append(str(exc))
@@ -234,21 +326,73 @@ class Checkpoints:
         return None
 
     def copy_to(self, target: Checkpoints, name: str) -> tuple[int, float]:
-        """Copy a complete checkpoint into another store (ciphertext as stored), verifying each
-        part there after writing it, the manifest last; (bytes, seconds)."""
+        """Copy a complete checkpoint into another store (ciphertext as stored, through a
+        buffer that spills to disk past a part_size), verifying each part there after writing
+        it, the manifest last; (bytes, seconds)."""
         began = time.perf_counter()
         manifest = self.manifest(name)
 
         def move(part: str) -> None:
-            target.store.put(target._key(name, part), self._blob(manifest, part))
-            target._blob(manifest, part)  # read back: verified on arrival
+            with tempfile.SpooledTemporaryFile(max_size=self.part_size) as buffer:
+                self._read(manifest, part, None, buffer.write)
+                size = buffer.tell()
+                buffer.seek(0)
+                target.store.put_stream(
+                    target._key(name, part), Digesting(buffer), size, self.part_size
+                )
+            target._read(manifest, part, None, None)  # read back: verified on arrival
 
-        _each(move, sorted(manifest.parts))
+        in_parallel(move, sorted(manifest.parts))
         target.store.put(target._key(name, MANIFEST), _manifest_bytes(manifest), "application/json")
         return manifest.bytes, time.perf_counter() - began
 
 
-def _each(work: Callable[[str], T], parts: list[str]) -> list[T]:
+# Where a part's bytes come from: opened when it is written, (the reader, its length).
+Source = Callable[[], AbstractContextManager[tuple[BinaryIO, int]]]
+
+
+@contextmanager
+def _opened_memory(data: bytes) -> Iterator[tuple[BinaryIO, int]]:
+    yield io.BytesIO(data), len(data)
+
+
+@contextmanager
+def _opened_file(path: Path) -> Iterator[tuple[BinaryIO, int]]:
+    with path.open("rb") as source:
+        yield source, os.fstat(source.fileno()).st_size
+
+
+def _memory_source(data: bytes) -> Source:
+    return lambda: _opened_memory(data)
+
+
+def _file_source(path: Path) -> Source:
+    return lambda: _opened_file(path)
+
+
+def _part_file_name(part: str, what: str) -> str:
+    """A part's name as a file name (a name that could reach outside a folder is refused)."""
+    if not part or part in (".", "..") or "/" in part or "\\" in part or "\0" in part:
+        raise IntegrityError(f"{what} {part!r} is not a plain file name")
+    return part
+
+
+class Digesting:
+    """A reader handing out `source`'s bytes, their SHA-256 and length kept as they pass."""
+
+    def __init__(self, source: Readable) -> None:
+        self._source = source
+        self.digest = hashlib.sha256()
+        self.length = 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._source.read(size)
+        self.digest.update(data)
+        self.length += len(data)
+        return data
+
+
+def in_parallel(work: Callable[[str], T], parts: list[str]) -> list[T]:
     """`work` over the parts, several at a time (S3 round trips, hashing and AES-GCM all
     release the GIL), results in the parts' order; the first error is raised."""
     if len(parts) <= 1:

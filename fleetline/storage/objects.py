@@ -6,9 +6,9 @@ from __future__ import annotations
 import io
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import BinaryIO, Protocol, cast
 from urllib.parse import urlsplit
 
 import certifi
@@ -35,6 +35,12 @@ def _translate(action: str, exc: Exception) -> StorageError:
         kind = ObjectMissing if exc.code in _MISSING else StorageError
         return kind(f"{action}: S3 {exc.code}: {exc.message}")
     return TransientStorageError(f"{action}: {type(exc).__name__}: {exc}")
+
+
+class Readable(Protocol):
+    """What a streamed upload reads from (a file, a buffer, a reader that seals or hashes)."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
 
 
 class Objects(Protocol):
@@ -68,6 +74,11 @@ def probe(s3: S3Settings, timeout_s: float = 5.0) -> None:
 # read waits longer: a large part may take a while to be acknowledged), and keepalive probes
 # find a connection that died under a cut instead of waiting on it.
 CONNECT_TIMEOUT_S = 10.0
+# A streamed read's piece (small enough to stay in the cache while it is hashed or decrypted),
+# and S3's smallest multipart piece.
+CHUNK = 1 << 20
+MIN_PART_SIZE = 5 << 20
+MAX_PART_SIZE = 5 << 30
 READ_TIMEOUT_S = 120.0
 _KEEPALIVE = [
     (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
@@ -142,6 +153,44 @@ class ObjectStore:
         finally:
             response.close()
             response.release_conn()
+
+    def put_stream(self, key: str, reader: Readable, length: int, part_size: int) -> str:
+        """Store the `length` bytes `reader` gives: in one PUT when they fit in `part_size`,
+        else a multipart upload of `part_size` pieces, one after another (minio's parallel
+        uploads queue every piece read ahead: a large object would be held whole)."""
+        try:
+            result = self.client.put_object(
+                self.bucket,
+                key,
+                cast(BinaryIO, reader),  # minio only calls read()
+                length,
+                part_size=min(max(part_size, MIN_PART_SIZE), MAX_PART_SIZE),
+                num_parallel_uploads=1,
+            )
+        except (S3Error, HTTPError, OSError) as exc:
+            raise _translate(f"writing s3://{self.bucket}/{key}", exc) from None
+        return result.etag or ""
+
+    def stream(self, key: str, into: Callable[[memoryview], object], chunk: int = CHUNK) -> int:
+        """Hand the object's bytes to `into` as they arrive, through one reused buffer of
+        `chunk` bytes (`into` copies what it keeps); the bytes read. The object is never held
+        whole, and each piece is worked on while it is still in the cache."""
+        try:
+            response = self.client.get_object(self.bucket, key)
+        except (S3Error, HTTPError, OSError) as exc:
+            raise _translate(f"reading s3://{self.bucket}/{key}", exc) from None
+        buffer = memoryview(bytearray(chunk))
+        total = 0
+        try:
+            while read := response.readinto(buffer):
+                into(buffer[:read])
+                total += read
+        except (HTTPError, OSError) as exc:
+            raise _translate(f"reading s3://{self.bucket}/{key}", exc) from None
+        finally:
+            response.close()
+            response.release_conn()
+        return total
 
     def chunks(self, key: str, size: int = 1 << 18) -> Iterator[bytes]:
         """The object's bytes, `size` at a time, as they arrive (a reader may pace itself)."""

@@ -155,3 +155,42 @@ def test_a_copy_to_another_cluster_moves_ciphertext_and_is_verified_there(settin
     source.save(2, 500, {"optimizer.npz": b"stale"}, {})
     best = best_of([target, source])
     assert best is not None and (best[1].epoch, best[1].step) == (3, 120)
+
+
+@pytest.mark.parametrize("sealed", [True, False])
+def test_a_checkpoint_from_files_goes_up_in_pieces_and_comes_back_to_files(
+    settings, tmp_path, sealed
+):
+    """A part larger than a multipart piece is streamed up and down: the stored object is the
+    same format as one saved from memory (load reads it), the restored file is bit for bit the
+    source, and a part that does not check out leaves no file behind."""
+    key = tenant_key(MASTER, "acme") if sealed else None
+    own = store(settings, f"files-{uuid.uuid4().hex[:8]}", "checkpoints/acme/big", key)
+    own.part_size = 5 << 20  # S3's smallest piece: a 12 MiB part goes up in three
+    source = tmp_path / "source"
+    source.mkdir()
+    big, small = os.urandom(12 << 20) + b"tail", b"config: 1\n"
+    (source / "weights.bin").write_bytes(big)
+    (source / "config.yaml").write_bytes(small)
+    manifest, _ = own.save_files(
+        2, 400, {"weights.bin": source / "weights.bin", "config.yaml": source / "config.yaml"}, {}
+    )
+    stored = own.store.get(f"checkpoints/acme/big/{manifest.name}/weights.bin")
+    assert (big[:64] in stored) is not sealed
+    assert own.newest_complete() == manifest
+    assert own.load(manifest.name)[1] == {"weights.bin": big, "config.yaml": small}
+    restored = tmp_path / "restored"
+    assert own.restore_files(manifest.name, restored) == manifest
+    assert (restored / "weights.bin").read_bytes() == big
+    assert sorted(p.name for p in restored.iterdir()) == ["config.yaml", "weights.bin"]
+    # One byte flipped in the stored part: refused, and no file of it is left.
+    flipped = bytearray(stored)
+    flipped[len(flipped) // 2] ^= 1
+    own.store.put(f"checkpoints/acme/big/{manifest.name}/weights.bin", bytes(flipped))
+    again = tmp_path / "again"
+    with pytest.raises(IntegrityError, match="decryption failed" if sealed else "digest"):
+        own.restore_files(manifest.name, again)
+    assert not (again / "weights.bin").exists()
+    assert not list(again.glob(".*partial"))
+    with pytest.raises(IntegrityError, match="not a plain file name"):
+        own.save_files(2, 500, {"../escape": source / "config.yaml"}, {})
