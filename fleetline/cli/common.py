@@ -151,9 +151,10 @@ def audit_read(
         )
     )
     if emitter.flush(30.0):
+        why = f": {emitter.refused[-1]}" if emitter.refused else ""
         raise StorageError(
             f"the audit log ({config.kafka.bootstrap_servers}) did not take the record of this "
-            "read: nothing is shown"
+            f"read{why}; nothing is shown"
         )
 
 

@@ -107,16 +107,27 @@ def audited_reads(settings, prefix: str, expected: int) -> list[dict]:
 
 
 def test_fleetline_sql_takes_its_limits_from_the_environment(settings, monkeypatch, capsys):
-    monkeypatch.setenv("FLEETLINE_CLICKHOUSE_URL", settings.clickhouse_url)
-    monkeypatch.setenv("FLEETLINE_KAFKA_BOOTSTRAP", settings.kafka.bootstrap_servers)
+    prefix = cli_store(settings, monkeypatch)
     monkeypatch.setenv("FLEETLINE_SQL_MAX_RESULT_ROWS", "10")
-    assert main(["sql", "SELECT number FROM numbers(5)"]) == 0
+    assert main(["sql", "SELECT number FROM numbers(5)", "--topic-prefix", prefix]) == 0
     capsys.readouterr()
-    assert main(["sql", "SELECT number FROM numbers(100)"]) == 1
+    assert main(["sql", "SELECT number FROM numbers(100)", "--topic-prefix", prefix]) == 1
     assert "FLEETLINE_SQL_MAX_RESULT_ROWS" in capsys.readouterr().err
     monkeypatch.setenv("FLEETLINE_SQL_MAX_RESULT_ROWS", "many")
-    assert main(["sql", "SELECT 1"]) == 1
+    assert main(["sql", "SELECT 1", "--topic-prefix", prefix]) == 1
     assert "FLEETLINE_SQL_MAX_RESULT_ROWS must be a int, got 'many'" in capsys.readouterr().err
+
+
+def test_a_read_whose_audit_record_the_broker_refuses_shows_nothing(settings, monkeypatch, capsys):
+    """The broker answers but will not take the record (here: no audit topic under this
+    prefix): the refusal leaves the producer's queue empty, and is still no record."""
+    cli_store(settings, monkeypatch)
+    monkeypatch.setenv("FLEETLINE_KAFKA_CONF_MESSAGE_TIMEOUT_MS", "3000")
+    missing = fresh_topics().prefix
+    assert main(["sql", "SELECT number FROM numbers(5)", "--topic-prefix", missing]) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and "did not take the record of this read" in out.err
+    assert f"{missing}.audit" in out.err
 
 
 def _allocations(clickhouse, db: str, rows: list[list]) -> None:

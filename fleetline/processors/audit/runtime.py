@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from confluent_kafka import Message
+from confluent_kafka import KafkaError, Message
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import (
     Encoding,
@@ -269,21 +269,33 @@ class KafkaAuditEmitter:
         self.topic = topics.audit_requests
         self.codec = default_codec()
         self.producer = kafka_clients.producer(kafka)
+        # Why records were refused (a missing topic, a denied principal): a refused record
+        # leaves the queue as surely as a written one, so an empty queue proves nothing.
+        self.refused: list[str] = []
 
     def emit(self, event: dict[str, Any]) -> None:
         key = (event.get("tenant") or FLEET_KEY).encode()
         while True:
             try:
                 self.producer.produce(
-                    self.topic, key=key, value=self.codec.encode(AUDIT_EVENT, event)
+                    self.topic,
+                    key=key,
+                    value=self.codec.encode(AUDIT_EVENT, event),
+                    on_delivery=self._delivered,
                 )
                 break
             except BufferError:
                 self.producer.poll(0.1)
         self.producer.poll(0)
 
+    def _delivered(self, error: KafkaError | None, _message: object) -> None:
+        if error is not None:
+            self.refused.append(f"{self.topic}: {error.str()}")
+
     def flush(self, timeout_s: float = 30.0) -> int:
-        return self.producer.flush(timeout_s)
+        """How many records are not written: still queued after `timeout_s`, or refused by
+        the broker (`refused` says why)."""
+        return self.producer.flush(timeout_s) + len(self.refused)
 
 
 def published_decisions(
