@@ -64,6 +64,12 @@ def probe(kafka: KafkaSettings, timeout_s: float = 5.0) -> None:
         raise unavailable(exc.args[0].str()) from None
 
 
+# The broker's answers to a principal that may not create topics.
+_NOT_ALLOWED = frozenset(
+    {KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.CLUSTER_AUTHORIZATION_FAILED}
+)
+
+
 def ensure_topics(
     kafka: KafkaSettings, specs: Iterable[TopicSpec], timeout_s: float = 60.0
 ) -> None:
@@ -81,6 +87,7 @@ def ensure_topics(
         return
     deadline = time.monotonic() + timeout_s
     pending = {spec.name: spec for spec in specs}
+    not_ours: set[str] = set()
     while pending:
         left = max(1.0, deadline - time.monotonic())
         # Keep the client referenced until every future resolves: collecting it cancels them.
@@ -106,6 +113,11 @@ def ensure_topics(
                 error: KafkaError = exc.args[0]
                 if error.code() == KafkaError.TOPIC_ALREADY_EXISTS:
                     pass
+                elif error.code() in _NOT_ALLOWED:
+                    # On a secured broker only the control plane creates topics (the broker
+                    # refuses another principal even a topic that exists): this process finds
+                    # them made, or fails by name on one it may not reach when it uses it.
+                    not_ours.add(name)
                 elif moving(error) and time.monotonic() < deadline:
                     why = error.str()
                     continue
@@ -123,9 +135,12 @@ def ensure_topics(
         missing = [
             spec.name
             for spec in specs
-            if spec.name not in listed
-            or listed[spec.name].error is not None
-            or not listed[spec.name].partitions
+            if spec.name not in not_ours
+            and (
+                spec.name not in listed
+                or listed[spec.name].error is not None
+                or not listed[spec.name].partitions
+            )
         ]
         if not missing:
             return

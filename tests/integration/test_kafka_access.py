@@ -131,6 +131,24 @@ def test_an_agent_reads_its_own_topics_and_not_the_audit_chain(secured):
     assert read_error(OPERATOR, topics.audit_log) is None  # read-only commands see everything
 
 
+def test_a_process_of_another_kind_starts_on_the_topics_the_control_plane_made(secured):
+    """Each process ensures its topics at start (`fleetline cluster-agent`, `agent node`, ...);
+    on a secured broker only the control plane may create them, and the broker refuses any
+    other principal even a topic that exists: the others find them made and start."""
+    from fleetline.processors.health.runtime import health_topics
+
+    for kind in (CLUSTER_AGENT, NODE_AGENT, DATA_MOVER, ROUTER):
+        as_kind = KafkaSettings(secured.bootstrap, secured.secrets.client_conf(kind))
+        kafka_clients.ensure_topics(as_kind, health_topics(secured.topics), timeout_s=20)
+    # Nor does a refused creation make a topic that was missing.
+    missing = fresh_topics()
+    as_agent = KafkaSettings(secured.bootstrap, secured.secrets.client_conf(CLUSTER_AGENT))
+    kafka_clients.ensure_topics(as_agent, missing.specs()[:1], timeout_s=20)
+    operator = KafkaSettings(secured.bootstrap, secured.secrets.client_conf(OPERATOR))
+    listed = kafka_clients.admin_client(operator).list_topics(timeout=10).topics
+    assert missing.specs()[0].name not in listed
+
+
 def test_the_control_plane_runs_under_its_own_principal(secured, services):
     """`serve`'s processors (transactions, changelogs, consumer groups, sinks) need no more
     than the control plane's grant: a spec applied is decided, and an operator reads it."""
