@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
@@ -121,7 +122,11 @@ class Checkpoints:
     ) -> tuple[Manifest, float]:
         """Write the parts (in memory), then the manifest; (the manifest, seconds taken)."""
         return self._save(
-            epoch, step, {p: _memory_source(data) for p, data in parts.items()}, meta, whole=True
+            epoch,
+            step,
+            {p: partial(_opened_memory, data) for p, data in parts.items()},
+            meta,
+            whole=True,
         )
 
     def save_files(
@@ -132,7 +137,11 @@ class Checkpoints:
         for part in files:
             _part_file_name(part, "a part")
         return self._save(
-            epoch, step, {p: _file_source(path) for p, path in files.items()}, meta, whole=False
+            epoch,
+            step,
+            {p: partial(_opened_file, path) for p, path in files.items()},
+            meta,
+            whole=False,
         )
 
     def _save(
@@ -216,7 +225,7 @@ class Checkpoints:
         manifest: Manifest,
         part: str,
         cipher: ObjectCipher | None,
-        write: Callable[[bytes | memoryview], object] | None,
+        write: Callable[[bytes], object] | None,
     ) -> None:
         """Stream a part as stored, never holding it whole, the plaintext handed to `write`
         as it arrives (none: only checked)."""
@@ -224,7 +233,7 @@ class Checkpoints:
         opening = cipher.opening(key, write) if cipher is not None and write is not None else None
         digest = hashlib.sha256() if opening is None else None
 
-        def take(piece: memoryview) -> None:
+        def take(piece: bytes) -> None:
             if digest is not None:
                 digest.update(piece)
             if opening is not None:
@@ -267,13 +276,13 @@ class Checkpoints:
 
         def restore(part: str) -> None:
             file_name = _part_file_name(part, f"{name}: part")
-            partial = directory / f".{file_name}.partial"
+            unfinished = directory / f".{file_name}.partial"
             try:
-                with partial.open("wb") as out:
+                with unfinished.open("wb") as out:
                     self._read(manifest, part, cipher, out.write)
-                partial.replace(directory / file_name)
+                unfinished.replace(directory / file_name)
             finally:
-                partial.unlink(missing_ok=True)
+                unfinished.unlink(missing_ok=True)
 
         in_parallel(restore, sorted(manifest.parts))
         return manifest
@@ -337,9 +346,7 @@ class Checkpoints:
                 self._read(manifest, part, None, buffer.write)
                 size = buffer.tell()
                 buffer.seek(0)
-                target.store.put_stream(
-                    target._key(name, part), Digesting(buffer), size, self.part_size
-                )
+                target.store.put_stream(target._key(name, part), buffer, size, self.part_size)
             target._read(manifest, part, None, None)  # read back: verified on arrival
 
         in_parallel(move, sorted(manifest.parts))
@@ -360,14 +367,6 @@ def _opened_memory(data: bytes) -> Iterator[tuple[BinaryIO, int]]:
 def _opened_file(path: Path) -> Iterator[tuple[BinaryIO, int]]:
     with path.open("rb") as source:
         yield source, os.fstat(source.fileno()).st_size
-
-
-def _memory_source(data: bytes) -> Source:
-    return lambda: _opened_memory(data)
-
-
-def _file_source(path: Path) -> Source:
-    return lambda: _opened_file(path)
 
 
 def _part_file_name(part: str, what: str) -> str:

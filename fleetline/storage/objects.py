@@ -74,12 +74,12 @@ def probe(s3: S3Settings, timeout_s: float = 5.0) -> None:
 # read waits longer: a large part may take a while to be acknowledged), and keepalive probes
 # find a connection that died under a cut instead of waiting on it.
 CONNECT_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 120.0
 # A streamed read's piece (small enough to stay in the cache while it is hashed or decrypted),
-# and S3's smallest multipart piece.
+# and S3's smallest and largest multipart pieces.
 CHUNK = 1 << 20
 MIN_PART_SIZE = 5 << 20
 MAX_PART_SIZE = 5 << 30
-READ_TIMEOUT_S = 120.0
 _KEEPALIVE = [
     (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
     (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 10),
@@ -171,25 +171,14 @@ class ObjectStore:
             raise _translate(f"writing s3://{self.bucket}/{key}", exc) from None
         return result.etag or ""
 
-    def stream(self, key: str, into: Callable[[memoryview], object], chunk: int = CHUNK) -> int:
-        """Hand the object's bytes to `into` as they arrive, through one reused buffer of
-        `chunk` bytes (`into` copies what it keeps); the bytes read. The object is never held
-        whole, and each piece is worked on while it is still in the cache."""
-        try:
-            response = self.client.get_object(self.bucket, key)
-        except (S3Error, HTTPError, OSError) as exc:
-            raise _translate(f"reading s3://{self.bucket}/{key}", exc) from None
-        buffer = memoryview(bytearray(chunk))
+    def stream(self, key: str, into: Callable[[bytes], object], chunk: int = CHUNK) -> int:
+        """Hand the object's bytes to `into` `chunk` at a time as they arrive (`chunks`); the
+        bytes read. The object is never held whole, and each piece is worked on while it is
+        still in the cache."""
         total = 0
-        try:
-            while read := response.readinto(buffer):
-                into(buffer[:read])
-                total += read
-        except (HTTPError, OSError) as exc:
-            raise _translate(f"reading s3://{self.bucket}/{key}", exc) from None
-        finally:
-            response.close()
-            response.release_conn()
+        for piece in self.chunks(key, chunk):
+            into(piece)
+            total += len(piece)
         return total
 
     def chunks(self, key: str, size: int = 1 << 18) -> Iterator[bytes]:
