@@ -322,7 +322,7 @@ def computes(accelerator: Accelerator, precision: str, known: Catalogue | None =
     return capability is not None and bool(capability.peak(precision))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class GangShape:
     """What one placement asks of a cluster: `workers` x `per_worker` GPUs in groups of `tensor`
     inside one interconnect domain (an NVLink island, an xGMI hive), `replica_workers`
@@ -364,7 +364,7 @@ def one_kind(shape: GangShape, kind: Accelerator) -> GangShape:
     )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Gang:
     cluster_id: str
     workers: tuple[tuple[str, int], ...]  # (node, GPU mask) per worker, in rank order
@@ -392,6 +392,7 @@ class CapacityIndex:
         self.version: dict[str, int] = {}
         self._models: dict[str, set[Accelerator]] = {}
         self._fits: dict[tuple[str, GangShape], tuple[int, list[tuple[int, BucketKey, int]]]] = {}
+        self._takes: dict[tuple[Any, ...], tuple[FleetFacts, bool]] = {}
         for node in facts.nodes.values():
             self._enter(node)
 
@@ -659,6 +660,20 @@ class CapacityIndex:
     def all_models(self) -> set[Accelerator]:
         """The kinds of GPU anywhere in the fleet."""
         return set().union(*self._models.values())
+
+    def takes(self, cluster_id: str, shape: GangShape) -> bool:
+        """Whether any kind of GPU the cluster has may take the shape; cached per observation
+        (every ranking asks it of every cluster)."""
+        key = (cluster_id, shape.accelerators, shape.min_memory_mib, shape.precision)
+        cached = self._takes.get(key)
+        if cached is not None and cached[0] is self.facts:
+            return cached[1]
+        known = self.facts.catalogue
+        takes = any(shape.matches(m, known) for m in self.models(cluster_id))
+        if len(self._takes) > 4096:
+            self._takes.clear()
+        self._takes[key] = (self.facts, takes)
+        return takes
 
     def models(self, cluster_id: str) -> set[Accelerator]:
         """The kinds of GPU the cluster's nodes have (schedulable now or not)."""

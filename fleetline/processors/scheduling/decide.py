@@ -47,7 +47,7 @@ from fleetline.processors.scheduling.placement import (
     training_shape,
 )
 from fleetline.processors.scheduling.policy import FLEET_FILTERS
-from fleetline.processors.scheduling.preemption import Victim, plan_eviction
+from fleetline.processors.scheduling.preemption import Victims, plan_eviction
 from fleetline.processors.scheduling.specs import (
     InferenceServiceSpec,
     TrainingJobSpec,
@@ -711,31 +711,34 @@ def release(
     )
 
 
-def victims_in(s: SchedulerState, cluster_id: str, below: int) -> list[Victim]:
+def victims_in(s: SchedulerState, cluster_id: str, below: int) -> Victims:
     """The jobs in a cluster that a job of priority `below` may preempt, by the work each
-    would lose, with their GPUs; cached while the cluster and the clock stand still (a queue
-    pass asks again and again)."""
+    would lose; cached while the cluster and the clock stand still (a queue pass asks again
+    and again)."""
     key = (cluster_id, below, s.index.version.get(cluster_id, 0), s.now_ms)
     cached = s.victim_cache.get(key)
     if cached is not None:
         return cached
     now = s.now_ms
-    out: list[Victim] = []
-    jobs = s.jobs
-    for priority, holding in s.priority_jobs.get(cluster_id, {}).items():
-        if priority >= below:
-            continue
-        for job_key in holding:
-            job = jobs[job_key]
-            if job.scaling.get("share") is not None:
-                continue  # evicting one share of a GPU frees nothing while others hold it
-            cost = lost_work_s(job, now) if job.phase == Phase.RUNNING else 0.0
-            out.append((cost, job_key, job.allocation[cluster_id]))
-    out.sort()  # by loss, then job key (unique), so the masks are never compared
+    order: list[tuple[float, str]] = []
+    for priority, holding in s.evictable.get(cluster_id, {}).items():
+        if priority < below:
+            order.extend(
+                (lost_work_s(job, now) if job.phase == Phase.RUNNING else 0.0, job_key)
+                for job_key, job in holding.items()
+            )
+    order.sort()
+    jobs, node_jobs = s.jobs, s.node_jobs
+    victims = Victims(
+        order,
+        {job_key: cost for cost, job_key in order},
+        lambda job_key: jobs[job_key].allocation[cluster_id],
+        lambda node_id: node_jobs.get(node_id, ()),
+    )
     if len(s.victim_cache) > 64:
         s.victim_cache.clear()
-    s.victim_cache[key] = out
-    return out
+    s.victim_cache[key] = victims
+    return victims
 
 
 def preempt_for(

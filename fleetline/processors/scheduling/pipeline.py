@@ -55,7 +55,7 @@ class DatasetPrewarm:
     rate_gbps: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ClusterScore:
     cluster_id: str
     total: float
@@ -65,7 +65,7 @@ class ClusterScore:
     by: str | None = field(default=None, compare=False)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class JobRequest:
     """One placement as the pipeline sees it."""
 
@@ -87,7 +87,7 @@ class JobRequest:
     resumes_on: str | None = None  # the chip model its checkpoint must resume on
 
 
-@dataclass
+@dataclass(slots=True)
 class Context:
     index: CapacityIndex
     policy: SchedulingPolicy
@@ -141,11 +141,11 @@ def _reachable(ctx: Context, cluster_id: str) -> str | None:
 
 
 def _accelerator(ctx: Context, cluster_id: str) -> str | None:
+    if ctx.index.takes(cluster_id, ctx.request.shape):
+        return None
     shape = ctx.request.shape
     models = ctx.index.models(cluster_id)
     known = ctx.index.facts.catalogue
-    if any(shape.matches(m, known) for m in models):
-        return None
     if not models:
         return "has no GPUs"
     present = " and ".join(sorted(m.describe() for m in models))
@@ -485,7 +485,7 @@ def _cluster_ids(index: CapacityIndex) -> list[str]:
     return cached
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Attempt:
     """A placement attempt: where (one placement per cluster part), why, what else was there."""
 

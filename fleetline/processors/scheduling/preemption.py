@@ -10,11 +10,12 @@ checkpoint, so a victim costs the same on every node it is on and is counted onc
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import combinations
 
 from fleetline.processors.scheduling.capacity import CapacityIndex, GangShape, pick
+from fleetline.processors.view.accelerators import Accelerator
 
 # Subsets of a node's victims tried exhaustively up to this many jobs on one node; beyond it
 # only single victims and all of them (a node rarely holds more than eight jobs).
@@ -58,49 +59,62 @@ def _node_options(
     return None if best is None else (best[0], best[2])
 
 
-Victim = tuple[float, str, Mapping[str, int]]  # (work lost, job, node -> GPU mask)
+@dataclass(frozen=True)
+class Victims:
+    """The jobs in one cluster that a gang may evict: `order`, (work lost, job) from the least
+    lost (GPU-seconds since its last checkpoint), then by job; `cost`, each one's loss by job.
+    Their GPUs are read as the search reaches them, not beforehand (it usually stops after a
+    few of them): `masks(job)` a victim's GPU mask per node of the cluster, `holders(node)` the
+    jobs holding GPUs on a node, victims or not."""
+
+    order: Sequence[tuple[float, str]]
+    cost: Mapping[str, float]
+    masks: Callable[[str], Mapping[str, int]]
+    holders: Callable[[str], Iterable[str]]
+
+    def on_node(self, node_id: str) -> list[tuple[str, int, float]]:
+        """The victims holding GPUs on the node, (job, mask, loss) by job."""
+        cost = self.cost
+        return sorted(
+            (job, self.masks(job)[node_id], cost[job])
+            for job in self.holders(node_id)
+            if job in cost
+        )
 
 
 def plan_eviction(
-    index: CapacityIndex, cluster_id: str, shape: GangShape, victims: Sequence[Victim]
+    index: CapacityIndex, cluster_id: str, shape: GangShape, victims: Victims
 ) -> Eviction | None:
     """The victims whose eviction lets the gang fit in the cluster, losing the least work; None
-    when no such set exists. `victims`: the jobs in the cluster the gang may evict, sorted by
-    the work each loses (GPU-seconds since its last checkpoint), with their GPUs per node.
+    when no such set exists.
 
     Branch and bound: a node is first looked at when its cheapest victim comes up, so a node not
     yet looked at costs at least the current victim's loss; the search stops once that passes
     the best gang found (whole-leaf totals count a shared victim once, which the bound allows
     for: every victim of a node not yet looked at is still to come)."""
-    if not victims:
+    if not victims.order:
         return None
     need, tensor = shape.per_worker, min(shape.tensor, shape.per_worker)
     nodes = index.facts.nodes
     taken = index.taken
-    on_node: dict[str, list[tuple[str, int, float]]] = {}
-    for cost, job, masks in victims:
-        for node_id, mask in masks.items():
-            entry = (job, mask, cost)
-            listed = on_node.get(node_id)
-            if listed is None:
-                on_node[node_id] = [entry]
-            else:
-                listed.append(entry)
-    costs = {job: cost for cost, job, _ in victims}
+    costs = victims.cost
+    matching: dict[Accelerator, bool] = {}  # a cluster has few kinds of chip, and many nodes
 
     def option(node_id: str) -> tuple[float, tuple[str, ...]] | None:
         node = nodes.get(node_id)
-        if (
-            node is None
-            or not node.schedulable
-            or not shape.matches(node.accelerator, index.facts.catalogue)
-        ):
+        if node is None or not node.schedulable:
+            return None
+        kind = node.accelerator
+        matches = matching.get(kind)
+        if matches is None:
+            matches = matching[kind] = shape.matches(kind, index.facts.catalogue)
+        if not matches:
             return None
         usable = node.healthy | (node.degraded if shape.allow_degraded else 0)
         if usable.bit_count() < need:
             return None
         free = usable & ~taken.get(node_id, 0)
-        return _node_options(free, node.islands, usable, need, tensor, sorted(on_node[node_id]))
+        return _node_options(free, node.islands, usable, need, tensor, victims.on_node(node_id))
 
     def total(chosen: list[tuple[float, tuple[str, ...], str]]) -> tuple[float, tuple[str, ...]]:
         names = tuple(sorted({v for _, vs, _ in chosen for v in vs}))
@@ -111,14 +125,14 @@ def plan_eviction(
     if workers > 1:
         # Nodes that are free already count too: they cost nothing.
         for leaf, node_id in index.free_nodes(cluster_id, shape):
-            if node_id not in on_node:
+            if not any(job in costs for job in victims.holders(node_id)):
                 options.setdefault(leaf, []).append((0.0, (), node_id))
     best: tuple[float, int, str, tuple[str, ...], tuple[str, ...]] | None = None
     seen: set[str] = set()
-    for bound, _, masks in victims:
+    for bound, victim in victims.order:
         if best is not None and bound > best[0]:
             break
-        for node_id in sorted(masks):
+        for node_id in sorted(victims.masks(victim)):
             if node_id in seen:
                 continue
             seen.add(node_id)

@@ -27,7 +27,7 @@ from fleetline.processors.scheduling.effects import DatasetRecord, Decision
 from fleetline.processors.scheduling.energy import EnergyProfile
 from fleetline.processors.scheduling.estimate import Measured
 from fleetline.processors.scheduling.policy import SchedulingPolicy
-from fleetline.processors.scheduling.preemption import Victim
+from fleetline.processors.scheduling.preemption import Victims
 from fleetline.processors.scheduling.specs import (
     Dataset,
     InferenceService,
@@ -67,7 +67,7 @@ class Condition(StrEnum):
     FINISHED = "Finished"
 
 
-@dataclass
+@dataclass(slots=True)
 class Job:
     """One job's desired and actual state, conditions and the latest decision about it."""
 
@@ -315,9 +315,10 @@ class SchedulerState:
         self.node_jobs: dict[str, set[str]] = {}
         self.cluster_jobs: dict[str, set[str]] = {}  # jobs holding GPUs, per cluster
         self.priority_gpus: dict[str, dict[int, int]] = {}  # cluster -> priority -> GPUs held
-        # cluster -> priority -> the jobs holding GPUs there at it: a preemption looks only at
-        # the priorities below its own (changed through hold, unhold and respec alone).
-        self.priority_jobs: dict[str, dict[int, set[str]]] = {}
+        # cluster -> priority -> the jobs holding whole GPUs there at it, by key: a preemption
+        # looks only at the priorities below its own, and never at a share of a GPU, which
+        # frees nothing while others hold it (changed through hold, unhold and respec alone).
+        self.evictable: dict[str, dict[int, dict[str, Job]]] = {}
         self.limits: list[tuple[int, str]] = []  # (limit end, job) heap
         self.retries: list[tuple[int, str]] = []  # (next attempt due, job) heap
         self.deferrals: list[tuple[int, str]] = []  # (deferred start, job) heap
@@ -328,7 +329,7 @@ class SchedulerState:
         # GPUs replicas hold per cluster, while the index and the shares stand still (a queue
         # pass with tidal pools asks for it for every job it tries).
         self.inference_cache: tuple[Any, dict[str, int]] | None = None
-        self.victim_cache: dict[tuple[str, int, int, int], list[Victim]] = {}
+        self.victim_cache: dict[tuple[str, int, int, int], Victims] = {}
         # Whether the next TICK must retry the queue: something freed capacity, changed a
         # quota or a policy, or started jobs below the priority of jobs still waiting. Not
         # state of record: a restored scheduler retries at its first TICK.
@@ -367,7 +368,8 @@ class SchedulerState:
     def hold(self, cluster_id: str, job: Job, gpus: int) -> None:
         """The job holds `gpus` GPUs in the cluster (more, when it held some already)."""
         self.cluster_jobs.setdefault(cluster_id, set()).add(job.key)
-        self.priority_jobs.setdefault(cluster_id, {}).setdefault(job.priority, set()).add(job.key)
+        if job.scaling.get("share") is None:
+            self.evictable.setdefault(cluster_id, {}).setdefault(job.priority, {})[job.key] = job
         held = self.priority_gpus.setdefault(cluster_id, {})
         held[job.priority] = held.get(job.priority, 0) + gpus
 
@@ -376,7 +378,7 @@ class SchedulerState:
         holding = self.cluster_jobs.get(cluster_id)
         if holding is not None:
             holding.discard(job.key)
-        self.priority_jobs.get(cluster_id, {}).get(job.priority, set()).discard(job.key)
+        self.evictable.get(cluster_id, {}).get(job.priority, {}).pop(job.key, None)
         held = self.priority_gpus.setdefault(cluster_id, {})
         held[job.priority] = held.get(job.priority, 0) - gpus
 
@@ -408,7 +410,7 @@ class SchedulerState:
         self.node_jobs = {}
         self.cluster_jobs = {}
         self.priority_gpus = {}
-        self.priority_jobs = {}
+        self.evictable = {}
         self.limits = []
         self.retries = []
         self.deferrals = []

@@ -118,7 +118,7 @@ class TenantPolicy(TenantTerms):
             raise InvalidEventError(f"tenant policy {tenant}: {problems}") from None
 
 
-@dataclass
+@dataclass(slots=True)
 class TenantUsage:
     """What a tenant holds now; the scheduler keeps it as it allocates and releases."""
 
@@ -154,7 +154,7 @@ class TenantUsage:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Request:
     """What an admission asks of a tenant's quota: GPUs in all, and per cluster where known."""
 

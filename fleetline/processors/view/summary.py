@@ -43,7 +43,7 @@ def mask_of(indices: Iterable[int]) -> int:
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class NodeFacts:
     node_id: str
     cluster_id: str
