@@ -512,6 +512,30 @@ def test_a_job_raised_in_priority_while_running_is_preempted_as_its_new_priority
     assert d.job("acme/urgent").holds
 
 
+def test_a_priority_raised_in_the_same_millisecond_as_a_search_is_not_read_stale():
+    view, _ = one_cluster(nodes=2, nodes_per_leaf=2)
+    d = Driver(view)
+    for name, priority in (
+        ("low1", "low"),
+        ("crit1", "critical"),
+        ("low2", "low"),
+        ("crit2", "critical"),
+    ):
+        d.submit(training(name, per_worker=4, tensor=4, priority=priority))
+    nodes = {n for name in ("low1", "crit1") for n in d.job(f"acme/{name}").allocation["us-east-a"]}
+    assert len(nodes) == 1  # each node: a low job beside a critical one
+    # A search that finds nothing to evict (no node frees 8 GPUs) ...
+    d.submit(training("wide", per_worker=8, tensor=8, priority="high"))
+    assert d.last("acme/wide").outcome == "QUEUED"
+    # ... then, in the same millisecond, low1 is raised above the high jobs, and a high job
+    # that fits by evicting one low job takes low2 (low1 sorts first by name: a search that
+    # read the first one's victims again would evict it).
+    d.submit(training("low1", per_worker=4, tensor=4, priority="critical"))
+    d.submit(training("narrow", per_worker=4, tensor=4, priority="high"))
+    assert [p.job for p in d.decisions(outcome="PREEMPTED")] == ["acme/low2"]
+    assert d.job("acme/low1").holds
+
+
 def test_a_service_s_replicas_keep_their_gpus_at_its_new_priority():
     view, _ = fleet_view([ClusterSpec("eu-west-a", "eu-west", 1)], 2, ())
     d = Driver(view)

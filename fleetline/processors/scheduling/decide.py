@@ -713,9 +713,9 @@ def release(
 
 def victims_in(s: SchedulerState, cluster_id: str, below: int) -> Victims:
     """The jobs in a cluster that a job of priority `below` may preempt, by the work each
-    would lose; cached while the cluster and the clock stand still (a queue pass asks again
-    and again)."""
-    key = (cluster_id, below, s.index.version.get(cluster_id, 0), s.now_ms)
+    would lose; cached while the cluster stands still within one request (a queue pass asks
+    again and again)."""
+    key = (cluster_id, below, s.index.version.get(cluster_id, 0))
     cached = s.victim_cache.get(key)
     if cached is not None:
         return cached
@@ -735,8 +735,6 @@ def victims_in(s: SchedulerState, cluster_id: str, below: int) -> Victims:
         lambda job_key: jobs[job_key].allocation[cluster_id],
         lambda node_id: node_jobs.get(node_id, ()),
     )
-    if len(s.victim_cache) > 64:
-        s.victim_cache.clear()
     s.victim_cache[key] = victims
     return victims
 

@@ -38,6 +38,10 @@ class Scheduler(SchedulerState):
         out = EffectLog(position)
         self.position = position
         self.dirty.add("meta")
+        # Victims are cached within one request only: a priority or a checkpoint that changed
+        # in the same millisecond must not be read stale, and a scheduler restored from its
+        # changelog (with no cache) must decide what the running one decided.
+        self.victim_cache.clear()
         if request["ts"] > self.now_ms:
             self.now_ms = request["ts"]
         match request["kind"]:

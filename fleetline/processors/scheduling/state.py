@@ -329,7 +329,7 @@ class SchedulerState:
         # GPUs replicas hold per cluster, while the index and the shares stand still (a queue
         # pass with tidal pools asks for it for every job it tries).
         self.inference_cache: tuple[Any, dict[str, int]] | None = None
-        self.victim_cache: dict[tuple[str, int, int, int], Victims] = {}
+        self.victim_cache: dict[tuple[str, int, int], Victims] = {}  # within one step
         # Whether the next TICK must retry the queue: something freed capacity, changed a
         # quota or a policy, or started jobs below the priority of jobs still waiting. Not
         # state of record: a restored scheduler retries at its first TICK.
