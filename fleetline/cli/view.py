@@ -4,6 +4,7 @@ moment, a range of changes, or every scheduling decision made again)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from enum import StrEnum
 from pathlib import Path
@@ -90,7 +91,13 @@ def _rebuild(
     config = settings("kafka") if no_snapshots else settings("kafka", "s3")
     topics = Topics(topic_prefix)
     snapshots = None if no_snapshots else view_snapshots(config, topic_prefix, group)
-    result = rebuild(config.kafka, topics, _target(config, topics, at, offsets), snapshots)
+    result = rebuild(
+        config.kafka,
+        topics,
+        _target(config, topics, at, offsets),
+        snapshots,
+        workers=os.cpu_count() or 1,  # a long log folds its partitions in parallel
+    )
     for warning in [*result.notes, *result.gaps]:
         print(f"warning: {warning}", file=sys.stderr)
     return result

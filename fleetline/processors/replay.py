@@ -10,11 +10,13 @@ folded by the same code as the live processor, so it equals what the live view w
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,11 +25,12 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 from fleetline.config import KafkaSettings
 from fleetline.errors import StreamError
 from fleetline.processors.scheduling.capacity import FleetFacts, observe, observe_summaries
+from fleetline.processors.view import codec as view_codec
 from fleetline.processors.view.fold import compose, node_status
-from fleetline.processors.view.folder import PartFolder
+from fleetline.processors.view.folder import FLEET_PART, PartFolder
 from fleetline.processors.view.model import Change, HealthPolicy, ResourceView
 from fleetline.processors.view.read import StaticView
-from fleetline.processors.view.runtime import SummaryFollower
+from fleetline.processors.view.runtime import SummaryFollower, tune_gc_for_large_state
 from fleetline.processors.view.snapshots import ViewSnapshots
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.records import Offsets
@@ -37,6 +40,11 @@ log = logging.getLogger(__name__)
 # Messages a view follower holds per partition past the position it was asked for before it
 # pauses that partition's fetching (it resumes once half of them are folded).
 AHEAD_LIMIT = 10_000
+# Messages a rebuild folds at once: a node's records appear several times in a partition's
+# run, so the fold takes most of them as repeats of the one before (fold.fold_repeat).
+REBUILD_BATCH = 100_000
+# Below this many messages to fold a rebuild stays in one process (another costs ~1 s to start).
+PARALLEL_FROM = 200_000
 
 
 def observe_at(
@@ -69,8 +77,17 @@ def view_partitions(kafka: KafkaSettings, topics: Topics) -> list[TopicPartition
     return out
 
 
+# A replay reads the log from the start as fast as it can: fetches of 16 MiB a partition (not
+# librdkafka's 1 MiB) took 500,000 telemetry records in 2.7 s instead of 4.1 s on a local broker.
+REPLAY_FETCH = {
+    "max.partition.fetch.bytes": 16 * 2**20,
+    "fetch.max.bytes": 64 * 2**20,
+    "queued.max.messages.kbytes": 128 * 2**10,
+}
+
+
 def _consumer(kafka: KafkaSettings) -> Consumer:
-    return kafka_clients.consumer(kafka, f"fleetline-replay-{uuid.uuid4().hex[:12]}")
+    return kafka_clients.consumer(kafka, f"fleetline-replay-{uuid.uuid4().hex[:12]}", REPLAY_FETCH)
 
 
 def log_bounds(kafka: KafkaSettings, topics: Topics) -> tuple[Offsets, Offsets]:
@@ -180,6 +197,86 @@ def _part_partitions(folder: PartFolder, target: Offsets) -> dict[str, Offsets]:
     return out
 
 
+def _fold_ranges(
+    kafka: KafkaSettings,
+    folder: PartFolder,
+    parts: dict[str, ResourceView],
+    ranges: list[tuple[str, int, int, int]],
+    result: Replay,
+    on_batch: Callable[[dict[str, ResourceView]], None] | None,
+) -> None:
+    """Fold each (topic, partition, begin, end) range of the log into its part."""
+    remaining = {(topic, partition): end for topic, partition, _, end in ranges}
+    if not remaining:
+        return
+    consumer = _consumer(kafka)
+    try:
+        consumer.assign([TopicPartition(t, p, begin) for t, p, begin, _ in ranges])
+        idle_since = time.monotonic()
+        while remaining:
+            keep = _below_targets(
+                consumer, consumer.consume(REBUILD_BATCH, 0.5), remaining, pause=True
+            )
+            if keep:
+                idle_since = time.monotonic()
+                failed = folder.fold(parts, keep)
+                result.folded += len(keep)
+                result.dead_letters += len(failed)
+                if on_batch is not None:
+                    on_batch(parts)
+                continue
+            # Transaction markers and compacted-away records leave offsets that hold no
+            # message: a partition whose position reached the target is complete.
+            _drop_reached(consumer, remaining)
+            if remaining and time.monotonic() - idle_since > 60:
+                raise StreamError(f"replay stalled short of the target in {sorted(remaining)}")
+    finally:
+        consumer.close()
+
+
+def _shares(
+    folder: PartFolder, ranges: list[tuple[str, int, int, int]], workers: int
+) -> list[list[tuple[str, int, int, int]]]:
+    """The ranges split by part over at most `workers` processes, the largest parts first to
+    the least loaded; the first share (this process's) holds the fleet part, whose tables are
+    small."""
+    by_part: dict[str, list[tuple[str, int, int, int]]] = {}
+    for r in ranges:
+        by_part.setdefault(folder.part_of(r[0], r[1]), []).append(r)
+    shares: list[list[tuple[str, int, int, int]]] = [[] for _ in range(max(1, workers))]
+    load = [0] * len(shares)
+    for part in sorted(by_part, key=lambda p: (p != FLEET_PART, -_size(by_part[p]), p)):
+        at = 0 if part == FLEET_PART else load.index(min(load))
+        shares[at] += by_part[part]
+        load[at] += _size(by_part[part])
+    return [share for share in shares if share]
+
+
+def _size(ranges: list[tuple[str, int, int, int]]) -> int:
+    return sum(end - begin for *_, begin, end in ranges)
+
+
+def _fold_in_worker(
+    kafka: KafkaSettings,
+    topics: Topics,
+    policy: HealthPolicy,
+    ranges: list[tuple[str, int, int, int]],
+    starts: dict[str, tuple[bytes, str]],
+) -> tuple[dict[str, tuple[bytes, str]], int, int]:
+    """In another process: fold the ranges into their parts, each from its start (encoded as
+    a snapshot is; a part without one from the start of the log), and return the parts encoded
+    the same way, with the messages folded and dead-lettered."""
+    tune_gc_for_large_state()
+    folder = PartFolder(topics, policy)
+    parts = {
+        part: view_codec.decode(*starts[part]) if part in starts else folder.new_part()
+        for part in (folder.part_of(t, p) for t, p, _, _ in ranges)
+    }
+    result = Replay(view=ResourceView(), parts=parts)
+    _fold_ranges(kafka, folder, parts, ranges, result, None)
+    return {n: view_codec.encode(v) for n, v in parts.items()}, result.folded, result.dead_letters
+
+
 def rebuild(
     kafka: KafkaSettings,
     topics: Topics,
@@ -188,10 +285,14 @@ def rebuild(
     policy: HealthPolicy | None = None,
     on_batch: Callable[[dict[str, ResourceView]], None] | None = None,
     start: dict[str, ResourceView] | None = None,
+    workers: int = 1,
 ) -> Replay:
     """Fold the log up to `target` (exclusive offsets): from `start` parts if given, else from
     each part's newest snapshot within the target (when `snapshots` is given), else from the
-    beginning of the log."""
+    beginning of the log. With `workers` > 1 and at least `PARALLEL_FROM` messages to fold
+    (and no `on_batch`), the parts are folded in up to that many processes at once, each its
+    own parts (a part is one partition's stream, or the fleet topics): the same parts as one
+    process folds."""
     began = time.perf_counter()
     folder = PartFolder(topics, policy or HealthPolicy())
     low, _ = log_bounds(kafka, topics)
@@ -210,8 +311,7 @@ def rebuild(
             continue
         parts[part] = folder.new_part()
 
-    assignment = []
-    remaining: dict[tuple[str, int], int] = {}
+    ranges: list[tuple[str, int, int, int]] = []  # (topic, partition, begin, end)
     for topic, ps in target.items():
         for partition, end in ps.items():
             folded = parts[folder.part_of(topic, partition)]
@@ -225,30 +325,32 @@ def rebuild(
                         "events were removed by retention or compaction"
                     )
             if begin < end:
-                assignment.append(TopicPartition(topic, partition, begin))
-                remaining[(topic, partition)] = end
-    consumer = _consumer(kafka)
-    try:
-        if assignment:
-            consumer.assign(assignment)
-        idle_since = time.monotonic()
-        while remaining:
-            keep = _below_targets(consumer, consumer.consume(5000, 0.5), remaining, pause=True)
-            if keep:
-                idle_since = time.monotonic()
-                failed = folder.fold(parts, keep)
-                result.folded += len(keep)
-                result.dead_letters += len(failed)
-                if on_batch is not None:
-                    on_batch(parts)
-                continue
-            # Transaction markers and compacted-away records leave offsets that hold no
-            # message: a partition whose position reached the target is complete.
-            _drop_reached(consumer, remaining)
-            if remaining and time.monotonic() - idle_since > 60:
-                raise StreamError(f"replay stalled short of the target in {sorted(remaining)}")
-    finally:
-        consumer.close()
+                ranges.append((topic, partition, begin, end))
+    shares = (
+        _shares(folder, ranges, workers)
+        if on_batch is None and sum(e - b for *_, b, e in ranges) >= PARALLEL_FROM
+        else [ranges]
+    )
+    if len(shares) > 1:
+        spawn = multiprocessing.get_context("spawn")  # no Kafka client state crosses a fork
+        with ProcessPoolExecutor(len(shares) - 1, mp_context=spawn) as pool:
+            elsewhere = []
+            for share in shares[1:]:
+                names = {folder.part_of(t, p) for t, p, _, _ in share}
+                # Parts that start from a snapshot (or were given) travel with their share.
+                starts = {n: view_codec.encode(parts[n]) for n in names if parts[n].offsets}
+                elsewhere.append(
+                    pool.submit(_fold_in_worker, kafka, topics, folder.policy, share, starts)
+                )
+            _fold_ranges(kafka, folder, parts, shares[0], result, None)
+            for future in elsewhere:
+                encoded, messages, dead_letters = future.result()
+                for part, (blob, sha) in encoded.items():
+                    parts[part] = view_codec.decode(blob, sha)
+                result.folded += messages
+                result.dead_letters += dead_letters
+    else:
+        _fold_ranges(kafka, folder, parts, ranges, result, on_batch)
     for topic, ps in target.items():
         for partition, end in ps.items():
             # The part stands at the target even where the last offsets held no record.

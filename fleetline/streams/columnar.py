@@ -71,6 +71,94 @@ class SampleBatch:
     failed: dict[int, str]
 
 
+@dataclass(frozen=True)
+class Repeats:
+    """What makes a record a repeat of its node's previous record in the batch, which a reader
+    may fold without its GPU rows: the same cluster, a higher seq, as many GPUs, the `same`
+    GPU fields equal row for row, and every GPU row `quiet` (for the batch's GPU columns, a
+    boolean per row: a reading the reader takes no action on)."""
+
+    same: tuple[str, ...]
+    quiet: Callable[[Mapping[str, Any]], np.ndarray]
+
+
+class Deferred(Generic[GpuRow]):
+    """A repeat's GPU rows, made when asked for (`rows()`)."""
+
+    __slots__ = ("_arrays", "_decoder", "_end", "_start")
+
+    def __init__(
+        self,
+        decoder: TelemetryBatchDecoder[GpuRow],
+        arrays: Mapping[str, Any],
+        start: int,
+        end: int,
+    ) -> None:
+        self._decoder, self._arrays, self._start, self._end = decoder, arrays, start, end
+
+    def rows(self) -> list[GpuRow]:
+        length = self._end - self._start
+        return self._decoder._gpu_rows(
+            {n: c.slice(self._start, length) for n, c in self._arrays.items()}
+        )
+
+
+# A TelemetryRow whose GPU rows may be deferred (`TelemetryBatchDecoder.decode_repeats`).
+FoldRow = tuple[str, str, str, int, int, "list[GpuRow] | Deferred[GpuRow]"]
+
+
+def _deferred(
+    repeats: Repeats,
+    arrays: Mapping[str, Any],
+    starts: np.ndarray,
+    ends: np.ndarray,
+    vouched: list[bool],
+    clusters: list[str],
+    node_ids: list[str],
+    seqs: list[int],
+) -> np.ndarray:
+    """For each record, whether its GPU rows need not be made: it repeats its node's previous
+    (vouched) record in the batch, and so does the node's next record."""
+    count = len(ends)
+    previous = np.full(count, -1, dtype=np.int64)
+    last: dict[str, int] = {}
+    for i, node_id in enumerate(node_ids):
+        if not vouched[i]:
+            continue
+        before = last.get(node_id)
+        if before is not None and clusters[before] == clusters[i] and seqs[i] > seqs[before]:
+            previous[i] = before
+        last[node_id] = i
+    lengths = ends.astype(np.int64) - starts
+    candidate = previous >= 0
+    candidate[candidate] &= lengths[candidate] == lengths[previous[candidate]]
+    repeat = np.zeros(count, dtype=bool)
+    if candidate.any():
+        which = np.flatnonzero(candidate)
+        sizes = lengths[which]
+        # Each candidate's GPU rows beside its previous record's, row for row.
+        offsets = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        mine = np.repeat(starts[which], sizes) + offsets
+        theirs = np.repeat(starts[previous[which]], sizes) + offsets
+        good = np.asarray(repeats.quiet(arrays), dtype=bool)[mine]
+        for name in repeats.same:
+            column = arrays[name]
+            a, b = column.take(pa.array(mine)), column.take(pa.array(theirs))
+            equal = pc.fill_null(pc.equal(a, b), False)
+            both_null = pc.and_(pc.is_null(a), pc.is_null(b))
+            good &= pc.or_(equal, both_null).to_numpy(zero_copy_only=False)
+        bad = np.concatenate([[0], np.cumsum(~good)])
+        ends_at = np.cumsum(sizes)
+        repeat[which] = bad[ends_at] - bad[ends_at - sizes] == 0
+    # The last repeat of a row keeps its GPU rows: the reader folds it whole.
+    deferred = repeat.copy()
+    follows = np.zeros(count, dtype=bool)  # the node's next record is a repeat of this one
+    has_next = previous >= 0
+    follows[previous[has_next & repeat]] = True
+    deferred &= follows
+    return deferred
+
+
 class TelemetryBatchDecoder(Generic[GpuRow]):
     """Decodes lists of NodeTelemetry messages into Arrow columns or TelemetryRows, whose GPU
     rows `gpu_row` makes from a tuple of the `gpu_fields` (a reader's record type)."""
@@ -173,39 +261,70 @@ class TelemetryBatchDecoder(Generic[GpuRow]):
         """A row for each message, in order; None for a message the batch path could not read
         (malformed, another record, a schema it does not run), which the caller reads record
         by record, naming it if it is bad."""
-        out: list[TelemetryRow[GpuRow] | None] = [None] * len(values)
+        return self._rows(keys, values, None)  # type: ignore[return-value]  # no repeats asked
+
+    def decode_repeats(
+        self, keys: Sequence[bytes | None], values: Sequence[bytes | None], repeats: Repeats
+    ) -> list[FoldRow[GpuRow] | None]:
+        """As `decode`, but a record that repeats its node's previous record in the batch (as
+        `repeats` says) carries a `Deferred` in place of its GPU rows, unless it is the last of
+        its node's repeats in a row: its rows are then made only if the reader asks."""
+        return self._rows(keys, values, repeats)
+
+    def _rows(
+        self,
+        keys: Sequence[bytes | None],
+        values: Sequence[bytes | None],
+        repeats: Repeats | None,
+    ) -> list[FoldRow[GpuRow] | None]:
+        out: list[FoldRow[GpuRow] | None] = [None] * len(values)
         parts, _ = self._parts(keys, values) if values else ([], {})
         for indices, decoded in parts:
             arrays = self._gpu_columns(decoded, self.gpu_fields)
-            vouched = _vouched(arrays, decoded.ends["gpus"])
-            columns: list[list[Any]] = []
-            for column in arrays.values():
-                if pa.types.is_list(column.type):
-                    columns.append(_sparse_lists(column))
-                else:
-                    columns.append(column.to_pylist())
-            flat = list(map(self.gpu_row, zip(*columns, strict=True)))
+            ends = decoded.ends["gpus"]
+            vouched = _vouched(arrays, ends)
             top = decoded.tables[""]
             clusters, regions, node_ids, seqs, stamps = (
                 top[name].to_pylist() for name in _RECORD_FIELDS
             )
-            at = 0
-            for i, (index, end) in enumerate(
-                zip(indices.tolist(), decoded.ends["gpus"].tolist(), strict=True)
+            starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+            deferred = (
+                _deferred(repeats, arrays, starts, ends, vouched, clusters, node_ids, seqs)
+                if repeats is not None and len(parts) == 1
+                else None
+            )
+            if deferred is not None and deferred.any():
+                wanted = np.flatnonzero(~np.repeat(deferred, ends - starts))
+                rows = self._gpu_rows({n: c.take(wanted) for n, c in arrays.items()})
+                # Where each kept record's rows begin among the rows made.
+                kept = np.concatenate([[0], np.cumsum(np.where(deferred, 0, ends - starts))])
+                made_at = kept[:-1].tolist()
+            else:
+                rows = self._gpu_rows(arrays)
+                made_at = starts.tolist()
+            flags = deferred.tolist() if deferred is not None else [False] * len(ends)
+            for i, (index, start, end) in enumerate(
+                zip(indices.tolist(), starts.tolist(), ends.tolist(), strict=True)
             ):
                 if not vouched[i]:  # a sample breaks a rule: the per-record path names it
-                    at = end
                     continue
-                out[index] = (
-                    clusters[i],
-                    regions[i],
-                    node_ids[i],
-                    seqs[i],
-                    stamps[i],
-                    flat[at:end],
-                )
-                at = end
+                gpus: list[GpuRow] | Deferred[GpuRow]
+                if flags[i]:
+                    gpus = Deferred(self, arrays, start, end)
+                else:
+                    at = made_at[i]
+                    gpus = rows[at : at + end - start]
+                out[index] = (clusters[i], regions[i], node_ids[i], seqs[i], stamps[i], gpus)
         return out
+
+    def _gpu_rows(self, arrays: Mapping[str, Any]) -> list[GpuRow]:
+        columns: list[list[Any]] = []
+        for column in arrays.values():
+            if pa.types.is_list(column.type):
+                columns.append(_sparse_lists(column))
+            else:
+                columns.append(column.to_pylist())
+        return list(map(self.gpu_row, zip(*columns, strict=True)))
 
     def samples(
         self,

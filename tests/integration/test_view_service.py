@@ -13,6 +13,7 @@ import uuid
 import pytest
 
 from fleetline.app import Options, build
+from fleetline.processors import replay as replay_module
 from fleetline.processors.replay import ViewHistory, log_bounds, offsets_at, rebuild, walk
 from fleetline.processors.view import codec as view_codec
 from fleetline.processors.view.fold import compose
@@ -43,7 +44,9 @@ pytestmark = pytest.mark.services
 CODEC = default_codec()
 
 
-def test_live_view_equals_replay_and_replay_at_a_past_time_matches_the_live_view(settings):
+def test_live_view_equals_replay_and_replay_at_a_past_time_matches_the_live_view(
+    settings, monkeypatch
+):
     topics = fresh_topics()
     kafka_clients.ensure_topics(settings.kafka, topics.specs())
     events = scenario_events(seconds=30)
@@ -87,6 +90,13 @@ def test_live_view_equals_replay_and_replay_at_a_past_time_matches_the_live_view
     assert view_codec.to_data(with_snapshots.view) == live_now
     assert with_snapshots.snapshot_positions  # started from snapshots, not the beginning
     assert with_snapshots.folded < from_log.folded
+    # Folded in two processes, each its own partitions (the parts with a snapshot stay here).
+    monkeypatch.setattr(replay_module, "PARALLEL_FROM", 0)
+    in_parallel = rebuild(settings.kafka, topics, end, workers=2)
+    assert view_codec.to_data(in_parallel.view) == live_now
+    assert (in_parallel.folded, in_parallel.dead_letters) == (from_log.folded, 1)
+    resumed = rebuild(settings.kafka, topics, end, snapshots, workers=2)
+    assert view_codec.to_data(resumed.view) == live_now
     # Between the moment and the end, the node the scenario took down came back.
     _, changes = walk(settings.kafka, topics, offsets_at(settings.kafka, topics, moment), end)
     assert [(c.entity_id, c.before, c.after) for c in changes if c.entity == "node"] == [

@@ -13,7 +13,7 @@ from fleetline.processors.view import codec as view_codec
 from fleetline.processors.view import read as view_read
 from fleetline.processors.view.fold import apply, compose, gpu_health, node_status
 from fleetline.processors.view.folder import FLEET_PART, PartFolder, shard_part
-from fleetline.processors.view.model import DEGRADED, FAILED, HEALTHY, ResourceView
+from fleetline.processors.view.model import DEGRADED, FAILED, HEALTHY, HealthPolicy, ResourceView
 from tests.fleet_events import (
     CODEC,
     TOPICS,
@@ -228,6 +228,73 @@ def test_columnar_and_per_record_paths_fold_the_same_view():
         view_codec.to_data(whole)["nodes"]
         == view_codec.to_data(fold(scenario_events(seconds=20)))["nodes"]
     )
+
+
+def _disturbed_telemetry(seed: int) -> list[tuple[str, dict]]:
+    """The scenario's events with telemetry disturbed at random: error events, counters that
+    move, RDMA loss, a swapped GPU, fewer GPUs, resent and stale records, and records the fold
+    refuses (a GPU index twice, another cluster)."""
+    rng = random.Random(seed)
+    out: list[tuple[str, dict]] = []
+    for name, record in scenario_events(seconds=40):
+        if name != "NodeTelemetry" or rng.random() < 0.6:
+            out.append((name, record))
+            continue
+        record = {**record, "gpus": [dict(g) for g in record["gpus"]]}
+        gpu = rng.choice(record["gpus"])
+        match rng.randrange(9):
+            case 0:
+                gpu["xid_codes"] = [rng.choice([79, 74, 63, 13])]
+            case 1:
+                gpu["ecc_dbe_total"] += 1
+            case 2:
+                gpu["nvlink_errors_total"] = (gpu["nvlink_errors_total"] or 0) + rng.choice([1, 5])
+            case 3:
+                gpu["rdma_packet_loss_ratio"] = rng.choice([0.5, 1e-5])
+            case 4:
+                gpu["gpu_uuid"] = f"GPU-swapped-{rng.randrange(3)}"
+            case 5:
+                record["gpus"] = record["gpus"][:-1]
+            case 6:
+                out.append((name, record))  # resent: the second is a no-op
+            case 7:
+                record["seq"] -= 2  # stale
+            case _:
+                if rng.random() < 0.5:
+                    record["gpus"][1]["gpu_index"] = record["gpus"][0]["gpu_index"]
+                else:
+                    record["cluster_id"] = "elsewhere"
+        out.append((name, record))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_repeats_folded_without_their_readings_leave_the_view_record_by_record_leaves(seed):
+    policy = HealthPolicy(recover_after_samples=3)
+    msgs = messages(_disturbed_telemetry(seed))
+    rng = random.Random(seed)
+    folder = PartFolder(TOPICS, policy)
+    fast: dict[str, ResourceView] = {}
+    failed_fast = []
+    at = 0
+    while at < len(msgs):  # batches of every size, as a consumer hands them over
+        size = rng.choice([1, 7, 50, 400])
+        failed_fast += folder.fold(fast, msgs[at : at + size])
+        at += size
+    slow: dict[str, ResourceView] = {}
+    failed_slow: list = []
+    for msg in msgs:
+        part = slow.setdefault(folder.part_of(msg.topic(), msg.partition()), folder.new_part())
+        folder.fold_one(part, msg, failed_slow)
+    assert sorted((m.partition(), m.offset(), str(e)) for m, e in failed_fast) == sorted(
+        (m.partition(), m.offset(), str(e)) for m, e in failed_slow
+    )
+    assert failed_slow  # the refused records were refused
+    for name in slow:
+        assert view_codec.to_data(fast[name]) == view_codec.to_data(slow[name])
+        # The same transitions (a batch folds its topics' runs one after another).
+        assert sorted(map(repr, fast[name].changes)) == sorted(map(repr, slow[name].changes))
+    assert any(c.after == HEALTHY for v in slow.values() for c in v.changes)  # recoveries
 
 
 class OneByOne(PartFolder):

@@ -30,6 +30,7 @@ from fleetline.processors.view.model import (
     DatasetInfo,
     GpuState,
     Health,
+    HealthPolicy,
     JobAllocation,
     NodeStatus,
     NodeView,
@@ -133,13 +134,14 @@ def fold_telemetry(
     ts: int,
     gpus: Sequence[Sample],
     vouched: bool = False,
-) -> None:
+) -> bool:
     """Fold one NodeTelemetry record given as scalars and one `Sample` per GPU (the shape both
     the per-record and the columnar decoder produce). `vouched`: the columnar decoder has
-    checked the samples' rules on its whole batch already."""
+    checked the samples' rules on its whole batch already. False when the record was one the
+    node's stream had passed (a no-op)."""
     node = view.nodes.get(node_id)
     if node is not None and seq <= node.telemetry_seq:
-        return  # an agent re-sent it after an outage
+        return False  # an agent re-sent it after an outage
     _check_gpus(node_id, seq, gpus, vouched)
     node = _node(view, node_id, cluster_id, region)
     node.telemetry_seq = seq
@@ -200,6 +202,55 @@ def fold_telemetry(
             gpu.clean_samples += 1
             if gpu.clean_samples >= policy.recover_after_samples:
                 node.epoch += _set_health(view, node_id, gpu, HEALTHY, None, ts)
+    return True
+
+
+# Repeats. Most telemetry says again what its node's previous record said: the same GPUs, the
+# same error counters, no error event, RDMA loss under the limit. On GPUs that are healthy such
+# a record changes nothing but the node's seq and times and the GPUs' latest readings, so a
+# run of them folds as its last record plus, for each one before it, `fold_repeat`. The
+# counters must be equal (the fold acts on their change from one record to the next), and
+# `quiet` is the rest of the rule; the batch decoder applies both to whole columns
+# (`folder.repeats_of`).
+REPEAT_FIELDS = ("gpu_index", "gpu_uuid", "ecc_dbe_total", "nvlink_errors_total")
+
+
+def quiet(sample: Sample, policy: HealthPolicy) -> bool:
+    """A reading the fold takes no action on, given the counters its GPU had before."""
+    loss = sample.rdma_packet_loss_ratio
+    return not sample.xid_codes and (loss is None or loss < policy.rdma_loss_ratio)
+
+
+def repeats_fold(policy: HealthPolicy) -> bool:
+    """Whether repeats may be folded as `fold_repeat` does: not when equal NVLink counters
+    (a change of 0) reach the policy's threshold."""
+    return policy.nvlink_errors_per_interval > 0
+
+
+def settled(view: ResourceView, node_id: str, gpus: Sequence[Sample]) -> bool:
+    """After a record was folded: its readings were quiet and left each of its GPUs healthy,
+    so a repeat of it changes nothing `fold_repeat` does not do."""
+    node = view.nodes[node_id]
+    policy = view.policy
+    by_index = node.gpus
+    return all(
+        quiet(sample, policy) and by_index[sample.gpu_index].health == HEALTHY for sample in gpus
+    )
+
+
+def fold_repeat(view: ResourceView, node_id: str, seq: int, ts: int) -> None:
+    """Fold a repeat of the node's last record (`settled`) that a later repeat follows: what
+    `fold_telemetry` would change but the GPUs' latest readings, which the last repeat of the
+    run sets."""
+    node = view.nodes[node_id]
+    if seq <= node.telemetry_seq:
+        return
+    node.telemetry_seq = seq
+    if ts > node.telemetry_ts:
+        node.telemetry_ts = ts
+    if ts > view.watermark_ms:
+        view.watermark_ms = ts
+    view.node_events += 1
 
 
 def gpu_health(node: NodeView, gpu: GpuState) -> tuple[Health, str | None]:

@@ -15,14 +15,31 @@ event time with it, and every other node would look unheard-of and unreachable.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import Any, TypeVar
+
+import numpy as np
+import pyarrow.compute as pc
 
 from fleetline.errors import FleetlineError, InvalidEventError
-from fleetline.processors.view.fold import apply, fold_telemetry, forget
-from fleetline.processors.view.model import GPU_FIELDS, HealthPolicy, ResourceView, sample_of_row
-from fleetline.streams.columnar import TelemetryBatchDecoder
+from fleetline.processors.view.fold import (
+    REPEAT_FIELDS,
+    apply,
+    fold_repeat,
+    fold_telemetry,
+    forget,
+    repeats_fold,
+    settled,
+)
+from fleetline.processors.view.model import (
+    GPU_FIELDS,
+    HealthPolicy,
+    ResourceView,
+    Sample,
+    sample_of_row,
+)
+from fleetline.streams.columnar import Deferred, Repeats, TelemetryBatchDecoder
 from fleetline.streams.events import (
     ALLOCATION,
     CLUSTER_HEALTH,
@@ -45,6 +62,24 @@ def _latest_ts(record: Record) -> int | None:
     """The latest event time a node record may carry: its append time plus `MAX_AHEAD_MS`."""
     appended = appended_ms(record)
     return None if appended is None else appended + MAX_AHEAD_MS
+
+
+def repeats_of(policy: HealthPolicy) -> Repeats | None:
+    """What makes a telemetry record a repeat the fold may take as `fold_repeat` (fold.py's
+    `REPEAT_FIELDS` equal, `quiet` over the batch's columns); None when the policy rules
+    repeats out."""
+    if not repeats_fold(policy):
+        return None
+    limit = policy.rdma_loss_ratio
+
+    def quiet_rows(columns: Mapping[str, Any]) -> np.ndarray:
+        no_events = pc.equal(pc.list_value_length(columns["xid_codes"]), 0)
+        loss = columns["rdma_packet_loss_ratio"]
+        low = pc.or_kleene(pc.is_null(loss), pc.less(loss, limit))
+        calm = pc.fill_null(pc.and_kleene(no_events, low), False)
+        return np.asarray(calm.to_numpy(zero_copy_only=False), dtype=bool)
+
+    return Repeats(REPEAT_FIELDS, quiet_rows)
 
 
 def shard_part(partition: int) -> str:
@@ -80,6 +115,7 @@ class PartFolder:
     def __post_init__(self) -> None:
         self.roles = topic_roles(self.topics)
         self.decoder = TelemetryBatchDecoder(self.codec, GPU_FIELDS, sample_of_row)
+        self.repeats = repeats_of(self.policy)
         self.node_topics = set(self.topics.node_topics)
 
     def part_of(self, topic: str, partition: int) -> str:
@@ -118,19 +154,41 @@ class PartFolder:
         run: Sequence[R],
         failed: list[tuple[R, FleetlineError]],
     ) -> None:
-        rows = self.decoder.decode([m.key() for m in run], [m.value() for m in run])
+        keys, values = [m.key() for m in run], [m.value() for m in run]
+        rows = (
+            self.decoder.decode_repeats(keys, values, self.repeats)
+            if self.repeats is not None
+            else self.decoder.decode(keys, values)
+        )
+        # Per node, the GPU readings of its last record folded here whole, or True once that
+        # record is known to have `settled` (its repeats then fold without their readings).
+        last: dict[str, Sequence[Sample] | bool] = {}
         for record, row in zip(run, rows, strict=True):
             if row is None:  # the batch path could not read it: record by record, in order
+                last.clear()  # that path may have folded any node
                 self.fold_one(view, record, failed)
                 continue
+            cluster_id, region, node_id, seq, ts, gpus = row
             latest = _latest_ts(record)
-            if latest is not None and row[4] > latest:
-                row = (*row[:4], latest, row[5])
+            if latest is not None and ts > latest:
+                ts = latest
+            if isinstance(gpus, Deferred):
+                head = last.get(node_id)
+                if head is True or (head and settled(view, node_id, head)):
+                    last[node_id] = True
+                    fold_repeat(view, node_id, seq, ts)
+                    continue
+                gpus = gpus.rows()
             try:
-                fold_telemetry(view, *row, vouched=True)
+                if fold_telemetry(view, cluster_id, region, node_id, seq, ts, gpus, vouched=True):
+                    last[node_id] = gpus
+                else:
+                    last.pop(node_id, None)
             except FleetlineError as exc:
+                last.pop(node_id, None)
                 failed.append((record, exc))
-            view.advance(topic, partition, where(record)[2])
+        if run:  # a run's offsets only grow: the last one folded stands for all
+            view.advance(topic, partition, where(run[-1])[2])
 
     def fold_one(
         self, view: ResourceView, record: R, failed: list[tuple[R, FleetlineError]]
