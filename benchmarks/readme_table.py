@@ -1,10 +1,10 @@
 """The README's performance table, made again from the benchmarks' last runs.
 
-Reads `benchmarks/results/peers.runs.jsonl`, `scheduler.runs.jsonl` and
-`cluster_control.runs.jsonl` (what `report` keeps of every run), tells each figure as the range
-of the last three runs, and writes the table between the README's `<!-- performance table -->`
-markers. Run after `make bench-peers` (which runs it), `benchmarks/scheduler.py` or
-`benchmarks/cluster_control.py`.
+Reads `benchmarks/results/peers.runs.jsonl`, `scheduler.runs.jsonl`,
+`cluster_control.runs.jsonl` and `view.runs.jsonl` (what `report` keeps of every run), tells each
+figure as the range of the last three runs, and writes the table between the README's
+`<!-- performance table -->` markers. Run after `make bench-peers` (which runs it),
+`benchmarks/scheduler.py`, `benchmarks/cluster_control.py` or `benchmarks/view.py`.
 
     .venv/bin/python benchmarks/readme_table.py [--runs 3]
 """
@@ -12,7 +12,7 @@ markers. Run after `make bench-peers` (which runs it), `benchmarks/scheduler.py`
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,11 @@ def share(values: list[Any]) -> str:
 
 
 def table(
-    peers: list[dict[str, Any]], core: list[dict[str, Any]], restore: list[dict[str, Any]]
+    peers: list[dict[str, Any]],
+    core: list[dict[str, Any]],
+    restore: list[dict[str, Any]],
+    rebuilds: Sequence[dict[str, Any]] = (),
+    tails: Sequence[dict[str, Any]] = (),
 ) -> str:
     last = peers[-1]
     rows: list[tuple[str, Callable[[str], str]]] = []
@@ -102,6 +106,24 @@ def table(
             f"a {restore[-1]['file_checkpoint_mb (sealed, one part)']} MiB part saved from and "
             f"restored to a file holds at most {peak} | - | - |\n"
         )
+    if rebuilds:
+        seconds = span([r.get("rebuild_from_log_s") for r in rebuilds], " s", "{:.1f}".format)
+        tail = (
+            "; from a snapshot at 90 % + the tail, "
+            f"{tails[-1]['events'] / 1e6:.2f} M events: "
+            + span(
+                [r.get("rebuild_with_snapshot_at_90pct_s") for r in tails], " s", "{:.1f}".format
+            )
+            + " (target 5 s)"
+            if tails
+            else ""
+        )
+        body += (
+            f"| view rebuild from the log, {rebuilds[-1]['events'] / 1e6:.0f} M events "
+            f"({rebuilds[-1]['gpu_samples'] / 1e6:.0f} M GPU samples), no snapshot "
+            f"(`benchmarks/view.py --ticks 1000`, {rebuilds[-1]['rebuild_workers']} processes; "
+            f"target 60 s) | {seconds}{tail} | - | - |\n"
+        )
     return header + body
 
 
@@ -123,6 +145,13 @@ def main() -> None:
         recent_runs("scheduler", args.runs, nodes=10_000, requests=10_010),
         # Runs that took medians (since the checkpoint figures are measured that way).
         recent_runs("cluster_control", args.runs, checkpoint_mb=64.0, **{"rounds (medians)": 5}),
+        # Runs since the rebuild folds in several processes (which they record).
+        [r for r in recent_runs("view", 50, nodes=10_000, ticks=1000) if "rebuild_workers" in r][
+            -args.runs :
+        ],
+        [r for r in recent_runs("view", 50, nodes=10_000, ticks=125) if "rebuild_workers" in r][
+            -args.runs :
+        ],
     )
     README.write_text(f"{head}{START}\n{made}{END}{tail}")
     print(made)

@@ -3,7 +3,9 @@
 The view is split into parts: `shard-<p>` folds partition p of the node topics (telemetry and
 node state are co-partitioned by node id), `fleet` folds the small fleet topics whole. A run of
 telemetry records from one partition goes through the columnar decoder; anything it will not
-vouch for, and every other record, is decoded and folded one by one. A record that cannot be
+vouch for, and every other record, is decoded and folded one by one; a record that repeats
+its node's previous one in the run folds as `fold.fold_repeat` when that one settled the node
+(docs/resource-view.md, "Repeats"). A record that cannot be
 folded is returned with its error (to be dead-lettered) and still counts as consumed, so a bad
 message never stops the fold and is never silently lost.
 
