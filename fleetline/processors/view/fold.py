@@ -144,12 +144,7 @@ def fold_telemetry(
         return False  # an agent re-sent it after an outage
     _check_gpus(node_id, seq, gpus, vouched)
     node = _node(view, node_id, cluster_id, region)
-    node.telemetry_seq = seq
-    if ts > node.telemetry_ts:
-        node.telemetry_ts = ts
-    if ts > view.watermark_ms:
-        view.watermark_ms = ts
-    view.node_events += 1
+    _heard(view, node, seq, ts)
     policy = view.policy
     nvlink_limit = policy.nvlink_errors_per_interval
     loss_limit = policy.rdma_loss_ratio
@@ -243,8 +238,12 @@ def fold_repeat(view: ResourceView, node_id: str, seq: int, ts: int) -> None:
     `fold_telemetry` would change but the GPUs' latest readings, which the last repeat of the
     run sets."""
     node = view.nodes[node_id]
-    if seq <= node.telemetry_seq:
-        return
+    if seq > node.telemetry_seq:
+        _heard(view, node, seq, ts)
+
+
+def _heard(view: ResourceView, node: NodeView, seq: int, ts: int) -> None:
+    """A telemetry record of the node was folded: its seq, its time and the view's."""
     node.telemetry_seq = seq
     if ts > node.telemetry_ts:
         node.telemetry_ts = ts
