@@ -341,6 +341,35 @@ def tidal_day(tidal: bool) -> dict[str, float]:
     }
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds of a process and its descendants still running (from /proc)."""
+    stats: dict[int, tuple[int, int]] = {}  # pid -> (parent, clock ticks of CPU)
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # it ended meanwhile
+            stats[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    total, todo, seen = 0, [pid], set()
+    while todo:
+        at = todo.pop()
+        if at in seen or at not in stats:
+            continue
+        seen.add(at)
+        total += stats[at][1]
+        todo += [child for child, (parent, _) in stats.items() if parent == at]
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's children that have ended (the client runs)."""
+    import resource
+
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
 def router_processes_figures(
     settings: Settings, requests: int, inflight: int, counts: tuple[int, ...] = (1, 2)
 ) -> dict[str, Any]:
@@ -390,13 +419,27 @@ def router_processes_figures(
                             raise RuntimeError(f"{count} router processes never answered") from exc
                         time.sleep(0.2)
                 client(url, 500, inflight)  # warm up
+                before = _cpu_s(router.pid), _cpu_s(replica.pid), _children_cpu_s()
                 routed = client(url, requests, inflight)
+                after = _cpu_s(router.pid), _cpu_s(replica.pid), _children_cpu_s()
             finally:
                 router.send_signal(signal.SIGTERM)
                 router.wait(30)
             figures[f"router_{count}_processes_rps"] = routed["rps"]
             figures[f"router_{count}_processes_p50_ms"] = routed["p50_ms"]
             figures[f"router_{count}_processes_p99_ms"] = routed["p99_ms"]
+            # Where the CPU goes, per request: the bound on a machine the three share.
+            router_ms, replica_ms, client_ms = (
+                (a - b) * 1000 / requests for a, b in zip(after, before, strict=True)
+            )
+            figures[f"router_{count}_processes_cpu_ms_per_request"] = round(router_ms, 3)
+            figures[f"router_{count}_processes_client_cpu_ms_per_request"] = round(client_ms, 3)
+            figures[f"router_{count}_processes_replica_cpu_ms_per_request"] = round(replica_ms, 3)
+            cores = os.cpu_count() or 1
+            figures[f"router_{count}_processes_rps_bound_sharing_{cores}_cores"] = round(
+                cores * 1000 / (router_ms + client_ms + replica_ms)
+            )
+            figures[f"router_{count}_processes_cores_for_5000_rps"] = round(5 * router_ms, 2)
         figures["router_processes_target"] = ">= 5000 requests/s, p99 < 20 ms"
     finally:
         replica.terminate()
