@@ -151,12 +151,9 @@ def _deferred(
         ends_at = np.cumsum(sizes)
         repeat[which] = bad[ends_at] - bad[ends_at - sizes] == 0
     # The last repeat of a row keeps its GPU rows: the reader folds it whole.
-    deferred = repeat.copy()
-    follows = np.zeros(count, dtype=bool)  # the node's next record is a repeat of this one
-    has_next = previous >= 0
-    follows[previous[has_next & repeat]] = True
-    deferred &= follows
-    return deferred
+    followed = np.zeros(count, dtype=bool)  # the node's next record repeats this one
+    followed[previous[repeat]] = True  # (a repeat always has a previous record)
+    return repeat & followed
 
 
 class TelemetryBatchDecoder(Generic[GpuRow]):
