@@ -40,7 +40,7 @@ from fleetline.processors.scheduling.client import submit
 from fleetline.processors.scheduling.codec import new_request, submit_request
 from fleetline.processors.scheduling.runtime import scheduler_topics
 from fleetline.processors.scheduling.specs import parse_spec
-from fleetline.processors.view.runtime import APPLICATION_ID as VIEW_APP
+from fleetline.processors.view import APPLICATION_ID as VIEW_APP
 from fleetline.processors.view.runtime import declare_clusters
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import default_codec

@@ -43,7 +43,7 @@ from fleetline.processors.scheduling.capacity import FleetFacts
 from fleetline.processors.scheduling.client import changelog as scheduler_changelog
 from fleetline.processors.scheduling.policy import SchedulingPolicy
 from fleetline.processors.scheduling.runtime import KafkaJobs, SchedulerService
-from fleetline.processors.view.runtime import APPLICATION_ID as VIEW_APP
+from fleetline.processors.view import APPLICATION_ID as VIEW_APP
 from fleetline.processors.view.runtime import ViewProcessor, dcgm_readings, declare_clusters
 from fleetline.processors.view.snapshots import ViewSnapshots
 from fleetline.storage.audit_store import AuditArchive, AuditTable

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import replace
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -20,8 +20,6 @@ from fleetline.cli.common import (
     settings,
 )
 from fleetline.errors import ConfigError, FleetlineError
-from fleetline.processors.audit.runtime import data_access
-from fleetline.storage.tiering.loop import tiered_stores, wall_clock_ms
 from fleetline.storage.tiering.policy import (
     DAY_MS,
     HOUR_MS,
@@ -29,7 +27,9 @@ from fleetline.storage.tiering.policy import (
     DataClass,
     check_lifetimes,
 )
-from fleetline.storage.tiering.store import TieredStore
+
+if TYPE_CHECKING:
+    from fleetline.storage.tiering.store import TieredStore
 
 
 class TierPolicy:
@@ -134,6 +134,8 @@ def sql(
     allowed (docs/storage.md). Each query is audited (its SHA-256 and the rows returned).
     """
 
+    from fleetline.processors.audit.runtime import data_access
+
     config = settings("clickhouse", "kafka")
     result = analyst_query(config, query)
     audit_read(config, topic_prefix, "sql.run", "sql", data_access(query, len(result.rows)))
@@ -150,6 +152,7 @@ def query(
 ) -> None:
     """Run a ready query over all storage tiers (`fleetline query list` names them); audited
     like `fleetline sql`."""
+    from fleetline.processors.audit.runtime import data_access
     from fleetline.storage.queries import READY, ready_sql
 
     if name == "list":
@@ -175,6 +178,7 @@ def trace(
     decisions and GPU bindings, the cluster agents' workload events and the log lines of that
     trace, with the time of each hop since the first and since the one before (audited like
     `fleetline sql`)."""
+    from fleetline.processors.audit.runtime import data_access
     from fleetline.storage.queries import trace_sql
 
     config = settings("clickhouse", "kafka")
@@ -205,6 +209,7 @@ archive = typer.Typer(help="Rehydrate a cold range into ClickHouse.", no_args_is
 def _stores(chosen: dict[str, DataClass]) -> dict[str, TieredStore]:
     from fleetline.storage.clickhouse import connect, migrate
     from fleetline.storage.objects import ObjectStore
+    from fleetline.storage.tiering.loop import tiered_stores
 
     config = settings("s3", "clickhouse")
     client = connect(config.clickhouse_url)
@@ -228,6 +233,8 @@ def tier_run(
 ) -> None:
     """One tiering pass over every table (or one every --every seconds), when no other
     process owns the embedded store; one JSON line a table."""
+    from fleetline.storage.tiering.loop import wall_clock_ms
+
     stores = _stores(lifetimes(hot_hours, warm_days, cold_days, tenant_cold_days, keep))
     while True:
         at = parse_time_ms(now) if now else wall_clock_ms()

@@ -14,7 +14,7 @@ from fleetline.cli.common import ListenHost, TopicPrefix, listen_host, settings,
 from fleetline.cli.data import TierPolicy, lifetimes
 from fleetline.config import Settings
 from fleetline.errors import ConfigError
-from fleetline.processors.view.runtime import APPLICATION_ID as VIEW_APP
+from fleetline.processors.view import APPLICATION_ID as VIEW_APP
 from fleetline.streams.topics import Topics
 
 HELP = (

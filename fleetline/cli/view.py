@@ -30,7 +30,7 @@ from fleetline.cli.common import (
 )
 from fleetline.config import Settings
 from fleetline.errors import ConfigError
-from fleetline.processors.view.runtime import APPLICATION_ID as VIEW_APP
+from fleetline.processors.view import APPLICATION_ID as VIEW_APP
 from fleetline.streams.records import Offsets
 from fleetline.streams.topics import Topics
 

@@ -28,6 +28,7 @@ from confluent_kafka import OFFSET_BEGINNING, KafkaError, Message, TopicPartitio
 from fleetline.config import KafkaSettings
 from fleetline.errors import StreamError
 from fleetline.observability import metrics
+from fleetline.processors.view import APPLICATION_ID
 from fleetline.processors.view.fold import compose
 from fleetline.processors.view.folder import PartFolder
 from fleetline.processors.view.model import HealthPolicy, ResourceView
@@ -43,7 +44,6 @@ from fleetline.streams.topics import Topics
 
 log = logging.getLogger(__name__)
 
-APPLICATION_ID = "resource-view"
 T = TypeVar("T")
 
 
