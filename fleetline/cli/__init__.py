@@ -1,7 +1,8 @@
 """The `fleetline` command: one module per command group, composed here.
 
 A new command goes in the module of its group (or a new module, added to `_GROUPS`); its
-`--help` comes from its signature and docstring.
+`--help` comes from its signature and docstring. A command imports what it runs inside its
+function: every `fleetline` process, an agent's too, imports every group module.
 """
 
 from __future__ import annotations
