@@ -21,6 +21,7 @@ import pytest
 
 from fleetline.config import KafkaSettings, S3Settings, Settings
 from fleetline.infra import LocalServices
+from fleetline.observability import crashes
 from fleetline.storage.clickhouse import connect
 
 TEST_KAFKA = os.environ.get("FLEETLINE_TEST_KAFKA_BOOTSTRAP", "127.0.0.1:29092")
@@ -28,6 +29,17 @@ TEST_S3 = os.environ.get("FLEETLINE_TEST_S3_ENDPOINT", "127.0.0.1:29000")
 
 
 _NEED_SERVICES = ("contract", "integration", "e2e", "chaos")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest reports a crash of the test process on a copy of its stderr; the chdb engine the
+    # tests open puts its own signal handlers first, and `reinstall` needs that copy to put
+    # the report back in front of them.
+    from _pytest.faulthandler import fault_handler_stderr_fd_key
+
+    if fault_handler_stderr_fd_key in config.stash:
+        crashes.report_fatal_signals(config.stash[fault_handler_stderr_fd_key])
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -7,6 +7,7 @@ function: every `fleetline` process, an agent's too, imports every group module.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import sys
 from collections.abc import Sequence
@@ -93,7 +94,10 @@ def _root(
         force=True,
     )
     from fleetline.api.auth import CredentialFilter
-    from fleetline.observability import logs
+    from fleetline.observability import crashes, logs
+
+    if not faulthandler.is_enabled():  # enabled already: pytest's, when a test calls main()
+        crashes.report_fatal_signals(sys.stderr)
 
     logs.configure(" ".join(sys.argv[1:3]) or "fleetline", log_format is LogFormat.JSON)
     for handler in logging.getLogger().handlers:

@@ -18,6 +18,7 @@ from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
 from fleetline.errors import ConfigError, ServiceUnavailable, StorageError
+from fleetline.observability import crashes
 from fleetline.probe import refusal
 
 # What a ClickHouse call raises: the client's errors (a server's answer, a connection that
@@ -47,7 +48,9 @@ def connect(url: str) -> Client:
             if not parts.path or parts.path == "/":
                 raise ConfigError(f"{url!r}: a chdb URL names a data folder, chdb:///var/lib/x")
             Path(parts.path).mkdir(parents=True, exist_ok=True)
-            return clickhouse_connect.get_client(dsn=f"chdb://{parts.path}")
+            client = clickhouse_connect.get_client(dsn=f"chdb://{parts.path}")
+            crashes.reinstall()  # the engine just put ClickHouse's signal handlers first
+            return client
         if parts.scheme in {"http", "https"}:
             return clickhouse_connect.get_client(dsn=url)
     except (*CLICKHOUSE_ERRORS, OSError) as exc:  # type: ignore[misc]

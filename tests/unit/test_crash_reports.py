@@ -1,0 +1,50 @@
+"""A process that crashes (SIGSEGV) after it opened the embedded ClickHouse store still says
+where: chdb's engine puts ClickHouse's own signal handlers first when it starts, and those
+write nowhere a process shows (the test suite's process died twice of a segmentation fault
+without a word before this)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+CRASH = """
+import ctypes, sys
+{arm}
+from fleetline.storage.clickhouse import connect
+connect("chdb://{path}").command("SELECT 1")
+print("opened", flush=True)
+ctypes.string_at(0)  # reads address 0: SIGSEGV
+"""
+
+
+@pytest.mark.parametrize(
+    "arm",
+    [
+        "from fleetline.observability import crashes; crashes.report_fatal_signals(sys.stderr)",
+        "import faulthandler; faulthandler.enable()",  # as `python -X faulthandler` does
+    ],
+)
+def test_a_crash_after_the_store_opened_prints_python_s_fault_report(arm, tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-c", CRASH.format(arm=arm, path=tmp_path / "chdb")],
+        capture_output=True,
+        text=True,
+        timeout=60,  # without the fix it may hang in ClickHouse's handler
+    )
+    assert done.stdout.strip() == "opened", done.stderr
+    assert done.returncode == -signal.SIGSEGV
+    assert "Fatal Python error: Segmentation fault" in done.stderr, done.stderr
+    assert 'File "<string>", line 7' in done.stderr, done.stderr
+
+
+def test_the_cli_reports_fatal_signals():
+    probe = (
+        "import faulthandler, sys; from fleetline.cli import main; "
+        "main(['contract', '--help']); print(faulthandler.is_enabled(), file=sys.stderr)"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.stderr.strip().splitlines()[-1] == "True", done.stderr
