@@ -3,16 +3,25 @@ the process's stderr), kept in front of the handlers native libraries install.
 
 chdb's engine installs ClickHouse's own handlers for those signals when it starts, and they
 write nowhere a process shows: a crash in the engine, or anywhere in the process after it
-started, ended with an exit status and not a word. `reinstall` puts Python's handler back in
-front (it runs first, then hands the signal on to the one it displaced)."""
+started, ended with an exit status and not a word (or hung for minutes in those handlers first).
+`reinstall` puts Python's handler back in front, handing the signal on to the default action:
+the process ends at once, with a core dump where the host keeps them."""
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
+import signal
 import sys
 from typing import TextIO
 
 _reports_to: list[TextIO | int] = []  # the file chosen by `report_fatal_signals`
+# The signals Python's fault handler reports.
+_FATAL = tuple(
+    getattr(signal, name)
+    for name in ("SIGSEGV", "SIGFPE", "SIGABRT", "SIGBUS", "SIGILL")
+    if hasattr(signal, name)
+)
 
 
 def report_fatal_signals(file: TextIO | int) -> None:
@@ -30,4 +39,16 @@ def reinstall() -> None:
     if file is None:
         return
     faulthandler.disable()
+    _default_actions()
     faulthandler.enable(file, all_threads=True)
+
+
+def _default_actions() -> None:
+    """The fatal signals' default action, for the report to hand them on to instead of the
+    handlers it displaced. Through libc: Python's `signal.signal` works in the main thread
+    only, and a store may open in any."""
+    libc = ctypes.CDLL(None)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+    for signum in _FATAL:
+        libc.signal(signum, None)  # NULL is SIG_DFL

@@ -8,9 +8,11 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+CHILD = str(Path(__file__).with_name("crash_child.py"))
 CRASH = """
 import ctypes, sys
 {arm}
@@ -48,3 +50,17 @@ def test_the_cli_reports_fatal_signals():
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert done.stderr.strip().splitlines()[-1] == "True", done.stderr
+
+
+def test_a_test_that_crashes_the_suite_s_process_is_named_and_the_process_ends():
+    # The suite's own path: pytest's fault handler, on its copy of stderr (tests/conftest.py),
+    # and a store opened inside a test. Before, this process hung in ClickHouse's handler.
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", CHILD],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == -signal.SIGSEGV, done.stdout + done.stderr
+    assert "Fatal Python error: Segmentation fault" in done.stderr, done.stderr
+    assert 'crash_child.py", line 13 in test_crashes_after_opening_a_store' in done.stderr
