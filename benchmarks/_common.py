@@ -117,6 +117,28 @@ def rss_mib(pid: int | str = "self") -> float | None:
     return None
 
 
+def children(pid: int) -> list[int]:
+    """A process's children (those its main thread started)."""
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds of a process and its descendants still running (from /proc)."""
+    ticks, todo = 0, [pid]
+    while todo:
+        at = todo.pop()
+        try:
+            fields = Path(f"/proc/{at}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue  # it ended meanwhile
+        ticks += int(fields[11]) + int(fields[12])  # utime + stime
+        todo += children(at)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def report(name: str, figures: dict[str, object]) -> None:
     rounded = {k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}
     full = {

@@ -41,7 +41,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from _common import local_services, progress_report, report, simulated_view
+from _common import cpu_s, local_services, progress_report, report, simulated_view
 from aiohttp import ClientSession, TCPConnector
 
 from fleetline.agents.router.routing import RoutingPolicy, percentile
@@ -341,27 +341,6 @@ def tidal_day(tidal: bool) -> dict[str, float]:
     }
 
 
-def _cpu_s(pid: int) -> float:
-    """CPU seconds of a process and its descendants still running (from /proc)."""
-    stats: dict[int, tuple[int, int]] = {}  # pid -> (parent, clock ticks of CPU)
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue  # it ended meanwhile
-            stats[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
-    total, todo, seen = 0, [pid], set()
-    while todo:
-        at = todo.pop()
-        if at in seen or at not in stats:
-            continue
-        seen.add(at)
-        total += stats[at][1]
-        todo += [child for child, (parent, _) in stats.items() if parent == at]
-    return total / os.sysconf("SC_CLK_TCK")
-
-
 def router_processes_figures(
     settings: Settings, requests: int, inflight: int, counts: tuple[int, ...] = (1, 2)
 ) -> dict[str, Any]:
@@ -411,9 +390,9 @@ def router_processes_figures(
                             raise RuntimeError(f"{count} router processes never answered") from exc
                         time.sleep(0.2)
                 client(url, 500, inflight)  # warm up
-                before = _cpu_s(router.pid), _cpu_s(replica.pid), 0.0
+                before = cpu_s(router.pid), cpu_s(replica.pid), 0.0
                 routed = client(url, requests, inflight)
-                after = _cpu_s(router.pid), _cpu_s(replica.pid), routed["cpu_s"]
+                after = cpu_s(router.pid), cpu_s(replica.pid), routed["cpu_s"]
             finally:
                 router.send_signal(signal.SIGTERM)
                 router.wait(30)

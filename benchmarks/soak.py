@@ -31,7 +31,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from _common import local_services, report, rss_mib
+from _common import children, local_services, report, rss_mib
 from confluent_kafka import KafkaError, TopicPartition
 
 from fleetline.agents.simulator import cluster_info, default_clusters
@@ -57,13 +57,6 @@ def slope_mib_per_min(points: list[tuple[float, float]]) -> float:
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     den = sum((x - mx) ** 2 for x in xs)
     return 60 * sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den if den else 0.0
-
-
-def children(pid: int) -> list[int]:
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except FileNotFoundError:
-        return []
 
 
 def job(n: int) -> dict[str, Any]:
