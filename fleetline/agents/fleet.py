@@ -15,7 +15,7 @@ from typing import Any
 
 from fleetline.agents.commands import CommandLoop, ControlStore, NodeControl, control_labels
 from fleetline.agents.durable import write_if_room
-from fleetline.agents.runtime import TelemetryPublisher
+from fleetline.agents.runtime import SENDS, TelemetryPublisher
 from fleetline.agents.simulator import FleetSimulator, SimNode
 from fleetline.agents.spool import DiskSpool
 from fleetline.config import Settings
@@ -51,13 +51,15 @@ class FleetAgent:
         commands: bool = True,
         spool_max_bytes: int = 256 * 2**20,
         agent_id: str = "sim",
-        message_timeout_ms: int = 15000,
+        message_timeout_ms: int | None = None,
     ) -> FleetAgent:
         publishers = {
             cluster.cluster_id: TelemetryPublisher(
                 kafka_clients.producer(
                     settings.kafka,
-                    {"message.timeout.ms": message_timeout_ms, **kafka_clients.ACROSS_LINKS},
+                    {**SENDS, "message.timeout.ms": message_timeout_ms}
+                    if message_timeout_ms is not None
+                    else SENDS,
                 ),
                 codec,
                 topics,

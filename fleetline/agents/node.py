@@ -19,7 +19,7 @@ from fleetline.agents.commands import (
 )
 from fleetline.agents.devices import Devices
 from fleetline.agents.fleet import SequenceStore
-from fleetline.agents.runtime import TelemetryPublisher
+from fleetline.agents.runtime import SENDS, TelemetryPublisher
 from fleetline.agents.simulator import AGENT_VERSION
 from fleetline.agents.spool import DiskSpool
 from fleetline.config import Settings
@@ -89,7 +89,7 @@ class NodeAgent:
         commands: bool = True,
     ) -> NodeAgent:
         publisher = TelemetryPublisher(
-            kafka_clients.producer(settings.kafka, kafka_clients.ACROSS_LINKS),
+            kafka_clients.producer(settings.kafka, SENDS),
             codec,
             topics,
             DiskSpool(state_dir / "spool", cipher=cipher_for(settings.object_key())),

@@ -181,9 +181,9 @@ def test_a_cluster_cut_for_30_s_mid_training_is_lost_resumed_once_and_fenced(
     ]
     during = [r for r in samples if cut_ms + 2_000 < r["ts"] < healed_ms - 2_000]
     assert len(during) >= (CUT_S - 6) * 2, len(during)  # every 500 ms of the cut
-    # In the order the node made them, none missing (its NodeStates take seq numbers too). A
-    # send whose acknowledgement the cut swallowed is sent again from the spool: at least once
-    # on the topic, and the view folds a seq it has seen once only.
+    # In the order the node made them, none missing (its NodeStates take seq numbers too). No
+    # send times out (`agents/runtime.SENDS`): one whose acknowledgement the cut swallowed is
+    # retried in order, and a repeat that reaches the topic is folded once by its seq.
     seqs = [r["seq"] for r in samples]
     firsts = list(dict.fromkeys(seqs))
     assert firsts == sorted(firsts), "telemetry out of order"
