@@ -53,9 +53,14 @@ $(IDP_TOOLS): fleetline/infra/oidc_provider/package.json fleetline/infra/oidc_pr
 
 # Starts (and afterwards stops) the services the tests need, from tests/conftest.py; the
 # browser tests start Chromium headless; the contract test builds the Go consumer; the Slurm
-# tests start a Slurm cluster of their own; the sign-in tests an OpenID provider.
+# tests start a Slurm cluster of their own; the sign-in tests an OpenID provider. A test
+# process that dies of a fatal signal leaves a core; its crashing thread's native stack is
+# printed last (tools/crash_backtrace.py).
 test: $(STAMP) $(CHROMIUM) $(SLURMCTLD) $(MPIRUN) $(IDP_TOOLS)
-	$(PY) -m pytest
+	@mkdir -p .cache && touch .cache/test-started
+	ulimit -c unlimited 2>/dev/null; $(PY) -m pytest; status=$$?; \
+	if [ $$status -gt 128 ]; then $(PY) tools/crash_backtrace.py .cache/test-started; fi; \
+	exit $$status
 
 # Style, formatting, types (strict in processors/), the layering contracts (pyproject.toml),
 # and the topics' AsyncAPI document: current with the code, and valid.

@@ -35,11 +35,13 @@ _NEED_SERVICES = ("contract", "integration", "e2e", "chaos")
 def pytest_configure(config: pytest.Config) -> None:
     # pytest reports a crash of the test process on a copy of its stderr; the chdb engine the
     # tests open puts its own signal handlers first, and `reinstall` needs that copy to put
-    # the report back in front of them.
+    # the report back in front of them. The crashing thread's stack only: CI shows the head of
+    # a failed run's output and its tail, and among the threads of an in-process stack the
+    # crashing one was cut off (the tail has its native frames: `make test`).
     from _pytest.faulthandler import fault_handler_stderr_fd_key
 
     if fault_handler_stderr_fd_key in config.stash:
-        crashes.report_fatal_signals(config.stash[fault_handler_stderr_fd_key])
+        crashes.report_fatal_signals(config.stash[fault_handler_stderr_fd_key], all_threads=False)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -15,7 +15,10 @@ import signal
 import sys
 from typing import TextIO
 
-_reports_to: list[TextIO | int] = []  # the file chosen by `report_fatal_signals`
+# The file chosen by `report_fatal_signals`, and whether every thread is reported or only the
+# crashing one.
+_reports_to: list[TextIO | int] = []
+_all_threads = [True]
 # The signals Python's fault handler reports.
 _FATAL = tuple(
     getattr(signal, name)
@@ -24,10 +27,13 @@ _FATAL = tuple(
 )
 
 
-def report_fatal_signals(file: TextIO | int) -> None:
-    """Report fatal signals on `file` (a stream, or a descriptor kept open), from now on."""
+def report_fatal_signals(file: TextIO | int, *, all_threads: bool = True) -> None:
+    """Report fatal signals on `file` (a stream, or a descriptor kept open), from now on: the
+    stack of every thread, or with `all_threads` False the crashing thread's alone (first and
+    short, where only the head of a long output is shown)."""
     _reports_to[:] = [file]
-    faulthandler.enable(file, all_threads=True)
+    _all_threads[0] = all_threads
+    faulthandler.enable(file, all_threads=all_threads)
 
 
 def reinstall() -> None:
@@ -40,7 +46,7 @@ def reinstall() -> None:
         return
     faulthandler.disable()
     _default_actions()
-    faulthandler.enable(file, all_threads=True)
+    faulthandler.enable(file, all_threads=_all_threads[0])
 
 
 def _default_actions() -> None:

@@ -1,10 +1,13 @@
 """A process that crashes (SIGSEGV) after it opened the embedded ClickHouse store still says
 where: chdb's engine puts ClickHouse's own signal handlers first when it starts, and those
 write nowhere a process shows (the test suite's process died twice of a segmentation fault
-without a word before this)."""
+without a word before this). Where a crash is native, `make test` prints the crashing thread's
+native frames from its core, last (`tools/crash_backtrace.py`)."""
 
 from __future__ import annotations
 
+import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +16,14 @@ from pathlib import Path
 import pytest
 
 CHILD = str(Path(__file__).with_name("crash_child.py"))
+TOOLS = Path(__file__).parents[2] / "tools"
+
+
+def no_core() -> None:
+    """In the crashing child: no core file (`make test` allows them, to read the suite's own)."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
 CRASH = """
 import ctypes, sys
 {arm}
@@ -36,6 +47,7 @@ def test_a_crash_after_the_store_opened_prints_python_s_fault_report(arm, tmp_pa
         capture_output=True,
         text=True,
         timeout=60,  # without the fix it may hang in ClickHouse's handler
+        preexec_fn=no_core,
     )
     assert done.stdout.strip() == "opened", done.stderr
     assert done.returncode == -signal.SIGSEGV
@@ -60,7 +72,40 @@ def test_a_test_that_crashes_the_suite_s_process_is_named_and_the_process_ends()
         capture_output=True,
         text=True,
         timeout=60,
+        preexec_fn=no_core,
     )
     assert done.returncode == -signal.SIGSEGV, done.stdout + done.stderr
     assert "Fatal Python error: Segmentation fault" in done.stderr, done.stderr
     assert 'crash_child.py", line 13 in test_crashes_after_opening_a_store' in done.stderr
+    # The crashing thread's stack alone, first (CI shows the head of a long output).
+    assert "Stack (most recent call first)" in done.stderr, done.stderr
+    assert "Current thread" not in done.stderr, done.stderr
+
+
+def test_the_crashing_thread_s_native_stack_is_read_from_its_core_and_printed_last(tmp_path):
+    pattern = Path("/proc/sys/kernel/core_pattern").read_text().strip()
+    if pattern.startswith("|") or "/" in pattern or shutil.which("gdb") is None:
+        pytest.skip(f"cores are not written to the working directory here ({pattern!r})")
+    marker = tmp_path / "started"
+    marker.touch()
+    crashed = subprocess.run(
+        [sys.executable, "-c", "import ctypes; ctypes.string_at(0)"],
+        cwd=tmp_path,
+        capture_output=True,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_CORE, (-1, -1)),
+        timeout=60,
+    )
+    assert crashed.returncode == -signal.SIGSEGV
+    read = subprocess.run(
+        [sys.executable, str(TOOLS / "crash_backtrace.py"), str(marker)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert read.returncode == 0, read.stdout + read.stderr
+    last = read.stdout.strip().splitlines()
+    assert last[-1] == "Program terminated with signal SIGSEGV, Segmentation fault.", last
+    assert last[-2].startswith("#0 "), last  # the crashing frame, last
+    assert any("string_at" in line for line in last), last
+    assert list(tmp_path.glob("core*")) == []  # read, then deleted
