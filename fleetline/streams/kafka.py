@@ -301,6 +301,34 @@ def _watermarks(reader: Consumer, tp: TopicPartition, timeout_s: float) -> tuple
 ADMIN_RENEW_S = 2.0
 
 
+def _unled(admin: AdminClient, topic: str, partitions: list[int], timeout_s: float) -> str:
+    """Why `admin`'s metadata has no leader for some of `partitions` of `topic` ("" when it
+    has one for each), after asking the cluster for that topic's metadata now.
+
+    librdkafka's ListOffsets (2.16) looks up the leaders in its metadata cache; one it does not
+    find there is waited for asynchronously, and a cache update landing while the calling
+    thread is still setting that wait up frees the request under it: the test process died of
+    SIGSEGV in `rd_kafka_topic_partition_list_query_leaders_async_worker`, in a pthread mutex,
+    asking through an admin client just made. With the leaders in the cache the lookup ends at
+    once, in the calling thread."""
+    try:
+        listed = admin.list_topics(topic=topic, timeout=timeout_s).topics.get(topic)
+    except KafkaException as exc:
+        return f"metadata: {exc.args[0].str()}"
+    if listed is None:
+        return "metadata: no such topic"
+    if listed.error is not None:
+        return f"metadata: {listed.error.str()}"
+    unled = [
+        p
+        for p in partitions
+        if p not in listed.partitions
+        or listed.partitions[p].leader < 0
+        or listed.partitions[p].error is not None
+    ]
+    return f"no leader known for partition(s) {unled}" if unled else ""
+
+
 def stable_bounds(
     kafka: KafkaSettings,
     topic: str,
@@ -328,6 +356,13 @@ def stable_bounds(
                 f"the end of {topic} partition(s) {pending} could not be established in "
                 f"{timeout_s:.0f} s (last answer: {why or 'none'})"
             )
+        unled = _unled(admin, topic, pending, max(1.0, min(10.0, left)))
+        if unled:
+            why = unled
+            if time.monotonic() - asked_since >= ADMIN_RENEW_S:
+                admin, asked_since = admin_client(kafka), time.monotonic()
+            time.sleep(0.2)
+            continue
         first, last = (
             admin.list_offsets(
                 {TopicPartition(topic, p): spec for p in pending},

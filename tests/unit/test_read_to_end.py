@@ -137,11 +137,25 @@ def test_a_leader_moving_is_passed_over_and_a_fatal_error_stops_the_read() -> No
 
 class ScriptedAdmin:
     """An admin client whose ListOffsets answers come from a script: (low, high) pairs, or a
-    KafkaError code for both."""
+    KafkaError code for both; its metadata gives each partition the leader `leaders` says
+    next (broker 1 once the script ends), -1 while none is elected."""
 
-    def __init__(self, answers: list[tuple[int, int] | int]) -> None:
+    def __init__(self, answers: list[tuple[int, int] | int], leaders: Iterable[int] = ()) -> None:
         self.answers = answers
         self.asked = 0
+        self.leaders = list(leaders)
+        self.asked_metadata = 0
+        self.asked_unled = 0  # ListOffsets asked while the last metadata had no leader
+
+    def list_topics(self, topic, timeout):
+        from types import SimpleNamespace
+
+        leader = self.leaders.pop(0) if self.leaders else 1
+        self.asked_metadata += 1
+        self.led = leader >= 0
+        partition = SimpleNamespace(leader=leader, error=None)
+        listed = SimpleNamespace(error=None, partitions={0: partition})
+        return SimpleNamespace(topics={topic: listed})
 
     def list_offsets(self, requests, isolation_level, request_timeout):
         from concurrent.futures import Future
@@ -150,6 +164,7 @@ class ScriptedAdmin:
 
         answer = self.answers[min(self.asked // 2, len(self.answers) - 1)]
         self.asked += 1
+        self.asked_unled += not getattr(self, "led", True)
         side = (self.asked - 1) % 2  # earliest first, then latest
 
         def future() -> Future:
@@ -181,3 +196,21 @@ def test_bounds_ask_a_new_admin_client_when_one_keeps_a_fenced_epoch(monkeypatch
     monkeypatch.setattr(kafka, "admin_client", lambda settings: never)
     with pytest.raises(StreamError, match=r"could not be established.*offsets -1 to -1001"):
         kafka.stable_bounds(KafkaSettings("127.0.0.1:1"), TOPIC, [0], 1.0, never)
+
+
+def test_bounds_are_asked_only_of_a_client_that_knows_each_partition_s_leader() -> None:
+    from fleetline.config import KafkaSettings
+    from fleetline.streams import kafka
+
+    # librdkafka's ListOffsets waits for a leader it does not know asynchronously, and a
+    # metadata update racing that wait's setup crashed the process (`kafka._unled`): the
+    # leaders are had first, and ListOffsets is asked only once each partition has one.
+    electing = ScriptedAdmin([(3, 9)], leaders=[-1, -1, 2])
+    bounds = kafka.stable_bounds(KafkaSettings("127.0.0.1:1"), TOPIC, [0], 5.0, electing)
+    assert bounds == {0: (3, 9)}
+    assert electing.asked_metadata == 3 and electing.asked == 2
+    assert electing.asked_unled == 0
+    never = ScriptedAdmin([(3, 9)], leaders=[-1] * 100)
+    with pytest.raises(StreamError, match=r"no leader known for partition\(s\) \[0\]"):
+        kafka.stable_bounds(KafkaSettings("127.0.0.1:1"), TOPIC, [0], 1.0, never)
+    assert never.asked == 0
