@@ -310,22 +310,21 @@ def _unled(admin: AdminClient, topic: str, partitions: list[int], timeout_s: flo
     thread is still setting that wait up frees the request under it: the test process died of
     SIGSEGV in `rd_kafka_topic_partition_list_query_leaders_async_worker`, in a pthread mutex,
     asking through an admin client just made. With the leaders in the cache the lookup ends at
-    once, in the calling thread."""
+    once, in the calling thread. The topic's error that asking again cannot mend is raised
+    (StreamError)."""
     try:
         listed = admin.list_topics(topic=topic, timeout=timeout_s).topics.get(topic)
-    except KafkaException as exc:
+    except KafkaException as exc:  # the client's own (no broker answered in time): asked again
         return f"metadata: {exc.args[0].str()}"
     if listed is None:
         return "metadata: no such topic"
     if listed.error is not None:
+        if not moving(listed.error):
+            raise StreamError(f"the end of {topic}: {listed.error.str()}")  # denied, say
         return f"metadata: {listed.error.str()}"
-    unled = [
-        p
-        for p in partitions
-        if p not in listed.partitions
-        or listed.partitions[p].leader < 0
-        or listed.partitions[p].error is not None
-    ]
+    # A leader is what the lookup needs (a partition with a replica down still has one and
+    # answers with REPLICA_NOT_AVAILABLE).
+    unled = [p for p in partitions if p not in listed.partitions or listed.partitions[p].leader < 0]
     return f"no leader known for partition(s) {unled}" if unled else ""
 
 

@@ -140,8 +140,14 @@ class ScriptedAdmin:
     KafkaError code for both; its metadata gives each partition the leader `leaders` says
     next (broker 1 once the script ends), -1 while none is elected."""
 
-    def __init__(self, answers: list[tuple[int, int] | int], leaders: Iterable[int] = ()) -> None:
+    def __init__(
+        self,
+        answers: list[tuple[int, int] | int],
+        leaders: Iterable[int] = (),
+        denied: bool = False,
+    ) -> None:
         self.answers = answers
+        self.denied = denied
         self.asked = 0
         self.leaders = list(leaders)
         self.asked_metadata = 0
@@ -154,7 +160,8 @@ class ScriptedAdmin:
         self.asked_metadata += 1
         self.led = leader >= 0
         partition = SimpleNamespace(leader=leader, error=None)
-        listed = SimpleNamespace(error=None, partitions={0: partition})
+        error = KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED) if self.denied else None
+        listed = SimpleNamespace(error=error, partitions={0: partition})
         return SimpleNamespace(topics={topic: listed})
 
     def list_offsets(self, requests, isolation_level, request_timeout):
@@ -214,3 +221,8 @@ def test_bounds_are_asked_only_of_a_client_that_knows_each_partition_s_leader() 
     with pytest.raises(StreamError, match=r"no leader known for partition\(s\) \[0\]"):
         kafka.stable_bounds(KafkaSettings("127.0.0.1:1"), TOPIC, [0], 1.0, never)
     assert never.asked == 0
+    # An answer asking again cannot mend ends the wait at once, in its words.
+    denied = ScriptedAdmin([(3, 9)], denied=True)
+    with pytest.raises(StreamError, match=r"the end of t\.scheduler.*[Aa]uthoriz"):
+        kafka.stable_bounds(KafkaSettings("127.0.0.1:1"), TOPIC, [0], 30.0, denied)
+    assert denied.asked_metadata == 1 and denied.asked == 0
