@@ -13,6 +13,7 @@ import uuid
 import pytest
 
 from fleetline.app import Options, build
+from fleetline.errors import ObjectMissing
 from fleetline.processors import replay as replay_module
 from fleetline.processors.replay import ViewHistory, log_bounds, offsets_at, rebuild, walk
 from fleetline.processors.view import codec as view_codec
@@ -397,7 +398,16 @@ def test_serve_seals_its_snapshots_with_the_deployment_key_it_makes_on_first_sta
     with (tmp_path / "serve.log").open("w") as log:
         serve = subprocess.Popen(command, env=env, stdout=log, stderr=log)
         try:
-            wait_until(lambda: raw.keys(f"views/{topics.prefix}/{group}/"), 60, what="a snapshot")
+            # Shard 0's own snapshot, whole (its manifest): another shard's may come first.
+            shard = f"views/{topics.prefix}/{group}/{shard_part(0)}/"
+
+            def snapshot_made() -> bool:
+                try:
+                    return any(k.endswith(".manifest.json") for k in raw.keys(shard))
+                except ObjectMissing:  # the bucket, until serve makes it
+                    return False
+
+            wait_until(snapshot_made, 60, what="shard 0's snapshot")
         finally:
             serve.send_signal(signal.SIGTERM)
             serve.wait(60)
