@@ -355,38 +355,35 @@ def stable_bounds(
                 f"the end of {topic} partition(s) {pending} could not be established in "
                 f"{timeout_s:.0f} s (last answer: {why or 'none'})"
             )
+        # The leaders first (`_unled`); the bounds only of a client that knows them.
         unled = _unled(admin, topic, pending, max(1.0, min(10.0, left)))
-        if unled:
-            why = unled
-            if time.monotonic() - asked_since >= ADMIN_RENEW_S:
-                admin, asked_since = admin_client(kafka), time.monotonic()
-            time.sleep(0.2)
-            continue
-        first, last = (
-            admin.list_offsets(
-                {TopicPartition(topic, p): spec for p in pending},
-                isolation_level=IsolationLevel.READ_COMMITTED,
-                request_timeout=max(1.0, min(10.0, left)),
+        why = unled or why
+        if not unled:
+            first, last = (
+                admin.list_offsets(
+                    {TopicPartition(topic, p): spec for p in pending},
+                    isolation_level=IsolationLevel.READ_COMMITTED,
+                    request_timeout=max(1.0, min(10.0, left)),
+                )
+                for spec in (OffsetSpec.earliest(), OffsetSpec.latest())  # type: ignore[no-untyped-call]
             )
-            for spec in (OffsetSpec.earliest(), OffsetSpec.latest())  # type: ignore[no-untyped-call]
-        )
-        for tp, future in first.items():
-            try:
-                low = future.result().offset
-                high = last[tp].result().offset
-            except KafkaException as exc:
-                error: KafkaError = exc.args[0]
-                if not moving(error):
-                    raise StreamError(
-                        f"the end of {topic}[{tp.partition}]: {error.str()}"
-                    ) from None
-                why = error.str()
-                continue
-            if low < 0 or high < low:
-                # A leader being elected can answer with no offset and no error.
-                why = f"offsets {low} to {high}"
-                continue
-            bounds[tp.partition] = (int(low), int(high))
+            for tp, future in first.items():
+                try:
+                    low = future.result().offset
+                    high = last[tp].result().offset
+                except KafkaException as exc:
+                    error: KafkaError = exc.args[0]
+                    if not moving(error):
+                        raise StreamError(
+                            f"the end of {topic}[{tp.partition}]: {error.str()}"
+                        ) from None
+                    why = error.str()
+                    continue
+                if low < 0 or high < low:
+                    # A leader being elected can answer with no offset and no error.
+                    why = f"offsets {low} to {high}"
+                    continue
+                bounds[tp.partition] = (int(low), int(high))
         if len(bounds) < len(wanted):
             if time.monotonic() - asked_since >= ADMIN_RENEW_S:
                 # librdkafka's admin client can go on asking with a leader epoch the broker
