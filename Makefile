@@ -4,12 +4,36 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-unit chaos lint bench bench-peers services-start services-stop clean
+# Every tool a target installs is named here, before any rule uses it: make expands a rule's
+# prerequisites as it reads the rule, so a variable defined below it is empty there (how `run`
+# once lost Open MPI). `fleetline doctor` lists the same tools; `make lint` checks each target
+# below still has the ones fleetline/infra/needs.py says it needs (tools/check_make_needs.py).
+.PHONY: run test test-unit chaos lint bench bench-peers services-start services-stop clean \
+	mpi slurm chromium kubernetes
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+APT_INSTALL := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq
 # The browser tests drive Debian's Chromium (Playwright's own browser download is not used).
 CHROMIUM := /usr/bin/chromium
-SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# The Slurm backend's tests run a real Slurm (controller, node daemons, munge) from Debian's
+# packages; `fleetline infra start --slurm` configures and starts it.
+SLURMCTLD := /usr/sbin/slurmctld
+# A training job's workers talk through Open MPI (Debian's; mpi4py from PyPI loads it): the
+# process backend starts them under `mpirun`, Slurm under `srun --mpi=pmix` (whose plugin loads
+# libpmix.so, which only libpmix-dev provides).
+MPIRUN := /usr/bin/mpirun
 # The AsyncAPI CLI that validates contract/asyncapi.yaml (npm, pinned by package-lock.json).
 CONTRACT_TOOLS := contract/node_modules/.installed
+# The OpenID provider the sign-in tests start (node-oidc-provider, pinned by its lock file).
+IDP_TOOLS := fleetline/infra/oidc_provider/node_modules/.installed
+
+# The tools by name, as `fleetline doctor` names their install commands.
+mpi: $(MPIRUN)
+slurm: $(SLURMCTLD)
+chromium: $(CHROMIUM)
+# The Kubernetes control plane, built once from its Go modules into ~/.cache/fleetline (about
+# 20 minutes on two cores the first time; seconds when it is there).
+kubernetes: $(STAMP)
+	$(VENV)/bin/fleetline infra build kubernetes
 
 # The native decoder (fleetline/streams/_avrocols.c) is built by the install, so a change rebuilds it.
 $(STAMP): pyproject.toml fleetline/streams/_avrocols.c
@@ -19,34 +43,25 @@ $(STAMP): pyproject.toml fleetline/streams/_avrocols.c
 	touch $(STAMP)
 
 # Installs, starts Kafka and the S3 server, runs the simulated fleet, prints, stops them.
-run: $(STAMP) $(MPIRUN)
+run: $(STAMP) mpi
 	$(VENV)/bin/fleetline run
 
 $(CHROMIUM):
 	$(SUDO) apt-get update -qq
-	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+	$(APT_INSTALL) chromium
 
-# The Slurm backend's tests run a real Slurm (controller, node daemons, munge) from Debian's
-# packages; `fleetline infra start --slurm` configures and starts it.
-SLURMCTLD := /usr/sbin/slurmctld
 $(SLURMCTLD):
 	$(SUDO) apt-get update -qq
-	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client munge
+	$(APT_INSTALL) slurmctld slurmd slurm-client munge
 
-# A training job's workers talk through Open MPI (Debian's; mpi4py from PyPI loads it): the
-# process backend starts them under `mpirun`, Slurm under `srun --mpi=pmix` (whose plugin loads
-# libpmix.so, which only libpmix-dev provides).
-MPIRUN := /usr/bin/mpirun
 $(MPIRUN):
 	$(SUDO) apt-get update -qq
-	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libpmix-dev
+	$(APT_INSTALL) openmpi-bin libpmix-dev
 
 $(CONTRACT_TOOLS): contract/package.json contract/package-lock.json
 	cd contract && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
-# The OpenID provider the sign-in tests start (node-oidc-provider, pinned by its lock file).
-IDP_TOOLS := fleetline/infra/oidc_provider/node_modules/.installed
 $(IDP_TOOLS): fleetline/infra/oidc_provider/package.json fleetline/infra/oidc_provider/package-lock.json
 	cd fleetline/infra/oidc_provider && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
@@ -56,7 +71,7 @@ $(IDP_TOOLS): fleetline/infra/oidc_provider/package.json fleetline/infra/oidc_pr
 # tests start a Slurm cluster of their own; the sign-in tests an OpenID provider. A test
 # process that dies of a fatal signal leaves a core; its crashing thread's native stack is
 # printed last (tools/crash_backtrace.py).
-test: $(STAMP) $(CHROMIUM) $(SLURMCTLD) $(MPIRUN) $(IDP_TOOLS)
+test: $(STAMP) mpi slurm kubernetes chromium $(IDP_TOOLS)
 	@mkdir -p .cache && touch .cache/test-started
 	ulimit -c unlimited 2>/dev/null; $(PY) -m pytest; status=$$?; \
 	if [ $$status -gt 128 ]; then $(PY) tools/crash_backtrace.py .cache/test-started; fi; \
@@ -77,14 +92,14 @@ lint: $(STAMP) $(CONTRACT_TOOLS)
 
 # The fault-injection suite in full: more rounds of each fault, and the long runs (`make test`
 # runs one round of each).
-chaos: $(STAMP) $(MPIRUN)
+chaos: $(STAMP) mpi
 	FLEETLINE_CHAOS=full $(PY) -m pytest tests/chaos
 
 # The pure tests alone: no services, seconds.
 test-unit: $(STAMP)
 	$(PY) -m pytest tests/unit
 
-bench: $(STAMP) $(MPIRUN) $(SLURMCTLD)
+bench: $(STAMP) mpi slurm
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/agents.py
 	$(PY) benchmarks/view.py
@@ -108,7 +123,7 @@ bench: $(STAMP) $(MPIRUN) $(SLURMCTLD)
 # one job stream (benchmarks/peers.py): Slurm from Debian's packages, Kubernetes built once into
 # the user's cache on its first run (minutes). The README's performance table is then made again
 # from the last three runs.
-bench-peers: $(STAMP) $(SLURMCTLD)
+bench-peers: $(STAMP) slurm kubernetes
 	$(PY) benchmarks/peers.py
 	$(PY) benchmarks/readme_table.py
 

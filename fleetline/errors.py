@@ -48,6 +48,12 @@ class StreamError(FleetlineError):
     """Kafka transport failed in a way the processor loop could not absorb."""
 
 
+class StoryStalled(FleetlineError):
+    """A part of a played scenario did not reach what it waits for in time (a job not
+    running, not moved, not placed): that story step did not happen, and the run goes on to
+    say so (`demo/verdict.py`)."""
+
+
 class ServiceUnavailable(FleetlineError):
     """A service a command needs (Kafka, the S3 server, a ClickHouse server) does not answer;
     the message names it, its address and what to do. Commands exit with EXIT_UNAVAILABLE."""

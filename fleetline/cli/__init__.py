@@ -22,6 +22,7 @@ from fleetline.cli import (
     cluster,
     contract,
     data,
+    doctor,
     infra,
     jobs,
     lab,
@@ -59,6 +60,7 @@ app = typer.Typer(
 )
 _GROUPS = (
     session,
+    doctor,
     infra,
     lab,
     run,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import time
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -128,6 +130,42 @@ def start(
         # Clients bootstrap from every broker, so one that is down does not stop them starting.
         for name, value in services.client_env().items():
             print(f"export {name}={value}")
+
+
+class Buildable(StrEnum):
+    KAFKA = "kafka"
+    S3 = "s3"
+    KUBERNETES = "kubernetes"
+
+
+@infra.command()
+def build(
+    what: Annotated[
+        list[Buildable],
+        typer.Argument(
+            help="kafka (the broker's jars, with Maven), s3 (versitygw, with Go) or kubernetes "
+            "(the control plane and kwok, with Go, into ~/.cache/fleetline: about 20 minutes "
+            "on two cores the first time)"
+        ),
+    ],
+) -> None:
+    """Fetch or build what the services run, once: what `infra start` would do on first use
+    (`make kubernetes` runs this for Kubernetes, which `infra start` never builds unasked
+    for long)."""
+    from fleetline.infra.kubernetes import KubernetesBinaries
+
+    config = settings()
+    services = LocalServices.from_settings(config)
+    for item in dict.fromkeys(what):
+        began = time.monotonic()
+        if item is Buildable.KAFKA:
+            done = services.kafka.fetch()
+        elif item is Buildable.S3:
+            done = services.object_store.build()
+        else:
+            done = KubernetesBinaries(config.cache_dir).build() > 0
+        state = f"built in {time.monotonic() - began:.1f}s" if done else "already here"
+        print(f"{item.value}: {state}")
 
 
 @infra.command()

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from fleetline.cli.common import table
 from fleetline.demo.play import SliceResult
+from fleetline.demo.verdict import StoryStep, summary_lines
 from fleetline.processors.scheduling.estimate import described_in
 
 _CAPACITY = (
@@ -120,6 +121,21 @@ def print_result(console: Console, result: SliceResult, clickhouse_url: str, pre
     say("timings: " + ", ".join(f"{k} {v:.1f}s" for k, v in result.timings.items()))
 
 
+def _stopped(console: Console, part: dict[str, Any]) -> bool:
+    """A story part that stopped on an error says so in place of its summary."""
+    if "failed" in part:
+        console.print(f"\n{part['failed']}")
+        return True
+    return False
+
+
+def print_steps(console: Console, steps: Sequence[StoryStep]) -> None:
+    """The run's last lines: each story step that did not happen, then how many did."""
+    console.print()
+    for line in summary_lines(steps):
+        console.print(line)
+
+
 def print_scheduling(console: Console, scheduling: dict[str, Any]) -> None:
     say = console.print
     say(
@@ -183,7 +199,7 @@ def print_scheduling(console: Console, scheduling: dict[str, Any]) -> None:
 
 
 def print_cluster_story(console: Console, story: dict[str, Any]) -> None:
-    if not story:
+    if not story or _stopped(console, story):
         return
     say = console.print
     say(
@@ -207,7 +223,7 @@ def print_cluster_story(console: Console, story: dict[str, Any]) -> None:
 
 
 def print_split_story(console: Console, story: dict[str, Any]) -> None:
-    if not story:
+    if not story or _stopped(console, story):
         return
     console.print(
         f"\ndata plane: {story['job']} split across {', '.join(story['clusters'])} "
@@ -219,7 +235,7 @@ def print_split_story(console: Console, story: dict[str, Any]) -> None:
 
 
 def print_prewarm_story(console: Console, story: dict[str, Any]) -> None:
-    if not story:
+    if not story or _stopped(console, story):
         return
     rate = (
         f" in {story['copy_s']} s, {story['rate_gbps']} Gbit/s against the tenant's "
@@ -237,7 +253,7 @@ def print_prewarm_story(console: Console, story: dict[str, Any]) -> None:
 
 
 def print_serving_day(console: Console, day: dict[str, Any]) -> None:
-    if not day:
+    if not day or _stopped(console, day):
         return
     if "skipped" in day:
         console.print(f"\nserving day skipped: {day['skipped']}")

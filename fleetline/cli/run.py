@@ -89,12 +89,21 @@ def run(
     from fleetline.cli import report
     from fleetline.demo import scenario as scenarios
     from fleetline.demo.play import play
+    from fleetline.demo.verdict import StoryIncomplete, story_steps
+    from fleetline.infra import needs
 
     config = settings("kafka", "s3") if external_services else settings()
     the_lab = None
     if lab:
         config, the_lab = _in_lab(config, lab_name)
     story = scenarios.load(scenario).sized(nodes=nodes, clusters=clusters, ticks=ticks)
+    # Every tool the story plays is checked before anything starts (exit 69 in one line), not
+    # met as a job's third failed attempt minutes later.
+    needs.require(
+        config.cache_dir,
+        [*([] if external_services else needs.service_needs(config.cache_dir)), *story.needs()],
+        f"fleetline run --scenario {scenario}",
+    )
     if the_lab is not None:
         missing = [
             c.spec.cluster_id
@@ -175,6 +184,14 @@ def run(
         if not external_services and not keep_services and not already_up:
             services.stop()
     report.print_result(console, result, config.clickhouse_url, prefix)
+    steps = story_steps(result, story)
+    report.print_steps(console, steps)
+    missed = [s.name for s in steps if not s.happened]
+    if missed:
+        raise StoryIncomplete(
+            f"{len(missed)} of {len(steps)} story steps did not happen as scripted: "
+            + "; ".join(missed)
+        )
 
 
 def security_summary(

@@ -29,7 +29,7 @@ from fleetline.agents.cluster.agent import ClusterAgent
 from fleetline.agents.cluster.backends import Launcher, launcher_for
 from fleetline.agents.workloads.train import workload_env
 from fleetline.config import Settings
-from fleetline.errors import StreamError
+from fleetline.errors import StoryStalled, StreamError
 from fleetline.infra import ca as deployment_ca
 from fleetline.infra.kubernetes import KwokCluster
 from fleetline.infra.lab import Lab, LabHost, exec_argv
@@ -316,7 +316,7 @@ class StoryClock:
                 return found
         record = self.job_of(self.job) or {}
         conditions = {k: v["reason"] for k, v in (record.get("conditions") or {}).items()}
-        raise StreamError(
+        raise StoryStalled(
             f"{self.story} timed out waiting for {what}: {self.job} is "
             f"{record.get('phase')} ({conditions})"
         )

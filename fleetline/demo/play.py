@@ -37,7 +37,8 @@ from fleetline.demo.cluster_story import (
 from fleetline.demo.prewarm_story import follow_a_prewarm, seed_dataset
 from fleetline.demo.scenario import Scenario
 from fleetline.demo.serving_story import serving_day
-from fleetline.errors import StreamError
+from fleetline.demo.verdict import last_word
+from fleetline.errors import StoryStalled, StreamError
 from fleetline.infra import ca as deployment_ca
 from fleetline.infra.lab import Lab
 from fleetline.processors.audit.chain import export_entry, verify
@@ -312,6 +313,9 @@ def scheduling_summary(fleet: Fleetline) -> dict[str, Any]:
         "jobs": [
             (j["key"], j["phase"], ",".join(sorted(j["allocation"])) or "-", _gpus(j)) for j in jobs
         ],
+        "job_states": [
+            {"key": j["key"], "phase": j["phase"], "failure": last_word(j)} for j in jobs
+        ],
         "waiting": None if waiting is None else waiting.get("explanation"),
         "replay": {
             "ok": replayed.ok,
@@ -362,6 +366,19 @@ def job_trace(fleet: Fleetline, key: str, clusters: int, timeout_s: float = 20.0
         time.sleep(0.5)
     span_s = (rows[-1][0] - rows[0][0]) / 1000 if rows else 0.0
     return {"trace_id": trace_id, "hops": len(rows), "clusters": seen, "span_s": span_s}
+
+
+def story_part(
+    progress: Callable[[str], None], part: Callable[[], dict[str, Any]]
+) -> dict[str, Any]:
+    """Play one part of the story; one that stops on an error it names is kept as
+    `{"failed": why}`, so the run goes on to its summary and says which step did not happen
+    (an error of the services themselves still ends the run)."""
+    try:
+        return part()
+    except StoryStalled as exc:
+        progress(f"this part of the story stopped: {exc}")
+        return {"failed": str(exc)}
 
 
 def _fault_note(kind: str, target: str, value: float) -> str:
@@ -501,48 +518,66 @@ def play(
         settle(fleet, submitted)
         timings["drain_s"] = time.monotonic() - began
         story: dict[str, Any] = {}
-        if scenario.lose_cluster_of:
+        lost_job, split_job, prewarm = (
+            scenario.lose_cluster_of,
+            scenario.split_job,
+            scenario.prewarm,
+        )
+        if lost_job:
             began = time.monotonic()
-            story = lose_a_cluster(
-                agents,
-                scenario.lose_cluster_of,
-                _workload_of(scenario, scenario.lose_cluster_of),
-                lambda key: _job(fleet, key),
+            story = story_part(
                 progress,
+                lambda: lose_a_cluster(
+                    agents,
+                    lost_job,
+                    _workload_of(scenario, lost_job),
+                    lambda key: _job(fleet, key),
+                    progress,
+                ),
             )
             timings["cluster_story_s"] = time.monotonic() - began
-            clusters = len(set(story["ran_in"]))
-            story["trace"] = job_trace(fleet, scenario.lose_cluster_of, clusters)
+            if "failed" not in story:
+                clusters = len(set(story["ran_in"]))
+                story["trace"] = job_trace(fleet, lost_job, clusters)
         split: dict[str, Any] = {}
-        if scenario.split_job:
+        if split_job:
             began = time.monotonic()
-            split = follow_a_split_job(
-                agents,
-                scenario.split_job,
-                _workload_of(scenario, scenario.split_job),
-                lambda key: _job(fleet, key),
+            split = story_part(
                 progress,
+                lambda: follow_a_split_job(
+                    agents,
+                    split_job,
+                    _workload_of(scenario, split_job),
+                    lambda key: _job(fleet, key),
+                    progress,
+                ),
             )
             timings["split_story_s"] = time.monotonic() - began
         prewarmed: dict[str, Any] = {}
-        if scenario.prewarm:
+        if prewarm:
             began = time.monotonic()
-            if scenario.prewarm.get("tenant_policies"):
-                set_policies(settings, topics, list(scenario.prewarm["tenant_policies"]))
-            prewarmed = follow_a_prewarm(
-                settings,
-                topics,
-                fleet.mover,
-                scenario.prewarm,
-                cluster_ids,
-                lambda key: _job(fleet, key),
+            if prewarm.get("tenant_policies"):
+                set_policies(settings, topics, list(prewarm["tenant_policies"]))
+            prewarmed = story_part(
                 progress,
+                lambda: follow_a_prewarm(
+                    settings,
+                    topics,
+                    fleet.mover,
+                    prewarm,
+                    cluster_ids,
+                    lambda key: _job(fleet, key),
+                    progress,
+                ),
             )
             timings["prewarm_story_s"] = time.monotonic() - began
         serving: dict[str, Any] = {}
-        if scenario.serving_day:
+        day = scenario.serving_day
+        if day:
             began = time.monotonic()
-            serving = serving_day(fleet, settings, topics, scenario.serving_day, progress)
+            serving = story_part(
+                progress, lambda: serving_day(fleet, settings, topics, day, progress)
+            )
             timings["serving_day_s"] = time.monotonic() - began
         now = fleet.view.read(view_read.cluster_capacity)
         unhealthy = fleet.view.read(

@@ -19,7 +19,7 @@ from typing import Any
 from fleetline.agents.data_mover import DataMover
 from fleetline.agents.dataplane.prewarm import MANIFEST, upload
 from fleetline.config import Settings
-from fleetline.errors import FleetlineError, ObjectMissing
+from fleetline.errors import ObjectMissing, StoryStalled
 from fleetline.processors.scheduling.client import submit_specs
 from fleetline.processors.scheduling.specs import dataset_prefix
 from fleetline.storage.checkpoints import cluster_bucket
@@ -102,7 +102,7 @@ def follow_a_prewarm(
             say(f"t+{time.monotonic() - began:.1f}s: {job} is Queued, holding no GPUs: {reason}")
         time.sleep(0.2)
     if placed_in is None:
-        raise FleetlineError(f"the prewarm story: {job} was not placed in {timeout_s:.0f}s")
+        raise StoryStalled(f"the prewarm story: {job} was not placed in {timeout_s:.0f}s")
     ticket = f"{name}@{placed_in}"
     report = mover.reports.get(ticket) if mover is not None else None
     target = store(placed_in)

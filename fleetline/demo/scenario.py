@@ -139,6 +139,25 @@ class Scenario:
             for p in self.clusters
         ]
 
+    def documents(self) -> list[Mapping[str, Any]]:
+        """Every spec the scenario applies: its timeline's, its serving day's, its prewarm's."""
+        out = [d for event in self.events for d in event.apply]
+        for part in (self.serving_day, self.prewarm):
+            out += list((part or {}).get("apply") or ())
+        return out
+
+    def needs(self) -> tuple[str, ...]:
+        """The host's tools playing it needs (keys of `infra/needs.TOOLS`): Open MPI where a
+        training job has several workers or one runs under Slurm (`srun --mpi=pmix`), and
+        each cluster manager it runs."""
+        managers = {p.manager for p in self.clusters}
+        several = self.split_job is not None or any(
+            d.get("kind") == "TrainingJob" and int((d.get("spec") or {}).get("workers", 1)) > 1
+            for d in self.documents()
+        )
+        needs = ["mpi"] if several or "slurm" in managers else []
+        return (*needs, *(m for m in ("slurm", "kubernetes") if m in managers))
+
     def faults_in(self, simulator: FleetSimulator, start_ms: int) -> list[Fault]:
         """The scenario's faults with their targets found in the simulated fleet."""
         out = []

@@ -22,6 +22,7 @@ from fleetline.agents.router.server import start_router
 from fleetline.app import Fleetline
 from fleetline.config import Settings
 from fleetline.demo.load import LoadPlan, LoadResult, run_load
+from fleetline.demo.verdict import last_word
 from fleetline.processors.scheduling.client import decisions_of, submit, submit_specs
 from fleetline.processors.scheduling.codec import canonical_json, new_request
 from fleetline.streams.topics import Topics
@@ -112,16 +113,22 @@ def serving_day(
         "fleetline-run",
         int(time.time() * 1000),
     )
-    # A fleet too small for the day's training (`fleetline run --nodes 2`) skips the day.
+    # A fleet too small for the day's training (`fleetline run --nodes 2`) skips the day, and
+    # so does a training that cannot start (its last failure is the reason, not the Placed
+    # condition's older text).
     placed = _until(
-        lambda: (_jobs(fleet).get(training) or {}).get("phase") in ("Running", "Queued"), 90
+        lambda: (_jobs(fleet).get(training) or {}).get("phase") in ("Running", "Queued", *ENDED),
+        90,
     )
     job = _jobs(fleet).get(training) or {}
     if not placed or job.get("phase") == "Queued":
         why = (job.get("conditions") or {}).get("Placed", {}).get("reason", "not placed in 90s")
         say(f"no serving day: {training} does not fit this fleet ({why[:160]})")
         return {"skipped": f"{training} does not fit: {why}"}
-    _until(lambda: (_jobs(fleet).get(training) or {}).get("phase") == "Running", 90)
+    if job.get("phase") in ENDED:
+        why = f"{training} ended {job['phase']} before it ran: {last_word(job)}"
+        say(f"no serving day: {why[:200]}")
+        return {"skipped": why}
     submit_specs(
         settings.kafka,
         topics,

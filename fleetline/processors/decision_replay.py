@@ -128,11 +128,22 @@ def replay_decisions(
         if result.first_difference:
             break
     else:
-        extra = next(recorded, None)
+        # The decision log is read to its end as it stands when the comparison reaches it,
+        # after `committed` was read: a live scheduler may have decided later requests by then.
+        # Their decisions are not differences (the replay stopped where the scheduler had
+        # committed); a decision of a request before that point that the replay did not make is.
+        extra = next(
+            (
+                was
+                for was in (codec.decode(m.value()).record for m in recorded)
+                if committed is None or was["input_offset"] < committed
+            ),
+            None,
+        )
         if extra is not None:
-            was = codec.decode(extra.value()).record
             result.first_difference = (
-                f"the log has decision {was['decision_id']} that the replay did not make"
+                f"the log has decision {extra['decision_id']} (of request "
+                f"{extra['input_offset']}) that the replay did not make"
             )
         else:
             result.first_difference = same_dead_letters(

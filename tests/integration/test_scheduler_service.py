@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
+from confluent_kafka import TopicPartition
 
 from fleetline.agents.simulator import ClusterSpec, cluster_info
 from fleetline.config import Settings
@@ -198,6 +199,27 @@ def test_decisions_over_kafka_survive_a_restart_and_replay_byte_for_byte(setting
     # The state the scheduler committed across its restart is the state the log folds to.
     assert replayed.state == "equal", replayed.state_difference
     assert replayed.state_records > 3
+
+    # A replay that reads the decision log after a live scheduler decided past the offset
+    # the replay stops at (its group committed further while the replay ran: here the group's
+    # offset is set back to the last decision's request) compares like with like: the later
+    # decisions are not "in the log but not re-made".
+    last = decisions_of(settings.kafka, topics)[-1]
+    rewind = kafka_clients.consumer(settings.kafka, f"{topics.prefix}.scheduler")
+    try:
+        rewind.commit(
+            offsets=[TopicPartition(topics.scheduler_requests, 0, last["input_offset"])],
+            asynchronous=False,
+        )
+    finally:
+        rewind.close()
+    follower = ViewFollower(settings.kafka, topics, snapshots)
+    try:
+        behind = replay_decisions(settings.kafka, topics, follower.facts)
+    finally:
+        follower.close()
+    assert behind.ok, behind.first_difference
+    assert behind.matched < replayed.matched and behind.unprocessed > replayed.unprocessed
 
 
 FOREIGN = [b"not avro at all", MAGIC + b"\xfe" * 8 + b"an unknown writer"]
