@@ -78,13 +78,15 @@ test: $(STAMP) mpi slurm kubernetes chromium $(IDP_TOOLS)
 	exit $$status
 
 # Style, formatting, types (strict in processors/), the layering contracts (pyproject.toml),
-# and the topics' AsyncAPI document: current with the code, and valid.
+# that each target below installs the tools it plays (fleetline/infra/needs.py), and the topics'
+# AsyncAPI document: current with the code, and valid.
 lint: $(STAMP) $(CONTRACT_TOOLS)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 	$(PY) tools/check_pure_cores.py
+	$(PY) tools/check_make_needs.py
 	$(PY) tools/analyst_functions.py --check
 	$(VENV)/bin/fleetline contract asyncapi --check
 	$(VENV)/bin/fleetline contract records --check

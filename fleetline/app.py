@@ -21,7 +21,7 @@ from fleetline.api.app import create_app
 from fleetline.api.auth import Authenticator
 from fleetline.api.ports import Append
 from fleetline.config import Settings
-from fleetline.errors import StreamError
+from fleetline.errors import NotPermitted, StreamError
 from fleetline.observability import metrics
 from fleetline.processors.audit.chain import Signer, export_entry
 from fleetline.processors.audit.runtime import (
@@ -355,7 +355,16 @@ def build(settings: Settings, options: Options) -> Fleetline:
     """Every service `options` asks for, wired to the configured Kafka, S3 and ClickHouse."""
     topics = options.topics
     kafka = settings.kafka
-    kafka_clients.ensure_topics(kafka, deployment_topics(topics))
+    hidden = kafka_clients.ensure_topics(kafka, deployment_topics(topics))
+    if hidden:
+        # Refused at start in one line, not as each service's traceback and a 500 per write.
+        raise NotPermitted(
+            f"Kafka at {kafka.bootstrap_servers} lets principal "
+            f"{kafka.client_overrides.get('sasl.username')!r} neither create nor see "
+            f"{len(hidden)} of the deployment's topics {topics.prefix}.* (first: {hidden[0]}); "
+            "a secured broker grants a deployment's topics by prefix: on its host, "
+            f"`fleetline infra start --secure --topic-prefix {topics.prefix}`"
+        )
     client = connect(settings.clickhouse_url)
     migrate(client, settings.clickhouse_database)
     db = settings.clickhouse_database

@@ -46,6 +46,7 @@ from fleetline.errors import (
     PermissionDenied,
     QueryError,
     StorageError,
+    StreamError,
 )
 from fleetline.observability import logs, metrics, tracing
 from fleetline.processors.audit.runtime import AuditEmitter, new_event
@@ -186,8 +187,10 @@ def create_app(
 
     @app.exception_handler(FleetlineError)
     async def refused(request: Request, exc: FleetlineError) -> JSONResponse:
-        # A bad query or argument is the caller's to fix; a store that is down is ours.
-        status = 503 if isinstance(exc, StorageError) and not isinstance(exc, QueryError) else 400
+        # A bad query or argument is the caller's to fix; a store or a log that is down or
+        # refuses this server is ours.
+        ours = isinstance(exc, StreamError | StorageError) and not isinstance(exc, QueryError)
+        status = 503 if ours else 400
         return JSONResponse({"detail": str(exc)}, status_code=status)
 
     jwt_config = authenticator.config.jwt

@@ -28,6 +28,7 @@ from fleetline.cli.common import (
     ship_logs,
 )
 from fleetline.errors import ConfigError
+from fleetline.streams.topics import DATA_MOVER, NODE_AGENT
 
 agent = typer.Typer(
     help="Run a node agent: real accelerators (NVML, AMD SMI), or a simulated fleet",
@@ -88,7 +89,7 @@ def node(
     from fleetline.streams.topics import Topics
 
     labels = operator_labels(pairs(label, "--label"))  # before anything is opened
-    config = settings("kafka")
+    config = settings("kafka", kind=NODE_AGENT)
     topics = Topics(topic_prefix)
     kafka_clients.ensure_topics(config.kafka, topics.specs())
     identity = NodeIdentity(
@@ -171,7 +172,7 @@ def simulator(
     # first, so a SIGTERM while the agent is still starting (topics, spool) ends it as cleanly.
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    config = settings("kafka")
+    config = settings("kafka", kind=NODE_AGENT)
     topics = Topics(topic_prefix)
     kafka_clients.ensure_topics(config.kafka, topics.specs())
     state_dir = state_dir or config.cache_dir / "agent"
@@ -297,7 +298,7 @@ def data_mover(
     from fleetline.streams import kafka as kafka_clients
     from fleetline.streams.topics import Topics
 
-    config = settings("kafka", "s3")
+    config = settings("kafka", "s3", kind=DATA_MOVER)
     topics = Topics(topic_prefix)
     kafka_clients.ensure_topics(config.kafka, scheduler_topics(topics))
     mover = DataMover(

@@ -27,6 +27,7 @@ from fleetline.cli.common import (
 )
 from fleetline.config import Settings
 from fleetline.infra.slurm import slurm_conf_path
+from fleetline.streams.topics import CLUSTER_AGENT
 
 cluster = typer.Typer(help="Operate whole clusters: cordon, uncordon, health", no_args_is_help=True)
 workload = typer.Typer(help="Workloads a cluster agent runs", no_args_is_help=True)
@@ -123,7 +124,7 @@ def cluster_agent(
     from fleetline.streams import kafka as kafka_clients
     from fleetline.streams.topics import Topics
 
-    config = settings("kafka", "s3")
+    config = settings("kafka", "s3", kind=CLUSTER_AGENT)
     topics = Topics(topic_prefix)
     kafka_clients.ensure_topics(config.kafka, health_topics(topics))
     agent = ClusterAgent(

@@ -6,6 +6,7 @@ import json
 import sys
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
@@ -15,7 +16,7 @@ from rich.table import Table
 
 from fleetline.config import Settings
 from fleetline.errors import ConfigError, StorageError
-from fleetline.streams.topics import Topics
+from fleetline.streams.topics import OPERATOR, Topics
 
 if TYPE_CHECKING:
     from fleetline.storage.query_service import QueryResult
@@ -83,13 +84,18 @@ Until = Annotated[str | None, typer.Option("--to", help="ISO 8601, epoch ms or -
 Need = Literal["kafka", "s3", "clickhouse"]
 
 
-def settings(*needs: Need) -> Settings:
+def settings(*needs: Need, kind: str | None = OPERATOR) -> Settings:
     """The settings from the environment, once each service the command `needs` has answered
     (a few seconds at most, in the order named): a command fails fast, in one line, when one is
-    down."""
+    down. On the host of a secured local broker, a command given no Kafka sign-in signs in as
+    its `kind` of process (`serve` the control plane, an agent its own; the operator's reads
+    by default; None: as the environment says, for a command that starts the broker)."""
     # A command on the host of a deployment seals and opens objects with its key, as `serve`
-    # made it (another host's processes are given FLEETLINE_OBJECT_ENCRYPTION_KEY).
+    # made it (another host's processes are given FLEETLINE_OBJECT_ENCRYPTION_KEY), and finds
+    # its kind's Kafka credentials where `infra start --secure` made them.
     config = Settings.from_env().with_deployment_key(create=False)
+    if kind is not None:
+        config = local_sign_in(config, kind)
     for need in needs:  # in the order given: the one named first is reported first
         if need == "kafka":
             from fleetline.streams.kafka import probe as probe_kafka
@@ -104,6 +110,29 @@ def settings(*needs: Need) -> Settings:
 
             probe_clickhouse(config.clickhouse_url)
     return config
+
+
+def local_sign_in(config: Settings, kind: str) -> Settings:
+    """The settings signed in to this host's secured broker as `kind`, when they name no
+    sign-in of their own and the broker they point at is the one `infra start --secure` runs
+    here (its credentials are in the cache, owner-only, beside the deployment key)."""
+    if "sasl.username" in config.kafka.client_overrides:
+        return config
+    from fleetline.infra import LocalServices
+
+    try:
+        secrets = LocalServices.from_settings(config).kafka.secrets
+    except ConfigError:  # the settings name brokers this host does not run
+        return config
+    if secrets is None:
+        return config
+    return replace(
+        config,
+        kafka=replace(
+            config.kafka,
+            client_overrides={**config.kafka.client_overrides, **secrets.client_conf(kind)},
+        ),
+    )
 
 
 def analyst_query(config: Settings, sql: str) -> QueryResult:

@@ -28,12 +28,12 @@ infra = typer.Typer(
 def _status(services: LocalServices) -> None:
     for name, up in services.status().items():
         print(f"{name}: {'up' if up else 'down'}")
-    for cluster in SlurmCluster.found(settings().cache_dir):
+    for cluster in SlurmCluster.found(settings(kind=None).cache_dir):
         print(
             f"slurm {cluster.cluster_id} ({len(cluster.nodes)} nodes, SLURM_CONF={cluster.conf}): "
             f"{'up' if cluster.running() else 'down'}"
         )
-    for plane in kubernetes_found(settings().cache_dir):
+    for plane in kubernetes_found(settings(kind=None).cache_dir):
         print(
             f"kubernetes {plane.cluster_id} ({len(plane.nodes)} nodes, "
             f"kubeconfig {plane.kubeconfig}): {'up' if plane.running() else 'down'}"
@@ -97,7 +97,7 @@ def start(
     """Start the broker(s) and the S3 server (fetching and building them the first time), and
     the Slurm and Kubernetes clusters asked for."""
     address = host_address(listen, "--listen") if listen is not None else None
-    config = settings()
+    config = settings(kind=None)
     try:
         clusters = [SlurmCluster.parse(config.cache_dir, text) for text in slurm or []]
     except ValueError as exc:
@@ -154,7 +154,7 @@ def build(
     for long)."""
     from fleetline.infra.kubernetes import KubernetesBinaries
 
-    config = settings()
+    config = settings(kind=None)
     services = LocalServices.from_settings(config)
     for item in dict.fromkeys(what):
         began = time.monotonic()
@@ -179,7 +179,7 @@ def credentials(
 ) -> None:
     """The settings a process of KIND signs in to the secured broker with (`eval` them; they
     hold a password)."""
-    services = LocalServices.from_settings(settings())
+    services = LocalServices.from_settings(settings(kind=None))
     if services.kafka.secrets is None:
         raise ConfigError("Kafka here is not secured: `fleetline infra start --secure`")
     env = {"FLEETLINE_KAFKA_BOOTSTRAP": services.kafka.bootstrap_servers}
@@ -192,11 +192,11 @@ def credentials(
 def stop() -> None:
     """Stop the broker(s), the S3 server and every Slurm cluster started here (cancelling
     their jobs)."""
-    services = LocalServices.from_settings(settings())
+    services = LocalServices.from_settings(settings(kind=None))
     services.stop()
-    for cluster in SlurmCluster.found(settings().cache_dir):
+    for cluster in SlurmCluster.found(settings(kind=None).cache_dir):
         cluster.stop()
-    for plane in kubernetes_found(settings().cache_dir):
+    for plane in kubernetes_found(settings(kind=None).cache_dir):
         plane.stop()
     _status(services)
 
@@ -204,18 +204,18 @@ def stop() -> None:
 @infra.command()
 def status() -> None:
     """Whether each service answers."""
-    _status(LocalServices.from_settings(settings()))
+    _status(LocalServices.from_settings(settings(kind=None)))
 
 
 @infra.command()
 def wipe() -> None:
     """Stop the services and delete their data."""
-    services = LocalServices.from_settings(settings())
+    services = LocalServices.from_settings(settings(kind=None))
     services.kafka.wipe()
     services.object_store.wipe()
-    for cluster in SlurmCluster.found(settings().cache_dir):
+    for cluster in SlurmCluster.found(settings(kind=None).cache_dir):
         cluster.wipe()
-    for plane in kubernetes_found(settings().cache_dir):
+    for plane in kubernetes_found(settings(kind=None).cache_dir):
         plane.stop()
     _status(services)
 
@@ -232,7 +232,7 @@ CaDir = Annotated[
 
 
 def _ca_dir(directory: Path | None) -> Path:
-    return directory or settings().cache_dir / "tls"
+    return directory or settings(kind=None).cache_dir / "tls"
 
 
 @ca.command("init")

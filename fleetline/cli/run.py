@@ -92,7 +92,7 @@ def run(
     from fleetline.demo.verdict import StoryIncomplete, story_steps
     from fleetline.infra import needs
 
-    config = settings("kafka", "s3") if external_services else settings()
+    config = settings("kafka", "s3", kind=None) if external_services else settings(kind=None)
     the_lab = None
     if lab:
         config, the_lab = _in_lab(config, lab_name)

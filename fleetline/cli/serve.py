@@ -15,7 +15,7 @@ from fleetline.cli.data import TierPolicy, lifetimes
 from fleetline.config import Settings
 from fleetline.errors import ConfigError
 from fleetline.processors.view import APPLICATION_ID as VIEW_APP
-from fleetline.streams.topics import Topics
+from fleetline.streams.topics import CONTROL_PLANE, Topics
 
 HELP = (
     "Folds the fleet's topics into the resource view, snapshots it to object storage, runs "
@@ -140,7 +140,7 @@ def serve(
     from fleetline.processors.operations.runtime import load_ops_policy
     from fleetline.processors.scheduling.client import load_policy
 
-    config = settings("kafka", "s3", "clickhouse")
+    config = settings("kafka", "s3", "clickhouse", kind=CONTROL_PLANE)
     if not no_api and config.auth_config is None:
         raise ConfigError(
             "the API needs FLEETLINE_AUTH_CONFIG (tokens and/or JWT settings; "

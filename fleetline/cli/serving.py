@@ -28,7 +28,7 @@ from fleetline.cli.common import (
 )
 from fleetline.config import Settings
 from fleetline.errors import ConfigError
-from fleetline.streams.topics import Topics
+from fleetline.streams.topics import ROUTER, Topics
 
 
 def router(
@@ -67,7 +67,7 @@ def router(
     Callers need a bearer token from FLEETLINE_AUTH_CONFIG (an API token or a JWT whose role
     may call the tenant's services); with FLEETLINE_TLS_* set it serves HTTPS and reaches the
     replicas over mutual TLS."""
-    config = settings("kafka")
+    config = settings("kafka", kind=ROUTER)
     data = yaml.safe_load(policy.read_text()) if policy else None
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

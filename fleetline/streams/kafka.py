@@ -19,7 +19,7 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec  # type: ignore[attr-defined]
 
 from fleetline.config import KafkaSettings
-from fleetline.errors import ServiceUnavailable, StreamError
+from fleetline.errors import NotPermitted, ServiceUnavailable, StreamError
 from fleetline.probe import refusal
 from fleetline.streams.records import where
 from fleetline.streams.topics import TopicSpec
@@ -54,14 +54,50 @@ def probe(kafka: KafkaSettings, timeout_s: float = 5.0) -> None:
         refused.append(f"{server.strip()}: {why}")
     else:
         raise unavailable("; ".join(refused))
+    said = _KeptLines()
     silent = logging.getLogger("fleetline.librdkafka.probe")
     silent.propagate = False
-    silent.addHandler(logging.NullHandler())
+    silent.handlers = [said]
+    silent.setLevel(logging.INFO)  # a dropped connection is said at INFO
     admin = AdminClient(dict(kafka.client_config(logger=silent)))  # type: ignore[arg-type]
     try:
         admin.list_topics(timeout=timeout_s)
     except KafkaException as exc:
-        raise unavailable(exc.args[0].str()) from None
+        admin.poll(0.2)  # librdkafka's log lines reach the logger when the client is polled
+        raise _refusal(kafka, said.lines) or unavailable(exc.args[0].str()) from None
+
+
+class _KeptLines(logging.Handler):
+    """librdkafka's log lines of a probe, kept to say why a broker that took the connection
+    answered nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _refusal(kafka: KafkaSettings, said: list[str]) -> NotPermitted | None:
+    """A secured broker that took the connection and refused this client, in one line: one
+    without credentials (it closes the connection before answering), or a sign-in it turned
+    down. None when librdkafka said neither."""
+    principal = kafka.client_overrides.get("sasl.username")
+    where = kafka.bootstrap_servers
+    how = "`fleetline infra credentials KIND` on the broker's host prints a kind's settings"
+    if principal is None and any("connection closed by peer" in line for line in said):
+        return NotPermitted(
+            f"Kafka at {where} closed the connection of a client without credentials: it "
+            f"is a secured broker (SASL/SCRAM); set FLEETLINE_KAFKA_CONF_SASL_* ({how})"
+        )
+    failed = next((line for line in said if "SASL" in line or "uthentication" in line), None)
+    if principal is not None and failed is not None:
+        return NotPermitted(
+            f"Kafka at {where} refused the sign-in of principal {principal!r}: "
+            f"{failed[failed.find('SASL') if 'SASL' in failed else 0 :][:160]} ({how})"
+        )
+    return None
 
 
 # The broker's answers to a principal that may not create topics.
@@ -72,11 +108,13 @@ _NOT_ALLOWED = frozenset(
 
 def ensure_topics(
     kafka: KafkaSettings, specs: Iterable[TopicSpec], timeout_s: float = 60.0
-) -> None:
+) -> list[str]:
     """Create the topics that do not exist yet, replicated as the settings say (by default as
     the cluster's defaults say); an existing topic is left as it is. While the cluster's
     controller moves (a broker lost: "Timed out waiting for controller") the creation is asked
-    again, with fresh metadata, until `timeout_s`."""
+    again, with fresh metadata, until `timeout_s`. Returns the topics this principal may
+    neither create nor see (a secured broker's ACLs: for the control plane, which owns them,
+    a deployment it cannot run)."""
     specs = list(specs)
     durability = (
         {"min.insync.replicas": str(kafka.min_insync_replicas)}
@@ -84,7 +122,7 @@ def ensure_topics(
         else {}
     )
     if not specs:
-        return
+        return []
     deadline = time.monotonic() + timeout_s
     pending = {spec.name: spec for spec in specs}
     not_ours: set[str] = set()
@@ -143,7 +181,7 @@ def ensure_topics(
             )
         ]
         if not missing:
-            return
+            return sorted(n for n in not_ours if n not in listed)
         if time.monotonic() > deadline:
             raise StreamError(f"topics created but not visible after {timeout_s}s: {missing}")
         time.sleep(0.1)

@@ -960,7 +960,11 @@ def deliver(
         return done
 
     for i, out in enumerate(outputs):
-        produce(producer, out, delivered(i))
+        try:
+            produce(producer, out, delivered(i))
+        except KafkaException as exc:  # refused before sending: a topic this principal may
+            # not write, an unknown topic, a full queue
+            raise StreamError(f"{what} refused the message: {exc.args[0].str()}") from None
     left = producer.flush(timeout_s)
     if left or errors:
         raise StreamError(f"{what} did not take {left or len(errors)} message(s): {errors[:3]}")

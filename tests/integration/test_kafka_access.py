@@ -5,6 +5,7 @@ password or as another service's principal cannot write a control topic."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import uuid
 from collections.abc import Iterator
 
@@ -177,6 +178,58 @@ def test_the_control_plane_runs_under_its_own_principal(secured, services):
             60,
             "a decision about acme/secured",
         )
+
+
+def test_a_command_reaching_the_secured_broker_without_or_with_bad_credentials_says_which(
+    secured, services, monkeypatch
+):
+    """One line each, naming what is wrong (exit 77), never "not answering"; and a process on
+    the broker's own host finds its kind's credentials where `infra start --secure` made them."""
+    from fleetline.cli.common import settings
+    from fleetline.errors import NotPermitted
+
+    with pytest.raises(NotPermitted) as bare:
+        kafka_clients.probe(KafkaSettings(secured.bootstrap))
+    assert "closed the connection of a client without credentials" in str(bare.value)
+    assert "fleetline infra credentials KIND" in str(bare.value)
+    wrong = {**secured.secrets.client_conf(ROUTER), "sasl.password": "guess"}
+    with pytest.raises(NotPermitted) as refused:
+        kafka_clients.probe(KafkaSettings(secured.bootstrap, wrong))
+    assert "refused the sign-in of principal 'router'" in str(refused.value)
+    assert "Authentication failed" in str(refused.value)
+    assert "\n" not in str(bare.value) + str(refused.value)
+
+    monkeypatch.setenv("FLEETLINE_KAFKA_BOOTSTRAP", secured.bootstrap)
+    monkeypatch.setenv("FLEETLINE_CACHE_DIR", str(services.cache_dir))
+    for name in [n for n in os.environ if n.startswith("FLEETLINE_KAFKA_CONF_")]:
+        monkeypatch.delenv(name)
+    as_router = settings("kafka", kind=ROUTER).kafka
+    assert as_router.client_overrides["sasl.username"] == ROUTER
+    assert settings("kafka").kafka.client_overrides["sasl.username"] == OPERATOR
+    assert "sasl.username" not in settings(kind=None).kafka.client_overrides
+
+
+def test_the_control_plane_refuses_to_start_on_topics_its_principal_was_not_granted(
+    secured, services
+):
+    """`serve --topic-prefix P` against a broker that granted another prefix stops at once in
+    one line naming the grant to make, not with a traceback per service and a 500 per write."""
+    from fleetline.app import Options, build
+    from fleetline.errors import NotPermitted
+
+    control = dataclasses.replace(
+        services,
+        kafka=KafkaSettings(secured.bootstrap, secured.secrets.client_conf(CONTROL_PLANE)),
+    )
+    ungranted = fresh_topics()
+    with pytest.raises(NotPermitted) as refused:
+        build(control, Options(topics=ungranted, data_mover=False))
+    assert str(refused.value).startswith(
+        f"Kafka at {secured.bootstrap} lets principal 'control-plane' neither create nor see"
+    )
+    assert f"`fleetline infra start --secure --topic-prefix {ungranted.prefix}`" in str(
+        refused.value
+    )
 
 
 def test_a_secured_cluster_of_three_brokers_enforces_the_same_grants(services):

@@ -509,6 +509,44 @@ spec: {model: m, accelerator: H100, gpus_per_replica: 2, replicas: {min: 2},
     ]
 
 
+def test_a_write_the_log_refuses_is_the_servers_503_with_its_reason_not_a_bare_500():
+    from confluent_kafka import KafkaError, KafkaException
+
+    from fleetline.streams.loop import deliver
+    from fleetline.streams.records import Output
+
+    class RefusingProducer:
+        """What librdkafka does when the principal may not write the topic it knows of."""
+
+        def produce(self, *args, **kwargs) -> None:
+            raise KafkaException(
+                KafkaError(
+                    KafkaError.TOPIC_AUTHORIZATION_FAILED, "Broker: Topic authorization failed"
+                )
+            )
+
+        def flush(self, timeout: float) -> int:
+            return 0
+
+    class RefusedLog(SchedulerPort):
+        def submit(self, requests: list[dict]) -> list[int]:
+            out = [Output("P.scheduler.requests", b"k", b"v") for _ in requests]
+            return deliver(RefusingProducer(), out, "the scheduler's request log")
+
+    auth = Authenticator(
+        AuthConfig.from_data(
+            {"tokens": [{"name": "a", "sha256": token_digest("fl_a"), "role": "platform-admin"}]}
+        )
+    )
+    app = create_app(StaticView(fold([])), auth, Recorder(), jobs=RefusedLog())
+    admin = TestClient(app, headers={"Authorization": "Bearer fl_a"}, raise_server_exceptions=False)
+    refused = admin.put("/v1/tenants/acme/policy", json={"quota": {"gpus": 4}})
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["detail"] == (
+        "the scheduler's request log refused the message: Broker: Topic authorization failed"
+    )
+
+
 def test_a_body_over_the_limit_is_refused_with_413_before_it_is_read(setup):
     _, recorder = setup
     client = api(setup, "platform-admin")

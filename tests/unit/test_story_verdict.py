@@ -89,9 +89,7 @@ def test_a_job_that_exhausted_its_attempts_is_named_with_its_last_failure() -> N
         ],
     }
     day = {"skipped": "acme/tidal ended Failed before it ran: " + last_word(FAILED_TIDAL)}
-    steps = story_steps(
-        played(scheduling=scheduling, serving_day=day), scenarios.load("default")
-    )
+    steps = story_steps(played(scheduling=scheduling, serving_day=day), scenarios.load("default"))
     lines = summary_lines(steps)
     assert lines[-1] == "5 of 7 story steps as scripted"
     assert lines[0] == (
