@@ -68,7 +68,17 @@ class Stack:
     def metrics_url(self, cluster: str) -> str:
         """Where the agent (started with --metrics-port 0) serves /metrics, from its log."""
         log = (self.state_dir / f"agent-{cluster}.log").read_text()
-        return log.split("metrics at ", 1)[1].split()[0]
+        return log.rsplit("metrics at ", 1)[1].split()[0]  # the newest start's
+
+    def agent_passes(self, cluster: str) -> int:
+        """How many passes the agent's loop has made since it started (its /metrics)."""
+        from urllib.request import urlopen
+
+        with urlopen(self.metrics_url(cluster), timeout=10) as response:
+            for line in response.read().decode().splitlines():
+                if line.startswith("fleetline_cluster_agent_loop_passes{"):
+                    return int(float(line.rsplit(" ", 1)[1]))
+        raise AssertionError(f"{cluster}'s agent serves no loop passes")
 
     def _env(self) -> dict[str, str]:
         return {
@@ -169,6 +179,22 @@ class Stack:
 
     def health(self) -> list[dict[str, Any]]:
         return self.records(self.topics.emergency)
+
+    def health_folded_to_ms(self) -> int:
+        """How far the health fold's committed state has folded the control plane's clock:
+        what it would have declared by then is on the emergency topic (one transaction)."""
+        assert self.fleet.health is not None
+        state = self.fleet.health.store.committed(0, b"fold")
+        return int(state["now_ms"]) if state else 0
+
+    def health_past(self, deadline_ms: int, timeout_s: float = 30.0) -> None:
+        """Wait until the health fold has folded a clock tick past `deadline_ms`: a positive
+        witness that whatever it would declare by then has been declared."""
+        wait_until(
+            lambda: self.health_folded_to_ms() > deadline_ms,
+            timeout_s,
+            f"the health fold past {deadline_ms} (at {self.health_folded_to_ms()})",
+        )
 
     def job(self, key: str) -> dict[str, Any] | None:
         assert self.fleet.scheduler is not None

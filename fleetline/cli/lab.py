@@ -120,9 +120,10 @@ def heal(name: LabName = "fl") -> None:
 
 @lab.command()
 def down(name: LabName = "fl") -> None:
-    """Stop every process in the lab's namespaces and remove every namespace, link and route it
-    made."""
-    removed = _host(name).down()
+    """Stop every process in the lab's namespaces and every process of this host still using
+    the lab (a `run --lab`, the broker and S3 server on its address, anything with a socket on
+    a lab address), saying which, then remove every namespace, link and route it made."""
+    removed = _host(name).down(say=console.print)
     console.print(f"removed {len(removed)}: {', '.join(removed) or 'nothing (no lab was up)'}")
 
 

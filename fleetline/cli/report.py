@@ -133,7 +133,8 @@ def print_steps(console: Console, steps: Sequence[StoryStep]) -> None:
     """The run's last lines: each story step that did not happen, then how many did."""
     console.print()
     for line in summary_lines(steps):
-        console.print(line)
+        # One line each, whole (a cause is not wrapped, nor read as markup: "[Errno 2]").
+        console.print(line, soft_wrap=True, markup=False, highlight=False)
 
 
 def print_scheduling(console: Console, scheduling: dict[str, Any]) -> None:

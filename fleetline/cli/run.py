@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import TYPE_CHECKING, Annotated
@@ -91,6 +92,7 @@ def run(
     from fleetline.demo.play import play
     from fleetline.demo.verdict import StoryIncomplete, story_steps
     from fleetline.infra import needs
+    from fleetline.infra.lab import LabHost
 
     config = settings("kafka", "s3", kind=None) if external_services else settings(kind=None)
     the_lab = None
@@ -170,16 +172,22 @@ def run(
         f"of {story.interval_ms} ms (topics {prefix}.*)"
     )
     try:
-        result = play(
-            config,
-            story,
-            start_ms=start_ms,
-            realtime=realtime,
-            topics=Topics(prefix),
-            progress=lambda line: console.print("  " + line),
-            lab=the_lab,
-            authority=authority,
-        )
+        with contextlib.ExitStack() as using:
+            if the_lab is not None:
+                # `fleetline lab down` meanwhile stops this run first (and its services).
+                using.enter_context(
+                    LabHost(config.cache_dir, lab_name).used_by(f"fleetline run --lab {prefix}")
+                )
+            result = play(
+                config,
+                story,
+                start_ms=start_ms,
+                realtime=realtime,
+                topics=Topics(prefix),
+                progress=lambda line: console.print("  " + line),
+                lab=the_lab,
+                authority=authority,
+            )
     finally:
         if not external_services and not keep_services and not already_up:
             services.stop()

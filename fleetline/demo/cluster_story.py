@@ -29,6 +29,7 @@ from fleetline.agents.cluster.agent import ClusterAgent
 from fleetline.agents.cluster.backends import Launcher, launcher_for
 from fleetline.agents.workloads.train import workload_env
 from fleetline.config import Settings
+from fleetline.demo.verdict import last_word
 from fleetline.errors import StoryStalled, StreamError
 from fleetline.infra import ca as deployment_ca
 from fleetline.infra.kubernetes import KwokCluster
@@ -309,11 +310,19 @@ class StoryClock:
         self.deadline = self.began + timeout_s
 
     def until(self, what: str, condition: Callable[[], Any]) -> Any:
+        """What `condition` found once it found something; StoryStalled when the deadline
+        passes first, or at once when the job ends Failed (its last failure is the cause)."""
         while time.monotonic() < self.deadline:
             self.follower.poll()
             found = condition()
             if found:
                 return found
+            record = self.job_of(self.job) or {}
+            if record.get("phase") == "Failed":
+                raise StoryStalled(
+                    f"{self.story} stopped waiting for {what}: {self.job} failed: "
+                    + last_word(record)
+                )
         record = self.job_of(self.job) or {}
         conditions = {k: v["reason"] for k, v in (record.get("conditions") or {}).items()}
         raise StoryStalled(

@@ -28,10 +28,11 @@ import contextlib
 import ipaddress
 import json
 import os
+import re
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ DEFAULT_NAME = "fl"
 _FIRST_CLUSTER_HOST = 11  # cluster i (0-based) is .11 + i on the control /24
 _PEER_METRIC = 10
 _CUT_METRIC = 1000
+_LAB_GUARD_METRIC = 4242  # the host's blackhole for the lab network, under every real route
 
 
 class LabError(FleetlineError):
@@ -142,7 +144,8 @@ class Lab:
 
     @classmethod
     def of_data(cls, data: dict[str, Any]) -> Lab:
-        fields = {k: v for k, v in data.items() if k != "made"}  # the state file's record
+        # The state file's records beside the lab: what was made, who uses it.
+        fields = {k: v for k, v in data.items() if k not in ("made", "users")}
         return cls(**{**fields, "clusters": [LabCluster(**c) for c in data["clusters"]]})
 
 
@@ -193,9 +196,10 @@ class LabHost:
             return None
 
     def _save(self, lab: Lab, made: list[list[str]]) -> None:
+        users = {str(pid): what for pid, what in self._users().items()}
         self.state_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({**lab.as_data(), "made": made}, indent=2))
+        tmp.write_text(json.dumps({**lab.as_data(), "made": made, "users": users}, indent=2))
         tmp.replace(self.state_file)
 
     def _made(self) -> list[list[str]]:
@@ -244,6 +248,11 @@ class LabHost:
         return lab
 
     def _make(self, lab: Lab, record: Callable[[str, str], None]) -> None:
+        # The whole lab network is a blackhole for the host, under the bridge's own routes: a
+        # process still sending to a lab address while the lab goes (its bridge gone first)
+        # has it dropped here, never sent out through the host's default route.
+        ip("route", "add", "blackhole", lab.subnet, "metric", str(_LAB_GUARD_METRIC))
+        record("route", lab.subnet)
         ip("link", "add", lab.bridge, "type", "bridge")
         record("link", lab.bridge)
         ip("addr", "add", f"{lab.control}/24", "dev", lab.bridge)
@@ -345,8 +354,14 @@ class LabHost:
 
     # -- down -----------------------------------------------------------------------------------
 
-    def down(self, grace_s: float = 5.0) -> list[str]:
-        """Stop every process in the lab's namespaces and remove all it made; what it removed."""
+    def down(
+        self, grace_s: float = 5.0, say: Callable[[str], None] = lambda line: None
+    ) -> list[str]:
+        """Stop every process in the lab's namespaces and every process of the host's that
+        still uses the lab (a `run --lab` that registered, anything with a socket on a lab
+        address: the control plane's broker and S3 server on the lab's address, their
+        clients), saying which, then remove all the lab made; what it removed. No lab process
+        outlives its namespaces, and nothing is left sending to a lab address."""
         require_root()
         lab = self.current()
         made = self._made()
@@ -354,9 +369,45 @@ class LabHost:
             return []
         for c in lab.clusters:
             stop_processes(c.namespace, grace_s)
+        users = lab_users(lab, self._users())
+        if users:
+            say(
+                f"stopping {len(users)} process(es) still using lab {lab.name} first: "
+                + "; ".join(f"pid {pid} ({what})" for pid, what in sorted(users.items()))
+            )
+            stop_pids(lambda: sorted(lab_users(lab, self._users())), grace_s)
         removed = self._remove(made)
         self.state_file.unlink()
         return removed
+
+    # -- who uses it ----------------------------------------------------------------------------
+
+    def _users(self) -> dict[int, str]:
+        try:
+            users = json.loads(self.state_file.read_text()).get("users", {})
+        except FileNotFoundError:
+            return {}
+        return {int(pid): str(what) for pid, what in users.items()}
+
+    def _set_users(self, users: dict[int, str]) -> None:
+        lab = self.current()
+        if lab is None:
+            return
+        data = json.loads(self.state_file.read_text())
+        data["users"] = {str(pid): what for pid, what in users.items()}
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2))
+        tmp.replace(self.state_file)
+
+    @contextlib.contextmanager
+    def used_by(self, what: str, pid: int | None = None) -> Iterator[None]:
+        """While the block runs, the lab knows this process uses it (`down` stops it first)."""
+        pid = os.getpid() if pid is None else pid
+        self._set_users({**self._users(), pid: what})
+        try:
+            yield
+        finally:
+            self._set_users({p: w for p, w in self._users().items() if p != pid})
 
     def _remove(self, made: list[list[str]]) -> list[str]:
         removed = []
@@ -369,6 +420,9 @@ class LabHost:
             elif kind == "link" and ip("link", "show", name, check=False):
                 ip("link", "del", name, check=False)
                 removed.append(f"link {name}")
+            elif kind == "route" and ip("route", "show", "type", "blackhole", name, check=False):
+                ip("route", "del", "blackhole", name, "metric", str(_LAB_GUARD_METRIC), check=False)
+                removed.append(f"route blackhole {name}")
         return removed
 
 
@@ -399,6 +453,70 @@ def stop_processes(namespace: str, grace_s: float = 5.0) -> None:
         deadline = time.monotonic() + wait_s
         while namespace_pids(namespace) and time.monotonic() < deadline:
             time.sleep(0.1)
+
+
+def lab_users(lab: Lab, registered: dict[int, str]) -> dict[int, str]:
+    """The host's processes that use the lab, but this one: those registered (`used_by`) and
+    still alive, and any with a TCP or UDP socket whose local or remote address is a lab
+    address (`ss`)."""
+    network = ipaddress.ip_network(lab.subnet)
+    users = {pid: what for pid, what in registered.items() if Path(f"/proc/{pid}").exists()}
+    for pid, address in socket_owners():
+        try:
+            end = ipaddress.ip_address(address)
+        except ValueError:  # "*", a wildcard end
+            continue
+        if isinstance(end, ipaddress.IPv6Address) and end.ipv4_mapped is not None:
+            end = end.ipv4_mapped
+        if end in network and pid not in users:
+            users[pid] = _command_of(pid) + f", a socket on {end}"
+    users.pop(os.getpid(), None)
+    return users
+
+
+_SS_PID = re.compile(r"pid=(\d+)")
+
+
+def socket_owners() -> list[tuple[int, str]]:
+    """(pid, address) for each end of each TCP and UDP socket in the host's namespace."""
+    try:
+        done = subprocess.run(
+            ["ss", "-tunapH"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except FileNotFoundError:
+        raise LabError("`ss` (iproute2) is not installed: apt-get install iproute2") from None
+    out: list[tuple[int, str]] = []
+    for line in done.stdout.splitlines():
+        fields = line.split()
+        if len(fields) < 6:
+            continue
+        ends = [f.rsplit(":", 1)[0].strip("[]").split("%")[0] for f in fields[4:6]]
+        for pid in _SS_PID.findall(line):
+            out.extend((int(pid), end) for end in ends)
+    return out
+
+
+def _command_of(pid: int) -> str:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "gone"
+    return " ".join(a.decode(errors="replace") for a in argv if a)[:80]
+
+
+def stop_pids(users: Callable[[], list[int]], grace_s: float) -> None:
+    """SIGTERM every process `users` names, then SIGKILL what still uses the lab after
+    `grace_s` (a broker waiting for a controller on a removed address ignores SIGTERM)."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
+        pids = users()
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + wait_s
+        while users() and time.monotonic() < deadline:
+            time.sleep(0.2)
 
 
 def exec_argv(lab: Lab, cluster_id: str, command: Sequence[str], env: dict[str, str]) -> list[str]:

@@ -287,6 +287,7 @@ def cluster_agent_collector(
                 ((cluster_id, state), float(n)) for state, n in sorted(states.items())
             ],
             "fleetline_cluster_agent_gpus_reserved": [((cluster_id,), float(now["gpus_reserved"]))],
+            "fleetline_cluster_agent_loop_passes": [((cluster_id,), float(now["passes"]))],
             "fleetline_cluster_agent_workload_step": [
                 ((cluster_id, w["job"]), float(w["step"]))
                 for w in now["workloads"]
@@ -308,6 +309,12 @@ def cluster_agent_collector(
             (
                 "fleetline_cluster_agent_gpus_reserved",
                 "GPUs reserved by the workloads this agent runs.",
+                ("cluster",),
+            ),
+            (
+                "fleetline_cluster_agent_loop_passes",
+                "Passes of the agent's loop since it started (orders read, the manager "
+                "refreshed, runs reconciled).",
                 ("cluster",),
             ),
             (

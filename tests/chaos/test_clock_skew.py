@@ -11,8 +11,10 @@ import uuid
 from fleetline.agents.fleet import FleetAgent
 from fleetline.agents.simulator import ClusterSpec, FleetSimulator, cluster_info
 from fleetline.app import view_snapshots
+from fleetline.processors.operations.runtime import APPLICATION_ID as OPS_APP
 from fleetline.processors.operations.runtime import tickets_from_log
 from fleetline.processors.replay import log_bounds, rebuild
+from fleetline.processors.scheduling.client import read_topic
 from fleetline.processors.scheduling.runtime import scheduler_topics
 from fleetline.processors.view import codec as view_codec
 from fleetline.processors.view.fold import node_status
@@ -21,10 +23,30 @@ from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import default_codec
 from tests.chaos.faults import Child, wait_lag_drained
 from tests.services import produce, serve_command, service_env
-from tests.support import fresh_topics
+from tests.support import fresh_topics, wait_until
 
 codec = default_codec()
 SKEWS_MS = {"eu-west-a": 600_000, "us-east-a": -600_000, "ap-south-a": 0}
+
+
+def operations_folded_since(settings, topics, since_ms: int) -> None:
+    """Wait until the operations fold has committed past an OBSERVE stamped at `since_ms` or
+    later (its ticker observes every second when loads change, every 10 s when quiet)."""
+    application = f"{topics.prefix}.{OPS_APP}"
+
+    def folded() -> bool:
+        observed = [
+            m.offset()
+            for m in read_topic(settings.kafka, topics.ops)
+            if (event := codec.decode(m.value()).record)["kind"] == "OBSERVE"
+            and event["ts"] >= since_ms
+        ]
+        if not observed:
+            return False
+        committed = kafka_clients.committed_offsets(settings.kafka, application, topics.ops)
+        return committed.get(0, -1) > observed[0]
+
+    wait_until(folded, 60, "operations to fold an observation of the drained view", every_s=0.5)
 
 
 def test_skewed_agent_clocks_neither_stall_nor_silence_the_fleet(replicated, tmp_path) -> None:
@@ -64,7 +86,9 @@ def test_skewed_agent_clocks_neither_stall_nor_silence_the_fleet(replicated, tmp
         for agent in agents.values():
             agent.flush(60)
         wait_lag_drained(settings, f"{topics.prefix}.{group}", topics.node_topics)
-        time.sleep(3)  # operations' last pass over the view
+        # Not a sleep: operations has folded an observation of the view made after it drained
+        # (whatever ticket the skew would open is in the log by then).
+        operations_folded_since(settings, topics, int(time.time() * 1000))
     finally:
         serve.stop()
         for agent in agents.values():

@@ -105,7 +105,6 @@ def test_sigkill_loops_lose_repeat_and_change_nothing(replicated, tmp_path, monk
             return unaudited_decisions(events, decided) == ([], [])
 
         wait_until(chained, 120, what="every decision in the audit chain", every_s=1)
-        time.sleep(2)  # the sinks' last batches
     finally:
         agents.stop()
         serve.stop()
@@ -115,10 +114,18 @@ def test_sigkill_loops_lose_repeat_and_change_nothing(replicated, tmp_path, monk
     # sequence, and it has no gap (a record sent again after a kill repeats a number).
     _, end = log_bounds(settings.kafka, topics)
     by_node: dict[str, set[int]] = {}
-    for topic in (topics.telemetry, topics.node_state):
+    logged: dict[str, set[tuple[str, int]]] = {}  # the records each table stores, by key
+    for topic, table in ((topics.telemetry, "gpu_samples"), (topics.node_state, "node_states")):
         for msg in read_all(settings, topic, sum(end[topic].values()), timeout_s=90):
             record = codec.decode(msg.value()).record
             by_node.setdefault(record["node_id"], set()).add(record["seq"])
+            keys = logged.setdefault(table, set())
+            if table == "node_states":
+                keys.add((record["node_id"], record["seq"]))
+            else:
+                keys |= {
+                    (f"{record['node_id']}/{g['gpu_index']}", record["seq"]) for g in record["gpus"]
+                }
     assert len(by_node) == NODES
     for node_id, seqs in by_node.items():
         assert seqs == set(range(1, max(seqs) + 1)), (node_id, set(range(1, max(seqs))) - seqs)
@@ -131,7 +138,9 @@ def test_sigkill_loops_lose_repeat_and_change_nothing(replicated, tmp_path, monk
     assert from_snapshots.snapshot_positions, "the processors left no snapshot"
     assert view_codec.to_data(from_snapshots.view) == view_codec.to_data(clean.view)
 
-    # No row twice in ClickHouse by its natural key.
+    # No row twice in ClickHouse by its natural key, once every sink has stored every record
+    # of its log (a positive witness that it reached the log's end: a record stored twice
+    # after a kill is stored again on the way there, never after).
     db = settings.clickhouse_database
     natural_keys = {
         "gpu_samples": "node_id, gpu_index, seq",
@@ -139,6 +148,21 @@ def test_sigkill_loops_lose_repeat_and_change_nothing(replicated, tmp_path, monk
         "audit_log": "partition, seq",
         "node_states": "node_id, seq",
     }
+    expected = {
+        "gpu_samples": len(logged["gpu_samples"]),
+        "scheduling_decisions": len(decided),
+        "audit_log": len(read_chain(settings.kafka, topics)),
+        "node_states": len(logged["node_states"]),
+    }
+
+    def stored() -> dict[str, int]:
+        figures = scalars_from_clickhouse(
+            settings.clickhouse_url,
+            [f"SELECT uniqExact({key}) FROM {db}.{table}" for table, key in natural_keys.items()],
+        )
+        return dict(zip(natural_keys, figures, strict=True))
+
+    wait_until(lambda: stored() == expected, 60, f"every record stored: {expected}", every_s=1)
     figures = scalars_from_clickhouse(
         settings.clickhouse_url,
         [

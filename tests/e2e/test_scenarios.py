@@ -15,6 +15,7 @@ from fleetline.app import sealed_objects
 from fleetline.cli import main
 from fleetline.demo import scenario
 from fleetline.demo.play import play
+from fleetline.demo.verdict import story_steps
 from fleetline.processors.view import codec as view_codec
 from fleetline.streams import kafka as kafka_clients
 from tests.support import BASE_MS, fresh_topics
@@ -24,8 +25,8 @@ pytestmark = pytest.mark.services
 
 def test_the_default_scenario_flows_end_to_end(settings) -> None:
     topics = fresh_topics()
-    story = scenario.load("default").sized(nodes=2, ticks=6)
-    result = play(settings, story, start_ms=BASE_MS, realtime=False, topics=topics)
+    played = scenario.load("default").sized(nodes=2, ticks=6)
+    result = play(settings, played, start_ms=BASE_MS, realtime=False, topics=topics)
     # 3 clusters x 2 nodes; the last node goes down at tick 4 and reports no more.
     assert result.states_sent == 7
     assert result.telemetry_sent == 6 * 6 - 3
@@ -106,6 +107,12 @@ def test_the_default_scenario_flows_end_to_end(settings) -> None:
     # The compressed serving day needs 3 whole nodes for its training: on 2-node clusters it
     # says why it is skipped (tests/e2e/test_serving.py plays serving on the real stack).
     assert "acme/tidal does not fit" in result.serving_day["skipped"], result.serving_day
+    # So of the story's steps, the serving day alone did not happen, and says why.
+    missed = [s for s in story_steps(result, played) if not s.happened]
+    assert [s.name for s in missed] == [
+        "the serving day scaled its service out and in, and lost no request"
+    ], missed
+    assert "acme/tidal does not fit" in missed[0].cause
 
 
 def test_cli_sql_and_bad_input(settings, monkeypatch, capsys) -> None:
@@ -182,3 +189,37 @@ def test_another_process_queries_the_embedded_store_through_its_owner(settings) 
     assert (ok.returncode, ok.stdout.splitlines()) == (0, ["x", "42"]), ok.stderr
     assert bad.returncode == 1 and "only SELECT" in bad.stderr, bad.stderr
     assert owner.query(f"EXISTS TABLE {db}.kept").result_rows == [(1,)]
+
+
+def test_a_story_step_that_did_not_happen_makes_fleetline_run_exit_non_zero_naming_it(
+    settings, monkeypatch, capsys
+) -> None:
+    """`fleetline run` tells the truth: a scenario whose job cannot start ends with the steps
+    that did not happen, each with its real cause (the job's last failure), then "N of M story
+    steps as scripted", and exits 1 after its whole summary."""
+    topics = fresh_topics()
+    for name, value in {
+        "FLEETLINE_KAFKA_BOOTSTRAP": settings.kafka.bootstrap_servers,
+        "FLEETLINE_S3_ENDPOINT": settings.s3.endpoint,
+        "FLEETLINE_S3_BUCKET": settings.s3.bucket,
+        "FLEETLINE_CLICKHOUSE_URL": settings.clickhouse_url,
+        "FLEETLINE_CLICKHOUSE_DATABASE": settings.clickhouse_database,
+    }.items():
+        monkeypatch.setenv(name, value)
+    story = Path(__file__).parent.parent / "scenarios" / "a-job-that-cannot-start.yaml"
+    argv = ["run", "--scenario", str(story), "--external-services", "--no-realtime"]
+    code = main([*argv, "--topic-prefix", topics.prefix])
+    out, err = capsys.readouterr()
+    assert code == 1, (out[-3000:], err[-2000:])
+    tail = out.strip().splitlines()[-3:]
+    assert tail[0].startswith(
+        "NOT AS SCRIPTED: every job ran without exhausting its attempts: acme/broken failed: "
+    ), tail
+    assert "/nonexistent/trainer" in tail[0], tail
+    assert tail[1].startswith("NOT AS SCRIPTED: the cluster running acme/broken was lost"), tail
+    assert "acme/broken failed:" in tail[1], tail
+    assert tail[2] == "4 of 6 story steps as scripted", tail
+    # The rest of the story (the API, the audit chain, the decision replay) still ran and
+    # printed, and the one line on stderr says why the exit is not 0.
+    assert "decision replay:" in out and "audit log:" in out
+    assert "2 of 6 story steps did not happen as scripted" in err, err

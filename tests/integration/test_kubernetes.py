@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -184,7 +183,10 @@ def test_a_killed_agent_re_adopts_its_pods_and_a_deleted_job_s_pods_are_deleted(
     stack.start_agent("ka")
     log = stack.state_dir / "agent-ka.log"
     wait_until(lambda: "adopted acme/adopted" in log.read_text(), 60, "the agent to adopt")
-    time.sleep(2)  # passes of its loop: it would have made pods again by now
+    # Not a sleep: passes of its loop after the adoption, each of which would have made the
+    # pods again (reconcile) had it not adopted them.
+    adopted_at = stack.agent_passes("ka")
+    wait_until(lambda: stack.agent_passes("ka") >= adopted_at + 3, 30, "three passes of its loop")
     assert [p["metadata"]["uid"] for p in pods(kube, key)] == before
     assert len([e for e in stack.events(key) if e["event"] == "STARTING"]) == 1
     submit(

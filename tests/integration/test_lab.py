@@ -123,7 +123,8 @@ def test_down_leaves_nothing_behind(tmp_path: Path) -> None:
     assert namespace_pids(made.clusters[0].namespace)
     removed = host.down(grace_s=1)
     assert sleeper.wait(10) is not None, "the process in the namespace was stopped"
-    assert len(removed) == 1 + 2 * 2 + 1 + 2, removed  # bridge, namespaces and control links, pair
+    # The guard route, the bridge, namespaces and control links, the pair's bridge and ports.
+    assert len(removed) == 1 + 1 + 2 * 2 + 1 + 2, removed
     assert_nothing_left(host)
 
 
@@ -132,6 +133,8 @@ def assert_nothing_left(host: LabHost) -> None:
     assert not [n for n in namespaces.split() if n.startswith(f"{NAME}-")], namespaces
     links = subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
     assert f"{NAME}-" not in links, links
+    routes = subprocess.run(["ip", "route"], capture_output=True, text=True).stdout
+    assert SUBNET not in routes, routes
     assert host.current() is None
 
 
@@ -199,3 +202,69 @@ def test_bad_lab_commands_get_one_line_and_make_nothing(
         assert LabHost(tmp_path, NAME).current().cut_links == []
     finally:
         assert main(["lab", "down", *common]) == 0
+
+
+def lab_sockets() -> list[str]:
+    """The host's processes' TCP and UDP sockets with an end on the tests' lab network (a
+    closed connection's TIME-WAIT, which no process holds, is the kernel's)."""
+    prefix = SUBNET.split(".0.0/")[0] + "."
+    listed = subprocess.run(["ss", "-tunapH"], capture_output=True, text=True).stdout
+    return [line for line in listed.splitlines() if prefix in line and "users:(" in line]
+
+
+def test_the_lab_taken_down_under_a_running_scenario_stops_everything_that_used_it(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """`lab down` while `fleetline run --lab` plays: the run, its broker and S3 server on the
+    lab's address and the agents in its namespaces are stopped first (it says which); within
+    seconds no socket of this host has an end on a lab address, and while the lab goes, a lab
+    address is a blackhole for the host, never a destination through its default route."""
+    from fleetline.config import Settings
+
+    # A cache of the run's own (its broker's and S3 server's data, its CA), with the broker's
+    # jars and the S3 server's binary of this checkout's.
+    shared, cache = Settings.from_env().cache_dir.resolve(), tmp_path / "cache"
+    cache.mkdir()
+    for built in (shared / "bin", *shared.glob("kafka-*")):
+        (cache / built.name).symlink_to(built)
+    host = LabHost(cache, NAME)
+    made = host.up(Lab.plan(["eu-west-a", "us-east-a"], SUBNET, NAME))
+    story = Path(__file__).parent.parent / "scenarios" / "a-job-that-cannot-start.yaml"
+    log = (tmp_path / "run.log").open("w")
+    argv = ["run", "--lab", "--lab-name", NAME, "--scenario", str(story), "--ticks", "400"]
+    run = subprocess.Popen(
+        [sys.executable, "-m", "fleetline.cli", *argv, "--plaintext-kafka"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "FLEETLINE_CACHE_DIR": str(cache)},
+    )
+    try:
+        # The guard: the whole lab network is a blackhole under the bridge's routes.
+        guard = subprocess.run(
+            ["ip", "route", "show", "type", "blackhole", SUBNET], capture_output=True, text=True
+        ).stdout
+        assert "metric 4242" in guard, guard
+        wait_until(
+            lambda: (
+                "scenario a-job-that-cannot-start" in (tmp_path / "run.log").read_text()
+                and any(namespace_pids(c.namespace) for c in made.clusters)
+            ),
+            180,
+            what="the run playing in the lab, its agents in the namespaces",
+        )
+        assert lab_sockets(), "the run's broker listens on the lab's address"
+        capsys.readouterr()
+        monkeypatch.setenv("FLEETLINE_CACHE_DIR", str(cache))
+        assert main(["lab", "down", "--name", NAME]) == 0
+        said = capsys.readouterr().out
+        assert "still using lab flt first" in said and f"pid {run.pid} (fleetline run --lab" in (
+            said
+        ), said
+        assert run.wait(30) != 0, "the run was stopped with the lab"
+        wait_until(lambda: not lab_sockets(), 10, what=f"no socket on the lab: {lab_sockets()}")
+        assert_nothing_left(host)
+    finally:
+        run.kill()
+        log.close()
+        if host.current() is not None:
+            host.down(grace_s=1)

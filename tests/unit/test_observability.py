@@ -130,6 +130,7 @@ def test_callback_collectors_read_their_source_at_scrape_time():
         }
     }
     status = {
+        "passes": 17,
         "gpus_reserved": 8,
         "workloads": [{"job": "acme/t", "state": "Running", "step": 40}],
         "peers": [{"cluster_id": "us-1", "reachable": False, "rtt_ms": None}],
@@ -149,6 +150,7 @@ def test_callback_collectors_read_their_source_at_scrape_time():
     assert samples[("fleetline_agent_spool_dropped", (("cluster", "eu-1"),))] == 1
     assert samples[("fleetline_agent_spool_unspooled", (("cluster", "eu-1"),))] == 2
     assert samples[("fleetline_cluster_agent_gpus_reserved", (("cluster", "eu-1"),))] == 8
+    assert samples[("fleetline_cluster_agent_loop_passes", (("cluster", "eu-1"),))] == 17
     assert (
         samples[("fleetline_cluster_agent_workloads", (("cluster", "eu-1"), ("state", "Running")))]
         == 1

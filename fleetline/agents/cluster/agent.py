@@ -144,6 +144,9 @@ class ClusterAgent:
         self.root = self.state_dir / self.cluster_id
         self.root.mkdir(parents=True, exist_ok=True)
         self.job_stores = JobStores(self.settings, self.topics, self.cluster_id)
+        # Passes of the loop since it started: what a watcher waits on to know the agent has
+        # acted on what it saw (not a sleep that passes when the agent is merely slow).
+        self.passes = 0
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -227,6 +230,7 @@ class ClusterAgent:
                 self.sync_nodes()
                 self.reconcile()
                 self.watch()
+                self.passes += 1
         finally:
             stop.set()
             for thread in threads:
@@ -850,6 +854,7 @@ class ClusterAgent:
             if order is not None and order.cluster_id == self.cluster_id:
                 reserved += sum(len(ids) for _, ids in order.workers)
         return {
+            "passes": self.passes,
             "gpus_reserved": reserved,
             "workloads": [
                 {
