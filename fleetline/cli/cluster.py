@@ -152,7 +152,10 @@ def cluster_agent(
         metrics_host,
         metrics_port,
         f"cluster-agent/{cluster_id}",
-        metrics.cluster_agent_collector(cluster_id, agent.status),
+        # Its status (what its heartbeats carry) and the passes of its loop.
+        metrics.cluster_agent_collector(
+            cluster_id, lambda: {**agent.status(), "passes": agent.passes}
+        ),
     )
     shipped = ship_logs(config, topics, f"cluster-agent/{cluster_id}", cluster_id)
     stop = threading.Event()

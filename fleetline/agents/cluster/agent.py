@@ -854,7 +854,6 @@ class ClusterAgent:
             if order is not None and order.cluster_id == self.cluster_id:
                 reserved += sum(len(ids) for _, ids in order.workers)
         return {
-            "passes": self.passes,
             "gpus_reserved": reserved,
             "workloads": [
                 {
