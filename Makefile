@@ -101,7 +101,7 @@ chaos: $(STAMP) mpi
 test-unit: $(STAMP)
 	$(PY) -m pytest tests/unit
 
-bench: $(STAMP) mpi slurm
+bench: $(STAMP) mpi slurm kubernetes
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/agents.py
 	$(PY) benchmarks/view.py

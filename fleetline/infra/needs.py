@@ -181,7 +181,7 @@ RUN = ("java",)
 MAKE_TARGETS: Mapping[str, tuple[str, ...]] = {
     "test": ("mpi", "slurm", "kubernetes", "chromium"),
     "chaos": ("mpi",),
-    "bench": ("mpi", "slurm"),
+    "bench": ("mpi", "slurm", "kubernetes"),  # benchmarks/peers.py runs all three
     "bench-peers": ("slurm", "kubernetes"),
 }
 

@@ -125,6 +125,9 @@ def test_cli_sql_and_bad_input(settings, monkeypatch, capsys) -> None:
     assert capsys.readouterr().out.splitlines() == ["answer", "42"]
     assert main(["sql", "SELECT no_such_column FROM (SELECT 1 AS a)", *prefix]) == 1
     assert "fleetline: error:" in capsys.readouterr().err
+    # A prefix nothing ran under is said as such, not as a minute's wait for a topic's end.
+    assert main(["get", "jobs", "--topic-prefix", f"{topics.prefix}-never"]) == 1
+    assert "scheduler.state.changelog does not exist" in capsys.readouterr().err
 
 
 def test_another_process_queries_the_embedded_store_through_its_owner(settings) -> None:

@@ -92,8 +92,11 @@ def job_records(store: ChangelogStore[Any], tenant: str | None = None) -> list[d
 
 
 def read_state(kafka: KafkaSettings, topics: Topics) -> ChangelogStore[Any]:
-    """The scheduler's committed state, restored from its changelog (for the CLI)."""
+    """The scheduler's committed state, restored from its changelog (for the CLI). A prefix no
+    scheduler has run under is said at once ("does not exist"), not after a minute's wait for
+    the changelog's end."""
     store = state_store(topics)
+    kafka_clients.partitions_of(kafka, store.changelog_topic, timeout_s=10)
     store.restore(kafka, [0])
     return store
 
