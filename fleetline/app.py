@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -345,6 +346,11 @@ class Fleetline:
 CHANGELOGS = (scheduler_changelog, audit_changelog, health_changelog, ops_changelog)
 
 
+# How long the control plane waits for just-granted ACLs to apply before it takes a refusal of
+# its topics for an ACL that is not there.
+GRANTS_APPLY_S = 15.0
+
+
 def deployment_topics(topics: Topics) -> list[TopicSpec]:
     """Every topic of a deployment: the shared ones and the folds' changelogs (what `build`
     creates, and what a secured broker's ACLs cover)."""
@@ -355,7 +361,14 @@ def build(settings: Settings, options: Options) -> Fleetline:
     """Every service `options` asks for, wired to the configured Kafka, S3 and ClickHouse."""
     topics = options.topics
     kafka = settings.kafka
-    hidden = kafka_clients.ensure_topics(kafka, deployment_topics(topics))
+    specs = deployment_topics(topics)
+    hidden = kafka_clients.ensure_topics(kafka, specs)
+    deadline = time.monotonic() + GRANTS_APPLY_S
+    while hidden and time.monotonic() < deadline:
+        # ACLs granted a moment ago (`fleetline run` grants its prefix, then builds) reach the
+        # brokers' authorizers through the metadata log a moment later: ask again meanwhile.
+        time.sleep(0.5)
+        hidden = kafka_clients.ensure_topics(kafka, [s for s in specs if s.name in hidden])
     if hidden:
         # Refused at start in one line, not as each service's traceback and a 500 per write.
         raise NotPermitted(

@@ -217,7 +217,7 @@ def require(cache_dir: Path, keys: Iterable[str], what: str) -> None:
     missing = [f.tool for f in examine(cache_dir, keys) if not f.here]
     if missing:
         raise MissingTool(
-            f"{what} needs "
+            f"{what} needs what this host lacks: "
             + ", ".join(f"{t.name} (`{t.install}`)" for t in missing)
-            + " and it is not here; `fleetline doctor` says what each command needs"
+            + "; `fleetline doctor` says what each command needs"
         )

@@ -188,7 +188,7 @@ def test_a_missing_tool_is_refused_in_one_line_naming_its_install_command(
         needs.require(tmp_path, ["kubernetes"], "fleetline run --scenario managers")
     message = str(refused.value)
     assert "\n" not in message
-    assert message.startswith("fleetline run --scenario managers needs")
+    assert message.startswith("fleetline run --scenario managers needs what this host lacks:")
     assert "Kubernetes v1.37.2 (`make kubernetes`)" in message
     assert isinstance(refused.value, needs.ServiceUnavailable)  # the CLI's exit 69
     assert EXIT_UNAVAILABLE == 69
