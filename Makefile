@@ -8,8 +8,8 @@ STAMP := $(VENV)/.installed
 # prerequisites as it reads the rule, so a variable defined below it is empty there (how `run`
 # once lost Open MPI). `fleetline doctor` lists the same tools; `make lint` checks each target
 # below still has the ones fleetline/infra/needs.py says it needs (tools/check_make_needs.py).
-.PHONY: run test test-unit chaos lint bench bench-peers services-start services-stop clean \
-	mpi slurm chromium kubernetes
+.PHONY: run test test-unit chaos lint bench bench-peers services-build services-start \
+	services-stop clean mpi slurm chromium kubernetes
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_INSTALL := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq
 # The browser tests drive Debian's Chromium (Playwright's own browser download is not used).
@@ -34,6 +34,10 @@ chromium: $(CHROMIUM)
 # 20 minutes on two cores the first time; seconds when it is there).
 kubernetes: $(STAMP)
 	$(VENV)/bin/fleetline infra build kubernetes
+# The broker's jars (Maven) and the S3 server (Go), once, into .cache/: `make test` builds them
+# before the suite so that their minutes are reported apart from the tests'.
+services-build: $(STAMP)
+	$(VENV)/bin/fleetline infra build kafka s3
 
 # The native decoder (fleetline/streams/_avrocols.c) is built by the install, so a change rebuilds it.
 $(STAMP): pyproject.toml fleetline/streams/_avrocols.c
@@ -66,12 +70,13 @@ $(IDP_TOOLS): fleetline/infra/oidc_provider/package.json fleetline/infra/oidc_pr
 	cd fleetline/infra/oidc_provider && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
-# Starts (and afterwards stops) the services the tests need, from tests/conftest.py; the
+# The one-time installs and builds are its prerequisites, each reporting its own time; then it
+# starts (and afterwards stops) the services the tests need, from tests/conftest.py; the
 # browser tests start Chromium headless; the contract test builds the Go consumer; the Slurm
 # tests start a Slurm cluster of their own; the sign-in tests an OpenID provider. A test
 # process that dies of a fatal signal leaves a core; its crashing thread's native stack is
 # printed last (tools/crash_backtrace.py).
-test: $(STAMP) mpi slurm kubernetes chromium $(IDP_TOOLS)
+test: $(STAMP) mpi slurm kubernetes chromium services-build $(IDP_TOOLS)
 	@mkdir -p .cache && touch .cache/test-started
 	ulimit -c unlimited 2>/dev/null; $(PY) -m pytest; status=$$?; \
 	if [ $$status -gt 128 ]; then $(PY) tools/crash_backtrace.py .cache/test-started; fi; \
