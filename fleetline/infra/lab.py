@@ -443,16 +443,7 @@ def namespace_pids(namespace: str) -> list[int]:
 
 def stop_processes(namespace: str, grace_s: float = 5.0) -> None:
     """SIGTERM every process in the namespace, then SIGKILL what is left after `grace_s`."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
-        pids = namespace_pids(namespace)
-        if not pids:
-            return
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-        deadline = time.monotonic() + wait_s
-        while namespace_pids(namespace) and time.monotonic() < deadline:
-            time.sleep(0.1)
+    stop_pids(lambda: namespace_pids(namespace), grace_s)
 
 
 def lab_users(lab: Lab, registered: dict[int, str]) -> dict[int, str]:
@@ -504,19 +495,19 @@ def _command_of(pid: int) -> str:
     return " ".join(a.decode(errors="replace") for a in argv if a)[:80]
 
 
-def stop_pids(users: Callable[[], list[int]], grace_s: float) -> None:
-    """SIGTERM every process `users` names, then SIGKILL what still uses the lab after
+def stop_pids(pids_now: Callable[[], list[int]], grace_s: float) -> None:
+    """SIGTERM every process `pids_now` names, then SIGKILL those it still names after
     `grace_s` (a broker waiting for a controller on a removed address ignores SIGTERM)."""
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
-        pids = users()
+        pids = pids_now()
         if not pids:
             return
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
         deadline = time.monotonic() + wait_s
-        while users() and time.monotonic() < deadline:
-            time.sleep(0.2)
+        while pids_now() and time.monotonic() < deadline:
+            time.sleep(0.1)
 
 
 def exec_argv(lab: Lab, cluster_id: str, command: Sequence[str], env: dict[str, str]) -> list[str]:

@@ -35,13 +35,17 @@ class Tool:
     key: str
     name: str
     why: str
-    # The one command that installs it (a make target where the Makefile has one).
-    install: str
+    # The one command that installs it; None: its make target (`make_target`).
+    how: str | None
     # cache_dir -> its version, or None when it is not here.
     probe: Callable[[Path], str | None]
     # The Makefile target that installs it, for the targets that need it (None: a prerequisite
     # the README names, or something a command fetches itself on first use).
     make_target: str | None = None
+
+    @property
+    def install(self) -> str:
+        return self.how or f"make {self.make_target}"
 
 
 _ESCAPES = re.compile(r"\x1b\[[0-9;]*m")  # a terminal's colours (Maven prints them)
@@ -124,7 +128,7 @@ TOOLS: tuple[Tool, ...] = (
         "mpi",
         "Open MPI",
         "a training job's workers (mpirun; srun --mpi=pmix under Slurm)",
-        "make mpi",
+        None,
         _programs(["mpirun"], ["mpirun", "--version"]),
         make_target="mpi",
     ),
@@ -132,7 +136,7 @@ TOOLS: tuple[Tool, ...] = (
         "slurm",
         "Slurm",
         "Slurm clusters (slurmctld, slurmd, munged, sbatch)",
-        "make slurm",
+        None,
         _programs(["slurmctld", "slurmd", "munged", "sbatch"], ["slurmctld", "-V"]),
         make_target="slurm",
     ),
@@ -141,7 +145,7 @@ TOOLS: tuple[Tool, ...] = (
         f"Kubernetes {KUBERNETES_VERSION}",
         "Kubernetes clusters (kube-apiserver, scheduler, controller-manager, etcd, kwok), "
         "built from their Go modules into ~/.cache/fleetline: about 20 min the first time",
-        "make kubernetes",
+        None,
         _kubernetes,
         make_target="kubernetes",
     ),
@@ -149,7 +153,7 @@ TOOLS: tuple[Tool, ...] = (
         "chromium",
         "Chromium",
         "the console's browser tests and the sign-in tests",
-        "make chromium",
+        None,
         _programs(["chromium"], ["chromium", "--version"]),
         make_target="chromium",
     ),
