@@ -18,6 +18,7 @@ from fleetline.demo.play import play
 from fleetline.demo.verdict import story_steps
 from fleetline.processors.view import codec as view_codec
 from fleetline.streams import kafka as kafka_clients
+from tests.services import service_env
 from tests.support import BASE_MS, fresh_topics
 
 pytestmark = pytest.mark.services
@@ -201,13 +202,12 @@ def test_a_story_step_that_did_not_happen_makes_fleetline_run_exit_non_zero_nami
     that did not happen, each with its real cause (the job's last failure), then "N of M story
     steps as scripted", and exits 1 after its whole summary."""
     topics = fresh_topics()
-    for name, value in {
-        "FLEETLINE_KAFKA_BOOTSTRAP": settings.kafka.bootstrap_servers,
-        "FLEETLINE_S3_ENDPOINT": settings.s3.endpoint,
-        "FLEETLINE_S3_BUCKET": settings.s3.bucket,
+    env = {
+        **service_env(settings),
         "FLEETLINE_CLICKHOUSE_URL": settings.clickhouse_url,
         "FLEETLINE_CLICKHOUSE_DATABASE": settings.clickhouse_database,
-    }.items():
+    }
+    for name, value in env.items():
         monkeypatch.setenv(name, value)
     story = Path(__file__).parent.parent / "scenarios" / "a-job-that-cannot-start.yaml"
     argv = ["run", "--scenario", str(story), "--external-services", "--no-realtime"]

@@ -15,6 +15,7 @@ from confluent_kafka import TopicPartition
 from fleetline.agents.simulator import ClusterSpec, cluster_info
 from fleetline.config import Settings
 from fleetline.processors.decision_replay import (
+    DecisionReplay,
     live_dead_letters,
     replay_decisions,
     replay_operations,
@@ -188,11 +189,7 @@ def test_decisions_over_kafka_survive_a_restart_and_replay_byte_for_byte(setting
     # A job submitted after the scheduler stopped has no decision yet: the replay folds as far
     # as the scheduler committed, so it is not a difference.
     submit(settings.kafka, topics, submits(training("late", tenant="ops")))
-    follower = ViewFollower(settings.kafka, topics, snapshots)
-    try:
-        replayed = replay_decisions(settings.kafka, topics, follower.facts)
-    finally:
-        follower.close()
+    replayed = replay(settings, topics, snapshots)
     assert replayed.ok, replayed.first_difference
     assert replayed.matched == len(decisions_of(settings.kafka, topics)) > 10
     assert replayed.ticks > 5 and replayed.unprocessed == 1
@@ -213,13 +210,18 @@ def test_decisions_over_kafka_survive_a_restart_and_replay_byte_for_byte(setting
         )
     finally:
         rewind.close()
-    follower = ViewFollower(settings.kafka, topics, snapshots)
-    try:
-        behind = replay_decisions(settings.kafka, topics, follower.facts)
-    finally:
-        follower.close()
+    behind = replay(settings, topics, snapshots)
     assert behind.ok, behind.first_difference
     assert behind.matched < replayed.matched and behind.unprocessed > replayed.unprocessed
+
+
+def replay(settings: Settings, topics: Topics, snapshots) -> DecisionReplay:
+    """`fleetline replay --decisions` as the tests call it: the view from its snapshots."""
+    follower = ViewFollower(settings.kafka, topics, snapshots)
+    try:
+        return replay_decisions(settings.kafka, topics, follower.facts)
+    finally:
+        follower.close()
 
 
 FOREIGN = [b"not avro at all", MAGIC + b"\xfe" * 8 + b"an unknown writer"]
@@ -273,11 +275,7 @@ def test_a_replay_passes_over_what_the_live_processors_dead_lettered_with_the_sa
             )
 
     live = live_dead_letters(settings.kafka, topics, requests_app, topics.scheduler_requests)
-    follower = ViewFollower(settings.kafka, topics, snapshots)
-    try:
-        replayed = replay_decisions(settings.kafka, topics, follower.facts)
-    finally:
-        follower.close()
+    replayed = replay(settings, topics, snapshots)
     assert replayed.ok, replayed.first_difference
     assert replayed.dead_letters == live and len(live) == 2, (replayed.dead_letters, live)
     assert any("not Avro" in r for r in live.values())
