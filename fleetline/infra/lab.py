@@ -196,7 +196,7 @@ class LabHost:
             return None
 
     def _save(self, lab: Lab, made: list[list[str]]) -> None:
-        users = {str(pid): what for pid, what in self._users().items()}
+        users = self._registered()
         self.state_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps({**lab.as_data(), "made": made, "users": users}, indent=2))
@@ -382,19 +382,29 @@ class LabHost:
 
     # -- who uses it ----------------------------------------------------------------------------
 
-    def _users(self) -> dict[int, str]:
+    def _registered(self) -> dict[str, list[str]]:
+        """pid -> [what, its start time]: the processes that said they use the lab."""
         try:
-            users = json.loads(self.state_file.read_text()).get("users", {})
+            users: dict[str, list[str]] = json.loads(self.state_file.read_text()).get("users", {})
         except FileNotFoundError:
             return {}
-        return {int(pid): str(what) for pid, what in users.items()}
+        return users
+
+    def _users(self) -> dict[int, str]:
+        """The registered processes still running (the same process: a pid reused since by
+        another has another start time, and is not one of them)."""
+        return {
+            int(pid): what
+            for pid, (what, started) in self._registered().items()
+            if _started(int(pid)) == started
+        }
 
     def _set_users(self, users: dict[int, str]) -> None:
         lab = self.current()
         if lab is None:
             return
         data = json.loads(self.state_file.read_text())
-        data["users"] = {str(pid): what for pid, what in users.items()}
+        data["users"] = {str(pid): [what, _started(pid)] for pid, what in users.items()}
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=2))
         tmp.replace(self.state_file)
@@ -448,10 +458,10 @@ def stop_processes(namespace: str, grace_s: float = 5.0) -> None:
 
 def lab_users(lab: Lab, registered: dict[int, str]) -> dict[int, str]:
     """The host's processes that use the lab, but this one: those registered (`used_by`) and
-    still alive, and any with a TCP or UDP socket whose local or remote address is a lab
+    still running, and any with a TCP or UDP socket whose local or remote address is a lab
     address (`ss`)."""
     network = ipaddress.ip_network(lab.subnet)
-    users = {pid: what for pid, what in registered.items() if Path(f"/proc/{pid}").exists()}
+    users = dict(registered)
     for pid, address in socket_owners():
         try:
             end = ipaddress.ip_address(address)
@@ -485,6 +495,14 @@ def socket_owners() -> list[tuple[int, str]]:
         for pid in _SS_PID.findall(line):
             out.extend((int(pid), end) for end in ends)
     return out
+
+
+def _started(pid: int) -> str:
+    """A process's start time in clock ticks since boot ("" when there is none)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
 
 
 def _command_of(pid: int) -> str:
