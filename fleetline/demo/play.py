@@ -37,7 +37,7 @@ from fleetline.demo.cluster_story import (
 from fleetline.demo.prewarm_story import follow_a_prewarm, seed_dataset
 from fleetline.demo.scenario import Scenario
 from fleetline.demo.serving_story import serving_day
-from fleetline.demo.verdict import last_word
+from fleetline.demo.verdict import SCRIPTED_API_CALLS, last_word
 from fleetline.errors import StoryStalled, StreamError
 from fleetline.infra import ca as deployment_ca
 from fleetline.infra.lab import Lab
@@ -211,11 +211,8 @@ def call_api(fleet: Fleetline) -> list[tuple[str, int]]:
         deadline = time.monotonic() + 20
         while not server.started and time.monotonic() < deadline:
             time.sleep(0.05)
-        for path, bearer in (
-            ("/v1/clusters", token),
-            ("/v1/allocations?tenant=globex", token),
-            ("/v1/clusters", "fl_guess"),
-        ):
+        for path, caller, _ in SCRIPTED_API_CALLS:
+            bearer = token if caller == "viewer" else "fl_guess"
             request = urllib.request.Request(
                 f"https://127.0.0.1:{port}{path}", headers={"Authorization": f"Bearer {bearer}"}
             )

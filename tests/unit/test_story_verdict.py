@@ -47,7 +47,7 @@ def played(**parts: Any) -> SliceResult:
         "sink_dead_letters": 1,
         "query_rows": [],
         "snapshots": [],
-        "api_calls": list(SCRIPTED_API_CALLS),
+        "api_calls": [(path, status) for path, _, status in SCRIPTED_API_CALLS],
         "audit": {"ok": True, "first_broken": None},
         "scheduling": {
             "job_states": [{"key": "acme/story", "phase": "Succeeded", "failure": ""}],
