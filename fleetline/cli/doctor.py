@@ -38,7 +38,7 @@ def doctor() -> None:
     same list before it starts anything and refuses (exit 69) when a tool is missing."""
     from fleetline.infra.needs import examine
 
-    cache_dir = settings().cache_dir
+    cache_dir = settings(kind=None).cache_dir
     found = {f.tool.key: f for f in examine(cache_dir)}
     width = max(len(f.tool.name) for f in found.values())
     print("tools:")

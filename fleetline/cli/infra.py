@@ -25,15 +25,15 @@ infra = typer.Typer(
 )
 
 
-def _status(services: LocalServices) -> None:
+def _status(services: LocalServices, cache_dir: Path) -> None:
     for name, up in services.status().items():
         print(f"{name}: {'up' if up else 'down'}")
-    for cluster in SlurmCluster.found(settings(kind=None).cache_dir):
+    for cluster in SlurmCluster.found(cache_dir):
         print(
             f"slurm {cluster.cluster_id} ({len(cluster.nodes)} nodes, SLURM_CONF={cluster.conf}): "
             f"{'up' if cluster.running() else 'down'}"
         )
-    for plane in kubernetes_found(settings(kind=None).cache_dir):
+    for plane in kubernetes_found(cache_dir):
         print(
             f"kubernetes {plane.cluster_id} ({len(plane.nodes)} nodes, "
             f"kubeconfig {plane.kubeconfig}): {'up' if plane.running() else 'down'}"
@@ -125,7 +125,7 @@ def start(
     for plane in planes:
         started[f"kubernetes {plane.cluster_id}"] = plane.start()
     print(json.dumps({k: round(v, 2) for k, v in started.items()}))
-    _status(services)
+    _status(services, config.cache_dir)
     if len(services.kafka.brokers) > 1 or address is not None:
         # Clients bootstrap from every broker, so one that is down does not stop them starting.
         for name, value in services.client_env().items():
@@ -192,32 +192,35 @@ def credentials(
 def stop() -> None:
     """Stop the broker(s), the S3 server and every Slurm cluster started here (cancelling
     their jobs)."""
-    services = LocalServices.from_settings(settings(kind=None))
+    config = settings(kind=None)
+    services = LocalServices.from_settings(config)
     services.stop()
-    for cluster in SlurmCluster.found(settings(kind=None).cache_dir):
+    for cluster in SlurmCluster.found(config.cache_dir):
         cluster.stop()
-    for plane in kubernetes_found(settings(kind=None).cache_dir):
+    for plane in kubernetes_found(config.cache_dir):
         plane.stop()
-    _status(services)
+    _status(services, config.cache_dir)
 
 
 @infra.command()
 def status() -> None:
     """Whether each service answers."""
-    _status(LocalServices.from_settings(settings(kind=None)))
+    config = settings(kind=None)
+    _status(LocalServices.from_settings(config), config.cache_dir)
 
 
 @infra.command()
 def wipe() -> None:
     """Stop the services and delete their data."""
-    services = LocalServices.from_settings(settings(kind=None))
+    config = settings(kind=None)
+    services = LocalServices.from_settings(config)
     services.kafka.wipe()
     services.object_store.wipe()
-    for cluster in SlurmCluster.found(settings(kind=None).cache_dir):
+    for cluster in SlurmCluster.found(config.cache_dir):
         cluster.wipe()
-    for plane in kubernetes_found(settings(kind=None).cache_dir):
+    for plane in kubernetes_found(config.cache_dir):
         plane.stop()
-    _status(services)
+    _status(services, config.cache_dir)
 
 
 ca = typer.Typer(

@@ -310,9 +310,8 @@ def scheduling_summary(fleet: Fleetline) -> dict[str, Any]:
         "jobs": [
             (j["key"], j["phase"], ",".join(sorted(j["allocation"])) or "-", _gpus(j)) for j in jobs
         ],
-        "job_states": [
-            {"key": j["key"], "phase": j["phase"], "failure": last_word(j)} for j in jobs
-        ],
+        # The jobs that ended Failed, each with its last failure (the phases are in "jobs").
+        "failures": {j["key"]: last_word(j) for j in jobs if j["phase"] == "Failed"},
         "waiting": None if waiting is None else waiting.get("explanation"),
         "replay": {
             "ok": replayed.ok,

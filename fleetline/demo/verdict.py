@@ -59,22 +59,20 @@ def last_word(job: Mapping[str, Any]) -> str:
     return str(finished.get("reason") or (job.get("actual") or {}).get("detail") or "")
 
 
-def job_steps(jobs: Sequence[Mapping[str, Any]]) -> list[StoryStep]:
+def job_step(failures: Mapping[str, str]) -> StoryStep:
     """Every job the story submitted ran without exhausting its attempts: a job that ended
-    Failed is named with its last failure, not an earlier condition's text."""
-    failed = [j for j in jobs if j["phase"] == "Failed"]
-    return [
-        _step(
-            "every job ran without exhausting its attempts",
-            [f"{j['key']} failed: {j.get('failure') or 'no failure reported'}" for j in failed],
-        )
-    ]
+    Failed (`failures`: job -> its last failure) is named with that failure, not an earlier
+    condition's text."""
+    return _step(
+        "every job ran without exhausting its attempts",
+        [f"{key} failed: {why or 'no failure reported'}" for key, why in failures.items()],
+    )
 
 
 def story_steps(result: SliceResult, scenario: Scenario) -> list[StoryStep]:
     """The steps of a played scenario."""
     scheduling: Mapping[str, Any] = result.scheduling
-    steps = job_steps(scheduling.get("job_states") or [])
+    steps = [job_step(scheduling.get("failures") or {})]
     calls = list(result.api_calls)
     expected = [(path, status) for path, _, status in SCRIPTED_API_CALLS]
     steps.append(

@@ -50,7 +50,7 @@ def played(**parts: Any) -> SliceResult:
         "api_calls": [(path, status) for path, _, status in SCRIPTED_API_CALLS],
         "audit": {"ok": True, "first_broken": None},
         "scheduling": {
-            "job_states": [{"key": "acme/story", "phase": "Succeeded", "failure": ""}],
+            "failures": {},
             "audited": {"decisions": 3, "missing": [], "changed": []},
             "replay": {
                 "ok": True,
@@ -83,10 +83,7 @@ def test_a_story_that_happened_says_so_in_its_last_line() -> None:
 def test_a_job_that_exhausted_its_attempts_is_named_with_its_last_failure() -> None:
     scheduling = {
         **played().scheduling,
-        "job_states": [
-            {"key": "acme/tidal", "phase": "Failed", "failure": last_word(FAILED_TIDAL)},
-            {"key": "acme/story", "phase": "Deleted", "failure": ""},
-        ],
+        "failures": {"acme/tidal": last_word(FAILED_TIDAL)},
     }
     day = {"skipped": "acme/tidal ended Failed before it ran: " + last_word(FAILED_TIDAL)}
     steps = story_steps(played(scheduling=scheduling, serving_day=day), scenarios.load("default"))
