@@ -13,6 +13,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fleetline.errors import ConfigError
+from fleetline.identity.keys import decode_root, read_root, root_key_path, signer_for
+from fleetline.identity.keys import read_credentials as read_identity_file
+from fleetline.identity.writers import CONTROL_PLANE_WRITER, Signer, Writer
 from fleetline.tls import TlsSettings
 
 # The checkout this package is installed from (editable), where .data/ and .cache/ live.
@@ -34,6 +37,21 @@ class KafkaSettings:
     # On a secured broker, a launcher (`fleetline run`) holds each kind of process's sign-in
     # (kind -> client settings) and hands each process its own (`as_kind`); empty otherwise.
     principals: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    # Who this process writes as (identity/writers.py): every record it produces carries its
+    # writer and a MAC by that writer's key. None: records go unsigned, and the folds refuse
+    # them wherever a writer's authority is checked.
+    signer: Signer | None = field(default=None, repr=False)
+    # The deployment's identity root (control plane only): what the folds check writers with.
+    identity_root: bytes | None = field(default=None, repr=False)
+    # A host's credential file from `fleetline enroll` (FLEETLINE_IDENTITY_FILE).
+    identity_file: Path | None = None
+
+    def writing_as(self, *writers: Writer) -> KafkaSettings:
+        """These settings writing as `writers` (a node agent's nodes, a cluster agent's
+        cluster, ...): their credentials from this host's identity file, or derived from the
+        root where this host holds it; ConfigError saying how to enrol otherwise."""
+        signer = signer_for(writers, root=self.identity_root, identity_file=self.identity_file)
+        return replace(self, signer=signer)
 
     def as_kind(self, kind: str) -> KafkaSettings:
         """These settings signed in as a process of `kind` (unchanged on a plaintext broker)."""
@@ -50,6 +68,7 @@ class KafkaSettings:
         process: give it `as_kind(...)`'s)."""
         return {
             "FLEETLINE_KAFKA_BOOTSTRAP": self.bootstrap_servers,
+            **({"FLEETLINE_IDENTITY_FILE": str(self.identity_file)} if self.identity_file else {}),
             **{
                 "FLEETLINE_KAFKA_CONF_" + key.upper().replace(".", "_"): value
                 for key, value in self.client_overrides.items()
@@ -153,6 +172,22 @@ class Settings:
         """These settings as a process of `kind` signs in to Kafka with (see KafkaSettings)."""
         return replace(self, kafka=self.kafka.as_kind(kind))
 
+    def with_identity_root(self, *, create: bool = True) -> Settings:
+        """These settings holding the deployment's identity root (FLEETLINE_IDENTITY_ROOT_KEY,
+        or the key made owner-only in the cache on the control plane's first start) and writing
+        as the control plane unless they write as someone already."""
+        root = self.kafka.identity_root or read_root(root_key_path(self.cache_dir), create=create)
+        if root is None:
+            return self
+        signer = self.kafka.signer or signer_for(
+            [CONTROL_PLANE_WRITER], root=root, identity_file=None
+        )
+        return replace(self, kafka=replace(self.kafka, identity_root=root, signer=signer))
+
+    def writing_as(self, *writers: Writer) -> Settings:
+        """These settings writing as `writers` (see KafkaSettings.writing_as)."""
+        return replace(self, kafka=self.kafka.writing_as(*writers))
+
     def deployment_ca_path(self) -> Path:
         """The directory of this host's deployment CA (infra/ca.py), made on first use."""
         return self.cache_dir / "ca"
@@ -207,6 +242,23 @@ class Settings:
             min_insync_replicas=_number(env, "FLEETLINE_KAFKA_MIN_INSYNC", 0) or None,
             session_timeout_ms=_number(env, "FLEETLINE_KAFKA_SESSION_TIMEOUT_MS", 0) or None,
         )
+        cache_dir = Path(env.get("FLEETLINE_CACHE_DIR", str(defaults.cache_dir)))
+        identity_file = (
+            Path(env["FLEETLINE_IDENTITY_FILE"]) if env.get("FLEETLINE_IDENTITY_FILE") else None
+        )
+        root = (
+            decode_root(env["FLEETLINE_IDENTITY_ROOT_KEY"], "FLEETLINE_IDENTITY_ROOT_KEY")
+            if env.get("FLEETLINE_IDENTITY_ROOT_KEY")
+            else read_root(root_key_path(cache_dir), create=False)
+        )
+        # A host given credentials writes as the first of them until a command says whom it
+        # speaks for; the control plane's host writes as the control plane.
+        signer = None
+        if identity_file is not None:
+            signer = read_identity_file(identity_file)
+        elif root is not None:
+            signer = signer_for([CONTROL_PLANE_WRITER], root=root, identity_file=None)
+        kafka = replace(kafka, signer=signer, identity_root=root, identity_file=identity_file)
         return cls(
             kafka=kafka,
             s3=S3Settings.from_env(env),
@@ -214,7 +266,7 @@ class Settings:
             clickhouse_database=env.get(
                 "FLEETLINE_CLICKHOUSE_DATABASE", defaults.clickhouse_database
             ),
-            cache_dir=Path(env.get("FLEETLINE_CACHE_DIR", str(defaults.cache_dir))),
+            cache_dir=cache_dir,
             auth_config=Path(env["FLEETLINE_AUTH_CONFIG"])
             if env.get("FLEETLINE_AUTH_CONFIG")
             else None,

@@ -66,6 +66,9 @@ def services(chdb_path: Path) -> Iterator[Settings]:
         s3=S3Settings(endpoint=TEST_S3, bucket="fleetline-test"),
         clickhouse_url=f"chdb://{chdb_path}",
     ).with_deployment_key()  # objects sealed, as `serve` seals them by default
+    # The control plane's identity root, as `serve` makes it: the tests write as the control
+    # plane, agents they start as themselves, and every fold checks who wrote what.
+    settings = settings.with_identity_root()
     local = LocalServices.from_settings(settings)
     started = not all(local.status().values())
     if started:

@@ -13,6 +13,9 @@ from fleetline.config import Settings
 from fleetline.streams.serde import default_codec
 from fleetline.streams.topics import Topics
 
+# An identity root for tests that build settings by hand (the session's services use the
+# deployment's own, as `serve` makes it).
+TEST_ROOT = bytes(range(32))
 BASE_MS = 1_796_000_000_000  # 2026-11-29T08:53:20Z, pinned so runs are comparable
 
 

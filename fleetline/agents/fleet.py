@@ -19,6 +19,7 @@ from fleetline.agents.runtime import SENDS, TelemetryPublisher
 from fleetline.agents.simulator import FleetSimulator, SimNode
 from fleetline.agents.spool import DiskSpool
 from fleetline.config import Settings
+from fleetline.identity.writers import Writer, WriterKind
 from fleetline.schemas.records import NodeLifecycle, NodeState, NodeTelemetry
 from fleetline.storage.crypto import cipher_for
 from fleetline.streams import kafka as kafka_clients
@@ -56,7 +57,13 @@ class FleetAgent:
         publishers = {
             cluster.cluster_id: TelemetryPublisher(
                 kafka_clients.producer(
-                    settings.kafka,
+                    settings.kafka.writing_as(
+                        *(
+                            Writer(WriterKind.NODE, f"{n.cluster_id}/{n.node_id}")
+                            for n in simulator.nodes
+                            if n.cluster_id == cluster.cluster_id
+                        )
+                    ),
                     {**SENDS, "message.timeout.ms": message_timeout_ms}
                     if message_timeout_ms is not None
                     else SENDS,

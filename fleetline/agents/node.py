@@ -24,6 +24,7 @@ from fleetline.agents.simulator import AGENT_VERSION
 from fleetline.agents.spool import DiskSpool
 from fleetline.config import Settings
 from fleetline.errors import ConfigError
+from fleetline.identity.writers import Writer, WriterKind
 from fleetline.schemas.records import NodeState, NodeTelemetry, NodeTopology
 from fleetline.storage.crypto import cipher_for
 from fleetline.streams import kafka as kafka_clients
@@ -89,7 +90,12 @@ class NodeAgent:
         commands: bool = True,
     ) -> NodeAgent:
         publisher = TelemetryPublisher(
-            kafka_clients.producer(settings.kafka, SENDS),
+            kafka_clients.producer(
+                settings.kafka.writing_as(
+                    Writer(WriterKind.NODE, f"{identity.cluster_id}/{identity.node_id}")
+                ),
+                SENDS,
+            ),
             codec,
             topics,
             DiskSpool(state_dir / "spool", cipher=cipher_for(settings.object_key())),

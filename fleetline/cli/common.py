@@ -16,7 +16,7 @@ from rich.table import Table
 
 from fleetline.config import Settings
 from fleetline.errors import ConfigError, StorageError
-from fleetline.streams.topics import OPERATOR, Topics
+from fleetline.streams.topics import CONTROL_PLANE, OPERATOR, Topics
 
 if TYPE_CHECKING:
     from fleetline.storage.query_service import QueryResult
@@ -94,6 +94,10 @@ def settings(*needs: Need, kind: str | None = OPERATOR) -> Settings:
     # made it (another host's processes are given FLEETLINE_OBJECT_ENCRYPTION_KEY), and finds
     # its kind's Kafka credentials where `infra start --secure` made them.
     config = Settings.from_env().with_deployment_key(create=False)
+    if kind == CONTROL_PLANE:
+        # The control plane holds the identity root (made on its first start) and checks
+        # every record's writer with it; it writes as the control plane.
+        config = config.with_identity_root(create=True)
     if kind is not None:
         config = local_sign_in(config, kind)
     for need in needs:  # in the order given: the one named first is reported first

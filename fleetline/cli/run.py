@@ -95,6 +95,9 @@ def run(
     from fleetline.infra.lab import LabHost
 
     config = settings("kafka", "s3", kind=None) if external_services else settings(kind=None)
+    # The story plays the control plane, which holds the identity root; each agent it starts
+    # writes under its own identity derived from it.
+    config = config.with_identity_root(create=True)
     the_lab = None
     if lab:
         config, the_lab = _in_lab(config, lab_name)

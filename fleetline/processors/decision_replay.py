@@ -28,6 +28,7 @@ from fleetline.streams.events import NODE_COMMAND, OPS_EVENT, REPAIR_TICKET, SCH
 from fleetline.streams.records import Offsets, where
 from fleetline.streams.serde import AvroCodec, default_codec
 from fleetline.streams.topics import Topics
+from fleetline.streams.writers import WriterGate
 
 
 @dataclass
@@ -80,18 +81,24 @@ def replay_decisions(
     committed = kafka_clients.committed_offsets(
         kafka, f"{topics.prefix}.{SCHEDULER_APP}", topics.scheduler_requests
     ).get(0)
+    # Who wrote each request is established as the live scheduler did: the same MACs, and the
+    # identities topic read whole, so a revoked writer's later requests are refused here too.
+    gate = WriterGate(kafka, topics, codec)
+    gate.refresh()
+    gate.close()
     for msg in read_topic(kafka, topics.scheduler_requests):
         if committed is not None and where(msg)[2] >= committed:
             result.unprocessed += 1
             continue
         result.requests += 1
         try:
+            writer = gate.gate.writer_of(msg)
             request = codec.decode(msg.value(), expect=SCHEDULER_REQUEST).record
             facts = None
             if request["kind"] == "TICK":
                 result.ticks += 1
                 facts = last = facts_at(offsets_of(request), last)
-            effects = scheduler.step(request, where(msg)[2], facts)
+            effects = scheduler.step(request, where(msg)[2], facts, writer)
         except StreamError:
             raise  # the replay's own reading failed: nothing the live scheduler met
         except FleetlineError as exc:

@@ -35,6 +35,7 @@ from fleetline.processors.view.snapshots import ViewSnapshots
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.records import Offsets
 from fleetline.streams.topics import Topics
+from fleetline.streams.writers import replay_gate
 
 log = logging.getLogger(__name__)
 # Messages a view follower holds per partition past the position it was asked for before it
@@ -267,7 +268,7 @@ def _fold_in_worker(
     a snapshot is; a part without one from the start of the log), and return the parts encoded
     the same way, with the messages folded and dead-lettered."""
     tune_gc_for_large_state()
-    folder = PartFolder(topics, policy)
+    folder = PartFolder(topics, policy, gate=replay_gate(kafka, topics))
     parts = {
         part: view_codec.decode(*starts[part]) if part in starts else folder.new_part()
         for part in (folder.part_of(t, p) for t, p, _, _ in ranges)
@@ -294,7 +295,7 @@ def rebuild(
     own parts (a part is one partition's stream, or the fleet topics): the same parts as one
     process folds."""
     began = time.perf_counter()
-    folder = PartFolder(topics, policy or HealthPolicy())
+    folder = PartFolder(topics, policy or HealthPolicy(), gate=replay_gate(kafka, topics))
     low, _ = log_bounds(kafka, topics)
     parts: dict[str, ResourceView] = dict(start or {})
     result = Replay(view=ResourceView(), parts=parts)
@@ -479,7 +480,7 @@ class ViewFollower:
         self.kafka = kafka
         self.topics = topics
         self.snapshots = snapshots
-        self.folder = PartFolder(topics, policy or HealthPolicy())
+        self.folder = PartFolder(topics, policy or HealthPolicy(), gate=replay_gate(kafka, topics))
         self.parts: dict[str, ResourceView] | None = None
         self.position: Offsets = {}
         self.rebuilds = 0

@@ -17,6 +17,7 @@ CommandOutcome = Literal["APPLIED", "REJECTED", "FAILED", "DUPLICATE"]
 CommandKind = Literal["DRAIN", "CORDON", "UNCORDON", "SET_POWER_CAP", "APPLY_CONFIG", "UNKNOWN"]
 CapacitySummaryKind = Literal["NODES", "CLUSTER", "DATASET", "UNKNOWN"]
 ClusterKind = Literal["ON_PREMISES", "CLOUD", "UNKNOWN"]
+IdentityAction = Literal["ENROL", "REVOKE", "UNKNOWN"]
 OpsKind = Literal["OBSERVE", "TICKET_UPDATE", "OPS_POLICY", "CAPACITY_REQUEST", "RECOMMENDATION", "UNKNOWN"]
 TicketState = Literal["OPEN", "IN_REPAIR", "VERIFYING", "CLOSED", "ESCALATED", "UNKNOWN"]
 AllocationKind = Literal["ALLOCATED", "RELEASED", "UNKNOWN"]
@@ -323,6 +324,20 @@ class DatasetState(TypedDict):
     size_bytes: int
     replicas: list[str]
     deleted: NotRequired[bool]
+
+
+class IdentityEvent(TypedDict):
+    """A writer identity's lifecycle, on the identities topic (one partition, kept forever,
+    LogAppendTime): ENROL when `fleetline enroll` issued a credential for a writer at a
+    generation; REVOKE when its generations up to this one stop being accepted, for every record
+    the broker appends from this record's append time on, in the live folds and in every replay."""
+
+    action: IdentityAction
+    writer: str
+    generation: int
+    actor: NotRequired[str]
+    reason: NotRequired[None | str]
+    ts: int
 
 
 class LogRecord(TypedDict):

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from confluent_kafka import Message
 
+from fleetline.identity.writers import writer_header
 from fleetline.streams.records import Record
 
 H_REASON = "fleetline.dlq.reason"
@@ -14,6 +15,9 @@ H_APP = "fleetline.dlq.application"
 H_TOPIC = "fleetline.dlq.topic"
 H_PARTITION = "fleetline.dlq.partition"
 H_OFFSET = "fleetline.dlq.offset"
+# Who wrote the original, as its gate established it (a WriterRefused) or else as its own
+# header claims it: the dead letter is written by the loop, so its own writer is not that.
+H_WRITER = "fleetline.dlq.writer"
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,7 @@ class DeadLetter:
     topic: str
     partition: int
     offset: int
+    writer: str = ""
 
     @property
     def source_id(self) -> tuple[str, int, int]:
@@ -38,7 +43,11 @@ class DeadLetter:
 def dead_letter_headers(
     msg: Record, application: str, error: Exception
 ) -> list[tuple[str, str | bytes | None]]:
+    established = getattr(error, "writer", None)
+    headers = getattr(msg, "headers", None)
+    writer = established or writer_header(headers() if headers is not None else None) or ""
     return [
+        (H_WRITER, writer.encode()),
         (H_REASON, str(error).encode()),
         (H_ERROR, type(error).__name__.encode()),
         (H_APP, application.encode()),
@@ -63,4 +72,5 @@ def read_dead_letter(msg: Message) -> DeadLetter:
         topic=headers.get(H_TOPIC, ""),
         partition=int(headers.get(H_PARTITION, "-1")),
         offset=int(headers.get(H_OFFSET, "-1")),
+        writer=headers.get(H_WRITER, ""),
     )

@@ -30,6 +30,7 @@ COMMAND_RESULT = "fleetline.commands.CommandResult"
 OPS_EVENT = "fleetline.operations.OpsEvent"
 REPAIR_TICKET = "fleetline.operations.RepairTicket"
 REPLICA_ENDPOINT = "fleetline.serving.ReplicaEndpoint"
+IDENTITY_EVENT = "fleetline.identity.IdentityEvent"
 
 
 def check_telemetry(record: Mapping[str, Any]) -> None:

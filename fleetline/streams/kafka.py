@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 from confluent_kafka import (
     OFFSET_BEGINNING,
@@ -20,6 +21,7 @@ from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec  # type: ign
 
 from fleetline.config import KafkaSettings
 from fleetline.errors import NotPermitted, ServiceUnavailable, StreamError
+from fleetline.identity.writers import H_MAC, H_WRITER, Signer
 from fleetline.probe import refusal
 from fleetline.streams.records import where
 from fleetline.streams.topics import TopicSpec
@@ -207,7 +209,40 @@ def producer(
     )
     if transactional_id is not None:
         conf["transactional.id"] = transactional_id
-    return Producer(conf)
+    if kafka.signer is None:
+        return Producer(conf)
+    return SigningProducer(conf, kafka.signer)
+
+
+class SigningProducer(Producer):
+    """A producer every record of which carries its writer and the MAC by that writer's key
+    (identity/writers.py), whoever calls `produce`: the stream loop's outputs, an agent's
+    reports, a dead letter."""
+
+    def __init__(self, conf: Mapping[str, object], signer: Signer) -> None:
+        super().__init__(dict(conf))
+        self.signer = signer
+
+    def produce(  # type: ignore[override]
+        self,
+        topic: str,
+        value: bytes | None = None,
+        key: bytes | None = None,
+        *,
+        headers: Sequence[tuple[str, Any]] | Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(key, str):
+            key = key.encode()
+        if isinstance(value, str):
+            value = value.encode()
+        own = [
+            (name, v)
+            for name, v in (headers.items() if isinstance(headers, Mapping) else headers or ())
+            if name not in (H_WRITER, H_MAC)
+        ]
+        own.extend(self.signer.headers(topic, key, value))
+        super().produce(topic, value, key, headers=own, **kwargs)
 
 
 # For the clients of processes on the far side of links that can be cut (cluster agents, node

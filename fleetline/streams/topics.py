@@ -16,6 +16,7 @@ from fleetline.streams.events import (
     COMMAND_RESULT,
     DATASET_PREWARM,
     DATASET_STATE,
+    IDENTITY_EVENT,
     LOG_RECORD,
     NODE_COMMAND,
     NODE_STATE,
@@ -148,6 +149,10 @@ class Topics:
         return f"{self.prefix}.cluster.signals"
 
     @property
+    def identities(self) -> str:
+        return f"{self.prefix}.identities"
+
+    @property
     def emergency(self) -> str:
         return f"{self.prefix}.emergency"
 
@@ -276,7 +281,9 @@ class Topics:
             TopicSpec(
                 self.scheduler_requests,
                 1,
-                {"cleanup.policy": "delete", "retention.ms": "-1"},
+                # LogAppendTime: a revocation holds from the moment the broker appended it
+                # (identity/writers.py), the same in the live fold and in every replay.
+                {"cleanup.policy": "delete", "retention.ms": "-1", **LOG_APPEND_TIME},
                 "SchedulerRequest: desired state, reports and ticks, in one total order; "
                 "kept forever, it is what a replay of the decisions folds",
                 record=SCHEDULER_REQUEST,
@@ -330,7 +337,7 @@ class Topics:
             TopicSpec(
                 self.workloads,
                 1,
-                {"cleanup.policy": "delete", "retention.ms": str(30 * DAY_MS)},
+                {"cleanup.policy": "delete", "retention.ms": str(30 * DAY_MS), **LOG_APPEND_TIME},
                 "WorkloadEvent from the cluster agents (transitions, steps, checkpoints), "
                 "keyed by job",
                 record=WORKLOAD_EVENT,
@@ -340,7 +347,7 @@ class Topics:
             TopicSpec(
                 self.cluster_signals,
                 1,
-                {"cleanup.policy": "delete", "retention.ms": str(7 * DAY_MS)},
+                {"cleanup.policy": "delete", "retention.ms": str(7 * DAY_MS), **LOG_APPEND_TIME},
                 "ClusterSignal: cluster heartbeats, the control plane's clock ticks and cluster "
                 "cordons, in one total order for the health fold",
                 record=CLUSTER_SIGNAL,
@@ -357,6 +364,15 @@ class Topics:
                 record=CLUSTER_HEALTH,
                 key="cluster id",
                 readers=(CLUSTER_AGENT,),
+            ),
+            TopicSpec(
+                self.identities,
+                1,
+                {"cleanup.policy": "delete", "retention.ms": "-1", **LOG_APPEND_TIME},
+                "IdentityEvent: writer identities enrolled and revoked; every fold that checks "
+                "a writer reads it whole, so a revocation holds in live folds and replays alike",
+                record=IDENTITY_EVENT,
+                key="writer (kind:name)",
             ),
             TopicSpec(
                 self.audit_requests,

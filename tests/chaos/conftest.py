@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from fleetline.agents.simulator import default_clusters
-from fleetline.config import KafkaSettings, S3Settings, Settings
+from fleetline.config import S3Settings, Settings
 from fleetline.infra import KafkaCluster, LocalServices
 from fleetline.infra.lab import Lab, LabHost
 
@@ -55,7 +55,9 @@ def replicated(settings: Settings, kafka_cluster: KafkaCluster) -> Iterator[Sett
             kafka_cluster.restart(index)
     yield dataclasses.replace(
         settings,
-        kafka=KafkaSettings(kafka_cluster.bootstrap_servers, settings.kafka.client_overrides),
+        kafka=dataclasses.replace(
+            settings.kafka, bootstrap_servers=kafka_cluster.bootstrap_servers
+        ),
     )
 
 
@@ -84,7 +86,9 @@ def lab(services: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     made = host.up(Lab.plan([c.cluster_id for c in default_clusters(1, 3)], LAB_SUBNET, LAB_NAME))
     settings = dataclasses.replace(
         services,
-        kafka=KafkaSettings(f"{made.control}:{LAB_KAFKA_PORT}", services.kafka.client_overrides),
+        kafka=dataclasses.replace(
+            services.kafka, bootstrap_servers=f"{made.control}:{LAB_KAFKA_PORT}"
+        ),
         s3=S3Settings(endpoint=f"{made.control}:{LAB_S3_PORT}", bucket="fleetline-lab"),
         advertise_host=made.control,
     )

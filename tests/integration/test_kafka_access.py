@@ -162,7 +162,11 @@ def test_the_control_plane_runs_under_its_own_principal(secured, services):
     def as_(kind: str) -> Settings:
         return dataclasses.replace(
             services,
-            kafka=KafkaSettings(secured.bootstrap, secured.secrets.client_conf(kind)),
+            kafka=dataclasses.replace(
+                services.kafka,
+                bootstrap_servers=secured.bootstrap,
+                client_overrides=secured.secrets.client_conf(kind),
+            ),
             clickhouse_database=f"t_{uuid.uuid4().hex[:12]}",
         )
 
@@ -219,7 +223,11 @@ def test_the_control_plane_refuses_to_start_on_topics_its_principal_was_not_gran
 
     control = dataclasses.replace(
         services,
-        kafka=KafkaSettings(secured.bootstrap, secured.secrets.client_conf(CONTROL_PLANE)),
+        kafka=dataclasses.replace(
+            services.kafka,
+            bootstrap_servers=secured.bootstrap,
+            client_overrides=secured.secrets.client_conf(CONTROL_PLANE),
+        ),
     )
     ungranted = fresh_topics()
     with pytest.raises(NotPermitted) as refused:

@@ -12,10 +12,13 @@ import pytest
 
 from fleetline.agents.cluster.agent import ClusterAgent
 from fleetline.cli.common import listen_host
-from fleetline.config import Settings
+from fleetline.config import KafkaSettings, Settings
 from fleetline.errors import ConfigError
 from fleetline.infra import LocalServices
 from fleetline.streams.topics import Topics
+from tests.support import TEST_ROOT
+
+ROOTED = Settings(kafka=KafkaSettings(identity_root=TEST_ROOT))
 
 
 def test_the_advertised_host_is_read_and_checked() -> None:
@@ -42,7 +45,7 @@ def test_the_cluster_agent_probes_and_starts_workloads_at_the_advertised_host(
     tmp_path: Path,
 ) -> None:
     # Any 127/8 address is this host's loopback on Linux: a stand-in for a lab address here.
-    settings = dataclasses.replace(Settings(), advertise_host="127.0.0.2")
+    settings = dataclasses.replace(ROOTED, advertise_host="127.0.0.2")
     agent = ClusterAgent(settings, Topics("unit"), "lab-a", tmp_path)
     stop = threading.Event()
     server = agent.peers.serve(stop)
@@ -58,7 +61,7 @@ def test_the_cluster_agent_probes_and_starts_workloads_at_the_advertised_host(
 
 
 def test_infra_listens_where_it_is_told(tmp_path: Path) -> None:
-    settings = dataclasses.replace(Settings(), cache_dir=tmp_path)
+    settings = dataclasses.replace(ROOTED, cache_dir=tmp_path)
     services = LocalServices.from_settings(settings, listen="10.77.0.1")
     broker = services.kafka.first
     assert broker.bootstrap_servers == "10.77.0.1:19092"

@@ -17,8 +17,9 @@ from fleetline.config import KafkaSettings, Settings
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import default_codec
 from fleetline.streams.topics import Topics
+from tests.support import TEST_ROOT
 
-SETTINGS = Settings(kafka=KafkaSettings("127.0.0.1:1"))
+SETTINGS = Settings(kafka=KafkaSettings("127.0.0.1:1", identity_root=TEST_ROOT))
 
 
 class Unread:

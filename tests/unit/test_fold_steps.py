@@ -7,6 +7,7 @@ transaction markers leave in any log a transactional producer writes, not a lost
 
 from __future__ import annotations
 
+from fleetline.identity.writers import CONTROL_PLANE_WRITER, Gate
 from fleetline.processors.scheduling.capacity import observe
 from fleetline.processors.scheduling.client import state_store
 from fleetline.processors.scheduling.codec import canonical_json
@@ -17,9 +18,11 @@ from fleetline.streams.store import POSITION_KEY, json_store
 from fleetline.streams.topics import Topics
 from tests.scheduling_support import training
 from tests.services import submits
+from tests.support import TEST_ROOT
 
 codec = default_codec()
 TOPICS = Topics("t-fold")
+CONTROL_PLANE = Gate(TEST_ROOT).credential(CONTROL_PLANE_WRITER)
 
 
 class Message:
@@ -46,6 +49,9 @@ class Message:
     def timestamp(self) -> tuple[int, int]:
         return (0, 0)
 
+    def headers(self) -> list[tuple[str, bytes]]:
+        return CONTROL_PLANE.headers(self._topic, self.key(), self._value)
+
 
 def request_messages(offsets: list[int]) -> list[Message]:
     documents = [training(f"j{i}", per_worker=2, tensor=2) for i in range(len(offsets))]
@@ -57,7 +63,9 @@ def request_messages(offsets: list[int]) -> list[Message]:
 
 def scheduler_step() -> SchedulerStep:
     empty = observe(ResourceView())
-    return SchedulerStep(TOPICS, state_store(TOPICS), lambda offsets: empty, Observations())
+    return SchedulerStep(
+        TOPICS, state_store(TOPICS), lambda offsets: empty, Observations(), Gate(TEST_ROOT)
+    )
 
 
 def run(step: SchedulerStep, messages: list[Message]) -> None:
@@ -153,7 +161,11 @@ def test_a_coordinator_moving_is_logged_and_the_loop_goes_on_a_fatal_error_stops
     from fleetline.streams.loop import StreamLoop
 
     step = SchedulerStep(
-        Topics("unit"), state_store(Topics("unit")), observe_at_nothing, Observations()
+        Topics("unit"),
+        state_store(Topics("unit")),
+        observe_at_nothing,
+        Observations(),
+        Gate(TEST_ROOT),
     )
     loop = StreamLoop(KafkaSettings(), "unit.loop", ["unit.in"], step, "unit.dlq", metrics=False)
     loop._expected[("unit.in", 0)] = 0
@@ -195,7 +207,11 @@ def test_caught_up_means_every_partition_reached_its_end_not_an_empty_receive() 
     from fleetline.streams.loop import StreamLoop
 
     step = SchedulerStep(
-        Topics("unit"), state_store(Topics("unit")), observe_at_nothing, Observations()
+        Topics("unit"),
+        state_store(Topics("unit")),
+        observe_at_nothing,
+        Observations(),
+        Gate(TEST_ROOT),
     )
     loop = StreamLoop(KafkaSettings(), "unit.loop", ["unit.in"], step, "unit.dlq", metrics=False)
     loop._catch_up_to = {("unit.in", 0): 40, ("unit.in", 1): 7, ("unit.in", 2): 0}

@@ -44,6 +44,7 @@ def test_registry_knows_the_shipped_schemas() -> None:
         "fleetline.fleet.CapacitySummary",
         "fleetline.fleet.ClusterInfo",
         "fleetline.fleet.DatasetState",
+        "fleetline.identity.IdentityEvent",
         "fleetline.observability.LogRecord",
         "fleetline.operations.OpsEvent",
         "fleetline.operations.RepairTicket",

@@ -49,6 +49,7 @@ from fleetline.agents.dataplane.shards import Part, World
 from fleetline.agents.workloads.train import federated_env, workload_env
 from fleetline.config import Settings
 from fleetline.errors import FleetlineError
+from fleetline.identity.writers import Writer, WriterKind
 from fleetline.observability import tracing
 from fleetline.processors.health.runtime import signal as cluster_signal
 from fleetline.processors.health.runtime import signal_output
@@ -119,6 +120,8 @@ class ClusterAgent:
     launcher: Launcher = field(default_factory=ProcessLauncher)
 
     def __post_init__(self) -> None:
+        # Every record this agent writes is its cluster's: a heartbeat, a report, a replica.
+        self.settings = self.settings.writing_as(Writer(WriterKind.CLUSTER, self.cluster_id))
         self.name = f"{self.topics.prefix}.cluster-agent.{self.cluster_id}"
         self.incarnation = uuid.uuid4().hex[:12]
         self.orders: dict[str, Order] = {}

@@ -40,6 +40,7 @@ from fleetline.agents.router.listen import listen
 from fleetline.agents.router.routing import Registry, RoutingPolicy, choose, load_report, weights
 from fleetline.config import Settings
 from fleetline.errors import AuthenticationError, PermissionDenied
+from fleetline.identity.writers import Writer, WriterKind
 from fleetline.processors.scheduling.client import request_output
 from fleetline.processors.scheduling.codec import new_request
 from fleetline.streams import kafka as kafka_clients
@@ -93,8 +94,12 @@ class Router:
         name: str | None = None,
         report: bool = True,
         admit: Admit | None = None,
+        writer_name: str = "router",
     ) -> None:
         self.settings = settings
+        # Who its load reports are from: the router identity enrolled for this deployment's
+        # routers (`fleetline enroll router NAME`), shared by its processes.
+        self.writer_name = writer_name
         self.admit = admit
         self.topics = topics
         self.policy = policy or RoutingPolicy()
@@ -361,7 +366,12 @@ class Router:
             reuse_port=reuse_port,
         )
         producer = (
-            kafka_clients.producer(self.settings.kafka, {"linger.ms": 5}) if self.report else None
+            kafka_clients.producer(
+                self.settings.kafka.writing_as(Writer(WriterKind.ROUTER, self.writer_name)),
+                {"linger.ms": 5},
+            )
+            if self.report
+            else None
         )
         reporter = asyncio.create_task(self._reporter(producer)) if producer else None
         try:

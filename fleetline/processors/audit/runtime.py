@@ -28,15 +28,23 @@ from cryptography.hazmat.primitives.serialization import (
 )
 
 from fleetline.config import KafkaSettings
-from fleetline.errors import ConfigError, InvalidEventError
+from fleetline.errors import ConfigError, FleetlineError, InvalidEventError
+from fleetline.identity.authority import workload_refusal
+from fleetline.identity.writers import EstablishesWriters, WriterRefused
 from fleetline.processors.audit.chain import (
     ChainHead,
     Signer,
     chain_event,
     key_id,
 )
-from fleetline.processors.audit.sources import decision_event, order_event, workload_event
+from fleetline.processors.audit.sources import (
+    decision_event,
+    order_event,
+    refused_event,
+    workload_event,
+)
 from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.deadletter import read_dead_letter
 from fleetline.streams.events import (
     AUDIT_EVENT,
     AUDIT_RECORD,
@@ -44,11 +52,12 @@ from fleetline.streams.events import (
     WORKLOAD_EVENT,
     WORKLOAD_ORDER,
 )
-from fleetline.streams.loop import MessageStep, StreamLoop
+from fleetline.streams.loop import MessageStep, StepResult, StreamLoop
 from fleetline.streams.records import Output, where
 from fleetline.streams.serde import AvroCodec, default_codec
 from fleetline.streams.store import ChangelogStore
 from fleetline.streams.topics import Topics, TopicSpec
+from fleetline.streams.writers import WriterGate
 
 APPLICATION_ID = "audit-chain"
 CHAIN_STORE = "chain"  # each partition's chain head
@@ -135,40 +144,89 @@ def audit_chainer(
 
 
 class AuditLinkStep(MessageStep):
-    """Turns the control plane's own actions (decisions, orders, workload transitions) into
-    AuditEvents for the chainer, in the same transaction as the offsets it read: each action is
-    audited once, and the event commits to the digest of the action's exact bytes."""
+    """Turns the control plane's own actions (decisions, orders, workload transitions) and the
+    records the folds refused for their writer into AuditEvents for the chainer, in the same
+    transaction as the offsets it read: each is audited once, and the event commits to the
+    digest of the action's exact bytes. A workload event is audited with its established
+    writer, and refused (dead-lettered) when that writer may not report for its cluster."""
 
-    def __init__(self, codec: AvroCodec, topics: Topics) -> None:
+    def __init__(self, codec: AvroCodec, topics: Topics, gate: EstablishesWriters) -> None:
         self.codec = codec
+        self.gate = gate
         self.output_topic = topics.audit_requests
-        self.sources = {
+        self.workloads = topics.workloads
+        self.dead_letter = topics.dead_letter
+        self.sources: dict[str, tuple[str, Any]] = {
             topics.decisions: (SCHEDULING_DECISION, decision_event),
             topics.orders: (WORKLOAD_ORDER, order_event),
-            topics.workloads: (WORKLOAD_EVENT, workload_event),
         }
 
+    def process(self, messages: list[Message]) -> StepResult[None]:
+        self.gate.new_batch()
+        return super().process(messages)
+
     def handle(self, message: Message) -> Sequence[Output]:
+        topic = message.topic() or ""
+        if topic == self.dead_letter:
+            return self._refused(message)
         value = message.value()
         if value is None:  # a compacted topic's tombstone: nothing was done
             return []
-        expect, convert = self.sources[message.topic() or ""]
-        record = self.codec.decode(value, expect=expect).record
-        event = convert(record, hashlib.sha256(value).hexdigest())
-        if event is None:
-            return []
+        digest = hashlib.sha256(value).hexdigest()
+        if topic == self.workloads:
+            writer = self.gate.writer_of(message)
+            record = self.codec.decode(value, expect=WORKLOAD_EVENT).record
+            refusal = workload_refusal(writer, record["cluster_id"])
+            if refusal is not None:
+                raise WriterRefused(writer.header, refusal)
+            event = workload_event(record, digest, writer.header)
+        else:
+            expect, convert = self.sources[topic]
+            event = convert(self.codec.decode(value, expect=expect).record, digest)
+        return [] if event is None else self._output(event)
+
+    def _output(self, event: dict[str, Any]) -> list[Output]:
         event = {**event, "salt": os.urandom(16)}
         key = (event.get("tenant") or FLEET_KEY).encode()
         return [Output(self.output_topic, key, self.codec.encode(AUDIT_EVENT, event))]
 
+    def _refused(self, message: Message) -> list[Output]:
+        """A dead letter the control plane wrote because a record's writer was refused: the
+        chain names the true writer. Anything else on the topic is not an action to audit."""
+        letter = read_dead_letter(message)
+        if letter.error != WriterRefused.__name__ or not _from_control_plane(self.gate, message):
+            return []  # only the control plane's folds refuse records for their writer
+        try:
+            claimed = self.codec.decode(letter.value).record.get("actor") or None
+        except FleetlineError:
+            claimed = None
+        return self._output(
+            refused_event(
+                letter.writer,
+                letter.reason,
+                letter.application,
+                letter.source_id,
+                claimed,
+                message.timestamp()[1],
+            )
+        )
+
+
+def _from_control_plane(gate: EstablishesWriters, message: Message) -> bool:
+    try:
+        return gate.writer_of(message).is_control_plane
+    except FleetlineError:
+        return False
+
 
 def audit_linker(kafka: KafkaSettings, topics: Topics, instance_id: str = "0") -> StreamLoop:
-    """The linker, exactly once: what the scheduler and the cluster agents did, to the chainer."""
+    """The linker, exactly once: what the scheduler and the cluster agents did, and what the
+    folds refused, to the chainer."""
     return StreamLoop(
         kafka,
         f"{topics.prefix}.{LINK_APPLICATION_ID}",
-        [topics.decisions, topics.orders, topics.workloads],
-        AuditLinkStep(default_codec(), topics),
+        [topics.decisions, topics.orders, topics.workloads, topics.dead_letter],
+        AuditLinkStep(default_codec(), topics, WriterGate(kafka, topics)),
         topics.dead_letter,
         exactly_once=True,
         instance_id=instance_id,

@@ -77,8 +77,11 @@ def order_event(order: Mapping[str, Any], value_digest: str) -> dict[str, Any]:
     )
 
 
-def workload_event(event: Mapping[str, Any], value_digest: str) -> dict[str, Any] | None:
-    """A workload's transition as its cluster agent reported it; None for a progress report."""
+def workload_event(
+    event: Mapping[str, Any], value_digest: str, writer: str = ""
+) -> dict[str, Any] | None:
+    """A workload's transition as its cluster agent reported it, with who wrote the report as
+    the gate established it (`writer`); None for a progress report."""
     kind = event["event"]
     if kind in _NOT_AUDITED:
         return None
@@ -89,6 +92,8 @@ def workload_event(event: Mapping[str, Any], value_digest: str) -> dict[str, Any
         "attempt": str(attempt),
         "record_sha256": value_digest,
     }
+    if writer:
+        details["writer"] = writer
     for name in ("pid", "exit_code", "step", "checkpoint_uri", "from_cluster", "detail"):
         if event.get(name) is not None:
             details[name] = str(event[name])
@@ -103,6 +108,42 @@ def workload_event(event: Mapping[str, Any], value_digest: str) -> dict[str, Any
         request_id=f"{event['job']}:{epoch}:{attempt}",
         trace_id=event.get("trace_id") or None,
         source="cluster-agent",
+        details=details,
+    )
+
+
+def refused_event(
+    writer: str,
+    reason: str,
+    application: str,
+    source: tuple[str, int, int],
+    claimed_actor: str | None,
+    ts: int,
+) -> dict[str, Any]:
+    """A record a fold refused because its writer may not write it (or none was established):
+    the true writer as the actor, what the record claimed beside it, where it lies (it stays
+    on its topic for the postmortem) and why."""
+    topic, partition, offset = source
+    details = {
+        "topic": topic,
+        "partition": str(partition),
+        "offset": str(offset),
+        "reason": reason,
+        "refused_by": application,
+    }
+    if claimed_actor:
+        details["claimed_actor"] = claimed_actor
+    return _event(
+        event_id=f"refused:{topic}:{partition}:{offset}",
+        ts=ts,
+        actor=writer or "unauthenticated",
+        tenant=None,
+        operation="record.REFUSED",
+        target=f"{topic}/{partition}/{offset}",
+        outcome="FAILED",
+        request_id=f"{topic}:{partition}:{offset}",
+        trace_id=None,
+        source="writer-gate",
         details=details,
     )
 

@@ -9,11 +9,12 @@ A cluster moves HEALTHY -> SUSPECT (silent for `suspect_after_ms`) -> UNHEALTHY 
 say) -> RECOVERING (heard again; everything it ran before is fenced) -> HEALTHY (heard without a
 gap for `recover_after_ms`, longer for each loss within `flap_window_ms`: flapping is damped).
 
-Time is the signals' own: the control plane's clock ticks are events on the same single
-partition as the heartbeats, so silence moves time, and a replay of the log sees the same ticks
-in the same order and declares the same clusters lost at the same positions. A broken link
-between two clusters (each reports the other unreachable while both heartbeat) is a PARTITION
-event and evicts neither. Nothing here reads a clock or does I/O.
+Time is the broker's (each signal's LogAppendTime; never an agent's clock): the control plane's
+clock ticks are events on the same single partition as the heartbeats, so silence moves time,
+and a replay of the log sees the same ticks in the same order and declares the same clusters
+lost at the same positions. A broken link between two clusters (each reports the other
+unreachable while both heartbeat) is a PARTITION event and evicts neither. Nothing here reads
+a clock or does I/O.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from enum import StrEnum
 from typing import Any
 
 from fleetline.errors import InvalidEventError
+from fleetline.identity.authority import signal_refusal
+from fleetline.identity.writers import CONTROL_PLANE_WRITER, Writer, WriterRefused
 
 
 class HealthState(StrEnum):
@@ -82,10 +85,29 @@ class HealthFold:
     now_ms: int = 0
     position: int = -1
 
-    def step(self, signal: Mapping[str, Any], position: int) -> list[dict[str, Any]]:
-        """Fold one ClusterSignal at log `position`; the ClusterHealth records it causes."""
+    def step(
+        self,
+        signal: Mapping[str, Any],
+        position: int,
+        writer: Writer = CONTROL_PLANE_WRITER,
+        appended_ms: int | None = None,
+    ) -> list[dict[str, Any]]:
+        """Fold one ClusterSignal at log `position`, written by `writer` (as the gate
+        established it) and appended by the broker at `appended_ms`; the ClusterHealth records
+        it causes. A signal its writer may not send raises WriterRefused and changes nothing.
+
+        Time is the broker's: its append time of each signal (the topic stamps LogAppendTime),
+        or, for a signal that carries none, the control plane's own clock. Never an agent's:
+        one heartbeat from an agent whose clock runs 40 s ahead would otherwise make every
+        other cluster look silent for 40 s."""
+        refusal = signal_refusal(writer, signal["kind"], signal["cluster_id"])
+        if refusal is not None:
+            raise WriterRefused(writer.header, refusal)
         self.position = position
-        self.now_ms = max(self.now_ms, int(signal["ts"]))
+        if appended_ms is not None:
+            self.now_ms = max(self.now_ms, appended_ms)
+        elif writer.is_control_plane:
+            self.now_ms = max(self.now_ms, int(signal["ts"]))
         out: list[dict[str, Any]] = []
         match signal["kind"]:
             case "TICK":

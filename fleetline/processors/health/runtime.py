@@ -18,15 +18,17 @@ from typing import Any
 from confluent_kafka import Message
 
 from fleetline.config import KafkaSettings
+from fleetline.identity.writers import EstablishesWriters
 from fleetline.processors.health.fold import ClusterHealthPolicy, HealthFold
 from fleetline.schemas.records import ClusterSignal, ClusterSignalKind, PeerReach, WorkloadStatus
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.events import CLUSTER_HEALTH, CLUSTER_SIGNAL
-from fleetline.streams.loop import FoldService, FoldStep, fold_loop, produce
-from fleetline.streams.records import Output, where
+from fleetline.streams.loop import FoldService, FoldStep, StepResult, fold_loop, produce
+from fleetline.streams.records import Output, appended_ms, where
 from fleetline.streams.serde import AvroCodec, default_codec
 from fleetline.streams.store import FOLD_STORE, ChangelogStore, fold_changelog, fold_store
 from fleetline.streams.topics import Topics, TopicSpec
+from fleetline.streams.writers import WriterGate
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +97,11 @@ class HealthStep(FoldStep[HealthFold]):
         topics: Topics,
         store: ChangelogStore[Any],
         policy: ClusterHealthPolicy,
+        gate: EstablishesWriters,
         codec: AvroCodec | None = None,
     ) -> None:
         super().__init__()
+        self.gate = gate
         self.topics = topics
         self.state = store
         self.stores = [store]
@@ -111,12 +115,17 @@ class HealthStep(FoldStep[HealthFold]):
         fold.policy = self.policy
         return fold
 
+    def process(self, messages: list[Message]) -> StepResult[None]:
+        self.gate.new_batch()
+        return super().process(messages)
+
     def handle(self, message: Message) -> Sequence[Output]:
         _, _, offset = where(message)
+        writer = self.gate.writer_of(message)
         with self.lock:
             fold = self.fold()
             record = self.codec.decode(message.value(), expect=CLUSTER_SIGNAL).record
-            events = fold.step(record, offset)
+            events = fold.step(record, offset, writer, appended_ms(message))
             self.state.put(0, _KEY, fold.as_data())
         return [
             Output(
@@ -143,7 +152,9 @@ class ClusterHealthService(FoldService):
 
     def __post_init__(self) -> None:
         self.store = health_store(self.topics)
-        self.step = HealthStep(self.topics, self.store, self.policy)
+        self.step = HealthStep(
+            self.topics, self.store, self.policy, WriterGate(self.kafka, self.topics)
+        )
         self.loop = fold_loop(
             self.kafka,
             self.topics,

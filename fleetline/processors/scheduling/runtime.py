@@ -28,6 +28,7 @@ from typing import Any
 from confluent_kafka import Message
 
 from fleetline.config import KafkaSettings
+from fleetline.identity.writers import EstablishesWriters
 from fleetline.observability import metrics, tracing
 from fleetline.processors.scheduling.capacity import FleetFacts, observe, observe_summaries
 from fleetline.processors.scheduling.client import (
@@ -65,6 +66,7 @@ from fleetline.streams.events import (
 from fleetline.streams.loop import (
     FoldService,
     FoldStep,
+    StepResult,
     fold_loop,
     wait_for,
 )
@@ -72,6 +74,7 @@ from fleetline.streams.records import Offsets, Output, where
 from fleetline.streams.serde import AvroCodec, default_codec
 from fleetline.streams.store import ChangelogStore
 from fleetline.streams.topics import Topics, TopicSpec
+from fleetline.streams.writers import WriterGate
 
 log = logging.getLogger(__name__)
 
@@ -116,9 +119,11 @@ class SchedulerStep(FoldStep[Scheduler]):
         store: ChangelogStore[Any],
         facts_at: Callable[[Offsets], FleetFacts],
         observations: Observations,
+        gate: EstablishesWriters,
         codec: AvroCodec | None = None,
     ) -> None:
         super().__init__()
+        self.gate = gate
         self.topics = topics
         self.state = store  # the scheduler's state as changelog records
         self.stores = [store]
@@ -146,8 +151,13 @@ class SchedulerStep(FoldStep[Scheduler]):
             return seen
         return self.facts_at(offsets) if offsets else observe(ResourceView())
 
+    def process(self, messages: list[Message]) -> StepResult[None]:
+        self.gate.new_batch()
+        return super().process(messages)
+
     def handle(self, message: Message) -> Sequence[Output]:
         _, _, offset = where(message)
+        writer = self.gate.writer_of(message)
         with self.lock:
             scheduler = self.fold()
             request = self.codec.decode(message.value(), expect=SCHEDULER_REQUEST).record
@@ -155,7 +165,7 @@ class SchedulerStep(FoldStep[Scheduler]):
             if request["kind"] == "TICK":
                 facts = self._facts(offsets_of(request))
             try:
-                effects = scheduler.step(request, offset, facts)
+                effects = scheduler.step(request, offset, facts, writer)
             finally:
                 for key, value in scheduler.drain_dirty():
                     self.state.put(0, key.encode(), value)
@@ -234,7 +244,13 @@ class SchedulerService(FoldService):
     def __post_init__(self) -> None:
         self.store = state_store(self.topics)
         self.observations = Observations()
-        self.step = SchedulerStep(self.topics, self.store, self.facts_at, self.observations)
+        self.step = SchedulerStep(
+            self.topics,
+            self.store,
+            self.facts_at,
+            self.observations,
+            WriterGate(self.kafka, self.topics),
+        )
         self.loop = fold_loop(
             self.kafka,
             self.topics,

@@ -20,21 +20,38 @@ from collections.abc import Mapping
 from typing import Any
 
 from fleetline.errors import InvalidEventError
+from fleetline.identity.authority import request_refusal
+from fleetline.identity.writers import CONTROL_PLANE_WRITER, Writer, WriterRefused
 from fleetline.processors.scheduling import reconcile, requests
 from fleetline.processors.scheduling.capacity import FleetFacts
 from fleetline.processors.scheduling.effects import Effect, EffectLog
 from fleetline.processors.scheduling.requests import RequestKind
-from fleetline.processors.scheduling.state import SchedulerState, view_offsets_of
+from fleetline.processors.scheduling.state import Job, SchedulerState, view_offsets_of
+
+
+def _ordered_clusters(job: Job) -> set[str]:
+    """The clusters the job's current placement was ordered to (a split job's several)."""
+    return {*job.allocation, *([job.ordered_cluster] if job.ordered_cluster else [])}
 
 
 class Scheduler(SchedulerState):
     """The scheduler's state and the step that folds one request into it."""
 
     def step(
-        self, request: Mapping[str, Any], position: int, facts: FleetFacts | None = None
+        self,
+        request: Mapping[str, Any],
+        position: int,
+        facts: FleetFacts | None = None,
+        writer: Writer = CONTROL_PLANE_WRITER,
     ) -> list[Effect]:
         """Fold one request at log `position`; `facts` is the view observed at the offsets a
-        TICK names (required for TICKs, ignored otherwise)."""
+        TICK names (required for TICKs, ignored otherwise). `writer` is who wrote it, as the
+        gate established it: a request it may not make raises WriterRefused and changes
+        nothing. Only the control plane's requests move the clock (an agent's clock is its
+        own, and one running ahead must not age every deadline and backoff)."""
+        refusal = self.refusal(writer, request)
+        if refusal is not None:
+            raise WriterRefused(writer.header, refusal)
         out = EffectLog(position)
         self.position = position
         self.dirty.add("meta")
@@ -42,7 +59,7 @@ class Scheduler(SchedulerState):
         # in the same millisecond must not be read stale, and a scheduler restored from its
         # changelog (with no cache) must decide what the running one decided.
         self.victim_cache.clear()
-        if request["ts"] > self.now_ms:
+        if writer.is_control_plane and request["ts"] > self.now_ms:
             self.now_ms = request["ts"]
         match request["kind"]:
             case RequestKind.SUBMIT:
@@ -74,6 +91,27 @@ class Scheduler(SchedulerState):
             case other:
                 raise InvalidEventError(f"the scheduler does not handle {other} requests")
         return out.effects
+
+    def refusal(self, writer: Writer, request: Mapping[str, Any]) -> str | None:
+        """Why `writer` may not make `request` (identity/authority.py), from this state."""
+        if writer.is_control_plane:
+            return None
+        kind, key = request["kind"], request["key"]
+        job = self.jobs.get(key)
+        epoch = request.get("epoch")
+        tenant = request.get("tenant") or ""
+        # (reads only: a refused request must leave no trace in the state)
+        node = self.facts.nodes.get(key) if kind in ("FENCE", "UNFENCE") else None
+        return request_refusal(
+            writer,
+            kind,
+            cluster_id=request.get("cluster_id"),
+            ordered_clusters=_ordered_clusters(job) if job is not None else (),
+            current_epoch=job is None or epoch is None or epoch == job.epoch,
+            copy_ordered=key in (usage.prewarms if (usage := self.usage.get(tenant)) else ()),
+            is_service=job is not None and job.is_service,
+            node_cluster=node.cluster_id if node is not None else None,
+        )
 
     @classmethod
     def from_records(cls, records: Mapping[str, Any], facts: FleetFacts) -> Scheduler:

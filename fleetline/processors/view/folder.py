@@ -25,6 +25,8 @@ import numpy as np
 import pyarrow.compute as pc
 
 from fleetline.errors import FleetlineError, InvalidEventError
+from fleetline.identity.authority import node_refusal
+from fleetline.identity.writers import EstablishesWriters, WriterRefused
 from fleetline.processors.view.fold import (
     REPEAT_FIELDS,
     apply,
@@ -113,6 +115,10 @@ class PartFolder:
     topics: Topics
     policy: HealthPolicy = field(default_factory=HealthPolicy)
     codec: AvroCodec = field(default_factory=default_codec)
+    # Who wrote each record (identity/writers.py): the live view and every replay pass the
+    # deployment's gate, and a node record its writer may not publish is refused; None folds
+    # records as they come (pure tests and benchmarks of records made in memory).
+    gate: EstablishesWriters | None = None
 
     def __post_init__(self) -> None:
         self.roles = topic_roles(self.topics)
@@ -136,6 +142,8 @@ class PartFolder:
             topic, partition, _ = where(record)
             runs.setdefault((topic, partition), []).append(record)
         failed: list[tuple[R, FleetlineError]] = []
+        if self.gate is not None:
+            self.gate.new_batch()
         for (topic, partition), run in runs.items():
             name = self.part_of(topic, partition)
             view = parts.get(name)
@@ -171,6 +179,14 @@ class PartFolder:
                 self.fold_one(view, record, failed)
                 continue
             cluster_id, region, node_id, seq, ts, gpus = row
+            if self.gate is not None:
+                try:
+                    self._check_node(record, "telemetry", cluster_id, node_id)
+                except FleetlineError as exc:
+                    # The next record of this node may be decoded as a repeat of this one.
+                    last.pop(node_id, None)
+                    failed.append((record, exc))
+                    continue
             latest = _latest_ts(record)
             if latest is not None and ts > latest:
                 ts = latest
@@ -203,7 +219,10 @@ class PartFolder:
                 raise InvalidEventError(f"the resource view does not read {topic}")
             key = record.key()
             value = record.value()
+            node_topic = topic in self.node_topics
             if value is None and role.tombstone is not None and key is not None:
+                if self.gate is not None:
+                    self._check_control_plane(record, f"forget a {role.tombstone}")
                 forget(view, role.tombstone, key.decode(errors="replace"))
             else:
                 event = self.codec.decode(value, expect=role.record)
@@ -212,10 +231,29 @@ class PartFolder:
                     raise InvalidEventError(
                         f"message key {key!r} is not the record's {role.key_field} {entity!r}"
                     )
-                latest = _latest_ts(record) if topic in self.node_topics else None
+                if self.gate is not None:
+                    if node_topic:
+                        what = "telemetry" if topic == self.topics.telemetry else "NodeState"
+                        self._check_node(record, what, event.record["cluster_id"], entity)
+                    else:
+                        self._check_control_plane(record, f"publish {role.record}")
+                latest = _latest_ts(record) if node_topic else None
                 if latest is not None and event.record["ts"] > latest:
                     event = replace(event, record={**event.record, "ts": latest})
                 apply(view, event)
         except FleetlineError as exc:
             failed.append((record, exc))
         view.advance(topic, partition, offset)
+
+    def _check_node(self, record: Any, what: str, cluster_id: str, node_id: str) -> None:
+        assert self.gate is not None
+        writer = self.gate.writer_of(record)
+        refusal = node_refusal(writer, what, cluster_id, node_id)
+        if refusal is not None:
+            raise WriterRefused(writer.header, refusal)
+
+    def _check_control_plane(self, record: Any, what: str) -> None:
+        assert self.gate is not None
+        writer = self.gate.writer_of(record)
+        if not writer.is_control_plane:
+            raise WriterRefused(writer.header, f"may not {what}")

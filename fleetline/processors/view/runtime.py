@@ -27,6 +27,7 @@ from confluent_kafka import OFFSET_BEGINNING, KafkaError, Message, TopicPartitio
 
 from fleetline.config import KafkaSettings
 from fleetline.errors import StreamError
+from fleetline.identity.writers import EstablishesWriters
 from fleetline.observability import metrics
 from fleetline.processors.view import APPLICATION_ID
 from fleetline.processors.view.fold import compose
@@ -41,6 +42,7 @@ from fleetline.streams.loop import Step, StepResult, StreamLoop, deliver, run_be
 from fleetline.streams.records import Output, position, where
 from fleetline.streams.serde import AvroCodec, default_codec
 from fleetline.streams.topics import Topics
+from fleetline.streams.writers import WriterGate
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +73,9 @@ class ViewStep(Step[None]):
         policy: HealthPolicy,
         snapshot_interval_s: float,
         stats: ViewStats,
+        gate: EstablishesWriters,
     ) -> None:
-        self.folder = PartFolder(topics, policy)
+        self.folder = PartFolder(topics, policy, gate=gate)
         self.snapshots = snapshots
         self.policy = policy
         self.snapshot_interval_s = snapshot_interval_s
@@ -193,7 +196,12 @@ class ViewProcessor:
 
     def __post_init__(self) -> None:
         self.step = ViewStep(
-            self.topics, self.snapshots, self.policy, self.snapshot_interval_s, self.stats
+            self.topics,
+            self.snapshots,
+            self.policy,
+            self.snapshot_interval_s,
+            self.stats,
+            WriterGate(self.kafka, self.topics),
         )
         self.loop = StreamLoop(
             self.kafka,

@@ -1,0 +1,133 @@
+"""The writer gate as live folds and replays use it: identity/writers.Gate over the identities
+topic, read to its end before a batch's first agent record is judged.
+
+Why "before": a revocation holds for the records the broker appended at or after it. A batch
+was fetched after each of its records was appended, so reading the identities topic to its end
+after the fetch sees every revocation appended before them; a replay, which reads the topic
+whole, refuses the same records. Control-plane records never wait for it (the control plane is
+the root, not revocable), so the scheduler's ticks and submissions pay nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+
+from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+from fleetline.config import KafkaSettings
+from fleetline.errors import ConfigError, StreamError
+from fleetline.identity.writers import (
+    H_WRITER,
+    Gate,
+    Headed,
+    Registry,
+    Writer,
+    WriterKind,
+)
+from fleetline.streams import kafka as kafka_clients
+from fleetline.streams.events import IDENTITY_EVENT
+from fleetline.streams.records import appended_ms
+from fleetline.streams.serde import AvroCodec, default_codec
+from fleetline.streams.topics import Topics
+
+log = logging.getLogger(__name__)
+_CONTROL_PLANE = WriterKind.CONTROL_PLANE.value.encode()
+
+
+def gate_root(kafka: KafkaSettings) -> bytes:
+    """The identity root a fold checks writers with, or ConfigError saying where it comes from."""
+    if kafka.identity_root is None:
+        raise ConfigError(
+            "this process checks who wrote each record and holds no identity root: give it "
+            "FLEETLINE_IDENTITY_ROOT_KEY, or run it on the control plane's host (`fleetline "
+            "serve` makes .cache/keys/identity-root.key on first start)"
+        )
+    return kafka.identity_root
+
+
+class WriterGate:
+    """A Gate whose registry follows the identities topic (see the module's docstring)."""
+
+    def __init__(
+        self,
+        kafka: KafkaSettings,
+        topics: Topics,
+        codec: AvroCodec | None = None,
+    ) -> None:
+        self.kafka = kafka
+        self.topic = topics.identities
+        self.codec = codec or default_codec()
+        self.gate = Gate(gate_root(kafka))
+        self._consumer: Consumer | None = None
+        self._fresh = False
+        self._lock = threading.Lock()
+
+    @property
+    def registry(self) -> Registry:
+        return self.gate.registry
+
+    def new_batch(self) -> None:
+        """A batch was fetched: the registry is read again before its first agent record."""
+        self._fresh = False
+
+    def refresh(self, timeout_s: float = 30.0) -> None:
+        """Read the identities topic up to its end as the broker gives it now."""
+        with self._lock:
+            if self._consumer is None:
+                self._consumer = kafka_clients.consumer(
+                    self.kafka, f"fleetline-identities-{uuid.uuid4().hex[:12]}"
+                )
+                self._consumer.assign([TopicPartition(self.topic, 0, 0)])
+            tp = TopicPartition(self.topic, 0)
+            deadline = time.monotonic() + timeout_s
+            try:
+                _, high = self._consumer.get_watermark_offsets(tp, timeout=timeout_s, cached=False)
+            except Exception as exc:  # a KafkaException: the broker did not answer in time
+                raise StreamError(f"reading {self.topic}'s end: {exc}") from None
+            while self.registry.position < high:
+                if time.monotonic() > deadline:
+                    raise StreamError(
+                        f"reading {self.topic}: at offset {self.registry.position} of {high} "
+                        f"after {timeout_s:.0f}s"
+                    )
+                for msg in self._consumer.consume(500, 0.5):
+                    error = msg.error()
+                    if error is not None:
+                        if error.code() == KafkaError._PARTITION_EOF:
+                            continue
+                        raise StreamError(f"reading {self.topic}: {error.str()}")
+                    event = self.codec.decode(msg.value(), expect=IDENTITY_EVENT).record
+                    self.registry.apply(event, appended_ms(msg) or 0, msg.offset() or 0)
+            self._fresh = True
+
+    def writer_of(self, record: Headed) -> Writer:
+        if not self._fresh and not _control_plane(record):
+            self.refresh()
+        return self.gate.writer_of(record)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._consumer is not None:
+                self._consumer.close()
+                self._consumer = None
+
+
+def _control_plane(record: Headed) -> bool:
+    for name, value in record.headers() or ():
+        if name == H_WRITER:
+            return value is not None and value.split(b"#")[0] == _CONTROL_PLANE
+    return False
+
+
+def replay_gate(kafka: KafkaSettings, topics: Topics) -> Gate:
+    """A gate for a replay: the identities topic read whole now. A revocation holds from its
+    own append time, so one appended after the records a replay folds changes nothing."""
+    live = WriterGate(kafka, topics)
+    try:
+        live.refresh()
+    finally:
+        live.close()
+    return live.gate
