@@ -23,6 +23,7 @@ from fleetline.cli import (
     contract,
     data,
     doctor,
+    enroll,
     infra,
     jobs,
     lab,
@@ -61,6 +62,7 @@ app = typer.Typer(
 _GROUPS = (
     session,
     doctor,
+    enroll,
     infra,
     lab,
     run,

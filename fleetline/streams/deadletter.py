@@ -61,7 +61,8 @@ def read_dead_letter(msg: Message) -> DeadLetter:
     raw = msg.headers() or []
     pairs = raw.items() if isinstance(raw, dict) else raw
     headers = {
-        key: value.decode() if isinstance(value, bytes) else (value or "") for key, value in pairs
+        key: value.decode(errors="replace") if isinstance(value, bytes) else (value or "")
+        for key, value in pairs
     }
     return DeadLetter(
         key=msg.key(),

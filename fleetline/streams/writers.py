@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 
-from confluent_kafka import Consumer, KafkaError, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 
 from fleetline.config import KafkaSettings
 from fleetline.errors import ConfigError, StreamError
@@ -131,3 +131,47 @@ def replay_gate(kafka: KafkaSettings, topics: Topics) -> Gate:
     finally:
         live.close()
     return live.gate
+
+
+def publish_identity_event(
+    kafka: KafkaSettings,
+    topics: Topics,
+    action: str,
+    writer: Writer,
+    actor: str,
+    reason: str | None = None,
+    clock_ms: int | None = None,
+) -> int:
+    """Append an ENROL or REVOKE of `writer` to the identities topic; the broker's append
+    time (from which a revocation holds)."""
+    codec = default_codec()
+    record = {
+        "action": action,
+        "writer": writer.id,
+        "generation": writer.generation,
+        "actor": actor,
+        "reason": reason,
+        "ts": clock_ms if clock_ms is not None else int(time.time() * 1000),
+    }
+    appended: list[int] = []
+    failed: list[str] = []
+
+    def delivered(error: KafkaError | None, msg: Message) -> None:
+        if error is not None:
+            failed.append(error.str())
+        else:
+            appended.append(msg.timestamp()[1])
+
+    producer = kafka_clients.producer(kafka, {"linger.ms": 0})
+    producer.produce(
+        topics.identities,
+        codec.encode(IDENTITY_EVENT, record),
+        writer.id.encode(),
+        on_delivery=delivered,
+    )
+    if producer.flush(30) or failed or not appended:
+        raise StreamError(
+            f"the {action} of {writer.header} was not appended to {topics.identities}: "
+            + (failed[0] if failed else "no answer in 30 s")
+        )
+    return appended[0]
