@@ -113,3 +113,90 @@ def test_skewed_agent_clocks_neither_stall_nor_silence_the_fleet(replicated, tmp
     # Self-healing opened no ticket against the nodes on true or fast clocks.
     tickets = tickets_from_log(settings.kafka, topics).values()
     assert not [t for t in tickets if not t["node_id"].startswith("us-east-a")], serve.log()
+
+
+CLUSTER_SKEWS_MS = {"skew-ahead": 60_000, "skew-behind": -60_000, "skew-none": 0}
+
+
+def test_cluster_agents_a_minute_off_change_no_health_decision(settings) -> None:
+    """Cluster agents whose clocks run a minute ahead and a minute behind heartbeat (each under
+    its own cluster identity, as `fleetline cluster-agent` does) beside one on time: the health
+    fold, whose time is the broker's, judges none of them silent; and when the agent a minute
+    ahead dies, its cluster is declared lost within the normal bound, not a minute late or
+    early. (One heartbeat 40 s ahead used to make the fold evict every other cluster.)"""
+    import threading
+
+    from fleetline.identity.writers import Writer, WriterKind
+    from fleetline.processors.health.fold import ClusterHealthPolicy
+    from fleetline.processors.health.runtime import (
+        ClusterHealthService,
+        health_topics,
+        signal,
+        signal_output,
+    )
+    from fleetline.streams.loop import produce as produce_output
+    from tests.services import running
+
+    topics = fresh_topics()
+    kafka_clients.ensure_topics(settings.kafka, health_topics(topics))
+    policy = ClusterHealthPolicy()
+    health = ClusterHealthService(settings.kafka, topics, policy, tick_interval_s=0.3)
+    stops = {cluster: threading.Event() for cluster in CLUSTER_SKEWS_MS}
+
+    def heartbeat(cluster: str, skew_ms: int) -> None:
+        kafka = settings.kafka.writing_as(Writer(WriterKind.CLUSTER, cluster))
+        producer = kafka_clients.producer(kafka, {"linger.ms": 0})
+        seq = 0
+        while not stops[cluster].is_set():
+            seq += 1
+            ts = int(time.time() * 1000) + skew_ms
+            produce_output(
+                producer,
+                signal_output(
+                    topics, signal("HEARTBEAT", cluster, ts, seq=seq, incarnation="i1"), codec
+                ),
+            )
+            producer.flush(10)
+            stops[cluster].wait(0.5)
+
+    def states() -> list[dict]:
+        return [
+            codec.decode(m.value()).record for m in read_topic(settings.kafka, topics.emergency)
+        ]
+
+    beats = [
+        threading.Thread(target=heartbeat, args=(c, s), daemon=True)
+        for c, s in CLUSTER_SKEWS_MS.items()
+    ]
+    with running(health):
+        for beat in beats:
+            beat.start()
+        try:
+            time.sleep(8)  # a minute of skew would have shown many times over
+            judged = [h for h in states() if h["state"] != "HEALTHY"]
+            assert not judged, judged
+            stops["skew-ahead"].set()
+            stopped_ms = int(time.time() * 1000)
+            lost: list[dict] = []
+
+            def declared() -> bool:
+                lost[:] = [
+                    h
+                    for h in states()
+                    if h["cluster_id"] == "skew-ahead" and h["state"] == "UNHEALTHY"
+                ]
+                return bool(lost)
+
+            wait_until(declared, 30, "the dead agent's cluster declared lost", every_s=0.2)
+        finally:
+            for stop in stops.values():
+                stop.set()
+            for beat in beats:
+                beat.join(10)
+    # Declared (broker time) within the silence bound of its last heartbeat, give or take a
+    # heartbeat interval and a tick: not a minute late (its last heartbeat's own stamp) or early.
+    bound_ms = policy.lost_after_ms + 1_000
+    assert lost[0]["silent_ms"] <= bound_ms, lost[0]
+    assert lost[0]["ts"] - stopped_ms <= bound_ms, (lost[0]["ts"] - stopped_ms, lost[0])
+    others = [h for h in states() if h["cluster_id"] != "skew-ahead" and h["state"] != "HEALTHY"]
+    assert not others, others
