@@ -62,6 +62,18 @@ class Writer:
     kind: WriterKind
     name: str = ""  # empty for the control plane
     generation: int = 1
+    # The cluster a node or cluster writer speaks for, and a node writer's node (a node is
+    # named `cluster/node`): worked out once, as every record's check asks.
+    cluster: str | None = field(init=False, compare=False, repr=False, default=None)
+    node: str | None = field(init=False, compare=False, repr=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.kind is WriterKind.CLUSTER:
+            object.__setattr__(self, "cluster", self.name)
+        elif self.kind is WriterKind.NODE:
+            cluster, _, node = self.name.partition("/")
+            object.__setattr__(self, "cluster", cluster)
+            object.__setattr__(self, "node", node)
 
     @property
     def id(self) -> str:
@@ -74,19 +86,6 @@ class Writer:
     @property
     def header(self) -> str:
         return f"{self.id}#{self.generation}"
-
-    @property
-    def cluster(self) -> str | None:
-        """The cluster a node or cluster writer speaks for (a node is `cluster/node`)."""
-        if self.kind is WriterKind.CLUSTER:
-            return self.name
-        if self.kind is WriterKind.NODE:
-            return self.name.partition("/")[0]
-        return None
-
-    @property
-    def node(self) -> str | None:
-        return self.name.partition("/")[2] if self.kind is WriterKind.NODE else None
 
     @property
     def is_control_plane(self) -> bool:
@@ -126,15 +125,22 @@ def writer_key(root: bytes, writer: Writer) -> bytes:
 
 
 def record_mac(key: bytes, topic: str, msg_key: bytes | None, value: bytes | None) -> bytes:
-    """The MAC of one record: over its topic, key and value, each length-framed (so no two
-    different records frame to the same bytes; None and empty differ)."""
-    t = topic.encode()
-    k = b"" if msg_key is None else msg_key
-    v = b"" if value is None else value
+    """The MAC of one record: keyed BLAKE2b over its topic, key and value, each length-framed
+    (so no two different records frame to the same bytes; None and empty differ)."""
+    return _mac(hashlib.blake2b(key=key, digest_size=MAC_BYTES), topic.encode(), msg_key, value)
+
+
+def _mac(keyed: Any, topic: bytes, msg_key: bytes | None, value: bytes | None) -> bytes:
+    """`record_mac` from a keyed hasher made once per writer (copying it skips the key block)."""
+    h = keyed.copy()
     frame = struct.pack(
-        ">Iii", len(t), -1 if msg_key is None else len(k), -1 if value is None else len(v)
+        ">Iii",
+        len(topic),
+        -1 if msg_key is None else len(msg_key),
+        -1 if value is None else len(value),
     )
-    return hashlib.blake2b(frame + t + k + v, key=key, digest_size=MAC_BYTES).digest()
+    h.update(b"".join((frame, topic, msg_key or b"", value or b"")))
+    return bytes(h.digest())
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,7 +293,8 @@ class Gate:
             raise ConfigError("the identity root key must be at least 32 bytes")
         self._root = root
         self.registry = registry or Registry()
-        self._keys: dict[str, tuple[Writer, bytes]] = {}
+        self._keys: dict[bytes, tuple[Writer, Any]] = {}
+        self._topics: dict[str, bytes] = {}
 
     def new_batch(self) -> None:
         """Nothing to read again: this gate's registry is given whole."""
@@ -296,34 +303,38 @@ class Gate:
         """A writer's credential (what `fleetline enroll` hands its host)."""
         return Credential(writer, writer_key(self._root, writer))
 
-    def _known(self, header: bytes) -> tuple[Writer, bytes]:
-        text = header.decode(errors="replace")
-        found = self._keys.get(text)
+    def _known(self, header: bytes) -> tuple[Writer, Any]:
+        found = self._keys.get(header)
         if found is None:
             try:
-                writer = Writer.parse(text)
+                writer = Writer.parse(header.decode(errors="replace"))
             except ConfigError as exc:
                 raise WriterRefused("an unknown writer", f"names no valid writer: {exc}") from None
-            found = (writer, writer_key(self._root, writer))
+            keyed = hashlib.blake2b(key=writer_key(self._root, writer), digest_size=MAC_BYTES)
+            found = (writer, keyed)
             if len(self._keys) < 100_000:
-                self._keys[text] = found
+                self._keys[header] = found
         return found
 
     def writer_of(self, record: Headed) -> Writer:
         writer_header, mac = _identity_headers(record.headers())
         if writer_header is None or mac is None:
             raise WriterRefused("an unauthenticated writer", "wrote a record with no writer MAC")
-        writer, key = self._known(writer_header)
-        expected = record_mac(key, record.topic() or "", record.key(), record.value())
-        if not hmac.compare_digest(expected, mac):
+        writer, keyed = self._known(writer_header)
+        topic = record.topic() or ""
+        topic_bytes = self._topics.get(topic)
+        if topic_bytes is None:
+            topic_bytes = self._topics[topic] = topic.encode()
+        if not hmac.compare_digest(_mac(keyed, topic_bytes, record.key(), record.value()), mac):
             raise WriterRefused(
                 "an unauthenticated writer",
                 f"claims to be {writer.header}: the MAC does not verify",
             )
-        kind, ms = record.timestamp()
-        refusal = self.registry.refusal(writer, ms if kind == _LOG_APPEND_TIME else None)
-        if refusal is not None:
-            raise WriterRefused(writer.header, refusal)
+        if self.registry.revoked:
+            kind, ms = record.timestamp()
+            refusal = self.registry.refusal(writer, ms if kind == _LOG_APPEND_TIME else None)
+            if refusal is not None:
+                raise WriterRefused(writer.header, refusal)
         return writer
 
 
@@ -331,7 +342,7 @@ def _identity_headers(headers: Any) -> tuple[bytes | None, bytes | None]:
     writer = mac = None
     pairs = headers.items() if isinstance(headers, Mapping) else headers or ()
     for name, value in pairs:
-        if isinstance(value, str):
+        if value.__class__ is str:
             value = value.encode()
         if name == H_WRITER:
             writer = value
