@@ -64,7 +64,7 @@ from fleetline.storage.queries import ready_sql, trace_sql
 from fleetline.storage.tiering.macros import expander
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.serde import default_codec
-from fleetline.streams.topics import CLUSTER_AGENT, CONTROL_PLANE, NODE_AGENT, Topics
+from fleetline.streams.topics import CLUSTER_AGENT, CONTROL_PLANE, NODE_AGENT, ROUTER, Topics
 
 
 @dataclass
@@ -572,7 +572,10 @@ def play(
         if day:
             began = time.monotonic()
             serving = story_part(
-                progress, lambda: serving_day(fleet, settings, topics, day, progress)
+                progress,
+                lambda: serving_day(
+                    fleet, settings, topics, day, progress, kinds.as_kind(ROUTER)
+                ),
             )
             timings["serving_day_s"] = time.monotonic() - began
         now = fleet.view.read(view_read.cluster_capacity)

@@ -76,8 +76,11 @@ def serving_day(
     topics: Topics,
     day: Mapping[str, Any],
     say: Callable[[str], None],
+    router_settings: Settings | None = None,
 ) -> dict[str, Any]:
-    """Play the day and return what happened (see the module's docstring)."""
+    """Play the day and return what happened (see the module's docstring). The router signs
+    in to Kafka with `router_settings` (a secured broker's router principal; default the
+    story's own) and writes its load reports as the router it is."""
     documents = list(day["apply"])
     service = next(
         f"{d['metadata']['tenant']}/{d['metadata']['name']}"
@@ -139,7 +142,7 @@ def serving_day(
     if not _until(lambda: snapshot(fleet, service, training)["serving"], 90):
         say(f"no serving day: no replica of {service} served within 90s")
         return {"skipped": f"no replica of {service} served within 90s"}
-    router, stop, thread = start_router(settings, topics)
+    router, stop, thread = start_router(router_settings or settings, topics)
     assert router.address is not None
     regions: dict[str, float] = {}
     offsets: dict[str, float] = {}

@@ -289,7 +289,9 @@ class Topics:
                 record=SCHEDULER_REQUEST,
                 key="job key (tenant/name), dataset:<name>, <dataset>@<cluster>, a tenant, "
                 "or - for POLICY and TICK",
-                writers=(CONTROL_PLANE, CLUSTER_AGENT, DATA_MOVER),
+                # Which writer may make which kind of request is the scheduler's check
+                # (identity/authority.py); the broker only keeps other kinds of process out.
+                writers=(CONTROL_PLANE, CLUSTER_AGENT, DATA_MOVER, ROUTER),
             ),
             TopicSpec(
                 self.decisions,
