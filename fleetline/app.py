@@ -37,16 +37,22 @@ from fleetline.processors.health.runtime import ClusterHealthService, signal_out
 from fleetline.processors.health.runtime import changelog as health_changelog
 from fleetline.processors.operations.fold import OpsPolicy
 from fleetline.processors.operations.rules import HealingRules
-from fleetline.processors.operations.runtime import KafkaOperations, OpsService
+from fleetline.processors.operations.runtime import (
+    KafkaOperations,
+    OpsService,
+    recommendation_events,
+)
 from fleetline.processors.operations.runtime import changelog as ops_changelog
 from fleetline.processors.replay import ViewHistory, observe_at
 from fleetline.processors.scheduling.capacity import FleetFacts
 from fleetline.processors.scheduling.client import changelog as scheduler_changelog
+from fleetline.processors.scheduling.client import job_records, read_state
 from fleetline.processors.scheduling.policy import SchedulingPolicy
 from fleetline.processors.scheduling.runtime import KafkaJobs, SchedulerService
 from fleetline.processors.view import APPLICATION_ID as VIEW_APP
 from fleetline.processors.view.runtime import ViewProcessor, dcgm_readings, declare_clusters
 from fleetline.processors.view.snapshots import ViewSnapshots
+from fleetline.schemas.records import OpsEvent
 from fleetline.storage.audit_store import AuditArchive, AuditTable
 from fleetline.storage.clickhouse import connect, migrate
 from fleetline.storage.crypto import ObjectCipher, SealedObjectStore
@@ -117,6 +123,9 @@ class Options:
     ops_policy: OpsPolicy | None = None
     healing_rules: HealingRules = field(default_factory=HealingRules)
     ops_interval_s: float = 1.0
+    # How often the operations processor tunes the running training jobs from the stored
+    # history (checkpoint interval, batch size) on its own (0: never).
+    tune_every_s: float = 3600.0
 
 
 def view_snapshots(settings: Settings, prefix: str, group: str = VIEW_APP) -> ViewSnapshots:
@@ -284,6 +293,27 @@ class Fleetline:
         own series are counted as they run)."""
         readings = dcgm_readings(self.view)
         metrics.register_collector("dcgm", metrics.DcgmCollector(readings))
+
+    def recommendations(self, ts: int) -> list[OpsEvent]:
+        """The operations processor's own tuning round: recommendations for the running
+        training jobs from the stored history, as the operations processor's."""
+        expand = expander(self.settings)
+
+        def rows(query: str) -> list[list[Any]]:
+            return query_client(
+                self.clickhouse,
+                query,
+                expand,
+                self.settings.query_limits,
+                database=self.settings.clickhouse_database,
+            ).rows
+
+        jobs = job_records(
+            self.scheduler.store
+            if self.scheduler is not None
+            else read_state(self.settings.kafka, self.topics)
+        )
+        return recommendation_events(rows, jobs, ts, "operations")
 
     def api(self, authenticator: Authenticator, emitter: AuditEmitter) -> FastAPI:
         """The HTTP API over this process's view, scheduler, audit table and ClickHouse."""
@@ -466,6 +496,8 @@ def build(settings: Settings, options: Options) -> Fleetline:
             options.ops_policy,
             tick_interval_s=options.ops_interval_s,
             instance_id=options.instance_id,
+            recommend=fleet.recommendations if options.tune_every_s > 0 else None,
+            recommend_every_s=options.tune_every_s or 3600.0,
         )
     if options.data_mover:
         fleet.mover = DataMover(kafka, settings.s3, topics, object_key=settings.object_key())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -51,6 +51,8 @@ class OperationsPort(Protocol):
     def ticket(self, ticket_id: str) -> dict[str, Any] | None: ...
 
     def move(self, ticket_id: str, state: str, note: str, actor: str, ts: int) -> int: ...
+
+    def append(self, events: Sequence[Mapping[str, Any]]) -> list[int]: ...
 
 
 class HistoryPort(Protocol):

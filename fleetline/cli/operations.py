@@ -5,7 +5,6 @@ electricity by the hour, for placement and deferrable jobs)."""
 from __future__ import annotations
 
 import json
-import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
@@ -129,7 +128,11 @@ def forecast(
     ] = None,
     seed: Annotated[int, typer.Option(help="--simulated-weeks: the noise's seed")] = 7,
     request: Annotated[
-        bool, typer.Option(help="append a CAPACITY_REQUEST when the forecast crosses capacity")
+        bool,
+        typer.Option(
+            help="have the server (`fleetline login`) forecast again and append a "
+            "CAPACITY_REQUEST as you when it crosses capacity (not with --simulated-weeks)"
+        ),
     ] = False,
     topic_prefix: TopicPrefix = "fleetline",
 ) -> None:
@@ -144,6 +147,8 @@ def forecast(
         simulated_demand,
     )
 
+    if request and simulated_weeks is not None:
+        raise ConfigError("--request asks from the fleet's own history, not a simulated one")
     if simulated_weeks is not None:
         series = simulated_demand(simulated_weeks, seed)
         # The simulated history starts on a Monday (its weekends fall on weekends) and ends
@@ -202,27 +207,26 @@ def forecast(
         f"{capacity}" + (" - inside the lead time: late already" if crossing["late"] else "")
     )
     if request:
-        from fleetline.processors.operations.runtime import append, ops_event
-        from fleetline.streams.topics import Topics
+        # Through the API, as the caller signed in (`fleetline login`): the server forecasts
+        # again from the fleet's own history and appends the request, audited.
+        from fleetline.cli.client import api
 
-        config = settings("kafka")
-        event = ops_event(
-            "CAPACITY_REQUEST",
-            now_ms(),
-            {
+        answer = api().call(
+            "POST",
+            "/v1/forecast/requests",
+            body={
                 "cluster_id": cluster_id,
                 "model": model,
-                "capacity_gpus": capacity,
-                "needed_gpus": crossing["needed_gpus"],
-                "at_hour": crossing["hour"],
+                "weeks": weeks,
                 "lead_weeks": lead_weeks,
-                "request_id": uuid.uuid4().hex,
+                **({"capacity_gpus": capacity_gpus} if capacity_gpus is not None else {}),
             },
-            key=f"{cluster_id}/{model}",
-            actor="forecast",
         )
-        (offset,) = append(config.kafka, Topics(topic_prefix), [event])
-        print(f"capacity request appended to {Topics(topic_prefix).ops} at offset {offset}")
+        requested = answer.get("requested")
+        if requested is None:
+            print("the server's forecast does not cross capacity: no request made")
+        else:
+            print(f"capacity request appended to the operations log at {requested['ops_offset']}")
 
 
 def tune(
@@ -230,18 +234,27 @@ def tune(
     append: Annotated[
         bool,
         typer.Option(
-            help="append each recommendation to the operations log (audited; applied there "
-            "when its policy says so)"
+            help="have the server (`fleetline login`) make them and append each to the "
+            "operations log as you (audited; applied there when its policy says so)"
         ),
     ] = False,
     topic_prefix: TopicPrefix = "fleetline",
 ) -> None:
     """Recommendations for the running training jobs, each with its inputs: the checkpoint
     interval from the measured failure rate of the GPUs it runs on and its measured checkpoint
-    cost (Daly's optimum), and a batch-size factor from its GPUs' memory headroom."""
-    from fleetline.processors.operations.runtime import append as append_events
-    from fleetline.processors.operations.runtime import ops_event
-    from fleetline.processors.operations.tuning import batch_size, checkpoint_interval
+    cost (Daly's optimum), and a batch-size factor from its GPUs' memory headroom. (`serve`'s
+    operations processor makes the same every hour on its own; `--append` asks the server to
+    make and append them now, as the caller signed in.)"""
+    if append:
+        from fleetline.cli.client import api
+
+        answer = api().call("POST", "/v1/recommendations", body={"days": days})
+        made = answer["recommendations"]
+        for rec in made:
+            print(f"{rec['job']}: {rec['summary']}")
+        print(f"{len(made)} recommendations appended to the operations log by the server")
+        return
+    from fleetline.processors.operations.tuning import recommend
     from fleetline.processors.scheduling.client import job_records, read_state
     from fleetline.storage.queries import (
         checkpoint_costs_sql,
@@ -256,48 +269,18 @@ def tune(
     def rows(sql: str) -> list[list[Any]]:
         return analyst_query(config, sql).rows
 
-    history: dict[str, tuple[int, float]] = {}
-    for cluster_id, _model, failures, hours in rows(failure_history_sql(days)):
-        seen = history.get(cluster_id, (0, 0.0))
-        history[cluster_id] = (seen[0] + int(failures), seen[1] + float(hours))
-    costs = {job: [float(s) for s in seconds] for job, seconds in rows(checkpoint_costs_sql(days))}
-    memory = {job: (float(p95), float(total)) for job, p95, total in rows(memory_by_job_sql(days))}
-    found = []
-    for job in job_records(read_state(config.kafka, topics)):
-        if job["phase"] != "Running" or job["kind"] != "TrainingJob":
-            continue
-        clusters = sorted(job["allocation"])
-        failures = sum(history.get(c, (0, 0.0))[0] for c in clusters)
-        hours = sum(history.get(c, (0, 0.0))[1] for c in clusters)
-        gpus = sum(int(m).bit_count() for n in job["allocation"].values() for m in n.values())
-        current = job["document"]["spec"].get("checkpoint_interval_s", 1800)
-        for rec in (
-            checkpoint_interval(
-                job["key"], gpus, current, failures, hours, costs.get(job["key"], [])
-            ),
-            batch_size(job["key"], *memory.get(job["key"], (0.0, 0.0))),
-        ):
-            if rec is not None:
-                found.append((rec, job["document"]))
+    found = recommend(
+        rows(failure_history_sql(days)),
+        rows(checkpoint_costs_sql(days)),
+        rows(memory_by_job_sql(days)),
+        job_records(read_state(config.kafka, topics)),
+    )
     if not found:
         print("no recommendation: no running training job with measured checkpoints or memory")
         return
     for rec, _ in found:
         print(f"{rec.job}: {rec.summary}")
         print(f"    inputs: {json.dumps(rec.inputs, sort_keys=True)}")
-    if append:
-        events = [
-            ops_event(
-                "RECOMMENDATION",
-                now_ms(),
-                {**rec.as_data(), "document": document},
-                key=rec.job,
-                actor="tune",
-            )
-            for rec, document in found
-        ]
-        append_events(config.kafka, topics, events)
-        print(f"{len(events)} recommendations appended to {topics.ops}")
 
 
 @energy.command()

@@ -573,9 +573,7 @@ def play(
             began = time.monotonic()
             serving = story_part(
                 progress,
-                lambda: serving_day(
-                    fleet, settings, topics, day, progress, kinds.as_kind(ROUTER)
-                ),
+                lambda: serving_day(fleet, settings, topics, day, progress, kinds.as_kind(ROUTER)),
             )
             timings["serving_day_s"] = time.monotonic() - began
         now = fleet.view.read(view_read.cluster_capacity)

@@ -31,7 +31,6 @@ def request_refusal(
     *,
     cluster_id: str | None = None,
     ordered_clusters: Collection[str] = (),
-    current_epoch: bool = True,
     copy_ordered: bool = False,
     is_service: bool = False,
     node_cluster: str | None = None,
@@ -39,9 +38,9 @@ def request_refusal(
     """Why `writer` may not make a scheduler request of `kind`, or None.
 
     PROGRESS: `cluster_id` is the cluster the report names, `ordered_clusters` the clusters the
-    job's current placement ordered it to, `current_epoch` whether the report is about that
-    placement (a report about an older one is a fenced copy speaking, which the scheduler counts
-    and ignores). DATASET_*: whether the copy (`<dataset>@<cluster>`) was ordered. SERVICE_LOAD:
+    job was ever ordered to (its placement's, and where it ran before: a stopped run's final
+    checkpoint and a fenced copy's report come from there). DATASET_*: whether the copy
+    (`<dataset>@<cluster>`) was ordered. SERVICE_LOAD:
     whether the key names a service."""
     if writer.is_control_plane:
         return None
@@ -55,7 +54,7 @@ def request_refusal(
     if writer.kind is WriterKind.CLUSTER:
         if cluster_id != writer.cluster:
             return f"may not report PROGRESS for cluster {cluster_id or '(none)'}"
-        if current_epoch and writer.cluster not in ordered_clusters:
+        if writer.cluster not in ordered_clusters:
             return "may not report PROGRESS for a run not ordered to it"
     if writer.kind is WriterKind.MOVER and not copy_ordered:
         return f"may not report {kind} for a copy no mover was ordered to make"

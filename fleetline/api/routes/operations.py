@@ -3,6 +3,8 @@ admins) and the capacity forecast."""
 
 from __future__ import annotations
 
+import json
+import uuid
 from typing import Any, Literal
 
 from fastapi import HTTPException, Query, Request
@@ -12,6 +14,7 @@ from fleetline.api.ports import Ports
 from fleetline.api.rbac import Principal, Rule
 from fleetline.api.routing import Routes
 from fleetline.processors.operations.forecast import HOURS_PER_WEEK, capacity_plan
+from fleetline.processors.operations.runtime import ops_event, recommendation_events
 from fleetline.storage.queries import demand_sql
 
 
@@ -22,6 +25,42 @@ class TicketMove(BaseModel):
         description="IN_REPAIR (someone works on it), REPAIRED (start the burn-in), ESCALATED"
     )
     note: str = ""
+
+
+class Tuning(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    days: int = Field(30, ge=1, le=365, description="how much history to learn from")
+
+
+class CapacityAsk(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    cluster_id: str
+    model: str
+    weeks: int = Field(4, ge=1, le=26)
+    lead_weeks: int = Field(4, ge=0, le=52)
+    capacity_gpus: int | None = Field(None, ge=1, description="default: GPUs seen lately")
+
+
+def _plan(
+    ports: Ports, cluster_id: str, model: str, weeks: int, lead_weeks: int, capacity: int | None
+) -> dict[str, Any]:
+    rows = ports.sql_port()(demand_sql(cluster_id, model))["rows"]
+    if not rows:
+        raise HTTPException(404, f"no demand history for {model} in {cluster_id}")
+    capacity = capacity or int(rows[-1][2])
+    try:
+        plan = capacity_plan(
+            [int(r[0]) for r in rows],
+            [float(r[1]) for r in rows],
+            capacity,
+            weeks,
+            lead_weeks * HOURS_PER_WEEK,
+        )
+    except ValueError as exc:
+        raise HTTPException(422, str(exc)) from None
+    return {"cluster_id": cluster_id, "model": model, "capacity_gpus": capacity, **plan}
 
 
 def register(route: Routes, ports: Ports) -> None:
@@ -81,18 +120,60 @@ def register(route: Routes, ports: Ports) -> None:
         lead_weeks: int = Query(4, ge=0, le=52),
         capacity_gpus: int | None = Query(None, ge=1, description="default: GPUs seen lately"),
     ) -> dict[str, Any]:
-        rows = ports.sql_port()(demand_sql(cluster_id, model))["rows"]
-        if not rows:
-            raise HTTPException(404, f"no demand history for {model} in {cluster_id}")
-        capacity = capacity_gpus or int(rows[-1][2])
-        try:
-            plan = capacity_plan(
-                [int(r[0]) for r in rows],
-                [float(r[1]) for r in rows],
-                capacity,
-                weeks,
-                lead_weeks * HOURS_PER_WEEK,
-            )
-        except ValueError as exc:
-            raise HTTPException(422, str(exc)) from None
-        return {"cluster_id": cluster_id, "model": model, **plan}
+        return _plan(ports, cluster_id, model, weeks, lead_weeks, capacity_gpus)
+
+    @route(
+        "POST",
+        "/v1/forecast/requests",
+        Rule("fleet", "write", tenant_scoped=False),
+        summary="Forecast a cluster's demand for a GPU model and, when it crosses what the "
+        "cluster has, append a capacity request to the operations log as the caller",
+    )
+    def request_capacity(request: Request, body: CapacityAsk) -> dict[str, Any]:
+        principal: Principal = request.state.principal
+        plan = _plan(
+            ports, body.cluster_id, body.model, body.weeks, body.lead_weeks, body.capacity_gpus
+        )
+        crossing = plan["crossing"]
+        if not isinstance(crossing, dict):
+            return {**plan, "requested": None}
+        event = ops_event(
+            "CAPACITY_REQUEST",
+            ports.clock(),
+            {
+                "cluster_id": body.cluster_id,
+                "model": body.model,
+                "capacity_gpus": plan["capacity_gpus"],
+                "needed_gpus": crossing["needed_gpus"],
+                "at_hour": crossing["hour"],
+                "lead_weeks": body.lead_weeks,
+                "request_id": uuid.uuid4().hex,
+            },
+            key=f"{body.cluster_id}/{body.model}",
+            actor=principal.subject,
+        )
+        (offset,) = ports.ops().append([event])
+        return {**plan, "requested": {"ops_offset": offset, **json.loads(event["payload_json"])}}
+
+    @route(
+        "POST",
+        "/v1/recommendations",
+        Rule("fleet", "write", tenant_scoped=False),
+        summary="Tune the running training jobs (checkpoint interval, batch size) from the "
+        "stored history and append each recommendation to the operations log as the caller",
+    )
+    def recommend(request: Request, body: Tuning) -> dict[str, Any]:
+        principal: Principal = request.state.principal
+        sql = ports.sql_port()
+        events = recommendation_events(
+            lambda query: sql(query)["rows"],
+            ports.scheduler().jobs(None),
+            ports.clock(),
+            principal.subject,
+            body.days,
+        )
+        offsets = ports.ops().append(events) if events else []
+        return {
+            "recommendations": [json.loads(e["payload_json"]) for e in events],
+            "ops_offsets": offsets,
+        }

@@ -44,6 +44,7 @@ from fleetline.processors.operations.rules import (
     Observation,
     observe,
 )
+from fleetline.processors.operations.tuning import recommend
 from fleetline.processors.scheduling.client import read_topic, request_output
 from fleetline.processors.scheduling.codec import new_request
 from fleetline.processors.view.read import ViewSource
@@ -241,6 +242,11 @@ class OpsService(FoldService):
     # Silence and GPU health are judged every tick (a node whose epoch has not moved costs a
     # lookup); the thresholds on every GPU's readings, a scan of all samples, this often.
     readings_every_s: float = 5.0
+    # Tuning on the processor's own schedule: every `recommend_every_s`, the recommendations
+    # `recommend` makes from the stored history (`recommendation_events`), appended to its own
+    # log as the operations processor's (applied there when its policy says so). None: off.
+    recommend: Callable[[int], list[OpsEvent]] | None = None
+    recommend_every_s: float = 3600.0
 
     def __post_init__(self) -> None:
         self.store = fold_store(self.topics, APPLICATION_ID)
@@ -257,6 +263,7 @@ class OpsService(FoldService):
         self.name = self.loop.name
         self.ready = self.loop.ready
         self.ticks = 0
+        self.recommended = 0
         self._sent: dict[str, NodeLoad] = {}
         self._found: list[tuple[str, str, str]] = []
         self._skipped: list[str] = []
@@ -286,11 +293,29 @@ class OpsService(FoldService):
                     ),
                 )
             self.ticking.set()
+            recommended_at = float("-inf")
             while not stop.is_set():
                 self.tick(producer)
+                if (
+                    self.recommend is not None
+                    and time.monotonic() - recommended_at >= self.recommend_every_s
+                ):
+                    recommended_at = time.monotonic()
+                    self._recommend(producer)
                 stop.wait(self.tick_interval_s)
         finally:
             producer.flush(10)
+
+    def _recommend(self, producer: Any) -> None:
+        assert self.recommend is not None
+        try:
+            events = self.recommend(self.clock())
+        except FleetlineError as exc:  # the store or the scheduler not answering this time
+            log.warning("operations: no tuning this round: %s", exc)
+            return
+        for event in events:
+            produce(producer, ops_output(self.topics, event, self.codec))
+        self.recommended += len(events)
 
     def tick(self, producer: Any) -> None:
         full = time.monotonic() - self._read_at >= self.readings_every_s
@@ -377,6 +402,39 @@ def append(
     )
 
 
+def recommendation_events(
+    rows: Callable[[str], list[list[Any]]],
+    jobs: Sequence[Mapping[str, Any]],
+    ts: int,
+    actor: str,
+    days: int = 30,
+) -> list[OpsEvent]:
+    """RECOMMENDATION events for the running training jobs, from `days` of stored history
+    (`rows` runs a query), as `actor` made them."""
+    from fleetline.storage.queries import (
+        checkpoint_costs_sql,
+        failure_history_sql,
+        memory_by_job_sql,
+    )
+
+    found = recommend(
+        rows(failure_history_sql(days)),
+        rows(checkpoint_costs_sql(days)),
+        rows(memory_by_job_sql(days)),
+        jobs,
+    )
+    return [
+        ops_event(
+            "RECOMMENDATION",
+            ts,
+            {**rec.as_data(), "document": dict(document)},
+            key=rec.job,
+            actor=actor,
+        )
+        for rec, document in found
+    ]
+
+
 class KafkaOperations:
     """What the API needs of operations: tickets (from the running service, else the log) and
     appending ticket moves."""
@@ -396,6 +454,11 @@ class KafkaOperations:
 
     def ticket(self, ticket_id: str) -> dict[str, Any] | None:
         return next((t for t in self.tickets() if t["ticket_id"] == ticket_id), None)
+
+    def append(self, events: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Append events (recommendations, capacity requests) to the operations log."""
+        with self._lock:
+            return append(self.kafka, self.topics, events, self._producer)
 
     def move(self, ticket_id: str, state: str, note: str, actor: str, ts: int) -> int:
         ticket = self.ticket(ticket_id)

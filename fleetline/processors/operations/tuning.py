@@ -116,3 +116,40 @@ def batch_size(
 
 def _minutes(seconds: float | None) -> str:
     return "unset" if seconds is None else f"{seconds / 60:.1f} min"
+
+
+def recommend(
+    failure_rows: Sequence[Sequence[Any]],
+    cost_rows: Sequence[Sequence[Any]],
+    memory_rows: Sequence[Sequence[Any]],
+    jobs: Sequence[Mapping[str, Any]],
+) -> list[tuple[Recommendation, Mapping[str, Any]]]:
+    """Every recommendation for the running training jobs (with the document each would
+    change), from the stored history: failures per cluster and model (`failure_history_sql`),
+    checkpoint seconds per job (`checkpoint_costs_sql`), memory per job (`memory_by_job_sql`)
+    and the scheduler's job records. The same for `fleetline tune`, the API and the operations
+    processor's own schedule."""
+    history: dict[str, tuple[int, float]] = {}
+    for cluster_id, _model, failures, hours in failure_rows:
+        seen = history.get(cluster_id, (0, 0.0))
+        history[cluster_id] = (seen[0] + int(failures), seen[1] + float(hours))
+    costs = {job: [float(s) for s in seconds] for job, seconds in cost_rows}
+    memory = {job: (float(p95), float(total)) for job, p95, total in memory_rows}
+    found: list[tuple[Recommendation, Mapping[str, Any]]] = []
+    for job in sorted(jobs, key=lambda j: str(j["key"])):
+        if job["phase"] != "Running" or job["kind"] != "TrainingJob":
+            continue
+        clusters = sorted(job["allocation"])
+        failures = sum(history.get(c, (0, 0.0))[0] for c in clusters)
+        hours = sum(history.get(c, (0, 0.0))[1] for c in clusters)
+        gpus = sum(int(m).bit_count() for n in job["allocation"].values() for m in n.values())
+        current = job["document"]["spec"].get("checkpoint_interval_s", 1800)
+        for rec in (
+            checkpoint_interval(
+                job["key"], gpus, current, failures, hours, costs.get(job["key"], [])
+            ),
+            batch_size(job["key"], *memory.get(job["key"], (0.0, 0.0))),
+        ):
+            if rec is not None:
+                found.append((rec, job["document"]))
+    return found

@@ -30,8 +30,10 @@ from fleetline.processors.scheduling.state import Job, SchedulerState, view_offs
 
 
 def _ordered_clusters(job: Job) -> set[str]:
-    """The clusters the job's current placement was ordered to (a split job's several)."""
-    return {*job.allocation, *([job.ordered_cluster] if job.ordered_cluster else [])}
+    """The clusters the job was ordered to: its current placement's (a split job's several)
+    and those it ran in before (a stopped run's final checkpoint, a fenced copy's report)."""
+    ordered = job.ordered_cluster
+    return {*job.allocation, *job.ran_in, *([ordered] if ordered else [])}
 
 
 class Scheduler(SchedulerState):
@@ -98,7 +100,6 @@ class Scheduler(SchedulerState):
             return None
         kind, key = request["kind"], request["key"]
         job = self.jobs.get(key)
-        epoch = request.get("epoch")
         tenant = request.get("tenant") or ""
         # (reads only: a refused request must leave no trace in the state)
         node = self.facts.nodes.get(key) if kind in ("FENCE", "UNFENCE") else None
@@ -107,7 +108,6 @@ class Scheduler(SchedulerState):
             kind,
             cluster_id=request.get("cluster_id"),
             ordered_clusters=_ordered_clusters(job) if job is not None else (),
-            current_epoch=job is None or epoch is None or epoch == job.epoch,
             copy_ordered=key in (usage.prewarms if (usage := self.usage.get(tenant)) else ()),
             is_service=job is not None and job.is_service,
             node_cluster=node.cluster_id if node is not None else None,
