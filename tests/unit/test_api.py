@@ -134,6 +134,8 @@ def test_openapi_lists_every_route(setup):
         "/v1/tickets",
         "/v1/tickets/{ticket_id}",
         "/v1/forecast",
+        "/v1/forecast/requests",
+        "/v1/recommendations",
         "/v1/clusters/{cluster_id}/cordon",
         "/v1/clusters/{cluster_id}/uncordon",
         "/v1/nodes/{node_id}/commands",
@@ -218,7 +220,7 @@ def _request(client: TestClient, method: str, path: str, tenant: str | None = No
 def test_every_route_with_every_role_and_no_route_escapes_the_rules(setup):
     app, _ = setup
     rules = app.state.rules
-    assert len(rules) == 36
+    assert len(rules) == 38
     for (method, path), rule in rules.items():
         anonymous = _request(TestClient(app), method, path)
         assert anonymous.status_code == 401, (method, path)
@@ -735,6 +737,13 @@ class TicketBook:
         t = self.fold.tickets.get(ticket_id)
         return t.as_data() if t else None
 
+    def append(self, events) -> list[int]:
+        self.appended = [*getattr(self, "appended", []), *events]
+        return [
+            self._feed(e["kind"], e["key"], json.loads(e["payload_json"]), e["actor"])
+            for e in events
+        ]
+
     def move(self, ticket_id: str, state: str, note: str, actor: str, ts: int) -> int:
         from fleetline.processors.operations.fold import check_move
 
@@ -792,6 +801,63 @@ def test_the_forecast_route_fits_the_demand_history_clickhouse_returns(setup):
     rows[:] = rows[:100]  # under two weeks of history: said, not guessed
     short = viewer.get("/v1/forecast", params={"cluster_id": "c1", "model": "H100"})
     assert short.status_code == 422 and "two weeks" in short.text
+
+
+def test_capacity_requests_and_tuning_are_made_by_the_server_as_the_caller(setup):
+    """`forecast --request` and `tune --append` go through the API: the server computes from
+    the fleet's own history and appends as the signed-in caller; a viewer may not."""
+    from fleetline.processors.operations.forecast import simulated_demand
+
+    app, recorder = setup
+    demand = simulated_demand(12, seed=2)
+    history = [[490_152 + h, round(float(v), 3), 900] for h, v in enumerate(demand)]
+
+    def sql(query: str) -> dict:
+        if "gpu_hours" in query:  # failure_history_sql
+            return {"columns": [], "rows": [["c1", "H100", 6, 500.0]]}
+        if "checkpoint_seconds" in query:  # checkpoint_costs_sql
+            return {"columns": [], "rows": [["acme/big", [120.0, 130.0]]]}
+        if "busy" in query:  # demand_sql
+            return {"columns": ["hour", "demand", "gpus"], "rows": history}
+        return {"columns": [], "rows": []}
+
+    class Jobs:
+        def jobs(self, tenant=None) -> list[dict]:
+            document = {"kind": "TrainingJob", "spec": {"checkpoint_interval_s": 1800}}
+            return [
+                {
+                    "key": "acme/big",
+                    "phase": "Running",
+                    "kind": "TrainingJob",
+                    "allocation": {"c1": {"n1": 255}},
+                    "document": document,
+                }
+            ]
+
+    book = TicketBook()
+    ops_app = create_app(
+        StaticView(fold([])),
+        app.state.authenticator,
+        recorder,
+        sql=sql,
+        operations=book,
+        jobs=Jobs(),  # type: ignore[arg-type]
+    )
+    viewer = TestClient(ops_app, headers={"Authorization": f"Bearer {token_for('viewer')}"})
+    admin = TestClient(ops_app, headers={"Authorization": f"Bearer {token_for('platform-admin')}"})
+    ask = {"cluster_id": "c1", "model": "H100", "weeks": 2, "capacity_gpus": 10}
+    assert viewer.post("/v1/forecast/requests", json=ask).status_code == 403
+    made = admin.post("/v1/forecast/requests", json=ask)
+    assert made.status_code == 200, made.text
+    assert made.json()["requested"]["needed_gpus"] > 10
+    (request,) = book.appended
+    assert request["kind"] == "CAPACITY_REQUEST" and request["actor"] == "platform-admin@acme"
+    assert viewer.post("/v1/recommendations", json={}).status_code == 403
+    tuned = admin.post("/v1/recommendations", json={"days": 30})
+    assert tuned.status_code == 200, tuned.text
+    recs = tuned.json()["recommendations"]
+    assert recs and all(r["job"] == "acme/big" for r in recs)
+    assert {e["actor"] for e in book.appended[1:]} == {"platform-admin@acme"}
 
 
 def test_operator_writes_are_for_platform_admins_and_carry_the_callers_identity():
