@@ -9,11 +9,12 @@ identity root, which only the control plane holds:
     key(writer, generation) = HMAC-SHA256(root, "fleetline writer key" | writer "#" generation)
 
 `fleetline enroll` hands a host the keys of the writers it runs and nothing else. Every record a
-writer produces carries two headers, the writer and a MAC over the topic, key and value, so a
+writer produces carries two headers, the writer and a MAC over the topic, key and value (GMAC:
+AES-256-GCM with the record as associated data, under a nonce the producer never repeats), so a
 record copied to another topic, re-keyed or edited does not verify. The gate (control plane,
 replays) derives the same key and checks the MAC: the writer is established, not claimed.
-HMAC, not signatures: the view folds ~50k telemetry records a second per core and Ed25519's
-verify costs ~120 us a record here, HMAC ~2 us (docs/security.md weighs the designs).
+A symmetric MAC, not signatures: the view folds ~50k telemetry records a second per core and
+Ed25519's verify costs ~120 us a record here, GMAC under 1 us (docs/security.md weighs it).
 
 Revocation is an event on the identities topic (`IdentityEvent`): a writer's generations up to
 the revoked one are refused for every record the broker appended at or after the revocation
@@ -24,7 +25,6 @@ Pure: no clock, no I/O; the keys and the registry are inputs.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import struct
 from collections.abc import Iterable, Mapping
@@ -32,11 +32,16 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
 from fleetline.errors import ConfigError, FleetlineError
 
 H_WRITER = "fleetline.writer"
 H_MAC = "fleetline.mac"
-MAC_BYTES = 16
+NONCE_BYTES = 12
+_FRAME = struct.Struct(">Iii")
+MAC_BYTES = NONCE_BYTES + 16  # the nonce, then GMAC's tag
 _KEY_LABEL = b"fleetline writer key\0"
 
 
@@ -124,23 +129,23 @@ def writer_key(root: bytes, writer: Writer) -> bytes:
     return hmac.digest(root, _KEY_LABEL + writer.header.encode(), "sha256")
 
 
-def record_mac(key: bytes, topic: str, msg_key: bytes | None, value: bytes | None) -> bytes:
-    """The MAC of one record: keyed BLAKE2b over its topic, key and value, each length-framed
-    (so no two different records frame to the same bytes; None and empty differ)."""
-    return _mac(hashlib.blake2b(key=key, digest_size=MAC_BYTES), topic.encode(), msg_key, value)
-
-
-def _mac(keyed: Any, topic: bytes, msg_key: bytes | None, value: bytes | None) -> bytes:
-    """`record_mac` from a keyed hasher made once per writer (copying it skips the key block)."""
-    h = keyed.copy()
-    frame = struct.pack(
-        ">Iii",
-        len(topic),
-        -1 if msg_key is None else len(msg_key),
-        -1 if value is None else len(value),
+def authenticated_bytes(topic: bytes, msg_key: bytes | None, value: bytes | None) -> bytes:
+    """What a record's MAC covers: its topic, key and value, each length-framed (so no two
+    different records frame to the same bytes; None and empty differ)."""
+    frame = _FRAME.pack(
+        len(topic), -1 if msg_key is None else len(msg_key), -1 if value is None else len(value)
     )
-    h.update(b"".join((frame, topic, msg_key or b"", value or b"")))
-    return bytes(h.digest())
+    return b"".join((frame, topic, msg_key or b"", value or b""))
+
+
+def record_mac(
+    key: AESGCM, nonce: bytes, topic: bytes, msg_key: bytes | None, value: bytes | None
+) -> bytes:
+    """The MAC of one record: GMAC (AES-256-GCM over no plaintext, the record as associated
+    data) under a nonce never used twice with the key; the nonce travels with the tag."""
+    if len(nonce) != NONCE_BYTES:
+        raise ConfigError(f"a record's nonce is {NONCE_BYTES} bytes")
+    return nonce + key.encrypt(nonce, b"", authenticated_bytes(topic, msg_key, value))
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,13 +154,19 @@ class Credential:
 
     writer: Writer
     key: bytes
+    aead: AESGCM = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "aead", AESGCM(self.key))
 
     def headers(
-        self, topic: str, msg_key: bytes | None, value: bytes | None
+        self, topic: str, msg_key: bytes | None, value: bytes | None, nonce: bytes
     ) -> list[tuple[str, bytes]]:
+        """The two headers a record carries; `nonce` must never repeat under this key (the
+        producer makes them: a random prefix per producer and a counter)."""
         return [
             (H_WRITER, self.writer.header.encode()),
-            (H_MAC, record_mac(self.key, topic, msg_key, value)),
+            (H_MAC, record_mac(self.aead, nonce, topic.encode(), msg_key, value)),
         ]
 
 
@@ -183,9 +194,9 @@ class Signer:
         return self.credentials[0]
 
     def headers(
-        self, topic: str, msg_key: bytes | None, value: bytes | None
+        self, topic: str, msg_key: bytes | None, value: bytes | None, nonce: bytes
     ) -> list[tuple[str, bytes]]:
-        return self.credential_for(msg_key).headers(topic, msg_key, value)
+        return self.credential_for(msg_key).headers(topic, msg_key, value, nonce)
 
 
 _NODE_INDEX: dict[tuple[Credential, ...], dict[bytes, Credential]] = {}
@@ -310,26 +321,35 @@ class Gate:
                 writer = Writer.parse(header.decode(errors="replace"))
             except ConfigError as exc:
                 raise WriterRefused("an unknown writer", f"names no valid writer: {exc}") from None
-            keyed = hashlib.blake2b(key=writer_key(self._root, writer), digest_size=MAC_BYTES)
-            found = (writer, keyed)
+            found = (writer, AESGCM(writer_key(self._root, writer)))
             if len(self._keys) < 100_000:
                 self._keys[header] = found
         return found
 
     def writer_of(self, record: Headed) -> Writer:
-        writer_header, mac = _identity_headers(record.headers())
+        # Every record of every checked topic comes through here: kept to a few lookups and
+        # one GMAC (benchmarks/writers.py measures it against the view's fold).
+        headers = record.headers()
+        writer_header, mac = _identity_headers(headers)
         if writer_header is None or mac is None:
             raise WriterRefused("an unauthenticated writer", "wrote a record with no writer MAC")
-        writer, keyed = self._known(writer_header)
+        found = self._keys.get(writer_header)
+        writer, aead = found if found is not None else self._known(writer_header)
         topic = record.topic() or ""
         topic_bytes = self._topics.get(topic)
         if topic_bytes is None:
             topic_bytes = self._topics[topic] = topic.encode()
-        if not hmac.compare_digest(_mac(keyed, topic_bytes, record.key(), record.value()), mac):
+        try:
+            aead.decrypt(
+                mac[:NONCE_BYTES],
+                mac[NONCE_BYTES:],
+                authenticated_bytes(topic_bytes, record.key(), record.value()),
+            )
+        except (InvalidTag, ValueError):  # ValueError: a tag or nonce of the wrong length
             raise WriterRefused(
                 "an unauthenticated writer",
                 f"claims to be {writer.header}: the MAC does not verify",
-            )
+            ) from None
         if self.registry.revoked:
             kind, ms = record.timestamp()
             refusal = self.registry.refusal(writer, ms if kind == _LOG_APPEND_TIME else None)
@@ -339,6 +359,11 @@ class Gate:
 
 
 def _identity_headers(headers: Any) -> tuple[bytes | None, bytes | None]:
+    # A signing producer puts the two last: look there first (every record is checked).
+    if headers.__class__ is list and len(headers) >= 2:
+        (first, writer), (second, mac) = headers[-2], headers[-1]
+        if first == H_WRITER and second == H_MAC and writer.__class__ is bytes:
+            return writer, mac
     writer = mac = None
     pairs = headers.items() if isinstance(headers, Mapping) else headers or ()
     for name, value in pairs:

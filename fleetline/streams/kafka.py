@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -222,6 +225,19 @@ class SigningProducer(Producer):
     def __init__(self, conf: Mapping[str, object], signer: Signer) -> None:
         super().__init__(dict(conf))
         self.signer = signer
+        # GMAC's nonces: a random prefix of this producer and a counter, so none repeats under
+        # a writer's key (a new prefix before the counter could wrap).
+        self._prefix = os.urandom(8)
+        self._count = itertools.count()
+        self._lock = threading.Lock()
+
+    def _nonce(self) -> bytes:
+        with self._lock:
+            number = next(self._count)
+            if number >= 2**32:
+                self._prefix, self._count = os.urandom(8), itertools.count(1)
+                number = 0
+            return self._prefix + number.to_bytes(4, "big")
 
     def produce(  # type: ignore[override]
         self,
@@ -241,7 +257,7 @@ class SigningProducer(Producer):
             for name, v in (headers.items() if isinstance(headers, Mapping) else headers or ())
             if name not in (H_WRITER, H_MAC)
         ]
-        own.extend(self.signer.headers(topic, key, value))
+        own.extend(self.signer.headers(topic, key, value, self._nonce()))
         super().produce(topic, value, key, headers=own, **kwargs)
 
 

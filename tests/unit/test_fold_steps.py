@@ -50,7 +50,8 @@ class Message:
         return (0, 0)
 
     def headers(self) -> list[tuple[str, bytes]]:
-        return CONTROL_PLANE.headers(self._topic, self.key(), self._value)
+        nonce = self._offset.to_bytes(12, "big")  # never twice: one offset, one record
+        return CONTROL_PLANE.headers(self._topic, self.key(), self._value, nonce)
 
 
 def request_messages(offsets: list[int]) -> list[Message]:

@@ -4,6 +4,7 @@ only its own kinds of record; and no agent's clock moves a fold's time."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -54,8 +55,12 @@ class Msg:
         return (2, self._ms)  # LogAppendTime
 
 
+NONCES = itertools.count()
+
+
 def signed(writer: Writer, topic: str = "p.state.node", key: bytes = b"k", value: bytes = b"v"):
-    headers = Gate(TEST_ROOT).credential(writer).headers(topic, key, value)
+    nonce = next(NONCES).to_bytes(12, "big")
+    headers = Gate(TEST_ROOT).credential(writer).headers(topic, key, value, nonce)
     return Msg(topic, key, value, headers)
 
 

@@ -173,13 +173,14 @@ class PartFolder:
         # Per node, the GPU readings of its last record folded here whole, or True once that
         # record is known to have `settled` (its repeats then fold without their readings).
         last: dict[str, Sequence[Sample] | bool] = {}
+        gate = self.gate
         for record, row in zip(run, rows, strict=True):
             if row is None:  # the batch path could not read it: record by record, in order
                 last.clear()  # that path may have folded any node
                 self.fold_one(view, record, failed)
                 continue
             cluster_id, region, node_id, seq, ts, gpus = row
-            if self.gate is not None:
+            if gate is not None:
                 try:
                     self._check_node(record, "telemetry", cluster_id, node_id)
                 except FleetlineError as exc:
