@@ -159,6 +159,11 @@ class Credential:
     def __post_init__(self) -> None:
         object.__setattr__(self, "aead", AESGCM(self.key))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A process started by `spawn` (the router's) gets its settings pickled: the cipher
+        # is made again from the key there.
+        return (Credential, (self.writer, self.key))
+
     def headers(
         self, topic: str, msg_key: bytes | None, value: bytes | None, nonce: bytes
     ) -> list[tuple[str, bytes]]:

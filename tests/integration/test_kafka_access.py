@@ -85,7 +85,9 @@ def test_a_client_without_credentials_or_with_a_wrong_password_is_refused(secure
 @pytest.mark.parametrize(
     ("topic", "writers"),
     [
-        ("scheduler_requests", {CONTROL_PLANE, CLUSTER_AGENT, DATA_MOVER}),
+        # A router reports services' load; which writer may make which kind of request is the
+        # scheduler's check (tests/integration/test_writer_authority.py).
+        ("scheduler_requests", {CONTROL_PLANE, CLUSTER_AGENT, DATA_MOVER, ROUTER}),
         ("commands", {CONTROL_PLANE}),
         ("emergency", {CONTROL_PLANE}),
         ("audit_log", {CONTROL_PLANE}),
@@ -127,7 +129,7 @@ def test_an_agent_reads_its_own_topics_and_not_the_audit_chain(secured):
 
     topics = secured.topics
     assert read_error(NODE_AGENT, topics.audit_log) == "TOPIC_AUTHORIZATION_FAILED"
-    assert read_error(ROUTER, topics.scheduler_requests) == "TOPIC_AUTHORIZATION_FAILED"
+    assert read_error(ROUTER, topics.audit_log) == "TOPIC_AUTHORIZATION_FAILED"
     assert read_error(CLUSTER_AGENT, topics.orders) is None
     assert read_error(OPERATOR, topics.audit_log) is None  # read-only commands see everything
 
@@ -257,7 +259,7 @@ def test_a_secured_cluster_of_three_brokers_enforces_the_same_grants(services):
     try:
         three.start()
         topics = fresh_topics()
-        written = {topics.commands, topics.emergency, topics.scheduler_requests}
+        written = {topics.commands, topics.emergency, topics.decisions}
         specs = [spec for spec in deployment_topics(topics) if spec.name in written]
         grant(three.bootstrap_servers, three.secrets, topics.prefix, specs)
         control = KafkaSettings(three.bootstrap_servers, three.secrets.client_conf(CONTROL_PLANE))
