@@ -168,6 +168,11 @@ def build(
         print(f"{item.value}: {state}")
 
 
+class CredentialFormat(StrEnum):
+    env = "env"
+    librdkafka = "librdkafka"
+
+
 @infra.command()
 def credentials(
     kind: Annotated[
@@ -176,12 +181,26 @@ def credentials(
             help="control-plane, node-agent, cluster-agent, router, data-mover, operator or admin"
         ),
     ],
+    format_: Annotated[
+        CredentialFormat,
+        typer.Option(
+            "--format",
+            help="env: FLEETLINE_KAFKA_* exports to `eval`; librdkafka: a client properties "
+            "file (`kcat -F FILE`; kcat needs librdkafka 2.6.1 or newer, see docs/security.md)",
+        ),
+    ] = CredentialFormat.env,
 ) -> None:
-    """The settings a process of KIND signs in to the secured broker with (`eval` them; they
-    hold a password)."""
+    """The settings a process of KIND signs in to the secured broker with (they hold a
+    password)."""
     services = LocalServices.from_settings(settings(kind=None))
     if services.kafka.secrets is None:
         raise ConfigError("Kafka here is not secured: `fleetline infra start --secure`")
+    if format_ is CredentialFormat.librdkafka:
+        conf = {"bootstrap.servers": services.kafka.bootstrap_servers}
+        conf.update(services.kafka.secrets.client_conf(kind))
+        for name, value in conf.items():
+            print(f"{name}={value}")
+        return
     env = {"FLEETLINE_KAFKA_BOOTSTRAP": services.kafka.bootstrap_servers}
     env.update(services.kafka.secrets.client_env(kind))
     for name, value in env.items():
