@@ -507,3 +507,54 @@ def test_a_bad_operations_policy_file_names_what_is_wrong(tmp_path):
         bad.write_text(text)
         with pytest.raises(ConfigError, match=re.escape(named)):
             load_ops_policy(str(bad))
+
+
+def test_the_operations_processor_tunes_on_its_own_schedule_as_itself() -> None:
+    """`serve` makes the recommendations `fleetline tune` would every `recommend_every_s`,
+    appended as the operations processor's; a round whose store does not answer is skipped."""
+    from fleetline.config import KafkaSettings
+    from fleetline.errors import StorageError
+    from fleetline.processors.operations.runtime import OpsService, recommendation_events
+    from fleetline.processors.view.model import ResourceView
+    from fleetline.processors.view.read import StaticView
+    from fleetline.streams.topics import Topics
+
+    job = {
+        "key": "acme/big",
+        "phase": "Running",
+        "kind": "TrainingJob",
+        "allocation": {"c1": {"n1": 255}},
+        "document": {"kind": "TrainingJob", "spec": {"checkpoint_interval_s": 1800}},
+    }
+
+    def rows(query: str) -> list[list]:
+        if "gpu_hours" in query:
+            return [["c1", "H100", 6, 500.0]]
+        if "checkpoint_seconds" in query:
+            return [["acme/big", [120.0, 130.0]]]
+        return []
+
+    rounds: list[int] = []
+
+    def recommend(ts: int) -> list:
+        rounds.append(ts)
+        if len(rounds) == 2:
+            raise StorageError("the store is down")
+        return recommendation_events(rows, [job], ts, "operations")
+
+    class Producer:
+        def __init__(self) -> None:
+            self.sent: list[tuple[str, bytes]] = []
+
+        def produce(self, topic: str, **kwargs) -> None:
+            self.sent.append((topic, kwargs["value"]))
+
+    topics = Topics("unit-ops")
+    service = OpsService(KafkaSettings(), topics, StaticView(ResourceView()), recommend=recommend)
+    producer = Producer()
+    service._recommend(producer)
+    service._recommend(producer)  # the store down: skipped, said in the log
+    assert len(rounds) == 2 and service.recommended == len(producer.sent) > 0
+    event = service.codec.decode(producer.sent[0][1]).record
+    assert event["kind"] == "RECOMMENDATION" and event["actor"] == "operations"
+    assert {t for t, _ in producer.sent} == {topics.ops}
