@@ -10,7 +10,7 @@ append time on (docs/security.md, "Who wrote this record").
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -37,6 +37,24 @@ def _writers(kind: str, names: list[str], generation: int | None = None) -> list
     return [Writer.parse(f"{WriterKind(kind).value}:{n}#{generation or 1}") for n in names]
 
 
+def _read_identities(topic_prefix: str) -> tuple[Any, Any, Any]:
+    """The control plane's settings, the topics, and a gate whose registry is the identities
+    topic as it stands now."""
+    from fleetline.streams import kafka as kafka_clients
+    from fleetline.streams.topics import Topics
+    from fleetline.streams.writers import WriterGate
+
+    config = settings("kafka", kind=CONTROL_PLANE)
+    topics = Topics(topic_prefix)
+    kafka_clients.ensure_topics(config.kafka, topics.specs())
+    gate = WriterGate(config.kafka, topics)
+    try:
+        gate.refresh()
+    finally:
+        gate.close()
+    return config, topics, gate
+
+
 @enroll.command(name="issue")
 def issue(
     kind: KindArg,
@@ -53,18 +71,9 @@ def issue(
 
     from fleetline.identity.keys import write_credentials
     from fleetline.identity.writers import Writer
-    from fleetline.streams import kafka as kafka_clients
-    from fleetline.streams.topics import Topics
-    from fleetline.streams.writers import WriterGate, publish_identity_event
+    from fleetline.streams.writers import publish_identity_event
 
-    config = settings("kafka", kind=CONTROL_PLANE)
-    topics = Topics(topic_prefix)
-    kafka_clients.ensure_topics(config.kafka, topics.specs())
-    gate = WriterGate(config.kafka, topics)
-    try:
-        gate.refresh()
-    finally:
-        gate.close()
+    config, topics, gate = _read_identities(topic_prefix)
     issued = []
     for first in _writers(kind, names):
         assert isinstance(first, Writer)
@@ -90,18 +99,9 @@ def revoke(
     import getpass
 
     from fleetline.identity.writers import Writer
-    from fleetline.streams import kafka as kafka_clients
-    from fleetline.streams.topics import Topics
-    from fleetline.streams.writers import WriterGate, publish_identity_event
+    from fleetline.streams.writers import publish_identity_event
 
-    config = settings("kafka", kind=CONTROL_PLANE)
-    topics = Topics(topic_prefix)
-    kafka_clients.ensure_topics(config.kafka, topics.specs())
-    gate = WriterGate(config.kafka, topics)
-    try:
-        gate.refresh()
-    finally:
-        gate.close()
+    config, topics, gate = _read_identities(topic_prefix)
     for first in _writers(kind, names):
         assert isinstance(first, Writer)
         newest = max(gate.registry.next_generation(first.id) - 1, 1)
@@ -115,15 +115,7 @@ def revoke(
 @enroll.command(name="list")
 def list_(topic_prefix: TopicPrefix = "fleetline") -> None:
     """Every writer enrolled or revoked, with its newest generation."""
-    from fleetline.streams.topics import Topics
-    from fleetline.streams.writers import WriterGate
-
-    config = settings("kafka", kind=CONTROL_PLANE)
-    gate = WriterGate(config.kafka, Topics(topic_prefix))
-    try:
-        gate.refresh()
-    finally:
-        gate.close()
+    _, _, gate = _read_identities(topic_prefix)
     registry = gate.registry
     for writer_id in sorted({*registry.enrolled, *registry.revoked}):
         revoked = registry.revoked.get(writer_id)

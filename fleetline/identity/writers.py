@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hmac
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
@@ -235,7 +235,7 @@ class Headed(Protocol):
 class EstablishesWriters(Protocol):
     """What folds ask who wrote a record: a Gate, or the live one over the identities topic."""
 
-    def new_batch(self) -> None:
+    def new_batch(self, records: Sequence[Headed]) -> None:
         """A batch was fetched (a live gate reads the revocations again before judging it)."""
 
     def writer_of(self, record: Headed) -> Writer:
@@ -312,7 +312,7 @@ class Gate:
         self._keys: dict[bytes, tuple[Writer, Any]] = {}
         self._topics: dict[str, bytes] = {}
 
-    def new_batch(self) -> None:
+    def new_batch(self, records: Sequence[Headed]) -> None:
         """Nothing to read again: this gate's registry is given whole."""
 
     def credential(self, writer: Writer) -> Credential:

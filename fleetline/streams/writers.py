@@ -14,8 +14,9 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 
-from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from fleetline.config import KafkaSettings
 from fleetline.errors import ConfigError, StreamError
@@ -62,50 +63,64 @@ class WriterGate:
         self.codec = codec or default_codec()
         self.gate = Gate(gate_root(kafka))
         self._consumer: Consumer | None = None
-        self._fresh = False
         self._lock = threading.Lock()
 
     @property
     def registry(self) -> Registry:
         return self.gate.registry
 
-    def new_batch(self) -> None:
-        """A batch was fetched: the registry is read again before its first agent record."""
-        self._fresh = False
+    def new_batch(self, records: Sequence[Headed]) -> None:
+        """A batch was fetched: before any of it is judged, read the revocations again if it
+        holds a record not written by the control plane. Called before the batch changes
+        anything, so a registry that cannot be read fails the batch whole (an exactly-once
+        loop aborts and redoes it), never one record."""
+        if any(not _control_plane(record) for record in records):
+            self.refresh()
 
-    def refresh(self, timeout_s: float = 30.0) -> None:
-        """Read the identities topic up to its end as the broker gives it now."""
+    def refresh(self, timeout_s: float = 60.0) -> None:
+        """Read the identities topic up to its end as the broker gives it now; asked again
+        while its leadership moves (a broker lost, a topic just made), a StreamError once
+        `timeout_s` has passed."""
+        deadline = time.monotonic() + timeout_s
         with self._lock:
-            if self._consumer is None:
-                self._consumer = kafka_clients.consumer(
-                    self.kafka, f"fleetline-identities-{uuid.uuid4().hex[:12]}"
+            while True:
+                try:
+                    self._read_to_end(deadline)
+                    return
+                except KafkaException as exc:
+                    error: KafkaError = exc.args[0]
+                    if not kafka_clients.moving(error) or time.monotonic() > deadline:
+                        raise StreamError(f"reading {self.topic}: {error.str()}") from None
+                    time.sleep(0.5)
+
+    def _read_to_end(self, deadline: float) -> None:
+        if self._consumer is None:
+            self._consumer = kafka_clients.consumer(
+                self.kafka, f"fleetline-identities-{uuid.uuid4().hex[:12]}"
+            )
+            self._consumer.assign([TopicPartition(self.topic, 0, self.registry.position)])
+        tp = TopicPartition(self.topic, 0)
+        _, high = self._consumer.get_watermark_offsets(
+            tp, timeout=max(1.0, deadline - time.monotonic()), cached=False
+        )
+        while self.registry.position < high:
+            if time.monotonic() > deadline:
+                raise StreamError(
+                    f"reading {self.topic}: at offset {self.registry.position} of {high}"
                 )
-                self._consumer.assign([TopicPartition(self.topic, 0, 0)])
-            tp = TopicPartition(self.topic, 0)
-            deadline = time.monotonic() + timeout_s
-            try:
-                _, high = self._consumer.get_watermark_offsets(tp, timeout=timeout_s, cached=False)
-            except Exception as exc:  # a KafkaException: the broker did not answer in time
-                raise StreamError(f"reading {self.topic}'s end: {exc}") from None
-            while self.registry.position < high:
-                if time.monotonic() > deadline:
-                    raise StreamError(
-                        f"reading {self.topic}: at offset {self.registry.position} of {high} "
-                        f"after {timeout_s:.0f}s"
-                    )
-                for msg in self._consumer.consume(500, 0.5):
-                    error = msg.error()
-                    if error is not None:
-                        if error.code() == KafkaError._PARTITION_EOF:
-                            continue
-                        raise StreamError(f"reading {self.topic}: {error.str()}")
-                    event = self.codec.decode(msg.value(), expect=IDENTITY_EVENT).record
-                    self.registry.apply(event, appended_ms(msg) or 0, msg.offset() or 0)
-            self._fresh = True
+            for msg in self._consumer.consume(500, 0.5):
+                error = msg.error()
+                if error is not None:
+                    if error.code() == KafkaError._PARTITION_EOF:
+                        continue
+                    raise KafkaException(error)
+                offset = msg.offset() or 0
+                if offset < self.registry.position:
+                    continue  # read again after a retry
+                event = self.codec.decode(msg.value(), expect=IDENTITY_EVENT).record
+                self.registry.apply(event, appended_ms(msg) or 0, offset)
 
     def writer_of(self, record: Headed) -> Writer:
-        if not self._fresh and not _control_plane(record):
-            self.refresh()
         return self.gate.writer_of(record)
 
     def close(self) -> None:

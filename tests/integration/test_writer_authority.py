@@ -17,7 +17,7 @@ from confluent_kafka import KafkaError, Message
 
 from fleetline.agents.simulator import cluster_info
 from fleetline.config import Settings
-from fleetline.identity.writers import Writer, WriterKind
+from fleetline.identity.writers import Writer, WriterKind, WriterRefused
 from fleetline.processors.audit.runtime import audit_linker
 from fleetline.processors.decision_replay import live_dead_letters
 from fleetline.processors.health.runtime import (
@@ -334,3 +334,69 @@ def test_no_credential_writes_what_it_may_not_and_the_replay_refuses_the_same(se
     refused_requests = {o for t, o in forged if t == topics.scheduler_requests}
     assert refused_requests <= set(replayed.dead_letters)
     assert revoked_at > 0
+
+
+def test_enrol_revoke_and_enrol_again_as_an_operator_would(settings, tmp_path) -> None:
+    """`fleetline enroll issue` hands a host its credentials (owner-only, never the root);
+    `revoke` refuses them from then on; issuing again gives the next generation."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from fleetline.identity.keys import read_credentials
+    from fleetline.streams.writers import replay_gate
+    from tests.services import service_env
+
+    topics = fresh_topics()
+    env = {**os.environ, **service_env(settings)}
+
+    def fleetline(*args: str) -> str:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "fleetline.cli",
+                "enroll",
+                *args,
+                "--topic-prefix",
+                topics.prefix,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    first = tmp_path / "edge.json"
+    assert "enrolled cluster:edge-a#1" in fleetline(
+        "issue", "cluster", "edge-a", "--out", str(first)
+    )
+    assert first.stat().st_mode & 0o777 == 0o600
+    held = json.loads(first.read_text())
+    assert [c["writer"] for c in held] == ["cluster:edge-a#1"] and "root" not in first.read_text()
+    old = read_credentials(first).credentials[0]
+    assert "revoked cluster:edge-a" in fleetline(
+        "revoke", "cluster", "edge-a", "--reason", "stolen"
+    )
+    second = tmp_path / "edge2.json"
+    assert "enrolled cluster:edge-a#2" in fleetline(
+        "issue", "cluster", "edge-a", "--out", str(second)
+    )
+    listed = fleetline("list")
+    assert "cluster:edge-a  generation 2  revoked up to 1" in listed, listed
+    new = read_credentials(second).credentials[0]
+
+    # Both write now: the revoked generation's record is refused, the new one's accepted.
+    stale = Forger(settings, old.writer)
+    fresh = Forger(settings, new.writer)
+    signal_record = signal("HEARTBEAT", "edge-a", now_ms())
+    at_old = stale.write(topics.cluster_signals, "edge-a", "ClusterSignal", signal_record)
+    at_new = fresh.write(topics.cluster_signals, "edge-a", "ClusterSignal", signal_record)
+    gate = replay_gate(settings.kafka, topics)
+    messages = {m.offset(): m for m in read_topic(settings.kafka, topics.cluster_signals)}
+    with pytest.raises(WriterRefused, match="revoked.*stolen"):
+        gate.writer_of(messages[at_old])
+    assert gate.writer_of(messages[at_new]) == new.writer

@@ -162,7 +162,7 @@ class AuditLinkStep(MessageStep):
         }
 
     def process(self, messages: list[Message]) -> StepResult[None]:
-        self.gate.new_batch()
+        self.gate.new_batch(messages)
         return super().process(messages)
 
     def handle(self, message: Message) -> Sequence[Output]:

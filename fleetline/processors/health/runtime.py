@@ -116,7 +116,7 @@ class HealthStep(FoldStep[HealthFold]):
         return fold
 
     def process(self, messages: list[Message]) -> StepResult[None]:
-        self.gate.new_batch()
+        self.gate.new_batch(messages)
         return super().process(messages)
 
     def handle(self, message: Message) -> Sequence[Output]:

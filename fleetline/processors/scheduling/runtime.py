@@ -152,7 +152,7 @@ class SchedulerStep(FoldStep[Scheduler]):
         return self.facts_at(offsets) if offsets else observe(ResourceView())
 
     def process(self, messages: list[Message]) -> StepResult[None]:
-        self.gate.new_batch()
+        self.gate.new_batch(messages)
         return super().process(messages)
 
     def handle(self, message: Message) -> Sequence[Output]:

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import pyarrow.compute as pc
 
 from fleetline.errors import FleetlineError, InvalidEventError
 from fleetline.identity.authority import node_refusal
-from fleetline.identity.writers import EstablishesWriters, WriterRefused
+from fleetline.identity.writers import EstablishesWriters, Headed, WriterRefused
 from fleetline.processors.view.fold import (
     REPEAT_FIELDS,
     apply,
@@ -143,7 +143,7 @@ class PartFolder:
             runs.setdefault((topic, partition), []).append(record)
         failed: list[tuple[R, FleetlineError]] = []
         if self.gate is not None:
-            self.gate.new_batch()
+            self.gate.new_batch([cast(Headed, r) for run in runs.values() for r in run])
         for (topic, partition), run in runs.items():
             name = self.part_of(topic, partition)
             view = parts.get(name)
