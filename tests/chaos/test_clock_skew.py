@@ -118,23 +118,18 @@ def test_skewed_agent_clocks_neither_stall_nor_silence_the_fleet(replicated, tmp
 CLUSTER_SKEWS_MS = {"skew-ahead": 60_000, "skew-behind": -60_000, "skew-none": 0}
 
 
-def test_cluster_agents_a_minute_off_change_no_health_decision(settings) -> None:
-    """Cluster agents whose clocks run a minute ahead and a minute behind heartbeat (each under
-    its own cluster identity, as `fleetline cluster-agent` does) beside one on time: the health
-    fold, whose time is the broker's, judges none of them silent; and when the agent a minute
-    ahead dies, its cluster is declared lost within the normal bound, not a minute late or
-    early. (One heartbeat 40 s ahead used to make the fold evict every other cluster.)"""
+def test_cluster_agents_a_minute_off_change_no_health_decision(settings, tmp_path) -> None:
+    """Three cluster agents (the real `ClusterAgent`, each under its own cluster identity),
+    one whose clock runs a minute ahead, one a minute behind, one on time, beside the health
+    fold and its clock: the fold, whose time is the broker's, judges none of them silent; and
+    when the agent a minute ahead dies, its cluster is declared lost within the normal bound,
+    not a minute late or early. (One heartbeat 40 s ahead used to make the fold evict every
+    other cluster.)"""
     import threading
 
-    from fleetline.identity.writers import Writer, WriterKind
+    from fleetline.agents.cluster.agent import ClusterAgent
     from fleetline.processors.health.fold import ClusterHealthPolicy
-    from fleetline.processors.health.runtime import (
-        ClusterHealthService,
-        health_topics,
-        signal,
-        signal_output,
-    )
-    from fleetline.streams.loop import produce as produce_output
+    from fleetline.processors.health.runtime import ClusterHealthService, health_topics
     from tests.services import running
 
     topics = fresh_topics()
@@ -143,39 +138,48 @@ def test_cluster_agents_a_minute_off_change_no_health_decision(settings) -> None
     health = ClusterHealthService(settings.kafka, topics, policy, tick_interval_s=0.3)
     stops = {cluster: threading.Event() for cluster in CLUSTER_SKEWS_MS}
 
-    def heartbeat(cluster: str, skew_ms: int) -> None:
-        kafka = settings.kafka.writing_as(Writer(WriterKind.CLUSTER, cluster))
-        producer = kafka_clients.producer(kafka, {"linger.ms": 0})
-        seq = 0
-        while not stops[cluster].is_set():
-            seq += 1
-            ts = int(time.time() * 1000) + skew_ms
-            produce_output(
-                producer,
-                signal_output(
-                    topics, signal("HEARTBEAT", cluster, ts, seq=seq, incarnation="i1"), codec
-                ),
-            )
-            producer.flush(10)
-            stops[cluster].wait(0.5)
+    def skewed(offset_ms: int):
+        return lambda: int(time.time() * 1000) + offset_ms
+
+    agents = {
+        cluster: ClusterAgent(
+            settings, topics, cluster, tmp_path / cluster, clock=skewed(offset_ms)
+        )
+        for cluster, offset_ms in CLUSTER_SKEWS_MS.items()
+    }
+    threads = {
+        cluster: threading.Thread(target=agent.run, args=(stops[cluster],), daemon=True)
+        for cluster, agent in agents.items()
+    }
 
     def states() -> list[dict]:
         return [
             codec.decode(m.value()).record for m in read_topic(settings.kafka, topics.emergency)
         ]
 
-    beats = [
-        threading.Thread(target=heartbeat, args=(c, s), daemon=True)
-        for c, s in CLUSTER_SKEWS_MS.items()
-    ]
+    def heartbeats_of(cluster: str) -> list[dict]:
+        return [
+            record
+            for m in read_topic(settings.kafka, topics.cluster_signals)
+            if (record := codec.decode(m.value()).record)["kind"] == "HEARTBEAT"
+            and record["cluster_id"] == cluster
+        ]
+
     with running(health):
-        for beat in beats:
-            beat.start()
+        for thread in threads.values():
+            thread.start()
         try:
-            time.sleep(8)  # a minute of skew would have shown many times over
+            wait_until(
+                lambda: all(len(heartbeats_of(c)) >= 8 for c in agents),
+                60,
+                "eight heartbeats from each agent",
+            )
             judged = [h for h in states() if h["state"] != "HEALTHY"]
             assert not judged, judged
+            ahead = heartbeats_of("skew-ahead")[-1]["ts"] - int(time.time() * 1000)
+            assert ahead > 50_000, ahead  # its own stamps do run a minute ahead
             stops["skew-ahead"].set()
+            threads["skew-ahead"].join(30)
             stopped_ms = int(time.time() * 1000)
             lost: list[dict] = []
 
@@ -191,8 +195,8 @@ def test_cluster_agents_a_minute_off_change_no_health_decision(settings) -> None
         finally:
             for stop in stops.values():
                 stop.set()
-            for beat in beats:
-                beat.join(10)
+            for thread in threads.values():
+                thread.join(30)
     # Declared (broker time) within the silence bound of its last heartbeat, give or take a
     # heartbeat interval and a tick: not a minute late (its last heartbeat's own stamp) or early.
     bound_ms = policy.lost_after_ms + 1_000

@@ -397,6 +397,6 @@ def test_enrol_revoke_and_enrol_again_as_an_operator_would(settings, tmp_path) -
     at_new = fresh.write(topics.cluster_signals, "edge-a", "ClusterSignal", signal_record)
     gate = replay_gate(settings.kafka, topics)
     messages = {m.offset(): m for m in read_topic(settings.kafka, topics.cluster_signals)}
-    with pytest.raises(WriterRefused, match="revoked.*stolen"):
+    with pytest.raises(WriterRefused, match=r"revoked.*stolen"):
         gate.writer_of(messages[at_old])
     assert gate.writer_of(messages[at_new]) == new.writer

@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -118,6 +118,9 @@ class ClusterAgent:
     ready: threading.Event = field(default_factory=threading.Event)
     # How its workloads run: OS processes on this host, or jobs of the cluster's manager.
     launcher: Launcher = field(default_factory=ProcessLauncher)
+    # The agent's own clock, which stamps its heartbeats and reports (a chaos test gives it
+    # one that runs ahead or behind: no fold takes its time from it).
+    clock: Callable[[], int] = _now_ms
 
     def __post_init__(self) -> None:
         # Every record this agent writes is its cluster's: a heartbeat, a report, a replica.
@@ -164,7 +167,7 @@ class ClusterAgent:
         # Orders and health from their start (the compacted desired state, every declaration);
         # the busy signal log only from a minute ago, enough to learn where the peers listen.
         recent = consumer.offsets_for_times(
-            [TopicPartition(self.topics.cluster_signals, 0, _now_ms() - 60_000)], timeout=30
+            [TopicPartition(self.topics.cluster_signals, 0, self.clock() - 60_000)], timeout=30
         )
         consumer.assign(
             [
@@ -342,7 +345,7 @@ class ClusterAgent:
                         kind,
                         action.node,
                         "",
-                        _now_ms(),
+                        self.clock(),
                         uuid.uuid4().hex,
                         actor=f"cluster-agent/{self.cluster_id}",
                         cluster_id=self.cluster_id,
@@ -804,7 +807,7 @@ class ClusterAgent:
             "cluster_id": self.cluster_id,
             "epoch": order.epoch,
             "attempt": order.attempt,
-            "ts": _now_ms(),
+            "ts": self.clock(),
             "event": kind,
             "trace_id": order.trace_id,
             "pid": pid,
@@ -834,7 +837,7 @@ class ClusterAgent:
             "PROGRESS",
             order.job,
             order.tenant,
-            _now_ms(),
+            self.clock(),
             uuid.uuid4().hex,
             actor=f"cluster-agent/{self.cluster_id}",
             phase=phase,
@@ -886,7 +889,7 @@ class ClusterAgent:
                 record = cluster_signal(
                     "HEARTBEAT",
                     self.cluster_id,
-                    _now_ms(),
+                    self.clock(),
                     seq=seq,
                     incarnation=self.incarnation,
                     actor=f"cluster-agent/{self.cluster_id}",
