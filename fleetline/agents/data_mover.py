@@ -30,7 +30,6 @@ from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 from fleetline.agents.dataplane.prewarm import CopyError, CopyReport, Mask, copy_dataset, mask_key
 from fleetline.config import KafkaSettings, S3Settings
 from fleetline.errors import FleetlineError
-from fleetline.identity.writers import Writer, WriterKind
 from fleetline.processors.scheduling.client import send
 from fleetline.processors.scheduling.codec import new_request
 from fleetline.processors.scheduling.specs import dataset_prefix
@@ -69,12 +68,7 @@ class DataMover:
 
     def run(self, stop: threading.Event) -> None:
         consumer = kafka_clients.consumer(self.kafka, self.name, {"enable.auto.commit": False})
-        # Its reports are a mover's (it may report only the copies it was ordered), unless it
-        # runs inside the control plane, which may write anything.
-        kafka = self.kafka
-        if kafka.signer is None or not kafka.signer.writers[0].is_control_plane:
-            kafka = kafka.writing_as(Writer(WriterKind.MOVER, self.group_id))
-        producer = kafka_clients.producer(kafka, {"linger.ms": 0})
+        producer = kafka_clients.producer(self.kafka, {"linger.ms": 0})
         pool = ThreadPoolExecutor(self.copies, thread_name_prefix="data-mover")
         # partition -> offset -> its copy; answered copies leave, the rest hold the commit back
         copying: dict[int, dict[int, Future[None]]] = {}

@@ -294,6 +294,7 @@ def data_mover(
     dataset's objects between the clusters' stores (digests verified, at the granted rate),
     and answers DATASET_READY (until interrupted; a copy cut short goes on after a restart)."""
     from fleetline.agents.data_mover import DataMover
+    from fleetline.identity.writers import Writer, WriterKind
     from fleetline.processors.scheduling.runtime import scheduler_topics
     from fleetline.streams import kafka as kafka_clients
     from fleetline.streams.topics import Topics
@@ -301,8 +302,13 @@ def data_mover(
     config = settings("kafka", "s3", kind=DATA_MOVER)
     topics = Topics(topic_prefix)
     kafka_clients.ensure_topics(config.kafka, scheduler_topics(topics))
+    # Its reports are a mover's: it may report only the copies the scheduler ordered.
     mover = DataMover(
-        config.kafka, config.s3, topics, copies=copies, object_key=config.object_key()
+        config.kafka.writing_as(Writer(WriterKind.MOVER, "data-mover")),
+        config.s3,
+        topics,
+        copies=copies,
+        object_key=config.object_key(),
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -4,8 +4,10 @@
 `<prefix>.scheduler.requests` (one partition, so one total order) and returns what it decided
 as data (`effects.py`): decisions with their reasons, the view position they read and the
 alternatives' scores; allocation records for the resource view; dataset prewarms and dataset
-records. It reads no clock and draws no random numbers: time is the requests' event time (a
-monotone maximum), ids come from the request's log position, and the fleet is what
+records. It reads no clock and draws no random numbers: time is the event time of the control
+plane's requests (a monotone maximum; an agent's report moves nothing), ids come from the
+request's log position, each request's writer is what the gate established (a request its
+writer may not make is refused, identity/authority.py), and the fleet is what
 `observe(view)` saw at the offsets a TICK names. So folding the same requests with the views at
 the same offsets gives the same effects, byte for byte; `fleetline replay --decisions` checks
 that against the log.
