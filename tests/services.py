@@ -3,6 +3,7 @@ snapshot stores, scheduler requests, an audit recorder."""
 
 from __future__ import annotations
 
+import base64
 import sys
 import threading
 import time
@@ -122,6 +123,10 @@ def service_env(
     }
     if settings.object_encryption_key:
         env["FLEETLINE_OBJECT_ENCRYPTION_KEY"] = settings.object_encryption_key
+    if settings.kafka.identity_root:
+        # The deployment's identity root, as a host of the control plane is given it: the
+        # records this test writes as the control plane are the child processes' too.
+        env["FLEETLINE_IDENTITY_ROOT_KEY"] = base64.b64encode(settings.kafka.identity_root).decode()
     if chdb_dir is not None:
         env["FLEETLINE_CLICKHOUSE_URL"] = f"chdb://{chdb_dir}"
     if killed_members:

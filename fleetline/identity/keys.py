@@ -24,7 +24,20 @@ def root_key_path(cache_dir: Path) -> Path:
 
 
 def read_root(path: Path, *, create: bool) -> bytes | None:
-    """The root key at `path`; made (random, owner-only) when absent and `create`."""
+    """The root key at `path`; made (random, owner-only) when absent and `create`. Another
+    user of the host, who may not read it, holds none (its records go unsigned) unless it is
+    to `create` it: then a ConfigError names the file."""
+    try:
+        return _read_root(path, create=create)
+    except PermissionError:
+        if create:
+            raise ConfigError(
+                f"{path}: the identity root key may not be read by this user"
+            ) from None
+        return None
+
+
+def _read_root(path: Path, *, create: bool) -> bytes | None:
     if not path.exists():
         if not create:
             return None

@@ -10,6 +10,7 @@ the root, not revocable), so the scheduler's ticks and submissions pay nothing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -36,6 +37,8 @@ from fleetline.streams.topics import Topics
 
 log = logging.getLogger(__name__)
 _CONTROL_PLANE = WriterKind.CONTROL_PLANE.value.encode()
+# Refusals that asking again will not change.
+_REFUSED = frozenset({KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.GROUP_AUTHORIZATION_FAILED})
 
 
 def gate_root(kafka: KafkaSettings) -> bytes:
@@ -77,10 +80,11 @@ class WriterGate:
         if any(not _control_plane(record) for record in records):
             self.refresh()
 
-    def refresh(self, timeout_s: float = 60.0) -> None:
-        """Read the identities topic up to its end as the broker gives it now; asked again
-        while its leadership moves (a broker lost, a topic just made), a StreamError once
-        `timeout_s` has passed."""
+    def refresh(self, timeout_s: float = 120.0) -> None:
+        """Read the identities topic up to its end as the broker gives it now. While brokers
+        are lost (its leader moving, a connection destroyed under the client) it is asked
+        again with a new client; a refusal by the broker's ACLs at once, anything else once
+        `timeout_s` has passed, is a StreamError."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             while True:
@@ -89,9 +93,17 @@ class WriterGate:
                     return
                 except KafkaException as exc:
                     error: KafkaError = exc.args[0]
-                    if not kafka_clients.moving(error) or time.monotonic() > deadline:
+                    if error.code() in _REFUSED or time.monotonic() > deadline:
                         raise StreamError(f"reading {self.topic}: {error.str()}") from None
+                    log.info("reading %s again: %s", self.topic, error.str())
+                    self._drop_consumer()
                     time.sleep(0.5)
+
+    def _drop_consumer(self) -> None:
+        if self._consumer is not None:
+            consumer, self._consumer = self._consumer, None
+            with contextlib.suppress(KafkaException, RuntimeError):  # its handle already gone
+                consumer.close()
 
     def _read_to_end(self, deadline: float) -> None:
         if self._consumer is None:
@@ -100,8 +112,10 @@ class WriterGate:
             )
             self._consumer.assign([TopicPartition(self.topic, 0, self.registry.position)])
         tp = TopicPartition(self.topic, 0)
+        # A few seconds a try: a leader lost mid-call is asked again (its successor), not
+        # waited on for the whole deadline while the batch's transaction runs.
         _, high = self._consumer.get_watermark_offsets(
-            tp, timeout=max(1.0, deadline - time.monotonic()), cached=False
+            tp, timeout=min(5.0, max(1.0, deadline - time.monotonic())), cached=False
         )
         while self.registry.position < high:
             if time.monotonic() > deadline:
@@ -125,9 +139,7 @@ class WriterGate:
 
     def close(self) -> None:
         with self._lock:
-            if self._consumer is not None:
-                self._consumer.close()
-                self._consumer = None
+            self._drop_consumer()
 
 
 def _control_plane(record: Headed) -> bool:
