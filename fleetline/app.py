@@ -7,6 +7,7 @@ of processors, sinks, stores and the API exists once. A service is anything with
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -61,7 +62,7 @@ from fleetline.storage.log_sink import LogTable
 from fleetline.storage.objects import ObjectStore
 from fleetline.storage.operations_sink import EnergyPriceTable, TicketTable
 from fleetline.storage.queries import ready_sql
-from fleetline.storage.query_service import QueryService, query_client
+from fleetline.storage.query_service import Expand, QueryResult, QueryService, query_client
 from fleetline.storage.scheduling_sink import AllocationTable, DecisionTable, WorkloadEventTable
 from fleetline.storage.sinks import Destination, RecordSink
 from fleetline.storage.snapshots import SnapshotStore
@@ -294,39 +295,36 @@ class Fleetline:
         readings = dcgm_readings(self.view)
         metrics.register_collector("dcgm", metrics.DcgmCollector(readings))
 
+    @functools.cached_property
+    def expand(self) -> Expand:
+        """The tiers' macros as this process's queries expand them (made once)."""
+        return expander(self.settings)
+
+    def query(self, sql: str) -> QueryResult:
+        """An analyst query on this process's store (allow-listed, bounded, tiers expanded)."""
+        return query_client(
+            self.clickhouse,
+            sql,
+            self.expand,
+            self.settings.query_limits,
+            database=self.settings.clickhouse_database,
+        )
+
     def recommendations(self, ts: int) -> list[OpsEvent]:
         """The operations processor's own tuning round: recommendations for the running
         training jobs from the stored history, as the operations processor's."""
-        expand = expander(self.settings)
-
-        def rows(query: str) -> list[list[Any]]:
-            return query_client(
-                self.clickhouse,
-                query,
-                expand,
-                self.settings.query_limits,
-                database=self.settings.clickhouse_database,
-            ).rows
-
         jobs = job_records(
             self.scheduler.store
             if self.scheduler is not None
             else read_state(self.settings.kafka, self.topics)
         )
-        return recommendation_events(rows, jobs, ts, "operations")
+        return recommendation_events(lambda sql: self.query(sql).rows, jobs, ts, "operations")
 
     def api(self, authenticator: Authenticator, emitter: AuditEmitter) -> FastAPI:
         """The HTTP API over this process's view, scheduler, audit table and ClickHouse."""
-        expand = expander(self.settings)
 
         def sql(query: str) -> dict[str, Any]:
-            result = query_client(
-                self.clickhouse,
-                query,
-                expand,
-                self.settings.query_limits,
-                database=self.settings.clickhouse_database,
-            )
+            result = self.query(query)
             return {"columns": result.columns, "rows": result.rows}
 
         def ready(name: str, since: str, until: str | None) -> dict[str, Any]:
@@ -511,7 +509,7 @@ def build(settings: Settings, options: Options) -> Fleetline:
         client,
         settings.clickhouse_url,
         host=settings.advertise_host,
-        expand=expander(settings),
+        expand=fleet.expand,
         limits=settings.query_limits,
         database=db,
     )

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fleetline.errors import ConfigError
-from fleetline.identity.keys import decode_root, read_root, root_key_path, signer_for
+from fleetline.identity.keys import decode_root, derive, read_root, root_key_path, signer_for
 from fleetline.identity.keys import read_credentials as read_identity_file
 from fleetline.identity.writers import CONTROL_PLANE_WRITER, Signer, Writer
 from fleetline.tls import TlsSettings
@@ -179,9 +179,7 @@ class Settings:
         root = self.kafka.identity_root or read_root(root_key_path(self.cache_dir), create=create)
         if root is None:
             return self
-        signer = self.kafka.signer or signer_for(
-            [CONTROL_PLANE_WRITER], root=root, identity_file=None
-        )
+        signer = self.kafka.signer or derive(root, [CONTROL_PLANE_WRITER])
         return replace(self, kafka=replace(self.kafka, identity_root=root, signer=signer))
 
     def writing_as(self, *writers: Writer) -> Settings:
@@ -257,7 +255,7 @@ class Settings:
         if identity_file is not None:
             signer = read_identity_file(identity_file)
         elif root is not None:
-            signer = signer_for([CONTROL_PLANE_WRITER], root=root, identity_file=None)
+            signer = derive(root, [CONTROL_PLANE_WRITER])
         kafka = replace(kafka, signer=signer, identity_root=root, identity_file=identity_file)
         return cls(
             kafka=kafka,

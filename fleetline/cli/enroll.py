@@ -10,12 +10,16 @@ append time on (docs/security.md, "Who wrote this record").
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from fleetline.cli.common import TopicPrefix, settings
-from fleetline.streams.topics import CONTROL_PLANE
+from fleetline.streams.topics import CONTROL_PLANE, Topics
+
+if TYPE_CHECKING:  # a command imports what it runs inside its function (cli/__init__.py)
+    from fleetline.config import Settings
+    from fleetline.identity.writers import Gate, Writer
 
 enroll = typer.Typer(
     help="Enrol writer identities (node, cluster, mover, router) and revoke them.",
@@ -29,30 +33,24 @@ NameArg = Annotated[
 ]
 
 
-def _writers(kind: str, names: list[str], generation: int | None = None) -> list[object]:
+def _writers(kind: str, names: list[str]) -> list[Writer]:
     from fleetline.identity.writers import Writer, WriterKind
 
     if kind not in ("node", "cluster", "mover", "router"):
         raise typer.BadParameter(f"{kind!r}: enrol a node, cluster, mover or router")
-    return [Writer.parse(f"{WriterKind(kind).value}:{n}#{generation or 1}") for n in names]
+    return [Writer.parse(f"{WriterKind(kind).value}:{name}") for name in names]
 
 
-def _read_identities(topic_prefix: str) -> tuple[Any, Any, Any]:
+def _read_identities(topic_prefix: str) -> tuple[Settings, Topics, Gate]:
     """The control plane's settings, the topics, and a gate whose registry is the identities
     topic as it stands now."""
     from fleetline.streams import kafka as kafka_clients
-    from fleetline.streams.topics import Topics
-    from fleetline.streams.writers import WriterGate
+    from fleetline.streams.writers import replay_gate
 
     config = settings("kafka", kind=CONTROL_PLANE)
     topics = Topics(topic_prefix)
     kafka_clients.ensure_topics(config.kafka, topics.specs())
-    gate = WriterGate(config.kafka, topics)
-    try:
-        gate.refresh()
-    finally:
-        gate.close()
-    return config, topics, gate
+    return config, topics, replay_gate(config.kafka, topics)
 
 
 @enroll.command(name="issue")
@@ -76,10 +74,9 @@ def issue(
     config, topics, gate = _read_identities(topic_prefix)
     issued = []
     for first in _writers(kind, names):
-        assert isinstance(first, Writer)
         writer = Writer(first.kind, first.name, gate.registry.next_generation(first.id))
         publish_identity_event(config.kafka, topics, "ENROL", writer, getpass.getuser())
-        issued.append(gate.gate.credential(writer))
+        issued.append(gate.credential(writer))
     write_credentials(out, issued)
     for credential in issued:
         print(f"enrolled {credential.writer.header}")
@@ -103,7 +100,6 @@ def revoke(
 
     config, topics, gate = _read_identities(topic_prefix)
     for first in _writers(kind, names):
-        assert isinstance(first, Writer)
         newest = max(gate.registry.next_generation(first.id) - 1, 1)
         writer = Writer(first.kind, first.name, newest)
         at = publish_identity_event(

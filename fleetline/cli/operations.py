@@ -254,26 +254,15 @@ def tune(
             print(f"{rec['job']}: {rec['summary']}")
         print(f"{len(made)} recommendations appended to the operations log by the server")
         return
-    from fleetline.processors.operations.tuning import recommend
+    from fleetline.processors.operations.runtime import stored_recommendations
     from fleetline.processors.scheduling.client import job_records, read_state
-    from fleetline.storage.queries import (
-        checkpoint_costs_sql,
-        failure_history_sql,
-        memory_by_job_sql,
-    )
     from fleetline.streams.topics import Topics
 
     config = settings("kafka", "clickhouse")
-    topics = Topics(topic_prefix)
-
-    def rows(sql: str) -> list[list[Any]]:
-        return analyst_query(config, sql).rows
-
-    found = recommend(
-        rows(failure_history_sql(days)),
-        rows(checkpoint_costs_sql(days)),
-        rows(memory_by_job_sql(days)),
-        job_records(read_state(config.kafka, topics)),
+    found = stored_recommendations(
+        lambda sql: analyst_query(config, sql).rows,
+        job_records(read_state(config.kafka, Topics(topic_prefix))),
+        days,
     )
     if not found:
         print("no recommendation: no running training job with measured checkpoints or memory")

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hmac
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
@@ -182,10 +182,21 @@ class Signer:
     with one identity, is written under the first."""
 
     credentials: tuple[Credential, ...]
+    # node id -> its credential (a node agent's several nodes), worked out once.
+    by_node: dict[bytes, Credential] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.credentials:
             raise ConfigError("a signer needs at least one credential")
+        object.__setattr__(
+            self,
+            "by_node",
+            {
+                (c.writer.node or "").encode(): c
+                for c in self.credentials
+                if c.writer.kind is WriterKind.NODE
+            },
+        )
 
     @property
     def writers(self) -> tuple[Writer, ...]:
@@ -193,7 +204,7 @@ class Signer:
 
     def credential_for(self, msg_key: bytes | None) -> Credential:
         if msg_key is not None and len(self.credentials) > 1:
-            found = _by_node(self.credentials).get(msg_key)
+            found = self.by_node.get(msg_key)
             if found is not None:
                 return found
         return self.credentials[0]
@@ -202,20 +213,6 @@ class Signer:
         self, topic: str, msg_key: bytes | None, value: bytes | None, nonce: bytes
     ) -> list[tuple[str, bytes]]:
         return self.credential_for(msg_key).headers(topic, msg_key, value, nonce)
-
-
-_NODE_INDEX: dict[tuple[Credential, ...], dict[bytes, Credential]] = {}
-
-
-def _by_node(credentials: tuple[Credential, ...]) -> dict[bytes, Credential]:
-    index = _NODE_INDEX.get(credentials)
-    if index is None:
-        index = _NODE_INDEX[credentials] = {
-            (c.writer.node or "").encode(): c
-            for c in credentials
-            if c.writer.kind is WriterKind.NODE
-        }
-    return index
 
 
 class Headed(Protocol):
@@ -235,7 +232,7 @@ class Headed(Protocol):
 class EstablishesWriters(Protocol):
     """What folds ask who wrote a record: a Gate, or the live one over the identities topic."""
 
-    def new_batch(self, records: Sequence[Headed]) -> None:
+    def new_batch(self, records: Iterable[Headed]) -> None:
         """A batch was fetched (a live gate reads the revocations again before judging it)."""
 
     def writer_of(self, record: Headed) -> Writer:
@@ -312,7 +309,7 @@ class Gate:
         self._keys: dict[bytes, tuple[Writer, Any]] = {}
         self._topics: dict[str, bytes] = {}
 
-    def new_batch(self, records: Sequence[Headed]) -> None:
+    def new_batch(self, records: Iterable[Headed]) -> None:
         """Nothing to read again: this gate's registry is given whole."""
 
     def credential(self, writer: Writer) -> Credential:
@@ -335,11 +332,11 @@ class Gate:
         # Every record of every checked topic comes through here: kept to a few lookups and
         # one GMAC (benchmarks/writers.py measures it against the view's fold).
         headers = record.headers()
-        writer_header, mac = _identity_headers(headers)
-        if writer_header is None or mac is None:
+        claimed, mac = _identity_headers(headers)
+        if claimed is None or mac is None:
             raise WriterRefused("an unauthenticated writer", "wrote a record with no writer MAC")
-        found = self._keys.get(writer_header)
-        writer, aead = found if found is not None else self._known(writer_header)
+        found = self._keys.get(claimed)
+        writer, aead = found if found is not None else self._known(claimed)
         topic = record.topic() or ""
         topic_bytes = self._topics.get(topic)
         if topic_bytes is None:
@@ -381,9 +378,8 @@ def _identity_headers(headers: Any) -> tuple[bytes | None, bytes | None]:
     return writer, mac
 
 
-def writer_header(headers: Iterable[tuple[str, bytes | str | None]] | None) -> str | None:
-    """The writer a record claims (unverified: for showing a dead letter, never for trust)."""
-    for name, value in headers or ():
-        if name == H_WRITER and value is not None:
-            return value.decode(errors="replace") if isinstance(value, bytes) else value
-    return None
+def writer_header(headers: Any) -> str | None:
+    """The writer a record claims, read as the gate reads it (unverified: for showing a dead
+    letter or choosing whether to read the revocations again, never for trust)."""
+    writer, _ = _identity_headers(headers)
+    return None if writer is None else writer.decode(errors="replace")

@@ -28,7 +28,7 @@ from fleetline.streams.events import NODE_COMMAND, OPS_EVENT, REPAIR_TICKET, SCH
 from fleetline.streams.records import Offsets, where
 from fleetline.streams.serde import AvroCodec, default_codec
 from fleetline.streams.topics import Topics
-from fleetline.streams.writers import WriterGate
+from fleetline.streams.writers import replay_gate
 
 
 @dataclass
@@ -83,16 +83,14 @@ def replay_decisions(
     ).get(0)
     # Who wrote each request is established as the live scheduler did: the same MACs, and the
     # identities topic read whole, so a revoked writer's later requests are refused here too.
-    gate = WriterGate(kafka, topics, codec)
-    gate.refresh()
-    gate.close()
+    gate = replay_gate(kafka, topics)
     for msg in read_topic(kafka, topics.scheduler_requests):
         if committed is not None and where(msg)[2] >= committed:
             result.unprocessed += 1
             continue
         result.requests += 1
         try:
-            writer = gate.gate.writer_of(msg)
+            writer = gate.writer_of(msg)
             request = codec.decode(msg.value(), expect=SCHEDULER_REQUEST).record
             facts = None
             if request["kind"] == "TICK":

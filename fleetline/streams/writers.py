@@ -15,19 +15,19 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from fleetline.config import KafkaSettings
 from fleetline.errors import ConfigError, StreamError
 from fleetline.identity.writers import (
-    H_WRITER,
     Gate,
     Headed,
     Registry,
     Writer,
     WriterKind,
+    writer_header,
 )
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.events import IDENTITY_EVENT
@@ -36,7 +36,6 @@ from fleetline.streams.serde import AvroCodec, default_codec
 from fleetline.streams.topics import Topics
 
 log = logging.getLogger(__name__)
-_CONTROL_PLANE = WriterKind.CONTROL_PLANE.value.encode()
 # Refusals that asking again will not change.
 _REFUSED = frozenset({KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.GROUP_AUTHORIZATION_FAILED})
 
@@ -72,7 +71,7 @@ class WriterGate:
     def registry(self) -> Registry:
         return self.gate.registry
 
-    def new_batch(self, records: Sequence[Headed]) -> None:
+    def new_batch(self, records: Iterable[Headed]) -> None:
         """A batch was fetched: before any of it is judged, read the revocations again if it
         holds a record not written by the control plane. Called before the batch changes
         anything, so a registry that cannot be read fails the batch whole (an exactly-once
@@ -143,10 +142,8 @@ class WriterGate:
 
 
 def _control_plane(record: Headed) -> bool:
-    for name, value in record.headers() or ():
-        if name == H_WRITER:
-            return value is not None and value.split(b"#")[0] == _CONTROL_PLANE
-    return False
+    claimed = writer_header(record.headers())
+    return claimed is not None and claimed.partition("#")[0] == WriterKind.CONTROL_PLANE.value
 
 
 def replay_gate(kafka: KafkaSettings, topics: Topics) -> Gate:

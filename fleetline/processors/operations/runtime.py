@@ -44,7 +44,7 @@ from fleetline.processors.operations.rules import (
     Observation,
     observe,
 )
-from fleetline.processors.operations.tuning import recommend
+from fleetline.processors.operations.tuning import Recommendation, recommend
 from fleetline.processors.scheduling.client import read_topic, request_output
 from fleetline.processors.scheduling.codec import new_request
 from fleetline.processors.view.read import ViewSource
@@ -402,6 +402,25 @@ def append(
     )
 
 
+def stored_recommendations(
+    rows: Callable[[str], list[list[Any]]], jobs: Sequence[Mapping[str, Any]], days: int = 30
+) -> list[tuple[Recommendation, Mapping[str, Any]]]:
+    """`tuning.recommend` over `days` of stored history (`rows` runs a query): what `fleetline
+    tune` prints and `recommendation_events` appends."""
+    from fleetline.storage.queries import (
+        checkpoint_costs_sql,
+        failure_history_sql,
+        memory_by_job_sql,
+    )
+
+    return recommend(
+        rows(failure_history_sql(days)),
+        rows(checkpoint_costs_sql(days)),
+        rows(memory_by_job_sql(days)),
+        jobs,
+    )
+
+
 def recommendation_events(
     rows: Callable[[str], list[list[Any]]],
     jobs: Sequence[Mapping[str, Any]],
@@ -411,18 +430,6 @@ def recommendation_events(
 ) -> list[OpsEvent]:
     """RECOMMENDATION events for the running training jobs, from `days` of stored history
     (`rows` runs a query), as `actor` made them."""
-    from fleetline.storage.queries import (
-        checkpoint_costs_sql,
-        failure_history_sql,
-        memory_by_job_sql,
-    )
-
-    found = recommend(
-        rows(failure_history_sql(days)),
-        rows(checkpoint_costs_sql(days)),
-        rows(memory_by_job_sql(days)),
-        jobs,
-    )
     return [
         ops_event(
             "RECOMMENDATION",
@@ -431,7 +438,7 @@ def recommendation_events(
             key=rec.job,
             actor=actor,
         )
-        for rec, document in found
+        for rec, document in stored_recommendations(rows, jobs, days)
     ]
 
 

@@ -143,7 +143,7 @@ class PartFolder:
             runs.setdefault((topic, partition), []).append(record)
         failed: list[tuple[R, FleetlineError]] = []
         if self.gate is not None:
-            self.gate.new_batch([cast(Headed, r) for run in runs.values() for r in run])
+            self.gate.new_batch(cast(Headed, r) for run in runs.values() for r in run)
         for (topic, partition), run in runs.items():
             name = self.part_of(topic, partition)
             view = parts.get(name)
@@ -173,14 +173,13 @@ class PartFolder:
         # Per node, the GPU readings of its last record folded here whole, or True once that
         # record is known to have `settled` (its repeats then fold without their readings).
         last: dict[str, Sequence[Sample] | bool] = {}
-        gate = self.gate
         for record, row in zip(run, rows, strict=True):
             if row is None:  # the batch path could not read it: record by record, in order
                 last.clear()  # that path may have folded any node
                 self.fold_one(view, record, failed)
                 continue
             cluster_id, region, node_id, seq, ts, gpus = row
-            if gate is not None:
+            if self.gate is not None:
                 try:
                     self._check_node(record, "telemetry", cluster_id, node_id)
                 except FleetlineError as exc:
