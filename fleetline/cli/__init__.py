@@ -28,6 +28,7 @@ from fleetline.cli import (
     jobs,
     lab,
     operations,
+    postmortem,
     run,
     serve,
     serving,
@@ -75,6 +76,7 @@ _GROUPS = (
     specs,
     jobs,
     operations,
+    postmortem,
     view,
     contract,
 )

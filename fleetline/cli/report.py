@@ -118,6 +118,7 @@ def print_result(console: Console, result: SliceResult, clickhouse_url: str, pre
     print_split_story(console, result.split_story)
     print_prewarm_story(console, result.prewarm_story)
     print_serving_day(console, result.serving_day)
+    print_postmortem(console, result.postmortem)
     say("timings: " + ", ".join(f"{k} {v:.1f}s" for k, v in result.timings.items()))
 
 
@@ -270,3 +271,30 @@ def print_serving_day(console: Console, day: dict[str, Any]) -> None:
         f"{load.get('failed')} failed, {router.get('retries')} retried by the router, p95 "
         f"{load.get('p95_ms')} ms (`fleetline explain {day['service']}`)"
     )
+
+
+def print_postmortem(console: Console, part: dict[str, Any]) -> None:
+    if not part or _stopped(console, part):
+        return
+    report = part["report"]
+    say = console.print
+    say(f"\npostmortem of this run (`fleetline postmortem`): {report['summary']}")
+    faults = table("fault at", "kind", "what failed", "detected after", "by")
+    for f in report["faults"]:
+        faults.add_row(
+            str(f["at_ms"]),
+            f["kind"],
+            f["subject"],
+            "-" if f["detection_s"] is None else f"{f['detection_s']:g}s",
+            (f["detected_by"] or "NOT DETECTED")[:70],
+        )
+    say(faults)
+    for j in report["impact"]["jobs"]:
+        for m in j["moves"]:
+            say(
+                f"  {j['job']}: {m['from']} -> {m['to']} ({m['fault'] or 'moved by decision'}),"
+                f" {m['steps_redone']} steps redone, running again {m['recovery_s']}s after,"
+                f" from {m['checkpoint'] or 'no checkpoint'}",
+                soft_wrap=True,
+            )
+    say("written: " + ", ".join(part["files"].values()), soft_wrap=True)

@@ -88,6 +88,8 @@ class SliceResult:
     split_story: dict[str, Any] = field(default_factory=dict)
     prewarm_story: dict[str, Any] = field(default_factory=dict)
     serving_day: dict[str, Any] = field(default_factory=dict)
+    # The postmortem of the run's own window (`fleetline postmortem`), as written.
+    postmortem: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -408,6 +410,7 @@ def play(
     interval = scenario.interval_ms
     timings: dict[str, float] = {}
     began = time.monotonic()
+    wall_began_ms = _now_ms()
     # On a secured broker each process signs in as its kind; the story itself (declarations,
     # submissions, reads) acts as the control plane.
     kinds, settings = settings, settings.as_kind(CONTROL_PLANE)
@@ -603,6 +606,11 @@ def play(
         timings["decision_replay_s"] = time.monotonic() - began
         scheduling["operations"] = operations_summary(fleet)
         scheduling["audited"] = audited_decisions(fleet)
+        began = time.monotonic()
+        incident = story_part(
+            progress, lambda: write_postmortem(fleet, min(start_ms, wall_began_ms), topics)
+        )
+        timings["postmortem_s"] = time.monotonic() - began
     finally:
         agents.close()
         agent.close()
@@ -633,8 +641,31 @@ def play(
         split_story=split,
         prewarm_story=prewarmed,
         serving_day=serving,
+        postmortem=incident,
         timings=timings,
     )
+
+
+def write_postmortem(fleet: Fleetline, from_ms: int, topics: Topics) -> dict[str, Any]:
+    """The run's own incident report (`fleetline postmortem` over its window, the whole
+    fleet), written under .cache/postmortem/; what it found, and where it lies."""
+    from fleetline.processors.postmortem.files import write
+    from fleetline.processors.postmortem.gather import gather
+    from fleetline.processors.postmortem.report import Scope, build, check
+
+    assert fleet.signer is not None
+    keys = {fleet.signer.key_id: fleet.signer.private_key.public_key()}
+
+    def sql(query: str) -> tuple[list[str], list[list[Any]]]:
+        result = fleet.query(query)
+        return list(result.columns), [list(r) for r in result.rows]
+
+    log = gather(fleet.settings.kafka, topics, sql, from_ms, _now_ms() + 1000, Scope(), keys)
+    check(log)
+    report = build(log)
+    out = fleet.settings.cache_dir / "postmortem" / topics.prefix
+    files = write(report, out, f"Postmortem of fleetline run ({topics.prefix})")
+    return {"report": report, "files": {k: str(v) for k, v in files.items()}}
 
 
 def operations_summary(fleet: Fleetline) -> dict[str, Any]:

@@ -119,7 +119,42 @@ def story_steps(result: SliceResult, scenario: Scenario) -> list[StoryStep]:
         steps.append(_prewarm_step(result.prewarm_story))
     if scenario.serving_day:
         steps.append(_serving_step(result.serving_day))
+    if scenario.lose_cluster_of:
+        steps.append(_postmortem_step(scenario.lose_cluster_of, result))
     return steps
+
+
+def _postmortem_step(job: str, result: SliceResult) -> StoryStep:
+    """The run's postmortem, from the log and the tiers alone, tells the cluster loss as the
+    story saw it: the cluster, its detection, the job's move and the chain verified."""
+    name = "the postmortem told the cluster loss from the log: detection, the move, the audit"
+    failed = failed_part(result.postmortem)
+    if failed is not None:
+        return _step(name, [failed])
+    story = result.cluster_story
+    if not story or "failed" in story:
+        return _step(name, ["there was no cluster loss to tell"])
+    report = result.postmortem["report"]
+    problems = []
+    lost = [
+        f for f in report["faults"] if f["kind"] == "cluster_lost" and f["subject"] == story["lost"]
+    ]
+    if not lost:
+        problems.append(f"no cluster_lost fault for {story['lost']}")
+    elif lost[0]["detected_ms"] is None:
+        problems.append(f"the loss of {story['lost']} has no detection")
+    moves = [
+        m
+        for j in report["impact"]["jobs"]
+        if j["job"] == job
+        for m in j["moves"]
+        if m["from"] == story["lost"] and m["recovery_s"] is not None
+    ]
+    if not moves:
+        problems.append(f"no move of {job} off {story['lost']} with its recovery time")
+    if not report["audit"].get("ok"):
+        problems.append(f"the audit chain breaks at {report['audit'].get('first_broken')}")
+    return _step(name, problems)
 
 
 def _cluster_step(job: str, story: Mapping[str, Any]) -> StoryStep:

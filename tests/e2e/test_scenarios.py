@@ -19,7 +19,7 @@ from fleetline.demo.verdict import story_steps
 from fleetline.processors.view import codec as view_codec
 from fleetline.streams import kafka as kafka_clients
 from tests.services import service_env
-from tests.support import BASE_MS, fresh_topics
+from tests.support import after_now_ms, fresh_topics
 
 pytestmark = pytest.mark.services
 
@@ -27,7 +27,10 @@ pytestmark = pytest.mark.services
 def test_the_default_scenario_flows_end_to_end(settings) -> None:
     topics = fresh_topics()
     played = scenario.load("default").sized(nodes=2, ticks=6)
-    result = play(settings, played, start_ms=BASE_MS, realtime=False, topics=topics)
+    # Event time ends now, as `fleetline run` plays it: the scheduler's and the operations
+    # rules' detections are then on one clock with the faults (the postmortem's delays).
+    start_ms = (after_now_ms() // 1000 - played.ticks - 1) * 1000
+    result = play(settings, played, start_ms=start_ms, realtime=False, topics=topics)
     # 3 clusters x 2 nodes; the last node goes down at tick 4 and reports no more.
     assert result.states_sent == 7
     assert result.telemetry_sent == 6 * 6 - 3
@@ -105,6 +108,39 @@ def test_the_default_scenario_flows_end_to_end(settings) -> None:
     audited = result.scheduling["audited"]
     assert audited["decisions"] == len(result.scheduling["decisions"])
     assert audited["missing"] == audited["changed"] == [], audited
+    # The run's postmortem, from the log and the tiers alone, tells what the scenario did:
+    # the GPU that fell off the bus at tick 3 and the rule that caught it, the node that lost
+    # power, the cluster lost under acme/story and how long its detection took, the job's
+    # move from its checkpoint, and the audit chain verified with the digests signing it.
+    report = result.postmortem["report"]
+    faults = {(f["kind"], f["subject"]): f for f in report["faults"]}
+    xid = faults[("xid", "us-east-a-n0000/3")]
+    assert xid["at_ms"] == start_ms + 3 * 1000, xid
+    assert "us-east-a-n0000" in xid["detected_by"] or "gpu_failed" in xid["detected_by"], xid
+    # (Played faster than real time, the scheduler decides seconds of wall time after the
+    # telemetry's event time: the delay is what the log says, not the GPU's.)
+    assert xid["detection_s"] == (xid["detected_ms"] - xid["at_ms"]) / 1000 >= 0, xid
+    assert xid["detection_s"] <= 60, xid
+    assert ("node_down", "ap-south-a-n0001") in faults, sorted(faults)
+    lost = faults[("cluster_lost", story["lost"])]
+    assert lost["detected_by"].startswith("cluster health fold"), lost
+    assert abs(lost["detection_s"] - story["detected_s"]) <= 1.0, (lost, story["detected_s"])
+    (moved,) = [j for j in report["impact"]["jobs"] if j["job"] == "acme/story"]
+    assert moved["ran_in"][-2:] == [story["lost"], story["resumed_in"]], moved
+    (move,) = [m for m in moved["moves"] if m["fault"] == f"cluster_lost {story['lost']}"]
+    assert (move["from"], move["to"]) == (story["lost"], story["resumed_in"]), move
+    assert move["resumed_at_step"] == story["resumed_at"], move
+    assert move["steps_redone"] == move["last_step_before"] - story["resumed_at"] >= 0, move
+    assert move["checkpoint"], move
+    assert abs(move["recovery_s"] - story["resumed_after_s"]) <= 2.0, (move, story)
+    assert report["audit"]["ok"] and report["audit"]["digests_named"], report["audit"]
+    assert any(
+        a["operation"] == "decision.PREEMPTED" and a["target"] == "acme/story"
+        for a in report["actions"]
+    )
+    for kind in ("json", "md", "html"):
+        assert Path(result.postmortem["files"][kind]).stat().st_size > 0
+    assert json.loads(Path(result.postmortem["files"]["json"]).read_text()) == report
     # The compressed serving day needs 3 whole nodes for its training: on 2-node clusters it
     # says why it is skipped (tests/e2e/test_serving.py plays serving on the real stack).
     assert "acme/tidal does not fit" in result.serving_day["skipped"], result.serving_day

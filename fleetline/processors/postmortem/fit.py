@@ -1,0 +1,274 @@
+"""What would make a queued job fit: the constraint that binds it, and the smallest change that
+would place it now, checked by running the placement again with that change made.
+
+"Why is my job not running" gets a reason from every scheduler; this answers the next question
+("what would it take") for every queued job at once. A change is only offered once the same
+placement code the scheduler runs (`decide.try_place`) placed the job with it:
+
+- quota: the tenant's GPU quota (or GPU-hour budget) raised by what the job lacks;
+- capacity (or another tenant's reservation, or the inference pool's share): the fewest GPUs
+  freed in one cluster, taken from the jobs there of the lowest priority first, named with the
+  leaf switches the job would then land under;
+- accelerator: another chip the fleet has, where the job names a model no free node has;
+- region: another region for a service whose regions hold no room.
+
+Pure: it reads the scheduler's state and leaves it as it found it (each trial's changes are
+undone, and a trial that placed the job gives its GPUs back), so the live scheduler and a
+replay may both ask it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from fleetline.processors.scheduling.decide import request_for, try_place
+from fleetline.processors.scheduling.pipeline import Attempt, unreserve
+from fleetline.processors.scheduling.specs import InferenceServiceSpec, TrainingJobSpec
+from fleetline.processors.scheduling.state import Job, SchedulerState
+from fleetline.processors.scheduling.tenancy import HOUR_MS, Request, quota_block
+
+# A trial: (binding constraint, the change in words, GPUs the change adds or frees, how to
+# make it (the context manager undoes it), the cluster it is made in or None).
+Trial = tuple[str, str, int, Callable[[], contextlib.AbstractContextManager[None]], str | None]
+
+
+@dataclass(frozen=True)
+class Fit:
+    """One queued job: what binds it, and the change that would place it (None: none found)."""
+
+    job: str
+    tenant: str
+    gpus: int
+    binding: str  # quota, capacity, reservation, pool, accelerator, region, reachable, ...
+    why: str  # the placement's own words for what binds it
+    change: str | None = None
+    places_in: str | None = None  # where the job goes once the change is made
+    checked: bool = False  # the placement ran again with the change and placed it
+
+    def as_data(self) -> dict[str, object]:
+        return {
+            "job": self.job,
+            "tenant": self.tenant,
+            "gpus": self.gpus,
+            "binding": self.binding,
+            "why": self.why,
+            "change": self.change,
+            "places_in": self.places_in,
+            "checked": self.checked,
+        }
+
+
+def what_would_fit(s: SchedulerState, keys: list[str] | None = None) -> list[Fit]:
+    """Every queued job (or those named), in queue order."""
+    wanted = None if keys is None else set(keys)
+    return [fit_of(s, job) for job in s.queue() if wanted is None or job.key in wanted]
+
+
+def fit_of(s: SchedulerState, job: Job) -> Fit:
+    need = request_for(s, job).shape.gpus
+    now = _placed(s, job)
+    if now is not None:
+        return Fit(job.key, job.tenant, need, "none", "it fits now", None, now, True)
+    current = try_place(s, job)
+    binding, why = _binding(current)
+    for kind, change, _size, make, cluster_id in _trials(s, job, current, need):
+        with make():
+            placed = _placed(s, job)
+        if placed is not None:
+            said = _reason_of(current, kind, cluster_id) or (why if kind == binding else None)
+            return Fit(job.key, job.tenant, need, kind, said or why, change, placed, True)
+    return Fit(job.key, job.tenant, need, binding, why)
+
+
+def _placed(s: SchedulerState, job: Job) -> str | None:
+    """Where the job would go now (its GPUs given back at once), or None."""
+    attempt = try_place(s, job)
+    if not attempt.placed:
+        return None
+    unreserve(s.index, attempt.placements)
+    return ",".join(p.cluster_id for p in attempt.placements)
+
+
+def _binding(attempt: Attempt) -> tuple[str, str]:
+    """The filter that ruled out most clusters (a tenant-wide quota rules out all)."""
+    if attempt.reason.startswith("quota:"):
+        return "quota", attempt.reason
+    rejected = [a for a in attempt.alternatives if a.rejected]
+    if not rejected:
+        return "placement", attempt.reason
+    counts = Counter(a.by or "filter" for a in rejected)
+    kind = min(counts, key=lambda k: (-counts[k], k))
+    return kind, next(
+        f"{a.cluster_id}: {a.rejected}" for a in rejected if (a.by or "filter") == kind
+    )
+
+
+def _reason_of(attempt: Attempt, kind: str, cluster_id: str | None) -> str | None:
+    """What ruled the job out where the change is made (or anywhere, for a fleet-wide one)."""
+    if kind == "quota" and attempt.reason.startswith("quota:"):
+        return attempt.reason
+    return next(
+        (
+            f"{a.cluster_id}: {a.rejected}"
+            for a in attempt.alternatives
+            if a.by == kind and cluster_id in (None, a.cluster_id)
+        ),
+        None,
+    )
+
+
+def _trials(s: SchedulerState, job: Job, current: Attempt, need: int) -> Iterator[Trial]:
+    """The changes worth trying, smallest of each kind first."""
+    yield from _quota_trials(s, job, need)
+    frees = sorted(
+        (
+            t
+            for c in _clusters_by(current, ("capacity", "reservation", "pool"))
+            for t in _free_trials(s, job, c)
+        ),
+        key=lambda t: (t[2], t[1]),
+    )
+    yield from frees[:1] if frees else ()
+    yield from _accelerator_trials(s, job, current)
+    yield from _region_trials(s, job, current)
+
+
+def _clusters_by(attempt: Attempt, kinds: tuple[str, ...]) -> list[str]:
+    return sorted(a.cluster_id for a in attempt.alternatives if a.by in kinds)
+
+
+def _quota_trials(s: SchedulerState, job: Job, need: int) -> Iterator[Trial]:
+    policy = s.tenants.get(job.tenant, s.policy.default_tenant)
+    if policy is None:
+        return
+    request = request_for(s, job)
+    usage = s.usage_of(job.tenant)
+    if quota_block(policy, usage, Request(need, {}, request.gpu_ms)) is None:
+        return
+    quota = policy.quota
+    update: dict[str, int | float] = {}
+    words = []
+    if quota.gpus is not None and usage.gpus + need > quota.gpus:
+        more = usage.gpus + need - quota.gpus
+        update["gpus"] = quota.gpus + more
+        words.append(
+            f"tenant {job.tenant} quota +{more} GPUs ({quota.gpus} -> {quota.gpus + more})"
+        )
+    if quota.gpu_hours is not None and request.gpu_ms:
+        spoken = usage.consumed_gpu_ms + usage.committed_gpu_ms + request.gpu_ms
+        if spoken > quota.gpu_hours * HOUR_MS:
+            hours = -(-(spoken - int(quota.gpu_hours * HOUR_MS)) // HOUR_MS)
+            update["gpu_hours"] = quota.gpu_hours + hours
+            words.append(f"tenant {job.tenant} budget +{hours} GPU-hours")
+    if not update:
+        return
+    raised = policy.model_copy(update={"quota": quota.model_copy(update=update)})
+
+    @contextlib.contextmanager
+    def make() -> Iterator[None]:
+        had = job.tenant in s.tenants
+        before = s.tenants.get(job.tenant)
+        s.tenants[job.tenant] = raised
+        try:
+            yield
+        finally:
+            if had and before is not None:
+                s.tenants[job.tenant] = before
+            else:
+                del s.tenants[job.tenant]
+
+    yield "quota", "; ".join(words), int(update.get("gpus", 0)), make, None
+
+
+def _free_trials(s: SchedulerState, job: Job, cluster_id: str) -> Iterator[Trial]:
+    """The fewest GPUs to free in `cluster_id` for the job to fit there: the jobs holding GPUs
+    there, lowest priority and fewest GPUs first, taken off the index one more at a time."""
+    holders = sorted(
+        (s.jobs[k] for k in s.cluster_jobs.get(cluster_id, ()) if k in s.jobs and k != job.key),
+        key=lambda j: (j.priority, j.gpus, j.key),
+    )
+    for n in range(1, len(holders) + 1):
+        taken = holders[:n]
+        masks = [
+            (node, mask) for j in taken for node, mask in j.allocation.get(cluster_id, {}).items()
+        ]
+
+        @contextlib.contextmanager
+        def make(masks: list[tuple[str, int]] = masks) -> Iterator[None]:
+            for node, mask in masks:
+                s.index.release(node, mask)
+            try:
+                yield
+            finally:
+                for node, mask in masks:
+                    s.index.reserve(node, mask)
+
+        with make():
+            attempt = try_place(s, job)
+            unreserve(s.index, attempt.placements)
+        if not attempt.placed:
+            continue
+        if cluster_id not in {p.cluster_id for p in attempt.placements}:
+            continue
+        freed = sum(m.bit_count() for _, m in masks)
+        leaves = sorted({leaf for p in attempt.placements for leaf in p.leaves if leaf})
+        under = f" under leaf {', '.join(leaves)}" if leaves else ""
+        names = ", ".join(j.key for j in taken)
+        yield (
+            "capacity",
+            f"{freed} GPUs freed in {cluster_id}{under} (now held by {names})",
+            freed,
+            make,
+            cluster_id,
+        )
+        return
+
+
+def _accelerator_trials(s: SchedulerState, job: Job, current: Attempt) -> Iterator[Trial]:
+    spec = job.spec
+    if not isinstance(spec, TrainingJobSpec | InferenceServiceSpec) or not spec.accelerators:
+        return
+    models = sorted(
+        {m.model for c in _clusters_by(current, ("accelerator",)) for m in s.index.models(c)}
+    )
+    for model in models:
+        other = spec.model_copy(update={"accelerator": model})
+        yield (
+            "accelerator",
+            f"accept {model} (it names {', '.join(spec.accelerators)})",
+            0,
+            functools.partial(_spec_as, job, other),
+            None,
+        )
+
+
+def _region_trials(s: SchedulerState, job: Job, current: Attempt) -> Iterator[Trial]:
+    spec = job.spec
+    if not isinstance(spec, InferenceServiceSpec):
+        return
+    regions = sorted(
+        {
+            c.region
+            for cid in _clusters_by(current, ("region",))
+            if (c := s.facts.clusters.get(cid)) is not None and c.region
+        }
+    )
+    for region in regions:
+        other = spec.model_copy(update={"regions": (*spec.regions, region)})
+        yield "region", f"allow region {region}", 0, functools.partial(_spec_as, job, other), None
+
+
+@contextlib.contextmanager
+def _spec_as(job: Job, spec: TrainingJobSpec | InferenceServiceSpec) -> Iterator[None]:
+    before, scaling = job._spec, job.scaling
+    job._spec = spec
+    job.scaling = {k: v for k, v in scaling.items() if k != "regions"}
+    try:
+        yield
+    finally:
+        job._spec = before
+        job.scaling = scaling
