@@ -351,7 +351,14 @@ class Fleetline:
             self.audit_table,
             sql,
             ready,
-            jobs=KafkaJobs(self.settings.kafka, self.topics, self.scheduler),
+            jobs=KafkaJobs(
+                self.settings.kafka,
+                self.topics,
+                self.scheduler,
+                lambda offsets: observe_at(
+                    self.settings.kafka, self.topics, offsets, self.snapshots
+                ),
+            ),
             operations=KafkaOperations(self.settings.kafka, self.topics, self.operations),
             max_body_bytes=self.settings.api_max_body_bytes,
             history=ViewHistory(self.settings.kafka, self.topics, self.snapshots),

@@ -273,6 +273,24 @@ class JobPage(Body):
     items: list[Job]
 
 
+class QueuedFit(Body):
+    job: str
+    tenant: str
+    gpus: int
+    binding: str = Field(
+        description="the constraint that holds it: quota, capacity, reservation, pool, "
+        "accelerator, region, reachable, ..."
+    )
+    why: str = Field(description="the placement's own words for it")
+    change: str | None = Field(description="the smallest change that would place it now")
+    places_in: str | None = Field(description="where it goes once the change is made")
+    checked: bool = Field(description="the placement ran again with the change and placed it")
+
+
+class QueuePage(Body):
+    items: list[QueuedFit]
+
+
 class Explanation(Body):
     job: str
     phase: str

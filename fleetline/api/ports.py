@@ -33,6 +33,11 @@ class JobsPort(Protocol):
 
     def decisions(self, job: str) -> list[dict[str, Any]]: ...
 
+    def fits(self, tenant: str | None = None) -> list[dict[str, Any]]:
+        """Every queued job's binding constraint and the smallest change that would place it
+        (processors/postmortem/fit.py)."""
+        ...
+
     def wait(
         self, keys: list[str], offsets: list[int], timeout_s: float
     ) -> dict[str, dict[str, Any]]:

@@ -242,8 +242,45 @@ def _print_alternatives(alternatives: Iterable[dict[str, Any]]) -> None:
     console.print(out)
 
 
+def _explain_queue(topic_prefix: str, json_: bool) -> None:
+    from fleetline.processors.postmortem.queue import committed_fits
+    from fleetline.processors.replay import observe_at
+
+    config = settings("kafka")
+    topics = Topics(topic_prefix)
+    store = _state(config, topics)
+    records = {key.decode(): value for key, value in store.items([0])}
+    fits = committed_fits(records, lambda offsets: observe_at(config.kafka, topics, offsets))
+    if json_:
+        print_json([f.as_data() for f in fits])
+        return
+    if not fits:
+        print("no job is queued")
+        return
+    out = new_table("JOB", "GPUS", "BINDING", "WHY", "WHAT WOULD PLACE IT", "THEN IN")
+    for f in fits:
+        out.add_row(
+            f.job,
+            str(f.gpus),
+            f.binding,
+            f.why[:90],
+            (f.change or "nothing found") + ("" if f.checked else " (not checked)"),
+            f.places_in or "-",
+        )
+    console.print(out)
+
+
 def explain(
-    job: Annotated[str, typer.Argument(help="TENANT/NAME of a job, or a node id")],
+    job: Annotated[str | None, typer.Argument(help="TENANT/NAME of a job, or a node id")] = None,
+    queued: Annotated[
+        bool,
+        typer.Option(
+            "--queued",
+            help="every queued job: the constraint that binds it and the smallest change "
+            "that would place it now (checked by placing it again with the change)",
+        ),
+    ] = False,
+    json_: Json = False,
     history: Annotated[
         bool, typer.Option(help="every decision about the job, from the decision log")
     ] = False,
@@ -258,8 +295,15 @@ def explain(
     offsets it read and the policy digest (a deferrable job says which cheaper window it waits
     for). Given a service: its replicas, their load in the registry, the load the autoscaler
     last saw and the router's weights for clients in each of its regions. Given a node: why
-    operations cordoned it, from its repair tickets' evidence."""
+    operations cordoned it, from its repair tickets' evidence. With --queued: what would
+    make each queued job fit."""
     from fleetline.processors.scheduling.client import decisions_of
+
+    if queued:
+        _explain_queue(topic_prefix, json_)
+        return
+    if job is None:
+        raise typer.BadParameter("name a job or a node, or give --queued")
 
     if "/" not in job:
         from fleetline.cli.operations import explain_node

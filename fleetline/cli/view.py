@@ -271,6 +271,16 @@ def replay(
             "the first difference)"
         ),
     ] = False,
+    what_if: Annotated[
+        str | None,
+        typer.Option(
+            "--what-if",
+            help="with --decisions: refold the request log beside this change and report "
+            "the per-decision diff and the deltas (queue wait p50/p95 per tenant and priority, "
+            "GPU-hours, utilisation, preemptions, deadline misses, energy cost) over "
+            "--from/--to: policy=FILE, without-cluster=C, add-gpus=C:N or quota=TENANT:N",
+        ),
+    ] = None,
     operations: Annotated[
         bool,
         typer.Option(
@@ -299,6 +309,11 @@ def replay(
 
     config = settings("kafka") if no_snapshots else settings("kafka", "s3")
     topics = Topics(topic_prefix)
+    if what_if is not None and not decisions:
+        raise ConfigError("--what-if goes with --decisions")
+    if decisions and what_if is not None:
+        _what_if(config, topics, group, no_snapshots, what_if, since, until)
+        return
     if decisions:
         exit_with(_replay_decisions(config, topics, group, no_snapshots))
         return
@@ -411,6 +426,48 @@ def _replay_decisions(config: Settings, topics: Topics, group: str, no_snapshots
         )
     )
     return 0 if result.ok else 2
+
+
+def _what_if(
+    config: Settings,
+    topics: Topics,
+    group: str,
+    no_snapshots: bool,
+    text: str,
+    since: str | None,
+    until: str | None,
+) -> None:
+    from fleetline.app import view_snapshots
+    from fleetline.config import mapping_file
+    from fleetline.processors.decision_replay import what_if_decisions
+    from fleetline.processors.postmortem.whatif import Change
+    from fleetline.processors.replay import ViewFollower
+    from fleetline.processors.view.runtime import tune_gc_for_large_state
+
+    kind, _, value = text.partition("=")
+    data = mapping_file(value, "scheduling policy") if kind == "policy" and value else None
+    change = Change.parse(text, data)
+    tune_gc_for_large_state()
+    snapshots = None if no_snapshots else view_snapshots(config, topics.prefix, group)
+    follower = ViewFollower(config.kafka, topics, snapshots)
+    try:
+        report = what_if_decisions(
+            config.kafka,
+            topics,
+            follower.facts,
+            change,
+            parse_time_ms(since) if since else None,
+            parse_time_ms(until) if until else None,
+        )
+    finally:
+        follower.close()
+    print(json.dumps(report, indent=2, sort_keys=True))
+    print(
+        f"what if {report['change']}: {report['differences']} decisions differ of "
+        f"{report['decisions']['baseline']}; "
+        + ", ".join(f"{k} {v:+g}" for k, v in report["deltas"].items() if v),
+        file=sys.stderr,
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -9,12 +9,15 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from fleetline.config import KafkaSettings
-from fleetline.errors import DecodeError, FleetlineError, StreamError
+from fleetline.errors import ConfigError, DecodeError, FleetlineError, StreamError
+from fleetline.identity.writers import Writer
 from fleetline.processors.operations.fold import Command, OpsFold, TicketChanged
 from fleetline.processors.operations.runtime import APPLICATION_ID as OPS_APP
 from fleetline.processors.operations.runtime import command_record, ticket_record
+from fleetline.processors.postmortem.whatif import Change, WhatIf, logged_runs
 from fleetline.processors.scheduling.capacity import FleetFacts
 from fleetline.processors.scheduling.client import APPLICATION_ID as SCHEDULER_APP
 from fleetline.processors.scheduling.client import read_state, read_topic
@@ -311,3 +314,53 @@ def replay_operations(
             )
     result.seconds = time.perf_counter() - began
     return result
+
+
+def what_if_decisions(
+    kafka: KafkaSettings,
+    topics: Topics,
+    facts_at: Callable[[Offsets, FleetFacts | None], FleetFacts],
+    change: Change,
+    from_ms: int | None = None,
+    to_ms: int | None = None,
+    codec: AvroCodec | None = None,
+) -> dict[str, Any]:
+    """The request log folded as it was and with `change`, in lockstep (postmortem/whatif.py),
+    as far as the scheduler has committed; the diff and the deltas over [from, to]."""
+    began = time.perf_counter()
+    codec = codec or default_codec()
+    committed = kafka_clients.committed_offsets(
+        kafka, f"{topics.prefix}.{SCHEDULER_APP}", topics.scheduler_requests
+    ).get(0)
+    gate = replay_gate(kafka, topics)
+    logged: list[tuple[dict[str, Any], int, Writer]] = []
+    refused = 0
+    for msg in read_topic(kafka, topics.scheduler_requests):
+        position = where(msg)[2]
+        if committed is not None and position >= committed:
+            break
+        try:
+            writer = gate.writer_of(msg)
+            request = codec.decode(msg.value(), expect=SCHEDULER_REQUEST).record
+        except StreamError:
+            raise
+        except FleetlineError:
+            refused += 1  # dead-lettered live: neither fold takes it
+            continue
+        logged.append((request, position, writer))
+    if not logged:
+        raise ConfigError(f"the scheduler's request log ({topics.scheduler_requests}) is empty")
+    whatif = WhatIf(change, logged_runs([r for r, _, _ in logged]), from_ms, to_ms)
+    last: FleetFacts | None = None
+    for request, position, writer in logged:
+        facts = None
+        if request["kind"] == "TICK":
+            facts = last = facts_at(offsets_of(request), last)
+        whatif.step(request, position, writer, facts)
+    decisions = [codec.decode(m.value()).record for m in read_topic(kafka, topics.decisions)]
+    report = whatif.report(
+        [d for d in decisions if committed is None or d["input_offset"] < committed]
+    )
+    report["requests_refused"] = refused
+    report["seconds"] = round(time.perf_counter() - began, 3)
+    return report

@@ -186,6 +186,12 @@ def test_serve_schedules_what_the_cli_applies_through_a_sigkill(
         assert main(["explain", queued, *common]) == 0
         explained = capsys.readouterr().out
         assert f"{queued} is Queued: quota: tenant globex holds 16 of its 16 GPUs" in explained
+        # What would make each queued job fit: the quota binds, 2 GPUs more places it.
+        assert main(["explain", "--queued", "--json", *common]) == 0
+        fits = {f["job"]: f for f in json.loads(capsys.readouterr().out)}
+        assert set(fits) == keys - placed
+        assert {(f["binding"], f["checked"]) for f in fits.values()} == {("quota", True)}
+        assert fits[queued]["change"] == "tenant globex quota +2 GPUs (16 -> 18)"
         wait_until(lambda: listening(port), 60, "the restarted API to listen")
         assert main(["context", "use", "acme"]) == 0
         capsys.readouterr()
@@ -215,6 +221,20 @@ def test_serve_schedules_what_the_cli_applies_through_a_sigkill(
     assert main(["replay", "--decisions", "--group", group, *common]) == 0, capsys.readouterr().out
     summary = json.loads(capsys.readouterr().out)
     assert summary["ok"] and summary["matched"] == summary["decisions"] >= 35
+    # What-if: the quota it had changes nothing; twice the quota places the rest of the batch.
+    what_if = ["replay", "--decisions", "--group", group, *common, "--what-if"]
+    assert main([*what_if, "quota=globex:16"]) == 0
+    same = json.loads(capsys.readouterr().out)
+    assert same["baseline_matches_log"] and same["differences"] == 0, same["diff"][:3]
+    assert main([*what_if, "quota=globex:32"]) == 0
+    more = json.loads(capsys.readouterr().out)
+    assert more["baseline_matches_log"] and more["differences"] > 0
+    assert more["numbers"]["what_if"]["placed"] > more["numbers"]["baseline"]["placed"]
+    assert more["deltas"]["queue_wait_p95_s tenant globex"] < 0, more["deltas"]
+    bad_policy = tmp_path / "policy.yaml"
+    bad_policy.write_text("weights: {no-such-scorer: 1}\n")
+    assert main([*what_if, f"policy={bad_policy}"]) == 1
+    assert "policy file" in capsys.readouterr().err
     bad = tmp_path / "bad.yaml"
     bad.write_text("kind: TrainingJob\nmetadata: {name: x, tenant: acme}\nspec: {workers: 0}\n")
     assert main(["apply", "-f", str(bad)]) == 1  # refused here, before any call

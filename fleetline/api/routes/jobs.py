@@ -136,6 +136,18 @@ def register(route: Routes, ports: Ports) -> None:
         ]
         return {"items": [_public(j) for j in items]}
 
+    @route(
+        "GET",
+        "/v1/queue",
+        Rule("jobs", "read"),
+        response_model=models.QueuePage,
+        summary="Every queued job of the caller's tenant: the constraint that binds it and the "
+        "smallest change that would place it now, checked by placing it again",
+    )
+    async def queue_fits(request: Request, tenant: str | None = None) -> dict[str, Any]:
+        scope = request.state.scope
+        return {"items": await run_in_threadpool(ports.scheduler().fits, scope)}
+
     def delete(request: Request, key: str, tenant: str) -> int:
         """Append a DELETE of `key` by the caller; its offset in the request log."""
         principal: Principal = request.state.principal

@@ -28,6 +28,7 @@ from typing import Any
 from confluent_kafka import Message
 
 from fleetline.config import KafkaSettings
+from fleetline.errors import StreamError
 from fleetline.identity.writers import EstablishesWriters
 from fleetline.observability import metrics, tracing
 from fleetline.processors.scheduling.capacity import FleetFacts, observe, observe_summaries
@@ -144,6 +145,10 @@ class SchedulerStep(FoldStep[Scheduler]):
             # request in the log, so a replay, which folds the same log, uses it from there too.
             return Scheduler()
         return Scheduler.from_records(records, self._facts(Scheduler.view_offsets_of(records)))
+
+    def facts_for(self, offsets: Offsets) -> FleetFacts:
+        """The view as a TICK at `offsets` observed it (what the restored state was decided on)."""
+        return self._facts(offsets)
 
     def _facts(self, offsets: Offsets) -> FleetFacts:
         seen = self.observations.get(offsets)
@@ -350,11 +355,17 @@ class KafkaJobs:
     state (from the running service's store, or restored from the changelog), read decisions."""
 
     def __init__(
-        self, kafka: KafkaSettings, topics: Topics, service: SchedulerService | None = None
+        self,
+        kafka: KafkaSettings,
+        topics: Topics,
+        service: SchedulerService | None = None,
+        facts_at: Callable[[Offsets], FleetFacts] | None = None,
     ) -> None:
         self.kafka = kafka
         self.topics = topics
         self.service = service
+        # The view at a TICK's offsets, where no scheduler runs in this process.
+        self.facts_at = facts_at
         self._producer = kafka_clients.producer(kafka, {"linger.ms": 0})
         self._lock = threading.Lock()
 
@@ -375,6 +386,21 @@ class KafkaJobs:
 
     def decisions(self, job: str) -> list[dict[str, Any]]:
         return decisions_of(self.kafka, self.topics, job)
+
+    def fits(self, tenant: str | None = None) -> list[dict[str, Any]]:
+        """What would make each queued job (of `tenant`) fit: postmortem/fit.py, asked of the
+        committed state."""
+        from fleetline.processors.postmortem.queue import committed_fits
+
+        records = {key.decode(): value for key, value in self._store().items([0])}
+        facts_at = self.service.step.facts_for if self.service is not None else self.facts_at
+        if facts_at is None:
+            raise StreamError("no view to place the queue against in this process")
+        return [
+            f.as_data()
+            for f in committed_fits(records, facts_at)
+            if tenant is None or f.tenant == tenant
+        ]
 
     def wait(
         self, keys: list[str], offsets: list[int], timeout_s: float
