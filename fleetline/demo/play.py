@@ -38,7 +38,7 @@ from fleetline.demo.prewarm_story import follow_a_prewarm, seed_dataset
 from fleetline.demo.scenario import Scenario
 from fleetline.demo.serving_story import serving_day
 from fleetline.demo.verdict import SCRIPTED_API_CALLS, last_word
-from fleetline.errors import StoryStalled, StreamError
+from fleetline.errors import FleetlineError, StoryStalled, StreamError
 from fleetline.infra import ca as deployment_ca
 from fleetline.infra.lab import Lab
 from fleetline.processors.audit.chain import export_entry, verify
@@ -660,8 +660,13 @@ def write_postmortem(fleet: Fleetline, from_ms: int, topics: Topics) -> dict[str
         result = fleet.query(query)
         return list(result.columns), [list(r) for r in result.rows]
 
-    log = gather(fleet.settings.kafka, topics, sql, from_ms, _now_ms() + 1000, Scope(), keys)
-    check(log)
+    try:
+        log = gather(fleet.settings.kafka, topics, sql, from_ms, _now_ms() + 1000, Scope(), keys)
+        check(log)
+    except StreamError:
+        raise  # the services' own failure ends the run
+    except FleetlineError as exc:
+        raise StoryStalled(f"the postmortem could not be written: {exc}") from None
     report = build(log)
     out = fleet.settings.cache_dir / "postmortem" / topics.prefix
     files = write(report, out, f"Postmortem of fleetline run ({topics.prefix})")

@@ -131,11 +131,13 @@ def _postmortem_step(job: str, result: SliceResult) -> StoryStep:
     failed = failed_part(result.postmortem)
     if failed is not None:
         return _step(name, [failed])
-    story = result.cluster_story
-    if not story or "failed" in story:
-        return _step(name, ["there was no cluster loss to tell"])
     report = result.postmortem["report"]
     problems = []
+    if not report["audit"].get("ok"):
+        problems.append(f"the audit chain breaks at {report['audit'].get('first_broken')}")
+    story = result.cluster_story
+    if not story or "failed" in story:
+        return _step(name, problems)  # no loss to tell (its own step says why)
     lost = [
         f for f in report["faults"] if f["kind"] == "cluster_lost" and f["subject"] == story["lost"]
     ]
@@ -152,8 +154,6 @@ def _postmortem_step(job: str, result: SliceResult) -> StoryStep:
     ]
     if not moves:
         problems.append(f"no move of {job} off {story['lost']} with its recovery time")
-    if not report["audit"].get("ok"):
-        problems.append(f"the audit chain breaks at {report['audit'].get('first_broken')}")
     return _step(name, problems)
 
 

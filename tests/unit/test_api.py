@@ -124,6 +124,7 @@ def test_openapi_lists_every_route(setup):
         "/v1/jobs",
         "/v1/jobs/{tenant}/{name}",
         "/v1/jobs/{tenant}/{name}/explain",
+        "/v1/queue",
         "/v1/tenants/{tenant}/policy",
         "/metrics",
         "/v1/traces/{trace_id}",
@@ -220,7 +221,7 @@ def _request(client: TestClient, method: str, path: str, tenant: str | None = No
 def test_every_route_with_every_role_and_no_route_escapes_the_rules(setup):
     app, _ = setup
     rules = app.state.rules
-    assert len(rules) == 38
+    assert len(rules) == 39
     for (method, path), rule in rules.items():
         anonymous = _request(TestClient(app), method, path)
         assert anonymous.status_code == 401, (method, path)
@@ -424,6 +425,46 @@ class SchedulerPort:
 
     def decisions(self, job: str) -> list[dict]:
         return [d.as_record() for d in self.driver.decisions(job)]
+
+    def fits(self, tenant=None) -> list[dict]:
+        from fleetline.processors.postmortem.fit import what_would_fit
+
+        return [
+            f.as_data()
+            for f in what_would_fit(self.driver.scheduler)
+            if tenant is None or f.tenant == tenant
+        ]
+
+
+def test_the_queue_says_what_would_make_each_of_the_tenant_s_queued_jobs_fit():
+    from tests.scheduling_support import training
+
+    port = SchedulerPort()
+    port.driver.tenant({"tenant": "acme", "quota": {"gpus": 8}})
+    port.driver.submit(training("a"))
+    port.driver.submit(training("b"))
+    port.driver.submit(training("c", tenant="globex", workers=16))
+    auth = Authenticator(
+        AuthConfig.from_data(
+            {
+                "tokens": [
+                    {
+                        "name": "v",
+                        "sha256": token_digest("fl_v"),
+                        "role": "viewer",
+                        "tenant": "acme",
+                    }
+                ]
+            }
+        )
+    )
+    app = create_app(StaticView(fold([])), auth, Recorder(), jobs=port)
+    queue = TestClient(app, headers={"Authorization": "Bearer fl_v"}).get("/v1/queue")
+    assert queue.status_code == 200, queue.text
+    # Only acme's queued job (globex's is another tenant's), with the change that places it.
+    (fit,) = queue.json()["items"]
+    assert (fit["job"], fit["binding"], fit["checked"]) == ("acme/b", "quota", True)
+    assert fit["change"] == "tenant acme quota +8 GPUs (8 -> 16)"
 
 
 def test_jobs_are_submitted_listed_explained_and_deleted_within_the_tenant():

@@ -32,6 +32,25 @@ FAILED_TIDAL = {
 }
 
 
+def told_loss(**changed: Any) -> dict[str, Any]:
+    """The postmortem of the default story, as far as its step reads it."""
+    return {
+        "faults": [
+            {
+                "kind": "cluster_lost",
+                "subject": "eu-west-a",
+                "detected_ms": 3300,
+                "detection_s": 3.3,
+            }
+        ],
+        "impact": {
+            "jobs": [{"job": "acme/story", "moves": [{"from": "eu-west-a", "recovery_s": 9.1}]}]
+        },
+        "audit": {"ok": True},
+        **changed,
+    }
+
+
 def played(**parts: Any) -> SliceResult:
     """What `play` returns for the default story when everything happened."""
     base: dict[str, Any] = {
@@ -69,6 +88,7 @@ def played(**parts: Any) -> SliceResult:
             "scaled": ["scale out to 2", "scale out to 3", "scale in to 1"],
             "load": {"requests": 1575, "failed": 0},
         },
+        "postmortem": {"report": told_loss(), "files": {}},
     }
     base.update(parts)
     return SliceResult(**base)
@@ -76,8 +96,8 @@ def played(**parts: Any) -> SliceResult:
 
 def test_a_story_that_happened_says_so_in_its_last_line() -> None:
     steps = story_steps(played(), scenarios.load("default"))
-    assert [s.happened for s in steps] == [True] * len(steps) and len(steps) == 7
-    assert summary_lines(steps) == ["7 of 7 story steps as scripted"]
+    assert [s.happened for s in steps] == [True] * len(steps) and len(steps) == 8
+    assert summary_lines(steps) == ["8 of 8 story steps as scripted"]
 
 
 def test_a_job_that_exhausted_its_attempts_is_named_with_its_last_failure() -> None:
@@ -88,7 +108,7 @@ def test_a_job_that_exhausted_its_attempts_is_named_with_its_last_failure() -> N
     day = {"skipped": "acme/tidal ended Failed before it ran: " + last_word(FAILED_TIDAL)}
     steps = story_steps(played(scheduling=scheduling, serving_day=day), scenarios.load("default"))
     lines = summary_lines(steps)
-    assert lines[-1] == "5 of 7 story steps as scripted"
+    assert lines[-1] == "6 of 8 story steps as scripted"
     assert lines[0] == (
         "NOT AS SCRIPTED: every job ran without exhausting its attempts: acme/tidal failed: "
         "us-east-a reports: attempt 3 failed with exit code 127: cannot start 'mpirun': "
@@ -142,13 +162,25 @@ def test_a_job_that_exhausted_its_attempts_is_named_with_its_last_failure() -> N
             },
             "2 of 9 requests failed",
         ),
+        (
+            {"postmortem": {"report": told_loss(faults=[]), "files": {}}},
+            "no cluster_lost fault for eu-west-a",
+        ),
+        (
+            {"postmortem": {"report": told_loss(impact={"jobs": []}), "files": {}}},
+            "no move of acme/story off eu-west-a",
+        ),
+        (
+            {"postmortem": {"failed": "no events between 1 and 2 (ms)"}},
+            "no events between",
+        ),
     ],
 )
 def test_each_step_that_did_not_happen_is_named_with_its_cause(
     parts: dict[str, Any], named: str
 ) -> None:
     lines = summary_lines(story_steps(played(**parts), scenarios.load("default")))
-    assert lines[-1] == "6 of 7 story steps as scripted"
+    assert lines[-1] == "7 of 8 story steps as scripted"
     assert named in lines[0], lines
 
 
