@@ -44,6 +44,7 @@ from fleetline.processors.operations.runtime import (
     recommendation_events,
 )
 from fleetline.processors.operations.runtime import changelog as ops_changelog
+from fleetline.processors.postmortem.report import Scope
 from fleetline.processors.replay import ViewHistory, observe_at
 from fleetline.processors.scheduling.capacity import FleetFacts
 from fleetline.processors.scheduling.client import changelog as scheduler_changelog
@@ -374,7 +375,41 @@ class Fleetline:
                 ),
                 "the node command topic",
             ),
+            postmortems=self.postmortem,
         )
+
+    def postmortem(self, from_ms: int, to_ms: int, scope: Scope) -> dict[str, Any]:
+        """The incident report of a window, from the log and this process's store's tiers
+        (`fleetline postmortem`; ConfigError for a window it could say nothing true of)."""
+        from fleetline.processors.postmortem.gather import gather
+        from fleetline.processors.postmortem.report import build, check
+
+        def sql(query: str) -> tuple[list[str], list[list[Any]]]:
+            result = self.query(query)
+            return list(result.columns), [list(r) for r in result.rows]
+
+        log = gather(
+            self.settings.kafka,
+            self.topics,
+            sql,
+            from_ms,
+            to_ms,
+            scope,
+            audit_public_keys(self.settings),
+        )
+        check(log)
+        return build(log)
+
+
+def audit_public_keys(settings: Settings) -> dict[str, Any]:
+    """The keys the audit chain's digests are checked against: the configured verify keys, or
+    this host's signing key's public half."""
+    from fleetline.processors.audit.runtime import load_public_keys
+
+    paths = list(settings.audit_verify_keys)
+    if not paths and settings.signing_key_path().exists():
+        paths = [settings.signing_key_path()]
+    return load_public_keys(paths)
 
 
 # The exactly-once folds' state changelogs (each declared by its processor), created at start.

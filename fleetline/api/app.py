@@ -28,6 +28,7 @@ from fleetline.api.ports import (
     JobsPort,
     OperationsPort,
     Ports,
+    Postmortem,
     ReadyQuery,
     Sql,
 )
@@ -141,6 +142,7 @@ def create_app(
     operations: OperationsPort | None = None,
     signals: Append | None = None,
     commands: Append | None = None,
+    postmortems: Postmortem | None = None,
 ) -> FastAPI:
     """The API over a view, the audit store, ClickHouse and the scheduler (each optional but
     the view: a route whose port is missing answers 503). A request body over `max_body_bytes`
@@ -165,6 +167,7 @@ def create_app(
         operations,
         signals,
         commands,
+        postmortems,
     )
     # Added first, so it runs inside the audit middleware: a refused body is audited too.
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)

@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 from fastapi import HTTPException
 
+from fleetline.processors.postmortem.report import Scope
 from fleetline.processors.replay import AsOf
 from fleetline.processors.view.read import ViewSource
 from fleetline.storage.audit_store import AuditTable
@@ -15,6 +16,8 @@ from fleetline.storage.audit_store import AuditTable
 # A read-only query -> {"columns": [...], "rows": [...]}; a ready query by name and range.
 Sql = Callable[[str], dict[str, Any]]
 ReadyQuery = Callable[[str, str, str | None], dict[str, Any]]
+# A postmortem of [from_ms, to_ms] within a scope (processors/postmortem): its report.
+Postmortem = Callable[[int, int, Scope], dict[str, Any]]
 # ClusterInfo records appended to the clusters topic -> their offsets.
 DeclareClusters = Callable[[list[dict[str, Any]]], list[int]]
 # One record appended to a topic of the fleet (a ClusterSignal, a NodeCommand) -> its offset.
@@ -79,6 +82,7 @@ class Ports:
     operations: OperationsPort | None = None
     signals: Append | None = None
     commands: Append | None = None
+    postmortems: Postmortem | None = None
 
     def audit(self) -> AuditTable:
         if self.audit_table is None:
@@ -114,6 +118,11 @@ class Ports:
         if self.operations is None:
             raise HTTPException(503, "automated operations do not run on this server")
         return self.operations
+
+    def postmortem(self) -> Postmortem:
+        if self.postmortems is None:
+            raise HTTPException(503, "postmortems are not configured on this server")
+        return self.postmortems
 
     def scheduler(self) -> JobsPort:
         if self.jobs is None:

@@ -63,12 +63,9 @@ Reveal = Annotated[bool, typer.Option(help="include sensitive fields unmasked (p
 
 
 def _verify_keys(config: Settings) -> dict[str, Any]:
-    from fleetline.processors.audit.runtime import load_public_keys
+    from fleetline.app import audit_public_keys
 
-    paths = list(config.audit_verify_keys)
-    if not paths and config.signing_key_path().exists():
-        paths = [config.signing_key_path()]
-    return load_public_keys(paths)
+    return audit_public_keys(config)
 
 
 def _records(config: Settings, source: Source, prefix: str) -> list[dict[str, Any]]:

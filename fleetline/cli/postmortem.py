@@ -31,7 +31,7 @@ def postmortem(
     verified with the digests that sign the window, and plots. Read only from the log and the
     storage tiers (hot, warm or cold, wherever the window's rows now lie); the same log and
     window give byte-identical JSON. Writes OUT.json, OUT.md and OUT.html (self-contained)."""
-    from fleetline.cli.audit import _verify_keys
+    from fleetline.app import audit_public_keys
     from fleetline.moments import parse_moment
     from fleetline.processors.postmortem.files import write
     from fleetline.processors.postmortem.gather import gather
@@ -56,7 +56,7 @@ def postmortem(
         from_ms,
         to_ms,
         Scope(cluster, job, node, service),
-        _verify_keys(config),
+        audit_public_keys(config),
     )
     check(log)
     report = build(log)

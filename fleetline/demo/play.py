@@ -650,24 +650,14 @@ def write_postmortem(fleet: Fleetline, from_ms: int, topics: Topics) -> dict[str
     """The run's own incident report (`fleetline postmortem` over its window, the whole
     fleet), written under .cache/postmortem/; what it found, and where it lies."""
     from fleetline.processors.postmortem.files import write
-    from fleetline.processors.postmortem.gather import gather
-    from fleetline.processors.postmortem.report import Scope, build, check
-
-    assert fleet.signer is not None
-    keys = {fleet.signer.key_id: fleet.signer.private_key.public_key()}
-
-    def sql(query: str) -> tuple[list[str], list[list[Any]]]:
-        result = fleet.query(query)
-        return list(result.columns), [list(r) for r in result.rows]
+    from fleetline.processors.postmortem.report import Scope
 
     try:
-        log = gather(fleet.settings.kafka, topics, sql, from_ms, _now_ms() + 1000, Scope(), keys)
-        check(log)
+        report = fleet.postmortem(from_ms, _now_ms() + 1000, Scope())
     except StreamError:
         raise  # the services' own failure ends the run
     except FleetlineError as exc:
         raise StoryStalled(f"the postmortem could not be written: {exc}") from None
-    report = build(log)
     out = fleet.settings.cache_dir / "postmortem" / topics.prefix
     files = write(report, out, f"Postmortem of fleetline run ({topics.prefix})")
     return {"report": report, "files": {k: str(v) for k, v in files.items()}}

@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from fastapi import Query, Request
+from fastapi import HTTPException, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import HTMLResponse, PlainTextResponse
 
 from fleetline.api import models
 from fleetline.api.ports import Ports
 from fleetline.api.rbac import Principal, Rule
 from fleetline.api.routing import Routes
+from fleetline.errors import ConfigError
 from fleetline.processors.audit.chain import masked_event
+from fleetline.processors.postmortem.render import markdown, page
+from fleetline.processors.postmortem.report import Scope
 from fleetline.storage.audit_store import AuditQuery
 
 
 def register(route: Routes, ports: Ports) -> None:
+    register_postmortem(route, ports)
+
     @route(
         "GET",
         "/v1/audit",
@@ -61,3 +68,36 @@ def register(route: Routes, ports: Ports) -> None:
         tenant: str | None = None,
     ) -> dict[str, Any]:
         return {"items": ports.audit().activity(request.state.scope, since_ms, until_ms)}
+
+
+def register_postmortem(route: Routes, ports: Ports) -> None:
+    @route(
+        "GET",
+        "/v1/postmortem",
+        Rule("audit", "read"),
+        summary="An incident report of a window, from the log and the storage tiers: faults and "
+        "their detection, the actions that followed, each job's moves, the audit chain verified "
+        "(format=json, markdown or html; a caller held to a tenant gets its own jobs)",
+    )
+    async def postmortem(
+        request: Request,
+        since_ms: Annotated[int, Query(alias="from")],
+        until_ms: Annotated[int, Query(alias="to")],
+        tenant: str | None = None,
+        cluster: str | None = None,
+        job: str | None = None,
+        node: str | None = None,
+        service: str | None = None,
+        format: Literal["json", "markdown", "html"] = "json",
+    ) -> Any:
+        scope = Scope(cluster, job, node, service, tenant=request.state.scope)
+        try:
+            report = await run_in_threadpool(ports.postmortem(), since_ms, until_ms, scope)
+        except ConfigError as exc:
+            raise HTTPException(400, str(exc)) from None
+        title = f"Postmortem {scope.words()}"
+        if format == "markdown":
+            return PlainTextResponse(markdown(report, title), media_type="text/markdown")
+        if format == "html":
+            return HTMLResponse(page(report, title))
+        return report

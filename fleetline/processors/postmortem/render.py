@@ -106,11 +106,13 @@ def _audit_line(report: Mapping[str, Any]) -> str:
     a = report["audit"]
     if not a:
         return "The audit chain was not checked."
+    tail = a.get("unsigned_tail") or 0
+    unsigned = sum(tail.values()) if isinstance(tail, Mapping) else int(tail)
     return (
         f"Audit chain: {'verified' if a.get('ok') else 'BROKEN at ' + str(a.get('first_broken'))}"
         f" — {a.get('checked', 0)} links checked from genesis, {a.get('window_links', 0)} in the "
         f"window, {a.get('digests', 0)} signed digests ({len(a.get('digests_named', []))} over "
-        f"the window), {a.get('unsigned_tail', 0)} links not yet signed."
+        f"the window), {unsigned} links not yet signed."
     )
 
 

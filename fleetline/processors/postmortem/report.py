@@ -28,6 +28,9 @@ class Scope:
     job: str | None = None
     node: str | None = None
     service: str | None = None
+    # A tenant's postmortem (the API's, for a caller held to a tenant): the fleet's faults and
+    # the tenant's own jobs, actions and services; no dead letters (they may hold anything).
+    tenant: str | None = None
 
     def as_data(self) -> dict[str, str]:
         return {k: v for k, v in vars(self).items() if v is not None}
@@ -76,7 +79,9 @@ def build(log: IncidentLog) -> dict[str, Any]:
         "impact": {"jobs": jobs, "services": _services(log)},
         "audit": dict(log.audit),
         "dead_letters": [
-            dict(d) for d in sorted(log.dead_letters, key=lambda d: (d["ts_ms"], d["topic"]))
+            dict(d)
+            for d in sorted(log.dead_letters, key=lambda d: (d["ts_ms"], d["topic"]))
+            if log.scope.tenant is None
         ],
         "series": _series(log, jobs),
         "tiers": sorted(set(log.tiers)),
@@ -201,6 +206,8 @@ def _actions(log: IncidentLog) -> list[dict[str, Any]]:
         details = e.get("details") or {}
         if log.scope.job is not None and e["target"] != log.scope.job:
             continue
+        if log.scope.tenant is not None and e.get("tenant") != log.scope.tenant:
+            continue
         cluster = details.get("cluster_id") or details.get("clusters")
         if log.scope.cluster is not None and cluster and log.scope.cluster not in str(cluster):
             continue
@@ -229,6 +236,8 @@ def _job_impacts(log: IncidentLog, faults: Sequence[Mapping[str, Any]]) -> list[
     out = []
     for job in sorted(by_job):
         if log.scope.job is not None and job != log.scope.job:
+            continue
+        if log.scope.tenant is not None and by_job[job][0]["tenant"] != log.scope.tenant:
             continue
         events = by_job[job]
         runs: list[tuple[int, str, int]] = []  # (epoch, cluster, its first RUNNING's ts)
@@ -323,6 +332,8 @@ def _services(log: IncidentLog) -> list[dict[str, Any]]:
     by: dict[str, list[Row]] = {}
     for s in log.services:
         if log.scope.service is not None and s["key"] != log.scope.service:
+            continue
+        if log.scope.tenant is not None and not s["key"].startswith(f"{log.scope.tenant}/"):
             continue
         by.setdefault(s["key"], []).append(s)
     out = []

@@ -80,6 +80,7 @@ const PAGES = {
   tickets: { live: true, render: ticketsPage },
   history: { live: false, render: historyPage },
   audit: { live: false, render: auditPage },
+  incident: { live: false, render: incidentPage },
   logs: { live: false, render: logsPage },
 };
 
@@ -205,14 +206,28 @@ const JOB_HEAD = `<tr><th>job</th><th>kind</th><th>phase</th><th>actual</th><th>
   <th>clusters</th><th>GPUs</th><th>why (the latest decision)</th></tr>`;
 
 async function jobsPage() {
-  const jobs = (await api("/v1/jobs")).items;
+  const [jobs, fits] = await Promise.all([
+    api("/v1/jobs").then((page) => page.items),
+    maybe("/v1/queue"),
+  ]);
   const queued = jobs
     .filter((j) => j.phase === "Queued")
     .sort((a, b) => b.priority - a.priority || a.order - b.order);
+  // What would make each queued job fit: the binding constraint and a change checked by
+  // placing the job again with it (GET /v1/queue).
+  const fit = fits.ok
+    ? `<h2>What would place them</h2>
+    <table ${tid("fits")}><tr><th>job</th><th>GPUs</th><th>binding</th><th>why</th><th>the smallest change that places it</th><th>then in</th></tr>
+    ${fits.body.items.map((f) => `<tr ${tid("fit", f.job)}><td>${esc(f.job)}</td><td class="num">${f.gpus}</td>
+      <td>${badge(f.binding)}</td><td class="dim">${esc(f.why)}</td>
+      <td ${tid("fit", f.job, "change")}>${esc(f.change || "nothing found")}${f.checked ? "" : " (not checked)"}</td>
+      <td>${esc(f.places_in || "–")}</td></tr>`).join("")}</table>`
+    : `<p class="error">${esc(fits.error)}</p>`;
   return `
     <h1>Jobs <span class="dim" ${tid("job-count")}>${jobs.length}</span></h1>
     <h2>Queue <span ${tid("queue-length")}>${queued.length}</span></h2>
     <table ${tid("queue")}>${JOB_HEAD}${queued.map(jobRow).join("")}</table>
+    ${queued.length ? fit : ""}
     <h2>Every job</h2>
     <table ${tid("jobs")}>${JOB_HEAD}${jobs.map(jobRow).join("")}</table>`;
 }
@@ -409,6 +424,78 @@ async function auditPage() {
     ${matches.map((r) => `<tr><td>${time(r.ts)}</td><td>${esc(r.actor)}</td><td>${esc(r.actor_role)}</td><td>${esc(r.tenant || "–")}</td>
       <td>${esc(r.operation)}</td><td>${esc(r.target)}</td><td>${esc(r.outcome)}</td><td class="dim">${esc(r.trace_id || "")}</td></tr>`).join("")}
     </table>`;
+}
+
+// An incident report of a window (GET /v1/postmortem): the same content as
+// `fleetline postmortem`'s files, and a link to its self-contained HTML.
+async function incidentPage() {
+  const form = JSON.parse(sessionStorage.getItem("fleetline.incident") || "{}");
+  const since = form.since || "-1h";
+  const to = Date.now();
+  const params = new URLSearchParams({ from: String(to - RANGE_S[since] * 1000), to: String(to) });
+  for (const key of ["cluster", "job", "node", "service"]) if (form[key]) params.set(key, form[key]);
+  const result = await maybe(`/v1/postmortem?${params}`);
+  afterRender(() => {
+    $("#incident-form").addEventListener("submit", (e) => {
+      e.preventDefault();
+      sessionStorage.setItem("fleetline.incident", JSON.stringify(Object.fromEntries(new FormData(e.target).entries())));
+      refresh(true);
+    });
+    if (!result.ok) return;
+    const report = result.body;
+    const span = [report.window.from_ms / 1000, report.window.to_ms / 1000];
+    const chart = (id, title, byName) => {
+      const names = Object.keys(byName).sort();
+      const xs = [...new Set(names.flatMap((n) => byName[n].map((p) => p[0])))].sort((a, b) => a - b);
+      if (!xs.length) return;
+      const series = names.map((n) => {
+        const at = new Map(byName[n].map((p) => [p[0], p[1]]));
+        return { label: n, values: xs.map((x) => (at.has(x) ? Number(at.get(x)) : null)) };
+      });
+      lineChart(id, title, xs.map((x) => x / 1000), series, span);
+    };
+    chart("#incident-util", "GPU utilisation % by cluster", report.series.utilisation);
+    chart("#incident-usable", "usable GPUs by cluster", report.series.usable_gpus);
+    chart("#incident-progress", "training step of each job that moved", report.series.progress);
+    $("#incident-html").addEventListener("click", async () => {
+      const response = await fetch(`/v1/postmortem?${params}&format=html`, {
+        headers: { Authorization: `Bearer ${sessionStorage.getItem(TOKEN_KEY)}` },
+      });
+      const url = URL.createObjectURL(await response.blob());
+      const link = Object.assign(document.createElement("a"), { href: url, download: "postmortem.html" });
+      link.click();
+      URL.revokeObjectURL(url);
+    });
+  });
+  const toolbar = `<form id="incident-form" class="toolbar">
+      <select name="since">${RANGES.map((r) => `<option ${r === since ? "selected" : ""}>${r}</option>`).join("")}</select>
+      ${["cluster", "job", "node", "service"].map((k) => `<input name="${k}" placeholder="${k}" value="${esc(form[k] || "")}">`).join("")}
+      <button type="submit">Report</button></form>`;
+  if (!result.ok) return `<h1>Incident</h1>${toolbar}<p class="error" ${tid("incident-error")}>${esc(result.error)}</p>`;
+  const r = result.body;
+  const audit = r.audit.ok
+    ? `audit chain verified: ${r.audit.checked} links, ${r.audit.window_links} in the window, ${r.audit.digests_named.length} signed digests over it`
+    : `audit chain BROKEN: ${esc(r.audit.first_broken)}`;
+  const moves = r.impact.jobs.flatMap((j) => j.moves.map((m) => ({ job: j.job, ...m })));
+  return `
+    <h1>Incident</h1>${toolbar}
+    <p ${tid("incident-summary")}><b>${esc(r.summary)}</b></p>
+    <p class="${r.audit.ok ? "" : "error"}" ${tid("incident-audit")}>${esc(audit)}
+      <button id="incident-html" type="button">Download the HTML report</button></p>
+    <div id="incident-util" class="chart"></div><div id="incident-usable" class="chart"></div>
+    <div id="incident-progress" class="chart"></div>
+    <h2>Faults and their detection</h2>
+    <table ${tid("incident-faults")}><tr><th>at</th><th>kind</th><th>what failed</th><th>detected after</th><th>by</th></tr>
+    ${r.faults.map((f) => `<tr ${tid("fault", f.kind, f.subject)}><td>${time(f.at_ms)}</td><td>${esc(f.kind)}</td><td>${esc(f.subject)}</td>
+      <td class="num">${f.detection_s === null ? "never" : `${f.detection_s} s`}</td><td class="dim">${esc(f.detected_by || "NOT DETECTED")}</td></tr>`).join("")}</table>
+    <h2>Impact on jobs</h2>
+    <table ${tid("incident-moves")}><tr><th>job</th><th>moved</th><th>why</th><th>steps redone</th><th>fault to running</th><th>checkpoint</th></tr>
+    ${moves.map((m) => `<tr><td>${esc(m.job)}</td><td>${esc(m.from)} → ${esc(m.to)}</td><td>${esc(m.fault || m.decision || "–")}</td>
+      <td class="num">${m.steps_redone ?? "–"}</td><td class="num">${m.recovery_s ?? "–"} s</td><td class="dim">${esc(m.checkpoint || "–")}</td></tr>`).join("")}</table>
+    <h2>What followed <span class="dim">${r.actions.length}</span></h2>
+    <table ${tid("incident-actions")}><tr><th>at</th><th>actor</th><th>action</th><th>target</th><th>where</th><th>reason</th></tr>
+    ${r.actions.slice(0, 500).map((a) => `<tr><td>${time(a.at_ms)}</td><td>${esc(a.actor)}</td><td>${esc(a.operation)}</td>
+      <td>${esc(a.target)}</td><td>${esc(a.where)}</td><td class="dim">${esc(a.reason)}</td></tr>`).join("")}</table>`;
 }
 
 async function logsPage() {
