@@ -23,7 +23,7 @@ from fleetline.api.app import create_app
 from fleetline.api.auth import Authenticator
 from fleetline.api.ports import Append
 from fleetline.config import Settings
-from fleetline.errors import NotPermitted, StreamError
+from fleetline.errors import ConfigError, NotPermitted, StreamError
 from fleetline.observability import metrics
 from fleetline.processors.audit.chain import Signer, export_entry
 from fleetline.processors.audit.runtime import (
@@ -388,6 +388,8 @@ class Fleetline:
             result = self.query(query)
             return list(result.columns), [list(r) for r in result.rows]
 
+        if self.clickhouse is not None:
+            unread_cold(self.clickhouse, self.settings, from_ms, to_ms)
         log = gather(
             self.settings.kafka,
             self.topics,
@@ -399,6 +401,27 @@ class Fleetline:
         )
         check(log)
         return build(log)
+
+
+def unread_cold(client: Any, settings: Settings, from_ms: int, to_ms: int) -> None:
+    """ConfigError, naming them, when cold archives of the window are not restored: a
+    postmortem must not say nothing happened where the rows are only out of reach."""
+    from fleetline.storage.tiering.loop import tiered_stores
+
+    stores = tiered_stores(
+        client, settings.clickhouse_database, ObjectStore.from_settings(settings.s3), settings.s3
+    )
+    missing = sorted(
+        f"{name} {m.partition}"
+        for name, store in stores.items()
+        for m in store.unrestored(from_ms, to_ms)
+    )
+    if missing:
+        raise ConfigError(
+            f"the window's rows in {len(missing)} cold archive(s) ({', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''}) are not restored: `fleetline archive restore "
+            f"--from {from_ms} --to {to_ms} --table NAME` for each, then ask again"
+        )
 
 
 def audit_public_keys(settings: Settings) -> dict[str, Any]:

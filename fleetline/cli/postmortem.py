@@ -31,11 +31,13 @@ def postmortem(
     verified with the digests that sign the window, and plots. Read only from the log and the
     storage tiers (hot, warm or cold, wherever the window's rows now lie); the same log and
     window give byte-identical JSON. Writes OUT.json, OUT.md and OUT.html (self-contained)."""
-    from fleetline.app import audit_public_keys
+    from fleetline.app import audit_public_keys, unread_cold
     from fleetline.moments import parse_moment
     from fleetline.processors.postmortem.files import write
     from fleetline.processors.postmortem.gather import gather
     from fleetline.processors.postmortem.report import Scope, build, check
+    from fleetline.storage.clickhouse import connect
+    from fleetline.storage.query_service import owned_elsewhere
     from fleetline.streams.topics import Topics
 
     if sum(x is not None for x in (cluster, job, node, service)) > 1:
@@ -49,6 +51,9 @@ def postmortem(
         result = analyst_query(config, query)
         return list(result.columns), [list(r) for r in result.rows]
 
+    if not owned_elsewhere(config.clickhouse_url):
+        # (Through the process that owns the store, its API's postmortem checks the same.)
+        unread_cold(connect(config.clickhouse_url), config, from_ms, to_ms)
     log = gather(
         config.kafka,
         Topics(topic_prefix),

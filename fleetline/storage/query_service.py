@@ -271,6 +271,11 @@ class QueryService:
         self.server.server_close()
 
 
+def owned_elsewhere(url: str) -> bool:
+    """Whether another process holds the store at `url` (queries go through it)."""
+    return _owner(url) is not None
+
+
 def _owner(url: str) -> tuple[str, str, str | None] | None:
     """The address, token and certificate of the process serving the store at `url`, if
     another has it."""

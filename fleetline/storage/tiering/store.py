@@ -655,6 +655,27 @@ class TieredStore:
             self.objects.delete(manifest.key)
         self.stats.expired += 1
 
+    def unrestored(self, since_ms: int, until_ms: int) -> list[Manifest]:
+        """Cold archives overlapping [since, until] that a query of the range cannot read: not
+        read in place, and their rows in the range not (all) restored."""
+        if self.data.cold_in_place:
+            return []
+        self.ensure_restored()
+        ts = self.data.ts_column
+        out = []
+        for m in self.manifests(COLD):
+            if m.max_ts_ms < since_ms or m.min_ts_ms > until_ms:
+                continue
+            low, high = max(since_ms, m.min_ts_ms), min(until_ms, m.max_ts_ms)
+            where = (
+                f"{ts} >= fromUnixTimestamp64Milli({low}, 'UTC') AND "
+                f"{ts} <= fromUnixTimestamp64Milli({high}, 'UTC')"
+            )
+            ((held,),) = self._query(f"SELECT count() FROM {self.restored} WHERE {where}")
+            if int(held) == 0:
+                out.append(m)
+        return out
+
     def restore(self, since_ms: int, until_ms: int) -> int:
         """Rehydrate cold rows in [since, until] into the `_restored` table (replacing what an
         earlier restore put there for the range); return the rows restored."""
