@@ -125,6 +125,7 @@ def test_openapi_lists_every_route(setup):
         "/v1/jobs/{tenant}/{name}",
         "/v1/jobs/{tenant}/{name}/explain",
         "/v1/queue",
+        "/v1/postmortem",
         "/v1/tenants/{tenant}/policy",
         "/metrics",
         "/v1/traces/{trace_id}",
@@ -221,7 +222,7 @@ def _request(client: TestClient, method: str, path: str, tenant: str | None = No
 def test_every_route_with_every_role_and_no_route_escapes_the_rules(setup):
     app, _ = setup
     rules = app.state.rules
-    assert len(rules) == 39
+    assert len(rules) == 40
     for (method, path), rule in rules.items():
         anonymous = _request(TestClient(app), method, path)
         assert anonymous.status_code == 401, (method, path)

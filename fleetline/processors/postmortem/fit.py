@@ -23,9 +23,10 @@ import contextlib
 import functools
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
-from fleetline.processors.scheduling.decide import request_for, try_place
+from fleetline.processors.scheduling.decide import request_for, shape_keys, try_place
 from fleetline.processors.scheduling.pipeline import Attempt, unreserve
 from fleetline.processors.scheduling.specs import InferenceServiceSpec, TrainingJobSpec
 from fleetline.processors.scheduling.state import Job, SchedulerState
@@ -63,9 +64,21 @@ class Fit:
 
 
 def what_would_fit(s: SchedulerState, keys: list[str] | None = None) -> list[Fit]:
-    """Every queued job (or those named), in queue order."""
+    """Every queued job (or those named), in queue order. Jobs of one shape (the scheduler's
+    own key for "fails alike": tenant, priority, size, chips, data, the chip a checkpoint
+    must resume on) get one answer, worked out for the first of them."""
     wanted = None if keys is None else set(keys)
-    return [fit_of(s, job) for job in s.queue() if wanted is None or job.key in wanted]
+    out = []
+    seen: dict[tuple[Any, ...], Fit] = {}
+    for job in s.queue():
+        if wanted is not None and job.key not in wanted:
+            continue
+        shape = (*shape_keys(job)[1], job.ran_on if job.checkpoint_ms is not None else None)
+        known = seen.get(shape)
+        fit = fit_of(s, job) if known is None else replace(known, job=job.key)
+        seen.setdefault(shape, fit)
+        out.append(fit)
+    return out
 
 
 def fit_of(s: SchedulerState, job: Job) -> Fit:
@@ -124,15 +137,7 @@ def _reason_of(attempt: Attempt, kind: str, cluster_id: str | None) -> str | Non
 def _trials(s: SchedulerState, job: Job, current: Attempt, need: int) -> Iterator[Trial]:
     """The changes worth trying, smallest of each kind first."""
     yield from _quota_trials(s, job, need)
-    frees = sorted(
-        (
-            t
-            for c in _clusters_by(current, ("capacity", "reservation", "pool"))
-            for t in _free_trials(s, job, c)
-        ),
-        key=lambda t: (t[2], t[1]),
-    )
-    yield from frees[:1] if frees else ()
+    yield from _free_trials(s, job, _clusters_by(current, ("capacity", "reservation", "pool")))
     yield from _accelerator_trials(s, job, current)
     yield from _region_trials(s, job, current)
 
@@ -184,48 +189,80 @@ def _quota_trials(s: SchedulerState, job: Job, need: int) -> Iterator[Trial]:
     yield "quota", "; ".join(words), int(update.get("gpus", 0)), make, None
 
 
-def _free_trials(s: SchedulerState, job: Job, cluster_id: str) -> Iterator[Trial]:
-    """The fewest GPUs to free in `cluster_id` for the job to fit there: the jobs holding GPUs
-    there, lowest priority and fewest GPUs first, taken off the index one more at a time."""
+def _free_trials(s: SchedulerState, job: Job, cluster_ids: list[str]) -> Iterator[Trial]:
+    """The fewest GPUs to free in one of `cluster_ids` for the job to fit there. A cluster's
+    deficit (GPUs the job needs past what is free there) bounds what it can take from below,
+    so the clusters are tried by it and the search stops once no cluster left can beat the
+    best found."""
+    shape = request_for(s, job).shape
+    bounds = sorted((max(shape.gpus - s.index.free_gpus(c, shape), 0), c) for c in cluster_ids)
+    best: Trial | None = None
+    for bound, cluster_id in bounds:
+        if best is not None and bound >= best[2]:
+            break
+        found = _fewest_freed(s, job, cluster_id)
+        if found is not None and (best is None or found[2] < best[2]):
+            best = found
+    if best is not None:
+        yield best
+
+
+def _fewest_freed(s: SchedulerState, job: Job, cluster_id: str) -> Trial | None:
+    """The jobs holding GPUs in the cluster, lowest priority and fewest GPUs first: the
+    shortest run of them whose GPUs, freed, place the job there (freeing more never hurts, so
+    the run's length is searched by halves)."""
     holders = sorted(
         (s.jobs[k] for k in s.cluster_jobs.get(cluster_id, ()) if k in s.jobs and k != job.key),
         key=lambda j: (j.priority, j.gpus, j.key),
     )
-    for n in range(1, len(holders) + 1):
-        taken = holders[:n]
-        masks = [
-            (node, mask) for j in taken for node, mask in j.allocation.get(cluster_id, {}).items()
+
+    def freeing(n: int) -> list[tuple[str, int]]:
+        return [
+            (node, mask)
+            for j in holders[:n]
+            for node, mask in j.allocation.get(cluster_id, {}).items()
         ]
 
-        @contextlib.contextmanager
-        def make(masks: list[tuple[str, int]] = masks) -> Iterator[None]:
+    @contextlib.contextmanager
+    def made(masks: list[tuple[str, int]]) -> Iterator[None]:
+        for node, mask in masks:
+            s.index.release(node, mask)
+        try:
+            yield
+        finally:
             for node, mask in masks:
-                s.index.release(node, mask)
-            try:
-                yield
-            finally:
-                for node, mask in masks:
-                    s.index.reserve(node, mask)
+                s.index.reserve(node, mask)
 
-        with make():
+    def placed_here(n: int) -> Attempt | None:
+        with made(freeing(n)):
             attempt = try_place(s, job)
             unreserve(s.index, attempt.placements)
-        if not attempt.placed:
-            continue
-        if cluster_id not in {p.cluster_id for p in attempt.placements}:
-            continue
-        freed = sum(m.bit_count() for _, m in masks)
-        leaves = sorted({leaf for p in attempt.placements for leaf in p.leaves if leaf})
-        under = f" under leaf {', '.join(leaves)}" if leaves else ""
-        names = ", ".join(j.key for j in taken)
-        yield (
-            "capacity",
-            f"{freed} GPUs freed in {cluster_id}{under} (now held by {names})",
-            freed,
-            make,
-            cluster_id,
-        )
-        return
+        here = attempt.placed and cluster_id in {p.cluster_id for p in attempt.placements}
+        return attempt if here else None
+
+    if not holders or placed_here(len(holders)) is None:
+        return None
+    low, high = 1, len(holders)
+    while low < high:
+        mid = (low + high) // 2
+        if placed_here(mid) is not None:
+            high = mid
+        else:
+            low = mid + 1
+    attempt = placed_here(low)
+    assert attempt is not None
+    masks = freeing(low)
+    freed = sum(m.bit_count() for _, m in masks)
+    leaves = sorted({leaf for p in attempt.placements for leaf in p.leaves if leaf})
+    under = f" under leaf {', '.join(leaves)}" if leaves else ""
+    names = ", ".join(j.key for j in holders[:low])
+    return (
+        "capacity",
+        f"{freed} GPUs freed in {cluster_id}{under} (now held by {names})",
+        freed,
+        functools.partial(made, masks),
+        cluster_id,
+    )
 
 
 def _accelerator_trials(s: SchedulerState, job: Job, current: Attempt) -> Iterator[Trial]:

@@ -8,6 +8,11 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+# Rows a table shows (the JSON holds them all) and jobs whose progress is plotted (those that
+# redid the most steps): a fleet-wide hour can move thousands of jobs.
+MAX_ROWS = 500
+MAX_PLOTTED_JOBS = 12
+
 _COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf")
 
 
@@ -136,7 +141,11 @@ def markdown(report: Mapping[str, Any], title: str = "Postmortem") -> str:
             continue
         out.append("| " + " | ".join(columns) + " |")
         out.append("|" + "---|" * len(columns))
-        out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
+        out += [
+            "| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows[:MAX_ROWS]
+        ]
+        if len(rows) > MAX_ROWS:
+            out += ["", f"{len(rows) - MAX_ROWS} more rows in the JSON"]
         out.append("")
     if report["dead_letters"]:
         out += [f"## Dead letters ({len(report['dead_letters'])})", ""]
@@ -213,7 +222,10 @@ def page(report: Mapping[str, Any], title: str = "Postmortem") -> str:
         _line_chart("GPU utilisation by cluster", series["utilisation"], w, "%", marks),
         _line_chart("Usable GPUs by cluster", series["usable_gpus"], w, "GPUs", marks),
     ]
-    for job, points in sorted(series["progress"].items()):
+    redone = {j["job"]: j["steps_redone"] for j in report["impact"]["jobs"]}
+    plotted = sorted(series["progress"], key=lambda j: (-(redone.get(j) or 0), j))
+    for job in sorted(plotted[:MAX_PLOTTED_JOBS]):
+        points = series["progress"][job]
         charts.append(
             _line_chart(
                 f"{job}: training step across its move ({' -> '.join(_clusters(points))})",
@@ -234,10 +246,13 @@ def page(report: Mapping[str, Any], title: str = "Postmortem") -> str:
         body = (
             "".join(
                 "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
-                for row in rows
+                for row in rows[:MAX_ROWS]
             )
             or f'<tr><td colspan="{len(columns)}">none</td></tr>'
         )
+        if len(rows) > MAX_ROWS:
+            more = len(rows) - MAX_ROWS
+            body += f'<tr><td colspan="{len(columns)}">{more} more in the JSON</td></tr>'
         tables.append(f"<h2>{html.escape(name)}</h2><table><tr>{head}</tr>{body}</table>")
     health = "".join(
         f"<li>{html.escape(c)}: "
