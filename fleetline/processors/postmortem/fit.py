@@ -32,6 +32,8 @@ from fleetline.processors.scheduling.specs import InferenceServiceSpec, Training
 from fleetline.processors.scheduling.state import Job, SchedulerState
 from fleetline.processors.scheduling.tenancy import HOUR_MS, Request, quota_block
 
+# The most jobs a "GPUs freed" change may take GPUs from.
+MAX_FREED = 64
 # A trial: (binding constraint, the change in words, GPUs the change adds or frees, how to
 # make it (the context manager undoes it), the cluster it is made in or None).
 Trial = tuple[str, str, int, Callable[[], contextlib.AbstractContextManager[None]], str | None]
@@ -210,7 +212,7 @@ def _free_trials(s: SchedulerState, job: Job, cluster_ids: list[str]) -> Iterato
 def _fewest_freed(s: SchedulerState, job: Job, cluster_id: str) -> Trial | None:
     """The jobs holding GPUs in the cluster, lowest priority and fewest GPUs first: the
     shortest run of them whose GPUs, freed, place the job there (freeing more never hurts, so
-    the run's length is searched by halves)."""
+    once a run that does is found, the shortest is searched by halves)."""
     holders = sorted(
         (s.jobs[k] for k in s.cluster_jobs.get(cluster_id, ()) if k in s.jobs and k != job.key),
         key=lambda j: (j.priority, j.gpus, j.key),
@@ -240,9 +242,21 @@ def _fewest_freed(s: SchedulerState, job: Job, cluster_id: str) -> Trial | None:
         here = attempt.placed and cluster_id in {p.cluster_id for p in attempt.placements}
         return attempt if here else None
 
-    if not holders or placed_here(len(holders)) is None:
-        return None
-    low, high = 1, len(holders)
+    # The shortest run that frees the cluster's deficit is the least that could do; from it the
+    # run is doubled until the job fits, up to MAX_FREED jobs (a change that evicts more is no
+    # small change, and releasing thousands of allocations costs seconds on a large fleet).
+    shape = request_for(s, job).shape
+    short = shape.gpus - s.index.free_gpus(cluster_id, shape)
+    low = 0
+    while low < len(holders) and short > 0:
+        short -= sum(m.bit_count() for m in holders[low].allocation.get(cluster_id, {}).values())
+        low += 1
+    low = max(low, 1)
+    high = low
+    while placed_here(high) is None:
+        if high >= min(len(holders), MAX_FREED):
+            return None
+        low, high = high + 1, min(high * 2, len(holders), MAX_FREED)
     while low < high:
         mid = (low + high) // 2
         if placed_here(mid) is not None:
