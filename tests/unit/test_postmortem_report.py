@@ -213,3 +213,22 @@ def test_a_scope_the_window_never_saw_is_refused_in_one_line(scope, says):
 def test_a_window_with_no_events_is_refused():
     with pytest.raises(ConfigError, match="no events between"):
         check(IncidentLog(T, T + 1))
+
+
+def test_a_link_both_ends_report_broken_is_one_fault_from_the_first_report():
+    log = incident()
+    log.health += [
+        {
+            "event": "PARTITION",
+            "cluster_id": a,
+            "peer": b,
+            "seq": n,
+            "ts": T + 30_000 + n,
+            "state": "HEALTHY",
+            "link_up": False,
+            "reason": f"{a} cannot reach {b}",
+        }
+        for n, (a, b) in enumerate([("ap-south-a", "eu-west-a"), ("eu-west-a", "ap-south-a")])
+    ]
+    cuts = [f for f in build(log)["faults"] if f["kind"] == "link_cut"]
+    assert [(f["subject"], f["at_ms"]) for f in cuts] == [("ap-south-a <-> eu-west-a", T + 30_000)]

@@ -100,6 +100,7 @@ def _in_scope(log: IncidentLog, cluster: str | None = None, node: str | None = N
 
 def _faults(log: IncidentLog) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
+    cut: set[str] = set()
     for h in sorted(log.health, key=lambda h: (h["ts"], h["cluster_id"], h["seq"])):
         if not _in_scope(log, h["cluster_id"]):
             continue
@@ -118,10 +119,15 @@ def _faults(log: IncidentLog) -> list[dict[str, Any]]:
                 )
             )
         elif h["event"] == "PARTITION" and h.get("link_up") is False:
+            # Each end reports a broken link: one fault per link, from its first report.
+            link = " <-> ".join(sorted((h["cluster_id"], str(h.get("peer")))))
+            if link in cut:
+                continue
+            cut.add(link)
             out.append(
                 _fault(
                     "link_cut",
-                    f"{h['cluster_id']}<->{h.get('peer')}",
+                    link,
                     h["ts"] - (h.get("silent_ms") or 0),
                     h["reason"],
                     h["ts"],
