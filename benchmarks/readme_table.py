@@ -1,10 +1,11 @@
 """The README's performance table, made again from the benchmarks' last runs.
 
 Reads `benchmarks/results/peers.runs.jsonl`, `scheduler.runs.jsonl`,
-`cluster_control.runs.jsonl` and `view.runs.jsonl` (what `report` keeps of every run), tells each
-figure as the range of the last three runs, and writes the table between the README's
-`<!-- performance table -->` markers. Run after `make bench-peers` (which runs it),
-`benchmarks/scheduler.py`, `benchmarks/cluster_control.py` or `benchmarks/view.py`.
+`cluster_control.runs.jsonl`, `view.runs.jsonl` and `postmortem.runs.jsonl` (what `report`
+keeps of every run), tells each figure as the range of the last three runs, and writes the
+table between the README's `<!-- performance table -->` markers. Run after `make bench-peers`
+(which runs it), `benchmarks/scheduler.py`, `benchmarks/cluster_control.py`,
+`benchmarks/view.py` or `benchmarks/postmortem.py`.
 
     .venv/bin/python benchmarks/readme_table.py [--runs 3]
 """
@@ -43,6 +44,7 @@ def table(
     restore: list[dict[str, Any]],
     rebuilds: Sequence[dict[str, Any]] = (),
     tails: Sequence[dict[str, Any]] = (),
+    postmortems: Sequence[dict[str, Any]] = (),
 ) -> str:
     last = peers[-1]
     rows: list[tuple[str, Callable[[str], str]]] = []
@@ -124,6 +126,15 @@ def table(
             f"(`benchmarks/view.py --ticks 1000`, {rebuilds[-1]['rebuild_workers']} processes; "
             f"target 60 s) | {seconds}{tail} | - | - |\n"
         )
+    if postmortems:
+        made = span([r.get("postmortem_s") for r in postmortems], " s", "{:.1f}".format)
+        rate = span([r.get("what_if_unchanged_decisions_per_s") for r in postmortems], "/s")
+        p99 = span([r.get("fit_alone_p99_ms") for r in postmortems], " ms", "{:.0f}".format)
+        body += (
+            "| postmortem of 1 hour of 80,000 GPUs (28.8 M samples; target 60 s); what-if replay "
+            "of the 10,000-job log (target 1,000 decisions/s); what would make a queued job fit, "
+            f"p99 (target 100 ms) (`benchmarks/postmortem.py`) | {made}; {rate}; {p99} | - | - |\n"
+        )
     return header + body
 
 
@@ -152,6 +163,7 @@ def main() -> None:
         [r for r in recent_runs("view", 50, nodes=10_000, ticks=125) if "rebuild_workers" in r][
             -args.runs :
         ],
+        recent_runs("postmortem", args.runs, postmortem_gpus=80_000, what_if_decisions=18_866),
     )
     README.write_text(f"{head}{START}\n{made}{END}{tail}")
     print(made)

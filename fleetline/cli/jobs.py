@@ -257,17 +257,22 @@ def _explain_queue(topic_prefix: str, json_: bool) -> None:
     if not fits:
         print("no job is queued")
         return
-    out = new_table("JOB", "GPUS", "BINDING", "WHY", "WHAT WOULD PLACE IT", "THEN IN")
+    for line in fit_lines(fits):
+        print(line)
+
+
+def fit_lines(fits: list[Any]) -> list[str]:
+    """Two lines a queued job: what binds it, then what would place it (or that nothing
+    found would)."""
+    out = []
     for f in fits:
-        out.add_row(
-            f.job,
-            str(f.gpus),
-            f.binding,
-            f.why[:90],
-            (f.change or "nothing found") + ("" if f.checked else " (not checked)"),
-            f.places_in or "-",
-        )
-    console.print(out)
+        out.append(f"{f.job} ({f.gpus} GPUs) is held by {f.binding}: {f.why}")
+        if f.change is None:
+            out.append("  nothing tried places it")
+        else:
+            checked = "" if f.checked else " (not checked)"
+            out.append(f"  {f.change}: then placed in {f.places_in}{checked}")
+    return out
 
 
 def explain(

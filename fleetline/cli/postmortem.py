@@ -65,7 +65,7 @@ def postmortem(
     )
     check(log)
     report = build(log)
-    written = write(report, out, f"Postmortem {Scope(cluster, job, node, service).words()}")
+    written = write(report, out, f"Postmortem of {Scope(cluster, job, node, service).words()}")
     print(report["summary"])
     for kind, path in written.items():
         print(f"{kind}: {path}")

@@ -276,25 +276,33 @@ def print_serving_day(console: Console, day: dict[str, Any]) -> None:
 def print_postmortem(console: Console, part: dict[str, Any]) -> None:
     if not part or _stopped(console, part):
         return
+    from fleetline.processors.postmortem.render import when
+
     report = part["report"]
     say = console.print
     say(f"\npostmortem of this run (`fleetline postmortem`): {report['summary']}")
     faults = table("fault at", "kind", "what failed", "detected after", "by")
     for f in report["faults"]:
         faults.add_row(
-            str(f["at_ms"]),
+            when(f["at_ms"])[11:23],
             f["kind"],
             f["subject"],
-            "-" if f["detection_s"] is None else f"{f['detection_s']:g}s",
+            "never" if f["detection_s"] is None else f"{f['detection_s']:g}s",
             (f["detected_by"] or "NOT DETECTED")[:70],
         )
     say(faults)
+
+    def shown(value: Any, unit: str = "") -> str:
+        return "-" if value is None else f"{value:g}{unit}"
+
     for j in report["impact"]["jobs"]:
         for m in j["moves"]:
             say(
                 f"  {j['job']}: {m['from']} -> {m['to']} ({m['fault'] or 'moved by decision'}),"
-                f" {m['steps_redone']} steps redone, running again {m['recovery_s']}s after,"
-                f" from {m['checkpoint'] or 'no checkpoint'}",
+                f" {shown(m['steps_redone'])} steps redone, running again "
+                f"{shown(m['recovery_s'], 's')} after, from "
+                f"{m['checkpoint'] or 'no checkpoint'}",
                 soft_wrap=True,
+                markup=False,
             )
     say("written: " + ", ".join(part["files"].values()), soft_wrap=True)

@@ -187,6 +187,10 @@ def test_serve_schedules_what_the_cli_applies_through_a_sigkill(
         explained = capsys.readouterr().out
         assert f"{queued} is Queued: quota: tenant globex holds 16 of its 16 GPUs" in explained
         # What would make each queued job fit: the quota binds, 2 GPUs more places it.
+        assert main(["explain", "--queued", *common]) == 0
+        said = capsys.readouterr().out
+        assert f"{queued} (2 GPUs) is held by quota: quota: tenant globex holds 16" in said
+        assert "  tenant globex quota +2 GPUs (16 -> 18): then placed in " in said
         assert main(["explain", "--queued", "--json", *common]) == 0
         fits = {f["job"]: f for f in json.loads(capsys.readouterr().out)}
         assert set(fits) == keys - placed

@@ -95,7 +95,7 @@ def register_postmortem(route: Routes, ports: Ports) -> None:
             report = await run_in_threadpool(ports.postmortem(), since_ms, until_ms, scope)
         except ConfigError as exc:
             raise HTTPException(400, str(exc)) from None
-        title = f"Postmortem {scope.words()}"
+        title = f"Postmortem of {scope.words()}"
         if format == "markdown":
             return PlainTextResponse(markdown(report, title), media_type="text/markdown")
         if format == "html":

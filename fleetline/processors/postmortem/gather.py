@@ -146,8 +146,11 @@ def _from_kafka(
 def audit_over(
     records: Sequence[Mapping[str, Any]], public_keys: Mapping[str, Any], from_ms: int, to_ms: int
 ) -> dict[str, Any]:
-    """The chain verified from its genesis, and what of it covers the window: its events and
-    the signed digests chained in it (a digest signs every link before it)."""
+    """The chain verified from its genesis to the window's end (the links chained by then: so
+    the verdict is the window's, however the chain has grown since), and what of it covers the
+    window: its events and the signed digests chained in it (a digest signs every link before
+    it)."""
+    records = [r for r in records if (r.get("chained_at") or 0) <= to_ms]
     report = verify([export_entry(r, reveal_sensitive=True) for r in records], public_keys)
     named = [
         {
