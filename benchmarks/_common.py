@@ -17,7 +17,7 @@ from fleetline.agents.simulator import ClusterSpec, FleetSimulator, cluster_info
 from fleetline.config import Settings
 from fleetline.infra import LocalServices
 from fleetline.infra.kafka_access import ADMIN
-from fleetline.processors.scheduling.codec import new_request
+from fleetline.processors.scheduling.codec import order_report
 from fleetline.processors.scheduling.effects import WorkloadOrder
 from fleetline.processors.view.fold import apply, fold_telemetry
 from fleetline.processors.view.model import ResourceView, gpu_sample
@@ -200,17 +200,7 @@ def simulated_view(clusters: list[ClusterSpec], base_ms: int, seed: int = 1) -> 
 def progress_report(order: WorkloadOrder, phase: str, now: int) -> dict[str, Any]:
     """A cluster agent's PROGRESS report on the run an order started (the benchmarks' agents
     report every RUN at once)."""
-    return new_request(
-        "PROGRESS",
-        order.job,
-        order.tenant,
-        now,
-        f"p-{order.job}-{order.epoch}-{order.attempt}-{phase}",
-        phase=phase,
-        cluster_id=order.cluster_id,
-        epoch=order.epoch,
-        attempt=order.attempt,
-    )
+    return order_report(order, phase, now, f"p-{order.job}-{order.epoch}-{order.attempt}-{phase}")
 
 
 def serve_scheduler(

@@ -30,7 +30,12 @@ from _common import fold_telemetry_records, report, serve_scheduler
 
 from fleetline.agents.simulator import ClusterSpec, Fault, FleetSimulator, cluster_info
 from fleetline.processors.scheduling.capacity import FleetFacts, indices_of, observe
-from fleetline.processors.scheduling.codec import canonical_json, new_request, submit_request
+from fleetline.processors.scheduling.codec import (
+    canonical_json,
+    new_request,
+    order_report,
+    submit_request,
+)
 from fleetline.processors.scheduling.effects import Decision, WorkloadOrder
 from fleetline.processors.scheduling.scheduler import Scheduler
 from fleetline.processors.scheduling.specs import parse_spec
@@ -273,17 +278,7 @@ def quality(scheduler: Scheduler) -> dict[str, object]:
 
 
 def running_report(order: WorkloadOrder, ts: int) -> dict:
-    return new_request(
-        "PROGRESS",
-        order.job,
-        order.tenant,
-        ts,
-        f"run-{order.job}-{order.epoch}",
-        phase="RUNNING",
-        cluster_id=order.cluster_id,
-        epoch=order.epoch,
-        attempt=order.attempt,
-    )
+    return order_report(order, "RUNNING", ts, f"run-{order.job}-{order.epoch}")
 
 
 def core(

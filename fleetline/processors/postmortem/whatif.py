@@ -29,7 +29,7 @@ from typing import Any
 from fleetline.errors import ConfigError, FleetlineError
 from fleetline.identity.writers import Writer, WriterKind
 from fleetline.processors.scheduling.capacity import FleetFacts
-from fleetline.processors.scheduling.codec import canonical_json, new_request
+from fleetline.processors.scheduling.codec import canonical_json, order_report
 from fleetline.processors.scheduling.effects import Decision, WorkloadOrder
 from fleetline.processors.scheduling.policy import SchedulingPolicy
 from fleetline.processors.scheduling.scheduler import Scheduler
@@ -320,17 +320,8 @@ class WhatIf:
         self._deliver_due(None, position)
 
     def _queue(self, order: WorkloadOrder, phase: str, due: int, code: int | None) -> None:
-        request = new_request(
-            "PROGRESS",
-            order.job,
-            order.tenant,
-            due,
-            f"what-if-{order.job}-{order.epoch}-{order.attempt}-{phase}",
-            phase=phase,
-            cluster_id=order.cluster_id,
-            epoch=order.epoch,
-            attempt=order.attempt,
-            exit_code=code,
+        request = order_report(
+            order, phase, due, f"what-if-{order.job}-{order.epoch}-{order.attempt}-{phase}", code
         )
         self._n += 1
         heapq.heappush(self.pending, (due, self._n, request, order.cluster_id))

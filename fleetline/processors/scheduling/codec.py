@@ -76,6 +76,24 @@ def new_request(
     }
 
 
+def order_report(
+    order: WorkloadOrder, phase: str, ts: int, request_id: str, exit_code: int | None = None
+) -> dict[str, Any]:
+    """A cluster agent's PROGRESS report on the run `order` started, at `ts`."""
+    return new_request(
+        "PROGRESS",
+        order.job,
+        order.tenant,
+        ts,
+        request_id,
+        phase=phase,
+        cluster_id=order.cluster_id,
+        epoch=order.epoch,
+        attempt=order.attempt,
+        exit_code=exit_code,
+    )
+
+
 def canonical_json(document: Any) -> str:
     return json.dumps(document, sort_keys=True, separators=(",", ":"))
 
