@@ -5,7 +5,8 @@ agent process per cluster, the API on a free port).
 Every page loads without a console error and is screenshotted into tests/results/console/;
 the numbers on the fleet page equal the API's; a fault injected into the simulator shows on
 the open page within seconds without a reload; a job's page draws its loss curve from the
-cluster agents' reports; a tenant's user sees only the tenant's jobs.
+cluster agents' reports; a tenant's user sees only the tenant's jobs; the Incident page tells
+an injected fault, and the postmortem's HTML renders from disk with nothing fetched.
 """
 
 from __future__ import annotations
@@ -270,61 +271,6 @@ def test_a_fault_in_the_simulator_shows_on_the_open_page_within_seconds(console,
     assert session.errors == []
 
 
-def test_the_incident_page_and_the_postmortem_s_html_tell_an_injected_fault(console, signed_in):
-    """A GPU falls off the bus; the postmortem of the last minutes names it with its detection
-    and the verified audit chain, on the console's Incident page and in the self-contained
-    HTML file, which Chromium renders from disk with no request beyond the file."""
-    node = next(n.node_id for n in console.stack.simulator.nodes if n.cluster_id == "ca")
-    since = now_ms() - 600_000
-    console.stack.simulator.add_fault(Fault("xid", f"{node}/6", now_ms(), None, 79))
-    wait_until(
-        lambda: any(
-            t["node_id"] == node and t["rule"] == "gpu_failed"
-            for t in console.api("admin", "/v1/tickets")["tickets"]
-        ),
-        30,
-        "the rule to open a ticket for the GPU",
-    )
-    window = f"/v1/postmortem?from={since}&to={now_ms() + 1000}"
-    found: dict[str, Any] = {}
-
-    def reported() -> bool:
-        report = console.api("admin", window)
-        found.update({f"{f['kind']} {f['subject']}": f for f in report["faults"]})
-        found["report"] = report
-        return f"xid {node}/6" in found  # once the sink has stored the samples
-
-    wait_until(reported, 60, "the fault in the postmortem", every_s=1)
-    fault = found[f"xid {node}/6"]
-    assert fault["detected_ms"] is not None and fault["detection_s"] >= 0, fault
-    assert node in fault["detected_by"] or "gpu_failed" in fault["detected_by"], fault
-    assert found["report"]["audit"]["ok"] and found["report"]["audit"]["window_links"] > 0
-    session = signed_in("admin")
-    session.open(console, "incident")
-    assert "audit chain verified" in session.text("incident-audit")
-    session.page.get_by_test_id(f"fault-xid-{node}/6").wait_for(timeout=10_000)
-    session.page.screenshot(path=str(RESULTS / "incident.png"), full_page=True)
-    assert session.errors == []
-    # The HTML a ticket links to: plots inline, readable offline.
-    request = Request(
-        f"{console.url}{window}&format=html", headers={"Authorization": f"Bearer {token('admin')}"}
-    )
-    with urlopen(request, timeout=60) as response:
-        html = response.read().decode()
-    saved = RESULTS / "postmortem.html"
-    saved.write_text(html)
-    page = session.page.context.new_page()
-    fetched: list[str] = []
-    page.on("request", lambda r: fetched.append(r.url))
-    page.goto(saved.as_uri())
-    assert page.locator("svg").count() >= 2
-    assert "Faults and their detection" in page.content() and f"{node}/6" in page.content()
-    assert page.locator("polyline").count() >= 1
-    page.screenshot(path=str(RESULTS / "postmortem-html.png"), full_page=True)
-    assert fetched == [saved.as_uri()], fetched
-    page.close()
-
-
 def test_a_job_page_draws_the_loss_curve_and_the_checkpoints(console, signed_in):
     wait_until(lambda: job_running(console, "acme/train"), 90, "acme/train to checkpoint")
     session = signed_in("acme")
@@ -426,3 +372,59 @@ def test_serve_s_metrics_have_the_loops_series_and_dcgm_gauges_equal_to_the_view
     }
     assert set(shown) == set(before) and len(shown) == 16
     assert all(shown[k] in (before[k], after[k]) for k in shown), (shown, before, after)
+
+
+def test_the_incident_page_and_the_postmortem_s_html_tell_an_injected_fault(console, signed_in):
+    """(Last: the fault drains a node the other tests' jobs may run on.) A GPU falls off the
+    bus; the postmortem of the last minutes names it with its detection
+    and the verified audit chain, on the console's Incident page and in the self-contained
+    HTML file, which Chromium renders from disk with no request beyond the file."""
+    node = next(n.node_id for n in console.stack.simulator.nodes if n.cluster_id == "ca")
+    since = now_ms() - 600_000
+    console.stack.simulator.add_fault(Fault("xid", f"{node}/6", now_ms(), None, 79))
+    wait_until(
+        lambda: any(
+            t["node_id"] == node and t["rule"] == "gpu_failed"
+            for t in console.api("admin", "/v1/tickets")["tickets"]
+        ),
+        30,
+        "the rule to open a ticket for the GPU",
+    )
+    window = f"/v1/postmortem?from={since}&to={now_ms() + 1000}"
+    found: dict[str, Any] = {}
+
+    def reported() -> bool:
+        report = console.api("admin", window)
+        found.update({f"{f['kind']} {f['subject']}": f for f in report["faults"]})
+        found["report"] = report
+        return f"xid {node}/6" in found  # once the sink has stored the samples
+
+    wait_until(reported, 60, "the fault in the postmortem", every_s=1)
+    fault = found[f"xid {node}/6"]
+    assert fault["detected_ms"] is not None and fault["detection_s"] >= 0, fault
+    assert node in fault["detected_by"] or "gpu_failed" in fault["detected_by"], fault
+    assert found["report"]["audit"]["ok"] and found["report"]["audit"]["window_links"] > 0
+    session = signed_in("admin")
+    session.open(console, "incident")
+    assert "audit chain verified" in session.text("incident-audit")
+    session.page.get_by_test_id(f"fault-xid-{node}/6").wait_for(timeout=10_000)
+    session.page.screenshot(path=str(RESULTS / "incident.png"), full_page=True)
+    assert session.errors == []
+    # The HTML a ticket links to: plots inline, readable offline.
+    request = Request(
+        f"{console.url}{window}&format=html", headers={"Authorization": f"Bearer {token('admin')}"}
+    )
+    with urlopen(request, timeout=60) as response:
+        html = response.read().decode()
+    saved = RESULTS / "postmortem.html"
+    saved.write_text(html)
+    page = session.page.context.new_page()
+    fetched: list[str] = []
+    page.on("request", lambda r: fetched.append(r.url))
+    page.goto(saved.as_uri())
+    assert page.locator("svg").count() >= 2
+    assert "Faults and their detection" in page.content() and f"{node}/6" in page.content()
+    assert page.locator("polyline").count() >= 1
+    page.screenshot(path=str(RESULTS / "postmortem-html.png"), full_page=True)
+    assert fetched == [saved.as_uri()], fetched
+    page.close()
