@@ -111,3 +111,20 @@ def test_without_a_cluster_nothing_is_placed_there_and_more_waits():
 def test_a_bad_change_is_one_clear_error(text, data, says):
     with pytest.raises(ConfigError, match=says):
         Change.parse(text, data)
+
+
+def test_more_gpus_in_a_cluster_place_what_waited_there():
+    from fleetline.agents.simulator import ClusterSpec
+
+    view, _ = fleet_view([ClusterSpec("us-east-a", "us-east", 2, nodes_per_leaf=2)])
+    d = Driver(view)
+    for n in range(3):
+        d.submit(training(f"job-{n}"))
+        d.tick(1)
+    assert d.last("acme/job-2").outcome == "QUEUED"
+    report = fold(d, Change.parse("add-gpus=us-east-a:8"))
+    (placed,) = [x for x in report["diff"] if x["job"] == "acme/job-2"]
+    assert placed["logged"]["outcome"] == "QUEUED"
+    assert (placed["what_if"]["outcome"], placed["what_if"]["where"]) == ("PLACED", "us-east-a")
+    assert report["numbers"]["what_if"]["never_placed"] == 0
+    assert report["numbers"]["baseline"]["never_placed"] == 1

@@ -97,7 +97,11 @@ class Change:
             return replace(
                 facts,
                 nodes={n: f for n, f in facts.nodes.items() if f.cluster_id != self.cluster},
-                lost={n: g for n, g in facts.lost.items() if not n.startswith(f"{self.cluster}-")},
+                lost={
+                    n: g
+                    for n, g in facts.lost.items()
+                    if (seen := facts.nodes.get(n)) is None or seen.cluster_id != self.cluster
+                },
                 clusters={c: f for c, f in facts.clusters.items() if c != self.cluster},
                 memo={},
                 node_cache={},
@@ -112,8 +116,12 @@ class Change:
             per_node = like.present.bit_count() or 1
             added = {}
             for i in range(-(-self.gpus // per_node)):
+                # Like the cluster's first node: its GPUs and NVLink islands (the last node
+                # added may have fewer, the lowest of them).
                 gpus = min(per_node, self.gpus - i * per_node)
-                mask = (1 << gpus) - 1
+                mask = like.present
+                while mask.bit_count() > gpus:
+                    mask &= ~(1 << (mask.bit_length() - 1))
                 node = f"{self.cluster}-what-if-{i:04d}"
                 added[node] = replace(
                     like,
@@ -122,7 +130,7 @@ class Change:
                     present=mask,
                     healthy=mask,
                     degraded=0,
-                    islands=(mask,),
+                    islands=tuple(isle & mask for isle in like.islands if isle & mask),
                     status="UP",
                     schedulable=True,
                 )
