@@ -257,8 +257,8 @@ def test_a_story_step_that_did_not_happen_makes_fleetline_run_exit_non_zero_nami
     assert "/nonexistent/trainer" in tail[0], tail
     assert tail[1].startswith("NOT AS SCRIPTED: the cluster running acme/broken was lost"), tail
     assert "acme/broken failed:" in tail[1], tail
-    assert tail[2] == "4 of 6 story steps as scripted", tail
+    assert tail[2] == "5 of 7 story steps as scripted", tail
     # The rest of the story (the API, the audit chain, the decision replay) still ran and
     # printed, and the one line on stderr says why the exit is not 0.
     assert "decision replay:" in out and "audit log:" in out
-    assert "2 of 6 story steps did not happen as scripted" in err, err
+    assert "2 of 7 story steps did not happen as scripted" in err, err
