@@ -84,6 +84,8 @@ def what_would_fit(s: SchedulerState, keys: list[str] | None = None) -> list[Fit
 
 
 def fit_of(s: SchedulerState, job: Job) -> Fit:
+    """One queued job: the first trial (of `_trials`' order) that the placement confirms, or
+    the binding constraint alone when none does."""
     need = request_for(s, job).shape.gpus
     now = _placed(s, job)
     if now is not None:
