@@ -39,9 +39,9 @@ from scheduler import (
 from fleetline.config import Settings
 from fleetline.identity.writers import CONTROL_PLANE_WRITER, Writer, WriterKind
 from fleetline.processors.postmortem.fit import fit_of, what_would_fit
-from fleetline.processors.postmortem.gather import gather
+from fleetline.processors.postmortem.gather import incident_report
 from fleetline.processors.postmortem.render import markdown, page
-from fleetline.processors.postmortem.report import Scope, build, canonical, check
+from fleetline.processors.postmortem.report import Scope, canonical
 from fleetline.processors.postmortem.whatif import Change, WhatIf, logged_runs
 from fleetline.processors.scheduling.capacity import observe
 from fleetline.processors.scheduling.codec import canonical_json, new_request
@@ -50,6 +50,7 @@ from fleetline.processors.scheduling.scheduler import Scheduler
 from fleetline.processors.view.runtime import tune_gc_for_large_state
 from fleetline.storage.clickhouse import connect, migrate
 from fleetline.storage.objects import ObjectStore
+from fleetline.storage.query_service import QueryResult
 from fleetline.storage.tiering.macros import tiered_sql
 from fleetline.storage.tiering.store import TieredStore
 from fleetline.streams import kafka as kafka_clients
@@ -127,18 +128,16 @@ def postmortem(settings: Settings, gpus: int, interval_s: int) -> dict[str, obje
     store = TieredStore(client, db, objects, settings.s3, root=f"bench-{db}")
     store.ensure_tables()
 
-    def sql(query: str) -> tuple[list[str], list[list[object]]]:
+    def sql(query: str) -> QueryResult:
         result = client.query(tiered_sql(store, query, now_ms=end * 1000))
-        return list(result.column_names), [list(r) for r in result.result_rows]
+        return QueryResult(list(result.column_names), [list(r) for r in result.result_rows])
 
     timings = []
     sizes: dict[str, int] = {}
     report_json = ""
     for _ in range(2):
         began = time.perf_counter()
-        log = gather(settings.kafka, topics, sql, start * 1000, end * 1000, Scope(), {})
-        check(log)
-        built = build(log)
+        built = incident_report(settings.kafka, topics, sql, start * 1000, end * 1000, Scope(), {})
         report_json = canonical(built)
         sizes = {
             "json_bytes": len(report_json),

@@ -23,7 +23,7 @@ from fleetline.api.app import create_app
 from fleetline.api.auth import Authenticator
 from fleetline.api.ports import Append
 from fleetline.config import Settings
-from fleetline.errors import ConfigError, NotPermitted, StreamError
+from fleetline.errors import NotPermitted, StreamError
 from fleetline.observability import metrics
 from fleetline.processors.audit.chain import Signer, export_entry
 from fleetline.processors.audit.runtime import (
@@ -381,46 +381,18 @@ class Fleetline:
     def postmortem(self, from_ms: int, to_ms: int, scope: Scope) -> dict[str, Any]:
         """The incident report of a window, from the log and this process's store's tiers
         (`fleetline postmortem`; ConfigError for a window it could say nothing true of)."""
-        from fleetline.processors.postmortem.gather import gather
-        from fleetline.processors.postmortem.report import build, check
-
-        def sql(query: str) -> tuple[list[str], list[list[Any]]]:
-            result = self.query(query)
-            return list(result.columns), [list(r) for r in result.rows]
+        from fleetline.processors.postmortem.gather import incident_report, unread_cold
 
         if self.clickhouse is not None:
             unread_cold(self.clickhouse, self.settings, from_ms, to_ms)
-        log = gather(
+        return incident_report(
             self.settings.kafka,
             self.topics,
-            sql,
+            self.query,
             from_ms,
             to_ms,
             scope,
             audit_public_keys(self.settings),
-        )
-        check(log)
-        return build(log)
-
-
-def unread_cold(client: Any, settings: Settings, from_ms: int, to_ms: int) -> None:
-    """ConfigError, naming them, when cold archives of the window are not restored: a
-    postmortem must not say nothing happened where the rows are only out of reach."""
-    from fleetline.storage.tiering.loop import tiered_stores
-
-    stores = tiered_stores(
-        client, settings.clickhouse_database, ObjectStore.from_settings(settings.s3), settings.s3
-    )
-    missing = sorted(
-        f"{name} {m.partition}"
-        for name, store in stores.items()
-        for m in store.unrestored(from_ms, to_ms)
-    )
-    if missing:
-        raise ConfigError(
-            f"the window's rows in {len(missing)} cold archive(s) ({', '.join(missing[:5])}"
-            f"{' ...' if len(missing) > 5 else ''}) are not restored: `fleetline archive restore "
-            f"--from {from_ms} --to {to_ms} --table NAME` for each, then ask again"
         )
 
 

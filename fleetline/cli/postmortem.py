@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 from typing import Annotated
@@ -31,11 +32,11 @@ def postmortem(
     verified with the digests that sign the window, and plots. Read only from the log and the
     storage tiers (hot, warm or cold, wherever the window's rows now lie); the same log and
     window give byte-identical JSON. Writes OUT.json, OUT.md and OUT.html (self-contained)."""
-    from fleetline.app import audit_public_keys, unread_cold
+    from fleetline.app import audit_public_keys
     from fleetline.moments import parse_moment
     from fleetline.processors.postmortem.files import write
-    from fleetline.processors.postmortem.gather import gather
-    from fleetline.processors.postmortem.report import Scope, build, check
+    from fleetline.processors.postmortem.gather import incident_report, unread_cold
+    from fleetline.processors.postmortem.report import Scope
     from fleetline.storage.clickhouse import connect
     from fleetline.storage.query_service import owned_elsewhere
     from fleetline.streams.topics import Topics
@@ -47,24 +48,18 @@ def postmortem(
     to_ms = parse_moment(until, now) if until is not None else now
     config = settings("kafka", "clickhouse")
 
-    def sql(query: str) -> tuple[list[str], list[list[object]]]:
-        result = analyst_query(config, query)
-        return list(result.columns), [list(r) for r in result.rows]
-
     if not owned_elsewhere(config.clickhouse_url):
         # (Through the process that owns the store, its API's postmortem checks the same.)
         unread_cold(connect(config.clickhouse_url), config, from_ms, to_ms)
-    log = gather(
+    report = incident_report(
         config.kafka,
         Topics(topic_prefix),
-        sql,
+        functools.partial(analyst_query, config),
         from_ms,
         to_ms,
         Scope(cluster, job, node, service),
         audit_public_keys(config),
     )
-    check(log)
-    report = build(log)
     written = write(report, out, f"Postmortem of {Scope(cluster, job, node, service).words()}")
     print(report["summary"])
     for kind, path in written.items():

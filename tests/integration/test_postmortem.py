@@ -12,11 +12,12 @@ import pytest
 
 from fleetline.agents.simulator import ClusterSpec, Fault, FleetSimulator
 from fleetline.cli import main
-from fleetline.processors.postmortem.gather import gather
-from fleetline.processors.postmortem.report import Scope, build, canonical, check
+from fleetline.processors.postmortem.gather import incident_report
+from fleetline.processors.postmortem.report import Scope, canonical
 from fleetline.storage.clickhouse import migrate
 from fleetline.storage.hot_sink import HotSampleStore, SourcedTelemetry, to_columns
 from fleetline.storage.objects import ObjectStore
+from fleetline.storage.query_service import QueryResult
 from fleetline.storage.tiering.loop import tiered_stores
 from fleetline.storage.tiering.macros import tiered_sql
 from fleetline.storage.tiering.policy import DAY_MS, HOUR_MS, LIFETIMES
@@ -104,13 +105,11 @@ def test_a_postmortem_reads_the_same_from_every_tier_and_names_cold_not_restored
         tiers = stores()
         samples = tiers.pop("samples")
 
-        def sql(query: str):
+        def sql(query: str) -> QueryResult:
             result = clickhouse.query(tiered_sql(samples, query, tables=tiers, now_ms=NOW))
-            return list(result.column_names), [list(r) for r in result.result_rows]
+            return QueryResult(list(result.column_names), [list(r) for r in result.result_rows])
 
-        log = gather(settings.kafka, topics, sql, *WINDOW, Scope(), {})
-        check(log)
-        return canonical(build(log))
+        return canonical(incident_report(settings.kafka, topics, sql, *WINDOW, Scope(), {}))
 
     hot = report()
     found = build_faults(hot)

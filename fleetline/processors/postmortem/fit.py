@@ -204,16 +204,17 @@ def _free_trials(s: SchedulerState, job: Job, cluster_ids: list[str]) -> Iterato
     for bound, cluster_id in bounds:
         if best is not None and bound >= best[2]:
             break
-        found = _fewest_freed(s, job, cluster_id)
+        found = _fewest_freed(s, job, cluster_id, bound)
         if found is not None and (best is None or found[2] < best[2]):
             best = found
     if best is not None:
         yield best
 
 
-def _fewest_freed(s: SchedulerState, job: Job, cluster_id: str) -> Trial | None:
+def _fewest_freed(s: SchedulerState, job: Job, cluster_id: str, short: int) -> Trial | None:
     """The jobs holding GPUs in the cluster, lowest priority and fewest GPUs first: the
-    shortest run of them whose GPUs, freed, place the job there (freeing more never hurts, so
+    shortest run of them whose GPUs, freed, place the job there (`short`: the GPUs it lacks
+    there) (freeing more never hurts, so
     once a run that does is found, the shortest is searched by halves)."""
     holders = sorted(
         (s.jobs[k] for k in s.cluster_jobs.get(cluster_id, ()) if k in s.jobs and k != job.key),
@@ -247,8 +248,6 @@ def _fewest_freed(s: SchedulerState, job: Job, cluster_id: str) -> Trial | None:
     # The shortest run that frees the cluster's deficit is the least that could do; from it the
     # run is doubled until the job fits, up to MAX_FREED jobs (a change that evicts more is no
     # small change, and releasing thousands of allocations costs seconds on a large fleet).
-    shape = request_for(s, job).shape
-    short = shape.gpus - s.index.free_gpus(cluster_id, shape)
     low = 0
     while low < len(holders) and short > 0:
         short -= sum(m.bit_count() for m in holders[low].allocation.get(cluster_id, {}).values())

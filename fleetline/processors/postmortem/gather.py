@@ -15,32 +15,72 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from fleetline.config import KafkaSettings
+from clickhouse_connect.driver.client import Client
+
+from fleetline.config import KafkaSettings, Settings
 from fleetline.errors import ConfigError, DecodeError
 from fleetline.processors.audit.chain import export_entry, verify
 from fleetline.processors.audit.runtime import read_chain
-from fleetline.processors.postmortem.report import IncidentLog, Scope
+from fleetline.processors.postmortem.report import IncidentLog, Scope, build, check
+from fleetline.storage.objects import ObjectStore
+from fleetline.storage.query_service import QueryResult
+from fleetline.storage.tiering.loop import tiered_stores
 from fleetline.streams import kafka as kafka_clients
 from fleetline.streams.deadletter import read_dead_letter
 from fleetline.streams.events import CLUSTER_HEALTH, SCHEDULER_REQUEST
 from fleetline.streams.serde import default_codec
 from fleetline.streams.topics import Topics
 
-# An analyst query: SQL with tier macros in, (columns, rows) out.
-Sql = Callable[[str], tuple[Sequence[str], Sequence[Sequence[Any]]]]
+# An analyst query: SQL with tier macros in, its columns and rows out.
+Query = Callable[[str], QueryResult]
 # Points per utilisation line over the window.
 POINTS = 60
 
 
-def _rows(sql: Sql, query: str) -> list[dict[str, Any]]:
-    columns, rows = sql(query)
-    return [dict(zip(columns, row, strict=True)) for row in rows]
+def _rows(sql: Query, query: str) -> list[dict[str, Any]]:
+    result = sql(query)
+    return [dict(zip(result.columns, row, strict=True)) for row in result.rows]
+
+
+def incident_report(
+    kafka: KafkaSettings,
+    topics: Topics,
+    sql: Query,
+    from_ms: int,
+    to_ms: int,
+    scope: Scope,
+    public_keys: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The report of the window (`report.build`), or ConfigError for a window it could say
+    nothing true of (`report.check`)."""
+    log = gather(kafka, topics, sql, from_ms, to_ms, scope, public_keys)
+    check(log)
+    return build(log)
+
+
+def unread_cold(client: Client, settings: Settings, from_ms: int, to_ms: int) -> None:
+    """ConfigError, naming them, when cold archives of the window are not restored: a
+    postmortem must not say nothing happened where the rows are only out of reach."""
+    stores = tiered_stores(
+        client, settings.clickhouse_database, ObjectStore.from_settings(settings.s3), settings.s3
+    )
+    missing = sorted(
+        f"{name} {m.partition}"
+        for name, store in stores.items()
+        for m in store.unrestored(from_ms, to_ms)
+    )
+    if missing:
+        raise ConfigError(
+            f"the window's rows in {len(missing)} cold archive(s) ({', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''}) are not restored: `fleetline archive restore "
+            f"--from {from_ms} --to {to_ms} --table NAME` for each, then ask again"
+        )
 
 
 def gather(
     kafka: KafkaSettings,
     topics: Topics,
-    sql: Sql,
+    sql: Query,
     from_ms: int,
     to_ms: int,
     scope: Scope,

@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleetline.errors import ConfigError
+
 Row = dict[str, Any]
 
 # Audit operations that are reads, not actions: a postmortem lists what changed things.
@@ -420,8 +422,6 @@ def check(log: IncidentLog) -> None:
     """ConfigError, in one line, for a window the report could say nothing true of: no
     events at all, or a scope that names a cluster, job, node or service the window never
     saw."""
-    from fleetline.errors import ConfigError
-
     seen_anything = any(
         (
             log.health,

@@ -198,11 +198,12 @@ class Side:
     gpus_seen: int = 0
 
     def held(self) -> dict[str, int]:
-        return {
-            cluster: sum(by.values())
-            for cluster, by in self.scheduler.priority_gpus.items()
-            if sum(by.values())
-        }
+        """GPUs held now, per cluster that holds any."""
+        out = {}
+        for cluster, by in self.scheduler.priority_gpus.items():
+            if gpus := sum(by.values()):
+                out[cluster] = gpus
+        return out
 
     def advance(self, to_ms: int, lo: int, hi: int) -> None:
         """Integrate what was held from the last moment to `to_ms`, inside [lo, hi]."""
@@ -281,13 +282,18 @@ class WhatIf:
         writer: Writer,
         facts: FleetFacts | None,
     ) -> list[Any]:
-        side.advance(side.scheduler.now_ms, self.from_ms, self.to_ms)
+        # What was held until this request is held up to its time: only the control plane's
+        # requests move the scheduler's clock, to their own time (Scheduler.step).
+        clock = side.scheduler.now_ms
+        side.advance(
+            max(clock, request["ts"]) if writer.is_control_plane else clock,
+            self.from_ms,
+            self.to_ms,
+        )
         try:
             effects = side.scheduler.step(request, position, facts, writer)
         except FleetlineError:
             return []  # the live loop dead-lettered it (the baseline's replay says so)
-        now = side.scheduler.now_ms
-        side.advance(now, self.from_ms, self.to_ms)
         if facts is not None:
             side.gpus_seen = sum(
                 (n.healthy | n.degraded).bit_count() for n in side.scheduler.facts.nodes.values()

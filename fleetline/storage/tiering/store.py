@@ -661,16 +661,11 @@ class TieredStore:
         if self.data.cold_in_place:
             return []
         self.ensure_restored()
-        ts = self.data.ts_column
         out = []
         for m in self.manifests(COLD):
             if m.max_ts_ms < since_ms or m.min_ts_ms > until_ms:
                 continue
-            low, high = max(since_ms, m.min_ts_ms), min(until_ms, m.max_ts_ms)
-            where = (
-                f"{ts} >= fromUnixTimestamp64Milli({low}, 'UTC') AND "
-                f"{ts} <= fromUnixTimestamp64Milli({high}, 'UTC')"
-            )
+            where = self._time_filter(max(since_ms, m.min_ts_ms), min(until_ms, m.max_ts_ms))
             ((held,),) = self._query(f"SELECT count() FROM {self.restored} WHERE {where}")
             if int(held) == 0:
                 out.append(m)
